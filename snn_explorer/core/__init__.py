@@ -1,0 +1,18 @@
+"""The analyze / plan / apply core: no UI, no process management."""
+from .analysis import LinearShape, SNNDistributedAnalysis, analyze
+from .apply import apply, preflight
+from .neurons import register_stateful, unregister_stateful
+from .plan_types import DistributedFeatureSet, SNNDistributedPlan
+from .planner import plan
+from .recommend import (BACKENDS, MODES, SNN_DISTRIBUTED_PREFERENCES, StrategyRecommendation,
+                        recommend_snn_distributed_strategy)
+from .runtime import SNNDistributedRuntime
+from .topology import SNNDistributedTopology
+from .tp_plan import TP_STYLES
+
+__all__ = [
+    "BACKENDS", "MODES", "SNN_DISTRIBUTED_PREFERENCES", "TP_STYLES", "DistributedFeatureSet", "LinearShape",
+    "SNNDistributedAnalysis", "SNNDistributedPlan", "SNNDistributedRuntime", "SNNDistributedTopology",
+    "StrategyRecommendation", "analyze", "apply", "plan", "preflight", "recommend_snn_distributed_strategy",
+    "register_stateful", "unregister_stateful",
+]

@@ -1,0 +1,81 @@
+"""apply(): check a plan against the model and process group, then run one function per mode."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..analysis import SNNDistributedAnalysis, analyze
+from ..plan_types import SNNDistributedPlan
+from ..tp_plan import check_tp_plan
+from .dp import apply_ddp
+from .fsdp import apply_fsdp2
+from .mesh import build_mesh, check_device_type, check_process_group, local_device
+from .tp import apply_tp
+
+__all__ = ["apply", "preflight", "apply_ddp", "apply_fsdp2", "apply_tp"]
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def preflight(model: nn.Module, plan: SNNDistributedPlan) -> SNNDistributedAnalysis:
+    """Everything ``apply`` checks about the model before touching a process group.
+
+    Returns the model's analysis (under the plan's roots). Raises for a plan that does not
+    match the model: unknown TP paths, sizes tp does not divide, missing FSDP units.
+    """
+    if not isinstance(plan, SNNDistributedPlan):
+        raise TypeError(f"plan must be an SNNDistributedPlan, got {type(plan).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if plan.mode == "pp":  # unreachable through the constructor; kept for plans built elsewhere
+        raise NotImplementedError("mode='pp' is not supported by apply")
+    analysis = analyze(model, model_family=plan.model_family, roots=plan.tensor_parallel_roots)
+    if plan.tensor_parallel_plan:
+        check_tp_plan(analysis, plan.tensor_parallel_plan, plan.tp_size)
+    modules = dict(model.named_modules())
+    missing = [u for u in plan.fsdp_units if u not in modules]
+    if missing:
+        raise ValueError(f"plan.fsdp_units names {missing}, which are not modules of this model")
+    return analysis
+
+
+def _set_neuron_backend(model: nn.Module, backend: str) -> None:
+    if backend not in ("cupy", "triton"):
+        return
+    for name, module in model.named_modules():
+        if hasattr(module, "supported_backends") and hasattr(module, "backend"):
+            if backend not in module.supported_backends:
+                raise ValueError(f"neuron {name!r} supports backends {tuple(module.supported_backends)}, "
+                                 f"not {backend!r}")
+            module.backend = backend
+
+
+def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: str = "cuda", device_mesh=None):
+    """Distribute ``model`` in place as ``plan`` says and return an :class:`SNNDistributedRuntime`.
+
+    Call on every rank of an initialised process group whose size is the plan's world size
+    (``mode='none'`` needs none). ``device_type`` selects the mesh device ('cuda' or 'cpu').
+    """
+    from ..runtime import SNNDistributedRuntime
+
+    model = _unwrap(model)
+    analysis = preflight(model, plan)
+    check_device_type(device_type)
+    check_process_group(plan)
+    device = local_device(device_type)
+    mesh = build_mesh(plan, device_type, device_mesh)
+    model.to(device)
+    _set_neuron_backend(model, plan.backend)
+    if plan.mode in ("tp", "fsdp2_tp"):
+        apply_tp(model, mesh["tp"], plan.tensor_parallel_plan, analysis)
+    if plan.mode in ("fsdp2", "fsdp2_tp"):
+        apply_fsdp2(model, mesh["dp"], plan.fsdp_units, reshard_after_forward=plan.memopt_level >= 1)
+    wrapped = apply_ddp(model, mesh["dp"], device) if plan.mode == "dp" else model
+    if plan.backend == "inductor":
+        wrapped = torch.compile(wrapped)
+    return SNNDistributedRuntime(model=wrapped, mesh=mesh, analysis=analysis, plan=plan, device=device)

@@ -1,0 +1,64 @@
+"""One place that knows the device mesh: checks the process group and builds the mesh."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..plan_types import SNNDistributedPlan
+
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def check_device_type(device_type: str) -> str:
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"device_type={device_type!r}; expected one of {DEVICE_TYPES}")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device_type='cuda' but CUDA is not available on this machine; pass device_type='cpu' "
+                         "(gloo on CPU)")
+    return device_type
+
+
+def check_process_group(plan: SNNDistributedPlan) -> None:
+    """The plan's world size must equal the initialised process group's."""
+    if plan.mode == "none":
+        return
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"mode {plan.mode!r} needs torch.distributed initialised with "
+                           f"{plan.world_size} rank(s); run it through snn_explorer.launch or torchrun")
+    if dist.get_world_size() != plan.world_size:
+        raise ValueError(f"the process group has {dist.get_world_size()} ranks but the plan's topology "
+                         f"{dict(plan.topology.dims)} needs world_size={plan.world_size}")
+
+
+def check_mesh(mesh: DeviceMesh, plan: SNNDistributedPlan) -> None:
+    size = int(mesh.mesh.numel())
+    if size != plan.world_size:
+        raise ValueError(f"device_mesh spans {size} ranks, but plan.topology.world_size={plan.world_size}")
+    names = mesh.mesh_dim_names
+    if names is not None and tuple(names) != plan.mesh_dim_names:
+        raise ValueError(f"device_mesh dims {tuple(names)} differ from the plan's {plan.mesh_dim_names}")
+    if tuple(mesh.mesh.shape) != plan.mesh_shape:
+        raise ValueError(f"device_mesh shape {tuple(mesh.mesh.shape)} differs from the plan's {plan.mesh_shape}")
+
+
+def build_mesh(plan: SNNDistributedPlan, device_type: str, mesh: Optional[DeviceMesh] = None) -> Optional[DeviceMesh]:
+    """The plan's named mesh (None for mode 'none'); a given ``mesh`` is checked and used."""
+    if mesh is not None:
+        check_mesh(mesh, plan)
+        return mesh
+    if plan.mode == "none":
+        return None
+    return init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
+
+
+def local_device(device_type: str) -> torch.device:
+    """This rank's device: its own GPU under CUDA (``LOCAL_RANK``), else the CPU."""
+    if device_type == "cuda":
+        index = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")

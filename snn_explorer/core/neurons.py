@@ -1,0 +1,111 @@
+"""Which modules hold neuron state between calls, and how to reset them.
+
+Recognises spikingjelly memory modules (a ``_memories`` dict and a callable ``reset``),
+snntorch spiking neurons created with ``init_hidden=True``, and any class registered with
+:func:`register_stateful`, without importing either library.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+ResetFn = Callable[[nn.Module], None]
+
+_REGISTRY: Dict[type, ResetFn] = {}
+
+
+def register_stateful(cls: type, reset: Optional[ResetFn] = None) -> None:
+    """Mark instances of ``cls`` as stateful neurons; ``reset(module)`` clears their state.
+
+    Without ``reset`` the module's own ``reset()`` method is called.
+    """
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise TypeError(f"register_stateful expects an nn.Module subclass, got {cls!r}")
+    if reset is None:
+        if not callable(getattr(cls, "reset", None)):
+            raise TypeError(f"{cls.__name__} has no reset() method; pass reset=fn(module)")
+        reset = _call_reset
+    elif not callable(reset):
+        raise TypeError(f"reset must be callable, got {reset!r}")
+    _REGISTRY[cls] = reset
+
+
+def unregister_stateful(cls: type) -> None:
+    """Undo :func:`register_stateful` for ``cls`` (no error when it was not registered)."""
+    _REGISTRY.pop(cls, None)
+
+
+def _call_reset(module: nn.Module) -> None:
+    module.reset()
+
+
+def _is_snntorch_neuron(module: nn.Module) -> bool:
+    return any(
+        k.__name__ == "SpikingNeuron" and k.__module__.startswith("snntorch")
+        for k in type(module).__mro__
+    )
+
+
+def _reset_snntorch(module: nn.Module) -> None:
+    """Zero an snntorch neuron's hidden state (its non-persistent buffers such as ``mem``)."""
+    for name in module._non_persistent_buffers_set:
+        value = module._buffers.get(name)
+        if value is not None:
+            module._buffers[name] = torch.zeros_like(value)
+
+
+def snn_library(module: nn.Module) -> Optional[str]:
+    """``"registered"``, ``"spikingjelly"``, ``"snntorch"`` or None for a stateless module."""
+    if _registered_reset(module) is not None:
+        return "registered"
+    if isinstance(getattr(module, "_memories", None), dict) and callable(getattr(module, "reset", None)):
+        return "spikingjelly"
+    if _is_snntorch_neuron(module) and getattr(module, "init_hidden", False):
+        return "snntorch"
+    return None
+
+
+def _registered_reset(module: nn.Module) -> Optional[ResetFn]:
+    for klass in type(module).__mro__:
+        if klass in _REGISTRY:
+            return _REGISTRY[klass]
+    return None
+
+
+def reset_function(module: nn.Module) -> Optional[ResetFn]:
+    """The function that resets ``module``'s state, or None when it is stateless."""
+    library = snn_library(module)
+    if library == "registered":
+        return _registered_reset(module)
+    if library == "spikingjelly":
+        return _call_reset
+    if library == "snntorch":
+        return _reset_snntorch
+    return None
+
+
+def is_stateful(module: nn.Module) -> bool:
+    return snn_library(module) is not None
+
+
+def is_spiking_neuron(module: nn.Module) -> bool:
+    """True for stateful neurons and for snntorch neurons with explicit state (``init_hidden=False``)."""
+    return is_stateful(module) or _is_snntorch_neuron(module)
+
+
+def stateful_modules(model: nn.Module) -> Tuple[Tuple[str, nn.Module], ...]:
+    """Every stateful module under ``model`` (the root itself excluded), in ``named_modules`` order."""
+    return tuple((n, m) for n, m in model.named_modules() if n and is_stateful(m))
+
+
+def reset_all(model: nn.Module) -> int:
+    """Reset every stateful module in ``model`` (the root included); returns how many."""
+    count = 0
+    for module in model.modules():
+        reset = reset_function(module)
+        if reset is not None:
+            reset(module)
+            count += 1
+    return count

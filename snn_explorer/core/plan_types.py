@@ -1,0 +1,181 @@
+"""Frozen plan data: feature gates and the plan itself, validated on construction."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping, Optional, Tuple
+
+from .recommend import BACKENDS, MODES, SNN_DISTRIBUTED_PREFERENCES, check_batch_size
+from .serialize import check_kind, dataclass_dict, tuplify
+from .topology import SNNDistributedTopology
+
+OPTIMIZER_STRATEGIES = ("none", "zero")
+#: memopt_level acts on FSDP2 modes: 0 keeps gathered parameters for backward, 1 reshards after forward.
+MEMOPT_LEVELS = (0, 1)
+#: Which named dims each mode uses; all other dims must have size 1.
+MODE_DIMS = {"none": (), "dp": ("dp",), "fsdp2": ("dp",), "tp": ("tp",), "fsdp2_tp": ("dp", "tp")}
+
+
+@dataclass(frozen=True)
+class DistributedFeatureSet:
+    """Feature gates for experimental or optional behaviour."""
+
+    allow_experimental_conv_tp: bool = False
+    allow_experimental_spikformer_tp: bool = False
+    allow_zero_optimizer: bool = True
+
+    def __post_init__(self):
+        for name in ("allow_experimental_conv_tp", "allow_experimental_spikformer_tp", "allow_zero_optimizer"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"DistributedFeatureSet.{name} must be a bool, got {value!r}")
+
+    def to_dict(self) -> dict:
+        return dataclass_dict(self, "features")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "DistributedFeatureSet":
+        return cls(**check_kind(data, "features"))
+
+
+def topology_problem(mode: str, topology: SNNDistributedTopology) -> Optional[str]:
+    """Why ``mode`` cannot run on ``topology`` (None when it can)."""
+    if mode == "none":
+        if topology.world_size != 1:
+            return f"mode 'none' runs one process but the topology has world_size={topology.world_size}"
+        return None
+    used = MODE_DIMS[mode]
+    missing = [d for d in used if d not in topology.dims]
+    if missing:
+        return (f"mode {mode!r} needs the dim(s) {missing} in the topology, which has "
+                f"{dict(topology.dims)}")
+    idle = {n: s for n, s in topology.dims.items() if n not in used and s > 1}
+    if idle:
+        return (f"mode {mode!r} uses only the dim(s) {list(used)}; the dim(s) {idle} would hold "
+                "unsynchronised replicas (give them size 1 or pick a mode that uses them)")
+    return None
+
+
+@dataclass(frozen=True)
+class SNNDistributedPlan:
+    """A frozen, JSON-serialisable distribution plan; ``apply`` executes it.
+
+    ``batch_size`` is the global batch of one optimizer step; the ``dp`` ranks split it.
+    ``tensor_parallel_plan`` maps module paths to TP styles (see ``core.tp_plan.TP_STYLES``).
+    """
+
+    mode: str
+    objective: str
+    topology: SNNDistributedTopology
+    model_family: str = "generic"
+    backend: str = "torch"
+    batch_size: int = 1
+    optimizer_strategy: str = "none"
+    memopt_level: int = 0
+    rationale: Tuple[str, ...] = ()
+    notes: Tuple[str, ...] = ()
+    tensor_parallel_roots: Optional[Tuple[str, ...]] = None
+    tensor_parallel_plan: Mapping[str, str] = field(default_factory=dict)
+    fsdp_units: Tuple[str, ...] = ()
+    experimental_features: DistributedFeatureSet = field(default_factory=DistributedFeatureSet)
+
+    def __post_init__(self):
+        if self.mode == "pp":
+            raise NotImplementedError("mode='pp' (pipeline parallelism) is not supported by the "
+                                      "analyze/plan/apply API; use a pipeline schedule directly")
+        if self.mode not in MODES:
+            raise ValueError(f"unsupported mode={self.mode!r}; expected one of {MODES}")
+        if self.objective not in SNN_DISTRIBUTED_PREFERENCES:
+            raise ValueError(f"unsupported objective={self.objective!r}; expected one of {SNN_DISTRIBUTED_PREFERENCES}")
+        if not isinstance(self.topology, SNNDistributedTopology):
+            object.__setattr__(self, "topology", SNNDistributedTopology.coerce(self.topology))
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unsupported backend={self.backend!r}; expected one of {BACKENDS}")
+        check_batch_size(self.batch_size)
+        if self.optimizer_strategy not in OPTIMIZER_STRATEGIES:
+            raise ValueError(f"optimizer_strategy={self.optimizer_strategy!r}; expected one of {OPTIMIZER_STRATEGIES}")
+        if self.optimizer_strategy == "zero" and self.mode != "dp":
+            raise ValueError(f"optimizer_strategy='zero' (ZeroRedundancyOptimizer) applies to mode 'dp' only, "
+                             f"not {self.mode!r}; FSDP2 already shards optimizer state")
+        if self.memopt_level not in MEMOPT_LEVELS:
+            raise ValueError(f"memopt_level={self.memopt_level!r}; expected one of {MEMOPT_LEVELS}")
+        problem = topology_problem(self.mode, self.topology)
+        if problem:
+            raise ValueError(problem)
+        if self.batch_size % self.dp_size:
+            raise ValueError(f"batch_size={self.batch_size} (global) is not divisible by dp={self.dp_size}; "
+                             f"use a multiple of {self.dp_size}")
+        tp_plan = dict(self.tensor_parallel_plan or {})
+        if self.mode in ("tp", "fsdp2_tp") and not tp_plan:
+            raise ValueError(f"mode {self.mode!r} needs a non-empty tensor_parallel_plan")
+        if self.mode not in ("tp", "fsdp2_tp") and tp_plan:
+            raise ValueError(f"tensor_parallel_plan is only used by modes 'tp' and 'fsdp2_tp', not {self.mode!r}")
+        object.__setattr__(self, "tensor_parallel_plan", MappingProxyType(tp_plan))
+        for name in ("rationale", "notes", "fsdp_units"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.tensor_parallel_roots is not None:
+            object.__setattr__(self, "tensor_parallel_roots", tuple(self.tensor_parallel_roots))
+
+    # Mesh geometry, derived from the topology.
+    @property
+    def mesh_shape(self) -> Tuple[int, ...]:
+        return self.topology.mesh_shape
+
+    @property
+    def mesh_dim_names(self) -> Tuple[str, ...]:
+        return self.topology.ordered_dim_names
+
+    @property
+    def tp_mesh_dim(self) -> int:
+        names = self.mesh_dim_names
+        return names.index("tp") if "tp" in names else 0
+
+    @property
+    def dp_mesh_dim(self) -> Optional[int]:
+        names = self.mesh_dim_names
+        return names.index("dp") if "dp" in names else None
+
+    @property
+    def dp_size(self) -> int:
+        return self.topology.size("dp") if self.mode != "tp" else 1
+
+    @property
+    def tp_size(self) -> int:
+        return self.topology.size("tp") if self.mode in ("tp", "fsdp2_tp") else 1
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def per_rank_batch(self) -> int:
+        """Samples each rank processes per step (tensor-parallel peers see the same samples)."""
+        return self.batch_size // self.dp_size
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __eq__(self, other):
+        return isinstance(other, SNNDistributedPlan) and self._key() == other._key()
+
+    def _key(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def to_dict(self) -> dict:
+        return dataclass_dict(self, "plan")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "SNNDistributedPlan":
+        data = check_kind(data, "plan")
+        data["topology"] = SNNDistributedTopology.from_dict(data["topology"])
+        data["experimental_features"] = DistributedFeatureSet.from_dict(data["experimental_features"])
+        for name in ("rationale", "notes", "fsdp_units", "tensor_parallel_roots"):
+            if data.get(name) is not None:
+                data[name] = tuplify(data[name])
+        return cls(**data)
+
+    def __repr__(self) -> str:
+        dims = "x".join(f"{n}{s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
+        zero = "+zero" if self.optimizer_strategy == "zero" else ""
+        return f"SNNDistributedPlan({self.mode}{zero} on {dims}, objective={self.objective}, batch={self.batch_size})"

@@ -1,0 +1,132 @@
+"""plan(): fit the recommended strategy to the topology, the model and the feature gates."""
+from __future__ import annotations
+
+from typing import Any, List, Mapping, Optional, Tuple, Union
+
+from .analysis import SNNDistributedAnalysis
+from .plan_types import DistributedFeatureSet, SNNDistributedPlan, topology_problem
+from .plans.families import resolve_family
+from .recommend import MODES, check_backend, check_batch_size, check_objective, recommend_snn_distributed_strategy
+from .topology import SNNDistributedTopology
+from .tp_plan import auto_tp_plan, check_tp_plan, with_local_neurons
+
+#: Modes tried after the recommendation, per objective, when it does not fit.
+FALLBACKS = {
+    "speed": ("dp", "fsdp2", "fsdp2_tp", "tp"),
+    "memory": ("fsdp2_tp", "tp", "fsdp2", "dp"),
+    "capacity": ("fsdp2_tp", "tp", "fsdp2", "dp"),
+}
+
+
+def check_mode(mode: Any) -> Optional[str]:
+    if mode is None:
+        return None
+    if not isinstance(mode, str):
+        raise ValueError(f"mode={mode!r} must be a string, one of {MODES} or None")
+    mode = mode.lower()
+    if mode == "pp":
+        raise NotImplementedError("mode='pp' (pipeline parallelism) is not supported by the "
+                                  "analyze/plan/apply API; use a pipeline schedule directly")
+    if mode not in MODES:
+        raise ValueError(f"unsupported mode={mode!r}; expected one of {MODES}")
+    return mode
+
+
+def _tp_for(mode: str, analysis: SNNDistributedAnalysis, topology: SNNDistributedTopology,
+            explicit: Optional[Mapping[str, str]]) -> Tuple[dict, Optional[str]]:
+    """The TP plan for ``mode`` and the reason it cannot be built (None when it can)."""
+    if mode not in ("tp", "fsdp2_tp"):
+        return {}, None
+    if not analysis.tensor_parallel_candidate_names:
+        roots = f" under roots {analysis.tensor_parallel_roots}" if analysis.tensor_parallel_roots else ""
+        return {}, f"mode {mode!r} needs tensor-parallel candidates, but analysis found no Linear layer{roots}"
+    tp_plan = with_local_neurons(analysis, explicit) if explicit else auto_tp_plan(analysis)
+    try:
+        check_tp_plan(analysis, tp_plan, topology.size("tp"))
+    except ValueError as exc:
+        return {}, str(exc)
+    return tp_plan, None
+
+
+def _problem(mode, analysis, topology, explicit) -> Tuple[dict, Optional[str]]:
+    problem = topology_problem(mode, topology)
+    if problem:
+        return {}, problem
+    return _tp_for(mode, analysis, topology, explicit)
+
+
+def plan(*, analysis: SNNDistributedAnalysis, objective: str,
+         topology: Union[Mapping[str, int], SNNDistributedTopology, int], backend: str, batch_size: int,
+         model_family: Optional[str] = None, mode: Optional[str] = None,
+         features: Optional[DistributedFeatureSet] = None,
+         tensor_parallel_plan: Optional[Mapping[str, str]] = None) -> SNNDistributedPlan:
+    """Choose a mode for ``objective`` on ``topology`` and return a plan that ``apply`` accepts.
+
+    ``batch_size`` is the global batch of one optimizer step; the ``dp`` ranks split it. An
+    explicit ``mode`` must fit the topology and model; a recommended one that does not is
+    replaced by the objective's next choice, with a note saying why.
+    """
+    if not isinstance(analysis, SNNDistributedAnalysis):
+        raise TypeError(f"analysis must come from analyze(), got {type(analysis).__name__}")
+    objective = check_objective(objective)
+    backend = check_backend(backend)
+    batch_size = check_batch_size(batch_size)
+    topology = SNNDistributedTopology.coerce(topology)
+    features = features if features is not None else DistributedFeatureSet()
+    if not isinstance(features, DistributedFeatureSet):
+        raise TypeError(f"features must be a DistributedFeatureSet, got {features!r}")
+    mode = check_mode(mode)
+    family = resolve_family(None, model_family)[0] if model_family is not None else analysis.model_family
+    _check_backend_support(backend, analysis)
+    if tensor_parallel_plan is not None:
+        if not isinstance(tensor_parallel_plan, Mapping) or not tensor_parallel_plan:
+            raise ValueError(f"tensor_parallel_plan={tensor_parallel_plan!r} must be a non-empty mapping "
+                             "module path -> style")
+        if mode is not None and mode not in ("tp", "fsdp2_tp"):
+            raise ValueError(f"tensor_parallel_plan is only used by modes 'tp' and 'fsdp2_tp', not mode={mode!r}")
+
+    rec = recommend_snn_distributed_strategy(family, world_size=topology.world_size, prefer=objective,
+                                             batch_size=batch_size, backend=backend)
+    notes: List[str] = list(analysis.notes)
+    if mode is not None:
+        tp_plan, problem = _problem(mode, analysis, topology, tensor_parallel_plan)
+        if problem:
+            raise ValueError(f"mode={mode!r} cannot be applied: {problem}")
+        chosen = mode
+    else:
+        order = [rec.mode] + [m for m in FALLBACKS[objective] if m != rec.mode]
+        if tensor_parallel_plan is not None:
+            order = [m for m in order if m in ("tp", "fsdp2_tp")]
+        if topology.world_size == 1:
+            order = ["none"] + [m for m in order if m != "none"]
+        reasons = []
+        for chosen in order:
+            tp_plan, problem = _problem(chosen, analysis, topology, tensor_parallel_plan)
+            if problem is None:
+                break
+            reasons.append(f"{chosen}: {problem}")
+        else:
+            raise ValueError(f"no mode fits topology {dict(topology.dims)} for this model: " + "; ".join(reasons))
+        if chosen != rec.mode:
+            notes.append(f"recommended {rec.mode!r} does not fit ({reasons[0].split(': ', 1)[1]}); using {chosen!r}.")
+
+    zero = chosen == "dp" and topology.size("dp") > 1
+    if zero and not features.allow_zero_optimizer:
+        notes.append("ZeRO optimizer sharding is disabled by DistributedFeatureSet(allow_zero_optimizer=False); "
+                     "optimizer_strategy='none'.")
+        zero = False
+    return SNNDistributedPlan(
+        mode=chosen, objective=objective, topology=topology, model_family=family, backend=backend,
+        batch_size=batch_size, optimizer_strategy="zero" if zero else "none", memopt_level=rec.memopt_level,
+        rationale=rec.rationale, notes=tuple(notes), tensor_parallel_roots=analysis.tensor_parallel_roots,
+        tensor_parallel_plan=tp_plan, fsdp_units=analysis.fsdp_unit_names if chosen.startswith("fsdp2") else (),
+        experimental_features=features,
+    )
+
+
+def _check_backend_support(backend: str, analysis: SNNDistributedAnalysis) -> None:
+    if backend in ("cupy", "triton"):
+        others = [n for n, lib in analysis.snn_libraries if lib != "spikingjelly"]
+        if others:
+            raise ValueError(f"backend={backend!r} is a spikingjelly neuron backend, but {others[0]!r} is not a "
+                             "spikingjelly neuron; use backend='torch'")

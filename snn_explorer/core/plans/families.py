@@ -1,0 +1,89 @@
+"""Model families: resolving a family from a name or the model's structure, and its FSDP2 units."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from torch import nn
+
+GENERIC = "generic"
+VGG = "cifar10dvs_vgg"
+SPIKFORMER = "spikformer"
+
+#: Known families. Names given by users are matched by prefix (``"spikformer_ti"`` -> spikformer).
+FAMILIES = (GENERIC, VGG, SPIKFORMER)
+
+_PREFIXES = (
+    ("spikformer", SPIKFORMER),
+    ("cifar10dvs_vgg", VGG),
+    ("cifar10_dvs_vgg", VGG),
+    ("dvs_vgg", VGG),
+    ("vgg", VGG),
+    ("generic", GENERIC),
+)
+
+
+def _from_name(name: str) -> Optional[str]:
+    key = name.strip().lower().replace("-", "_")
+    for prefix, family in _PREFIXES:
+        if key.startswith(prefix):
+            return family
+    return None
+
+
+def _from_structure(model: nn.Module) -> Optional[str]:
+    for module in model.modules():
+        family = _from_name(type(module).__name__)
+        if family not in (None, GENERIC):
+            return family
+    return None
+
+
+def resolve_family(model: Optional[nn.Module], name: Optional[str]) -> Tuple[str, Optional[str]]:
+    """Return ``(family, note)``: from ``name`` by prefix, else from class names in ``model``."""
+    if name is not None:
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"model_family must be a non-empty string or None, got {name!r}")
+        family = _from_name(name)
+        if family is None:
+            return GENERIC, f"model_family={name!r} is not a known family {FAMILIES}; using the generic path."
+        return family, None
+    if model is not None:
+        family = _from_structure(model)
+        if family is not None:
+            return family, f"model family {family!r} inferred from the model's class names."
+    return GENERIC, None
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def fsdp_units(model: nn.Module) -> Tuple[str, ...]:
+    """Module paths to ``fully_shard`` before the root, in ``named_modules`` order.
+
+    The parameter-holding children of the root, descending through a root that holds a single
+    container (``model.net``), and splitting ``nn.ModuleList`` / ``nn.Sequential`` children of
+    the root into their items (each block of a transformer, each stage of a VGG).
+    """
+    units = []
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        children = [(n, c) for n, c in module.named_children() if _has_params(c)]
+        if len(children) == 1 and next(iter(children[0][1].children()), None) is not None and not prefix:
+            name, child = children[0]
+            visit(child, name + ".")
+            return
+        for name, child in children:
+            path = prefix + name
+            if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) > 1 and _splittable(child):
+                units.extend(f"{path}.{n}" for n, c in child.named_children() if _has_params(c))
+            else:
+                units.append(path)
+
+    visit(model, "")
+    return tuple(units)
+
+
+def _splittable(container: nn.Module) -> bool:
+    """A container is split into its items when those items are blocks (modules with children)."""
+    return any(next(iter(c.children()), None) is not None for c in container.children())

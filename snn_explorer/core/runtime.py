@@ -1,0 +1,140 @@
+"""SNNDistributedRuntime: what a training loop needs from an applied plan."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from . import neurons
+from .analysis import SNNDistributedAnalysis
+from .plan_types import SNNDistributedPlan
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class SNNDistributedRuntime:
+    """The distributed model, its mesh, and helpers that respect the plan's dp/tp layout."""
+
+    model: nn.Module
+    mesh: Any
+    analysis: SNNDistributedAnalysis
+    plan: SNNDistributedPlan
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    _loaders: List[DataLoader] = field(default_factory=list, repr=False)
+
+    # ---- layout -------------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        """The user's model inside any DDP / compile wrapper."""
+        m = getattr(self.model, "_orig_mod", self.model)
+        return m.module if isinstance(m, nn.parallel.DistributedDataParallel) else m
+
+    @property
+    def dp_size(self) -> int:
+        return self.plan.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's coordinate on the dp dim (0 when the plan has no data parallelism)."""
+        if self.mesh is None or self.plan.dp_size == 1:
+            return 0
+        return self.mesh.get_local_rank("dp")
+
+    @property
+    def tp_rank(self) -> int:
+        if self.mesh is None or self.plan.tp_size == 1:
+            return 0
+        return self.mesh.get_local_rank("tp")
+
+    # ---- training helpers -----------------------------------------------------------------
+    def build_optimizer(self, cls: Callable = torch.optim.Adam, lr: float = 1e-3, weight_decay: float = 0.0, **kw):
+        """An optimizer over the model's parameters; ZeroRedundancyOptimizer for dp + 'zero'."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.plan.optimizer_strategy == "zero":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=self.mesh.get_group("dp"),
+                                           lr=lr, weight_decay=weight_decay, **kw)
+        if any(isinstance(p, DTensor) for p in params) and not all(isinstance(p, DTensor) for p in params):
+            kw.setdefault("foreach", False)  # foreach kernels cannot mix DTensor and plain tensors
+        return cls(params, lr=lr, weight_decay=weight_decay, **kw)
+
+    def reset_state(self) -> int:
+        """Reset every stateful neuron; returns how many modules were reset."""
+        return neurons.reset_all(self.module)
+
+    def prepare_dataloader(self, dataset: Dataset, batch_size: Optional[int] = None, shuffle: bool = True,
+                           num_workers: int = 0, drop_last: bool = True, pin_memory: bool = False,
+                           seed: int = 0) -> DataLoader:
+        """A loader of this rank's share: ``batch_size`` (global, default the plan's) / dp samples.
+
+        The sampler splits over the dp coordinate, so tensor-parallel peers get the same samples.
+        Call :meth:`set_epoch` each epoch to reshuffle.
+        """
+        batch_size = self.plan.batch_size if batch_size is None else batch_size
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r} must be a positive int (global batch)")
+        if batch_size % self.dp_size:
+            raise ValueError(f"batch_size={batch_size} (global) is not divisible by dp={self.dp_size}")
+        sampler = None
+        if self.dp_size > 1:
+            sampler = DistributedSampler(dataset, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=shuffle,
+                                         drop_last=drop_last, seed=seed)
+        loader = DataLoader(dataset, batch_size=batch_size // self.dp_size, sampler=sampler,
+                            shuffle=shuffle if sampler is None else False, num_workers=num_workers,
+                            drop_last=drop_last, pin_memory=pin_memory)
+        self._loaders.append(loader)
+        return loader
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reseed the DistributedSamplers of the loaders this runtime prepared."""
+        for loader in self._loaders:
+            if isinstance(loader.sampler, DistributedSampler):
+                loader.sampler.set_epoch(epoch)
+
+    @staticmethod
+    def prepare_classification_output(outputs: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``[T, N, C]`` outputs -> mean over time ``[N, C]``; one-hot / ``[N, 1]`` labels -> ``[N]``."""
+        outputs = _full(outputs)
+        labels = _full(labels)
+        if outputs.dim() == 3:
+            outputs = outputs.mean(0)
+        elif outputs.dim() != 2:
+            raise ValueError(f"classification outputs must be [T, N, C] or [N, C], got shape {tuple(outputs.shape)}")
+        if labels.dim() == 2 and labels.shape == outputs.shape:
+            labels = labels.argmax(-1)
+        elif labels.dim() == 2 and labels.shape[1] == 1:
+            labels = labels[:, 0]
+        if labels.dim() != 1 or labels.shape[0] != outputs.shape[0]:
+            raise ValueError(f"labels of shape {tuple(labels.shape)} do not match outputs {tuple(outputs.shape)}; "
+                             "expected [N], [N, 1] or one-hot [N, C]")
+        return outputs, labels.long()
+
+    def forward_loss(self, criterion: Callable, inputs: torch.Tensor, labels: torch.Tensor,
+                     reset: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Reset neuron state (unless ``reset=False``), run the model, return ``(loss, outputs)``."""
+        if reset:
+            self.reset_state()
+        outputs = self.model(inputs.to(self.device))
+        prepared, labels = self.prepare_classification_output(outputs, labels.to(self.device))
+        return criterion(prepared, labels), outputs
+
+    # ---- inspection ---------------------------------------------------------------------------
+    def full_parameters(self) -> Dict[str, torch.Tensor]:
+        """Every parameter as a full (unsharded) tensor, by its path in the user's model.
+
+        A collective under TP / FSDP2: call on every rank. ZeRO does not shard parameters.
+        """
+        return {n: _full(p.detach()).clone() for n, p in self.module.named_parameters()}
+
+    def full_gradients(self) -> Dict[str, Optional[torch.Tensor]]:
+        """Every parameter's gradient, unsharded (None where there is none); a collective."""
+        return {n: None if p.grad is None else _full(p.grad.detach()).clone() for n, p in self.module.named_parameters()}

@@ -1,0 +1,52 @@
+"""Plain-data conversion of the core's frozen dataclasses (JSON-safe; never pickle)."""
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from types import MappingProxyType
+from typing import Any, Mapping
+
+
+def to_plain(value: Any) -> Any:
+    """Recursively turn tuples, mappings and objects with ``to_dict`` into JSON-safe data."""
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if isinstance(value, (Mapping, MappingProxyType)):
+        return {str(k): to_plain(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [to_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"cannot serialise {type(value).__name__} value {value!r} to JSON")
+
+
+def dataclass_dict(obj: Any, kind: str) -> dict:
+    """``{"kind": kind, field: plain value, ...}`` for a dataclass instance."""
+    data = {"kind": kind}
+    for f in fields(obj):
+        if not f.name.startswith("_"):
+            data[f.name] = to_plain(getattr(obj, f.name))
+    return data
+
+
+def check_kind(data: Mapping[str, Any], kind: str) -> dict:
+    """Validate the ``kind`` tag of serialised data and return a mutable copy without it."""
+    if not isinstance(data, Mapping):
+        raise TypeError(f"expected a mapping for {kind}, got {type(data).__name__}")
+    found = data.get("kind", kind)
+    if found != kind:
+        raise ValueError(f"expected serialised {kind!r}, got kind={found!r}")
+    out = dict(data)
+    out.pop("kind", None)
+    return out
+
+
+def tuplify(value: Any) -> Any:
+    """Lists (nested) back to tuples, for frozen fields read from JSON."""
+    if isinstance(value, list):
+        return tuple(tuplify(v) for v in value)
+    return value
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(to_plain(obj), sort_keys=True)

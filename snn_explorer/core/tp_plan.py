@@ -1,0 +1,70 @@
+"""Tensor-parallel plans as data: module path -> style name, built and checked at plan time."""
+from __future__ import annotations
+
+from typing import Dict, Mapping
+
+from .analysis import SNNDistributedAnalysis
+
+#: Linear styles: column-sharded (output stays sharded), row-sharded (sharded input, summed
+#: output), column-sharded with the output gathered back. ``local`` marks a stateful module fed
+#: by a column-sharded Linear: its state is the local shard and its input is checked.
+LINEAR_STYLES = ("colwise", "rowwise", "colwise_gather")
+TP_STYLES = LINEAR_STYLES + ("local",)
+
+
+def _stateful_inside(analysis: SNNDistributedAnalysis, path: str) -> bool:
+    return any(m == path or m.startswith(path + ".") for m in analysis.memory_module_names)
+
+
+def auto_tp_plan(analysis: SNNDistributedAnalysis) -> Dict[str, str]:
+    """Pair the Linears of every chain column -> row; an odd last one gathers its output."""
+    candidates = set(analysis.tensor_parallel_candidate_names)
+    plan: Dict[str, str] = {}
+    for chain in analysis.tp_chains:
+        linears = [p for p in chain if p in candidates]
+        for i, path in enumerate(linears):
+            plan[path] = "colwise" if i % 2 == 0 else "rowwise"
+        if len(linears) % 2:
+            plan[linears[-1]] = "colwise_gather"
+    return with_local_neurons(analysis, plan)
+
+
+def with_local_neurons(analysis: SNNDistributedAnalysis, plan: Mapping[str, str]) -> Dict[str, str]:
+    """Add ``local`` for stateful modules between a ``colwise`` Linear and the next Linear."""
+    out = dict(plan)
+    candidates = set(analysis.tensor_parallel_candidate_names)
+    for chain in analysis.tp_chains:
+        sharded = False
+        for path in chain:
+            if path in candidates:
+                sharded = out.get(path) == "colwise"
+            elif sharded and _stateful_inside(analysis, path) and path not in out:
+                out[path] = "local"
+    return out
+
+
+def check_tp_plan(analysis: SNNDistributedAnalysis, plan: Mapping[str, str], tp_size: int) -> None:
+    """Raise ValueError for unknown paths or styles, and for sizes ``tp_size`` does not divide."""
+    if not plan:
+        raise ValueError("tensor_parallel_plan is empty; give at least one 'path': 'colwise'/'rowwise' entry")
+    candidates = set(analysis.tensor_parallel_candidate_names)
+    for path, style in plan.items():
+        if style not in TP_STYLES:
+            raise ValueError(f"tensor_parallel_plan[{path!r}]={style!r} is not a TP style; expected one of {TP_STYLES}")
+        if style == "local":
+            if not _stateful_inside(analysis, path):
+                raise ValueError(f"tensor_parallel_plan[{path!r}]='local' names no stateful neuron module; "
+                                 f"stateful modules: {analysis.memory_module_names}")
+            blocked = [n for n in analysis.per_feature_neuron_names if n == path or n.startswith(path + ".")]
+            if blocked:
+                raise ValueError(f"neuron {blocked[0]!r} has per-feature parameters and cannot take a "
+                                 "column-sharded input; leave the Linear before it out of the TP plan")
+            continue
+        if path not in candidates:
+            raise ValueError(f"tensor_parallel_plan key {path!r} is not a tensor-parallel candidate; "
+                             f"candidates: {analysis.tensor_parallel_candidate_names}")
+        shape = analysis.shape(path)
+        dim, size = ("in_features", shape.in_features) if style == "rowwise" else ("out_features", shape.out_features)
+        if size % tp_size:
+            raise ValueError(f"tp={tp_size} does not divide {path}.{dim}={size} ({style} splits {dim}); "
+                             f"pick a tp size that divides {size} or leave {path!r} out of the TP plan")
