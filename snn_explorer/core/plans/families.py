@@ -19,6 +19,7 @@ _PREFIXES = (
     ("dvs_vgg", VGG),
     ("vgg", VGG),
     ("generic", GENERIC),
+    ("mlp", GENERIC),
 )
 
 

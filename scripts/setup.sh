@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Create .venv with the CPU build of torch 2.13.0 first (so nothing pulls a CUDA build), then the package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q torch==2.13.0
+.venv/bin/python -m pip install -q -e '.[test]'
+# spikingjelly without its dependency list (which would replace the CPU torch); its core modules need only these.
+.venv/bin/python -m pip install -q --no-deps spikingjelly==2.0.0
+.venv/bin/python -m pip install -q loguru tqdm h5py

@@ -1,0 +1,49 @@
+"""pandas tables of analyses and plans; deterministic, so notebooks regression-test cleanly."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import pandas as pd
+
+from ..core import SNNDistributedAnalysis, SNNDistributedPlan
+
+
+def analysis_table(analysis: SNNDistributedAnalysis) -> pd.DataFrame:
+    """One row per stateful neuron, TP candidate or unsupported conv, in model order."""
+    library = dict(analysis.snn_libraries)
+    shapes = {s.name: s for s in analysis.linear_shapes}
+    rows = []
+    names = list(dict.fromkeys(analysis.memory_module_names + analysis.tensor_parallel_candidate_names
+                               + analysis.unsupported_tensor_parallel_names))
+    for name in names:
+        shape = shapes.get(name)
+        rows.append({
+            "path": name,
+            "stateful": name in library,
+            "snn_library": library.get(name, ""),
+            "tp_candidate": shape is not None,
+            "in_features": shape.in_features if shape else None,
+            "out_features": shape.out_features if shape else None,
+            "note": "conv: experimental TP only" if name in analysis.unsupported_tensor_parallel_names else "",
+        })
+    return pd.DataFrame(rows, columns=["path", "stateful", "snn_library", "tp_candidate", "in_features",
+                                       "out_features", "note"])
+
+
+def plans_table(plans: Sequence[SNNDistributedPlan]) -> pd.DataFrame:
+    """One row per plan: mode, mesh, optimizer sharding, per-rank batch, TP layout, notes."""
+    rows = []
+    for p in plans:
+        styles = list(p.tensor_parallel_plan.values())
+        rows.append({
+            "objective": p.objective,
+            "mode": p.mode,
+            "mesh": " x ".join(f"{n}={s}" for n, s in zip(p.mesh_dim_names, p.mesh_shape)),
+            "optimizer_strategy": p.optimizer_strategy,
+            "memopt_level": p.memopt_level,
+            "batch_per_rank": p.per_rank_batch,
+            "tp_sharded_linears": sum(s != "local" for s in styles),
+            "fsdp_units": len(p.fsdp_units),
+            "notes": " ".join(p.notes),
+        })
+    return pd.DataFrame(rows)
