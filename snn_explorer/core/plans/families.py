@@ -17,6 +17,7 @@ _PREFIXES = (
     ("cifar10dvs_vgg", VGG),
     ("cifar10_dvs_vgg", VGG),
     ("dvs_vgg", VGG),
+    ("dvsvgg", VGG),
     ("vgg", VGG),
     ("generic", GENERIC),
     ("mlp", GENERIC),
