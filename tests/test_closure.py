@@ -1,0 +1,95 @@
+"""Closure: every plan() result applies. Exhaustive over objectives, named factorisations of 1-8 ranks,
+model families and explicit modes; a representative subset is applied on real gloo ranks."""
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import snn_explorer as se
+from distributed_harness import run_on_ranks
+from snn_explorer.core.plan_types import topology_problem
+from snn_explorer.zoo import build
+
+NAMES = ("dp", "tp", "x")
+FAMILY_MODELS = {"generic": "mlp", "cifar10dvs_vgg": "vgg", "spikformer": "spikformer"}
+BATCH = 840  # divisible by every dp size up to 8
+
+
+def factorisations(world):
+    """Every assignment of ``world`` to 1-3 named dims (size-1 dims included), in every order."""
+    out = []
+    for k in (1, 2, 3):
+        for names in itertools.permutations(NAMES, k):
+            for sizes in itertools.product(range(1, world + 1), repeat=k):
+                if torch.tensor(sizes).prod().item() == world:
+                    out.append(dict(zip(names, sizes)))
+    return out
+
+
+def all_cases(worlds=range(1, 9)):
+    for world in worlds:
+        for topology in factorisations(world):
+            for family in FAMILY_MODELS:
+                for objective in se.SNN_DISTRIBUTED_PREFERENCES:
+                    for mode in (None,) + se.MODES:
+                        yield world, topology, family, objective, mode
+
+
+def test_every_plan_applies_or_raises_clearly():
+    models = {f: build(name).model for f, name in FAMILY_MODELS.items()}
+    analyses = {f: se.analyze(m, model_family=f) for f, m in models.items()}
+    counts = {"planned": 0, "refused": 0}
+    for world, topology, family, objective, mode in all_cases():
+        try:
+            plan = se.plan(analysis=analyses[family], objective=objective, topology=topology, backend="torch",
+                           batch_size=BATCH, mode=mode)
+        except (ValueError, NotImplementedError) as exc:
+            assert str(exc), "errors must say why"
+            if mode is not None:
+                assert repr(mode) in str(exc) or "mode" in str(exc)
+            counts["refused"] += 1
+            continue
+        assert plan.world_size == world and topology_problem(plan.mode, plan.topology) is None
+        assert mode is None or plan.mode == mode
+        se.preflight(models[family], plan)  # everything apply checks before touching a process group
+        assert se.SNNDistributedPlan.from_dict(plan.to_dict()) == plan
+        counts["planned"] += 1
+    print(counts)
+    assert counts["planned"] > 1000 and counts["refused"] > 1000, counts
+
+
+def _apply_all(world):
+    """Apply every distinct (family, mode, mesh) plan for ``world`` ranks and take one training step."""
+    seen, done = set(), []
+    for _, topology, family, objective, mode in all_cases([world]):
+        zoo = build(FAMILY_MODELS[family], batch_size=2 * world)
+        try:
+            plan = se.plan(analysis=se.analyze(zoo.model, model_family=family), objective=objective,
+                           topology=topology, backend="torch", batch_size=2 * world, mode=mode)
+        except (ValueError, NotImplementedError):
+            continue
+        key = (family, plan.mode, plan.mesh_dim_names, plan.mesh_shape, plan.optimizer_strategy)
+        if key in seen:
+            continue
+        seen.add(key)
+        runtime = se.apply(model=zoo.model, plan=plan, device_type="cpu")
+        share, start = plan.per_rank_batch, runtime.dp_rank * plan.per_rank_batch
+        optimizer = runtime.build_optimizer(lr=1e-3)
+        loss, _ = runtime.forward_loss(nn.CrossEntropyLoss(), zoo.example_input[:, start:start + share],
+                                       zoo.labels[start:start + share])
+        loss.backward()
+        optimizer.step()
+        assert torch.isfinite(loss)
+        done.append(key)
+    return done
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_representative_plans_apply_on_real_ranks(world):
+    done = run_on_ranks(_apply_all, world, world, timeout=240)[0]
+    modes = {key[1] for key in done}
+    assert {"dp", "fsdp2", "tp"} <= modes, done
+    if world == 4:
+        assert "fsdp2_tp" in modes
+    assert {key[0] for key in done} == set(FAMILY_MODELS)
