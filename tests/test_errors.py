@@ -1,0 +1,383 @@
+"""Bad inputs: each raises a specific exception type whose message names the bad value."""
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+from fractions import Fraction
+
+import pytest
+import snntorch as snn
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import snn_explorer as se
+from snn_explorer import (DistributedFeatureSet, SNNDistributedAnalysis, SNNDistributedPlan, SNNDistributedRuntime,
+                          SNNDistributedTopology, analyze, apply, plan, preflight,
+                          recommend_snn_distributed_strategy, register_stateful)
+
+
+# ---- models and helpers ------------------------------------------------------------------------
+
+def leaky():
+    return snn.Leaky(beta=0.9, init_hidden=True)
+
+
+class MLP(nn.Module):
+    """body: Linear(8,16) -> Leaky -> Linear(16,8); head: Linear(8,10)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), leaky(), nn.Linear(16, 8))
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def conv_net():
+    """A conv 'features' stack (no Linear) and a Linear classifier."""
+    m = nn.Module()
+    m.features = nn.Sequential(nn.Conv2d(2, 4, 3), leaky(), nn.Conv2d(4, 4, 3))
+    m.classifier = nn.Linear(4, 4)
+    return m
+
+
+def conv_only():
+    return nn.Sequential(nn.Conv2d(2, 4, 3), leaky(), nn.Conv2d(4, 4, 3))
+
+
+def mk(objective="speed", topology=1, backend="torch", batch_size=8, model=None, roots=None, **kw):
+    a = analyze(MLP() if model is None else model, roots=roots)
+    return plan(analysis=a, objective=objective, topology=topology, backend=backend, batch_size=batch_size, **kw)
+
+
+def P(**kw):
+    """SNNDistributedPlan with sane defaults, overridden by ``kw``."""
+    args = dict(mode="none", objective="speed", topology={"dp": 1}, batch_size=8)
+    args.update(kw)
+    return SNNDistributedPlan(**args)
+
+
+def topo(dims, world_size=None):
+    return SNNDistributedTopology.from_mapping(dims, world_size)
+
+
+def none_runtime():
+    model = MLP()
+    return apply(model=model, plan=mk(), device_type="cpu")
+
+
+def dp_runtime():
+    """A runtime for a 2-rank dp plan, built directly (prepare_dataloader checks before any collective)."""
+    model = MLP()
+    p = P(mode="dp", topology={"dp": 2}, batch_size=8)
+    return SNNDistributedRuntime(model=model, mesh=None, analysis=analyze(model), plan=p)
+
+
+def tp_plan_missing_module():
+    return P(mode="tp", objective="memory", topology={"tp": 2}, tensor_parallel_plan={"missing.fc": "colwise"})
+
+
+def lit(value) -> str:
+    """Regex matching the repr of ``value`` literally."""
+    return re.escape(repr(value))
+
+
+# ---- the table ---------------------------------------------------------------------------------
+# Each entry: (callable, exception type, regex that must occur in the message).
+
+CASES = [
+    # objective
+    pytest.param(lambda: mk(objective="fast"), ValueError, lit("fast"), id="objective-fast"),
+    pytest.param(lambda: mk(objective=None), ValueError, r"objective=None", id="objective-None"),
+    pytest.param(lambda: mk(objective=3), ValueError, r"objective=3\b", id="objective-int"),
+    pytest.param(lambda: P(objective="throughput"), ValueError, lit("throughput"), id="plan-objective"),
+    pytest.param(lambda: recommend_snn_distributed_strategy(world_size=2, prefer="cheap"), ValueError, lit("cheap"),
+                 id="recommend-prefer"),
+    # mode
+    pytest.param(lambda: mk(mode="ddp"), ValueError, lit("ddp"), id="mode-ddp"),
+    pytest.param(lambda: mk(mode="fsdp"), ValueError, lit("fsdp"), id="mode-fsdp"),
+    pytest.param(lambda: mk(mode=2), ValueError, r"mode=2\b", id="mode-int"),
+    pytest.param(lambda: P(mode="zero"), ValueError, lit("zero"), id="plan-mode"),
+    pytest.param(lambda: mk(mode="pp", topology={"pp": 2}), NotImplementedError, r"mode='pp'", id="plan()-pp"),
+    pytest.param(lambda: mk(mode="PP", topology={"dp": 2}), NotImplementedError, r"mode='pp'", id="plan()-PP"),
+    pytest.param(lambda: P(mode="pp", topology={"pp": 2}), NotImplementedError, r"mode='pp'", id="Plan-pp"),
+    pytest.param(lambda: mk(mode="none", topology={"dp": 2}), ValueError, r"mode='none'.*world_size=2",
+                 id="mode-none-on-2-ranks"),
+    pytest.param(lambda: P(mode="tp", topology={"dp": 2}, tensor_parallel_plan={"head": "colwise"}), ValueError,
+                 r"mode 'tp' needs the dim\(s\) \['tp'\]", id="Plan-tp-without-tp-dim"),
+    pytest.param(lambda: P(mode="dp", topology={"dp": 2, "tp": 2}), ValueError, re.escape("{'tp': 2}"),
+                 id="Plan-dp-with-idle-tp"),
+    pytest.param(lambda: mk(mode="dp", topology={"dp": 2, "x": 3}, batch_size=6), ValueError, re.escape("{'x': 3}"),
+                 id="plan()-dp-with-idle-dim"),
+    # explicit fsdp2_tp without dp and tp
+    pytest.param(lambda: mk(mode="fsdp2_tp", topology={"dp": 4}), ValueError,
+                 r"mode='fsdp2_tp'.*\['tp'\]", id="fsdp2_tp-on-dp-only"),
+    pytest.param(lambda: mk(mode="fsdp2_tp", topology={"tp": 4}), ValueError,
+                 r"mode='fsdp2_tp'.*\['dp'\]", id="fsdp2_tp-on-tp-only"),
+    pytest.param(lambda: mk(mode="fsdp2_tp", topology={"pp": 2, "ep": 2}), ValueError,
+                 r"mode='fsdp2_tp'.*\['dp', 'tp'\]", id="fsdp2_tp-on-other-dims"),
+    # TP without Linear candidates
+    pytest.param(lambda: mk(mode="tp", objective="memory", topology={"tp": 2}, model=conv_net(), roots=["features"]),
+                 ValueError, r"mode='tp'.*no Linear.*" + re.escape("('features',)"), id="tp-conv-only-roots"),
+    pytest.param(lambda: mk(mode="fsdp2_tp", topology={"dp": 2, "tp": 2}, model=conv_only()), ValueError,
+                 r"mode='fsdp2_tp'.*no Linear", id="fsdp2_tp-conv-only-model"),
+    pytest.param(lambda: mk(objective="memory", topology={"tp": 2}, model=conv_only()), ValueError,
+                 r"no mode fits topology \{'tp': 2\}", id="memory-tp-conv-only-model"),
+    pytest.param(lambda: P(mode="tp", objective="memory", topology={"tp": 2}), ValueError,
+                 r"mode 'tp' needs a non-empty tensor_parallel_plan", id="Plan-tp-without-tp-plan"),
+    pytest.param(lambda: P(mode="dp", topology={"dp": 2}, tensor_parallel_plan={"head": "colwise"}), ValueError,
+                 r"not 'dp'", id="Plan-dp-with-tp-plan"),
+    # bad explicit tensor_parallel_plan
+    pytest.param(lambda: mk(mode="tp", topology={"tp": 2}, tensor_parallel_plan={}), ValueError,
+                 re.escape("tensor_parallel_plan={}"), id="tp-plan-empty"),
+    pytest.param(lambda: mk(mode="tp", topology={"tp": 2}, tensor_parallel_plan=["head"]), ValueError,
+                 re.escape("['head']"), id="tp-plan-list"),
+    pytest.param(lambda: mk(mode="tp", topology={"tp": 2}, tensor_parallel_plan="head"), ValueError,
+                 lit("head"), id="tp-plan-str"),
+    pytest.param(lambda: mk(mode="tp", topology={"tp": 2}, tensor_parallel_plan={"nope": "colwise"}), ValueError,
+                 lit("nope"), id="tp-plan-unknown-key"),
+    pytest.param(lambda: mk(topology={"tp": 2}, tensor_parallel_plan={"body.9": "rowwise"}), ValueError,
+                 lit("body.9"), id="tp-plan-unknown-key-no-mode"),
+    pytest.param(lambda: mk(mode="tp", topology={"tp": 2}, tensor_parallel_plan={"head": "diagonal"}), ValueError,
+                 lit("diagonal"), id="tp-plan-unknown-style"),
+    pytest.param(lambda: mk(mode="tp", topology={"tp": 2}, tensor_parallel_plan={"head": None}), ValueError,
+                 re.escape("['head']=None"), id="tp-plan-style-None"),
+    pytest.param(lambda: mk(mode="tp", topology={"tp": 2}, tensor_parallel_plan={"head": "local"}), ValueError,
+                 re.escape("['head']='local'"), id="tp-plan-local-on-linear"),
+    pytest.param(lambda: mk(mode="dp", topology={"dp": 2}, tensor_parallel_plan={"head": "colwise"}), ValueError,
+                 r"mode='dp'", id="tp-plan-with-mode-dp"),
+    pytest.param(lambda: mk(mode="fsdp2", topology={"dp": 2}, tensor_parallel_plan={"head": "colwise"}), ValueError,
+                 r"mode='fsdp2'", id="tp-plan-with-mode-fsdp2"),
+    # TP size that does not divide a feature count
+    pytest.param(lambda: mk(mode="tp", objective="memory", topology={"tp": 4}), ValueError,
+                 re.escape("tp=4 does not divide head.out_features=10"), id="tp4-head-out"),
+    pytest.param(lambda: mk(objective="memory", topology={"tp": 4}), ValueError,
+                 re.escape("tp=4 does not divide head.out_features=10"), id="tp4-head-out-no-mode"),
+    pytest.param(lambda: mk(mode="tp", objective="memory", topology={"tp": 3}, tensor_parallel_plan={"body.2": "rowwise"}),
+                 ValueError, re.escape("tp=3 does not divide body.2.in_features=16"), id="tp3-rowwise-in"),
+    pytest.param(lambda: mk(mode="fsdp2_tp", topology={"dp": 2, "tp": 3}, batch_size=6,
+                            tensor_parallel_plan={"body.0": "colwise", "body.2": "rowwise"}),
+                 ValueError, re.escape("tp=3 does not divide body.0.out_features=16"), id="tp3-colwise-out"),
+    # topology
+    pytest.param(lambda: topo({"dp": Decimal("2")}), TypeError, re.escape("Decimal('2')"), id="topo-Decimal"),
+    pytest.param(lambda: topo({"dp": Fraction(2)}), TypeError, re.escape("Fraction(2, 1)"), id="topo-Fraction"),
+    pytest.param(lambda: topo({"dp": "2"}), TypeError, r"size '2' of type str", id="topo-str"),
+    pytest.param(lambda: topo({"dp": 2.5}), ValueError, r"size 2\.5", id="topo-2.5"),
+    pytest.param(lambda: topo({"tp": float("nan")}), ValueError, r"size nan", id="topo-nan"),
+    pytest.param(lambda: topo({"tp": float("inf")}), ValueError, r"size inf", id="topo-inf"),
+    pytest.param(lambda: topo({"dp": True}), TypeError, r"size True of type bool", id="topo-True"),
+    pytest.param(lambda: topo({"dp": 2, "tp": False}), TypeError, r"'tp' has size False", id="topo-False"),
+    pytest.param(lambda: topo({"dp": None}), TypeError, r"size None", id="topo-None"),
+    pytest.param(lambda: topo({"dp": 0}), ValueError, r"'dp' has size 0\b", id="topo-zero"),
+    pytest.param(lambda: topo({"dp": -2}), ValueError, r"'dp' has size -2\b", id="topo-negative"),
+    pytest.param(lambda: topo({"dp": -1.0}), ValueError, r"size -1\b", id="topo-negative-float"),
+    pytest.param(lambda: topo({}), ValueError, r"dims are empty", id="topo-empty"),
+    pytest.param(lambda: topo([("dp", 2)]), TypeError, re.escape("[('dp', 2)]"), id="topo-list"),
+    pytest.param(lambda: topo({1: 2}), TypeError, r"got 1 \(int\)", id="topo-name-int"),
+    pytest.param(lambda: topo({None: 2}), TypeError, r"got None \(NoneType\)", id="topo-name-None"),
+    pytest.param(lambda: topo({"": 2}), ValueError, r"got ''", id="topo-name-empty"),
+    pytest.param(lambda: topo({"  ": 2}), ValueError, r"got '  '", id="topo-name-blank"),
+    pytest.param(lambda: topo({"dp": 2, "tp": 2}, world_size=3), ValueError, r"multiply to 4, but world_size=3",
+                 id="topo-product-mismatch"),
+    pytest.param(lambda: topo({"dp": 2}, world_size=True), TypeError, r"'world_size' has size True",
+                 id="topo-world-size-bool"),
+    pytest.param(lambda: topo({"dp": 2}, world_size=0), ValueError, r"'world_size' has size 0",
+                 id="topo-world-size-zero"),
+    pytest.param(lambda: SNNDistributedTopology.coerce(0), ValueError, r"'dp' has size 0", id="topo-coerce-0"),
+    pytest.param(lambda: mk(topology=True), TypeError, r"got bool: True", id="plan-topology-True"),
+    pytest.param(lambda: mk(topology={"dp": 2.5}), ValueError, r"size 2\.5", id="plan-topology-2.5"),
+    pytest.param(lambda: mk(topology="dp=2"), TypeError, lit("dp=2"), id="plan-topology-str"),
+    # analysis
+    pytest.param(lambda: analyze(MLP(), roots=""), ValueError, r"empty path ''", id="roots-empty-str"),
+    pytest.param(lambda: analyze(MLP(), roots=["body", ""]), ValueError, r"empty path ''", id="roots-empty-item"),
+    pytest.param(lambda: analyze(MLP(), roots=["nope"]), KeyError, r"root 'nope'", id="roots-unknown"),
+    pytest.param(lambda: analyze(MLP(), roots=["body.9"]), KeyError, r"root 'body\.9'", id="roots-unknown-nested"),
+    pytest.param(lambda: analyze(MLP(), roots=[3]), TypeError, r"got 3\b", id="roots-int"),
+    pytest.param(lambda: analyze("MLP"), TypeError, r"got str", id="analyze-str"),
+    pytest.param(lambda: analyze(None), TypeError, r"got NoneType", id="analyze-None"),
+    pytest.param(lambda: analyze(MLP, ), TypeError, r"got type", id="analyze-class-not-instance"),
+    pytest.param(lambda: analyze(MLP(), model_family=""), ValueError, r"got ''", id="family-empty"),
+    pytest.param(lambda: analyze(MLP(), model_family=7), ValueError, r"got 7\b", id="family-int"),
+    pytest.param(lambda: analyze(MLP()).shape("body.1"), KeyError, r"'body\.1' is not a Linear", id="shape-neuron"),
+    pytest.param(lambda: plan(analysis={"kind": "analysis"}, objective="speed", topology=1, backend="torch",
+                              batch_size=1), TypeError, r"got dict", id="plan-analysis-dict"),
+    # ZeRO outside pure dp
+    pytest.param(lambda: P(mode="fsdp2", topology={"dp": 2}, optimizer_strategy="zero"), ValueError,
+                 r"not 'fsdp2'", id="zero-fsdp2"),
+    pytest.param(lambda: P(mode="tp", topology={"tp": 2}, optimizer_strategy="zero",
+                           tensor_parallel_plan={"head": "colwise_gather"}), ValueError, r"not 'tp'", id="zero-tp"),
+    pytest.param(lambda: P(mode="none", optimizer_strategy="zero"), ValueError, r"not 'none'", id="zero-none"),
+    pytest.param(lambda: P(mode="dp", topology={"dp": 2}, optimizer_strategy="adam"), ValueError, lit("adam"),
+                 id="optimizer-strategy-unknown"),
+    # batch size
+    pytest.param(lambda: mk(batch_size=0), ValueError, r"batch_size=0\b", id="batch-0"),
+    pytest.param(lambda: mk(batch_size=-1), ValueError, r"batch_size=-1\b", id="batch-negative"),
+    pytest.param(lambda: mk(batch_size=True), ValueError, r"batch_size=True", id="batch-True"),
+    pytest.param(lambda: mk(batch_size=2.5), ValueError, r"batch_size=2\.5", id="batch-2.5"),
+    pytest.param(lambda: mk(batch_size=8.0), ValueError, r"batch_size=8\.0", id="batch-8.0"),
+    pytest.param(lambda: mk(batch_size="8"), ValueError, r"batch_size='8'", id="batch-str"),
+    pytest.param(lambda: mk(batch_size=None), ValueError, r"batch_size=None", id="batch-None"),
+    pytest.param(lambda: mk(topology={"dp": 2}, batch_size=3), ValueError, r"batch_size=3 .*dp=2",
+                 id="batch-not-divisible-dp"),
+    pytest.param(lambda: mk(objective="memory", topology={"dp": 2, "tp": 2}, batch_size=5), ValueError,
+                 r"batch_size=5 .*dp=2", id="batch-not-divisible-fsdp2_tp"),
+    pytest.param(lambda: P(mode="fsdp2", topology={"dp": 4}, batch_size=6), ValueError, r"batch_size=6 .*dp=4",
+                 id="Plan-batch-not-divisible"),
+    pytest.param(lambda: P(batch_size=0), ValueError, r"batch_size=0\b", id="Plan-batch-0"),
+    pytest.param(lambda: recommend_snn_distributed_strategy(world_size=2, batch_size=-3), ValueError,
+                 r"batch_size=-3", id="recommend-batch"),
+    # backend
+    pytest.param(lambda: mk(backend="jax"), ValueError, lit("jax"), id="backend-jax"),
+    pytest.param(lambda: mk(backend="nccl"), ValueError, lit("nccl"), id="backend-nccl-is-not-a-neuron-backend"),
+    pytest.param(lambda: mk(backend="gloo"), ValueError, lit("gloo"), id="backend-gloo"),
+    pytest.param(lambda: mk(backend=None), ValueError, r"backend=None", id="backend-None"),
+    pytest.param(lambda: P(backend="cuda"), ValueError, lit("cuda"), id="Plan-backend"),
+    pytest.param(lambda: mk(backend="cupy"), ValueError, r"backend='cupy'.*'body\.1'", id="cupy-with-snntorch"),
+    pytest.param(lambda: mk(backend="triton", topology={"dp": 2}), ValueError, r"backend='triton'.*'body\.1'",
+                 id="triton-with-snntorch"),
+    pytest.param(lambda: recommend_snn_distributed_strategy(world_size=2, backend="tensorflow"), ValueError,
+                 lit("tensorflow"), id="recommend-backend"),
+    # recommend world size
+    pytest.param(lambda: recommend_snn_distributed_strategy(world_size=0), ValueError, r"world_size=0\b",
+                 id="recommend-ws-0"),
+    pytest.param(lambda: recommend_snn_distributed_strategy(world_size=True), ValueError, r"world_size=True",
+                 id="recommend-ws-True"),
+    pytest.param(lambda: recommend_snn_distributed_strategy(world_size=2.0), ValueError, r"world_size=2\.0",
+                 id="recommend-ws-float"),
+    # memopt level
+    pytest.param(lambda: P(memopt_level=2), ValueError, r"memopt_level=2\b", id="memopt-2"),
+    pytest.param(lambda: P(memopt_level=-1), ValueError, r"memopt_level=-1\b", id="memopt-negative"),
+    pytest.param(lambda: P(memopt_level="1"), ValueError, r"memopt_level='1'", id="memopt-str"),
+    pytest.param(lambda: P(memopt_level=None), ValueError, r"memopt_level=None", id="memopt-None"),
+    pytest.param(lambda: P(memopt_level=True), (TypeError, ValueError), r"memopt_level=True", id="memopt-True",
+                 marks=pytest.mark.xfail(strict=True, reason="bug: plan_types.py:101 `memopt_level not in (0, 1)` "
+                                         "accepts True (True == 1); it is stored and serialised as true, and the plan "
+                                         "is unequal to the same plan with memopt_level=1")),
+    pytest.param(lambda: P(memopt_level=1.0), (TypeError, ValueError), r"memopt_level=1\.0", id="memopt-1.0",
+                 marks=pytest.mark.xfail(strict=True, reason="bug: plan_types.py:101 accepts memopt_level=1.0 "
+                                         "(1.0 == 1) and stores a float; batch_size=8.0 is rejected")),
+    # feature set
+    pytest.param(lambda: DistributedFeatureSet(allow_zero_optimizer=1), TypeError,
+                 r"allow_zero_optimizer must be a bool, got 1\b", id="features-zero-int"),
+    pytest.param(lambda: DistributedFeatureSet(allow_zero_optimizer="no"), TypeError,
+                 r"allow_zero_optimizer must be a bool, got 'no'", id="features-zero-str"),
+    pytest.param(lambda: DistributedFeatureSet(allow_experimental_conv_tp=None), TypeError,
+                 r"allow_experimental_conv_tp must be a bool, got None", id="features-conv-None"),
+    pytest.param(lambda: DistributedFeatureSet(allow_experimental_spikformer_tp=0), TypeError,
+                 r"allow_experimental_spikformer_tp must be a bool, got 0\b", id="features-spikformer-int"),
+    pytest.param(lambda: mk(features={"allow_zero_optimizer": False}), TypeError,
+                 re.escape("{'allow_zero_optimizer': False}"), id="plan-features-dict"),
+    # from_dict with the wrong kind
+    pytest.param(lambda: SNNDistributedPlan.from_dict(analyze(MLP()).to_dict()), ValueError, r"got kind='analysis'",
+                 id="plan-from-analysis-dict"),
+    pytest.param(lambda: SNNDistributedAnalysis.from_dict(mk().to_dict()), ValueError, r"got kind='plan'",
+                 id="analysis-from-plan-dict"),
+    pytest.param(lambda: DistributedFeatureSet.from_dict({"kind": "plan", "allow_zero_optimizer": True}), ValueError,
+                 r"got kind='plan'", id="features-from-plan-dict"),
+    pytest.param(lambda: SNNDistributedPlan.from_dict({**mk().to_dict(), "kind": "Plan"}), ValueError,
+                 r"got kind='Plan'", id="plan-kind-case"),
+    pytest.param(lambda: SNNDistributedPlan.from_dict([("kind", "plan")]), TypeError, r"got list",
+                 id="plan-from-list"),
+    # register_stateful
+    pytest.param(lambda: register_stateful(int), TypeError, re.escape("<class 'int'>"), id="register-non-module"),
+    pytest.param(lambda: register_stateful(nn.Linear), TypeError, r"Linear has no reset\(\)",
+                 id="register-without-reset"),
+    pytest.param(lambda: register_stateful(nn.Linear, reset=3), TypeError, r"got 3\b", id="register-bad-reset"),
+    # apply / preflight without a process group
+    pytest.param(lambda: apply(model=MLP(), plan=mk(), device_type="tpu"), ValueError, lit("tpu"), id="apply-tpu"),
+    pytest.param(lambda: apply(model=MLP(), plan=mk(), device_type="CPU"), ValueError, lit("CPU"), id="apply-CPU"),
+    pytest.param(lambda: apply(model=MLP(), plan=mk(), device_type="cuda"), ValueError, lit("cuda"),
+                 id="apply-cuda-without-cuda",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")),
+    pytest.param(lambda: apply(model=MLP(), plan=mk(topology={"dp": 2}), device_type="cpu"), RuntimeError,
+                 r"mode 'dp' needs torch\.distributed initialised with 2", id="apply-dp-no-pg"),
+    pytest.param(lambda: apply(model=MLP(), plan=mk(objective="memory", topology={"dp": 2}), device_type="cpu"),
+                 RuntimeError, r"mode 'fsdp2' needs torch\.distributed", id="apply-fsdp2-no-pg"),
+    pytest.param(lambda: apply(model=MLP(), plan=mk(objective="memory", topology={"tp": 2}), device_type="cpu"),
+                 RuntimeError, r"mode 'tp' needs torch\.distributed", id="apply-tp-no-pg"),
+    pytest.param(lambda: apply(model=MLP(), plan=mk(objective="memory", topology={"dp": 2, "tp": 2}),
+                               device_type="cpu"),
+                 RuntimeError, r"mode 'fsdp2_tp' needs torch\.distributed initialised with 4", id="apply-2d-no-pg"),
+    pytest.param(lambda: preflight(MLP(), tp_plan_missing_module()), ValueError, lit("missing.fc"),
+                 id="preflight-tp-module-missing"),
+    pytest.param(lambda: apply(model=MLP(), plan=tp_plan_missing_module(), device_type="cpu"), ValueError,
+                 lit("missing.fc"), id="apply-tp-module-missing"),
+    pytest.param(lambda: preflight(nn.Sequential(nn.Linear(8, 6)), mk(objective="memory", topology={"tp": 2})),
+                 ValueError, lit("body.0"), id="preflight-plan-for-other-model"),
+    pytest.param(lambda: preflight(MLP(), P(mode="fsdp2", topology={"dp": 2}, fsdp_units=("blocks.3",))), ValueError,
+                 lit("blocks.3"), id="preflight-fsdp-unit-missing"),
+    pytest.param(lambda: apply(model=MLP(), plan=mk().to_dict(), device_type="cpu"), TypeError, r"got dict",
+                 id="apply-plan-dict"),
+    pytest.param(lambda: apply(model=MLP(), plan="none", device_type="cpu"), TypeError, r"got str",
+                 id="apply-plan-str"),
+    pytest.param(lambda: preflight("model", mk()), TypeError, r"got str", id="preflight-model-str"),
+    # runtime helpers
+    pytest.param(lambda: SNNDistributedRuntime.prepare_classification_output(torch.zeros(4), torch.zeros(4)),
+                 ValueError, re.escape("got shape (4,)"), id="outputs-1d"),
+    pytest.param(lambda: SNNDistributedRuntime.prepare_classification_output(torch.zeros(2, 3, 4, 5), torch.zeros(3)),
+                 ValueError, re.escape("got shape (2, 3, 4, 5)"), id="outputs-4d"),
+    pytest.param(lambda: SNNDistributedRuntime.prepare_classification_output(torch.zeros(3, 4, 10), torch.zeros(5)),
+                 ValueError, re.escape("labels of shape (5,)"), id="labels-wrong-length"),
+    pytest.param(lambda: SNNDistributedRuntime.prepare_classification_output(torch.zeros(4, 10), torch.zeros(4, 3)),
+                 ValueError, re.escape("labels of shape (4, 3)"), id="labels-wrong-one-hot"),
+    pytest.param(lambda: SNNDistributedRuntime.prepare_classification_output(torch.zeros(4, 10),
+                                                                             torch.zeros(4, 10, 1)),
+                 ValueError, re.escape("labels of shape (4, 10, 1)"), id="labels-3d"),
+    pytest.param(lambda: dp_runtime().prepare_dataloader(torch.utils.data.TensorDataset(torch.zeros(8, 8)),
+                                                         batch_size=3),
+                 ValueError, r"batch_size=3 .*dp=2", id="loader-batch-not-divisible-dp"),
+    pytest.param(lambda: none_runtime().prepare_dataloader(torch.utils.data.TensorDataset(torch.zeros(8, 8)),
+                                                           batch_size=0),
+                 ValueError, r"batch_size=0\b", id="loader-batch-0"),
+    pytest.param(lambda: none_runtime().prepare_dataloader(torch.utils.data.TensorDataset(torch.zeros(8, 8)),
+                                                           batch_size=True),
+                 ValueError, r"batch_size=True", id="loader-batch-True"),
+    pytest.param(lambda: none_runtime().prepare_dataloader(torch.utils.data.TensorDataset(torch.zeros(8, 8)),
+                                                           batch_size=2.5),
+                 ValueError, r"batch_size=2\.5", id="loader-batch-float"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group():
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("these tests need a process with no process group initialised")
+
+
+@pytest.mark.parametrize("call,exc,pattern", CASES)
+def test_bad_input(call, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        call()
+
+
+def test_enough_distinct_cases():
+    ids = [p.id for p in CASES]
+    assert len(ids) == len(set(ids)) and len(ids) >= 45
+
+
+def test_pp_refused_before_anything_else():
+    """mode='pp' is refused even with an otherwise bad topology, in plan() and in the plan type."""
+    with pytest.raises(NotImplementedError, match="pipeline"):
+        mk(mode="pp", topology={"dp": 2, "tp": 2})
+    with pytest.raises(NotImplementedError, match="pipeline"):
+        P(mode="pp", topology={"dp": 3})
+
+
+def test_apply_none_plan_default_device_type_is_cuda():
+    """apply() defaults to device_type='cuda': on a CPU machine even a 1-rank plan needs device_type='cpu'."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(ValueError, match=r"device_type='cuda'"):
+        apply(model=MLP(), plan=mk())
+    apply(model=MLP(), plan=mk(), device_type="cpu")
+
+
+def test_errors_leave_registry_unchanged():
+    from snn_explorer.core import neurons
+    before = dict(neurons._REGISTRY)
+    for bad in (int, nn.Linear):
+        with pytest.raises(TypeError):
+            register_stateful(bad)
+    assert neurons._REGISTRY == before
