@@ -374,20 +374,16 @@ def test_explicit_tp_plan_is_accepted_and_carried():
     assert any("recommended 'dp'" in n for n in p3.notes)
 
 
-@pytest.mark.xfail(strict=True, raises=IndexError,
-                   reason="bug: planner.py:111 reasons[0] IndexError when an explicit tensor_parallel_plan filters "
-                          "the recommended non-TP mode out of the order and the first TP mode tried fits "
-                          "(reasons is empty)")
 def test_explicit_tp_plan_without_mode_when_recommendation_is_not_tp():
     p = mk_plan(objective="speed", topology={"dp": 2, "tp": 2}, tensor_parallel_plan={"head": "colwise_gather"})
     assert p.mode == "fsdp2_tp" and dict(p.tensor_parallel_plan) == {"head": "colwise_gather"}
 
 
-@pytest.mark.xfail(strict=True, reason="bug: planner.py:100-101 puts 'none' first for world_size 1 and silently "
-                                       "drops an explicit tensor_parallel_plan (no note, no error)")
 def test_explicit_tp_plan_on_one_rank_is_not_silently_dropped():
-    p = mk_plan(objective="memory", topology=1, tensor_parallel_plan={"head": "colwise_gather"})
-    assert dict(p.tensor_parallel_plan) or any("tensor_parallel_plan" in n for n in p.notes)
+    with pytest.raises(ValueError, match="explicit tensor_parallel_plan allows only 'tp' and 'fsdp2_tp'"):
+        mk_plan(objective="memory", topology=1, tensor_parallel_plan={"head": "colwise_gather"})
+    p = mk_plan(objective="memory", topology={"tp": 1}, tensor_parallel_plan={"head": "colwise_gather"})
+    assert p.mode == "tp" and dict(p.tensor_parallel_plan) == {"head": "colwise_gather"}
 
 
 # ---- frozen, hashable, serialisable ------------------------------------------------------------
@@ -444,9 +440,6 @@ def test_plan_not_equal_to_other_types():
     assert p != p.to_dict() and p != "plan" and p is not None
 
 
-@pytest.mark.xfail(strict=True, reason="bug: plan_types.py:163 SNNDistributedPlan._key uses json.dumps(sort_keys=True), "
-                                       "so plans whose non-leading dims differ only in order compare equal although "
-                                       "their mesh_dim_names (and the meshes apply builds) differ")
 def test_plan_equality_respects_mesh_dim_order():
     a = SNNDistributedPlan(mode="dp", objective="speed", topology={"dp": 2, "zz": 1, "aa": 1}, batch_size=2)
     b = SNNDistributedPlan(mode="dp", objective="speed", topology={"dp": 2, "aa": 1, "zz": 1}, batch_size=2)
@@ -533,8 +526,6 @@ def test_plan_model_family_overrides_analysis():
     assert p.model_family == "spikformer"
 
 
-@pytest.mark.xfail(strict=True, reason="bug: planner.py:79 plan(model_family=...) keeps only resolve_family()[0] and "
-                                       "drops its note, so an unknown family silently becomes 'generic'")
 def test_plan_unknown_model_family_gets_a_note():
     p = plan(analysis=analyze(MLP()), objective="speed", topology=1, backend="torch", batch_size=1,
              model_family="resnet50")
@@ -689,9 +680,6 @@ def test_apply_none_plan_on_cpu():
     assert loader.batch_size == 4 and len(loader) == 2
 
 
-@pytest.mark.xfail(strict=True, reason="bug: apply/__init__.py:20-22 _unwrap() replaces ANY model having an nn.Module "
-                                       "attribute named 'module' by that attribute (meant for DDP wrappers), so "
-                                       "apply() silently distributes only model.module and drops the rest (head)")
 def test_apply_keeps_models_with_a_submodule_named_module():
     class Wrapper(nn.Module):
         def __init__(self):

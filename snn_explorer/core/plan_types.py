@@ -98,7 +98,7 @@ class SNNDistributedPlan:
         if self.optimizer_strategy == "zero" and self.mode != "dp":
             raise ValueError(f"optimizer_strategy='zero' (ZeroRedundancyOptimizer) applies to mode 'dp' only, "
                              f"not {self.mode!r}; FSDP2 already shards optimizer state")
-        if self.memopt_level not in MEMOPT_LEVELS:
+        if type(self.memopt_level) is not int or self.memopt_level not in MEMOPT_LEVELS:
             raise ValueError(f"memopt_level={self.memopt_level!r}; expected one of {MEMOPT_LEVELS}")
         problem = topology_problem(self.mode, self.topology)
         if problem:
@@ -160,7 +160,9 @@ class SNNDistributedPlan:
         return isinstance(other, SNNDistributedPlan) and self._key() == other._key()
 
     def _key(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
+        data = self.to_dict()
+        data["topology"] = list(self.topology.dims.items())  # dim order is part of the mesh
+        return json.dumps(data, sort_keys=True)
 
     def to_dict(self) -> dict:
         return dataclass_dict(self, "plan")

@@ -76,7 +76,11 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     if not isinstance(features, DistributedFeatureSet):
         raise TypeError(f"features must be a DistributedFeatureSet, got {features!r}")
     mode = check_mode(mode)
-    family = resolve_family(None, model_family)[0] if model_family is not None else analysis.model_family
+    notes: List[str] = list(analysis.notes)
+    family = analysis.model_family
+    if model_family is not None:
+        family, family_note = resolve_family(None, model_family)
+        notes.extend([family_note] if family_note else [])
     _check_backend_support(backend, analysis)
     if tensor_parallel_plan is not None:
         if not isinstance(tensor_parallel_plan, Mapping) or not tensor_parallel_plan:
@@ -87,7 +91,6 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
 
     rec = recommend_snn_distributed_strategy(family, world_size=topology.world_size, prefer=objective,
                                              batch_size=batch_size, backend=backend)
-    notes: List[str] = list(analysis.notes)
     if mode is not None:
         tp_plan, problem = _problem(mode, analysis, topology, tensor_parallel_plan)
         if problem:
@@ -97,7 +100,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
         order = [rec.mode] + [m for m in FALLBACKS[objective] if m != rec.mode]
         if tensor_parallel_plan is not None:
             order = [m for m in order if m in ("tp", "fsdp2_tp")]
-        if topology.world_size == 1:
+        elif topology.world_size == 1:
             order = ["none"] + [m for m in order if m != "none"]
         reasons = []
         for chosen in order:
@@ -106,9 +109,12 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
                 break
             reasons.append(f"{chosen}: {problem}")
         else:
-            raise ValueError(f"no mode fits topology {dict(topology.dims)} for this model: " + "; ".join(reasons))
+            restricted = " (an explicit tensor_parallel_plan allows only 'tp' and 'fsdp2_tp')" if tensor_parallel_plan else ""
+            raise ValueError(f"no mode fits topology {dict(topology.dims)} for this model{restricted}: "
+                             + "; ".join(reasons))
         if chosen != rec.mode:
-            notes.append(f"recommended {rec.mode!r} does not fit ({reasons[0].split(': ', 1)[1]}); using {chosen!r}.")
+            why = reasons[0].split(": ", 1)[1] if reasons else "an explicit tensor_parallel_plan needs a TP mode"
+            notes.append(f"recommended {rec.mode!r} does not fit ({why}); using {chosen!r}.")
 
     zero = chosen == "dp" and topology.size("dp") > 1
     if zero and not features.allow_zero_optimizer:

@@ -18,8 +18,10 @@ __all__ = ["apply", "preflight", "apply_ddp", "apply_fsdp2", "apply_tp"]
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    inner = getattr(model, "module", None)
-    return inner if isinstance(inner, nn.Module) else model
+    """The model inside a DDP / DataParallel wrapper (any other model as it is)."""
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        return model.module
+    return model
 
 
 def preflight(model: nn.Module, plan: SNNDistributedPlan) -> SNNDistributedAnalysis:
@@ -65,7 +67,7 @@ def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: str = "cud
 
     model = _unwrap(model)
     analysis = preflight(model, plan)
-    check_device_type(device_type)
+    device_type = check_device_type(device_type)
     check_process_group(plan)
     device = local_device(device_type)
     mesh = build_mesh(plan, device_type, device_mesh)

@@ -14,6 +14,7 @@ DEVICE_TYPES = ("cpu", "cuda")
 
 
 def check_device_type(device_type: str) -> str:
+    device_type = device_type.lower() if isinstance(device_type, str) else device_type
     if device_type not in DEVICE_TYPES:
         raise ValueError(f"device_type={device_type!r}; expected one of {DEVICE_TYPES}")
     if device_type == "cuda" and not torch.cuda.is_available():
