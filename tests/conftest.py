@@ -1,0 +1,7 @@
+import os
+import sys
+
+# Make helper modules in tests/ (e.g. distributed_harness) importable from test files.
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
