@@ -32,6 +32,44 @@ class LinearShape:
 
 
 @dataclass(frozen=True)
+class AttentionBlock:
+    """Multi-head attention with separate q/k/v/output Linears; ``neurons`` sit between q and proj."""
+
+    path: str
+    num_heads: int
+    q: str
+    k: str
+    v: str
+    proj: str
+    neurons: Tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return dataclass_dict(self, "attention")
+
+
+_QKV_NAMES = {"q": ("q", "q_linear", "q_proj", "wq"), "k": ("k", "k_linear", "k_proj", "wk"),
+              "v": ("v", "v_linear", "v_proj", "wv"), "proj": ("proj", "out_proj", "o_proj", "wo", "o")}
+
+
+def _attention_block(path: str, module: nn.Module, memory: Sequence[str]) -> Optional[AttentionBlock]:
+    heads = getattr(module, "num_heads", None)
+    if not isinstance(heads, int) or isinstance(heads, bool):
+        return None
+    children = dict(module.named_children())
+    found = {}
+    for role, names in _QKV_NAMES.items():
+        name = next((n for n in names if isinstance(children.get(n), nn.Linear)), None)
+        if name is None:
+            return None
+        found[role] = f"{path}.{name}"
+    order = list(children)
+    start, stop = order.index(found["q"].rpartition(".")[2]), order.index(found["proj"].rpartition(".")[2])
+    neurons = tuple(f"{path}.{n}" for n in order[start:stop]
+                    if any(m == f"{path}.{n}" or m.startswith(f"{path}.{n}.") for m in memory))
+    return AttentionBlock(path, heads, found["q"], found["k"], found["v"], found["proj"], neurons)
+
+
+@dataclass(frozen=True)
 class SNNDistributedAnalysis:
     """What :func:`analyze` found in a model (plain data, JSON-serialisable).
 
@@ -51,6 +89,8 @@ class SNNDistributedAnalysis:
     tp_chains: Tuple[Tuple[str, ...], ...] = ()
     fsdp_unit_names: Tuple[str, ...] = ()
     per_feature_neuron_names: Tuple[str, ...] = ()
+    attention_blocks: Tuple[AttentionBlock, ...] = ()
+    batchnorm_names: Tuple[str, ...] = ()
 
     def shape(self, name: str) -> LinearShape:
         for item in self.linear_shapes:
@@ -64,8 +104,12 @@ class SNNDistributedAnalysis:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "SNNDistributedAnalysis":
         data = check_kind(data, "analysis")
-        data["linear_shapes"] = tuple(LinearShape(**s) for s in data.get("linear_shapes", ()))
-        return cls(**{k: (v if k == "linear_shapes" else tuplify(v)) for k, v in data.items()})
+        objects = {
+            "linear_shapes": tuple(LinearShape(**s) for s in data.pop("linear_shapes", ())),
+            "attention_blocks": tuple(AttentionBlock(**{k: tuplify(v) for k, v in check_kind(b, "attention").items()})
+                                      for b in data.pop("attention_blocks", ())),
+        }
+        return cls(**{k: tuplify(v) for k, v in data.items()}, **objects)
 
 
 def _validate_roots(model: nn.Module, roots: Optional[Sequence[str]]) -> Optional[Tuple[str, ...]]:
@@ -152,8 +196,10 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
     roots = _validate_roots(model, roots)
     family, family_note = resolve_family(model, model_family)
     notes = [family_note] if family_note else []
-    memory, libraries, per_feature, linears, unsupported = [], [], [], [], []
+    memory, libraries, per_feature, linears, unsupported, norms = [], [], [], [], [], []
     for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            norms.append(name)
         library = neurons.snn_library(module)
         if library and name:
             memory.append(name)
@@ -172,6 +218,8 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
     if not linears:
         notes.append("no Linear tensor-parallel candidates found" + (f" under roots {roots}" if roots else ""))
     candidates = tuple(s.name for s in linears)
+    attention = tuple(b for b in (_attention_block(n, m, memory) for n, m in model.named_modules()
+                                  if n and _under(n, roots)) if b is not None)
     return SNNDistributedAnalysis(
         memory_module_names=tuple(memory),
         tensor_parallel_candidate_names=candidates,
@@ -184,4 +232,6 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
         tp_chains=_chains(model, roots, candidates),
         fsdp_unit_names=fsdp_units(model),
         per_feature_neuron_names=tuple(per_feature),
+        attention_blocks=attention,
+        batchnorm_names=tuple(norms),
     )

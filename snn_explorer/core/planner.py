@@ -8,7 +8,7 @@ from .plan_types import DistributedFeatureSet, SNNDistributedPlan, topology_prob
 from .plans.families import resolve_family
 from .recommend import MODES, check_backend, check_batch_size, check_objective, recommend_snn_distributed_strategy
 from .topology import SNNDistributedTopology
-from .tp_plan import auto_tp_plan, check_tp_plan, with_local_neurons
+from .tp_plan import auto_tp_plan, check_tp_plan, head_aligned_tp_plan, with_local_neurons
 
 #: Modes tried after the recommendation, per objective, when it does not fit.
 FALLBACKS = {
@@ -33,14 +33,19 @@ def check_mode(mode: Any) -> Optional[str]:
 
 
 def _tp_for(mode: str, analysis: SNNDistributedAnalysis, topology: SNNDistributedTopology,
-            explicit: Optional[Mapping[str, str]]) -> Tuple[dict, Optional[str]]:
+            explicit: Optional[Mapping[str, str]], features: DistributedFeatureSet) -> Tuple[dict, Optional[str]]:
     """The TP plan for ``mode`` and the reason it cannot be built (None when it can)."""
     if mode not in ("tp", "fsdp2_tp"):
         return {}, None
     if not analysis.tensor_parallel_candidate_names:
         roots = f" under roots {analysis.tensor_parallel_roots}" if analysis.tensor_parallel_roots else ""
         return {}, f"mode {mode!r} needs tensor-parallel candidates, but analysis found no Linear layer{roots}"
-    tp_plan = with_local_neurons(analysis, explicit) if explicit else auto_tp_plan(analysis)
+    if explicit:
+        tp_plan = with_local_neurons(analysis, explicit)
+    elif features.allow_experimental_spikformer_tp and analysis.attention_blocks:
+        tp_plan = head_aligned_tp_plan(analysis)
+    else:
+        tp_plan = auto_tp_plan(analysis)
     try:
         check_tp_plan(analysis, tp_plan, topology.size("tp"))
     except ValueError as exc:
@@ -48,11 +53,11 @@ def _tp_for(mode: str, analysis: SNNDistributedAnalysis, topology: SNNDistribute
     return tp_plan, None
 
 
-def _problem(mode, analysis, topology, explicit) -> Tuple[dict, Optional[str]]:
+def _problem(mode, analysis, topology, explicit, features) -> Tuple[dict, Optional[str]]:
     problem = topology_problem(mode, topology)
     if problem:
         return {}, problem
-    return _tp_for(mode, analysis, topology, explicit)
+    return _tp_for(mode, analysis, topology, explicit, features)
 
 
 def plan(*, analysis: SNNDistributedAnalysis, objective: str,
@@ -92,7 +97,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     rec = recommend_snn_distributed_strategy(family, world_size=topology.world_size, prefer=objective,
                                              batch_size=batch_size, backend=backend)
     if mode is not None:
-        tp_plan, problem = _problem(mode, analysis, topology, tensor_parallel_plan)
+        tp_plan, problem = _problem(mode, analysis, topology, tensor_parallel_plan, features)
         if problem:
             raise ValueError(f"mode={mode!r} cannot be applied: {problem}")
         chosen = mode
@@ -104,7 +109,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
             order = ["none"] + [m for m in order if m != "none"]
         reasons = []
         for chosen in order:
-            tp_plan, problem = _problem(chosen, analysis, topology, tensor_parallel_plan)
+            tp_plan, problem = _problem(chosen, analysis, topology, tensor_parallel_plan, features)
             if problem is None:
                 break
             reasons.append(f"{chosen}: {problem}")
@@ -121,6 +126,13 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
         notes.append("ZeRO optimizer sharding is disabled by DistributedFeatureSet(allow_zero_optimizer=False); "
                      "optimizer_strategy='none'.")
         zero = False
+    if chosen in ("tp", "fsdp2_tp") and analysis.attention_blocks and not tensor_parallel_plan \
+            and not features.allow_experimental_spikformer_tp:
+        notes.append("attention q/k/v/proj are each sharded with gathered outputs; "
+                     "allow_experimental_spikformer_tp=True shards whole heads instead (less communication).")
+    if analysis.batchnorm_names and chosen != "tp" and topology.size("dp") > 1:
+        notes.append(f"{len(analysis.batchnorm_names)} BatchNorm layer(s) normalise over each rank's share of the "
+                     "batch in training mode (convert to SyncBatchNorm on CUDA for global statistics).")
     return SNNDistributedPlan(
         mode=chosen, objective=objective, topology=topology, model_family=family, backend=backend,
         batch_size=batch_size, optimizer_strategy="zero" if zero else "none", memopt_level=rec.memopt_level,

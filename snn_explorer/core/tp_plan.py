@@ -29,6 +29,18 @@ def auto_tp_plan(analysis: SNNDistributedAnalysis) -> Dict[str, str]:
     return with_local_neurons(analysis, plan)
 
 
+def head_aligned_tp_plan(analysis: SNNDistributedAnalysis) -> Dict[str, str]:
+    """Attention: q/k/v column-wise so each rank owns whole heads, its neurons local, proj row-wise.
+
+    Every other chain (MLPs, heads) is paired as in :func:`auto_tp_plan`.
+    """
+    plan = auto_tp_plan(analysis)
+    for block in analysis.attention_blocks:
+        plan.update({block.q: "colwise", block.k: "colwise", block.v: "colwise", block.proj: "rowwise"})
+        plan.update({n: "local" for n in block.neurons})
+    return plan
+
+
 def with_local_neurons(analysis: SNNDistributedAnalysis, plan: Mapping[str, str]) -> Dict[str, str]:
     """Add ``local`` for stateful modules between a ``colwise`` Linear and the next Linear."""
     out = dict(plan)
@@ -48,6 +60,10 @@ def check_tp_plan(analysis: SNNDistributedAnalysis, plan: Mapping[str, str], tp_
     if not plan:
         raise ValueError("tensor_parallel_plan is empty; give at least one 'path': 'colwise'/'rowwise' entry")
     candidates = set(analysis.tensor_parallel_candidate_names)
+    for block in analysis.attention_blocks:
+        if plan.get(block.q) == "colwise" and block.num_heads % tp_size:
+            raise ValueError(f"tp={tp_size} does not divide {block.path}.num_heads={block.num_heads}; "
+                             "head-aligned attention TP gives each rank whole heads")
     for path, style in plan.items():
         if style not in TP_STYLES:
             raise ValueError(f"tensor_parallel_plan[{path!r}]={style!r} is not a TP style; expected one of {TP_STYLES}")

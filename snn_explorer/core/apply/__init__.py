@@ -74,7 +74,7 @@ def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: str = "cud
     model.to(device)
     _set_neuron_backend(model, plan.backend)
     if plan.mode in ("tp", "fsdp2_tp"):
-        apply_tp(model, mesh["tp"], plan.tensor_parallel_plan, analysis)
+        apply_tp(model, mesh["tp"], plan.tensor_parallel_plan)
     if plan.mode in ("fsdp2", "fsdp2_tp"):
         apply_fsdp2(model, mesh["dp"], plan.fsdp_units, reshard_after_forward=plan.memopt_level >= 1)
     wrapped = apply_ddp(model, mesh["dp"], device) if plan.mode == "dp" else model

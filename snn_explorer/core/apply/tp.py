@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from ..analysis import SNNDistributedAnalysis
+from ..tp_plan import LINEAR_STYLES
 
 
 def parallel_style(style: str) -> ParallelStyle:
@@ -22,16 +22,22 @@ def parallel_style(style: str) -> ParallelStyle:
     raise ValueError(f"no ParallelStyle for TP style {style!r}")
 
 
-def _local_widths(analysis: SNNDistributedAnalysis, tp_plan: Mapping[str, str], tp: int) -> Dict[str, tuple]:
-    """For each ``local`` module: (full, local) feature count of the column-sharded Linear before it."""
-    widths, candidates = {}, set(analysis.tensor_parallel_candidate_names)
-    for chain in analysis.tp_chains:
-        width = None
-        for path in chain:
-            if path in candidates:
-                width = analysis.shape(path).out_features if tp_plan.get(path) == "colwise" else None
-            elif tp_plan.get(path) == "local" and width is not None:
-                widths[path] = (width, width // tp)
+def _local_widths(model: nn.Module, tp_plan: Mapping[str, str], tp: int) -> Dict[str, tuple]:
+    """For each ``local`` module: (full, local) width of the nearest column-sharded Linear before it.
+
+    "Before" is registration order, which is execution order for the chains and attention blocks
+    the planner shards.
+    """
+    widths, width = {}, None
+    for path, module in model.named_modules():
+        style = tp_plan.get(path)
+        if isinstance(module, nn.Linear) and style in LINEAR_STYLES:
+            width = module.out_features if style == "colwise" else None
+        elif style == "local":
+            if width is None:
+                raise ValueError(f"tensor_parallel_plan marks {path!r} 'local' but no column-sharded Linear "
+                                 "precedes it")
+            widths[path] = (width, width // tp)
     return widths
 
 
@@ -45,10 +51,10 @@ def _shard_check(path: str, full: int, local: int):
     return hook
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str],
-             analysis: SNNDistributedAnalysis) -> None:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str]) -> None:
     """Shard the plan's Linears; stateful modules after a column shard keep local state, checked."""
     styles = {p: parallel_style(s) for p, s in tp_plan.items() if s != "local"}
+    widths = _local_widths(model, tp_plan, tp_mesh.size())
     parallelize_module(model, tp_mesh, styles)
-    for path, (full, local) in _local_widths(analysis, tp_plan, tp_mesh.size()).items():
+    for path, (full, local) in widths.items():
         model.get_submodule(path).register_forward_pre_hook(_shard_check(path, full, local))
