@@ -1,0 +1,104 @@
+"""spikingjelly models (the real library): detection, reset, and TP / dp equal to the unsharded model."""
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distributed_harness import run_on_ranks
+
+sj = pytest.importorskip("spikingjelly.activation_based")  # installed by scripts/setup.sh
+
+
+def jelly_mlp(step_mode: str, seed: int = 0) -> nn.Module:
+    from spikingjelly.activation_based import functional, layer, neuron
+
+    torch.manual_seed(seed)
+    net = nn.Sequential(
+        layer.Linear(16, 32), neuron.LIFNode(tau=2.0),
+        layer.SeqToANNContainer(nn.Linear(32, 32)) if step_mode == "m" else layer.Linear(32, 32),
+        neuron.LIFNode(tau=2.0), layer.Dropout(0.0), layer.Linear(32, 8),
+    )
+    functional.set_step_mode(net, step_mode)
+    for m in net.modules():
+        if isinstance(m, nn.Linear):
+            with torch.no_grad():  # strong enough that every layer spikes
+                m.weight.mul_(3.0)
+                m.bias.fill_(0.5)
+    return net if step_mode == "m" else SingleStep(net)
+
+
+class SingleStep(nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return torch.stack([self.net(x_t) for x_t in x])
+
+
+def jelly_input():
+    return torch.rand(6, 4, 16, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * 3
+
+
+def test_import_does_not_pull_snn_libraries():
+    code = "import sys, snn_explorer; print(sorted(m for m in ('spikingjelly', 'snntorch') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_detects_and_resets_spikingjelly_neurons():
+    import snn_explorer as se
+
+    model = jelly_mlp("m").double()
+    analysis = se.analyze(model)
+    # spikingjelly's Dropout keeps its mask across time steps: a memory module too
+    assert dict(analysis.snn_libraries) == {"1": "spikingjelly", "3": "spikingjelly", "4": "spikingjelly"}
+    assert analysis.tp_chains == (("0", "1", "2.0", "3", "4", "5"),)  # SeqToANNContainer is a Sequential
+    model(jelly_input())
+    assert isinstance(model[1].v, torch.Tensor) and model[1].v.abs().sum() > 0
+    assert se.core.neurons.reset_all(model) == 3
+    assert model[1].v == 0.0  # spikingjelly resets memories to their initial value
+
+
+def _jelly_rank(step_mode, topology, mode):
+    import snn_explorer as se
+    from spikingjelly.activation_based import functional
+
+    x, y = jelly_input(), torch.arange(4) % 8
+    ref = jelly_mlp(step_mode).double()
+    rates = []
+    for m in ref.modules():
+        if hasattr(m, "v_threshold"):
+            m.register_forward_hook(lambda _m, _i, o: rates.append(float(o.mean())))
+    functional.reset_net(ref)
+    ref_out = ref(x)
+    nn.functional.cross_entropy(ref_out.mean(0), y).backward()
+    model = jelly_mlp(step_mode).double()
+    plan = se.plan(analysis=se.analyze(model), objective="memory", topology=topology, backend="torch",
+                   batch_size=4, mode=mode)
+    runtime = se.apply(model=model, plan=plan, device_type="cpu")
+    share, start = plan.per_rank_batch, runtime.dp_rank * plan.per_rank_batch
+    loss, out = runtime.forward_loss(nn.CrossEntropyLoss(), x[:, start:start + share], y[start:start + share])
+    loss.backward()
+    if plan.dp_size > 1:
+        parts = [torch.empty_like(out) for _ in range(plan.dp_size)]
+        dist.all_gather(parts, out.detach().contiguous(), group=runtime.mesh.get_group("dp"))
+        out = torch.cat(parts, dim=1)
+    grads = runtime.full_gradients()
+    err = max([float((out.detach() - ref_out.detach()).abs().max())]
+              + [float((grads[n] - p.grad).abs().max()) for n, p in ref.named_parameters()])
+    return dict(err=err, rate=sum(rates) / len(rates), min_rate=min(rates), styles=dict(plan.tensor_parallel_plan))
+
+
+@pytest.mark.parametrize("step_mode,topology,mode", [
+    ("m", {"tp": 2}, "tp"), ("s", {"tp": 2}, "tp"), ("m", {"dp": 2}, "dp"), ("m", {"dp": 2}, "fsdp2"),
+])
+def test_spikingjelly_matches_unsharded(step_mode, topology, mode):
+    for res in run_on_ranks(_jelly_rank, 2, step_mode, topology, mode, timeout=90):
+        assert 0.05 <= res["rate"] <= 0.95 and res["min_rate"] > 0, f"spike rates make it vacuous: {res}"
+        assert res["err"] <= 1e-9, res
+        if mode == "tp":
+            assert "local" in res["styles"].values()
