@@ -582,12 +582,11 @@ def test_snntorch_reset_zeroes_membrane():
 
 
 def test_spikingjelly_like_module_detected_without_import():
-    import sys
+    # that importing snn_explorer pulls in neither library is checked in a fresh process in test_spikingjelly
     model = nn.Sequential(nn.Linear(4, 4), FakeJellyNode())
     a = analyze(model)
     assert a.memory_module_names == ("1",)
     assert a.snn_libraries == (("1", "spikingjelly"),)
-    assert "spikingjelly" not in sys.modules
     assert neurons.reset_all(model) == 1 and model[1].resets == 1
 
 
