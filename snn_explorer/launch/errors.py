@@ -1,0 +1,60 @@
+"""LaunchError and the per-rank failure record it carries."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """Why one rank failed: exit code (None if it was still running), exception, traceback, log tail."""
+
+    rank: int
+    exitcode: Optional[int]
+    type: str
+    message: str
+    traceback: str = ""
+    log_tail: str = ""
+    #: True when the launcher ended this rank because another one failed first.
+    collateral: bool = False
+    #: When it failed (seconds since the epoch), if the rank said so; orders root causes first.
+    time: Optional[float] = None
+
+    def describe(self) -> str:
+        code = "still running" if self.exitcode is None else f"exit code {self.exitcode}"
+        return f"rank {self.rank} ({code}): {self.type}: {self.message}"
+
+
+def cause_order(failures) -> list:
+    """Root causes first: deaths without a Python error (signal, exit code), then errors by time;
+    ranks ended by the launcher last."""
+    return sorted(failures, key=lambda f: (f.collateral, not (f.traceback == "" and f.exitcode is not None),
+                                           f.time if f.time is not None else float("inf"), f.rank))
+
+
+class LaunchError(RuntimeError):
+    """A launch failed. ``failures`` maps rank -> :class:`RankFailure` (in rank order; the message
+    lists root causes first); ``unfinished`` lists the ranks that had not finished; ``logs`` maps
+    rank -> captured stdout+stderr."""
+
+    def __init__(self, headline: str, failures: Dict[int, RankFailure], unfinished: Sequence[int] = (),
+                 logs: Optional[Dict[int, str]] = None):
+        self.failures = dict(sorted(failures.items()))
+        self.unfinished = tuple(unfinished)
+        self.logs = logs or {}
+        super().__init__(self._format(headline))
+
+    def _format(self, headline: str) -> str:
+        ordered = cause_order(self.failures.values())
+        lines = [headline]
+        lines += ["  " + f.describe() + (" [ended by the launcher]" if f.collateral else "") for f in ordered]
+        first = next((f for f in ordered if f.traceback), None)
+        if first is not None:
+            lines += [f"remote traceback of rank {first.rank}:", first.traceback.rstrip()]
+        return "\n".join(lines)
+
+    @property
+    def root_cause(self) -> Optional[RankFailure]:
+        """The failure that most likely started it (see :func:`cause_order`)."""
+        ordered = cause_order(self.failures.values())
+        return ordered[0] if ordered else None

@@ -1,0 +1,122 @@
+"""Progress from ranks: ``report()`` on the rank side, a per-rank tracker on the launcher side.
+
+Every event a rank writes (its start, each ``report``, its end) is also a heartbeat; the
+launcher's timeout counts from a rank's latest one.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from . import channel
+
+
+def _number(value: Any) -> Any:
+    """Tensors and numpy scalars -> float, so reports stay JSON."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def report(step: Optional[int] = None, loss: Any = None, message: Optional[str] = None,
+           total: Optional[int] = None, **metrics: Any) -> None:
+    """Report progress from a rank (and count as its heartbeat).
+
+    Inside :func:`launch` the report reaches the live display; elsewhere (plain ``torchrun``,
+    a single process) it prints one line to stdout.
+    """
+    fields = {"step": step, "total": total, "loss": _number(loss), "message": message,
+              "metrics": {k: _number(v) for k, v in metrics.items()}}
+    rank = int(os.environ.get("RANK", "0"))
+    run_dir = os.environ.get(channel.DIR_ENV)
+    if run_dir:
+        channel.emit(run_dir, rank, "report", **fields)
+        return
+    parts = [f"[rank {rank}]"]
+    if step is not None:
+        parts.append(f"step {step}" + (f"/{total}" if total else ""))
+    if fields["loss"] is not None:
+        parts.append(f"loss={fields['loss']:.6g}" if isinstance(fields["loss"], float) else f"loss={fields['loss']}")
+    parts += [f"{k}={v}" for k, v in fields["metrics"].items()]
+    if message:
+        parts.append(str(message))
+    print(" ".join(parts), flush=True)
+
+
+@dataclass
+class RankState:
+    """What the launcher knows about one rank."""
+
+    rank: int
+    status: str = "starting"  # starting | running | done | failed
+    pid: Optional[int] = None
+    step: Optional[int] = None
+    total: Optional[int] = None
+    loss: Optional[float] = None
+    message: Optional[str] = None
+    last_seen: float = field(default_factory=time.time)
+    seconds: Optional[float] = None
+    failed_at: Optional[float] = None
+    exit_code: Optional[int] = None
+    reports: List[dict] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "reports"}
+
+
+class Tracker:
+    """Folds rank events into :class:`RankState` per rank."""
+
+    def __init__(self, nprocs: int, started: float):
+        self.ranks: Dict[int, RankState] = {r: RankState(r, last_seen=started) for r in range(nprocs)}
+
+    def apply(self, event: Dict[str, Any]) -> None:
+        state = self.ranks[event["rank"]]
+        state.last_seen = max(state.last_seen, event["time"])
+        kind = event["kind"]
+        if kind == "start":
+            state.status, state.pid = "running", event["pid"]
+        elif kind == "report":
+            report = {k: event[k] for k in ("step", "total", "loss", "message", "metrics")}
+            state.reports.append(report)
+            for key in ("step", "total", "loss", "message"):
+                if report[key] is not None:
+                    setattr(state, key, report[key])
+        elif kind == "end":
+            state.status, state.seconds = "done", event["seconds"]
+        elif kind == "error":
+            state.status, state.message = "failed", f"{event['type']}: {event['message']}"
+            state.failed_at = event["time"]
+        elif kind == "exit":
+            state.exit_code = event["code"]
+            state.status = "failed" if event["code"] else "exited"
+            state.failed_at = event["time"] if event["code"] else None
+
+    def unfinished(self) -> List[int]:
+        return [r for r, s in self.ranks.items() if s.status != "done"]
+
+    def silent(self, now: float, timeout: Optional[float]) -> List[int]:
+        """Unfinished ranks with no heartbeat for ``timeout`` seconds."""
+        if timeout is None:
+            return []
+        return [r for r in self.unfinished() if now - self.ranks[r].last_seen > timeout]
+
+    def snapshot(self) -> List[dict]:
+        return [s.as_dict() for s in self.ranks.values()]
+
+    def line(self, rank: int) -> str:
+        """One short human line for a rank, shared by the text and widget displays."""
+        s = self.ranks[rank]
+        parts = [s.status]
+        if s.step is not None:
+            parts.append(f"step {s.step}" + (f"/{s.total}" if s.total else ""))
+        if s.loss is not None:
+            parts.append(f"loss {s.loss:.4g}" if isinstance(s.loss, float) else f"loss {s.loss}")
+        if s.message:
+            parts.append(str(s.message))
+        return " · ".join(parts)
