@@ -4,8 +4,11 @@
 for a plan, ``report(...)`` from inside a rank, ``export_job(...)`` for torchrun / Slurm.
 """
 from .errors import LaunchError, RankFailure
+from .export import ExportedJob, export_job
 from .launcher import launch, resolve_backend
+from .plan_run import launch_plan
 from .progress import report
 from .result import LaunchResult, TrainResult
 
-__all__ = ["LaunchError", "LaunchResult", "RankFailure", "TrainResult", "launch", "report", "resolve_backend"]
+__all__ = ["ExportedJob", "LaunchError", "LaunchResult", "RankFailure", "TrainResult", "export_job", "launch",
+           "launch_plan", "report", "resolve_backend"]

@@ -1,0 +1,93 @@
+"""launch_plan(): every rank receives the model, applies the plan and runs the user's step function.
+
+The step function's signature is ``train_fn(runtime, step, batch, state, **train_kwargs)``:
+
+* ``runtime``: the :class:`~snn_explorer.core.SNNDistributedRuntime` that ``apply`` returned;
+* ``step``: 0, 1, ..., ``steps - 1``;
+* ``batch``: this rank's next batch from ``runtime.prepare_dataloader(dataset)`` (``None``
+  without a dataset; the loader restarts with a new epoch when it runs out);
+* ``state``: a dict that lives for the whole run on this rank; ``state["optimizer"]`` is
+  ``runtime.build_optimizer(**optimizer)`` unless ``optimizer=None``.
+
+It returns the step's loss (a number or scalar tensor), a dict of metrics (``"loss"`` among
+them), or None. Each step is reported (a heartbeat) and the metrics come back per rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
+
+from .launcher import launch, resolve_backend
+from .progress import _number, report
+from .result import TrainResult
+
+DEFAULT_OPTIMIZER = {"lr": 1e-3}
+
+
+def _batches(runtime, dataset, seed: int) -> Iterator[Any]:
+    if dataset is None:
+        while True:
+            yield None
+    loader = runtime.prepare_dataloader(dataset, seed=seed)
+    if len(loader) == 0:
+        raise ValueError(f"the dataset ({len(dataset)} samples) yields no batch of {runtime.plan.batch_size} "
+                         f"(global) for this rank; use a larger dataset or a smaller plan batch_size")
+    epoch = 0
+    while True:
+        runtime.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def _metrics(out: Any) -> Dict[str, Any]:
+    if out is None:
+        return {}
+    if isinstance(out, Mapping):
+        return {str(k): _number(v) for k, v in out.items()}
+    return {"loss": _number(out)}
+
+
+def train_plan_rank(model, plan_data: dict, train_fn: Callable, steps: int, dataset=None,
+                    device_type: str = "cpu", optimizer: Optional[dict] = DEFAULT_OPTIMIZER, seed: int = 0,
+                    train_kwargs: Optional[dict] = None) -> List[Dict[str, Any]]:
+    """One rank of :func:`launch_plan` (also what an exported job runs): apply, then ``steps`` steps."""
+    import torch
+
+    from ..core import SNNDistributedPlan, apply
+
+    torch.manual_seed(seed)
+    runtime = apply(model=model, plan=SNNDistributedPlan.from_dict(plan_data), device_type=device_type)
+    state: Dict[str, Any] = {}
+    if optimizer is not None:
+        state["optimizer"] = runtime.build_optimizer(**optimizer)
+    batches, history = _batches(runtime, dataset, seed), []
+    for step in range(steps):
+        metrics = _metrics(train_fn(runtime, step, next(batches), state, **(train_kwargs or {})))
+        history.append(metrics)
+        report(step=step + 1, total=steps, loss=metrics.get("loss"))
+    return history
+
+
+def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None,
+                optimizer: Optional[dict] = DEFAULT_OPTIMIZER, seed: int = 0, backend: str = "auto",
+                timeout: Optional[float] = 900.0, env: Optional[Mapping[str, str]] = None, progress=True,
+                log_dir: Optional[str] = None, train_kwargs: Optional[dict] = None) -> TrainResult:
+    """Run ``plan`` for ``model`` on ``plan.world_size`` ranks, ``steps`` calls of ``train_fn`` each.
+
+    The model travels by value; each rank applies the plan on CPU (gloo) or its own GPU (NCCL),
+    as ``backend`` implies. See the module docstring for ``train_fn``'s signature. Returns a
+    :class:`TrainResult` (``.losses``: rank -> per-step losses); raises ``LaunchError``.
+    """
+    from ..core import SNNDistributedPlan, preflight
+
+    if not isinstance(plan, SNNDistributedPlan):
+        raise TypeError(f"plan must be an SNNDistributedPlan, got {type(plan).__name__}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r} must be a positive int")
+    preflight(model, plan)
+    backend = resolve_backend(backend, plan.world_size)
+    result = launch(train_plan_rank, model, plan.to_dict(), train_fn, steps, dataset,
+                    "cuda" if backend == "nccl" else "cpu", optimizer, seed, train_kwargs,
+                    nprocs=plan.world_size, backend=backend, timeout=timeout, env=env, progress=progress,
+                    log_dir=log_dir)
+    return TrainResult(**{f.name: getattr(result, f.name) for f in dataclasses.fields(result)})
