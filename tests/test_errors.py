@@ -15,24 +15,10 @@ import snn_explorer as se
 from snn_explorer import (DistributedFeatureSet, SNNDistributedAnalysis, SNNDistributedPlan, SNNDistributedRuntime,
                           SNNDistributedTopology, analyze, apply, plan, preflight,
                           recommend_snn_distributed_strategy, register_stateful)
+from models import MLP, leaky
 
 
 # ---- models and helpers ------------------------------------------------------------------------
-
-def leaky():
-    return snn.Leaky(beta=0.9, init_hidden=True)
-
-
-class MLP(nn.Module):
-    """body: Linear(8,16) -> Leaky -> Linear(16,8); head: Linear(8,10)."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(8, 16), leaky(), nn.Linear(16, 8))
-        self.head = nn.Linear(8, 10)
-
-    def forward(self, x):
-        return self.head(self.body(x))
 
 
 def conv_net():

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed_harness import run_on_ranks
+from models import gather_over_dp
 
 
 def _rates(model):
@@ -44,10 +45,7 @@ def _one_step(zoo_name, topology, mode, gates):
     share, start = plan.per_rank_batch, runtime.dp_rank * plan.per_rank_batch
     loss, out = runtime.forward_loss(crit, x[:, start:start + share], y[start:start + share])
     loss.backward()
-    if plan.dp_size > 1:
-        parts = [torch.empty_like(out) for _ in range(plan.dp_size)]
-        dist.all_gather(parts, out.detach().contiguous(), group=runtime.mesh.get_group("dp"))
-        out = torch.cat(parts, dim=1)
+    out = gather_over_dp(runtime, out)
     grads = runtime.full_gradients()
     errors = {"outputs": float((out.detach() - ref_out.detach()).abs().max())}
     errors.update({f"grad {n}": float((grads[n] - p.grad).abs().max()) for n, p in ref.named_parameters()})

@@ -15,6 +15,7 @@ from snn_explorer.core.plan_types import topology_problem
 from snn_explorer import (DistributedFeatureSet, SNNDistributedAnalysis, SNNDistributedPlan,
                           SNNDistributedRuntime, SNNDistributedTopology, StrategyRecommendation, analyze, plan,
                           recommend_snn_distributed_strategy)
+from models import MLP, leaky
 
 OBJECTIVES = ("speed", "memory", "capacity")
 VGG_NAMES = ("cifar10dvs_vgg", "vgg16", "cifar10dvs_vgg_small")
@@ -22,28 +23,12 @@ VGG_NAMES = ("cifar10dvs_vgg", "vgg16", "cifar10dvs_vgg_small")
 
 # ---- models ------------------------------------------------------------------------------------
 
-def leaky() -> nn.Module:
-    return snn.Leaky(beta=0.9, init_hidden=True)
-
-
 def linear_chain(n: int, width: int = 8) -> nn.Sequential:
     """n Linears, each followed by Leaky, Dropout and Identity (children 4*i .. 4*i+3)."""
     layers = []
     for _ in range(n):
         layers += [nn.Linear(width, width), leaky(), nn.Dropout(0.1), nn.Identity()]
     return nn.Sequential(*layers)
-
-
-class MLP(nn.Module):
-    """body: Linear(8,16) -> Leaky -> Linear(16,8); head: Linear(8,10) (a singleton chain)."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(8, 16), leaky(), nn.Linear(16, 8))
-        self.head = nn.Linear(8, 10)
-
-    def forward(self, x):
-        return self.head(self.body(x))
 
 
 def vgg_like() -> nn.Sequential:

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed_harness import run_on_ranks
+from models import gather_over_dp
 
 sj = pytest.importorskip("spikingjelly.activation_based")  # installed by scripts/setup.sh
 
@@ -83,10 +84,7 @@ def _jelly_rank(step_mode, topology, mode):
     share, start = plan.per_rank_batch, runtime.dp_rank * plan.per_rank_batch
     loss, out = runtime.forward_loss(nn.CrossEntropyLoss(), x[:, start:start + share], y[start:start + share])
     loss.backward()
-    if plan.dp_size > 1:
-        parts = [torch.empty_like(out) for _ in range(plan.dp_size)]
-        dist.all_gather(parts, out.detach().contiguous(), group=runtime.mesh.get_group("dp"))
-        out = torch.cat(parts, dim=1)
+    out = gather_over_dp(runtime, out)
     grads = runtime.full_gradients()
     err = max([float((out.detach() - ref_out.detach()).abs().max())]
               + [float((grads[n] - p.grad).abs().max()) for n, p in ref.named_parameters()])
