@@ -5,51 +5,36 @@ Run: ``python -m snn_explorer.quickstart [--model mlp] [--steps 3] [--nprocs 4]`
 from __future__ import annotations
 
 import argparse
-import uuid
 
 import pandas as pd
-import torch
-import torch.distributed as dist
 from torch import nn
 
-from . import analyze, apply, plan, SNNDistributedPlan
+from . import analyze, plan, SNNDistributedPlan
 from .explorer import analysis_table, plans_table
+from .launch import launch_plan
 from .zoo import build
 
 TOPOLOGIES = ({"dp": 4}, {"dp": 2, "tp": 2}, {"tp": 4})
 
 
-def train_rank(plan_data: dict, model_name: str, steps: int) -> list:
-    """One rank: build the model (same seed everywhere), apply the plan, train ``steps`` steps."""
-    dist.init_process_group("gloo")
-    try:
-        torch.set_num_threads(1)
-        zoo = build(model_name, batch_size=SNNDistributedPlan.from_dict(plan_data).batch_size)
-        runtime = apply(model=zoo.model, plan=SNNDistributedPlan.from_dict(plan_data), device_type="cpu")
-        optimizer = runtime.build_optimizer(lr=1e-2)
-        share = runtime.plan.per_rank_batch
-        start = runtime.dp_rank * share
-        inputs, labels = zoo.example_input[:, start:start + share], zoo.labels[start:start + share]
-        losses = []
-        for _ in range(steps):
-            loss, _ = runtime.forward_loss(nn.CrossEntropyLoss(), inputs, labels)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            losses.append(round(loss.item(), 6))
-        return losses
-    finally:
-        dist.destroy_process_group()
+def train_step(runtime, step, batch, state, inputs, labels) -> float:
+    """One training step on one rank (``launch_plan``'s signature): this dp rank's share of the batch."""
+    share = runtime.plan.per_rank_batch
+    start = runtime.dp_rank * share
+    loss, _ = runtime.forward_loss(nn.CrossEntropyLoss(), inputs[:, start:start + share], labels[start:start + share])
+    optimizer = state["optimizer"]
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return round(loss.item(), 6)
 
 
 def run_on_gloo(plan_: SNNDistributedPlan, model_name: str, steps: int) -> dict:
-    """Run :func:`train_rank` on the plan's ranks through torch's elastic launcher."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=plan_.world_size, run_id=uuid.uuid4().hex,
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, start_method="spawn",
-                          monitor_interval=0.1)
-    return elastic_launch(config, train_rank)(plan_.to_dict(), model_name, steps)
+    """Train the zoo model on the plan's gloo ranks through :func:`launch_plan`; rank -> losses."""
+    zoo = build(model_name, batch_size=plan_.batch_size)
+    result = launch_plan(zoo.model, plan_, train_step, steps=steps, optimizer={"lr": 1e-2}, backend="gloo",
+                         train_kwargs={"inputs": zoo.example_input, "labels": zoo.labels})
+    return result.losses
 
 
 def main(argv=None) -> None:
