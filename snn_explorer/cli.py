@@ -1,0 +1,235 @@
+"""The ``snn-explorer`` console script: analyze a model, compare plans, export a cluster job.
+
+A model is given as ``module:factory`` (a callable returning an ``nn.Module`` or a zoo model, or a
+module attribute holding one) or ``zoo:NAME`` for a built-in. Examples::
+
+    snn-explorer analyze zoo:mlp
+    snn-explorer compare mypkg.models:make_net --world-size 4 --objective memory
+    snn-explorer export zoo:mlp --topology dp=2,tp=2 --train mypkg.train:step --steps 100 --out job/
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .core import SNN_DISTRIBUTED_PREFERENCES, SNNDistributedTopology, analyze, plan
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def _resolve(spec: str, what: str) -> Any:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise CliError(f"{what} {spec!r} must look like 'module:attribute' (e.g. 'mypkg.models:make_net'"
+                       + (" or 'zoo:mlp')" if what == "model" else ")"))
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise CliError(f"cannot import module {module_name!r} of {what} {spec!r}: {exc}") from None
+    target = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise CliError(f"module {module_name!r} has no attribute {attr!r} ({what} {spec!r})")
+        target = getattr(target, part)
+    return target
+
+
+def load_model(spec: str) -> Tuple[Any, Optional[str], Optional[int]]:
+    """``(model, family or None, example batch size or None)`` for ``module:factory`` / ``zoo:NAME``."""
+    from torch import nn
+
+    if spec.startswith("zoo:"):
+        from .zoo import ZOO_NAMES, build
+
+        name = spec[4:]
+        if name not in ZOO_NAMES:
+            raise CliError(f"unknown zoo model {name!r} in {spec!r}; expected one of {ZOO_NAMES}")
+        obj = build(name)
+    else:
+        obj = _resolve(spec, "model")
+        if callable(obj) and not isinstance(obj, nn.Module):
+            obj = obj()
+    if isinstance(obj, nn.Module):
+        return obj, None, None
+    if isinstance(getattr(obj, "model", None), nn.Module):
+        return obj.model, getattr(obj, "family", None), getattr(obj, "batch_size", None)
+    raise CliError(f"model {spec!r} gave a {type(obj).__name__}, not a torch.nn.Module (or an object with .model)")
+
+
+def parse_topology(text: str) -> SNNDistributedTopology:
+    """``"dp=2,tp=2"`` -> a validated topology."""
+    dims: Dict[str, int] = {}
+    for item in text.split(","):
+        name, sep, size = item.strip().partition("=")
+        if not sep or not name.strip():
+            raise CliError(f"bad topology {text!r}: {item.strip()!r} is not NAME=SIZE; expected e.g. 'dp=2,tp=2'")
+        try:
+            dims[name.strip()] = int(size)
+        except ValueError:
+            raise CliError(f"bad topology {text!r}: size {size!r} of dim {name.strip()!r} is not an integer") from None
+    try:
+        return SNNDistributedTopology(dims)
+    except (TypeError, ValueError) as exc:
+        raise CliError(f"bad topology {text!r}: {exc}") from None
+
+
+def topologies(args) -> List[SNNDistributedTopology]:
+    """The topology given, or every dp x tp factorisation of the world size."""
+    if args.topology:
+        return [parse_topology(args.topology)]
+    n = args.world_size
+    if n < 1:
+        raise CliError(f"bad world size {n}: must be >= 1")
+    out = [SNNDistributedTopology({"dp": n})]
+    out += [SNNDistributedTopology({"dp": n // tp, "tp": tp}) for tp in range(2, n) if n % tp == 0]
+    return out + ([SNNDistributedTopology({"tp": n})] if n > 1 else [])
+
+
+def _objectives(value: str) -> Sequence[str]:
+    return SNN_DISTRIBUTED_PREFERENCES if value == "all" else (value,)
+
+
+def _analysis(args):
+    model, family, batch = load_model(args.model)
+    roots = args.roots.split(",") if getattr(args, "roots", None) else None
+    try:
+        return model, analyze(model, model_family=args.family or family, roots=roots), batch
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CliError(f"cannot analyze {args.model!r}: {exc}") from None
+
+
+def _plans(args, analysis, batch):
+    batch = args.batch_size or batch or 8
+    plans, skipped = [], []
+    for topology in topologies(args):
+        for objective in _objectives(args.objective):
+            try:
+                p = plan(analysis=analysis, objective=objective, topology=topology, backend="torch",
+                         batch_size=batch, mode=getattr(args, "mode", None))
+            except (ValueError, NotImplementedError) as exc:
+                skipped.append(f"{dict(topology.dims)} / {objective}: {exc}")
+                continue
+            if p not in plans:
+                plans.append(p)
+    return plans, skipped
+
+
+def cmd_analyze(args) -> int:
+    from .explorer import analysis_table
+
+    _, analysis, _ = _analysis(args)
+    if args.json:
+        print(json.dumps(analysis.to_dict(), indent=2))
+        return 0
+    print(f"model family: {analysis.model_family}")
+    print(analysis_table(analysis).to_string(index=False))
+    for note in analysis.notes:
+        print(f"note: {note}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from .explorer import plans_table
+
+    _, analysis, batch = _analysis(args)
+    plans, skipped = _plans(args, analysis, batch)
+    if args.json:
+        print(json.dumps([p.to_dict() for p in plans], indent=2))
+    elif plans:
+        import pandas as pd
+
+        with pd.option_context("display.width", 200, "display.max_colwidth", 60):
+            print(plans_table(plans).to_string())
+    for line in skipped:
+        print(f"no plan: {line}", file=sys.stderr)
+    if not plans:
+        raise CliError("no plan fits: " + "; ".join(skipped))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .launch import export_job
+
+    model, analysis, batch = _analysis(args)
+    if not args.objective or args.objective == "all":
+        raise CliError("export needs one --objective (speed, memory or capacity)")
+    plans, skipped = _plans(args, analysis, batch)
+    if not plans:
+        raise CliError("no plan fits: " + "; ".join(skipped))
+    chosen = plans[0]
+    if args.train_script:
+        train = args.train_script
+        if not os.path.isfile(train):
+            raise CliError(f"training script {train!r} does not exist")
+    else:
+        train = _resolve(args.train, "train function")
+        if not callable(train):
+            raise CliError(f"train function {args.train!r} is a {type(train).__name__}, not callable")
+    try:
+        job = export_job(chosen, train, args.out, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
+                         model=model, steps=args.steps, job_name=args.job_name)
+    except (TypeError, ValueError) as exc:
+        raise CliError(f"cannot export: {exc}") from None
+    print(f"plan: {chosen!r}")
+    print(f"wrote {job.path}: {os.path.basename(job.script)}, plan.json, command.sh, job.sbatch")
+    print(job.command)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="snn-explorer", description="Analyze a spiking model, compare distribution plans, export a torchrun / Slurm job.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def model_args(p, plans: bool):
+        p.add_argument("model", help="module:factory, or zoo:NAME for a built-in model")
+        p.add_argument("--family", help="model family (default: detected)")
+        p.add_argument("--roots", help="comma-separated module paths to restrict tensor parallelism to")
+        if plans:
+            where = p.add_mutually_exclusive_group(required=True)
+            where.add_argument("--world-size", type=int, help="rank count; every dp x tp factorisation is tried")
+            where.add_argument("--topology", help="named mesh dims, e.g. dp=2,tp=2")
+            p.add_argument("--objective", default="all", choices=SNN_DISTRIBUTED_PREFERENCES + ("all",))
+            p.add_argument("--batch-size", type=int, help="global batch (default: the model's example batch or 8)")
+            p.add_argument("--mode", help="force a mode (dp, tp, fsdp2, fsdp2_tp)")
+
+    p = sub.add_parser("analyze", help="stateful neurons and tensor-parallel candidates")
+    model_args(p, plans=False)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=cmd_analyze)
+    p = sub.add_parser("compare", help="side-by-side plans for a world size or topology")
+    model_args(p, plans=True)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=cmd_compare)
+    p = sub.add_parser("export", help="write a torchrun / Slurm job for one plan")
+    model_args(p, plans=True)
+    train = p.add_mutually_exclusive_group(required=True)
+    train.add_argument("--train", help="module:function, a launch_plan step function")
+    train.add_argument("--train-script", help="a script to run instead (gets --plan plan.json)")
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--nproc-per-node", type=int)
+    p.add_argument("--job-name", default="snn-explorer")
+    p.set_defaults(run=cmd_export)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except CliError as exc:
+        print(f"snn-explorer: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
