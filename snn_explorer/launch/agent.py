@@ -56,6 +56,18 @@ def _write_error(run_dir: str, rank: int, exc: BaseException) -> None:
     sys.stderr.write(tb)
 
 
+def _load_payload(path: str):
+    """``(fn, args, kwargs)``; in-memory sources (notebook cells) go to linecache for tracebacks."""
+    import cloudpickle
+    import linecache
+
+    with open(path, "rb") as fh:
+        data, sources = cloudpickle.loads(fh.read())
+    for name, lines in sources.items():
+        linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
+    return cloudpickle.loads(data)
+
+
 def run_rank(run_dir: str, backend: str) -> None:
     """One rank: heartbeat, load the payload, init the process group, run, store the value."""
     import faulthandler
@@ -70,8 +82,7 @@ def run_rank(run_dir: str, backend: str) -> None:
     try:
         import cloudpickle
 
-        with open(channel.path(run_dir, "payload.pkl"), "rb") as fh:
-            fn, args, kwargs = cloudpickle.loads(fh.read())
+        fn, args, kwargs = _load_payload(channel.path(run_dir, "payload.pkl"))
         dist = _init_process_group(backend)
         started = time.time()
         value = fn(*args, **kwargs)

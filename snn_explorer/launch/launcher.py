@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Union
 import cloudpickle
 
 from . import channel
+from . import payload as payloads
 from .display import choose_display
 from .errors import LaunchError, RankFailure, cause_order
 from .process import AgentProcess
@@ -166,7 +167,7 @@ def launch(fn: Callable, *args: Any, nprocs: int, backend: str = "auto", timeout
     """
     _check(nprocs, timeout)
     backend = resolve_backend(backend, nprocs)
-    payload = cloudpickle.dumps((fn, args, kwargs))
+    payload = payloads.dumps(fn, args, kwargs)
     started = time.time()
     run_dir = tempfile.mkdtemp(prefix="snn-launch-")  # mode 0700
     try:

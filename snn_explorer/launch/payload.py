@@ -1,0 +1,59 @@
+"""Pickling what a rank runs: cloudpickle, keeping file names so remote tracebacks stay readable.
+
+cloudpickle >= 3 renames the file of by-value code to ``<dynamic-code>``; here each code object
+gets its real file name back on load (through ``operator.methodcaller``, so ranks import nothing
+of ours), and source lines held only in memory (notebook cells) travel along for ``linecache``.
+"""
+from __future__ import annotations
+
+import io
+import linecache
+import operator
+import os
+import types
+from typing import Any, Dict, List, Tuple
+
+import cloudpickle
+
+_code_reduce = getattr(getattr(cloudpickle, "cloudpickle", None), "_code_reduce", None)
+
+
+class _Code:
+    """Pickles as cloudpickle's own reconstruction of ``code`` (the loaded object is the code)."""
+
+    def __init__(self, code: types.CodeType):
+        self.code = code
+
+    def __reduce__(self):
+        return _code_reduce(self.code)
+
+
+class _Pickler(cloudpickle.Pickler):
+    def __init__(self, file):
+        super().__init__(file, protocol=cloudpickle.DEFAULT_PROTOCOL)
+        self.filenames = set()
+
+    def reducer_override(self, obj):
+        if _code_reduce is not None and isinstance(obj, types.CodeType):
+            self.filenames.add(obj.co_filename)
+            return operator.methodcaller("replace", co_filename=obj.co_filename), (_Code(obj),)
+        return super().reducer_override(obj)
+
+
+def _memory_sources(filenames) -> Dict[str, List[str]]:
+    """Source lines that exist only in this process's linecache (e.g. notebook cells)."""
+    out = {}
+    for name in filenames:
+        if not os.path.exists(name):
+            lines = linecache.getlines(name)
+            if lines:
+                out[name] = lines
+    return out
+
+
+def dumps(fn, args: Tuple, kwargs: Dict[str, Any]) -> bytes:
+    """The payload a rank loads: ``(fn, args, kwargs, in-memory sources)``."""
+    buf = io.BytesIO()
+    pickler = _Pickler(buf)
+    pickler.dump((fn, args, kwargs))
+    return cloudpickle.dumps((buf.getvalue(), _memory_sources(pickler.filenames)))

@@ -1,0 +1,29 @@
+"""Shared fixtures for the launcher tests: an isolated temp dir and a leak check."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import psutil
+import pytest
+
+
+@pytest.fixture
+def clean_launch(tmp_path, monkeypatch):
+    """Route temp files to a private dir; after the test, no child process and no temp file remain."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    yield tmp
+    children = psutil.Process().children(recursive=True)
+    assert not children, f"child processes left behind: {children}"
+    assert not os.listdir(tmp), f"temporary files left behind: {os.listdir(tmp)}"
+
+
+def gone(pid: int) -> bool:
+    """True if ``pid`` has exited (a zombie counts as gone)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
