@@ -1,0 +1,97 @@
+"""Collectives of one training step under a plan: kind, count and bytes per mesh dim and phase.
+
+``bytes`` is the full buffer each collective works on (all-reduce / broadcast: the tensor,
+all-gather: the output, reduce-scatter: the input), summed over its calls, on every rank.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..core import SNNDistributedPlan
+from .profile import ModelProfile
+from .sharding import Param
+
+Row = Tuple[str, str, str]  # mesh_dim, kind, phase
+
+
+def ddp_buckets(params: Sequence[Param], ready_order: Sequence[str]) -> List[int]:
+    """Bytes of each DDP bucket after its first-iteration rebuild (gradients in ready order)."""
+    by_name = {p.name: p for p in params}
+    order = [n for n in ready_order if n in by_name] + [p.name for p in params if p.name not in ready_order]
+    meta = [torch.empty(by_name[n].numel, dtype=_dtype(by_name[n].itemsize), device="meta") for n in order]
+    buckets, _ = dist._compute_bucket_assignment_by_size(
+        meta, [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 1024 * 1024], [False] * len(meta), list(range(len(meta))))
+    return [sum(meta[i].numel() * meta[i].element_size() for i in b) for b in buckets]
+
+
+def _dtype(itemsize: int) -> torch.dtype:
+    return {1: torch.uint8, 2: torch.float16, 4: torch.float32, 8: torch.float64}[itemsize]
+
+
+def fsdp_groups(params: Sequence[Param]) -> Dict[str, List[Param]]:
+    groups: Dict[str, List[Param]] = defaultdict(list)
+    for p in params:
+        groups[p.group].append(p)
+    return groups
+
+
+def fsdp_group_bytes(group: Sequence[Param], dp: int) -> int:
+    """All-gather output = reduce-scatter input of one FSDP2 group: ``dp`` padded dim-0 chunks."""
+    return dp * sum(p.rows(dp, 0)[0] * p.row_numel * p.itemsize for p in group)
+
+
+def _fsdp(out, plan: SNNDistributedPlan, params, profile: ModelProfile, t: int) -> None:
+    reshard = plan.memopt_level >= 1
+    for unit, group in fsdp_groups(params).items():
+        nbytes = fsdp_group_bytes(group, plan.dp_size)
+        module = profile.modules.get(unit)
+        calls = round(module.calls(1, t)) if module and unit else 1
+        hooked = bool(module and unit and module.input_requires_grad)  # post-backward hook per call
+        if unit and reshard:
+            fwd, bwd = calls, calls if hooked else 1
+        else:  # kept unsharded after forward (memopt 0, and always the root)
+            fwd, bwd = 1, calls - 1 if hooked else 0
+        _add(out, ("dp", "all_gather", "forward"), fwd, fwd * nbytes)
+        _add(out, ("dp", "all_gather", "backward"), bwd, bwd * nbytes)
+        _add(out, ("dp", "reduce_scatter", "backward"), 1, nbytes)
+
+
+def _tp(out, plan: SNNDistributedPlan, profile: ModelProfile, n: int, t: int, itemsize: int) -> None:
+    for path, style in plan.tensor_parallel_plan.items():
+        module = profile.modules.get(path)
+        if style == "local" or module is None:
+            continue
+        calls = round(module.calls(n, t))
+        if style == "rowwise":
+            _add(out, ("tp", "all_reduce", "forward"), calls, round(module.out_elems(n, t)) * itemsize)
+        if style == "colwise_gather":
+            _add(out, ("tp", "all_gather", "forward"), calls, round(module.out_elems(n, t)) * itemsize)
+        if style in ("colwise", "colwise_gather") and module.input_requires_grad:
+            _add(out, ("tp", "all_reduce", "backward"), calls, round(module.in_elems(n, t)) * itemsize)
+
+
+def _add(out, key: Row, count: int, nbytes: int) -> None:
+    if count:
+        out[key][0] += count
+        out[key][1] += nbytes
+
+
+def step_collectives(plan: SNNDistributedPlan, params: Sequence[Param], profile: ModelProfile,
+                     time_steps: int, itemsize: int) -> List[dict]:
+    """Rows ``mesh_dim, kind, phase, count, bytes`` of one step on each rank (all ranks alike)."""
+    out: Dict[Row, List[int]] = defaultdict(lambda: [0, 0])
+    n = plan.per_rank_batch
+    if plan.mode == "dp":
+        buckets = ddp_buckets(params, profile.grad_ready_order)
+        _add(out, ("dp", "all_reduce", "backward"), len(buckets), sum(buckets))
+        if plan.optimizer_strategy == "zero":
+            _add(out, ("dp", "broadcast", "optimizer"), len(params), sum(p.numel * p.itemsize for p in params))
+    if plan.mode in ("tp", "fsdp2_tp"):
+        _tp(out, plan, profile, n, time_steps, itemsize)
+    if plan.mode in ("fsdp2", "fsdp2_tp"):
+        _fsdp(out, plan, params, profile, time_steps)
+    return [dict(mesh_dim=d, kind=k, phase=p, count=c, bytes=b) for (d, k, p), (c, b) in out.items()]

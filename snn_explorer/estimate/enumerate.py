@@ -1,0 +1,58 @@
+"""enumerate_plans(): every plan the core accepts for a world size, and why the others are left out."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Tuple
+
+from ..core import DistributedFeatureSet, SNNDistributedAnalysis, SNNDistributedPlan, plan
+
+
+class PlanList(list):
+    """The feasible plans (a list); ``infeasible`` maps each left-out candidate to the reason."""
+
+    def __init__(self, plans, infeasible: Dict[str, str]):
+        super().__init__(plans)
+        self.infeasible = dict(infeasible)
+
+
+def _candidates(world_size: int) -> List[Tuple[str, Dict[str, int], bool]]:
+    """(mode, topology, ZeRO) for each mode x factorisation of ``world_size`` into dp x tp."""
+    if world_size == 1:
+        return [("none", {"dp": 1}, False)]
+    out = [("dp", {"dp": world_size}, False), ("dp", {"dp": world_size}, True),
+           ("fsdp2", {"dp": world_size}, False), ("tp", {"tp": world_size}, False)]
+    out += [("fsdp2_tp", {"dp": world_size // tp, "tp": tp}, False)
+            for tp in range(2, world_size) if world_size % tp == 0]
+    return out
+
+
+def _label(mode: str, topology: Dict[str, int], zero: bool) -> str:
+    return mode + ("+zero" if zero else "") + " " + " x ".join(f"{n}={s}" for n, s in topology.items())
+
+
+def enumerate_plans(analysis: SNNDistributedAnalysis, *, world_size: int, batch_size: int, backend: str = "torch",
+                    features: Optional[DistributedFeatureSet] = None, objective: str = "speed") -> PlanList:
+    """Every feasible plan for ``world_size`` ranks: each mode x each dp x tp factorisation x ZeRO on/off.
+
+    ``batch_size`` is the global batch of one optimizer step; the dp ranks of each plan split it
+    (tensor-parallel peers see the same samples). ``objective`` sets the memopt level the core
+    gives each plan. Plans come from ``core.plan`` with an explicit mode, so each one is a plan
+    ``apply`` accepts; a candidate the core refuses is left out and ``result.infeasible[label]``
+    says why (e.g. ``"tp=4 does not divide head.out_features=10 ..."``). ZeRO is tried only for
+    ``dp`` and only when ``features`` allows it.
+    """
+    features = features if features is not None else DistributedFeatureSet()
+    plans: List[SNNDistributedPlan] = []
+    infeasible: Dict[str, str] = {}
+    for mode, topology, zero in _candidates(world_size):
+        label = _label(mode, topology, zero)
+        if zero and not features.allow_zero_optimizer:
+            infeasible[label] = "ZeRO is disabled by DistributedFeatureSet(allow_zero_optimizer=False)"
+            continue
+        try:
+            plans.append(plan(analysis=analysis, objective=objective, topology=topology, backend=backend,
+                              batch_size=batch_size, mode=mode,
+                              features=dataclasses.replace(features, allow_zero_optimizer=zero)))
+        except (ValueError, NotImplementedError) as exc:
+            infeasible[label] = str(exc)
+    return PlanList(plans, infeasible)

@@ -1,0 +1,181 @@
+"""estimate(): per-rank memory and per-step communication of a plan, without running it.
+
+Plans are compared on the same work: ``plan.batch_size`` and ``example_input`` (``[T, N, ...]``)
+are the global batch of one optimizer step, which the plan's data-parallel ranks split between
+them (tensor-parallel peers see the same samples); every per-rank number is for
+``plan.per_rank_batch`` samples.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import pandas as pd
+import torch
+from torch import nn
+
+from ..core import SNNDistributedPlan
+from ._step import check_optimizer
+from .comms import ddp_buckets, fsdp_group_bytes, fsdp_groups, step_collectives
+from .profile import ModelProfile, model_profile
+from .sharding import buffer_bytes, local_params, optimizer_temporaries, rank_bytes
+
+PER_RANK_COLUMNS = ("rank", "params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes", "activations_bytes",
+                    "neuron_state_bytes", "transient_bytes", "peak_bytes")
+COLLECTIVE_COLUMNS = ("mesh_dim", "kind", "phase", "count", "bytes")
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2 ** 20:.2f} MiB"
+
+
+@dataclass(frozen=True)
+class PlanEstimate:
+    """Estimated per-rank memory (``per_rank``) and per-step collectives (``collectives``) of a plan.
+
+    ``time_steps`` and ``batch_per_rank`` say which work the numbers describe.
+    """
+
+    plan: SNNDistributedPlan
+    per_rank: pd.DataFrame
+    collectives: pd.DataFrame
+    verdict: str
+    time_steps: int
+    optimizer: str
+    memory_budget: Optional[int] = None
+    details: Dict[str, float] = field(default_factory=dict, repr=False)
+
+    @property
+    def batch_per_rank(self) -> int:
+        return self.plan.per_rank_batch
+
+    @property
+    def peak_bytes(self) -> int:
+        return int(self.per_rank["peak_bytes"].max())
+
+    @property
+    def comm_bytes(self) -> int:
+        return int(self.collectives["bytes"].sum()) if len(self.collectives) else 0
+
+    def summary(self) -> dict:
+        """One row for comparison tables: plan, global and per-rank batch, peak, traffic, verdict."""
+        p = self.plan
+        return dict(mode=p.mode + ("+zero" if p.optimizer_strategy == "zero" else ""),
+                    mesh=" x ".join(f"{n}={s}" for n, s in zip(p.mesh_dim_names, p.mesh_shape)),
+                    batch=p.batch_size, batch_per_rank=p.per_rank_batch, time_steps=self.time_steps,
+                    peak_bytes=self.peak_bytes, comm_bytes=self.comm_bytes,
+                    collectives=int(self.collectives["count"].sum()) if len(self.collectives) else 0,
+                    verdict=self.verdict)
+
+    def _repr_html_(self) -> str:
+        return (f"<p>{self.plan!r}: {self.verdict}</p>" + self.per_rank.to_html(index=False)
+                + self.collectives.to_html(index=False))
+
+
+def _tp_factors(plan: SNNDistributedPlan, analysis, profile: ModelProfile) -> Dict[str, float]:
+    """1/tp for modules whose tensors are feature-sharded by the plan's TP layout, else 1."""
+    if plan.tp_size == 1:
+        return {}
+    sharded, candidates = set(), set(analysis.tensor_parallel_candidate_names)
+    for chain in analysis.tp_chains:
+        inside = False
+        for path in chain:
+            if path in candidates:
+                style = plan.tensor_parallel_plan.get(path)
+                if style == "rowwise":
+                    sharded.add(path)
+                inside = style == "colwise"
+            elif inside:
+                sharded.add(path)
+    factors = {}
+    for name in profile.modules:
+        if any(name == s or name.startswith(s + ".") for s in sharded):
+            factors[name] = 1.0 / plan.tp_size
+    return factors
+
+
+def _analysis(model: nn.Module, plan: SNNDistributedPlan):
+    from ..core import analyze
+
+    return analyze(model, model_family=plan.model_family, roots=plan.tensor_parallel_roots)
+
+
+def _transient(plan: SNNDistributedPlan, params, grads_full: int) -> tuple:
+    """(transient bytes, gradient bytes live at the peak) for the plan's mode."""
+    if plan.mode == "dp":
+        return sum(ddp_buckets(params, ())), grads_full  # DDP's flat buckets, allocated once
+    if plan.mode in ("fsdp2", "fsdp2_tp"):
+        groups = fsdp_groups(params)
+        unsharded = {u: sum(p.numel * p.itemsize for p in g) for u, g in groups.items()}
+        if plan.memopt_level >= 1:
+            units = sorted((b for u, b in unsharded.items() if u), reverse=True)
+            live = unsharded.get("", 0) + sum(units[:2])
+        else:
+            live = sum(unsharded.values())
+        buffer = max(fsdp_group_bytes(g, plan.dp_size) for g in groups.values())
+        return live + buffer, grads_full
+    return 0, None
+
+
+def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch.Tensor,
+             labels: Optional[torch.Tensor] = None, time_steps: Optional[int] = None, optimizer: str = "adam",
+             dtype: Optional[torch.dtype] = None, memory_budget: Optional[int] = None,
+             profile: Optional[ModelProfile] = None) -> PlanEstimate:
+    """Estimate ``plan`` for ``model`` per rank of its mesh, for one optimizer step.
+
+    ``example_input`` ``[T, N, ...]`` is a sample of the global batch (``plan.batch_size``
+    samples, split by the dp ranks); only its per-sample shape and dtype matter, ``T`` is the
+    default ``time_steps``. The unsharded model is measured once (see ``profile``) and the
+    measurement is cached, so estimating many plans of one model is fast. ``dtype`` (default:
+    the model's) is the parameter and activation dtype. ``memory_budget`` (bytes per device)
+    turns the verdict into fits / does not fit.
+    """
+    optimizer = check_optimizer(optimizer)
+    if example_input.dim() < 2:
+        raise ValueError(f"example_input must be [T, N, ...], got shape {tuple(example_input.shape)}")
+    t = int(time_steps if time_steps is not None else example_input.shape[0])
+    profile = profile or model_profile(model, example_input, labels, dtype)
+    itemsize = torch.empty((), dtype=profile.dtype).element_size()
+    params = local_params(model, plan, itemsize)
+    n = plan.per_rank_batch
+    factors = _tp_factors(plan, _analysis(model, plan), profile)
+    saved = sum(m.saved(n, t) for m in profile.modules.values())
+    saved_local = sum(m.saved(n, t) * factors.get(k, 1.0) for k, m in profile.modules.items())
+    state = sum(m.state(n, t) * factors.get(k, 1.0) for k, m in profile.modules.items())
+    activations = saved_local + profile.input_bytes(n, t)
+    scale = saved_local / saved if saved else 1.0
+    dyn_peak, dyn_after = profile.dynamic_peak(n, t)
+    fwd_bwd = (dyn_peak - profile.grads_bytes) * scale  # activations and temporaries, beside the gradients
+    after_bwd = (dyn_after - profile.grads_bytes) * scale
+    buffers = buffer_bytes(model, profile.dtype)
+    grads_full = sum(p.numel * p.itemsize for p in params)
+    transient, grads_at_peak = _transient(plan, params, grads_full)
+    persistent = transient if plan.mode == "dp" else 0  # DDP buckets live through the optimizer step
+    rows = []
+    for rank in range(plan.world_size):
+        b = rank_bytes(params, plan, rank, optimizer)
+        live_grads = b["grads_bytes"] if grads_at_peak is None else grads_at_peak
+        phase_fb = fwd_bwd + live_grads + transient
+        phase_opt = after_bwd + b["grads_bytes"] + persistent + optimizer_temporaries(params, plan, rank, optimizer)
+        peak = (b["params_bytes"] + b["optimizer_bytes"] + buffers + profile.input_bytes(n, t) + state
+                + max(phase_fb, phase_opt))
+        rows.append(dict(rank=rank, **b, buffers_bytes=buffers, activations_bytes=round(activations),
+                         neuron_state_bytes=round(state), transient_bytes=round(transient), peak_bytes=round(peak)))
+    per_rank = pd.DataFrame(rows, columns=PER_RANK_COLUMNS)
+    collectives = pd.DataFrame(step_collectives(plan, params, profile, t, itemsize), columns=COLLECTIVE_COLUMNS)
+    peak = int(per_rank["peak_bytes"].max())
+    if memory_budget is None:
+        verdict = f"peak {_mib(peak)} per rank; {collectives['bytes'].sum() / 2 ** 20:.2f} MiB communicated per step"
+    elif peak <= memory_budget:
+        verdict = f"fits: peak {_mib(peak)} of a {_mib(memory_budget)} budget per device"
+    else:
+        verdict = f"does not fit: peak {_mib(peak)} exceeds the {_mib(memory_budget)} budget per device"
+    return PlanEstimate(plan=plan, per_rank=per_rank, collectives=collectives, verdict=verdict, time_steps=t,
+                        optimizer=optimizer, memory_budget=memory_budget,
+                        details=dict(saved=saved_local, fwd_bwd=fwd_bwd, after_bwd=after_bwd))
+
+
+def estimate_all(model: nn.Module, plans, *, example_input: torch.Tensor, **kwargs) -> pd.DataFrame:
+    """:func:`estimate` for each plan; one summary row per plan (incl. global and per-rank batch)."""
+    rows = [estimate(model, p, example_input=example_input, **kwargs).summary() for p in plans]
+    return pd.DataFrame(rows)

@@ -1,0 +1,262 @@
+"""measure(): run a plan on real gloo ranks for a few steps and record what the estimate predicts.
+
+Per rank: the bytes of the sharded parameters, gradients and optimizer state (each storage
+counted once), buffers, activations saved for backward, neuron state, the peak tensor memory of
+one training step (torch's ``MemTracker``, plus DDP's gradient buckets, which it cannot see),
+the collectives issued (:class:`CollectiveRecorder`, checked against torch's ``CommDebugMode``
+where that runs) and the step time. ``example_input`` and ``plan.batch_size`` are the global
+batch of one optimizer step: each dp rank trains on its ``plan.per_rank_batch`` slice.
+The memory and collective numbers describe the last step, after warm-up steps in which DDP
+rebuilds its buckets and optimizers create their state.
+"""
+from __future__ import annotations
+
+import copy
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import pandas as pd
+import torch
+from torch import nn
+
+from ..core import SNNDistributedPlan
+from ._spawn import run_on_ranks
+from ._step import OPTIMIZERS, batch_slice, check_optimizer, forward_loss
+from .estimate import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
+from .recorder import CollectiveRecorder
+from .sharding import state_tensor_ids
+
+
+@dataclass(frozen=True)
+class PlanMeasurement:
+    """Measured counterpart of :class:`PlanEstimate`: the same two tables, plus timing.
+
+    ``collectives`` is rank 0's; ``collectives_agree`` says whether every rank issued the same.
+    ``comm_debug_counts`` are CommDebugMode's counts per kind (None where it cannot run: torch's
+    CommDebugMode fails on modules called more than once per forward, as per-step SNNs do).
+    """
+
+    plan: SNNDistributedPlan
+    per_rank: pd.DataFrame
+    collectives: pd.DataFrame
+    step_time_s: List[float]
+    samples_per_s: float
+    collectives_agree: bool
+    comm_debug_counts: Optional[Dict[str, int]] = None
+    steps: int = 3
+    by_rank: List[dict] = field(default_factory=list, repr=False)
+
+    @property
+    def peak_bytes(self) -> int:
+        return int(self.per_rank["peak_bytes"].max())
+
+    def _repr_html_(self) -> str:
+        return (f"<p>{self.plan!r}: {self.samples_per_s:.1f} samples/s</p>" + self.per_rank.to_html(index=False)
+                + self.collectives.to_html(index=False))
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _storage_bytes(tensors) -> Dict[int, int]:
+    out = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = _local(t).untyped_storage()
+            out[st.data_ptr()] = st.nbytes()
+    return out
+
+
+def _state_tensors(module: nn.Module):
+    ids = state_tensor_ids(module)
+    return [b for b in module.buffers() if id(b) in ids] + [
+        v for m in module.modules() for v in getattr(m, "_memories", {}).values() if isinstance(v, torch.Tensor)]
+
+
+class _Saved:
+    """saved_tensors_hooks that remember each saved storage still alive at the end of the forward."""
+
+    def __init__(self):
+        self.refs: Dict[int, tuple] = {}
+
+    def pack(self, t):
+        st = _local(t).untyped_storage()
+        old = self.refs.get(st.data_ptr())
+        if old is None or old[1]() is None:
+            self.refs[st.data_ptr()] = (st.nbytes(), weakref.ref(st))
+        return t
+
+    def alive(self) -> Dict[int, int]:
+        return {ptr: n for ptr, (n, ref) in self.refs.items() if ref() is not None}
+
+
+def _called_twice(model: nn.Module, run) -> bool:
+    counts: Dict[int, int] = {}
+    hooks = [m.register_forward_pre_hook(lambda m, a: counts.__setitem__(id(m), counts.get(id(m), 0) + 1))
+             for m in model.modules()]
+    try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return any(c > 1 for c in counts.values())
+
+
+def _measure_plan(model, plan, example_input, labels, steps, optimizer, dtype, lr) -> dict:
+    import contextlib
+
+    import torch.distributed as dist
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from ..core import apply
+
+    model = copy.deepcopy(model).to(dtype)
+    runtime = apply(model=model, plan=plan, device_type="cpu")
+    x, y = batch_slice(example_input, labels, plan.per_rank_batch, example_input.shape[0],
+                       start=runtime.dp_rank * plan.per_rank_batch)
+    x = x.to(dtype)
+    cls, kw = OPTIMIZERS[optimizer]
+    opt = runtime.build_optimizer(cls, lr=lr, **kw)
+    module = runtime.module
+
+    def step(recorder=None, saved=None, after_forward=None):
+        opt.zero_grad(set_to_none=True)
+        if recorder is not None:
+            recorder.phase = "forward"
+        hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t) if saved else contextlib.nullcontext()
+        with hooks:
+            loss = forward_loss(runtime.model, x, y)
+        if after_forward:
+            after_forward()
+        if recorder is not None:
+            recorder.phase = "backward"
+        loss.backward()
+        del loss
+        if recorder is not None:
+            recorder.phase = "optimizer"
+        opt.step()
+
+    repeated = _called_twice(module, step)
+    times = []
+    for _ in range(max(1, steps)):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    times = times[1:] if len(times) > 1 else times
+
+    recorder, saved, seen = CollectiveRecorder(), _Saved(), {}
+    static = _storage_bytes(list(module.parameters()) + list(module.buffers()))
+
+    def after_forward():
+        seen["state"] = _storage_bytes(_state_tensors(module))
+        seen["saved"] = saved.alive()
+
+    tracker = MemTracker()
+    tracker.track_external(runtime.model, opt, x)
+    debug = CommDebugMode() if not repeated else contextlib.nullcontext()
+    with tracker, debug, recorder:
+        step(recorder, saved, after_forward)
+    peak = tracker.get_tracker_snapshot("peak")[x.device]["Total"]
+
+    buckets = 0
+    if plan.mode == "dp":
+        sizes = str(runtime.model._get_ddp_logging_data().get("rebuilt_bucket_sizes", ""))
+        buckets = sum(int(s) for s in sizes.replace(",", " ").split())
+    input_ptr = x.untyped_storage().data_ptr()
+    activations = sum(n for p, n in seen["saved"].items() if p not in static and p not in seen["state"]
+                      and p != input_ptr) + x.numel() * x.element_size()
+    params = list(module.parameters())
+    state_dict = getattr(opt, "optim", opt).state
+    dims = {} if runtime.mesh is None else {
+        frozenset(dist.get_process_group_ranks(runtime.mesh.get_group(d))): d for d in plan.mesh_dim_names}
+    state_ids = state_tensor_ids(module)
+    return dict(
+        row=dict(rank=dist.get_rank(), params_bytes=sum(_storage_bytes(params).values()),
+                 grads_bytes=sum(_storage_bytes([p.grad for p in params]).values()),
+                 optimizer_bytes=sum(_storage_bytes([v for s in state_dict.values() for v in s.values()]).values()),
+                 buffers_bytes=sum(_storage_bytes([b for b in module.buffers() if id(b) not in state_ids]).values()),
+                 activations_bytes=activations, neuron_state_bytes=sum(seen["state"].values()),
+                 transient_bytes=buckets if plan.mode == "dp" else float("nan"), peak_bytes=peak + buckets),
+        collectives=recorder.table(dims), times=times,
+        debug=None if repeated else {str(k).rsplit(".", 1)[-1]: v for k, v in debug.get_comm_counts().items()})
+
+
+def _measure_on_rank(model, plans, example_input, labels, steps, optimizer, dtype, lr) -> List[dict]:
+    return [_measure_plan(model, p, example_input, labels, steps, optimizer, dtype, lr) for p in plans]
+
+
+def _kind_counts(rows) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for r in rows:
+        out[r["kind"]] = out.get(r["kind"], 0) + r["count"]
+    return out
+
+
+def _assemble(plan: SNNDistributedPlan, results: Sequence[dict], steps: int) -> PlanMeasurement:
+    per_rank = pd.DataFrame([r["row"] for r in results], columns=PER_RANK_COLUMNS).sort_values("rank")
+    key = lambda rows: sorted((r["mesh_dim"], r["kind"], r["phase"], r["count"], r["bytes"]) for r in rows)
+    agree = all(key(r["collectives"]) == key(results[0]["collectives"]) for r in results)
+    collectives = pd.DataFrame(results[0]["collectives"], columns=COLLECTIVE_COLUMNS)
+    times = [sum(r["times"]) / len(r["times"]) for r in results]
+    return PlanMeasurement(plan=plan, per_rank=per_rank.reset_index(drop=True), collectives=collectives,
+                           step_time_s=times, samples_per_s=plan.batch_size / max(times), collectives_agree=agree,
+                           comm_debug_counts=results[0]["debug"], steps=steps, by_rank=list(results))
+
+
+def measure_many(model: nn.Module, plans: Sequence[SNNDistributedPlan], *, example_input: torch.Tensor,
+                 labels: Optional[torch.Tensor] = None, steps: int = 3, optimizer: str = "adam",
+                 dtype: Optional[torch.dtype] = None, lr: float = 1e-3, timeout: float = 300.0) -> List[PlanMeasurement]:
+    """:func:`measure` for several plans, one spawned set of gloo ranks per world size."""
+    optimizer = check_optimizer(optimizer)
+    dtype = dtype or next((p.dtype for p in model.parameters()), example_input.dtype)
+    out: Dict[int, PlanMeasurement] = {}
+    worlds = sorted({p.world_size for p in plans})
+    for world in worlds:
+        idx = [i for i, p in enumerate(plans) if p.world_size == world]
+        group = [plans[i] for i in idx]
+        if world == 1:
+            ranks = [_measure_single(model, group, example_input, labels, steps, optimizer, dtype, lr)]
+        else:
+            ranks = run_on_ranks(_measure_on_rank, world, model, group, example_input, labels, steps, optimizer,
+                                 dtype, lr, timeout=timeout)
+        for j, i in enumerate(idx):
+            out[i] = _assemble(plans[i], [r[j] for r in ranks], steps)
+    return [out[i] for i in range(len(plans))]
+
+
+def _measure_single(model, plans, example_input, labels, steps, optimizer, dtype, lr):
+    """A one-rank (mode 'none') measurement in this process, on a private gloo group."""
+    import datetime
+    import tempfile
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return _measure_on_rank(model, plans, example_input, labels, steps, optimizer, dtype, lr)
+    with tempfile.NamedTemporaryFile() as f:
+        dist.init_process_group("gloo", init_method=f"file://{f.name}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=60))
+        try:
+            return _measure_on_rank(model, plans, example_input, labels, steps, optimizer, dtype, lr)
+        finally:
+            dist.destroy_process_group()
+
+
+def measure(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch.Tensor,
+            labels: Optional[torch.Tensor] = None, steps: int = 3, optimizer: str = "adam",
+            dtype: Optional[torch.dtype] = None, lr: float = 1e-3, timeout: float = 300.0) -> PlanMeasurement:
+    """Train ``plan`` on ``plan.world_size`` spawned gloo ranks for ``steps`` steps and measure one more.
+
+    ``example_input`` ``[T, N, ...]`` is the global batch (``plan.batch_size`` samples): dp rank
+    ``r`` trains on samples ``r * per_rank_batch`` onwards. ``labels`` select a cross-entropy loss
+    (else the mean square output). The model is copied; it is not changed.
+    """
+    return measure_many(model, [plan], example_input=example_input, labels=labels, steps=steps,
+                        optimizer=optimizer, dtype=dtype, lr=lr, timeout=timeout)[0]

@@ -1,0 +1,231 @@
+"""The one-off measurement of the unsharded model that every estimate reuses.
+
+The model (a private copy) runs a forward and backward on the CPU at four small sizes
+``(N, T)`` (two batch sizes by two time steps, :data:`SIZES`). Per module it records the bytes saved for
+backward (``torch.autograd.graph.saved_tensors_hooks``, each storage counted once and charged to
+the innermost module running when it was saved; parameters, buffers, the input batch and
+neuron state excluded), the neuron state left in each stateful module after the forward, the
+forward calls and input/output sizes, and the order in which gradients become ready. Each
+quantity is fitted bilinearly in ``N`` and ``T`` (:class:`Fit`), which is exact for models whose
+tensors grow linearly in batch and in time, and evaluated at a plan's per-rank batch.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from ..core.neurons import reset_all, stateful_modules
+from ._step import batch_slice, forward_loss
+
+#: The batch sizes and time steps of the profile runs: a 2 x 2 grid.
+NS, TS = (2, 4), (2, 3)
+SIZES = tuple((n, t) for t in TS for n in NS)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """``value(N, T) = c0 + c1 * N + c2 * T + c3 * N * T``, exact through the four :data:`SIZES`."""
+
+    c0: float = 0.0
+    c1: float = 0.0
+    c2: float = 0.0
+    c3: float = 0.0
+    signed: bool = False
+
+    @classmethod
+    def of(cls, v11: float, v21: float, v12: float, v22: float, signed: bool = False) -> "Fit":
+        (n1, n2), (t1, t2) = NS, TS
+        c3 = (v22 - v21 - v12 + v11) / ((n2 - n1) * (t2 - t1))
+        c1 = (v21 - v11) / (n2 - n1) - c3 * t1
+        c2 = (v12 - v11) / (t2 - t1) - c3 * n1
+        return cls(v11 - c1 * n1 - c2 * t1 - c3 * n1 * t1, c1, c2, c3, signed)
+
+    def __call__(self, n: int, t: int) -> float:
+        value = self.c0 + self.c1 * n + self.c2 * t + self.c3 * n * t
+        return value if self.signed else max(0.0, value)
+
+
+@dataclass(frozen=True)
+class ModuleProfile:
+    """What one module did in the forward: saved bytes, neuron state, calls and sizes."""
+
+    saved: Fit
+    state: Fit
+    calls: Fit
+    in_elems: Fit
+    out_elems: Fit
+    input_requires_grad: bool
+
+
+@dataclass
+class ModelProfile:
+    """The fitted one-off measurement; ``modules`` by path ('' is the root and the loss).
+
+    :meth:`dynamic_peak` is the one quantity that is not linear in batch and time (a maximum
+    over the step): it is measured once per ``(N, T)`` asked for, on the private model copy.
+    """
+
+    modules: Dict[str, ModuleProfile]
+    input_bytes: Fit
+    grads_bytes: int
+    grad_ready_order: Tuple[str, ...]
+    dtype: torch.dtype
+    model: nn.Module = field(repr=False, default=None)
+    example_input: torch.Tensor = field(repr=False, default=None)
+    labels: Optional[torch.Tensor] = field(repr=False, default=None)
+    peaks: Dict[Tuple[int, int], Tuple[int, int]] = field(default_factory=dict, repr=False)
+
+    def dynamic_peak(self, n: int, t: int) -> Tuple[int, int]:
+        """Bytes above the memory at the start of an unsharded forward + backward of ``n`` samples
+        and ``t`` steps: (the peak, what is still allocated after the backward)."""
+        if (n, t) not in self.peaks:
+            x, y = batch_slice(self.example_input, self.labels, n, t)
+            run = _run_point(self.model, x.to(self.dtype), y, saved_only=False)
+            self.peaks[(n, t)] = (run["peak"], run["after"])
+        return self.peaks[(n, t)]
+
+
+def _storages(tensors) -> Dict[int, int]:
+    out = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            st = t.untyped_storage()
+            out[st.data_ptr()] = st.nbytes()
+    return out
+
+
+def _state_tensors(module: nn.Module):
+    tensors = [b for n, b in module.named_buffers(recurse=False) if n in module._non_persistent_buffers_set]
+    memories = getattr(module, "_memories", None)
+    if isinstance(memories, dict):
+        tensors += [v for v in memories.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def _numel(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel()
+    if isinstance(obj, (tuple, list)):
+        return _numel(obj[0]) if obj else 0
+    return 0
+
+
+def _requires_grad(args) -> bool:
+    flat = torch.utils._pytree.tree_leaves(args)
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in flat)
+
+
+def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor], saved_only: bool = True) -> dict:
+    """One forward + backward; per-module raw numbers and the dynamic peak above the entry memory."""
+    names = {m: n for n, m in model.named_modules()}
+    stack, calls, ins, outs, rg = [], {}, {}, {}, {}
+    saved: Dict[int, tuple] = {}  # data_ptr -> (module, nbytes, weakref to the storage)
+
+    def pre(module, args):
+        name = names[module]
+        stack.append(name)
+        calls[name] = calls.get(name, 0) + 1
+        ins[name] = ins.get(name, 0) + _numel(args)
+        rg[name] = rg.get(name, False) or _requires_grad(args)
+
+    def post(module, args, out):
+        name = stack.pop()
+        outs[name] = outs.get(name, 0) + _numel(out)
+
+    def pack(t):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            st = t.untyped_storage()
+            old = saved.get(st.data_ptr())
+            if old is None or old[2]() is None:  # a freed storage's address can be reused
+                saved[st.data_ptr()] = (stack[-1] if stack else "", st.nbytes(), weakref.ref(st))
+        return t
+
+    hooks = [m.register_forward_pre_hook(pre) for m in names] + [m.register_forward_hook(post) for m in names]
+    order = []
+    hooks += [p.register_post_accumulate_grad_hook(lambda p, n=n: order.append(n))
+              for n, p in model.named_parameters() if p.requires_grad]
+    static = _storages(list(model.parameters()) + list(model.buffers()) + [x])
+    try:
+        forward_loss(model, x, labels).backward()  # warm-up: state tensors take this size
+        model.zero_grad(set_to_none=True)
+        order.clear()
+        saved.clear()
+        calls.clear(), ins.clear(), outs.clear()
+        reset_all(model)
+        tracker = MemTracker()
+        tracker.track_external(model, x)
+        with tracker if not saved_only else contextlib.nullcontext():
+            entry = tracker.get_tracker_snapshot()[x.device]["Total"] if not saved_only else 0
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = forward_loss(model, x, labels)
+            state = {n: _storages(_state_tensors(m)) for n, m in stateful_modules(model)}
+            held = {ptr: (name, nbytes) for ptr, (name, nbytes, ref) in saved.items() if ref() is not None}
+            loss.backward()
+            del loss
+            after = tracker.get_tracker_snapshot()[x.device]["Total"] - entry if not saved_only else 0
+        peak = tracker.get_tracker_snapshot("peak")[x.device]["Total"] - entry if not saved_only else 0
+    finally:
+        for h in hooks:
+            h.remove()
+    state_ptrs = {p for s in state.values() for p in s}
+    per_saved: Dict[str, int] = {}
+    for ptr, (name, nbytes) in held.items():
+        if ptr not in static and ptr not in state_ptrs:
+            per_saved[name] = per_saved.get(name, 0) + nbytes
+    grads = sum(_storages([p.grad for p in model.parameters()]).values())
+    return dict(saved=per_saved, state={n: sum(s.values()) for n, s in state.items()}, calls=calls, ins=ins,
+                outs=outs, rg=rg, peak=peak, after=after, grads=grads, order=tuple(order),
+                input=x.numel() * x.element_size())
+
+
+def _fit(points, get, signed: bool = False) -> Fit:
+    return Fit.of(*(float(get(p)) for p in points), signed=signed)
+
+
+def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                    dtype: Optional[torch.dtype] = None) -> ModelProfile:
+    """Run a copy of ``model`` unsharded at :data:`SIZES` and fit the profile (see the module doc)."""
+    dtype = dtype or next((p.dtype for p in model.parameters()), example_input.dtype)
+    model = copy.deepcopy(model).to(dtype).train()
+    points = []
+    for n, t in SIZES:
+        x, y = batch_slice(example_input, labels, n, t)
+        points.append(_run_point(model, x.to(dtype), y))
+    names = set().union(*(p["calls"] for p in points), *(p["saved"] for p in points))
+    modules = {}
+    for name in names:
+        modules[name] = ModuleProfile(
+            saved=_fit(points, lambda p: p["saved"].get(name, 0)),
+            state=_fit(points, lambda p: p["state"].get(name, 0)),
+            calls=_fit(points, lambda p: p["calls"].get(name, 0)),
+            in_elems=_fit(points, lambda p: p["ins"].get(name, 0)),
+            out_elems=_fit(points, lambda p: p["outs"].get(name, 0)),
+            input_requires_grad=any(p["rg"].get(name, False) for p in points),
+        )
+    return ModelProfile(modules=modules, input_bytes=_fit(points, lambda p: p["input"]),
+                        grads_bytes=points[0]["grads"], grad_ready_order=points[-1]["order"], dtype=dtype,
+                        model=model, example_input=example_input, labels=labels)
+
+
+_CACHE: Dict[tuple, ModelProfile] = {}
+
+
+def _key(model: nn.Module, example_input: torch.Tensor, labels, dtype) -> tuple:
+    shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in model.named_parameters())
+    return (id(model), shapes, tuple(example_input.shape[2:]), example_input.dtype, labels is None, dtype)
+
+
+def model_profile(model: nn.Module, example_input: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                  dtype: Optional[torch.dtype] = None) -> ModelProfile:
+    """:func:`measure_profile`, cached per model object, parameter shapes, sample shape and dtype."""
+    key = _key(model, example_input, labels, dtype)
+    if key not in _CACHE:
+        _CACHE[key] = measure_profile(model, example_input, labels, dtype)
+    return _CACHE[key]

@@ -1,0 +1,105 @@
+"""CollectiveRecorder: every collective issued under it, with its mesh dim, phase and bytes.
+
+A TorchDispatchMode that sees both the c10d ops that DDP, FSDP2 and ZeroRedundancyOptimizer call
+and the functional collectives DTensor redistributions issue. ``bytes`` is the size of the full
+(logical) buffer: the tensor of an all-reduce or broadcast, the output of an all-gather, the
+input of a reduce-scatter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_c10d = torch.ops.c10d
+_fn = torch.ops._c10d_functional
+
+
+def _nbytes(t: Any) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return 0
+
+
+def _group(arg: Any) -> str:
+    """The group name of a functional collective's ``group_name`` or a c10d op's boxed ProcessGroup."""
+    if isinstance(arg, str):
+        return arg
+    if isinstance(arg, torch.ScriptObject):
+        arg = dist.ProcessGroup.unbox(arg)
+    return arg.group_name
+
+
+# op packet -> (kind, index of the group argument, index of the argument whose size is counted)
+_OPS = {
+    _c10d.allreduce_: ("all_reduce", 1, 0),
+    _c10d.allreduce_coalesced_: ("all_reduce", 1, 0),
+    _c10d.broadcast_: ("broadcast", 1, 0),
+    _c10d._allgather_base_: ("all_gather", 2, 0),
+    _c10d.allgather_: ("all_gather", 2, 0),
+    _c10d.allgather_coalesced_: ("all_gather", 2, 0),
+    _c10d.allgather_into_tensor_coalesced_: ("all_gather", 2, 0),
+    _c10d._reduce_scatter_base_: ("reduce_scatter", 2, 1),
+    _c10d.reduce_scatter_: ("reduce_scatter", 2, 1),
+    _c10d.reduce_scatter_tensor_coalesced_: ("reduce_scatter", 2, 1),
+    _c10d.alltoall_base_: ("all_to_all", 2, 1),
+    _c10d.alltoall_: ("all_to_all", 2, 1),
+    _fn.all_reduce: ("all_reduce", 2, 0),
+    _fn.all_reduce_coalesced: ("all_reduce", 2, 0),
+    _fn.broadcast: ("broadcast", 2, 0),
+    _fn.reduce_scatter_tensor: ("reduce_scatter", 3, 0),
+    _fn.reduce_scatter_tensor_coalesced: ("reduce_scatter", 3, 0),
+    _fn.all_to_all_single: ("all_to_all", 3, 0),
+}
+# All-gathers whose output the functional op allocates: bytes = input x group size.
+_GATHERS = {_fn.all_gather_into_tensor: 2, _fn.all_gather_into_tensor_coalesced: 2}
+
+
+@dataclass
+class CollectiveRecorder(TorchDispatchMode):
+    """Record collectives as ``(group_name, kind, phase, bytes)``; set ``phase`` as the step runs."""
+
+    phase: str = "forward"
+    events: List[tuple] = field(default_factory=list)
+
+    def __post_init__(self):
+        super().__init__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        packet = getattr(func, "_overloadpacket", None)
+        if packet in _OPS:
+            kind, g, b = _OPS[packet]
+            self.events.append((_group(args[g]), kind, self.phase, _nbytes(args[b])))
+        elif packet in _GATHERS:
+            self.events.append((_group(args[_GATHERS[packet]]), "all_gather", self.phase,
+                                _nbytes(args[0]) * int(args[1])))
+        return out
+
+    def table(self, dim_of_ranks: Dict[frozenset, str]) -> List[dict]:
+        """Rows ``mesh_dim, kind, phase, count, bytes`` summed over events.
+
+        A group is named by the mesh dim with the same ranks (DTensor may reuse an equal group of
+        an earlier mesh); other groups keep their name.
+        """
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        rows: Dict[tuple, List[int]] = {}
+        names: Dict[str, str] = {}
+        for group, kind, phase, nbytes in self.events:
+            if group not in names:
+                ranks = frozenset(dist.get_process_group_ranks(_resolve_process_group(group)))
+                names[group] = dim_of_ranks.get(ranks, group)
+            key = (names[group], kind, phase)
+            acc = rows.setdefault(key, [0, 0])
+            acc[0] += 1
+            acc[1] += nbytes
+        return [dict(mesh_dim=d, kind=k, phase=p, count=c, bytes=n) for (d, k, p), (c, n) in rows.items()]

@@ -1,0 +1,140 @@
+"""Per-rank bytes of parameters, gradients, optimizer state and buffers under a plan.
+
+Exact arithmetic of the shards torch creates: TP splits the dims its style names
+(``colwise``: weight and bias dim 0, ``rowwise``: weight dim 1), FSDP2 chunks dim 0 of each
+(TP-local) parameter over ``dp`` like ``torch.chunk`` into padded storage, and
+ZeroRedundancyOptimizer assigns whole parameters to ranks greedily, largest first.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..core import SNNDistributedPlan
+from ..core.neurons import stateful_modules
+from ._step import OPTIMIZERS
+
+#: Optimizer state tensors per parameter, each the size of the (local) parameter.
+STATE_TENSORS = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
+
+
+@dataclass(frozen=True)
+class Param:
+    """A parameter as a rank of the plan holds it: ``shape`` after TP, FSDP2 group if any."""
+
+    name: str
+    shape: Tuple[int, ...]
+    itemsize: int
+    group: str = ""  # FSDP2 unit path ('' = the root group); None-like '' also for non-FSDP plans
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def rows(self, dp: int, dp_rank: int) -> Tuple[int, int]:
+        """(padded rows, real rows) of this rank's FSDP2 dim-0 chunk."""
+        dim0 = self.shape[0] if self.shape else 1
+        chunk = -(-dim0 // dp)
+        return chunk, max(0, min(chunk, dim0 - dp_rank * chunk))
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:]) if self.shape else 1
+
+
+def tp_local_shape(plan: SNNDistributedPlan, name: str, shape: Sequence[int]) -> Tuple[int, ...]:
+    """The shape of parameter ``name`` on one TP rank of ``plan``."""
+    shape = tuple(shape)
+    owner, _, leaf = name.rpartition(".")
+    style = plan.tensor_parallel_plan.get(owner) if plan.tp_size > 1 else None
+    if style in ("colwise", "colwise_gather"):
+        return (shape[0] // plan.tp_size,) + shape[1:]
+    if style == "rowwise" and leaf == "weight":
+        return (shape[0], shape[1] // plan.tp_size) + shape[2:]
+    return shape
+
+
+def fsdp_group_of(plan: SNNDistributedPlan, name: str) -> str:
+    for unit in plan.fsdp_units:
+        if name.startswith(unit + "."):
+            return unit
+    return ""
+
+
+def local_params(model: nn.Module, plan: SNNDistributedPlan, itemsize: int) -> List[Param]:
+    """Every trainable parameter as one rank holds it before FSDP2 sharding (TP applied)."""
+    fsdp = plan.mode in ("fsdp2", "fsdp2_tp")
+    return [Param(n, tp_local_shape(plan, n, p.shape), itemsize, fsdp_group_of(plan, n) if fsdp else "")
+            for n, p in model.named_parameters() if p.requires_grad]
+
+
+def zero_partition(params: Sequence[Param], world: int) -> List[List[Param]]:
+    """ZeroRedundancyOptimizer's partition: largest first, each to the least-loaded rank."""
+    sizes, parts = [0] * world, [[] for _ in range(world)]
+    for p in sorted(params, key=lambda p: p.numel, reverse=True):
+        rank = sizes.index(min(sizes))
+        parts[rank].append(p)
+        sizes[rank] += p.numel
+    return parts
+
+
+def step_bytes(optimizer: str) -> int:
+    """Bytes of the per-parameter ``step`` counter (Adam family; a 0-dim float tensor)."""
+    if optimizer not in ("adam", "adamw"):
+        return 0
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    return torch.empty((), dtype=_get_scalar_dtype()).element_size()
+
+
+def _state(numel: int, itemsize: int, optimizer: str) -> int:
+    return STATE_TENSORS[optimizer] * numel * itemsize + step_bytes(optimizer)
+
+
+def rank_bytes(params: Sequence[Param], plan: SNNDistributedPlan, rank: int, optimizer: str) -> Dict[str, int]:
+    """``params_bytes``, ``grads_bytes``, ``optimizer_bytes`` of global ``rank`` (mesh order dp, tp)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}; expected one of {tuple(OPTIMIZERS)}")
+    dp, dp_rank = plan.dp_size, rank // plan.tp_size
+    if plan.mode in ("fsdp2", "fsdp2_tp"):
+        padded = sum(p.rows(dp, dp_rank)[0] * p.row_numel * p.itemsize for p in params)
+        opt = sum(_state(p.rows(dp, dp_rank)[1] * p.row_numel, p.itemsize, optimizer) for p in params)
+        return dict(params_bytes=padded, grads_bytes=padded, optimizer_bytes=opt)
+    full = sum(p.numel * p.itemsize for p in params)
+    owned = zero_partition(params, dp)[dp_rank] if plan.optimizer_strategy == "zero" else params
+    opt = sum(_state(p.numel, p.itemsize, optimizer) for p in owned)
+    return dict(params_bytes=full, grads_bytes=full, optimizer_bytes=opt)
+
+
+def state_tensor_ids(model: nn.Module) -> set:
+    """ids of the neuron-state tensors (non-persistent buffers, spikingjelly memories)."""
+    ids = set()
+    for _, module in stateful_modules(model):
+        ids.update(id(b) for n, b in module.named_buffers(recurse=False) if n in module._non_persistent_buffers_set)
+        ids.update(id(v) for v in getattr(module, "_memories", {}).values() if isinstance(v, torch.Tensor))
+    return ids
+
+
+def buffer_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of the model's buffers other than neuron state (not sharded by any mode) once cast to ``dtype``."""
+    state, itemsize = state_tensor_ids(model), torch.empty((), dtype=dtype).element_size()
+    return sum(b.numel() * (itemsize if b.is_floating_point() else b.element_size())
+               for b in model.buffers() if id(b) not in state)
+
+
+def optimizer_temporaries(params: Sequence[Param], plan: SNNDistributedPlan, rank: int, optimizer: str) -> int:
+    """Peak scratch of a single-tensor (CPU default) optimizer step: Adam's ``sqrt`` and division
+    of the largest parameter this rank updates; SGD updates in place."""
+    if optimizer not in ("adam", "adamw") or not params:
+        return 0
+    dp, dp_rank = plan.dp_size, rank // plan.tp_size
+    if plan.mode in ("fsdp2", "fsdp2_tp"):
+        sizes = [p.rows(dp, dp_rank)[1] * p.row_numel * p.itemsize for p in params]
+    else:
+        owned = zero_partition(params, dp)[dp_rank] if plan.optimizer_strategy == "zero" else params
+        sizes = [p.numel * p.itemsize for p in owned]
+    return 2 * max(sizes, default=0)
