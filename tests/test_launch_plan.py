@@ -1,0 +1,108 @@
+"""launch_plan on 2 gloo ranks (dp with a dataset, tp without) and the exported torchrun job."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import cloudpickle
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from launch_helpers import clean_launch  # noqa: F401  (fixture)
+from snn_explorer import analyze, plan
+from snn_explorer.launch import export_job, launch_plan
+from snn_explorer.zoo import build, reset_state
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+STEPS = 3
+
+
+def dp_step(runtime, step, batch, state):
+    """A dataset batch is [N, T, F]; the zoo model wants time first."""
+    inputs, labels = batch
+    loss, _ = runtime.forward_loss(nn.CrossEntropyLoss(), inputs.transpose(0, 1), labels)
+    state["optimizer"].zero_grad()
+    loss.backward()
+    state["optimizer"].step()
+    return {"loss": loss, "samples": labels.shape[0]}
+
+
+def tp_step(runtime, step, batch, state, inputs, labels):
+    loss, _ = runtime.forward_loss(nn.CrossEntropyLoss(), inputs, labels)
+    state["optimizer"].zero_grad()
+    loss.backward()
+    state["optimizer"].step()
+    return loss
+
+
+def _reference_loss(model, inputs, labels) -> float:
+    """Single-process loss of an untrained copy on [T, N, F] inputs."""
+    model = copy.deepcopy(model)
+    reset_state(model)
+    with torch.no_grad():
+        return nn.CrossEntropyLoss()(model(inputs).mean(0), labels).item()
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    return build("mlp")
+
+
+@pytest.fixture(scope="module")
+def tp_run(zoo):
+    tp_plan = plan(analysis=analyze(zoo.model, model_family=zoo.family), objective="memory", topology={"tp": 2},
+                   backend="torch", batch_size=zoo.batch_size, mode="tp")
+    kwargs = {"inputs": zoo.example_input, "labels": zoo.labels}
+    result = launch_plan(zoo.model, tp_plan, tp_step, steps=STEPS, optimizer={"lr": 1e-2}, progress=False,
+                         train_kwargs=kwargs)
+    return tp_plan, kwargs, result
+
+
+@pytest.mark.timeout(90)
+def test_launch_plan_dp_with_dataset(clean_launch, zoo):
+    dp_plan = plan(analysis=analyze(zoo.model, model_family=zoo.family), objective="speed", topology={"dp": 2},
+                   backend="torch", batch_size=4, mode="dp")
+    dataset = TensorDataset(zoo.example_input.transpose(0, 1).contiguous(), zoo.labels)
+    result = launch_plan(zoo.model, dp_plan, dp_step, steps=STEPS, dataset=dataset, progress=False)
+    assert sorted(result.losses) == [0, 1] and all(len(v) == STEPS for v in result.losses.values())
+    assert all(m["samples"] == 2 for steps in result.values for m in steps)
+    assert [r["step"] for r in result.reports[0]] == [1, 2, 3] and result.reports[0][-1]["total"] == STEPS
+    for rank in (0, 1):  # step 0 of each rank equals a single-process forward on that rank's samples
+        sampler = DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True, seed=0, drop_last=True)
+        inputs, labels = next(iter(DataLoader(dataset, batch_size=2, sampler=sampler)))
+        reference = _reference_loss(zoo.model, inputs.transpose(0, 1), labels)
+        assert result.losses[rank][0] == pytest.approx(reference, rel=1e-5)
+    assert result.losses[0][0] != result.losses[1][0]  # the ranks saw different samples
+
+
+@pytest.mark.timeout(90)
+def test_launch_plan_tp(clean_launch, zoo, tp_run):
+    _, _, result = tp_run
+    losses = result.losses
+    assert losses[0] == losses[1]  # tensor-parallel peers compute one model on the same batch
+    assert losses[0][0] == pytest.approx(_reference_loss(zoo.model, zoo.example_input, zoo.labels), rel=1e-5)
+    assert losses[0][-1] < losses[0][0]
+
+
+@pytest.mark.timeout(120)
+def test_exported_job_runs_under_torchrun_like_launch(zoo, tp_run, tmp_path):
+    tp_plan, kwargs, launched = tp_run
+    job = export_job(tp_plan, tp_step, tmp_path / "job", model=zoo.model, steps=STEPS, optimizer={"lr": 1e-2},
+                     train_kwargs=kwargs)
+    assert json.load(open(job.plan_file)) == tp_plan.to_dict()
+    assert "--rdzv-backend c10d" in job.command and "--nnodes 1 --nproc-per-node 2" in job.command
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    (tmp_path / "tmp").mkdir()  # torchrun's own temporary files
+    done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "run.py"], cwd=job.path,
+                          capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        exported = json.load(open(os.path.join(job.path, "results", f"rank{rank}.json")))
+        assert [m["loss"] for m in exported] == pytest.approx(launched.losses[rank], rel=1e-6)
