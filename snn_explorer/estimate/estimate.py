@@ -16,7 +16,7 @@ from torch import nn
 
 from ..core import SNNDistributedPlan
 from ._step import check_optimizer
-from .comms import ddp_buckets, fsdp_group_bytes, fsdp_groups, step_collectives
+from .comms import ddp_buckets, fsdp_groups, step_collectives
 from .profile import ModelProfile, model_profile
 from .sharding import buffer_bytes, local_params, optimizer_temporaries, rank_bytes
 
@@ -112,8 +112,7 @@ def _transient(plan: SNNDistributedPlan, params, grads_full: int) -> tuple:
             live = unsharded.get("", 0) + sum(units[:2])
         else:
             live = sum(unsharded.values())
-        buffer = max(fsdp_group_bytes(g, plan.dp_size) for g in groups.values())
-        return live + buffer, grads_full
+        return live, grads_full  # a group's reduce-scatter input replaces its unsharded gradients
     return 0, None
 
 

@@ -1,0 +1,92 @@
+"""estimate/: enumeration, table shapes, the per-step TP factor T, and estimation speed (no ranks)."""
+import time
+
+import pytest
+import torch
+
+import snn_explorer as se
+from snn_explorer.estimate import (COLLECTIVE_COLUMNS, PER_RANK_COLUMNS, enumerate_plans, estimate, estimate_all,
+                                   model_profile)
+from snn_explorer.estimate.profile import Fit, NS, TS
+from snn_explorer.zoo import SpikingMLP, build
+
+
+def _plans(zoo, world, **kw):
+    analysis = se.analyze(zoo.model, model_family=zoo.family)
+    return enumerate_plans(analysis, world_size=world, batch_size=zoo.batch_size, **kw)
+
+
+def test_enumerate_covers_modes_factorisations_and_zero():
+    zoo = build("mlp")
+    plans = _plans(zoo, 8, objective="memory")
+    labels = {(p.mode, p.optimizer_strategy, p.mesh_shape) for p in plans}
+    assert labels == {("dp", "none", (8,)), ("dp", "zero", (8,)), ("fsdp2", "none", (8,)), ("tp", "none", (8,)),
+                      ("fsdp2_tp", "none", (4, 2)), ("fsdp2_tp", "none", (2, 4))}
+    assert all(p.memopt_level == 1 for p in plans)
+    for p in plans:
+        se.preflight(zoo.model, p)
+    assert [(p.mode, p.world_size) for p in _plans(zoo, 1)] == [("none", 1)]
+
+
+def test_enumerate_leaves_out_infeasible_with_reasons():
+    model = SpikingMLP(in_features=16, hidden=(32, 32), num_classes=10)
+    analysis = se.analyze(model)
+    plans = enumerate_plans(analysis, world_size=4, batch_size=8,
+                            features=se.DistributedFeatureSet(allow_zero_optimizer=False))
+    assert {p.mode for p in plans} == {"dp", "fsdp2", "fsdp2_tp"}
+    assert all(p.optimizer_strategy == "none" for p in plans)
+    assert "tp=4 does not divide net.4.out_features=10" in plans.infeasible["tp tp=4"]
+    assert "allow_zero_optimizer=False" in plans.infeasible["dp+zero dp=4"]
+    assert "divisible by dp=4" in enumerate_plans(analysis, world_size=4, batch_size=6).infeasible["dp dp=4"]
+
+
+def test_fit_is_exact_on_bilinear_values():
+    f = lambda n, t: 7 + 3 * n + 5 * t + 11 * n * t
+    fit = Fit.of(*(f(n, t) for t in TS for n in NS))
+    assert fit(16, 25) == pytest.approx(f(16, 25))
+
+
+def test_tables_have_the_issue_columns_and_a_verdict():
+    zoo = build("mlp")
+    plan = _plans(zoo, 2)[0]
+    est = estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels)
+    assert tuple(est.per_rank.columns) == PER_RANK_COLUMNS and list(est.per_rank["rank"]) == [0, 1]
+    assert tuple(est.collectives.columns) == COLLECTIVE_COLUMNS
+    assert est.summary()["batch_per_rank"] == zoo.batch_size // 2
+    fits = estimate(zoo.model, plan, example_input=zoo.example_input, memory_budget=10 * 2 ** 20, labels=zoo.labels)
+    tight = estimate(zoo.model, plan, example_input=zoo.example_input, memory_budget=1000, labels=zoo.labels)
+    assert fits.verdict.startswith("fits") and tight.verdict.startswith("does not fit")
+
+
+def test_per_step_tp_issues_t_times_the_collectives_of_all_steps():
+    counts = {}
+    for name in ("mlp", "mlp_all_steps"):
+        zoo = build(name)
+        plan = next(p for p in _plans(zoo, 2) if p.mode == "tp")
+        coll = estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels).collectives
+        counts[name] = coll.set_index(["kind", "phase"])
+    assert (counts["mlp"]["count"] == zoo.time_steps * counts["mlp_all_steps"]["count"]).all()
+    assert (counts["mlp"]["bytes"] == counts["mlp_all_steps"]["bytes"]).all()
+
+
+def test_time_steps_and_batch_scale_activations_and_state():
+    zoo = build("mlp_all_steps")
+    plan = _plans(zoo, 2)[0]
+    a = estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels).per_rank.iloc[0]
+    b = estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels, time_steps=16).per_rank.iloc[0]
+    assert b.activations_bytes > 1.9 * a.activations_bytes and b.neuron_state_bytes == a.neuron_state_bytes
+    assert b.params_bytes == a.params_bytes
+
+
+def test_all_plans_of_8_ranks_for_a_120_module_model_in_under_a_second():
+    model = SpikingMLP(in_features=64, hidden=(64,) * 40, num_classes=8, stepping="all_steps")
+    assert 115 <= sum(1 for _ in model.modules()) <= 130
+    x = torch.rand(4, 16, 64)
+    plans = enumerate_plans(se.analyze(model), world_size=8, batch_size=16)
+    estimate_all(model, plans, example_input=x)  # the first: profiles the model once per per-rank batch
+    start = time.perf_counter()
+    table = estimate_all(model, plans, example_input=x)
+    elapsed = time.perf_counter() - start
+    assert len(table) == len(plans) >= 6
+    assert elapsed < 1.0, f"{len(plans)} plans took {elapsed:.2f}s"
+    assert model_profile(model, x) is model_profile(model, x)
