@@ -240,8 +240,8 @@ def _measure_single(model, plans, example_input, labels, steps, optimizer, dtype
 
     if dist.is_initialized():
         return _measure_on_rank(model, plans, example_input, labels, steps, optimizer, dtype, lr)
-    with tempfile.NamedTemporaryFile() as f:
-        dist.init_process_group("gloo", init_method=f"file://{f.name}", rank=0, world_size=1,
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=60))
         try:
             return _measure_on_rank(model, plans, example_input, labels, steps, optimizer, dtype, lr)
