@@ -102,8 +102,8 @@ def _analysis(model: nn.Module, plan: SNNDistributedPlan):
 
 def _transient(plan: SNNDistributedPlan, params, grads_full: int) -> tuple:
     """(transient bytes, gradient bytes live at the peak) for the plan's mode."""
-    if plan.mode == "dp":
-        return sum(ddp_buckets(params, ())), grads_full  # DDP's flat buckets, allocated once
+    if plan.mode == "dp":  # DDP's flat buckets, and the all-reduced copies the reducer keeps until the next step
+        return 2 * sum(ddp_buckets(params, ())), grads_full
     if plan.mode in ("fsdp2", "fsdp2_tp"):
         groups = fsdp_groups(params)
         unsharded = {u: sum(p.numel * p.itemsize for p in g) for u, g in groups.items()}

@@ -159,7 +159,7 @@ def _measure_plan(model, plan, example_input, labels, steps, optimizer, dtype, l
         seen["saved"] = saved.alive()
 
     tracker = MemTracker()
-    tracker.track_external(runtime.model, opt, x)
+    tracker.track_external(runtime.model, getattr(opt, "optim", opt), x)  # ZeRO: its local optimizer
     debug = CommDebugMode() if not repeated else contextlib.nullcontext()
     with tracker, debug, recorder:
         step(recorder, saved, after_forward)
