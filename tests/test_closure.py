@@ -1,5 +1,6 @@
 """Closure: every plan() result applies. Exhaustive over objectives, named factorisations of 1-8 ranks,
-model families and explicit modes; a representative subset is applied on real gloo ranks."""
+model families, explicit modes and the experimental TP gates; a representative subset is applied on
+real gloo ranks (the gated TP paths are applied on ranks in test_families)."""
 import itertools
 
 import pytest
@@ -40,10 +41,11 @@ def test_every_plan_applies_or_raises_clearly():
     models = {f: build(name).model for f, name in FAMILY_MODELS.items()}
     analyses = {f: se.analyze(m, model_family=f) for f, m in models.items()}
     counts = {"planned": 0, "refused": 0}
-    for world, topology, family, objective, mode in all_cases():
+    gated = se.DistributedFeatureSet(allow_experimental_conv_tp=True, allow_experimental_spikformer_tp=True)
+    for (world, topology, family, objective, mode), features in itertools.product(all_cases(), (None, gated)):
         try:
             plan = se.plan(analysis=analyses[family], objective=objective, topology=topology, backend="torch",
-                           batch_size=BATCH, mode=mode)
+                           batch_size=BATCH, mode=mode, features=features)
         except (ValueError, NotImplementedError) as exc:
             assert str(exc), "errors must say why"
             if mode is not None:

@@ -60,6 +60,10 @@ CASES = [
     ("spikformer", {"tp": 2}, "tp", {}),
     ("vgg", {"tp": 2}, "tp", {}),
     ("vgg", {"dp": 2, "tp": 2}, "fsdp2_tp", {}),
+    ("vgg", {"tp": 2}, "tp", {"allow_experimental_conv_tp": True}),
+    ("vgg", {"tp": 4}, "tp", {"allow_experimental_conv_tp": True}),
+    ("vgg", {"dp": 2, "tp": 2}, "fsdp2_tp", {"allow_experimental_conv_tp": True}),
+    ("spikformer", {"tp": 2}, "tp", {"allow_experimental_conv_tp": True, "allow_experimental_spikformer_tp": True}),
 ]
 
 
@@ -78,7 +82,10 @@ def test_family_tp_equals_unsharded(name, topology, mode, gates):
     if name == "spikformer":
         assert any("attn_lif" in n for n in first["rates"]), "attention neurons must be among the checked"
         styles = {first["plan"][p] for p in first["plan"] if p.endswith("attn.q")}
-        assert styles == ({"colwise"} if gates else {"colwise_gather"})
+        assert styles == ({"colwise"} if gates.get("allow_experimental_spikformer_tp") else {"colwise_gather"})
+    conv_styles = {s for s in first["plan"].values() if s.startswith("conv_") or s == "norm_local"}
+    assert conv_styles == ({"conv_colwise", "conv_rowwise", "norm_local"} if gates.get("allow_experimental_conv_tp")
+                           else set())
     for rank, res in enumerate(results):
         for what, err in res["errors"].items():
             assert err <= 1e-9, f"rank {rank}: {what} differs by {err:.3g}"

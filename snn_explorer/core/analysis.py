@@ -17,6 +17,8 @@ ELEMENTWISE_TYPES = (
     nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Mish, nn.Softplus,
 )
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: Channel-wise modules a channel-sharded activation can pass through (besides ELEMENTWISE_TYPES).
+CHANNELWISE_TYPES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,20 @@ class LinearShape:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "in_features": self.in_features, "out_features": self.out_features}
+
+
+@dataclass(frozen=True)
+class ConvShape:
+    """A convolution: its path, channel counts, groups and number of spatial dims."""
+
+    name: str
+    in_channels: int
+    out_channels: int
+    groups: int
+    spatial_dims: int
+
+    def to_dict(self) -> dict:
+        return dataclass_dict(self, "conv")
 
 
 @dataclass(frozen=True)
@@ -91,12 +107,21 @@ class SNNDistributedAnalysis:
     per_feature_neuron_names: Tuple[str, ...] = ()
     attention_blocks: Tuple[AttentionBlock, ...] = ()
     batchnorm_names: Tuple[str, ...] = ()
+    conv_shapes: Tuple[ConvShape, ...] = ()
+    conv_chains: Tuple[Tuple[str, ...], ...] = ()
 
     def shape(self, name: str) -> LinearShape:
         for item in self.linear_shapes:
             if item.name == name:
                 return item
         raise KeyError(f"{name!r} is not a Linear TP candidate; candidates: {self.tensor_parallel_candidate_names}")
+
+    def conv(self, name: str) -> ConvShape:
+        for item in self.conv_shapes:
+            if item.name == name:
+                return item
+        raise KeyError(f"{name!r} is not a convolution of the model; convolutions: "
+                       f"{tuple(c.name for c in self.conv_shapes)}")
 
     def to_dict(self) -> dict:
         return dataclass_dict(self, "analysis")
@@ -108,6 +133,7 @@ class SNNDistributedAnalysis:
             "linear_shapes": tuple(LinearShape(**s) for s in data.pop("linear_shapes", ())),
             "attention_blocks": tuple(AttentionBlock(**{k: tuplify(v) for k, v in check_kind(b, "attention").items()})
                                       for b in data.pop("attention_blocks", ())),
+            "conv_shapes": tuple(ConvShape(**check_kind(c, "conv")) for c in data.pop("conv_shapes", ())),
         }
         return cls(**{k: tuplify(v) for k, v in data.items()}, **objects)
 
@@ -136,10 +162,28 @@ def _under(name: str, roots: Optional[Tuple[str, ...]]) -> bool:
     return roots is None or any(name == r or name.startswith(r + ".") for r in roots)
 
 
+def _inner(module: nn.Module, path: str) -> Tuple[nn.Module, str]:
+    """Look through wrappers that hold exactly one module and no tensors of their own (time folding)."""
+    while not isinstance(module, nn.Sequential):
+        children = list(module.named_children())
+        own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+        if len(children) != 1 or own or neurons.is_spiking_neuron(module):
+            break
+        name, module = children[0]
+        path = f"{path}.{name}"
+    return module, path
+
+
 def _kind(module: nn.Module, name: str, roots) -> str:
-    """'linear' (a candidate), 'elementwise' (feature-wise, incl. neurons) or 'other'."""
+    """'linear' / 'conv' (candidates), 'norm', 'channelwise', 'elementwise' (incl. neurons) or 'other'."""
     if isinstance(module, nn.Linear):
         return "linear" if _under(name, roots) else "other"
+    if isinstance(module, CONV_TYPES):
+        return "conv" if _under(name, roots) else "other"
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return "norm"
+    if isinstance(module, CHANNELWISE_TYPES):
+        return "channelwise"
     if neurons.is_spiking_neuron(module) or isinstance(module, ELEMENTWISE_TYPES):
         return "elementwise"
     children = list(module.children())
@@ -151,7 +195,7 @@ def _kind(module: nn.Module, name: str, roots) -> str:
 def _flatten(seq: nn.Sequential, prefix: str, roots) -> list:
     out = []
     for name, child in seq.named_children():
-        path = prefix + name
+        child, path = _inner(child, prefix + name)
         if isinstance(child, nn.Sequential):
             out.extend(_flatten(child, path + ".", roots))
         else:
@@ -159,7 +203,13 @@ def _flatten(seq: nn.Sequential, prefix: str, roots) -> list:
     return out
 
 
-def _chains(model: nn.Module, roots, candidates: Sequence[str]) -> Tuple[Tuple[str, ...], ...]:
+#: What a chain of each layer kind may hold between its layers.
+_PASSES = {"linear": ("elementwise",), "conv": ("elementwise", "channelwise", "norm")}
+
+
+def _chains(model: nn.Module, roots, layer: str, candidates: Sequence[str] = ()) -> Tuple[Tuple[str, ...], ...]:
+    """Runs of ``layer`` modules (``"linear"`` or ``"conv"``) in ``nn.Sequential`` order with only
+    pass-through modules between; other candidates become chains of their own."""
     modules = dict(model.named_modules())
     chains, seen = [], set()
     for name, module in modules.items():
@@ -168,14 +218,14 @@ def _chains(model: nn.Module, roots, candidates: Sequence[str]) -> Tuple[Tuple[s
             continue
         run = []
         for path, kind in _flatten(module, name + "." if name else "", roots) + [("", "other")]:
-            if kind == "other":
-                while run and run[-1][1] != "linear":
+            if kind != layer and kind not in _PASSES[layer]:
+                while run and run[-1][1] != layer:
                     run.pop()
                 if run:
                     chains.append(tuple(p for p, _ in run))
-                    seen.update(p for p, k in run if k == "linear")
+                    seen.update(p for p, k in run if k == layer)
                 run = []
-            elif kind == "linear" or run:
+            elif kind == layer or run:
                 run.append((path, kind))
     chains.extend((c,) for c in candidates if c not in seen)
     order = {n: i for i, n in enumerate(modules)}
@@ -196,7 +246,7 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
     roots = _validate_roots(model, roots)
     family, family_note = resolve_family(model, model_family)
     notes = [family_note] if family_note else []
-    memory, libraries, per_feature, linears, unsupported, norms = [], [], [], [], [], []
+    memory, libraries, per_feature, linears, unsupported, norms, convs = [], [], [], [], [], [], []
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             norms.append(name)
@@ -212,9 +262,11 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
             linears.append(LinearShape(name, module.in_features, module.out_features))
         elif isinstance(module, CONV_TYPES):
             unsupported.append(name)
+            convs.append(ConvShape(name, module.in_channels, module.out_channels, module.groups,
+                                   len(module.kernel_size)))
     if unsupported:
-        notes.append(f"{len(unsupported)} conv layer(s) are not tensor-parallel candidates "
-                     "(conv TP is experimental and needs a family adapter).")
+        notes.append(f"{len(unsupported)} conv layer(s) are not Linear TP candidates; "
+                     "DistributedFeatureSet(allow_experimental_conv_tp=True) shards their channels.")
     if not linears:
         notes.append("no Linear tensor-parallel candidates found" + (f" under roots {roots}" if roots else ""))
     candidates = tuple(s.name for s in linears)
@@ -229,9 +281,11 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
         model_family=family,
         snn_libraries=tuple(libraries),
         linear_shapes=tuple(linears),
-        tp_chains=_chains(model, roots, candidates),
+        tp_chains=_chains(model, roots, "linear", candidates),
         fsdp_unit_names=fsdp_units(model),
         per_feature_neuron_names=tuple(per_feature),
         attention_blocks=attention,
         batchnorm_names=tuple(norms),
+        conv_shapes=tuple(convs),
+        conv_chains=tuple(c for c in _chains(model, roots, "conv") if len(c) > 1),
     )

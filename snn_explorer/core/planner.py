@@ -8,7 +8,7 @@ from .plan_types import DistributedFeatureSet, SNNDistributedPlan, topology_prob
 from .plans.families import resolve_family
 from .recommend import MODES, check_backend, check_batch_size, check_objective, recommend_snn_distributed_strategy
 from .topology import SNNDistributedTopology
-from .tp_plan import auto_tp_plan, check_tp_plan, head_aligned_tp_plan, with_local_neurons
+from .tp_plan import auto_tp_plan, check_tp_plan, conv_tp_plan, head_aligned_tp_plan, with_local_neurons
 
 #: Modes tried after the recommendation, per objective, when it does not fit.
 FALLBACKS = {
@@ -37,15 +37,18 @@ def _tp_for(mode: str, analysis: SNNDistributedAnalysis, topology: SNNDistribute
     """The TP plan for ``mode`` and the reason it cannot be built (None when it can)."""
     if mode not in ("tp", "fsdp2_tp"):
         return {}, None
-    if not analysis.tensor_parallel_candidate_names:
-        roots = f" under roots {analysis.tensor_parallel_roots}" if analysis.tensor_parallel_roots else ""
-        return {}, f"mode {mode!r} needs tensor-parallel candidates, but analysis found no Linear layer{roots}"
     if explicit:
         tp_plan = with_local_neurons(analysis, explicit)
     elif features.allow_experimental_spikformer_tp and analysis.attention_blocks:
         tp_plan = head_aligned_tp_plan(analysis)
     else:
         tp_plan = auto_tp_plan(analysis)
+    if features.allow_experimental_conv_tp and not explicit:
+        tp_plan.update(conv_tp_plan(analysis))
+    if not tp_plan:
+        roots = f" under roots {analysis.tensor_parallel_roots}" if analysis.tensor_parallel_roots else ""
+        convs = " (conv layers need allow_experimental_conv_tp=True)" if analysis.conv_shapes else ""
+        return {}, f"mode {mode!r} needs tensor-parallel candidates, but analysis found no Linear layer{roots}{convs}"
     try:
         check_tp_plan(analysis, tp_plan, topology.size("tp"))
     except ValueError as exc:

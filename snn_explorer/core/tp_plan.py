@@ -9,7 +9,10 @@ from .analysis import SNNDistributedAnalysis
 #: output), column-sharded with the output gathered back. ``local`` marks a stateful module fed
 #: by a column-sharded Linear: its state is the local shard and its input is checked.
 LINEAR_STYLES = ("colwise", "rowwise", "colwise_gather")
-TP_STYLES = LINEAR_STYLES + ("local",)
+#: Channel TP (behind ``allow_experimental_conv_tp``): output-channel / input-channel sharded
+#: convolutions, and a BatchNorm between them holding its channel shard.
+CONV_STYLES = ("conv_colwise", "conv_rowwise", "norm_local")
+TP_STYLES = LINEAR_STYLES + CONV_STYLES + ("local",)
 
 
 def _stateful_inside(analysis: SNNDistributedAnalysis, path: str) -> bool:
@@ -38,6 +41,21 @@ def head_aligned_tp_plan(analysis: SNNDistributedAnalysis) -> Dict[str, str]:
     for block in analysis.attention_blocks:
         plan.update({block.q: "colwise", block.k: "colwise", block.v: "colwise", block.proj: "rowwise"})
         plan.update({n: "local" for n in block.neurons})
+    return plan
+
+
+def conv_tp_plan(analysis: SNNDistributedAnalysis) -> Dict[str, str]:
+    """Pair the convolutions of every conv chain output-channel -> input-channel; an odd last one
+    stays whole. BatchNorms and neurons between a pair hold their channel shard."""
+    plan: Dict[str, str] = {}
+    convs = {c.name for c in analysis.conv_shapes}
+    for chain in analysis.conv_chains:
+        layers = [p for p in chain if p in convs]
+        for first, second in zip(layers[0::2], layers[1::2]):
+            plan[first], plan[second] = "conv_colwise", "conv_rowwise"
+            between = chain[chain.index(first) + 1:chain.index(second)]
+            plan.update({p: "norm_local" for p in between if p in analysis.batchnorm_names})
+            plan.update({p: "local" for p in between if _stateful_inside(analysis, p)})
     return plan
 
 
@@ -76,6 +94,9 @@ def check_tp_plan(analysis: SNNDistributedAnalysis, plan: Mapping[str, str], tp_
                 raise ValueError(f"neuron {blocked[0]!r} has per-feature parameters and cannot take a "
                                  "column-sharded input; leave the Linear before it out of the TP plan")
             continue
+        if style in CONV_STYLES:
+            _check_channel_style(analysis, path, style, tp_size)
+            continue
         if path not in candidates:
             raise ValueError(f"tensor_parallel_plan key {path!r} is not a tensor-parallel candidate; "
                              f"candidates: {analysis.tensor_parallel_candidate_names}")
@@ -84,3 +105,18 @@ def check_tp_plan(analysis: SNNDistributedAnalysis, plan: Mapping[str, str], tp_
         if size % tp_size:
             raise ValueError(f"tp={tp_size} does not divide {path}.{dim}={size} ({style} splits {dim}); "
                              f"pick a tp size that divides {size} or leave {path!r} out of the TP plan")
+
+
+def _check_channel_style(analysis: SNNDistributedAnalysis, path: str, style: str, tp_size: int) -> None:
+    if style == "norm_local":
+        if path not in analysis.batchnorm_names:
+            raise ValueError(f"tensor_parallel_plan[{path!r}]='norm_local' names no BatchNorm; "
+                             f"BatchNorms: {analysis.batchnorm_names}")
+        return
+    conv = analysis.conv(path)
+    if conv.groups != 1:
+        raise ValueError(f"{path} has groups={conv.groups}; channel TP supports groups=1 convolutions only")
+    dim, size = ("in_channels", conv.in_channels) if style == "conv_rowwise" else ("out_channels", conv.out_channels)
+    if size % tp_size:
+        raise ValueError(f"tp={tp_size} does not divide {path}.{dim}={size} ({style} splits {dim}); "
+                         f"pick a tp size that divides {size} or leave {path!r} out of the TP plan")
