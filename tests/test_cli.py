@@ -1,0 +1,90 @@
+"""The snn-explorer console script: analyze, compare, export, and its error messages."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from snn_explorer.cli import main
+
+FACTORY = '''
+from snn_explorer.zoo import build
+
+def make_net():
+    return build("mlp").model
+
+def step(runtime, step, batch, state):
+    return 0.0
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "my_models.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    yield "my_models"
+    sys.modules.pop("my_models", None)
+
+
+def test_analyze_a_zoo_model(capsys):
+    assert main(["analyze", "zoo:mlp"]) == 0
+    out = capsys.readouterr().out
+    assert "net.1" in out and "snntorch" in out and "net.0" in out
+
+
+def test_analyze_json_for_a_module_factory(capsys, user_module):
+    assert main(["analyze", f"{user_module}:make_net", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["kind"] == "analysis" and "net.0" in data["tensor_parallel_candidate_names"]
+
+
+def test_compare_world_size_and_topology(capsys, user_module):
+    assert main(["compare", f"{user_module}:make_net", "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "dp=4" in out and "dp=2 x tp=2" in out and "tp=4" in out and "fsdp2_tp" in out
+    assert main(["compare", "zoo:mlp", "--topology", "dp=2,tp=2", "--objective", "memory", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    assert [(p["mode"], p["objective"]) for p in plans] == [("fsdp2_tp", "memory")]
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["analyze", "no_such_pkg.models:make"], "'no_such_pkg.models'"),
+    (["analyze", "os:no_such_factory"], "'no_such_factory'"),
+    (["analyze", "just_a_name"], "'just_a_name'"),
+    (["analyze", "zoo:resnet"], "'resnet'"),
+    (["compare", "zoo:mlp", "--topology", "dp=two"], "'dp=two'"),
+    (["compare", "zoo:mlp", "--topology", "dp2"], "'dp2'"),
+    (["compare", "zoo:mlp", "--topology", "dp=0"], "'dp=0'"),
+    (["compare", "zoo:mlp", "--world-size", "0"], "world size 0"),
+])
+def test_bad_model_or_topology_names_the_value(capsys, argv, named):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("snn-explorer: error: ") and named in err
+
+
+def test_export_writes_a_job(capsys, user_module, tmp_path):
+    out_dir = tmp_path / "job"
+    rc = main(["export", f"{user_module}:make_net", "--topology", "tp=2", "--objective", "memory",
+               "--train", f"{user_module}:step", "--steps", "4", "--out", str(out_dir)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "torchrun --nnodes 1 --nproc-per-node 2" in printed
+    assert sorted(os.listdir(out_dir)) == ["command.sh", "job.sbatch", "payload.pkl", "plan.json", "run.py"]
+    assert json.load(open(out_dir / "plan.json"))["mode"] == "tp"
+    assert main(["export", "zoo:mlp", "--world-size", "2", "--objective", "speed", "--train", "os:nothing",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "'nothing'" in capsys.readouterr().err
+
+
+def test_console_script_is_installed():
+    exe = shutil.which("snn-explorer", path=os.path.dirname(sys.executable))
+    if exe is None:
+        pytest.skip("package not reinstalled since the console script was added (pip install -e .)")
+    done = subprocess.run([exe, "compare", "zoo:mlp", "--topology", "dp=x"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "bad topology 'dp=x'" in done.stderr
