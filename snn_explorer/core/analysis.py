@@ -7,18 +7,11 @@ from typing import Any, Mapping, Optional, Sequence, Tuple
 from torch import nn
 
 from . import neurons
+from .attention import AttentionBlock, FusedAttentionBlock, attention_blocks, fused_attention_blocks, pointwise_chains
+from .structure import CONV_TYPES, chains, under
 from .plans.families import fsdp_units, resolve_family
 from .serialize import check_kind, dataclass_dict, tuplify
 
-#: Modules that act feature-wise, so a feature-sharded tensor can pass through them.
-ELEMENTWISE_TYPES = (
-    nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.ELU,
-    nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Mish, nn.Softplus,
-)
-CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-#: Channel-wise modules a channel-sharded activation can pass through (besides ELEMENTWISE_TYPES).
-CHANNELWISE_TYPES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
 
 
 @dataclass(frozen=True)
@@ -48,44 +41,6 @@ class ConvShape:
 
 
 @dataclass(frozen=True)
-class AttentionBlock:
-    """Multi-head attention with separate q/k/v/output Linears; ``neurons`` sit between q and proj."""
-
-    path: str
-    num_heads: int
-    q: str
-    k: str
-    v: str
-    proj: str
-    neurons: Tuple[str, ...] = ()
-
-    def to_dict(self) -> dict:
-        return dataclass_dict(self, "attention")
-
-
-_QKV_NAMES = {"q": ("q", "q_linear", "q_proj", "wq"), "k": ("k", "k_linear", "k_proj", "wk"),
-              "v": ("v", "v_linear", "v_proj", "wv"), "proj": ("proj", "out_proj", "o_proj", "wo", "o")}
-
-
-def _attention_block(path: str, module: nn.Module, memory: Sequence[str]) -> Optional[AttentionBlock]:
-    heads = getattr(module, "num_heads", None)
-    if not isinstance(heads, int) or isinstance(heads, bool):
-        return None
-    children = dict(module.named_children())
-    found = {}
-    for role, names in _QKV_NAMES.items():
-        name = next((n for n in names if isinstance(children.get(n), nn.Linear)), None)
-        if name is None:
-            return None
-        found[role] = f"{path}.{name}"
-    order = list(children)
-    start, stop = order.index(found["q"].rpartition(".")[2]), order.index(found["proj"].rpartition(".")[2])
-    neurons = tuple(f"{path}.{n}" for n in order[start:stop]
-                    if any(m == f"{path}.{n}" or m.startswith(f"{path}.{n}.") for m in memory))
-    return AttentionBlock(path, heads, found["q"], found["k"], found["v"], found["proj"], neurons)
-
-
-@dataclass(frozen=True)
 class SNNDistributedAnalysis:
     """What :func:`analyze` found in a model (plain data, JSON-serialisable).
 
@@ -109,6 +64,8 @@ class SNNDistributedAnalysis:
     batchnorm_names: Tuple[str, ...] = ()
     conv_shapes: Tuple[ConvShape, ...] = ()
     conv_chains: Tuple[Tuple[str, ...], ...] = ()
+    fused_attention_blocks: Tuple[FusedAttentionBlock, ...] = ()
+    pointwise_chains: Tuple[Tuple[str, ...], ...] = ()
 
     def shape(self, name: str) -> LinearShape:
         for item in self.linear_shapes:
@@ -134,6 +91,8 @@ class SNNDistributedAnalysis:
             "attention_blocks": tuple(AttentionBlock(**{k: tuplify(v) for k, v in check_kind(b, "attention").items()})
                                       for b in data.pop("attention_blocks", ())),
             "conv_shapes": tuple(ConvShape(**check_kind(c, "conv")) for c in data.pop("conv_shapes", ())),
+            "fused_attention_blocks": tuple(FusedAttentionBlock(**check_kind(b, "fused_attention"))
+                                            for b in data.pop("fused_attention_blocks", ())),
         }
         return cls(**{k: tuplify(v) for k, v in data.items()}, **objects)
 
@@ -156,80 +115,6 @@ def _validate_roots(model: nn.Module, roots: Optional[Sequence[str]]) -> Optiona
         if root not in out:
             out.append(root)
     return tuple(out)
-
-
-def _under(name: str, roots: Optional[Tuple[str, ...]]) -> bool:
-    return roots is None or any(name == r or name.startswith(r + ".") for r in roots)
-
-
-def _inner(module: nn.Module, path: str) -> Tuple[nn.Module, str]:
-    """Look through wrappers that hold exactly one module and no tensors of their own (time folding)."""
-    while not isinstance(module, nn.Sequential):
-        children = list(module.named_children())
-        own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
-        if len(children) != 1 or own or neurons.is_spiking_neuron(module):
-            break
-        name, module = children[0]
-        path = f"{path}.{name}"
-    return module, path
-
-
-def _kind(module: nn.Module, name: str, roots) -> str:
-    """'linear' / 'conv' (candidates), 'norm', 'channelwise', 'elementwise' (incl. neurons) or 'other'."""
-    if isinstance(module, nn.Linear):
-        return "linear" if _under(name, roots) else "other"
-    if isinstance(module, CONV_TYPES):
-        return "conv" if _under(name, roots) else "other"
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
-        return "norm"
-    if isinstance(module, CHANNELWISE_TYPES):
-        return "channelwise"
-    if neurons.is_spiking_neuron(module) or isinstance(module, ELEMENTWISE_TYPES):
-        return "elementwise"
-    children = list(module.children())
-    if children and all(_kind(c, name, roots) == "elementwise" for c in children):
-        return "elementwise"
-    return "other"
-
-
-def _flatten(seq: nn.Sequential, prefix: str, roots) -> list:
-    out = []
-    for name, child in seq.named_children():
-        child, path = _inner(child, prefix + name)
-        if isinstance(child, nn.Sequential):
-            out.extend(_flatten(child, path + ".", roots))
-        else:
-            out.append((path, _kind(child, path, roots)))
-    return out
-
-
-#: What a chain of each layer kind may hold between its layers.
-_PASSES = {"linear": ("elementwise",), "conv": ("elementwise", "channelwise", "norm")}
-
-
-def _chains(model: nn.Module, roots, layer: str, candidates: Sequence[str] = ()) -> Tuple[Tuple[str, ...], ...]:
-    """Runs of ``layer`` modules (``"linear"`` or ``"conv"``) in ``nn.Sequential`` order with only
-    pass-through modules between; other candidates become chains of their own."""
-    modules = dict(model.named_modules())
-    chains, seen = [], set()
-    for name, module in modules.items():
-        parent = modules.get(name.rpartition(".")[0]) if name else None
-        if not isinstance(module, nn.Sequential) or isinstance(parent, nn.Sequential):
-            continue
-        run = []
-        for path, kind in _flatten(module, name + "." if name else "", roots) + [("", "other")]:
-            if kind != layer and kind not in _PASSES[layer]:
-                while run and run[-1][1] != layer:
-                    run.pop()
-                if run:
-                    chains.append(tuple(p for p, _ in run))
-                    seen.update(p for p, k in run if k == layer)
-                run = []
-            elif kind == layer or run:
-                run.append((path, kind))
-    chains.extend((c,) for c in candidates if c not in seen)
-    order = {n: i for i, n in enumerate(modules)}
-    return tuple(sorted(chains, key=lambda c: order[c[0]]))
 
 
 def _has_per_feature_state(module: nn.Module) -> bool:
@@ -256,7 +141,7 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
             libraries.append((name, library))
         if neurons.is_spiking_neuron(module) and _has_per_feature_state(module):
             per_feature.append(name)
-        if not name or not _under(name, roots):
+        if not name or not under(name, roots):
             continue
         if isinstance(module, nn.Linear):
             linears.append(LinearShape(name, module.in_features, module.out_features))
@@ -270,8 +155,7 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
     if not linears:
         notes.append("no Linear tensor-parallel candidates found" + (f" under roots {roots}" if roots else ""))
     candidates = tuple(s.name for s in linears)
-    attention = tuple(b for b in (_attention_block(n, m, memory) for n, m in model.named_modules()
-                                  if n and _under(n, roots)) if b is not None)
+    linear_chains = chains(model, roots, "linear", candidates)
     return SNNDistributedAnalysis(
         memory_module_names=tuple(memory),
         tensor_parallel_candidate_names=candidates,
@@ -281,11 +165,13 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
         model_family=family,
         snn_libraries=tuple(libraries),
         linear_shapes=tuple(linears),
-        tp_chains=_chains(model, roots, "linear", candidates),
+        tp_chains=linear_chains,
         fsdp_unit_names=fsdp_units(model),
         per_feature_neuron_names=tuple(per_feature),
-        attention_blocks=attention,
+        attention_blocks=attention_blocks(model, roots, memory),
         batchnorm_names=tuple(norms),
         conv_shapes=tuple(convs),
-        conv_chains=tuple(c for c in _chains(model, roots, "conv") if len(c) > 1),
+        conv_chains=tuple(c for c in chains(model, roots, "conv") if len(c) > 1),
+        fused_attention_blocks=fused_attention_blocks(model, roots, memory),
+        pointwise_chains=tuple(c for c in pointwise_chains(model, roots) if c not in linear_chains),
     )

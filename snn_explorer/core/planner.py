@@ -39,7 +39,7 @@ def _tp_for(mode: str, analysis: SNNDistributedAnalysis, topology: SNNDistribute
         return {}, None
     if explicit:
         tp_plan = with_local_neurons(analysis, explicit)
-    elif features.allow_experimental_spikformer_tp and analysis.attention_blocks:
+    elif features.allow_experimental_spikformer_tp and (analysis.attention_blocks or analysis.fused_attention_blocks):
         tp_plan = head_aligned_tp_plan(analysis)
     else:
         tp_plan = auto_tp_plan(analysis)
@@ -129,10 +129,11 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
         notes.append("ZeRO optimizer sharding is disabled by DistributedFeatureSet(allow_zero_optimizer=False); "
                      "optimizer_strategy='none'.")
         zero = False
-    if chosen in ("tp", "fsdp2_tp") and analysis.attention_blocks and not tensor_parallel_plan \
+    if chosen in ("tp", "fsdp2_tp") and (analysis.attention_blocks or analysis.fused_attention_blocks) \
+            and not tensor_parallel_plan \
             and not features.allow_experimental_spikformer_tp:
-        notes.append("attention q/k/v/proj are each sharded with gathered outputs; "
-                     "allow_experimental_spikformer_tp=True shards whole heads instead (less communication).")
+        notes.append("attention is not split by heads (separate q/k/v Linears are each sharded with gathered "
+                     "outputs); allow_experimental_spikformer_tp=True gives each rank whole heads instead.")
     if analysis.batchnorm_names and chosen != "tp" and topology.size("dp") > 1:
         notes.append(f"{len(analysis.batchnorm_names)} BatchNorm layer(s) normalise over each rank's share of the "
                      "batch in training mode (convert to SyncBatchNorm on CUDA for global statistics).")

@@ -128,13 +128,25 @@ class SNNDistributedRuntime:
         return criterion(prepared, labels), outputs
 
     # ---- inspection ---------------------------------------------------------------------------
+    def _full_tensors(self, pick: Callable) -> Dict[str, Optional[torch.Tensor]]:
+        out = {}
+        for owner_name, owner in self.module.named_modules():
+            order = getattr(owner, "_snn_row_order", None)  # head-aligned q/k/v rows, back to model order
+            for name, param in owner.named_parameters(recurse=False):
+                tensor = pick(param)
+                if tensor is not None:
+                    tensor = _full(tensor.detach())
+                    tensor = tensor[order] if order is not None else tensor.clone()
+                out[f"{owner_name}.{name}" if owner_name else name] = tensor
+        return out
+
     def full_parameters(self) -> Dict[str, torch.Tensor]:
         """Every parameter as a full (unsharded) tensor, by its path in the user's model.
 
         A collective under TP / FSDP2: call on every rank. ZeRO does not shard parameters.
         """
-        return {n: _full(p.detach()).clone() for n, p in self.module.named_parameters()}
+        return self._full_tensors(lambda p: p)
 
     def full_gradients(self) -> Dict[str, Optional[torch.Tensor]]:
         """Every parameter's gradient, unsharded (None where there is none); a collective."""
-        return {n: None if p.grad is None else _full(p.grad.detach()).clone() for n, p in self.module.named_parameters()}
+        return self._full_tensors(lambda p: p.grad)

@@ -58,8 +58,11 @@ def _local(t):
     return None if t is None else t.to_local()
 
 
-def _conv_colwise_forward(self, x):
-    return self._conv_forward(_CopyToGroup.apply(x, self._tp_group), _local(self.weight), _local(self.bias))
+def _colwise_forward(self, x):
+    x = _CopyToGroup.apply(x, self._tp_group)
+    if isinstance(self, nn.Linear):
+        return F.linear(x, _local(self.weight), _local(self.bias))
+    return self._conv_forward(x, _local(self.weight), _local(self.bias))
 
 
 def _conv_rowwise_forward(self, x):
@@ -81,11 +84,11 @@ def _norm_local_forward(self, x):
 
 
 def shard_conv(module: nn.Module, mesh: DeviceMesh, style: str) -> None:
-    """Shard a Conv1d/2d/3d in place as ``conv_colwise`` or ``conv_rowwise``."""
+    """Shard a Conv1d/2d/3d (or a Linear, for ``conv_colwise``) in place."""
     if style == "conv_colwise":
         _shard_param(module, "weight", mesh, Shard(0))
         _shard_param(module, "bias", mesh, Shard(0))
-        forward = _conv_colwise_forward
+        forward = _colwise_forward
     else:
         _shard_param(module, "weight", mesh, Shard(1))
         _shard_param(module, "bias", mesh, Replicate())
@@ -94,8 +97,36 @@ def shard_conv(module: nn.Module, mesh: DeviceMesh, style: str) -> None:
     module.forward = types.MethodType(forward, module)
 
 
-def shard_norm(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Give a BatchNorm this rank's channel shard of its parameters and running statistics."""
+def head_aligned_rows(width: int, size: int) -> torch.Tensor:
+    """Row order of a fused ``[3 * width]`` q/k/v output that puts each rank's q, k and v shards
+    (whole heads, as heads are contiguous within q, k and v) next to each other."""
+    local = width // size
+    return torch.cat([torch.arange(s * width + r * local, s * width + (r + 1) * local)
+                      for r in range(size) for s in range(3)])
+
+
+def _reorder_rows(module: nn.Module, order: torch.Tensor) -> None:
+    """Permute dim 0 of the module's parameters and running statistics; keep the inverse so the
+    runtime can report full tensors in the original order."""
+    for name in ("weight", "bias", "running_mean", "running_var"):
+        tensor = getattr(module, name, None)
+        if tensor is not None:
+            tensor.data = tensor.data[order].clone()
+    module._snn_row_order = torch.argsort(order)
+
+
+def shard_fused_qkv(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Shard a fused q/k/v Linear or pointwise conv so each rank owns whole heads of q, k and v."""
+    width = (module.out_features if isinstance(module, nn.Linear) else module.out_channels) // 3
+    _reorder_rows(module, head_aligned_rows(width, mesh.size()))
+    shard_conv(module, mesh, "conv_colwise")
+
+
+def shard_norm(module: nn.Module, mesh: DeviceMesh, fused_qkv: bool = False) -> None:
+    """Give a BatchNorm this rank's channel shard of its parameters and running statistics
+    (the head-aligned q/k/v shard when ``fused_qkv``)."""
+    if fused_qkv:
+        _reorder_rows(module, head_aligned_rows(module.num_features // 3, mesh.size()))
     rank, size = mesh.get_local_rank(), mesh.size()
     width = module.num_features // size
     _shard_param(module, "weight", mesh, Shard(0))

@@ -9,7 +9,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from ..tp_plan import LINEAR_STYLES
-from .channel_tp import shard_conv, shard_norm
+from .channel_tp import shard_conv, shard_fused_qkv, shard_norm
 
 
 def parallel_style(style: str) -> ParallelStyle:
@@ -35,8 +35,10 @@ def _local_widths(model: nn.Module, tp_plan: Mapping[str, str], tp: int) -> Dict
         style = tp_plan.get(path)
         if isinstance(module, nn.Linear) and style in LINEAR_STYLES:
             width = (module.out_features, -1) if style == "colwise" else None
-        elif isinstance(module, nn.modules.conv._ConvNd) and style in ("conv_colwise", "conv_rowwise"):
-            width = (module.out_channels, -1 - len(module.kernel_size)) if style == "conv_colwise" else None
+        elif style == "qkv_colwise" and isinstance(module, nn.Linear):
+            width = (module.out_features, -1)
+        elif isinstance(module, nn.modules.conv._ConvNd) and style in ("conv_colwise", "conv_rowwise", "qkv_colwise"):
+            width = (module.out_channels, -1 - len(module.kernel_size)) if style != "conv_rowwise" else None
         elif style == "local":
             if width is None:
                 raise ValueError(f"tensor_parallel_plan marks {path!r} 'local' but no column-sharded layer "
@@ -65,7 +67,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str]) 
     for path, style in tp_plan.items():
         if style in ("conv_colwise", "conv_rowwise"):
             shard_conv(model.get_submodule(path), tp_mesh, style)
-        elif style == "norm_local":
-            shard_norm(model.get_submodule(path), tp_mesh)
+        elif style in ("norm_local", "qkv_norm_local"):
+            shard_norm(model.get_submodule(path), tp_mesh, fused_qkv=style == "qkv_norm_local")
+        elif style == "qkv_colwise":
+            shard_fused_qkv(model.get_submodule(path), tp_mesh)
+        elif style == "heads_local":
+            model.get_submodule(path).num_heads //= tp_mesh.size()
     for path, (full, local, dim) in widths.items():
         model.get_submodule(path).register_forward_pre_hook(_shard_check(path, full, local, dim))

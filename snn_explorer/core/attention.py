@@ -1,0 +1,140 @@
+"""Attention blocks and pointwise MLPs that head-aligned tensor parallelism can split."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+from torch import nn
+
+from .serialize import dataclass_dict
+from .structure import flatten, runs, under
+
+@dataclass(frozen=True)
+class AttentionBlock:
+    """Multi-head attention with separate q/k/v/output Linears; ``neurons`` sit between q and proj."""
+
+    path: str
+    num_heads: int
+    q: str
+    k: str
+    v: str
+    proj: str
+    neurons: Tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return dataclass_dict(self, "attention")
+
+
+_QKV_NAMES = {"q": ("q", "q_linear", "q_proj", "wq"), "k": ("k", "k_linear", "k_proj", "wk"),
+              "v": ("v", "v_linear", "v_proj", "wv"), "proj": ("proj", "out_proj", "o_proj", "wo", "o")}
+
+
+def _attention_block(path: str, module: nn.Module, memory: Sequence[str]) -> Optional[AttentionBlock]:
+    heads = getattr(module, "num_heads", None)
+    if not isinstance(heads, int) or isinstance(heads, bool):
+        return None
+    children = dict(module.named_children())
+    found = {}
+    for role, names in _QKV_NAMES.items():
+        name = next((n for n in names if isinstance(children.get(n), nn.Linear)), None)
+        if name is None:
+            return None
+        found[role] = f"{path}.{name}"
+    order = list(children)
+    start, stop = order.index(found["q"].rpartition(".")[2]), order.index(found["proj"].rpartition(".")[2])
+    neurons = tuple(f"{path}.{n}" for n in order[start:stop]
+                    if any(m == f"{path}.{n}" or m.startswith(f"{path}.{n}.") for m in memory))
+    return AttentionBlock(path, heads, found["q"], found["k"], found["v"], found["proj"], neurons)
+
+
+@dataclass(frozen=True)
+class FusedAttentionBlock:
+    """Attention whose q, k and v come from one fused projection laid out ``[3, heads, head_dim]``.
+
+    ``qkv`` and ``proj`` are Linears or pointwise (kernel 1) Conv1d; ``qkv_norm`` a BatchNorm on
+    the fused output; ``neuron`` the stateful module fed by it.
+    """
+
+    path: str
+    num_heads: int
+    qkv: str
+    proj: str
+    qkv_norm: Optional[str] = None
+    neuron: Optional[str] = None
+
+    def to_dict(self) -> dict:
+        return dataclass_dict(self, "fused_attention")
+
+
+def _num_heads(module: nn.Module) -> Optional[int]:
+    heads = getattr(module, "num_heads", None)
+    return heads if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 else None
+
+
+def is_pointwise(module: nn.Module) -> bool:
+    """A Linear, or a Conv1d with kernel 1 and one group: a per-position feature map."""
+    if isinstance(module, nn.Linear):
+        return True
+    return (isinstance(module, nn.Conv1d) and module.kernel_size == (1,) and module.groups == 1
+            and module.stride == (1,) and module.padding == (0,) and module.dilation == (1,))
+
+
+def _width(module: nn.Module) -> Tuple[int, int]:
+    return (module.in_features, module.out_features) if isinstance(module, nn.Linear) else \
+        (module.in_channels, module.out_channels)
+
+
+def _fused_block(path: str, module: nn.Module, memory: Sequence[str]) -> Optional[FusedAttentionBlock]:
+    heads = _num_heads(module)
+    if heads is None:
+        return None
+    qkv = proj = norm = neuron = None
+    for name, sub in module.named_modules(prefix=path):
+        if qkv is None:
+            if is_pointwise(sub) and _width(sub)[1] == 3 * _width(sub)[0]:
+                qkv, dim = name, _width(sub)[0]
+        elif is_pointwise(sub):
+            if _width(sub) == (dim, dim):
+                proj = name
+            break
+        elif norm is None and neuron is None and isinstance(sub, nn.modules.batchnorm._BatchNorm) \
+                and sub.num_features == 3 * dim:
+            norm = name
+        elif neuron is None and name in memory:
+            neuron = name
+    if qkv is None or proj is None or dim % heads:
+        return None
+    return FusedAttentionBlock(path, heads, qkv, proj, norm, neuron)
+
+
+def attention_blocks(model: nn.Module, roots, memory: Sequence[str]) -> Tuple[AttentionBlock, ...]:
+    """Attention with separate q/k/v/proj Linears under ``roots``."""
+    found = (_attention_block(n, m, memory) for n, m in model.named_modules() if n and under(n, roots))
+    return tuple(b for b in found if b is not None)
+
+
+def fused_attention_blocks(model: nn.Module, roots, memory: Sequence[str]) -> Tuple[FusedAttentionBlock, ...]:
+    """Attention with one fused q/k/v projection under ``roots`` (spikingjelly's Spikformer)."""
+    found = []
+    for name, module in model.named_modules():
+        if name and under(name, roots) and _attention_block(name, module, memory) is None:
+            block = _fused_block(name, module, memory)
+            if block is not None and not any(block.path.startswith(b.path + ".") for b in found):
+                found.append(block)
+    return tuple(found)
+
+
+def pointwise_chains(model: nn.Module, roots) -> Tuple[Tuple[str, ...], ...]:
+    """Runs of pointwise layers among the children of custom (non-Sequential) modules, taken in
+    registration order: the MLPs of Spikformer-style blocks. Used only behind the spikformer gate,
+    which trusts that order."""
+    modules = dict(model.named_modules())
+    found = []
+    for name, module in modules.items():
+        if isinstance(module, nn.Sequential) or _num_heads(module) is not None:
+            continue
+        sequence = flatten(module, name + "." if name else "", roots)
+        layer = lambda path, kind: kind in ("linear", "conv") and is_pointwise(modules[path]) and under(path, roots)
+        found.extend(run for run in runs(sequence, "pointwise", layer)
+                     if sum(1 for p in run if layer(p, "linear" if isinstance(modules[p], nn.Linear) else "conv")) > 1)
+    return tuple(found)
