@@ -120,10 +120,10 @@ def test_hung_rank_ends_at_timeout(clean_launch):
     with pytest.raises(LaunchError) as info:
         launch(_hang_on_rank_one, nprocs=2, progress=False, timeout=4)
     err = info.value
-    assert err.unfinished == (1,) and list(err.failures) == [1]
+    assert 1 in err.unfinished and 1 in err.failures  # rank 0 returned at once (unless the machine is swamped)
     assert err.failures[1].exitcode is None and err.failures[1].type == "Timeout"
     assert "_hang_on_rank_one" in err.failures[1].traceback  # the hung rank's Python stack
-    assert "rank(s) [1] had not finished" in str(err)
+    assert f"rank(s) {sorted(err.unfinished)} had not finished" in str(err) and "Timeout" in str(err)
     assert time.time() - started < 40
 
 

@@ -80,6 +80,8 @@ def test_tracker_heartbeats_and_displays():
     tracker.apply({"kind": "end", "rank": 1, "time": 102.0, "seconds": 1.0})
     assert tracker.unfinished() == [0]
     assert tracker.silent(now=110.0, timeout=10) == [] and tracker.silent(now=116.0, timeout=10) == [0]
+    fresh = Tracker(1, started=0.0)  # not started yet: the start allowance applies
+    assert fresh.silent(now=60.0, timeout=10) == [] and fresh.silent(now=121.0, timeout=10) == [0]
     assert tracker.line(0) == "running · step 3/10 · loss 0.5"
     stream = io.StringIO()
     text = TextDisplay(stream=stream, interval=0)

@@ -22,8 +22,10 @@ from .progress import Tracker
 from .result import LaunchResult
 
 BACKENDS = ("auto", "gloo", "nccl")
-#: Seconds the agent gets to end the other ranks after a failure before the launcher kills the tree.
+#: Seconds the agent gets to end the other ranks after a failure before the launcher ends the tree.
 FAILURE_GRACE_S = 5.0
+#: Seconds the agent gets to exit by itself once every rank has stored its value.
+EXIT_GRACE_S = 1.0
 POLL_S = 0.05
 
 
@@ -131,8 +133,9 @@ def _dump_stacks(run_dir: str, tracker: Tracker, ranks) -> Dict[int, str]:
 
 
 def _wait(agent: AgentProcess, reader: channel.EventReader, tracker: Tracker, display, timeout: Optional[float]):
-    """Follow the ranks until the agent exits; returns the timed-out ranks (empty if none)."""
-    failed_at = None
+    """Follow the ranks until the agent exits, a failure's grace ends, or all values are stored
+    and the exit grace ends; returns the timed-out ranks (empty if none)."""
+    failed_at = done_at = None
     while True:
         events = list(reader.poll())
         for event in events:
@@ -145,6 +148,10 @@ def _wait(agent: AgentProcess, reader: channel.EventReader, tracker: Tracker, di
         if failed_at is None and any(s.status == "failed" for s in tracker.ranks.values()):
             failed_at = now
         if failed_at is not None and now - failed_at > FAILURE_GRACE_S:
+            return []
+        if done_at is None and not tracker.unfinished():
+            done_at = now
+        if done_at is not None and now - done_at > EXIT_GRACE_S:  # values are stored; skip elastic's teardown
             return []
         silent = tracker.silent(now, timeout)
         if silent:
@@ -160,7 +167,8 @@ def launch(fn: Callable, *args: Any, nprocs: int, backend: str = "auto", timeout
     ``fn`` may be a lambda, closure or notebook function: it is shipped by value (cloudpickle).
     ``backend``: ``"auto"`` (NCCL when CUDA has ``nprocs`` devices, else gloo), ``"gloo"`` or
     ``"nccl"`` (one GPU per rank). ``timeout``: seconds a rank may go without a heartbeat (its
-    start, each :func:`report`, its end) before the launch is ended; None waits forever.
+    start, each :func:`report`, its end) before the launch is ended (starting may take up to
+    ``max(timeout, 120)`` s); None waits forever.
     ``env``: extra environment variables for the ranks. ``progress``: True (widgets in a
     notebook, a text line on a terminal), False, or ``callable(snapshot)``. ``log_dir``: also keep
     each rank's stdout/stderr there (they are always on the result). Raises :class:`LaunchError`.
@@ -184,7 +192,7 @@ def launch(fn: Callable, *args: Any, nprocs: int, backend: str = "auto", timeout
             hung = _wait(agent, reader, tracker, display, timeout)
             stacks = _dump_stacks(run_dir, tracker, hung) if hung else {}
         finally:
-            agent.end()
+            agent.end(grace=0.0 if not tracker.unfinished() else 3.0)
             for event in reader.poll():
                 tracker.apply(event)
             display.close(tracker)
@@ -203,21 +211,28 @@ def _outcome(run_dir, nprocs, backend, started, tracker, hung, stacks, timeout, 
                           f"(no heartbeat for {timeout:g} s from rank(s) {hung})", failures,
                           unfinished=tracker.unfinished(), logs=joined)
     status_file = channel.path(run_dir, "status.json")
+    results = dict(channel.rank_files(run_dir, "results"))
+    if len(results) == nprocs and not channel.rank_files(run_dir, "errors"):
+        return _result(results, logs, backend, started, tracker, log_dir)  # whatever the agent's exit
     if not os.path.exists(status_file):
         agent_log = open(channel.path(run_dir, "agent.log"), errors="replace").read()[-4000:]
         raise LaunchError(f"the launcher agent ended without a status; its log:\n{agent_log}", {}, logs=joined)
     status = channel.read_json(status_file)
     if status.get("agent_error"):
         raise LaunchError(f"the launcher agent failed:\n{status['agent_error']}", {}, logs=joined)
-    results = dict(channel.rank_files(run_dir, "results"))
     failures = _failures(run_dir, status, logs, set(results), tracker)
     if failures:
         raise LaunchError(_headline(failures, nprocs), failures,
                           unfinished=tracker.unfinished(), logs=joined)
-    values = [cloudpickle.loads(open(results[r], "rb").read()) for r in range(nprocs)]
+    return _result(results, logs, backend, started, tracker, log_dir)
+
+
+def _result(results, logs, backend, started, tracker, log_dir) -> LaunchResult:
+    values = [cloudpickle.loads(open(results[r], "rb").read()) for r in range(len(results))]
     return LaunchResult(
         values=values, backend=backend, wall_time=time.time() - started,
         stdout={r: s["stdout"] for r, s in logs.items()}, stderr={r: s["stderr"] for r, s in logs.items()},
         log_files=_keep_logs(logs, log_dir) if log_dir else {}, log_dir=log_dir,
         timings={r: s.seconds for r, s in tracker.ranks.items()},
+        startup={r: s.started_at - started for r, s in tracker.ranks.items()},
         reports={r: s.reports for r, s in tracker.ranks.items()})

@@ -35,7 +35,7 @@ class AgentProcess:
 
     def end(self, grace: float = 3.0) -> None:
         """SIGTERM the whole tree, SIGKILL what is left after ``grace`` seconds, reap the agent."""
-        if self.popen.poll() is None and self._signal_group(signal.SIGTERM):
+        if grace > 0 and self.popen.poll() is None and self._signal_group(signal.SIGTERM):
             deadline = time.monotonic() + grace
             while self.popen.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)

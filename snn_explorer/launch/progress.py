@@ -12,6 +12,9 @@ from typing import Any, Dict, List, Optional
 
 from . import channel
 
+#: Seconds a rank may take to start (spawn, imports) before it counts as hung, if ``timeout`` is shorter.
+START_TIMEOUT_S = 120.0
+
 
 def _number(value: Any) -> Any:
     """Tensors and numpy scalars -> float, so reports stay JSON."""
@@ -61,6 +64,7 @@ class RankState:
     message: Optional[str] = None
     last_seen: float = field(default_factory=time.time)
     seconds: Optional[float] = None
+    started_at: Optional[float] = None
     failed_at: Optional[float] = None
     exit_code: Optional[int] = None
     reports: List[dict] = field(default_factory=list)
@@ -80,7 +84,7 @@ class Tracker:
         state.last_seen = max(state.last_seen, event["time"])
         kind = event["kind"]
         if kind == "start":
-            state.status, state.pid = "running", event["pid"]
+            state.status, state.pid, state.started_at = "running", event["pid"], event["time"]
         elif kind == "report":
             report = {k: event[k] for k in ("step", "total", "loss", "message", "metrics")}
             state.reports.append(report)
@@ -101,10 +105,12 @@ class Tracker:
         return [r for r, s in self.ranks.items() if s.status != "done"]
 
     def silent(self, now: float, timeout: Optional[float]) -> List[int]:
-        """Unfinished ranks with no heartbeat for ``timeout`` seconds."""
+        """Unfinished ranks with no heartbeat for ``timeout`` seconds; a rank that has not started
+        yet gets at least :data:`START_TIMEOUT_S` (spawning is slow on a busy machine)."""
         if timeout is None:
             return []
-        return [r for r in self.unfinished() if now - self.ranks[r].last_seen > timeout]
+        return [r for r in self.unfinished()
+                if now - self.ranks[r].last_seen > (timeout if self.ranks[r].pid else max(timeout, START_TIMEOUT_S))]
 
     def snapshot(self) -> List[dict]:
         return [s.as_dict() for s in self.ranks.values()]

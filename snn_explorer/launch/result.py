@@ -11,8 +11,8 @@ class LaunchResult:
 
     ``values`` lists the ranks' return values in rank order; ``stdout`` / ``stderr`` map rank ->
     captured text; ``log_files`` maps rank -> (stdout path, stderr path) when a ``log_dir`` was
-    given; ``timings`` maps rank -> seconds spent in the function; ``reports`` maps rank -> the
-    ``report()`` calls it made, in order.
+    given; ``timings`` maps rank -> seconds spent in the function; ``startup`` maps rank ->
+    seconds from the call to the rank's start; ``reports`` maps rank -> its ``report()`` calls.
     """
 
     values: List[Any]
@@ -22,6 +22,7 @@ class LaunchResult:
     stderr: Dict[int, str] = field(default_factory=dict)
     log_files: Dict[int, Tuple[str, str]] = field(default_factory=dict)
     timings: Dict[int, float] = field(default_factory=dict)
+    startup: Dict[int, float] = field(default_factory=dict)
     reports: Dict[int, List[dict]] = field(default_factory=dict)
     log_dir: Optional[str] = None
 

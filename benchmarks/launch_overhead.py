@@ -1,0 +1,79 @@
+"""Wall time to results for a trivial 4-rank gloo function: ``launch`` vs ``torchrun`` on a script.
+
+Run: ``python benchmarks/launch_overhead.py [--nprocs 4]``. One run of each, then the ratio
+(target <= 1.1). Not a test: the numbers depend on the machine and its load.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+SCRIPT = '''
+import torch
+import torch.distributed as dist
+
+def trivial():
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+dist.init_process_group("gloo")
+value = trivial()
+with open(f"{OUT}/rank{dist.get_rank()}.txt", "w") as fh:
+    fh.write(str(value))
+dist.destroy_process_group()
+'''
+
+
+def trivial():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def time_launch(nprocs: int) -> float:
+    from snn_explorer.launch import launch
+
+    start = time.perf_counter()
+    values = launch(trivial, nprocs=nprocs, progress=False).values
+    elapsed = time.perf_counter() - start
+    assert values == [float(nprocs)] * nprocs, values
+    return elapsed
+
+
+def time_torchrun(nprocs: int) -> float:
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    with tempfile.TemporaryDirectory() as out:
+        script = os.path.join(out, "trivial.py")
+        with open(script, "w") as fh:
+            fh.write(f"OUT = {out!r}\n" + SCRIPT)
+        start = time.perf_counter()
+        subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(nprocs), script], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        values = [float(open(os.path.join(out, f"rank{r}.txt")).read()) for r in range(nprocs)]
+        elapsed = time.perf_counter() - start
+    assert values == [float(nprocs)] * nprocs, values
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nprocs", type=int, default=4)
+    args = parser.parse_args()
+    t_launch = time_launch(args.nprocs)
+    t_torchrun = time_torchrun(args.nprocs)
+    print(f"{'runner':<22}{'ranks':>6}{'wall s':>9}")
+    print(f"{'snn_explorer.launch':<22}{args.nprocs:>6}{t_launch:>9.2f}")
+    print(f"{'torchrun (script)':<22}{args.nprocs:>6}{t_torchrun:>9.2f}")
+    print(f"{'ratio launch/torchrun':<22}{'':>6}{t_launch / t_torchrun:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
