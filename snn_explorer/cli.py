@@ -185,7 +185,8 @@ def cmd_export(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="snn-explorer", description="Analyze a spiking model, compare distribution plans, export a torchrun / Slurm job.")
+    parser = argparse.ArgumentParser(prog="snn-explorer", description="Analyze a spiking model, compare "
+                                     "distribution plans, export a torchrun / Slurm job.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def model_args(p, plans: bool):

@@ -1,6 +1,7 @@
 """launch() on real gloo ranks: results, logs, progress, security of the run dir, and every fault."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -35,7 +36,8 @@ def _inspect_rank(scale):
     print(f"stdout of rank {rank}")
     print(f"stderr of rank {rank}", file=sys.stderr)
     return {"rank": rank, "value": rank * scale, "sum": total.item(), "world": dist.get_world_size(),
-            "dir_mode": os.stat(run_dir).st_mode & 0o777, "payload": os.path.exists(os.path.join(run_dir, "payload.pkl")),
+            "dir_mode": os.stat(run_dir).st_mode & 0o777,
+            "payload": os.path.exists(os.path.join(run_dir, "payload.pkl")),
             "run_dir": run_dir, "listening": sorted(listening), "backend": dist.get_backend()}
 
 
@@ -170,7 +172,6 @@ def test_sigint_to_the_parent_ends_every_rank(clean_launch, tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode != 0 and "KeyboardInterrupt" in err
-    import json
     ranks = json.loads(pid_file.read_text())
     assert set(ranks) <= set(tree) and all(gone(p) for p in tree)
 

@@ -5,7 +5,6 @@ import io
 import json
 import os
 import threading
-import time
 
 import psutil
 import pytest
