@@ -175,7 +175,8 @@ def cmd_export(args) -> int:
             raise CliError(f"train function {args.train!r} is a {type(train).__name__}, not callable")
     try:
         job = export_job(chosen, train, args.out, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
-                         model=model, steps=args.steps, job_name=args.job_name)
+                         model=model, steps=args.steps, job_name=args.job_name, gpus_per_node=args.gpus_per_node,
+                         partition=args.partition)
     except (TypeError, ValueError) as exc:
         raise CliError(f"cannot export: {exc}") from None
     print(f"plan: {chosen!r}")
@@ -219,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--nproc-per-node", type=int)
     p.add_argument("--job-name", default="snn-explorer")
+    p.add_argument("--gpus-per-node", type=int, help="Slurm --gpus-per-node (default: none requested)")
+    p.add_argument("--partition", help="Slurm partition")
     p.set_defaults(run=cmd_export)
     return parser
 

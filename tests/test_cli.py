@@ -70,12 +70,13 @@ def test_bad_model_or_topology_names_the_value(capsys, argv, named):
 def test_export_writes_a_job(capsys, user_module, tmp_path):
     out_dir = tmp_path / "job"
     rc = main(["export", f"{user_module}:make_net", "--topology", "tp=2", "--objective", "memory",
-               "--train", f"{user_module}:step", "--steps", "4", "--out", str(out_dir)])
+               "--train", f"{user_module}:step", "--steps", "4", "--out", str(out_dir), "--gpus-per-node", "2"])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "torchrun --nnodes 1 --nproc-per-node 2" in printed
     assert sorted(os.listdir(out_dir)) == ["command.sh", "job.sbatch", "payload.pkl", "plan.json", "run.py"]
     assert json.load(open(out_dir / "plan.json"))["mode"] == "tp"
+    assert "#SBATCH --gpus-per-node=2" in (out_dir / "job.sbatch").read_text()
     assert main(["export", "zoo:mlp", "--world-size", "2", "--objective", "speed", "--train", "os:nothing",
                  "--out", str(tmp_path / "x")]) == 2
     assert "'nothing'" in capsys.readouterr().err
