@@ -171,3 +171,63 @@ def test_contiguous_qkv_split_would_be_wrong():
     rows = head_aligned_rows(8, 2)  # q, k, v of width 8 over 2 ranks
     assert rows[:12].tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19]
     assert rows[:12].tolist() != list(range(12))
+
+
+def jelly_vgg():
+    """A CIFAR10-DVS-style VGG from spikingjelly's multi-step layers."""
+    from spikingjelly.activation_based import functional, layer, neuron
+
+    torch.manual_seed(0)
+    blocks = []
+    for c_in, c_out, pool in ((2, 8, True), (8, 16, False), (16, 16, True), (16, 16, False)):
+        blocks += [layer.Conv2d(c_in, c_out, 3, padding=1, bias=False), layer.BatchNorm2d(c_out),
+                   neuron.LIFNode(tau=2.0)]
+        blocks += [layer.MaxPool2d(2)] if pool else []
+    net = nn.Sequential(*blocks, layer.Flatten(start_dim=1), layer.Linear(16 * 4 * 4, 32), neuron.LIFNode(tau=2.0),
+                        layer.Linear(32, 8))
+    functional.set_step_mode(net, "m")
+    with torch.no_grad():  # biases and gains that keep every layer spiking (10-25 %)
+        for m in net.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.bias.fill_(0.8)
+            elif isinstance(m, nn.Linear):
+                m.weight.mul_(4.0)
+                m.bias.fill_(0.6)
+    return net.double()
+
+
+def _jelly_vgg_rank(tp):
+    import snn_explorer as se
+    from spikingjelly.activation_based import functional
+
+    x = torch.rand(3, 2, 2, 16, 16, generator=torch.Generator().manual_seed(4), dtype=torch.float64).lt(0.3).double()
+    y = torch.tensor([1, 5])
+    ref = jelly_vgg()
+    rates = {}
+    for name, m in ref.named_modules():
+        if hasattr(m, "v_threshold"):
+            m.register_forward_hook(lambda _m, _i, o, name=name: rates.__setitem__(name, float(o.mean())))
+    functional.reset_net(ref)
+    ref_out = ref(x)
+    nn.functional.cross_entropy(ref_out.mean(0), y).backward()
+    model = jelly_vgg()
+    plan = se.plan(analysis=se.analyze(model, model_family="cifar10dvs_vgg"), objective="memory",
+                   topology={"tp": tp}, backend="torch", batch_size=2,
+                   features=se.DistributedFeatureSet(allow_experimental_conv_tp=True))
+    runtime = se.apply(model=model, plan=plan, device_type="cpu")
+    loss, out = runtime.forward_loss(nn.CrossEntropyLoss(), x, y)
+    loss.backward()
+    grads = runtime.full_gradients()
+    errors = {"outputs": float((out.detach() - ref_out.detach()).abs().max())}
+    errors.update({n: float((grads[n] - p.grad).abs().max()) for n, p in ref.named_parameters()})
+    return dict(errors=errors, rates=rates, styles=dict(plan.tensor_parallel_plan))
+
+
+def test_spikingjelly_vgg_channel_tp():
+    for rank, res in enumerate(run_on_ranks(_jelly_vgg_rank, 2, 2, timeout=120)):
+        for name, rate in res["rates"].items():
+            assert 0.02 <= rate <= 0.98, f"{name} spikes at {rate:.3f}: the comparison would be vacuous"
+        assert sorted(set(res["styles"].values())) == ["colwise", "conv_colwise", "conv_rowwise", "local",
+                                                        "norm_local", "rowwise"]
+        for what, err in res["errors"].items():
+            assert err <= 1e-9, f"rank {rank}: {what} differs by {err:.3g}"

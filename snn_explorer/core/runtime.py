@@ -131,11 +131,16 @@ class SNNDistributedRuntime:
     def _full_tensors(self, pick: Callable) -> Dict[str, Optional[torch.Tensor]]:
         out = {}
         for owner_name, owner in self.module.named_modules():
+            group = getattr(owner, "_snn_tp_group", None)  # channel-sharded BatchNorm: plain local shards
             order = getattr(owner, "_snn_row_order", None)  # head-aligned q/k/v rows, back to model order
             for name, param in owner.named_parameters(recurse=False):
                 tensor = pick(param)
                 if tensor is not None:
-                    tensor = _full(tensor.detach())
+                    tensor = _full(tensor.detach()).contiguous()
+                    if group is not None:
+                        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+                        dist.all_gather(parts, tensor, group=group)
+                        tensor = torch.cat(parts)
                     tensor = tensor[order] if order is not None else tensor.clone()
                 out[f"{owner_name}.{name}" if owner_name else name] = tensor
         return out

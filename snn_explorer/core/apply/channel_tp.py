@@ -1,10 +1,12 @@
-"""Channel tensor parallelism for convolutions and BatchNorm (behind ``allow_experimental_conv_tp``).
+"""Channel tensor parallelism for convolutions and BatchNorm, and head-aligned fused q/k/v.
 
 ``conv_colwise``: weight (and bias) sharded on output channels, input replicated; the input's
 gradient is summed over the tp group. ``conv_rowwise``: weight sharded on input channels; partial
-outputs are summed over the tp group before the (replicated) bias. ``norm_local``: a BatchNorm
-between them holds its channel shard (affine parameters and running statistics).
-Parameters are DTensors on the tp mesh, so FSDP2 composes and ``full_tensor()`` recovers them.
+outputs are summed over the tp group before the (replicated) bias. Their parameters are DTensors
+on the tp mesh (FSDP2 composes, ``full_tensor()`` recovers them), and only the convolution itself
+is replaced (``_conv_forward``), so wrappers such as spikingjelly's multi-step layers keep working.
+``norm_local``: a BatchNorm between such a pair holds its channel shard as plain tensors; the
+runtime gathers them over ``_snn_tp_group`` when it reports full parameters.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None
 
 
-def _shard_param(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:
+def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:
     param = getattr(module, name)
     if param is not None:
         setattr(module, name, nn.Parameter(distribute_tensor(param.data, mesh, [placement]),
@@ -58,43 +60,29 @@ def _local(t):
     return None if t is None else t.to_local()
 
 
-def _colwise_forward(self, x):
-    x = _CopyToGroup.apply(x, self._tp_group)
-    if isinstance(self, nn.Linear):
-        return F.linear(x, _local(self.weight), _local(self.bias))
-    return self._conv_forward(x, _local(self.weight), _local(self.bias))
+def _colwise_conv(self, x, weight, bias):
+    return type(self)._conv_forward(self, _CopyToGroup.apply(x, self._tp_group), _local(weight), _local(bias))
 
 
-def _conv_rowwise_forward(self, x):
-    out = _SumOverGroup.apply(self._conv_forward(x, _local(self.weight), None), self._tp_group)
-    if self.bias is not None:
-        out = out + _local(self.bias).view(-1, *([1] * len(self.kernel_size)))
-    return out
+def _rowwise_conv(self, x, weight, bias):
+    out = _SumOverGroup.apply(type(self)._conv_forward(self, x, _local(weight), None), self._tp_group)
+    return out if bias is None else out + _local(bias).view(-1, *([1] * len(self.kernel_size)))
 
 
-def _norm_local_forward(self, x):
-    factor = 0.0 if self.momentum is None else self.momentum
-    if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-        self.num_batches_tracked.add_(1)
-        factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-    batch_stats = self.training or (self.running_mean is None and self.running_var is None)
-    keep = not self.training or self.track_running_stats
-    return F.batch_norm(x, self.running_mean if keep else None, self.running_var if keep else None,
-                        _local(self.weight), _local(self.bias), batch_stats, factor, self.eps)
+def _colwise_linear(self, x):
+    return F.linear(_CopyToGroup.apply(x, self._tp_group), _local(self.weight), _local(self.bias))
 
 
 def shard_conv(module: nn.Module, mesh: DeviceMesh, style: str) -> None:
-    """Shard a Conv1d/2d/3d (or a Linear, for ``conv_colwise``) in place."""
-    if style == "conv_colwise":
-        _shard_param(module, "weight", mesh, Shard(0))
-        _shard_param(module, "bias", mesh, Shard(0))
-        forward = _colwise_forward
-    else:
-        _shard_param(module, "weight", mesh, Shard(1))
-        _shard_param(module, "bias", mesh, Replicate())
-        forward = _conv_rowwise_forward
+    """Shard a Conv1d/2d/3d in place as ``conv_colwise`` or ``conv_rowwise`` (a Linear: colwise)."""
+    colwise = style == "conv_colwise"
+    _distribute(module, "weight", mesh, Shard(0) if colwise else Shard(1))
+    _distribute(module, "bias", mesh, Shard(0) if colwise else Replicate())
     module._tp_group = mesh.get_group()
-    module.forward = types.MethodType(forward, module)
+    if isinstance(module, nn.Linear):
+        module.forward = types.MethodType(_colwise_linear, module)
+    else:
+        module._conv_forward = types.MethodType(_colwise_conv if colwise else _rowwise_conv, module)
 
 
 def head_aligned_rows(width: int, size: int) -> torch.Tensor:
@@ -127,12 +115,14 @@ def shard_norm(module: nn.Module, mesh: DeviceMesh, fused_qkv: bool = False) -> 
     (the head-aligned q/k/v shard when ``fused_qkv``)."""
     if fused_qkv:
         _reorder_rows(module, head_aligned_rows(module.num_features // 3, mesh.size()))
-    rank, size = mesh.get_local_rank(), mesh.size()
-    width = module.num_features // size
-    _shard_param(module, "weight", mesh, Shard(0))
-    _shard_param(module, "bias", mesh, Shard(0))
+    rank, width = mesh.get_local_rank(), module.num_features // mesh.size()
+    rows = slice(rank * width, (rank + 1) * width)
+    for name in ("weight", "bias"):
+        param = getattr(module, name)
+        if param is not None:
+            setattr(module, name, nn.Parameter(param.data[rows].clone(), requires_grad=param.requires_grad))
     for name in ("running_mean", "running_var"):
         stat = getattr(module, name)
         if stat is not None:
-            setattr(module, name, stat[rank * width:(rank + 1) * width].clone())
-    module.forward = types.MethodType(_norm_local_forward, module)
+            setattr(module, name, stat[rows].clone())
+    module._snn_tp_group = mesh.get_group()
