@@ -223,8 +223,9 @@ def _jelly_vgg_rank(tp):
     return dict(errors=errors, rates=rates, styles=dict(plan.tensor_parallel_plan))
 
 
-def test_spikingjelly_vgg_channel_tp():
-    for rank, res in enumerate(run_on_ranks(_jelly_vgg_rank, 2, 2, timeout=120)):
+@pytest.mark.parametrize("tp", [2, 4])
+def test_spikingjelly_vgg_channel_tp(tp):
+    for rank, res in enumerate(run_on_ranks(_jelly_vgg_rank, tp, tp, timeout=120)):
         for name, rate in res["rates"].items():
             assert 0.02 <= rate <= 0.98, f"{name} spikes at {rate:.3f}: the comparison would be vacuous"
         assert sorted(set(res["styles"].values())) == ["colwise", "conv_colwise", "conv_rowwise", "local",
