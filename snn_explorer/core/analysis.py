@@ -23,7 +23,7 @@ class LinearShape:
     out_features: int
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "in_features": self.in_features, "out_features": self.out_features}
+        return dataclass_dict(self, "linear")
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class SNNDistributedAnalysis:
     def from_dict(cls, data: Mapping[str, Any]) -> "SNNDistributedAnalysis":
         data = check_kind(data, "analysis")
         objects = {
-            "linear_shapes": tuple(LinearShape(**s) for s in data.pop("linear_shapes", ())),
+            "linear_shapes": tuple(LinearShape(**check_kind(s, "linear")) for s in data.pop("linear_shapes", ())),
             "attention_blocks": tuple(AttentionBlock(**{k: tuplify(v) for k, v in check_kind(b, "attention").items()})
                                       for b in data.pop("attention_blocks", ())),
             "conv_shapes": tuple(ConvShape(**check_kind(c, "conv")) for c in data.pop("conv_shapes", ())),

@@ -34,8 +34,6 @@ def preflight(model: nn.Module, plan: SNNDistributedPlan) -> SNNDistributedAnaly
         raise TypeError(f"plan must be an SNNDistributedPlan, got {type(plan).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if plan.mode == "pp":  # unreachable through the constructor; kept for plans built elsewhere
-        raise NotImplementedError("mode='pp' is not supported by apply")
     analysis = analyze(model, model_family=plan.model_family, roots=plan.tensor_parallel_roots)
     if plan.tensor_parallel_plan:
         check_tp_plan(analysis, plan.tensor_parallel_plan, plan.tp_size)
