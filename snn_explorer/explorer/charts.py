@@ -1,0 +1,140 @@
+"""matplotlib charts of estimates: fixed size, no pyplot state, each returns its Figure."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+from ..estimate import PlanEstimate
+from .compare import MEMORY_ROWS, unique_labels
+
+FIGSIZE = (9.0, 4.5)
+MIB = 2 ** 20
+
+
+def _figure():
+    fig = Figure(figsize=FIGSIZE, dpi=100, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def _labels(estimates, labels):
+    return list(labels) if labels is not None else unique_labels([e.plan for e in estimates])
+
+
+def _empty(ax, what: str) -> None:
+    ax.text(0.5, 0.5, f"no {what} to show", ha="center", va="center", transform=ax.transAxes)
+    ax.set_axis_off()
+
+
+def memory_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[str]] = None) -> Figure:
+    """Stacked per-rank memory breakdown: a group of bars per plan, one bar per rank, one
+    segment per :data:`~snn_explorer.explorer.compare.MEMORY_ROWS` component; ``x`` marks each rank's peak."""
+    fig, ax = _figure()
+    if not estimates:
+        _empty(ax, "plans")
+        return fig
+    labels, colors = _labels(estimates, labels), [f"C{i}" for i in range(len(MEMORY_ROWS))]
+    ticks, x = [], 0.0
+    for est in estimates:
+        ranks = est.per_rank
+        xs = [x + i for i in range(len(ranks))]
+        bottom = [0.0] * len(ranks)
+        for name, color in zip(MEMORY_ROWS, colors):
+            values = (ranks[name] / MIB).tolist()
+            ax.bar(xs, values, bottom=bottom, width=0.8, color=color,
+                   label=name.removesuffix("_bytes") if est is estimates[0] else None)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.scatter(xs, ranks["peak_bytes"] / MIB, marker="x", color="black",
+                   label="peak" if est is estimates[0] else None, zorder=3)
+        ticks.append(x + (len(ranks) - 1) / 2)
+        x += len(ranks) + 1
+    ax.set_xticks(ticks, labels, rotation=15, ha="right", fontsize=8)
+    ax.set_ylabel("MiB per rank")
+    ax.set_title("memory per rank (bars: one per rank)")
+    ax.legend(fontsize=7, ncols=2, loc="upper left")
+    return fig
+
+
+def _traffic(est: PlanEstimate) -> pd.Series:
+    c = est.collectives
+    if not len(c):
+        return pd.Series(dtype=float)
+    return c.assign(key=c["mesh_dim"] + " " + c["kind"]).groupby("key")["bytes"].sum() / MIB
+
+
+def comm_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[str]] = None) -> Figure:
+    """Bytes communicated per step and rank, one stacked bar per plan, a segment per mesh dim x collective."""
+    fig, ax = _figure()
+    if not estimates:
+        _empty(ax, "plans")
+        return fig
+    labels = _labels(estimates, labels)
+    table = pd.DataFrame([_traffic(e) for e in estimates], index=labels).fillna(0.0)
+    bottom = [0.0] * len(labels)
+    for i, key in enumerate(sorted(table.columns)):
+        ax.bar(range(len(labels)), table[key].tolist(), bottom=bottom, color=f"C{i}", label=key)
+        bottom = [b + v for b, v in zip(bottom, table[key])]
+    ax.set_xticks(range(len(labels)), labels, rotation=15, ha="right", fontsize=8)
+    ax.set_ylabel("MiB per step and rank")
+    ax.set_title("communication per step")
+    if len(table.columns):
+        ax.legend(fontsize=7)
+    return fig
+
+
+def pareto_front(points: Sequence[tuple]) -> list:
+    """Indices of the points ``(memory, communication)`` no other point beats on both, by memory."""
+    front = [i for i, (m, c) in enumerate(points)
+             if not any((m2 <= m and c2 <= c) and (m2, c2) != (m, c) for m2, c2 in points)]
+    return sorted(front, key=lambda i: points[i])
+
+
+def pareto_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[str]] = None) -> Figure:
+    """Peak memory (max over ranks) against communication per step; the Pareto front joined by a line."""
+    fig, ax = _figure()
+    if not estimates:
+        _empty(ax, "plans")
+        return fig
+    labels = _labels(estimates, labels)
+    points = [(e.peak_bytes / MIB, e.comm_bytes / MIB) for e in estimates]
+    front = pareto_front(points)
+    ax.scatter([p[0] for p in points], [p[1] for p in points], color="C0", label="plan")
+    ax.plot([points[i][0] for i in front], [points[i][1] for i in front], "o-", color="C3", label="Pareto front")
+    for label, (m, c) in zip(labels, points):
+        ax.annotate(label, (m, c), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("peak MiB per rank (max over ranks)")
+    ax.set_ylabel("MiB communicated per step")
+    ax.set_title("memory vs communication")
+    ax.legend(fontsize=7)
+    return fig
+
+
+def mesh_chart(layout: pd.DataFrame, plan, module: str) -> Figure:
+    """The mesh as a dp x tp grid of ranks; each cell lists the slice of ``module``'s parameters
+    it holds (a :func:`~snn_explorer.explorer.layout.shard_layout` table)."""
+    fig, ax = _figure()
+    dp, tp = plan.world_size // plan.tp_size, plan.tp_size
+    for rank, group in layout.groupby("rank", sort=True):
+        d, t = divmod(int(rank), tp)
+        text = "\n".join(f"{r.param} {r.held}" for r in group.itertuples()) or "(no parameters)"
+        whole = (group["held"] == "whole").all()
+        ax.add_patch(_cell(t, dp - 1 - d, "#e8e8e8" if whole else f"C{t % 10}"))
+        ax.text(t + 0.5, dp - 1 - d + 0.5, f"rank {rank} (dp {d}, tp {t})\n{text}", ha="center",
+                va="center", fontsize=7)
+    if layout.empty:
+        for rank in range(plan.world_size):
+            d, t = divmod(rank, tp)
+            ax.add_patch(_cell(t, dp - 1 - d, "#e8e8e8"))
+            ax.text(t + 0.5, dp - 1 - d + 0.5, f"rank {rank}\n(no parameters)", ha="center", va="center", fontsize=7)
+    ax.set_xlim(0, tp)
+    ax.set_ylim(0, dp)
+    ax.set_axis_off()
+    ax.set_title(f"{module}: what each rank holds ({plan.mode}, dp={dp} x tp={tp})")
+    return fig
+
+
+def _cell(x: int, y: int, color: str):
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((x + 0.03, y + 0.03), 0.94, 0.94, facecolor=color, alpha=0.35, edgecolor="black")

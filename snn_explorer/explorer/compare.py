@@ -1,0 +1,102 @@
+"""The side-by-side comparison: one column per plan, numbers from the estimator's tables."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import pandas as pd
+
+from ..core import SNNDistributedPlan
+from ..estimate import PlanEstimate
+
+#: Per-rank memory components (each row holds the largest value over the plan's ranks).
+MEMORY_ROWS = ("params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes", "activations_bytes",
+               "neuron_state_bytes", "transient_bytes")
+#: Numeric rows where the smallest value is best (highlighted).
+BEST_LOW = MEMORY_ROWS + ("peak_bytes_max", "comm_bytes_per_step", "collectives_per_step")
+TEXT_ROWS = ("objective", "mode", "mesh", "optimizer_strategy", "memopt_level", "batch", "batch_per_rank",
+             "time_steps", "rationale", "notes", "verdict")
+COMPARE_ROWS = TEXT_ROWS + MEMORY_ROWS + ("peak_bytes_max", "comm_bytes_per_step", "collectives_per_step",
+                                          "fits_budget")
+#: The Styler's table id, fixed so that rendered HTML is the same on every run.
+STYLER_UUID = "snn-compare"
+
+
+def mesh_text(plan: SNNDistributedPlan) -> str:
+    return " x ".join(f"{n}={s}" for n, s in zip(plan.mesh_dim_names, plan.mesh_shape))
+
+
+def plan_label(plan: SNNDistributedPlan) -> str:
+    """``dp+zero dp=4``: mode, ZeRO and mesh; the objective follows when it is not the default."""
+    zero = "+zero" if plan.optimizer_strategy == "zero" else ""
+    return f"{plan.mode}{zero} {mesh_text(plan)}"
+
+
+def unique_labels(plans: Sequence[SNNDistributedPlan]) -> list:
+    """``plan_label`` of each plan, numbered ``#1 ...`` so that equal-looking plans stay apart."""
+    return [f"#{i + 1} {plan_label(p)}" for i, p in enumerate(plans)]
+
+
+def _column(est: PlanEstimate, budget: Optional[int]) -> dict:
+    p, per_rank = est.plan, est.per_rank
+    col = dict(objective=p.objective, mode=p.mode, mesh=mesh_text(p), optimizer_strategy=p.optimizer_strategy,
+               memopt_level=p.memopt_level, batch=p.batch_size, batch_per_rank=p.per_rank_batch,
+               time_steps=est.time_steps, rationale=" ".join(p.rationale), notes=" ".join(p.notes),
+               verdict=est.verdict)
+    col.update({name: int(per_rank[name].max()) for name in MEMORY_ROWS})
+    col.update(peak_bytes_max=est.peak_bytes, comm_bytes_per_step=est.comm_bytes,
+               collectives_per_step=int(est.collectives["count"].sum()) if len(est.collectives) else 0,
+               fits_budget="" if budget is None else ("yes" if est.peak_bytes <= budget else "no"))
+    return col
+
+
+def compare_table(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[str]] = None,
+                  memory_budget: Optional[int] = None) -> pd.DataFrame:
+    """Rows :data:`COMPARE_ROWS`, one column per estimate (labelled ``labels`` or ``#i mode mesh``)."""
+    labels = list(labels) if labels is not None else unique_labels([e.plan for e in estimates])
+    if len(labels) != len(estimates) or len(set(labels)) != len(labels):
+        raise ValueError(f"need one distinct label per estimate, got {labels!r} for {len(estimates)} estimates")
+    data = {label: _column(e, memory_budget) for label, e in zip(labels, estimates)}
+    return pd.DataFrame(data, index=list(COMPARE_ROWS), columns=labels, dtype=object)
+
+
+def best_columns(table: pd.DataFrame, row: str) -> list:
+    """The columns holding the best (smallest) value of numeric ``row``; none when all are equal."""
+    values = pd.to_numeric(table.loc[row], errors="coerce")
+    if values.isna().any() or values.nunique() < 2:
+        return []
+    return list(values.index[values == values.min()])
+
+
+def format_bytes(n) -> str:
+    if not isinstance(n, (int, float)):
+        return str(n)
+    if abs(n) >= 2 ** 20:
+        return f"{n / 2 ** 20:.2f} MiB"
+    return f"{n / 2 ** 10:.1f} KiB" if abs(n) >= 2 ** 10 else f"{n} B"
+
+
+def _is_bytes_row(row: str) -> bool:
+    return "_bytes" in row
+
+
+def readable(table: pd.DataFrame, max_text: int = 0) -> pd.DataFrame:
+    """A copy with byte rows in B / KiB / MiB; ``max_text`` > 0 cuts long text cells (terminals)."""
+    out = table.copy()
+    for row in table.index:
+        if _is_bytes_row(row):
+            out.loc[row] = [format_bytes(v) for v in table.loc[row]]
+        elif max_text and row in ("rationale", "notes", "verdict"):
+            out.loc[row] = [v if len(str(v)) <= max_text else str(v)[:max_text - 3] + "..." for v in table.loc[row]]
+    return out
+
+
+def style_compare(table: pd.DataFrame):
+    """A Styler (fixed uuid) of :func:`readable` with each row's best value in bold green."""
+    shown = readable(table)
+    best = pd.DataFrame("", index=table.index, columns=table.columns)
+    for row in BEST_LOW:
+        if row in table.index:
+            for col in best_columns(table, row):
+                best.loc[row, col] = "font-weight: bold; background-color: #d4edda"
+    styler = shown.style.set_uuid(STYLER_UUID).apply(lambda _: best, axis=None)
+    return styler.set_table_styles([{"selector": "td", "props": "text-align: left; max-width: 28em"}])

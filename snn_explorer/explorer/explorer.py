@@ -1,0 +1,242 @@
+"""Explorer: one model's analysis, a list of plans, their estimates, tables and charts."""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+
+import pandas as pd
+import torch
+from torch import nn
+
+from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze, apply, plan as core_plan
+from ..core.tp_plan import auto_tp_plan, conv_tp_plan, head_aligned_tp_plan
+from ..estimate import PlanEstimate, enumerate_plans, estimate, model_profile
+from . import charts
+from .compare import compare_table, readable, style_compare, unique_labels
+from .layout import shard_layout
+from .modules import candidates_table, modules_table
+
+FeaturesLike = Union[DistributedFeatureSet, Mapping[str, bool], None]
+
+
+def as_features(features: FeaturesLike) -> DistributedFeatureSet:
+    if features is None:
+        return DistributedFeatureSet()
+    if isinstance(features, DistributedFeatureSet):
+        return features
+    if isinstance(features, Mapping):
+        return DistributedFeatureSet(**features)
+    raise TypeError(f"features must be a DistributedFeatureSet or a mapping gate -> bool, got {features!r}")
+
+
+class Explorer:
+    """Analyse ``model`` once, then plan, estimate, compare, chart and launch without re-analysing.
+
+    ``example_input`` ``[T, N, ...]`` (the global batch of one step) is what the estimator
+    profiles, once; without it plans and module tables work but estimates do not. ``time_steps``
+    (default ``T``) and ``batch_size`` (default ``N``) are the defaults of new plans and estimates.
+    """
+
+    def __init__(self, model: nn.Module, *, example_input: Optional[torch.Tensor] = None,
+                 time_steps: Optional[int] = None, model_family: Optional[str] = None,
+                 roots: Optional[Sequence[str]] = None, labels: Optional[torch.Tensor] = None,
+                 batch_size: Optional[int] = None, backend: str = "torch", optimizer: str = "adam"):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Explorer expects a torch.nn.Module, got {type(model).__name__}")
+        if example_input is not None and (not isinstance(example_input, torch.Tensor) or example_input.dim() < 2):
+            raise ValueError("example_input must be a tensor [T, N, ...] (time first, then batch)")
+        self.model, self.example_input, self.labels = model, example_input, labels
+        self.analysis = analyze(model, model_family=model_family, roots=roots)
+        self.time_steps = int(time_steps if time_steps is not None else
+                              example_input.shape[0] if example_input is not None else 1)
+        self.batch_size = int(batch_size if batch_size is not None else
+                              example_input.shape[1] if example_input is not None else 1)
+        self.backend, self.optimizer = backend, optimizer
+        self._plans: List[SNNDistributedPlan] = []
+        self._estimates: Dict[tuple, PlanEstimate] = {}
+        self._modules: Dict[tuple, pd.DataFrame] = {}
+        self._ui = None
+
+    @classmethod
+    def from_zoo(cls, zoo, **kwargs) -> "Explorer":
+        """An Explorer of a :class:`~snn_explorer.zoo.ZooModel` (or a zoo name) with its input and labels."""
+        if isinstance(zoo, str):
+            from ..zoo import build
+
+            zoo = build(zoo)
+        kwargs = dict(example_input=zoo.example_input, labels=zoo.labels, model_family=zoo.family, **kwargs)
+        return cls(zoo.model, **kwargs)
+
+    # ---- the module tree
+    def default_tp_plan(self, features: FeaturesLike = None) -> Dict[str, str]:
+        """The TP layout a TP mode gets without an explicit plan (what the planner builds)."""
+        features = as_features(features)
+        if features.allow_experimental_spikformer_tp and self.analysis.attention_blocks:
+            layout = head_aligned_tp_plan(self.analysis)
+        else:
+            layout = auto_tp_plan(self.analysis)
+        if features.allow_experimental_conv_tp:
+            layout.update(conv_tp_plan(self.analysis))
+        return layout
+
+    def modules_for(self, plan: Optional[SNNDistributedPlan] = None, tp_size: int = 1) -> pd.DataFrame:
+        """The module table under ``plan``'s TP layout (the default layout when it has none)."""
+        layout = dict(plan.tensor_parallel_plan) if plan is not None and plan.tensor_parallel_plan else \
+            self.default_tp_plan(plan.experimental_features if plan is not None else None)
+        tp_size = plan.topology.size("tp") if plan is not None else tp_size
+        key = (tuple(sorted(layout.items())), tp_size)
+        if key not in self._modules:
+            self._modules[key] = modules_table(self.model, self.analysis, layout, tp_size)
+        return self._modules[key]
+
+    @property
+    def modules(self) -> pd.DataFrame:
+        """Every module: path, type, depth, params, stateful, snn_library, TP candidate and style, sharded dim."""
+        return self.modules_for(None)
+
+    @property
+    def candidates(self) -> pd.DataFrame:
+        return candidates_table(self.modules)
+
+    # ---- plans
+    @property
+    def plans(self) -> List[SNNDistributedPlan]:
+        """The plans added so far (by :meth:`plan`, :meth:`enumerate` or pinning), in order."""
+        return list(self._plans)
+
+    def add(self, plan: SNNDistributedPlan) -> SNNDistributedPlan:
+        if not isinstance(plan, SNNDistributedPlan):
+            raise TypeError(f"expected an SNNDistributedPlan, got {type(plan).__name__}")
+        if plan not in self._plans:
+            self._plans.append(plan)
+        return plan
+
+    def remove(self, plan: SNNDistributedPlan) -> None:
+        self._plans = [p for p in self._plans if p != plan]
+
+    def clear(self) -> None:
+        self._plans = []
+
+    def make_plan(self, *, objective: str = "speed", topology: Any = None, batch_size: Optional[int] = None,
+                  features: FeaturesLike = None, mode: Optional[str] = None,
+                  tensor_parallel_plan: Optional[Mapping[str, str]] = None) -> SNNDistributedPlan:
+        """The plan :func:`snn_explorer.plan` gives for these choices, without adding it."""
+        return core_plan(analysis=self.analysis, objective=objective, topology=topology if topology is not None else 1,
+                         backend=self.backend, batch_size=batch_size if batch_size is not None else self.batch_size,
+                         mode=mode, features=as_features(features), tensor_parallel_plan=tensor_parallel_plan)
+
+    def plan(self, **choices) -> SNNDistributedPlan:
+        """:meth:`make_plan` and add the plan to :attr:`plans`; returns it."""
+        return self.add(self.make_plan(**choices))
+
+    def enumerate(self, world_size: int, *, batch_size: Optional[int] = None, features: FeaturesLike = None,
+                  objective: str = "speed"):
+        """Add every feasible plan for ``world_size`` ranks; returns them (``.infeasible``: why others are not)."""
+        plans = enumerate_plans(self.analysis, world_size=world_size,
+                                batch_size=batch_size if batch_size is not None else self.batch_size,
+                                backend=self.backend, features=as_features(features), objective=objective)
+        for p in plans:
+            self.add(p)
+        return plans
+
+    # ---- estimates
+    def estimate(self, plan: SNNDistributedPlan, time_steps: Optional[int] = None) -> PlanEstimate:
+        """The estimator's numbers for ``plan`` (cached per plan and time steps)."""
+        if self.example_input is None:
+            raise ValueError("estimates need an example input: Explorer(model, example_input=[T, N, ...] tensor)")
+        t = int(time_steps if time_steps is not None else self.time_steps)
+        key = (plan, t)
+        if key not in self._estimates:
+            profile = model_profile(self.model, self.example_input, self.labels)
+            self._estimates[key] = estimate(self.model, plan, example_input=self.example_input, labels=self.labels,
+                                            time_steps=t, optimizer=self.optimizer, profile=profile)
+        return self._estimates[key]
+
+    def estimates(self, plans: Optional[Sequence[SNNDistributedPlan]] = None,
+                  time_steps: Optional[int] = None) -> List[PlanEstimate]:
+        return [self.estimate(p, time_steps) for p in (self._plans if plans is None else plans)]
+
+    def compare(self, plans: Optional[Sequence[SNNDistributedPlan]] = None, *, time_steps: Optional[int] = None,
+                memory_budget: Optional[int] = None, labels: Optional[Sequence[str]] = None,
+                styled: bool = False):
+        """Side by side, one column per plan (default: :attr:`plans`); ``styled=True`` gives the
+        Styler (fixed uuid) with each row's best value highlighted."""
+        ests = self.estimates(plans, time_steps)
+        table = compare_table(ests, labels, memory_budget)
+        return style_compare(table) if styled else table
+
+    def compare_text(self, plans: Optional[Sequence[SNNDistributedPlan]] = None, *, max_text: int = 40,
+                     **kwargs) -> str:
+        """The comparison as a terminal table (bytes in KiB / MiB, text cut to ``max_text`` characters)."""
+        return readable(self.compare(plans, **kwargs), max_text).to_string()
+
+    # ---- charts
+    def _chart_args(self, plans, time_steps):
+        ests = self.estimates(plans, time_steps)
+        return ests, unique_labels([e.plan for e in ests])
+
+    def memory_chart(self, plans=None, *, time_steps=None):
+        return charts.memory_chart(*self._chart_args(plans, time_steps))
+
+    def comm_chart(self, plans=None, *, time_steps=None):
+        return charts.comm_chart(*self._chart_args(plans, time_steps))
+
+    def pareto_chart(self, plans=None, *, time_steps=None):
+        return charts.pareto_chart(*self._chart_args(plans, time_steps))
+
+    def default_module(self, plan: SNNDistributedPlan) -> str:
+        """The first module ``plan`` shards with TP, else the first TP candidate, else the first module with parameters."""
+        sharded = [p for p, s in plan.tensor_parallel_plan.items() if s != "local"]
+        if sharded:
+            return sharded[0]
+        if self.analysis.tensor_parallel_candidate_names:
+            return self.analysis.tensor_parallel_candidate_names[0]
+        return next((n for n, m in self.model.named_modules() if n and any(m.parameters(recurse=False))), "")
+
+    def layout(self, plan: SNNDistributedPlan, module: Optional[str] = None) -> pd.DataFrame:
+        """Which rank holds which slice of ``module``'s parameters under ``plan``."""
+        return shard_layout(self.model, plan, module or self.default_module(plan))
+
+    def mesh_chart(self, plan: SNNDistributedPlan, module: Optional[str] = None):
+        module = module or self.default_module(plan)
+        return charts.mesh_chart(shard_layout(self.model, plan, module), plan, module)
+
+    # ---- running
+    def apply(self, plan: SNNDistributedPlan, *, device_type: str = "cpu", device_mesh=None):
+        """:func:`snn_explorer.apply` on this rank (inside an initialised process group); returns the runtime."""
+        return apply(model=self.model, plan=plan, device_type=device_type, device_mesh=device_mesh)
+
+    def launch(self, plan: SNNDistributedPlan, train_fn: Callable, **kwargs):
+        """:func:`snn_explorer.launch.launch_plan`: ``plan.world_size`` ranks, each applying ``plan``
+        and calling ``train_fn`` (see its docs for the signature and keyword arguments)."""
+        from ..launch import launch_plan
+
+        return launch_plan(self.model, plan, train_fn, **kwargs)
+
+    def export(self, plan: SNNDistributedPlan, train_script_or_fn, path, **kwargs):
+        """:func:`snn_explorer.launch.export_job` for this model: a torchrun / Slurm job directory."""
+        from ..launch import export_job
+
+        kwargs.setdefault("model", self.model)
+        return export_job(plan, train_script_or_fn, path, **kwargs)
+
+    # ---- display
+    @property
+    def ui(self):
+        """The ipywidgets UI (built on first use)."""
+        if self._ui is None:
+            from .ui import ExplorerUI
+
+            self._ui = ExplorerUI(self)
+        return self._ui
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        bundle = self.ui.widget._repr_mimebundle_(include=include, exclude=exclude) or {}
+        bundle["text/plain"] = repr(self)
+        return bundle
+
+    def __repr__(self) -> str:
+        a = self.analysis
+        count = sum(1 for n, _ in self.model.named_modules() if n)
+        return (f"Explorer({type(self.model).__name__}: {count} modules, {len(a.memory_module_names)} stateful, "
+                f"{len(a.tensor_parallel_candidate_names)} TP candidates, family={a.model_family}, "
+                f"{len(self._plans)} plans)")

@@ -1,0 +1,228 @@
+"""ExplorerUI: ipywidgets controls over an Explorer; every change re-plans, re-estimates, re-renders.
+
+Results are written as widget state (``Output.outputs``), never printed, so a headless test, nbval
+and a browser all see the same thing. The model is never re-run: the Explorer keeps the analysis,
+and the estimator its one-off profile.
+"""
+from __future__ import annotations
+
+import html
+import json
+from typing import List, Optional
+
+import ipywidgets as w
+
+from ..core import MODES, SNN_DISTRIBUTED_PREFERENCES, SNNDistributedPlan
+from . import charts
+from .compare import compare_table, plan_label, readable, style_compare
+from .modules import candidates_table
+from .render import figure_data, message_data, message_html, show, styler_data, table_data
+
+TABS = ("Modules", "Candidates", "Compare", "Charts", "Launch")
+CHARTS = ("memory", "communication", "pareto", "mesh")
+GATES = ("allow_experimental_conv_tp", "allow_experimental_spikformer_tp", "allow_zero_optimizer")
+MAX_WORLD = 16
+ERRORS = (ValueError, TypeError, KeyError, NotImplementedError)
+
+
+def divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class ExplorerUI:
+    """The controls, the plan list, the message line and the tabs of one :class:`Explorer`.
+
+    ``current`` is the plan the controls describe (None when they are invalid, ``error`` says
+    why); the comparison shows the pinned plans (``explorer.plans``) and ``current``.
+    """
+
+    def __init__(self, explorer, world_size: int = 4):
+        self.ex = explorer
+        self.current: Optional[SNNDistributedPlan] = None
+        self.error = ""
+        self._syncing = False
+        self._dirty = set(TABS)
+        self._build(world_size)
+        self.refresh()
+
+    # ---- widgets
+    def _build(self, world: int) -> None:
+        style = {"description_width": "110px"}
+        self.objective = w.Dropdown(options=SNN_DISTRIBUTED_PREFERENCES, value="speed", description="objective",
+                                    style=style)
+        self.world_size = w.IntSlider(value=world, min=1, max=MAX_WORLD, description="world size", style=style)
+        self.dp = w.SelectionSlider(options=divisors(world), value=world, description="dp", style=style)
+        self.tp = w.SelectionSlider(options=divisors(world), value=1, description="tp", style=style)
+        self.mode = w.Dropdown(options=("auto",) + tuple(MODES), value="auto", description="mode", style=style)
+        self.gates = {g: w.Checkbox(value=g == "allow_zero_optimizer", description=g, indent=False) for g in GATES}
+        self.batch_size = w.BoundedIntText(value=self.ex.batch_size, min=1, max=2 ** 24, description="batch size",
+                                           style=style)
+        self.time_steps = w.BoundedIntText(value=self.ex.time_steps, min=1, max=100_000, description="time steps",
+                                           style=style)
+        self.memory_budget = w.BoundedFloatText(value=0.0, min=0.0, max=1e9, step=64.0,
+                                                description="budget MiB", style=style)
+        self.pin_button = w.Button(description="pin plan", icon="thumb-tack",
+                                   tooltip="keep the current plan in the comparison")
+        self.clear_button = w.Button(description="clear pins")
+        self.message = w.HTML()
+        self.plan_list = w.HTML()
+        self.outputs = {name: w.Output() for name in TABS}
+        self.chart = w.Dropdown(options=CHARTS, value="memory", description="chart")
+        modules = [n for n, m in self.ex.model.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
+        self.chart_module = w.Dropdown(options=modules or [""], description="module")
+        self.tabs = w.Tab(children=[self.outputs[n] if n != "Charts" else
+                                    w.VBox([w.HBox([self.chart, self.chart_module]), self.outputs[n]])
+                                    for n in TABS], titles=TABS, selected_index=TABS.index("Compare"))
+        controls = w.VBox([self.objective, self.world_size, self.dp, self.tp, self.mode, self.batch_size,
+                           self.time_steps, self.memory_budget])
+        gates = w.VBox([w.HTML("<b>feature gates</b>"), *self.gates.values(),
+                        w.HBox([self.pin_button, self.clear_button])])
+        self.widget = w.VBox([w.HBox([controls, gates]), self.message, self.plan_list, self.tabs])
+        self.world_size.observe(self._on_world, "value")
+        self.dp.observe(lambda c: self._link(tp=self.world_size.value // c["new"]), "value")
+        self.tp.observe(lambda c: self._link(dp=self.world_size.value // c["new"]), "value")
+        for control in (self.objective, self.mode, self.batch_size, self.time_steps, self.memory_budget,
+                        *self.gates.values()):
+            control.observe(self.refresh, "value")
+        self.chart.observe(lambda _: self._render_tab("Charts"), "value")
+        self.chart_module.observe(lambda _: self._render_tab("Charts"), "value")
+        self.tabs.observe(lambda c: self._render_tab(TABS[c["new"]]) if c["new"] is not None else None,
+                          "selected_index")
+        self.pin_button.on_click(lambda _: self.pin())
+        self.clear_button.on_click(lambda _: self.clear())
+
+    def _on_world(self, change) -> None:
+        world, tp = change["new"], self.tp.value
+        tp = tp if world % tp == 0 else 1
+        self._syncing = True
+        try:
+            options = divisors(world)
+            self.tp.options, self.dp.options = options, options
+            self.tp.value, self.dp.value = tp, world // tp
+        finally:
+            self._syncing = False
+        self.refresh()
+
+    def _link(self, **value) -> None:
+        """Keep dp x tp equal to the world size: set the other slider, then refresh once."""
+        if self._syncing:
+            return
+        self._syncing = True
+        try:
+            for name, v in value.items():
+                getattr(self, name).value = v
+        finally:
+            self._syncing = False
+        self.refresh()
+
+    # ---- state
+    @property
+    def topology(self) -> dict:
+        dims = {n: s for n, s in (("dp", self.dp.value), ("tp", self.tp.value)) if s > 1}
+        return dims or {"dp": 1}
+
+    def choices(self) -> dict:
+        """The keyword arguments of :meth:`Explorer.make_plan` the controls describe."""
+        return dict(objective=self.objective.value, topology=self.topology, batch_size=self.batch_size.value,
+                    features={g: c.value for g, c in self.gates.items()},
+                    mode=None if self.mode.value == "auto" else self.mode.value)
+
+    @property
+    def budget_bytes(self) -> Optional[int]:
+        return int(self.memory_budget.value * 2 ** 20) if self.memory_budget.value > 0 else None
+
+    def shown(self) -> List[tuple]:
+        """(label, plan) of every plan in the comparison: the pinned ones, then the current one."""
+        rows = [(f"#{i + 1} {plan_label(p)}", p) for i, p in enumerate(self.ex.plans)]
+        if self.current is not None and self.current not in self.ex.plans:
+            rows.append((f"current {plan_label(self.current)}", self.current))
+        return rows
+
+    # ---- actions
+    def pin(self) -> Optional[SNNDistributedPlan]:
+        """Keep the current plan in the comparison (adds it to ``explorer.plans``)."""
+        if self.current is not None:
+            self.ex.add(self.current)
+        self.refresh()
+        return self.current
+
+    def clear(self) -> None:
+        self.ex.clear()
+        self.refresh()
+
+    def refresh(self, *_) -> None:
+        """Re-plan from the controls, re-estimate (cached), re-render the comparison and the visible tab."""
+        if self._syncing:
+            return
+        try:
+            self.current, self.error = self.ex.make_plan(**self.choices()), ""
+        except ERRORS as exc:
+            self.current, self.error = None, f"invalid choice: {exc}"
+        self._render_compare()
+        self._render_plan_list()
+        self._dirty = set(TABS) - {"Compare"}
+        selected = self.tabs.selected_index
+        if selected is not None and TABS[selected] != "Compare":
+            self._render_tab(TABS[selected])
+
+    # ---- rendering
+    def _estimates(self):
+        shown = self.shown()
+        return [label for label, _ in shown], self.ex.estimates([p for _, p in shown], self.time_steps.value)
+
+    def _render_compare(self) -> None:
+        out = self.outputs["Compare"]
+        if not self.shown():
+            show(out, message_data("no plan to compare: fix the choice above or pin a plan", "info"))
+            self.message.value = message_html(self.error, "error")
+            return
+        try:
+            labels, ests = self._estimates()
+        except ERRORS as exc:
+            show(out, message_data(f"cannot estimate: {exc}", "error"))
+            self.message.value = message_html(self.error, "error")
+            return
+        table = compare_table(ests, labels, self.budget_bytes)
+        show(out, styler_data(style_compare(table), readable(table, 40).to_string()))
+        self.message.value = message_html(self.error, "error")
+        self.compare_table = table
+
+    def _render_plan_list(self) -> None:
+        items = [f"<li>{html.escape(label)}{'' if label.startswith('#') else ' (not pinned)'}</li>"
+                 for label, _ in self.shown()]
+        self.plan_list.value = f"<b>plans</b><ul>{''.join(items)}</ul>" if items else "<b>plans</b>: none"
+
+    def _render_tab(self, name: str) -> None:
+        if name == "Compare":
+            return self._render_compare()
+        out = self.outputs[name]
+        try:
+            show(out, self._tab_data(name))
+        except ERRORS as exc:
+            show(out, message_data(f"cannot show {name}: {exc}", "error"))
+        self._dirty.discard(name)
+
+    def _tab_data(self, name: str) -> dict:
+        plan = self.current
+        if name in ("Modules", "Candidates"):
+            table = self.ex.modules_for(plan)
+            return table_data(table if name == "Modules" else candidates_table(table))
+        if name == "Launch":
+            if plan is None:
+                return message_data(self.error or "no plan", "error")
+            code = (f"result = ex.launch(ex.ui.current, train_fn, steps=10)   # {plan.world_size} ranks\n"
+                    "# or: ex.export(ex.ui.current, train_fn, 'job_dir') for torchrun / Slurm\n")
+            text = code + json.dumps(plan.to_dict(), indent=1, sort_keys=True)
+            return {"text/html": f"<pre>{html.escape(text)}</pre>", "text/plain": text}
+        return figure_data(self.figure())
+
+    def figure(self):
+        """The chart the Charts tab shows for the current choices."""
+        kind = self.chart.value
+        if kind == "mesh":
+            if self.current is None:
+                raise ValueError(self.error or "no plan")
+            return self.ex.mesh_chart(self.current, self.chart_module.value or None)
+        labels, ests = self._estimates()
+        make = {"memory": charts.memory_chart, "communication": charts.comm_chart, "pareto": charts.pareto_chart}
+        return make[kind](ests, labels)
