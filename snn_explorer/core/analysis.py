@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
@@ -67,18 +68,31 @@ class SNNDistributedAnalysis:
     fused_attention_blocks: Tuple[FusedAttentionBlock, ...] = ()
     pointwise_chains: Tuple[Tuple[str, ...], ...] = ()
 
+    @cached_property
+    def _by_name(self) -> dict:
+        return {item.name: item for item in self.linear_shapes + self.conv_shapes}
+
+    @cached_property
+    def stateful_paths(self) -> frozenset:
+        """Paths of the stateful modules and of every module that contains one."""
+        paths = set()
+        for name in self.memory_module_names:
+            parts = name.split(".")
+            paths.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+        return frozenset(paths)
+
     def shape(self, name: str) -> LinearShape:
-        for item in self.linear_shapes:
-            if item.name == name:
-                return item
-        raise KeyError(f"{name!r} is not a Linear TP candidate; candidates: {self.tensor_parallel_candidate_names}")
+        item = self._by_name.get(name)
+        if not isinstance(item, LinearShape):
+            raise KeyError(f"{name!r} is not a Linear TP candidate; candidates: {self.tensor_parallel_candidate_names}")
+        return item
 
     def conv(self, name: str) -> ConvShape:
-        for item in self.conv_shapes:
-            if item.name == name:
-                return item
-        raise KeyError(f"{name!r} is not a convolution of the model; convolutions: "
-                       f"{tuple(c.name for c in self.conv_shapes)}")
+        item = self._by_name.get(name)
+        if not isinstance(item, ConvShape):
+            raise KeyError(f"{name!r} is not a convolution of the model; convolutions: "
+                           f"{tuple(c.name for c in self.conv_shapes)}")
+        return item
 
     def to_dict(self) -> dict:
         return dataclass_dict(self, "analysis")

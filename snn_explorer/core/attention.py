@@ -131,7 +131,7 @@ def pointwise_chains(model: nn.Module, roots) -> Tuple[Tuple[str, ...], ...]:
     modules = dict(model.named_modules())
     found = []
     for name, module in modules.items():
-        if isinstance(module, nn.Sequential) or _num_heads(module) is not None:
+        if isinstance(module, nn.Sequential) or _num_heads(module) is not None or not module._modules:
             continue
         sequence = flatten(module, name + "." if name else "", roots)
         layer = lambda path, kind: kind in ("linear", "conv") and is_pointwise(modules[path]) and under(path, roots)

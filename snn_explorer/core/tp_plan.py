@@ -20,7 +20,7 @@ TP_STYLES = LINEAR_STYLES + CONV_STYLES + FUSED_STYLES + ("local",)
 
 
 def _stateful_inside(analysis: SNNDistributedAnalysis, path: str) -> bool:
-    return any(m == path or m.startswith(path + ".") for m in analysis.memory_module_names)
+    return path in analysis.stateful_paths
 
 
 def auto_tp_plan(analysis: SNNDistributedAnalysis) -> Dict[str, str]:
