@@ -1,12 +1,14 @@
 """Wall time to results for a trivial 4-rank gloo function: ``launch`` vs ``torchrun`` on a script.
 
-Run: ``python benchmarks/launch_overhead.py [--nprocs 4]``. One run of each, then the ratio
-(target <= 1.1). Not a test: the numbers depend on the machine and its load.
+Run: ``python benchmarks/launch_overhead.py [--nprocs 4] [--repeat 1]``. One run of each (or
+alternating runs and their medians), then the ratio (target <= 1.1). Not a test: the numbers
+depend on the machine and its load.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,10 +44,10 @@ def time_launch(nprocs: int) -> float:
     from snn_explorer.launch import launch
 
     start = time.perf_counter()
-    values = launch(trivial, nprocs=nprocs, progress=False).values
+    result = launch(trivial, nprocs=nprocs, progress=False)
     elapsed = time.perf_counter() - start
-    assert values == [float(nprocs)] * nprocs, values
-    return elapsed
+    assert result.values == [float(nprocs)] * nprocs, result.values
+    return elapsed, max(result.startup.values())
 
 
 def time_torchrun(nprocs: int) -> float:
@@ -66,13 +68,18 @@ def time_torchrun(nprocs: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=1, help="alternate runs; the ratio of the medians")
     args = parser.parse_args()
-    t_launch = time_launch(args.nprocs)
-    t_torchrun = time_torchrun(args.nprocs)
-    print(f"{'runner':<22}{'ranks':>6}{'wall s':>9}")
-    print(f"{'snn_explorer.launch':<22}{args.nprocs:>6}{t_launch:>9.2f}")
-    print(f"{'torchrun (script)':<22}{args.nprocs:>6}{t_torchrun:>9.2f}")
-    print(f"{'ratio launch/torchrun':<22}{'':>6}{t_launch / t_torchrun:>9.2f}")
+    runs = []
+    for _ in range(args.repeat):
+        runs.append((*time_launch(args.nprocs), time_torchrun(args.nprocs)))
+    t_launch, t_start, t_torchrun = (statistics.median(r[i] for r in runs) for i in range(3))
+    label = "median of %d" % args.repeat if args.repeat > 1 else "one run"
+    print(f"{'runner (' + label + ')':<26}{'ranks':>6}{'wall s':>9}")
+    print(f"{'snn_explorer.launch':<26}{args.nprocs:>6}{t_launch:>9.2f}")
+    print(f"{'  last rank started at':<26}{'':>6}{t_start:>9.2f}")
+    print(f"{'torchrun (script)':<26}{args.nprocs:>6}{t_torchrun:>9.2f}")
+    print(f"{'ratio launch / torchrun':<26}{'':>6}{t_launch / t_torchrun:>9.2f}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 #: Seconds the agent gets to end the other ranks after a failure before the launcher ends the tree.
 FAILURE_GRACE_S = 5.0
 #: Seconds the agent gets to exit by itself once every rank has stored its value.
-EXIT_GRACE_S = 1.0
+EXIT_GRACE_S = 0.25
 POLL_S = 0.05
 
 
