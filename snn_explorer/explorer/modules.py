@@ -61,6 +61,8 @@ def modules_table(model: nn.Module, analysis: SNNDistributedAnalysis,
         why = _why_not(module, path, analysis, candidates, convs, roots_note)
         if path in candidates:
             why = _divisibility(analysis, path, style, tp_size)
+        elif style:
+            why = ""
         rows.append((path, type(module).__name__, path.count(".") + 1,
                      sum(p.numel() for p in module.parameters(recurse=False)), path in library,
                      library.get(path, ""), path in candidates, style, SHARDED_DIM.get(style, ""), why))
