@@ -1,0 +1,142 @@
+"""explorer/ui.py driven headlessly: set widget values, read the widget state it wrote."""
+import os
+
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+import ipywidgets as w
+import pytest
+
+from snn_explorer.explorer import Explorer
+from snn_explorer.explorer.ui import TABS, ExplorerUI
+from snn_explorer.zoo import SpikingMLP, build
+
+
+def _fresh():
+    return Explorer.from_zoo(build("mlp"))
+
+
+def _data(ui, tab="Compare"):
+    outputs = ui.outputs[tab].outputs
+    assert len(outputs) == 1 and outputs[0]["output_type"] == "display_data"
+    return outputs[0]["data"]
+
+
+def _columns(ui):
+    return list(ui.compare_table.columns) if ui.current is not None or ui.ex.plans else []
+
+
+@pytest.fixture()
+def ui():
+    return _fresh().ui
+
+
+def test_display_shows_the_ui_widget():
+    ex = _fresh()
+    bundle = ex._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert bundle["text/plain"] == repr(ex)
+    assert isinstance(ex.ui, ExplorerUI) and ex.ui is ex.ui and isinstance(ex.ui.widget, w.VBox)
+    assert [ex.ui.tabs.get_title(i) for i in range(len(TABS))] == list(TABS)
+
+
+def test_initial_state_compares_the_current_plan(ui):
+    assert ui.current.mode == "dp" and ui.current.world_size == 4 and ui.error == ""
+    assert _columns(ui) == ["current dp+zero dp=4"]
+    data = _data(ui)
+    assert "T_snn-compare" in data["text/html"] and "peak_bytes_max" in data["text/plain"]
+    assert "not pinned" in ui.plan_list.value and ui.message.value == ""
+
+
+def test_topology_sliders_stay_on_the_world_size_and_replan(ui):
+    before = _data(ui)["text/html"]
+    ui.tp.value = 2
+    assert ui.dp.value == 2 and ui.current.topology.dims == {"dp": 2, "tp": 2}
+    ui.objective.value = "memory"
+    assert ui.current.mode == "fsdp2_tp" and _columns(ui) == ["current fsdp2_tp dp=2 x tp=2"]
+    assert _data(ui)["text/html"] != before
+    ui.world_size.value = 8
+    assert list(ui.tp.options) == [1, 2, 4, 8] and (ui.dp.value, ui.tp.value) == (4, 2)
+    ui.dp.value = 8
+    assert ui.tp.value == 1 and ui.current.topology.dims == {"dp": 8}
+    assert ui.compare_table.loc["batch_per_rank"].tolist() == [1]
+
+
+def test_mode_gates_batch_time_steps_and_budget_change_the_comparison(ui):
+    ui.mode.value = "fsdp2"
+    assert ui.current.mode == "fsdp2" and ui.compare_table.loc["mode"].tolist() == ["fsdp2"]
+    ui.mode.value = "dp"
+    assert ui.current.optimizer_strategy == "zero"
+    ui.gates["allow_zero_optimizer"].value = False
+    assert ui.current.optimizer_strategy == "none"
+    ui.batch_size.value = 16
+    assert ui.compare_table.loc["batch_per_rank"].tolist() == [4]
+    ui.time_steps.value = 4
+    assert ui.compare_table.loc["time_steps"].tolist() == [4]
+    peak = ui.compare_table.loc["peak_bytes_max"].iloc[0]
+    ui.memory_budget.value = peak / 2 ** 20 * 2
+    assert ui.compare_table.loc["fits_budget"].tolist() == ["yes"]
+    ui.memory_budget.value = peak / 2 ** 20 / 2
+    assert ui.compare_table.loc["fits_budget"].tolist() == ["no"]
+
+
+def test_invalid_choices_show_a_message_not_a_traceback():
+    ex = Explorer(SpikingMLP(in_features=16, hidden=(32, 32), num_classes=10),
+                  example_input=build("mlp", batch_size=8).example_input[:, :, :16])
+    ui = ex.ui
+    ui.mode.value = "tp"
+    ui.tp.value = 4
+    assert ui.current is None and "tp=4 does not divide net.4.out_features=10" in ui.error
+    assert "does not divide" in ui.message.value and "Traceback" not in ui.message.value
+    assert "no plan to compare" in _data(ui)["text/plain"] and ui.plan_list.value.endswith("none")
+    ui.mode.value = "fsdp2_tp"
+    ui.tp.value = 2
+    assert ui.current.mode == "fsdp2_tp" and ui.message.value == ""
+    ui.mode.value = "auto"
+    ui.batch_size.value = 6
+    ui.tp.value = 1
+    assert ui.current is None and "not divisible by dp=4" in ui.message.value
+    ui.tabs.selected_index = TABS.index("Launch")
+    assert "not divisible" in _data(ui, "Launch")["text/plain"]
+
+
+def test_pinning_keeps_plans_in_the_comparison(ui):
+    pinned = ui.pin()
+    assert ui.ex.plans == [pinned] and _columns(ui) == ["#1 dp+zero dp=4"]
+    ui.tp.value = 4
+    assert _columns(ui) == ["#1 dp+zero dp=4", "current tp tp=4"]
+    assert "#1 dp+zero dp=4" in ui.plan_list.value and "current tp tp=4 (not pinned)" in ui.plan_list.value
+    ui.pin()
+    ui.mode.value = "fsdp2"
+    ui.tp.value = 1
+    assert _columns(ui) == ["#1 dp+zero dp=4", "#2 tp tp=4", "current fsdp2 dp=4"]
+    ui.pin_button.click()
+    assert len(ui.ex.plans) == 3 and _columns(ui) == ["#1 dp+zero dp=4", "#2 tp tp=4", "#3 fsdp2 dp=4"]
+    ui.clear_button.click()
+    assert ui.ex.plans == [] and _columns(ui) == ["current fsdp2 dp=4"]
+
+
+def test_plans_added_through_the_api_show_as_pinned(ui):
+    ui.ex.enumerate(world_size=4)
+    ui.refresh()
+    assert len(_columns(ui)) == 5 and "not pinned" not in ui.plan_list.value
+
+
+def test_tabs_render_modules_candidates_charts_and_launch(ui):
+    assert ui.outputs["Modules"].outputs == ()  # rendered when shown
+    ui.tabs.selected_index = TABS.index("Modules")
+    assert "net.4" in _data(ui, "Modules")["text/html"] and "tp_style" in _data(ui, "Modules")["text/plain"]
+    ui.tabs.selected_index = TABS.index("Candidates")
+    assert _data(ui, "Candidates")["text/plain"].count("Linear") == 3
+    ui.tabs.selected_index = TABS.index("Charts")
+    assert "image/png" in _data(ui, "Charts")
+    ui.chart.value = "mesh"
+    ui.tp.value = 2  # re-renders the visible tab
+    assert "what each rank holds" in _data(ui, "Charts")["text/plain"]
+    ui.tabs.selected_index = TABS.index("Launch")
+    launch = _data(ui, "Launch")["text/plain"]
+    assert "ex.launch(ex.ui.current, train_fn" in launch and '"mode": "fsdp2_tp"' in launch
+
+
+def test_without_an_example_input_the_comparison_says_why():
+    ex = Explorer(SpikingMLP(in_features=8, hidden=(8,), num_classes=4), batch_size=4)
+    assert "cannot estimate" in _data(ex.ui)["text/plain"] and ex.ui.current is not None
