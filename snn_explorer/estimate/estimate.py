@@ -23,6 +23,7 @@ from .sharding import buffer_bytes, local_params, optimizer_temporaries, rank_by
 PER_RANK_COLUMNS = ("rank", "params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes", "activations_bytes",
                     "neuron_state_bytes", "transient_bytes", "peak_bytes")
 COLLECTIVE_COLUMNS = ("mesh_dim", "kind", "phase", "count", "bytes")
+MODELLED_TP_STYLES = ("colwise", "rowwise", "colwise_gather", "local")
 
 
 def _mib(n: float) -> str:
@@ -102,8 +103,8 @@ def _analysis(model: nn.Module, plan: SNNDistributedPlan):
 
 def _transient(plan: SNNDistributedPlan, params, grads_full: int) -> tuple:
     """(transient bytes, gradient bytes live at the peak) for the plan's mode."""
-    if plan.mode == "dp":  # DDP's flat buckets, and the all-reduced copies the reducer keeps until the next step
-        return 2 * sum(ddp_buckets(params, ())), grads_full
+    if plan.mode == "dp":  # DDP's flat gradient buckets, allocated once
+        return sum(ddp_buckets(params, ())), grads_full
     if plan.mode in ("fsdp2", "fsdp2_tp"):
         groups = fsdp_groups(params)
         unsharded = {u: sum(p.numel * p.itemsize for p in g) for u, g in groups.items()}
@@ -112,8 +113,20 @@ def _transient(plan: SNNDistributedPlan, params, grads_full: int) -> tuple:
             live = unsharded.get("", 0) + sum(units[:2])
         else:
             live = sum(unsharded.values())
-        return live, grads_full  # a group's reduce-scatter input replaces its unsharded gradients
+        return live, grads_full
     return 0, None
+
+
+def _gradient_traffic(plan: SNNDistributedPlan, params, grads_full: int, ready_at_peak: int) -> tuple:
+    """Memory that appears as gradients become ready: (at the backward peak, in the optimizer step).
+
+    DDP holds a second copy of each ready gradient until the step ends (counted at the backward
+    peak only for the gradients ready by then: per-step SNNs accumulate every gradient at the very
+    end of the backward). FSDP2's reduce-scatter input replaces the group's unsharded gradients.
+    """
+    if plan.mode == "dp":
+        return ready_at_peak, grads_full
+    return 0, 0
 
 
 def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch.Tensor,
@@ -130,6 +143,10 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     turns the verdict into fits / does not fit.
     """
     optimizer = check_optimizer(optimizer)
+    unmodelled = sorted({s for s in plan.tensor_parallel_plan.values() if s not in MODELLED_TP_STYLES})
+    if unmodelled:
+        raise NotImplementedError(f"the estimator models the TP styles {MODELLED_TP_STYLES}, not the experimental "
+                                  f"{unmodelled} of this plan; measure() it instead")
     if example_input.dim() < 2:
         raise ValueError(f"example_input must be [T, N, ...], got shape {tuple(example_input.shape)}")
     t = int(time_steps if time_steps is not None else example_input.shape[0])
@@ -143,21 +160,24 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     state = sum(m.state(n, t) * factors.get(k, 1.0) for k, m in profile.modules.items())
     activations = saved_local + profile.input_bytes(n, t)
     scale = saved_local / saved if saved else 1.0
-    dyn_peak, dyn_after = profile.dynamic_peak(n, t)
-    fwd_bwd = (dyn_peak - profile.grads_bytes) * scale  # activations and temporaries, beside the gradients
-    after_bwd = (dyn_after - profile.grads_bytes) * scale
+    peak_fwd, peak_bwd, after, ready_at_peak = profile.dynamic_peak(n, t)
+    fwd = peak_fwd * scale  # activations and temporaries; the gradients were set to None
+    bwd = (peak_bwd - profile.grads_bytes) * scale  # beside the gradients
+    after_bwd = (after - profile.grads_bytes) * scale
     buffers = buffer_bytes(model, profile.dtype)
     grads_full = sum(p.numel * p.itemsize for p in params)
     transient, grads_at_peak = _transient(plan, params, grads_full)
     persistent = transient if plan.mode == "dp" else 0  # DDP buckets live through the optimizer step
+    traffic = _gradient_traffic(plan, params, grads_full, ready_at_peak)
     rows = []
     for rank in range(plan.world_size):
         b = rank_bytes(params, plan, rank, optimizer)
         live_grads = b["grads_bytes"] if grads_at_peak is None else grads_at_peak
-        phase_fb = fwd_bwd + live_grads + transient
-        phase_opt = after_bwd + b["grads_bytes"] + persistent + optimizer_temporaries(params, plan, rank, optimizer)
+        phases = (fwd + transient, bwd + live_grads + transient + traffic[0],
+                  after_bwd + b["grads_bytes"] + persistent + traffic[1]
+                  + optimizer_temporaries(params, plan, rank, optimizer))
         peak = (b["params_bytes"] + b["optimizer_bytes"] + buffers + profile.input_bytes(n, t) + state
-                + max(phase_fb, phase_opt))
+                + max(phases))
         rows.append(dict(rank=rank, **b, buffers_bytes=buffers, activations_bytes=round(activations),
                          neuron_state_bytes=round(state), transient_bytes=round(transient), peak_bytes=round(peak)))
     per_rank = pd.DataFrame(rows, columns=PER_RANK_COLUMNS)
@@ -171,7 +191,7 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
         verdict = f"does not fit: peak {_mib(peak)} exceeds the {_mib(memory_budget)} budget per device"
     return PlanEstimate(plan=plan, per_rank=per_rank, collectives=collectives, verdict=verdict, time_steps=t,
                         optimizer=optimizer, memory_budget=memory_budget,
-                        details=dict(saved=saved_local, fwd_bwd=fwd_bwd, after_bwd=after_bwd))
+                        details=dict(saved=saved_local, forward=fwd, backward=bwd, after_backward=after_bwd))
 
 
 def estimate_all(model: nn.Module, plans, *, example_input: torch.Tensor, **kwargs) -> pd.DataFrame:

@@ -80,15 +80,16 @@ class ModelProfile:
     model: nn.Module = field(repr=False, default=None)
     example_input: torch.Tensor = field(repr=False, default=None)
     labels: Optional[torch.Tensor] = field(repr=False, default=None)
-    peaks: Dict[Tuple[int, int], Tuple[int, int]] = field(default_factory=dict, repr=False)
+    peaks: Dict[Tuple[int, int], Tuple[int, int, int, int]] = field(default_factory=dict, repr=False)
 
-    def dynamic_peak(self, n: int, t: int) -> Tuple[int, int]:
+    def dynamic_peak(self, n: int, t: int) -> Tuple[int, int, int, int]:
         """Bytes above the memory at the start of an unsharded forward + backward of ``n`` samples
-        and ``t`` steps: (the peak, what is still allocated after the backward)."""
+        and ``t`` steps: (peak of the forward, peak of the backward, left after the backward,
+        gradients already accumulated when the backward peaked)."""
         if (n, t) not in self.peaks:
             x, y = batch_slice(self.example_input, self.labels, n, t)
             run = _run_point(self.model, x.to(self.dtype), y, saved_only=False)
-            self.peaks[(n, t)] = (run["peak"], run["after"])
+            self.peaks[(n, t)] = (run["peak_fwd"], run["peak"], run["after"], run["ready_at_peak"])
         return self.peaks[(n, t)]
 
 
@@ -122,6 +123,14 @@ def _requires_grad(args) -> bool:
     return any(isinstance(a, torch.Tensor) and a.requires_grad for a in flat)
 
 
+def _restart_peak(tracker: MemTracker, device: torch.device) -> int:
+    """The peak so far; the tracker's peak then restarts from the current memory (MemTracker has no
+    public reset, so this sets its per-device peak)."""
+    peak = tracker.get_tracker_snapshot("peak")[device]["Total"]
+    tracker._peak_mem[device] = tracker.get_tracker_snapshot()[device]["Total"]
+    return peak
+
+
 def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor], saved_only: bool = True) -> dict:
     """One forward + backward; per-module raw numbers and the dynamic peak above the entry memory."""
     names = {m: n for n, m in model.named_modules()}
@@ -148,8 +157,15 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
         return t
 
     hooks = [m.register_forward_pre_hook(pre) for m in names] + [m.register_forward_hook(post) for m in names]
-    order = []
-    hooks += [p.register_post_accumulate_grad_hook(lambda p, n=n: order.append(n))
+    order, marks, tracking = [], [], []  # marks: (backward peak so far, bytes) per accumulated gradient
+
+    def on_grad(param, name):
+        order.append(name)
+        if tracking:
+            marks.append((tracking[0].get_tracker_snapshot("peak")[x.device]["Total"],
+                          param.numel() * param.element_size()))
+
+    hooks += [p.register_post_accumulate_grad_hook(lambda p, n=n: on_grad(p, n))
               for n, p in model.named_parameters() if p.requires_grad]
     static = _storages(list(model.parameters()) + list(model.buffers()) + [x])
     try:
@@ -167,10 +183,16 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
                 loss = forward_loss(model, x, labels)
             state = {n: _storages(_state_tensors(m)) for n, m in stateful_modules(model)}
             held = {ptr: (name, nbytes) for ptr, (name, nbytes, ref) in saved.items() if ref() is not None}
+            peak_fwd = _restart_peak(tracker, x.device) - entry if not saved_only else 0
+            if not saved_only:
+                tracking.append(tracker)
             loss.backward()
             del loss
             after = tracker.get_tracker_snapshot()[x.device]["Total"] - entry if not saved_only else 0
-        peak = tracker.get_tracker_snapshot("peak")[x.device]["Total"] - entry if not saved_only else 0
+        peak_total = tracker.get_tracker_snapshot("peak")[x.device]["Total"] if not saved_only else 0
+        peak = peak_total - entry
+        first = next((i for i, (so_far, _) in enumerate(marks) if so_far >= peak_total), len(marks))
+        ready_at_peak = sum(nbytes for _, nbytes in marks[:first])
     finally:
         for h in hooks:
             h.remove()
@@ -181,7 +203,7 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
             per_saved[name] = per_saved.get(name, 0) + nbytes
     grads = sum(_storages([p.grad for p in model.parameters()]).values())
     return dict(saved=per_saved, state={n: sum(s.values()) for n, s in state.items()}, calls=calls, ins=ins,
-                outs=outs, rg=rg, peak=peak, after=after, grads=grads, order=tuple(order),
+                outs=outs, rg=rg, peak_fwd=peak_fwd, peak=peak, after=after, ready_at_peak=ready_at_peak, grads=grads, order=tuple(order),
                 input=x.numel() * x.element_size())
 
 
