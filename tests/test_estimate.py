@@ -98,6 +98,7 @@ def test_experimental_tp_styles_are_refused_clearly():
     plans = enumerate_plans(analysis, world_size=2, batch_size=zoo.batch_size,
                             features=se.DistributedFeatureSet(allow_experimental_conv_tp=True))
     conv = [p for p in plans if any(s.startswith("conv") for s in p.tensor_parallel_plan.values())]
+    assert conv
     for plan in conv:
         with pytest.raises(NotImplementedError, match="experimental"):
             estimate(zoo.model, plan, example_input=zoo.example_input)

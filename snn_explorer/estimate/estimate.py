@@ -4,6 +4,14 @@ Plans are compared on the same work: ``plan.batch_size`` and ``example_input`` (
 are the global batch of one optimizer step, which the plan's data-parallel ranks split between
 them (tensor-parallel peers see the same samples); every per-rank number is for
 ``plan.per_rank_batch`` samples.
+
+Parameters, gradients, optimizer state, buffers and collectives are exact shard arithmetic
+(``sharding``, ``comms``). The peak is the rank's persistent memory (parameters, optimizer state,
+buffers, input, neuron state) plus the largest of three phases, each taken from the unsharded
+profile at the same per-rank batch: the forward, the backward (beside the gradients the plan
+keeps there) and the optimizer step (Adam's scratch). TP scales the activation part by the share
+of saved bytes it shards; FSDP2 adds the unsharded parameters it holds, DDP its buckets and the
+gradient copies its reducer keeps.
 """
 from __future__ import annotations
 
@@ -135,9 +143,10 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
              profile: Optional[ModelProfile] = None) -> PlanEstimate:
     """Estimate ``plan`` for ``model`` per rank of its mesh, for one optimizer step.
 
-    ``example_input`` ``[T, N, ...]`` is a sample of the global batch (``plan.batch_size``
-    samples, split by the dp ranks); only its per-sample shape and dtype matter, ``T`` is the
-    default ``time_steps``. The unsharded model is measured once (see ``profile``) and the
+    ``example_input`` ``[T, N, ...]`` stands for the global batch of one optimizer step
+    (``plan.batch_size`` samples, which the dp ranks split; TP peers see the same samples); only
+    its per-sample shape and dtype matter, ``T`` is the default ``time_steps``. ``labels`` select
+    the cross-entropy loss that :func:`measure` uses too (else the mean square output). The unsharded model is measured once (see ``profile``) and the
     measurement is cached, so estimating many plans of one model is fast. ``dtype`` (default:
     the model's) is the parameter and activation dtype. ``memory_budget`` (bytes per device)
     turns the verdict into fits / does not fit.
