@@ -34,6 +34,8 @@ class PlanMeasurement:
     """Measured counterpart of :class:`PlanEstimate`: the same two tables, plus timing.
 
     ``collectives`` is rank 0's; ``collectives_agree`` says whether every rank issued the same.
+    ``transient_bytes`` is measured for DDP (its buckets) and NaN otherwise: on the CPU the
+    collective buffers of FSDP2 and DTensor cannot be told apart from other temporaries.
     ``comm_debug_counts`` are CommDebugMode's counts per kind (None where it cannot run: torch's
     CommDebugMode fails on modules called more than once per forward, as per-step SNNs do).
     """
