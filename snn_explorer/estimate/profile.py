@@ -8,6 +8,11 @@ neuron state excluded), the neuron state left in each stateful module after the 
 forward calls and input/output sizes, and the order in which gradients become ready. Each
 quantity is fitted bilinearly in ``N`` and ``T`` (:class:`Fit`), which is exact for models whose
 tensors grow linearly in batch and in time, and evaluated at a plan's per-rank batch.
+
+The peak of a step is a maximum over time, not linear in ``N`` and ``T``: it is measured
+(``MemTracker``; forward, backward and what is left after it) once per per-rank batch that is
+asked for, at that size, and cached with the rest. Everything runs on real CPU tensors: the
+saved-tensor and state sizes of snntorch/spikingjelly neurons come from executing them.
 """
 from __future__ import annotations
 
@@ -37,19 +42,17 @@ class Fit:
     c1: float = 0.0
     c2: float = 0.0
     c3: float = 0.0
-    signed: bool = False
 
     @classmethod
-    def of(cls, v11: float, v21: float, v12: float, v22: float, signed: bool = False) -> "Fit":
+    def of(cls, v11: float, v21: float, v12: float, v22: float) -> "Fit":
         (n1, n2), (t1, t2) = NS, TS
         c3 = (v22 - v21 - v12 + v11) / ((n2 - n1) * (t2 - t1))
         c1 = (v21 - v11) / (n2 - n1) - c3 * t1
         c2 = (v12 - v11) / (t2 - t1) - c3 * n1
-        return cls(v11 - c1 * n1 - c2 * t1 - c3 * n1 * t1, c1, c2, c3, signed)
+        return cls(v11 - c1 * n1 - c2 * t1 - c3 * n1 * t1, c1, c2, c3)
 
     def __call__(self, n: int, t: int) -> float:
-        value = self.c0 + self.c1 * n + self.c2 * t + self.c3 * n * t
-        return value if self.signed else max(0.0, value)
+        return max(0.0, self.c0 + self.c1 * n + self.c2 * t + self.c3 * n * t)
 
 
 @dataclass(frozen=True)
@@ -207,8 +210,8 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
                 input=x.numel() * x.element_size())
 
 
-def _fit(points, get, signed: bool = False) -> Fit:
-    return Fit.of(*(float(get(p)) for p in points), signed=signed)
+def _fit(points, get) -> Fit:
+    return Fit.of(*(float(get(p)) for p in points))
 
 
 def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optional[torch.Tensor] = None,
