@@ -24,8 +24,9 @@ from .result import LaunchResult
 BACKENDS = ("auto", "gloo", "nccl")
 #: Seconds the agent gets to end the other ranks after a failure before the launcher ends the tree.
 FAILURE_GRACE_S = 5.0
-#: Seconds the agent gets to exit by itself once every rank has stored its value.
-EXIT_GRACE_S = 0.25
+#: Seconds the ranks get to exit by themselves once every rank has stored its value; then the
+#: tree ends without waiting for elastic's own teardown.
+EXIT_GRACE_S = 5.0
 POLL_S = 0.05
 
 
@@ -132,6 +133,23 @@ def _dump_stacks(run_dir: str, tracker: Tracker, ranks) -> Dict[int, str]:
     return {r: stacks.get(r, "") for r in ranks}
 
 
+def _running(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie has exited); without /proc, assume it runs."""
+    if not os.path.isdir("/proc/self"):
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+
+
+def _alive(tracker: Tracker) -> bool:
+    return any(s.pid and _running(s.pid) for s in tracker.ranks.values())
+
+
 def _wait(agent: AgentProcess, reader: channel.EventReader, tracker: Tracker, display, timeout: Optional[float]):
     """Follow the ranks until the agent exits, a failure's grace ends, or all values are stored
     and the exit grace ends; returns the timed-out ranks (empty if none)."""
@@ -151,8 +169,8 @@ def _wait(agent: AgentProcess, reader: channel.EventReader, tracker: Tracker, di
             return []
         if done_at is None and not tracker.unfinished():
             done_at = now
-        if done_at is not None and now - done_at > EXIT_GRACE_S:  # values are stored; skip elastic's teardown
-            return []
+        if done_at is not None and (now - done_at > EXIT_GRACE_S or not _alive(tracker)):
+            return []  # values are stored and the ranks have exited: skip elastic's teardown
         silent = tracker.silent(now, timeout)
         if silent:
             return silent
