@@ -232,3 +232,10 @@ def test_launch_hands_the_plan_to_launch_plan():
     result = ex.launch(plan, _step, steps=1, backend="gloo", progress=False, timeout=120,
                        train_kwargs={"inputs": zoo.example_input, "labels": zoo.labels})
     assert sorted(result.losses) == [0, 1] and all(len(v) == 1 for v in result.losses.values())
+
+
+def test_importing_the_package_leaves_pandas_matplotlib_and_widgets_unloaded():
+    code = ("import sys, snn_explorer; from snn_explorer.explorer import Explorer; "
+            "print(sorted(m for m in ('pandas', 'matplotlib', 'ipywidgets') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stderr[-2000:]

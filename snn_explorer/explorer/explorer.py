@@ -3,17 +3,13 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
-import pandas as pd
 import torch
 from torch import nn
 
 from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze, apply, plan as core_plan
 from ..core.tp_plan import auto_tp_plan, conv_tp_plan, head_aligned_tp_plan
-from ..estimate import PlanEstimate, enumerate_plans, estimate, model_profile
-from . import charts
-from .compare import compare_table, readable, style_compare, unique_labels
-from .layout import shard_layout
-from .modules import candidates_table, modules_table
+
+# pandas, matplotlib and the estimator load on first use (see the package docstring).
 
 FeaturesLike = Union[DistributedFeatureSet, Mapping[str, bool], None]
 
@@ -52,8 +48,8 @@ class Explorer:
                               example_input.shape[1] if example_input is not None else 1)
         self.backend, self.optimizer = backend, optimizer
         self._plans: List[SNNDistributedPlan] = []
-        self._estimates: Dict[tuple, PlanEstimate] = {}
-        self._modules: Dict[tuple, pd.DataFrame] = {}
+        self._estimates: Dict[tuple, Any] = {}
+        self._modules: Dict[tuple, Any] = {}
         self._ui = None
 
     @classmethod
@@ -78,8 +74,10 @@ class Explorer:
             layout.update(conv_tp_plan(self.analysis))
         return layout
 
-    def modules_for(self, plan: Optional[SNNDistributedPlan] = None, tp_size: int = 1) -> pd.DataFrame:
-        """The module table under ``plan``'s TP layout (the default layout when it has none)."""
+    def modules_for(self, plan: Optional[SNNDistributedPlan] = None, tp_size: int = 1):
+        """The module table (a DataFrame) under ``plan``'s TP layout (the default layout when it has none)."""
+        from .modules import modules_table
+
         layout = dict(plan.tensor_parallel_plan) if plan is not None and plan.tensor_parallel_plan else \
             self.default_tp_plan(plan.experimental_features if plan is not None else None)
         tp_size = plan.topology.size("tp") if plan is not None else tp_size
@@ -89,12 +87,15 @@ class Explorer:
         return self._modules[key]
 
     @property
-    def modules(self) -> pd.DataFrame:
+    def modules(self):
         """Every module: path, type, depth, params, stateful, snn_library, TP candidate and style, sharded dim."""
         return self.modules_for(None)
 
     @property
-    def candidates(self) -> pd.DataFrame:
+    def candidates(self):
+        """The TP candidates of :attr:`modules`."""
+        from .modules import candidates_table
+
         return candidates_table(self.modules)
 
     # ---- plans
@@ -131,6 +132,8 @@ class Explorer:
     def enumerate(self, world_size: int, *, batch_size: Optional[int] = None, features: FeaturesLike = None,
                   objective: str = "speed"):
         """Add every feasible plan for ``world_size`` ranks; returns them (``.infeasible``: why others are not)."""
+        from ..estimate import enumerate_plans
+
         plans = enumerate_plans(self.analysis, world_size=world_size,
                                 batch_size=batch_size if batch_size is not None else self.batch_size,
                                 backend=self.backend, features=as_features(features), objective=objective)
@@ -139,8 +142,10 @@ class Explorer:
         return plans
 
     # ---- estimates
-    def estimate(self, plan: SNNDistributedPlan, time_steps: Optional[int] = None) -> PlanEstimate:
-        """The estimator's numbers for ``plan`` (cached per plan and time steps)."""
+    def estimate(self, plan: SNNDistributedPlan, time_steps: Optional[int] = None):
+        """The estimator's :class:`~snn_explorer.estimate.PlanEstimate` of ``plan`` (cached per plan and time steps)."""
+        from ..estimate import estimate, model_profile
+
         if self.example_input is None:
             raise ValueError("estimates need an example input: Explorer(model, example_input=[T, N, ...] tensor)")
         t = int(time_steps if time_steps is not None else self.time_steps)
@@ -152,7 +157,7 @@ class Explorer:
         return self._estimates[key]
 
     def estimates(self, plans: Optional[Sequence[SNNDistributedPlan]] = None,
-                  time_steps: Optional[int] = None) -> List[PlanEstimate]:
+                  time_steps: Optional[int] = None) -> list:
         return [self.estimate(p, time_steps) for p in (self._plans if plans is None else plans)]
 
     def compare(self, plans: Optional[Sequence[SNNDistributedPlan]] = None, *, time_steps: Optional[int] = None,
@@ -160,6 +165,8 @@ class Explorer:
                 styled: bool = False):
         """Side by side, one column per plan (default: :attr:`plans`); ``styled=True`` gives the
         Styler (fixed uuid) with each row's best value highlighted."""
+        from .compare import compare_table, style_compare
+
         ests = self.estimates(plans, time_steps)
         table = compare_table(ests, labels, memory_budget)
         return style_compare(table) if styled else table
@@ -167,21 +174,29 @@ class Explorer:
     def compare_text(self, plans: Optional[Sequence[SNNDistributedPlan]] = None, *, max_text: int = 40,
                      **kwargs) -> str:
         """The comparison as a terminal table (bytes in KiB / MiB, text cut to ``max_text`` characters)."""
+        from .compare import readable
+
         return readable(self.compare(plans, **kwargs), max_text).to_string()
 
     # ---- charts
-    def _chart_args(self, plans, time_steps):
+    def _chart(self, name, plans, time_steps):
+        from . import charts
+        from .compare import unique_labels
+
         ests = self.estimates(plans, time_steps)
-        return ests, unique_labels([e.plan for e in ests])
+        return getattr(charts, name)(ests, unique_labels([e.plan for e in ests]))
 
     def memory_chart(self, plans=None, *, time_steps=None):
-        return charts.memory_chart(*self._chart_args(plans, time_steps))
+        """Stacked per-rank memory of each plan (a Figure)."""
+        return self._chart("memory_chart", plans, time_steps)
 
     def comm_chart(self, plans=None, *, time_steps=None):
-        return charts.comm_chart(*self._chart_args(plans, time_steps))
+        """Communication per step of each plan (a Figure)."""
+        return self._chart("comm_chart", plans, time_steps)
 
     def pareto_chart(self, plans=None, *, time_steps=None):
-        return charts.pareto_chart(*self._chart_args(plans, time_steps))
+        """Peak memory against communication, Pareto front marked (a Figure)."""
+        return self._chart("pareto_chart", plans, time_steps)
 
     def default_module(self, plan: SNNDistributedPlan) -> str:
         """The first module ``plan`` shards with TP, else the first TP candidate, else the first module with parameters."""
@@ -192,13 +207,18 @@ class Explorer:
             return self.analysis.tensor_parallel_candidate_names[0]
         return next((n for n, m in self.model.named_modules() if n and any(m.parameters(recurse=False))), "")
 
-    def layout(self, plan: SNNDistributedPlan, module: Optional[str] = None) -> pd.DataFrame:
-        """Which rank holds which slice of ``module``'s parameters under ``plan``."""
+    def layout(self, plan: SNNDistributedPlan, module: Optional[str] = None):
+        """Which rank holds which slice of ``module``'s parameters under ``plan`` (a DataFrame)."""
+        from .layout import shard_layout
+
         return shard_layout(self.model, plan, module or self.default_module(plan))
 
     def mesh_chart(self, plan: SNNDistributedPlan, module: Optional[str] = None):
+        """The dp x tp grid of ranks and the slice of ``module`` each holds (a Figure)."""
+        from .charts import mesh_chart
+
         module = module or self.default_module(plan)
-        return charts.mesh_chart(shard_layout(self.model, plan, module), plan, module)
+        return mesh_chart(self.layout(plan, module), plan, module)
 
     # ---- running
     def apply(self, plan: SNNDistributedPlan, *, device_type: str = "cpu", device_mesh=None):
