@@ -10,3 +10,11 @@ PY=${PYTHON:-python3}
 # spikingjelly without its dependency list (which would replace the CPU torch); its core modules need only these.
 .venv/bin/python -m pip install -q --no-deps spikingjelly==2.0.0
 .venv/bin/python -m pip install -q loguru tqdm h5py
+# The browser test drives Debian's chromium through Playwright (Playwright cannot download its own
+# browser here); install it when missing (CI runs as root).
+if [ ! -x /usr/bin/chromium ]; then
+    SUDO=""
+    [ "$(id -u)" = 0 ] || SUDO="sudo -n"
+    $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium \
+        || echo "setup: could not install chromium (/usr/bin/chromium); tests/test_browser.py will fail" >&2
+fi

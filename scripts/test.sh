@@ -1,6 +1,18 @@
 #!/usr/bin/env bash
-# Install everything into .venv and run the whole test suite.
+# Install everything into .venv and run the whole test suite: tests/ (unit, multi-rank, browser),
+# then the example notebooks under nbval. Fails if either run fails.
+# With test paths as arguments (e.g. tests/test_planner.py), runs only pytest on those.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest "$@"
+for arg in "$@"; do
+    if [ "${arg#-}" = "$arg" ] && [ -e "${arg%%::*}" ]; then
+        exec .venv/bin/python -m pytest "$@"
+    fi
+done
+status=0
+.venv/bin/python -m pytest "$@" || status=$?
+echo "== example notebooks (nbval) =="
+.venv/bin/python -m pytest "$@" --nbval --nbval-current-env \
+    --nbval-sanitize-with notebooks/nbval_sanitize.cfg notebooks/ || status=$?
+exit $status
