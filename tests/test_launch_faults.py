@@ -176,9 +176,12 @@ def test_sigint_to_the_parent_ends_every_rank(clean_launch, tmp_path):
     assert set(ranks) <= set(tree) and all(gone(p) for p in tree)
 
 
-@pytest.mark.timeout(120)
+ROUNDS = 20 if os.environ.get("SNN_EXPLORER_SLOW_TESTS") else 3
+
+
+@pytest.mark.timeout(40 * ROUNDS)
 def test_launches_in_a_row_after_faults(clean_launch):
-    rounds = 20 if os.environ.get("SNN_EXPLORER_SLOW_TESTS") else 3
+    rounds = ROUNDS
     for i in range(rounds):
         result = launch(lambda: dist.get_rank() + i, nprocs=2, progress=False)
         assert result.values == [i, i + 1]
