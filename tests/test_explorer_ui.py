@@ -22,7 +22,7 @@ def _data(ui, tab="Compare"):
 
 
 def _columns(ui):
-    return list(ui.compare_table.columns) if ui.current is not None or ui.ex.plans else []
+    return [] if ui.compare_table is None else list(ui.compare_table.columns)
 
 
 @pytest.fixture()
@@ -88,6 +88,7 @@ def test_invalid_choices_show_a_message_not_a_traceback():
     assert ui.current is None and "tp=4 does not divide net.4.out_features=10" in ui.error
     assert "does not divide" in ui.message.value and "Traceback" not in ui.message.value
     assert "no plan to compare" in _data(ui)["text/plain"] and ui.plan_list.value.endswith("none")
+    assert _columns(ui) == []
     ui.mode.value = "fsdp2_tp"
     ui.tp.value = 2
     assert ui.current.mode == "fsdp2_tp" and ui.message.value == ""

@@ -40,6 +40,7 @@ class ExplorerUI:
         self.ex = explorer
         self.current: Optional[SNNDistributedPlan] = None
         self.error = ""
+        self.compare_table = None  # the DataFrame behind the Compare tab (None when nothing is compared)
         self._syncing = False
         self._dirty = set(TABS)
         self._build(world_size)
@@ -171,7 +172,7 @@ class ExplorerUI:
         return [label for label, _ in shown], self.ex.estimates([p for _, p in shown], self.time_steps.value)
 
     def _render_compare(self) -> None:
-        out = self.outputs["Compare"]
+        out, self.compare_table = self.outputs["Compare"], None
         if not self.shown():
             show(out, message_data("no plan to compare: fix the choice above or pin a plan", "info"))
             self.message.value = message_html(self.error, "error")
