@@ -6,7 +6,6 @@ import sys
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
-import pandas as pd
 import pytest
 import torch
 from matplotlib.figure import Figure

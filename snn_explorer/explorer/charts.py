@@ -51,8 +51,8 @@ def memory_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[st
         x += len(ranks) + 1
     ax.set_xticks(ticks, labels, rotation=15, ha="right", fontsize=8)
     ax.set_ylabel("MiB per rank")
-    ax.set_title("memory per rank (bars: one per rank)")
-    ax.legend(fontsize=7, ncols=2, loc="upper left")
+    ax.set_title("memory per rank (one bar per rank; x: estimated peak)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
 
 
