@@ -186,3 +186,24 @@ def test_launches_in_a_row_after_faults(clean_launch):
         result = launch(lambda: dist.get_rank() + i, nprocs=2, progress=False)
         assert result.values == [i, i + 1]
         assert not psutil.Process().children(recursive=True)
+
+
+@pytest.mark.timeout(90)
+def test_process_group_failure_is_retried_once_then_reported(clean_launch):
+    with pytest.raises(LaunchError) as info:
+        launch(lambda: 1, nprocs=2, progress=False, env={"GLOO_SOCKET_IFNAME": "no-such-interface0"})
+    err = info.value
+    assert err.attempts == 2 and err.before_user_code
+    assert all(f.phase == "init" for f in err.failures.values() if not f.collateral)
+    assert "no-such-interface0" in str(err)
+
+
+def _fail_in_user_code():
+    raise KeyError("not retried")
+
+
+@pytest.mark.timeout(60)
+def test_user_code_failure_is_not_retried(clean_launch):
+    with pytest.raises(LaunchError) as info:
+        launch(_fail_in_user_code, nprocs=1, progress=False)
+    assert info.value.attempts == 1 and info.value.failures[0].phase == "run"

@@ -44,9 +44,9 @@ def test_launch_from_a_kernel_cell():
                 break
         text = "".join(stdout)
         assert not errors, errors
-        assert "VALUES [0, 5] CLEAN True" in text
+        assert "VALUES [0, 5] CLEAN True" in text, text
         assert "noise from a rank" not in text  # rank output goes to the logs, not the cell
-        assert widgets == 1  # the live per-rank progress display
+        assert widgets == 1, text  # the live per-rank progress display
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)

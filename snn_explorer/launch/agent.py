@@ -46,12 +46,12 @@ def _init_process_group(backend: str):
     return dist
 
 
-def _write_error(run_dir: str, rank: int, exc: BaseException) -> None:
+def _write_error(run_dir: str, rank: int, exc: BaseException, phase: str) -> None:
     import traceback
 
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     channel.write_json(channel.path(run_dir, "errors", f"{rank}.json"),
-                       {"type": type(exc).__name__, "message": str(exc), "traceback": tb})
+                       {"type": type(exc).__name__, "message": str(exc), "traceback": tb, "phase": phase})
     channel.emit(run_dir, rank, "error", type=type(exc).__name__, message=str(exc))
     sys.stderr.write(tb)
 
@@ -79,11 +79,14 @@ def run_rank(run_dir: str, backend: str) -> None:
     stacks = open(channel.path(run_dir, "stacks", f"{rank}.txt"), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     channel.emit(run_dir, rank, "start", pid=os.getpid())
+    phase = "load"  # then "init" (joining the process group), then "run" (the function)
     try:
         import cloudpickle
 
         fn, args, kwargs = _load_payload(channel.path(run_dir, "payload.pkl"))
+        phase = "init"
         dist = _init_process_group(backend)
+        phase = "run"
         started = time.time()
         value = fn(*args, **kwargs)
         data = cloudpickle.dumps(value)
@@ -94,7 +97,7 @@ def run_rank(run_dir: str, backend: str) -> None:
         sys.stderr.flush()
         os._exit(code)
     except BaseException as exc:  # the peers may be blocked in a collective: leave at once
-        _write_error(run_dir, rank, exc)
+        _write_error(run_dir, rank, exc, phase)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

@@ -19,6 +19,8 @@ class RankFailure:
     collateral: bool = False
     #: When it failed (seconds since the epoch), if the rank said so; orders root causes first.
     time: Optional[float] = None
+    #: "load" (the payload), "init" (joining the process group), "run" (the function), "" (unknown).
+    phase: str = ""
 
     def describe(self) -> str:
         code = "still running" if self.exitcode is None else f"exit code {self.exitcode}"
@@ -35,13 +37,15 @@ def cause_order(failures) -> list:
 class LaunchError(RuntimeError):
     """A launch failed. ``failures`` maps rank -> :class:`RankFailure` (in rank order; the message
     lists root causes first); ``unfinished`` lists the ranks that had not finished; ``logs`` maps
-    rank -> captured stdout+stderr."""
+    rank -> captured stdout+stderr; ``attempts`` counts the launches tried (a launch whose ranks all
+    failed joining the process group is retried once)."""
 
     def __init__(self, headline: str, failures: Dict[int, RankFailure], unfinished: Sequence[int] = (),
-                 logs: Optional[Dict[int, str]] = None):
+                 logs: Optional[Dict[int, str]] = None, attempts: int = 1):
         self.failures = dict(sorted(failures.items()))
         self.unfinished = tuple(unfinished)
         self.logs = logs or {}
+        self.attempts = attempts
         super().__init__(self._format(headline))
 
     def _format(self, headline: str) -> str:
@@ -58,3 +62,9 @@ class LaunchError(RuntimeError):
         """The failure that most likely started it (see :func:`cause_order`)."""
         ordered = cause_order(self.failures.values())
         return ordered[0] if ordered else None
+
+    @property
+    def before_user_code(self) -> bool:
+        """True if every rank failed while joining the process group (or was ended because of it)."""
+        causes = [f for f in self.failures.values() if not f.collateral]
+        return bool(causes) and all(f.phase == "init" for f in causes)

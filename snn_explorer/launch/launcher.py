@@ -24,6 +24,9 @@ from .result import LaunchResult
 BACKENDS = ("auto", "gloo", "nccl")
 #: Seconds the agent gets to end the other ranks after a failure before the launcher ends the tree.
 FAILURE_GRACE_S = 5.0
+#: Fresh launches tried after one whose ranks all failed joining the process group, before any user
+#: code ran (a transient gloo connect error on a busy machine, e.g. "connectFullMesh failed").
+INIT_RETRIES = 1
 #: Seconds the ranks get to exit by themselves once every rank has stored its value; then the
 #: tree ends without waiting for elastic's own teardown.
 EXIT_GRACE_S = 5.0
@@ -100,7 +103,7 @@ def _failures(run_dir: str, status: dict, logs: Dict[int, Dict[str, str]], resul
         tail = logs.get(rank, {}).get("stderr", "")[-4000:]
         if err:
             out[rank] = RankFailure(rank, code, err["type"], err["message"], err["traceback"], tail,
-                                    time=state.failed_at)
+                                    time=state.failed_at, phase=err.get("phase", ""))
         elif state.exit_code:
             out[rank] = RankFailure(rank, code, "SystemExit", f"sys.exit({state.exit_code})", "", tail,
                                     time=state.failed_at)
@@ -194,6 +197,17 @@ def launch(fn: Callable, *args: Any, nprocs: int, backend: str = "auto", timeout
     _check(nprocs, timeout)
     backend = resolve_backend(backend, nprocs)
     payload = payloads.dumps(fn, args, kwargs)
+    for attempt in range(1, INIT_RETRIES + 2):
+        try:
+            return _launch_once(payload, nprocs, backend, timeout, env, progress, log_dir)
+        except LaunchError as exc:
+            exc.attempts = attempt
+            if not exc.before_user_code or attempt > INIT_RETRIES:
+                raise
+
+
+def _launch_once(payload: bytes, nprocs: int, backend: str, timeout, env, progress, log_dir) -> LaunchResult:
+    """One agent, one run directory, one outcome."""
     started = time.time()
     run_dir = tempfile.mkdtemp(prefix="snn-launch-")  # mode 0700
     try:
