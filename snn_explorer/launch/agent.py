@@ -104,6 +104,9 @@ def run_rank(run_dir: str, backend: str) -> None:
     channel.write_atomic(channel.path(run_dir, "results", f"{rank}.pkl"), data)
     channel.emit(run_dir, rank, "end", seconds=time.time() - started)
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the value is stored; a torch interpreter teardown only delays the launcher
 
 
 def _failures(exc, exitcodes: dict) -> dict:

@@ -111,9 +111,6 @@ def _failures(run_dir: str, status: dict, logs: Dict[int, Dict[str, str]], resul
             ended = code == -signal.SIGTERM and len(codes) > 1
             message = f"exited with code {code}" if code is None or code >= 0 else f"killed by {_failure_type(code)}"
             out[rank] = RankFailure(rank, code, _failure_type(code), message, "", tail, collateral=ended)
-    if status.get("ok"):
-        for rank in sorted(set(range(len(logs))) - results - set(out)):
-            out[rank] = RankFailure(rank, 0, "NoResult", "exited with code 0 without returning a value")
     return out
 
 
@@ -246,16 +243,19 @@ def _outcome(run_dir, nprocs, backend, started, tracker, hung, stacks, timeout, 
     results = dict(channel.rank_files(run_dir, "results"))
     if len(results) == nprocs and not channel.rank_files(run_dir, "errors"):
         return _result(results, logs, backend, started, tracker, log_dir)  # whatever the agent's exit
-    if not os.path.exists(status_file):
-        agent_log = open(channel.path(run_dir, "agent.log"), errors="replace").read()[-4000:]
-        raise LaunchError(f"the launcher agent ended without a status; its log:\n{agent_log}", {}, logs=joined)
-    status = channel.read_json(status_file)
-    if status.get("agent_error"):
-        raise LaunchError(f"the launcher agent failed:\n{status['agent_error']}", {}, logs=joined)
+    status = channel.read_json(status_file) if os.path.exists(status_file) else {}
     failures = _failures(run_dir, status, logs, set(results), tracker)
+    if status.get("agent_error") and not failures:
+        raise LaunchError(f"the launcher agent failed:\n{status['agent_error']}", {}, logs=joined)
+    for rank in sorted(set(range(nprocs)) - set(results) - set(failures)):
+        failures[rank] = RankFailure(rank, tracker.ranks[rank].exit_code, "NoResult",
+                                     "ended without returning a value", "", logs[rank]["stderr"][-4000:])
     if failures:
-        raise LaunchError(_headline(failures, nprocs), failures,
-                          unfinished=tracker.unfinished(), logs=joined)
+        headline = _headline(failures, nprocs)
+        if not status and not any(s.pid for s in tracker.ranks.values()):
+            agent_log = open(channel.path(run_dir, "agent.log"), errors="replace").read()[-4000:]
+            headline += f"\nno rank started; the launcher agent's log:\n{agent_log}"
+        raise LaunchError(headline, failures, unfinished=tracker.unfinished(), logs=joined)
     return _result(results, logs, backend, started, tracker, log_dir)
 
 
