@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import weakref
+import gc
+import sys
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
@@ -138,7 +139,7 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
     """One forward + backward; per-module raw numbers and the dynamic peak above the entry memory."""
     names = {m: n for n, m in model.named_modules()}
     stack, calls, ins, outs, rg = [], {}, {}, {}, {}
-    saved: Dict[int, tuple] = {}  # data_ptr -> (module, nbytes, weakref to the storage)
+    saved: Dict[int, tuple] = {}  # data_ptr -> (module, nbytes, the saved tensors)
 
     def pre(module, args):
         name = names[module]
@@ -154,9 +155,10 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
     def pack(t):
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             st = t.untyped_storage()
-            old = saved.get(st.data_ptr())
-            if old is None or old[2]() is None:  # a freed storage's address can be reused
-                saved[st.data_ptr()] = (stack[-1] if stack else "", st.nbytes(), weakref.ref(st))
+            entry = saved.setdefault(st.data_ptr(), (stack[-1] if stack else "", st.nbytes(), []))
+            # Held strongly until the forward ends, so no packed storage's address is reused; whether
+            # autograd still holds it is read from the reference count afterwards.
+            entry[2].append(t)
         return t
 
     hooks = [m.register_forward_pre_hook(pre) for m in names] + [m.register_forward_hook(post) for m in names]
@@ -182,10 +184,16 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
         tracker.track_external(model, x)
         with tracker if not saved_only else contextlib.nullcontext():
             entry = tracker.get_tracker_snapshot()[x.device]["Total"] if not saved_only else 0
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            # The peak run must not hold saved tensors itself (that would raise its peak).
+            packing = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if saved_only \
+                else contextlib.nullcontext()
+            with packing:
                 loss = forward_loss(model, x, labels)
             state = {n: _storages(_state_tensors(m)) for n, m in stateful_modules(model)}
-            held = {ptr: (name, nbytes) for ptr, (name, nbytes, ref) in saved.items() if ref() is not None}
+            gc.collect()  # graph pieces in reference cycles would otherwise look alive, depending on timing
+            held = {ptr: (name, nbytes) for ptr, (name, nbytes, tensors) in saved.items()
+                    if any(sys.getrefcount(t) > 3 for t in tensors)}  # ours: the list, the loop, the call
+            saved.clear()
             peak_fwd = _restart_peak(tracker, x.device) - entry if not saved_only else 0
             if not saved_only:
                 tracking.append(tracker)
