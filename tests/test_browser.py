@@ -17,6 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,13 +71,30 @@ def voila_url(tmp_path):
         _wait_http(url, proc, log, START_TIMEOUT_S)
         yield url, log
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End Voila and every process it started: its kernels run in sessions of their own, so they
+    are ended by pid, not through Voila's process group."""
+    try:
+        started = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        started = []
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    alive = [p for p in started if p.is_running()]
+    for p in alive:
+        p.terminate()
+    _, alive = psutil.wait_procs(alive, timeout=10)
+    for p in alive:
+        p.kill()
+    psutil.wait_procs(alive, timeout=10)
 
 
 def _table(page) -> dict:
