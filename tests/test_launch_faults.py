@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch_helpers import clean_launch, gone  # noqa: F401  (fixture)
+from launch_helpers import clean_launch, gone, live_children  # noqa: F401  (fixture)
 from snn_explorer.launch import LaunchError, launch, report
 from snn_explorer.launch.channel import DIR_ENV
 
@@ -185,7 +185,7 @@ def test_launches_in_a_row_after_faults(clean_launch):
     for i in range(rounds):
         result = launch(lambda: dist.get_rank() + i, nprocs=2, progress=False)
         assert result.values == [i, i + 1]
-        assert not psutil.Process().children(recursive=True)
+        assert not live_children()
 
 
 @pytest.mark.timeout(90)

@@ -6,7 +6,8 @@ import json
 import os
 import threading
 
-import psutil
+
+from launch_helpers import live_children
 import pytest
 
 from snn_explorer import analyze, plan
@@ -32,14 +33,14 @@ def mlp_plan():
 def test_bad_arguments_fail_before_any_process(kwargs, match):
     with pytest.raises(ValueError, match=match):
         launch(print, **kwargs)
-    assert not psutil.Process().children(recursive=True)
+    assert not live_children()
 
 
 def test_unpicklable_payload_fails_before_any_process(tmp_path):
     lock = threading.Lock()
     with pytest.raises(TypeError, match="lock"):
         launch(lambda: lock, nprocs=2, progress=False)
-    assert not psutil.Process().children(recursive=True)
+    assert not live_children()
 
 
 def test_auto_backend_is_gloo_without_enough_gpus():
@@ -127,7 +128,7 @@ def test_launch_plan_checks_the_plan_against_the_model_first(mlp_plan):
         launch_plan(other, p, lambda *a: 0.0, steps=1, progress=False)
     with pytest.raises(ValueError, match="steps=0"):
         launch_plan(mlp_plan[0].model, p, lambda *a: 0.0, steps=0)
-    assert not psutil.Process().children(recursive=True)
+    assert not live_children()
 
 
 def test_export_job_files(mlp_plan, tmp_path):
