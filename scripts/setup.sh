@@ -10,6 +10,8 @@ PY=${PYTHON:-python3}
 # spikingjelly without its dependency list (which would replace the CPU torch); its core modules need only these.
 .venv/bin/python -m pip install -q --no-deps spikingjelly==2.0.0
 .venv/bin/python -m pip install -q loguru tqdm h5py
+# Build matplotlib's font cache now, not inside a notebook cell under nbval.
+.venv/bin/python -c 'import matplotlib.pyplot' 2>/dev/null
 # The browser test drives Debian's chromium through Playwright (Playwright cannot download its own
 # browser here); install it when missing (CI runs as root).
 if [ ! -x /usr/bin/chromium ]; then

@@ -21,7 +21,7 @@ def clean_launch(tmp_path, monkeypatch):
     assert not os.listdir(tmp), f"temporary files left behind: {os.listdir(tmp)}"
 
 
-def _reused_helper(proc: psutil.Process) -> bool:
+def is_reused_helper(proc: psutil.Process) -> bool:
     """multiprocessing's resource tracker: started once by whatever used spawn in this process
     (another test, say) and reused for its lifetime. Not a leak; a zombie is gone too."""
     try:
@@ -32,7 +32,7 @@ def _reused_helper(proc: psutil.Process) -> bool:
 
 def live_children() -> list:
     """This process's descendants, less the reused resource tracker and zombies."""
-    return [c for c in psutil.Process().children(recursive=True) if not _reused_helper(c)]
+    return [c for c in psutil.Process().children(recursive=True) if not is_reused_helper(c)]
 
 
 def gone(pid: int) -> bool:

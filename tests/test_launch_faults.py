@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch_helpers import clean_launch, gone, live_children  # noqa: F401  (fixture)
+from launch_helpers import clean_launch, gone, is_reused_helper, live_children  # noqa: F401  (fixture)
 from snn_explorer.launch import LaunchError, launch, report
 from snn_explorer.launch.channel import DIR_ENV
 
@@ -136,7 +136,8 @@ def test_keyboard_interrupt_while_waiting_ends_every_rank(clean_launch):
     def interrupt_once_running(snapshot):
         if not pids and all(s["pid"] for s in snapshot):
             pids.extend(s["pid"] for s in snapshot)
-            pids.append(psutil.Process().children()[0].pid)  # the agent
+            agent = next(c for c in psutil.Process().children() if not is_reused_helper(c))
+            pids.append(agent.pid)
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
