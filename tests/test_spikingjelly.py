@@ -102,6 +102,20 @@ def test_spikingjelly_matches_unsharded(step_mode, topology, mode):
             assert "local" in res["styles"].values()
 
 
+def _reference_step(ref, x, y):
+    """One forward/backward of the unsharded spikingjelly model; returns per-neuron spike rates and outputs."""
+    from spikingjelly.activation_based import functional
+
+    rates = {}
+    for name, m in ref.named_modules():
+        if hasattr(m, "v_threshold"):
+            m.register_forward_hook(lambda _m, _i, o, name=name: rates.__setitem__(name, float(o.mean())))
+    functional.reset_net(ref)
+    ref_out = ref(x)
+    nn.functional.cross_entropy(ref_out.mean(0), y).backward()
+    return rates, ref_out
+
+
 def jelly_spikformer():
     """spikingjelly's own Spikformer (fused q/k/v as a 1x1 Conv1d + BatchNorm1d), tiny."""
     from spikingjelly.activation_based.model.spikformer import Spikformer
@@ -121,17 +135,10 @@ def spikformer_input():
 
 def _jelly_spikformer_rank(topology, mode):
     import snn_explorer as se
-    from spikingjelly.activation_based import functional
 
     x, y = spikformer_input(), torch.arange(2) % 8
     ref = jelly_spikformer()
-    rates = {}
-    for name, m in ref.named_modules():
-        if hasattr(m, "v_threshold"):
-            m.register_forward_hook(lambda _m, _i, o, name=name: rates.__setitem__(name, float(o.mean())))
-    functional.reset_net(ref)
-    ref_out = ref(x)
-    nn.functional.cross_entropy(ref_out.mean(0), y).backward()
+    rates, ref_out = _reference_step(ref, x, y)
     model = jelly_spikformer()
     plan = se.plan(analysis=se.analyze(model), objective="memory", topology=topology, backend="torch",
                    batch_size=2, mode=mode, features=se.DistributedFeatureSet(allow_experimental_spikformer_tp=True))
@@ -198,18 +205,11 @@ def jelly_vgg():
 
 def _jelly_vgg_rank(tp):
     import snn_explorer as se
-    from spikingjelly.activation_based import functional
 
     x = torch.rand(3, 2, 2, 16, 16, generator=torch.Generator().manual_seed(4), dtype=torch.float64).lt(0.3).double()
     y = torch.tensor([1, 5])
     ref = jelly_vgg()
-    rates = {}
-    for name, m in ref.named_modules():
-        if hasattr(m, "v_threshold"):
-            m.register_forward_hook(lambda _m, _i, o, name=name: rates.__setitem__(name, float(o.mean())))
-    functional.reset_net(ref)
-    ref_out = ref(x)
-    nn.functional.cross_entropy(ref_out.mean(0), y).backward()
+    rates, ref_out = _reference_step(ref, x, y)
     model = jelly_vgg()
     plan = se.plan(analysis=se.analyze(model, model_family="cifar10dvs_vgg"), objective="memory",
                    topology={"tp": tp}, backend="torch", batch_size=2,
