@@ -20,6 +20,7 @@ import contextlib
 import copy
 import gc
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
@@ -172,7 +173,6 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
 
     hooks += [p.register_post_accumulate_grad_hook(lambda p, n=n: on_grad(p, n))
               for n, p in model.named_parameters() if p.requires_grad]
-    static = _storages(list(model.parameters()) + list(model.buffers()) + [x])
     try:
         forward_loss(model, x, labels).backward()  # warm-up: state tensors take this size
         model.zero_grad(set_to_none=True)
@@ -180,6 +180,9 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
         saved.clear()
         calls.clear(), ins.clear(), outs.clear()
         reset_all(model)
+        # Held until the comparison below, so no freed address can alias a saved activation's.
+        static_refs = list(model.parameters()) + list(model.buffers()) + [x]
+        static = _storages(static_refs)
         tracker = MemTracker()
         tracker.track_external(model, x)
         with tracker if not saved_only else contextlib.nullcontext():
@@ -189,7 +192,8 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
                 else contextlib.nullcontext()
             with packing:
                 loss = forward_loss(model, x, labels)
-            state = {n: _storages(_state_tensors(m)) for n, m in stateful_modules(model)}
+            state_refs = {n: _state_tensors(m) for n, m in stateful_modules(model)}
+            state = {n: _storages(refs) for n, refs in state_refs.items()}
             gc.collect()  # graph pieces in reference cycles would otherwise look alive, depending on timing
             held = {ptr: (name, nbytes) for ptr, (name, nbytes, tensors) in saved.items()
                     if any(sys.getrefcount(t) > 3 for t in tensors)}  # ours: the list, the loop, the call
@@ -212,6 +216,7 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
     for ptr, (name, nbytes) in held.items():
         if ptr not in static and ptr not in state_ptrs:
             per_saved[name] = per_saved.get(name, 0) + nbytes
+    del static_refs, state_refs
     grads = sum(_storages([p.grad for p in model.parameters()]).values())
     return dict(saved=per_saved, state={n: sum(s.values()) for n, s in state.items()}, calls=calls, ins=ins,
                 outs=outs, rg=rg, peak_fwd=peak_fwd, peak=peak, after=after, ready_at_peak=ready_at_peak, grads=grads, order=tuple(order),
@@ -247,18 +252,20 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
                         model=model, example_input=example_input, labels=labels)
 
 
-_CACHE: Dict[tuple, ModelProfile] = {}
+#: Profiles per live model object (a weak key: a freed model's id can be reused by a new one).
+_CACHE: "weakref.WeakKeyDictionary[nn.Module, Dict[tuple, ModelProfile]]" = weakref.WeakKeyDictionary()
 
 
 def _key(model: nn.Module, example_input: torch.Tensor, labels, dtype) -> tuple:
     shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in model.named_parameters())
-    return (id(model), shapes, tuple(example_input.shape[2:]), example_input.dtype, labels is None, dtype)
+    return (shapes, tuple(example_input.shape[2:]), example_input.dtype, labels is None, dtype)
 
 
 def model_profile(model: nn.Module, example_input: torch.Tensor, labels: Optional[torch.Tensor] = None,
                   dtype: Optional[torch.dtype] = None) -> ModelProfile:
     """:func:`measure_profile`, cached per model object, parameter shapes, sample shape and dtype."""
+    per_model = _CACHE.setdefault(model, {})
     key = _key(model, example_input, labels, dtype)
-    if key not in _CACHE:
-        _CACHE[key] = measure_profile(model, example_input, labels, dtype)
-    return _CACHE[key]
+    if key not in per_model:
+        per_model[key] = measure_profile(model, example_input, labels, dtype)
+    return per_model[key]
