@@ -10,7 +10,7 @@ quantity is fitted bilinearly in ``N`` and ``T`` (:class:`Fit`), which is exact 
 tensors grow linearly in batch and in time, and evaluated at a plan's per-rank batch.
 
 The peak of a step is a maximum over time, not linear in ``N`` and ``T``: it is measured
-(``MemTracker``; forward, backward and what is left after it) once per per-rank batch that is
+(:class:`~.meter.StorageMeter`; forward, backward and what is left after it) once per per-rank batch that is
 asked for, at that size, and cached with the rest. Everything runs on real CPU tensors: the
 saved-tensor and state sizes of snntorch/spikingjelly neurons come from executing them.
 """
@@ -26,10 +26,10 @@ from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from ..core.neurons import reset_all, stateful_modules
 from ._step import batch_slice, forward_loss
+from .meter import StorageMeter
 
 #: The batch sizes and time steps of the profile runs: a 2 x 2 grid.
 NS, TS = (2, 4), (2, 3)
@@ -128,14 +128,6 @@ def _requires_grad(args) -> bool:
     return any(isinstance(a, torch.Tensor) and a.requires_grad for a in flat)
 
 
-def _restart_peak(tracker: MemTracker, device: torch.device) -> int:
-    """The peak so far; the tracker's peak then restarts from the current memory (MemTracker has no
-    public reset, so this sets its per-device peak)."""
-    peak = tracker.get_tracker_snapshot("peak")[device]["Total"]
-    tracker._peak_mem[device] = tracker.get_tracker_snapshot()[device]["Total"]
-    return peak
-
-
 def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor], saved_only: bool = True) -> dict:
     """One forward + backward; per-module raw numbers and the dynamic peak above the entry memory."""
     names = {m: n for n, m in model.named_modules()}
@@ -168,8 +160,7 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
     def on_grad(param, name):
         order.append(name)
         if tracking:
-            marks.append((tracking[0].get_tracker_snapshot("peak")[x.device]["Total"],
-                          param.numel() * param.element_size()))
+            marks.append((tracking[0].peak, param.numel() * param.element_size()))
 
     hooks += [p.register_post_accumulate_grad_hook(lambda p, n=n: on_grad(p, n))
               for n, p in model.named_parameters() if p.requires_grad]
@@ -183,10 +174,10 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
         # Held until the comparison below, so no freed address can alias a saved activation's.
         static_refs = list(model.parameters()) + list(model.buffers()) + [x]
         static = _storages(static_refs)
-        tracker = MemTracker()
-        tracker.track_external(model, x)
-        with tracker if not saved_only else contextlib.nullcontext():
-            entry = tracker.get_tracker_snapshot()[x.device]["Total"] if not saved_only else 0
+        meter = StorageMeter()
+        meter.track(static_refs)
+        with meter if not saved_only else contextlib.nullcontext():
+            entry = meter.current
             # The peak run must not hold saved tensors itself (that would raise its peak).
             packing = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if saved_only \
                 else contextlib.nullcontext()
@@ -198,15 +189,14 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
             held = {ptr: (name, nbytes) for ptr, (name, nbytes, tensors) in saved.items()
                     if any(sys.getrefcount(t) > 3 for t in tensors)}  # ours: the list, the loop, the call
             saved.clear()
-            peak_fwd = _restart_peak(tracker, x.device) - entry if not saved_only else 0
+            peak_fwd = meter.restart_peak() - entry
             if not saved_only:
-                tracking.append(tracker)
+                tracking.append(meter)
             loss.backward()
             del loss
-            after = tracker.get_tracker_snapshot()[x.device]["Total"] - entry if not saved_only else 0
-        peak_total = tracker.get_tracker_snapshot("peak")[x.device]["Total"] if not saved_only else 0
-        peak = peak_total - entry
-        first = next((i for i, (so_far, _) in enumerate(marks) if so_far >= peak_total), len(marks))
+            after = meter.current - entry
+        peak = meter.peak - entry
+        first = next((i for i, (so_far, _) in enumerate(marks) if so_far >= meter.peak), len(marks))
         ready_at_peak = sum(nbytes for _, nbytes in marks[:first])
     finally:
         for h in hooks:
