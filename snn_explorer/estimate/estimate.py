@@ -15,6 +15,7 @@ gradient copies its reducer keeps.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
@@ -22,7 +23,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..core import SNNDistributedPlan
+from ..core import SNNDistributedPlan, analyze
 from ._step import check_optimizer
 from .comms import ddp_buckets, fsdp_groups, step_collectives
 from .profile import ModelProfile, model_profile
@@ -103,10 +104,16 @@ def _tp_factors(plan: SNNDistributedPlan, analysis, profile: ModelProfile) -> Di
     return factors
 
 
-def _analysis(model: nn.Module, plan: SNNDistributedPlan):
-    from ..core import analyze
+_ANALYSES: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
-    return analyze(model, model_family=plan.model_family, roots=plan.tensor_parallel_roots)
+
+def _analysis(model: nn.Module, plan: SNNDistributedPlan):
+    """The core's analysis for the plan's family and roots, cached per live model like the profile."""
+    key = (plan.model_family, plan.tensor_parallel_roots)
+    per_model = _ANALYSES.setdefault(model, {})
+    if key not in per_model:
+        per_model[key] = analyze(model, model_family=plan.model_family, roots=plan.tensor_parallel_roots)
+    return per_model[key]
 
 
 def _transient(plan: SNNDistributedPlan, params, grads_full: int) -> tuple:
