@@ -7,11 +7,10 @@ them (tensor-parallel peers see the same samples); every per-rank number is for
 
 Parameters, gradients, optimizer state, buffers and collectives are exact shard arithmetic
 (``sharding``, ``comms``). The peak is the rank's persistent memory (parameters, optimizer state,
-buffers, input, neuron state) plus the largest of three phases, each taken from the unsharded
-profile at the same per-rank batch: the forward, the backward (beside the gradients the plan
-keeps there) and the optimizer step (Adam's scratch). TP scales the activation part by the share
-of saved bytes it shards; FSDP2 adds the unsharded parameters it holds, DDP its buckets and the
-gradient copies its reducer keeps.
+buffers, input, neuron state) plus the largest of three phases, each measured once per per-rank
+batch (and TP layout) on the model as one rank runs it (the unsharded model, or its TP replica):
+the forward, the backward (beside the gradients the plan keeps there) and the optimizer step
+(Adam's scratch). FSDP2 adds the unsharded parameters it holds, DDP its gradient buckets.
 """
 from __future__ import annotations
 
@@ -132,18 +131,6 @@ def _transient(plan: SNNDistributedPlan, params, grads_full: int) -> tuple:
     return 0, None
 
 
-def _gradient_traffic(plan: SNNDistributedPlan, params, grads_full: int, ready_at_peak: int) -> tuple:
-    """Memory that appears as gradients become ready: (at the backward peak, in the optimizer step).
-
-    DDP holds a second copy of each ready gradient until the step ends (counted at the backward
-    peak only for the gradients ready by then: per-step SNNs accumulate every gradient at the very
-    end of the backward). FSDP2's reduce-scatter input replaces the group's unsharded gradients.
-    """
-    if plan.mode == "dp":
-        return ready_at_peak, grads_full
-    return 0, 0
-
-
 def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch.Tensor,
              labels: Optional[torch.Tensor] = None, time_steps: Optional[int] = None, optimizer: str = "adam",
              dtype: Optional[torch.dtype] = None, memory_budget: Optional[int] = None,
@@ -171,27 +158,22 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     params = local_params(model, plan, itemsize)
     n = plan.per_rank_batch
     factors = _tp_factors(plan, _analysis(model, plan), profile)
-    saved = sum(m.saved(n, t) for m in profile.modules.values())
     saved_local = sum(m.saved(n, t) * factors.get(k, 1.0) for k, m in profile.modules.items())
     state = sum(m.state(n, t) * factors.get(k, 1.0) for k, m in profile.modules.items())
     activations = saved_local + profile.input_bytes(n, t)
-    scale = saved_local / saved if saved else 1.0
-    peak_fwd, peak_bwd, after, ready_at_peak = profile.dynamic_peak(n, t)
-    fwd = peak_fwd * scale  # activations and temporaries; the gradients were set to None
-    bwd = (peak_bwd - profile.grads_bytes) * scale  # beside the gradients
-    after_bwd = (after - profile.grads_bytes) * scale
+    # Activations and temporaries of the forward (the gradients were set to None), of the backward
+    # and after it (both beside the gradients): measured on the model as one rank runs it.
+    fwd, bwd, after_bwd = profile.dynamic_peak(n, t, plan.tensor_parallel_plan, plan.tp_size)
     buffers = buffer_bytes(model, profile.dtype)
     grads_full = sum(p.numel * p.itemsize for p in params)
     transient, grads_at_peak = _transient(plan, params, grads_full)
     persistent = transient if plan.mode == "dp" else 0  # DDP buckets live through the optimizer step
-    traffic = _gradient_traffic(plan, params, grads_full, ready_at_peak)
     rows = []
     for rank in range(plan.world_size):
         b = rank_bytes(params, plan, rank, optimizer)
         live_grads = b["grads_bytes"] if grads_at_peak is None else grads_at_peak
-        phases = (fwd + transient, bwd + live_grads + transient + traffic[0],
-                  after_bwd + b["grads_bytes"] + persistent + traffic[1]
-                  + optimizer_temporaries(params, plan, rank, optimizer))
+        phases = (fwd + transient, bwd + live_grads + transient,
+                  after_bwd + b["grads_bytes"] + persistent + optimizer_temporaries(params, plan, rank, optimizer))
         peak = (b["params_bytes"] + b["optimizer_bytes"] + buffers + profile.input_bytes(n, t) + state
                 + max(phases))
         rows.append(dict(rank=rank, **b, buffers_bytes=buffers, activations_bytes=round(activations),

@@ -2,7 +2,7 @@
 
 Per rank: the bytes of the sharded parameters, gradients and optimizer state (each storage
 counted once), buffers, activations saved for backward, neuron state, the peak tensor memory of
-one training step (torch's ``MemTracker``, plus DDP's gradient buckets, which it cannot see),
+one training step (torch's ``MemTracker``; DDP's gradient buckets included),
 the collectives issued (:class:`CollectiveRecorder`, checked against torch's ``CommDebugMode``
 where that runs) and the step time. ``example_input`` and ``plan.batch_size`` are the global
 batch of one optimizer step: each dp rank trains on its ``plan.per_rank_batch`` slice.
@@ -109,6 +109,12 @@ def _called_twice(model: nn.Module, run) -> bool:
     return any(c > 1 for c in counts.values())
 
 
+def _restart_peak(tracker, device: torch.device) -> None:
+    """Restart MemTracker's peak from the current memory (it has no public reset)."""
+    tracker._peak_mem[device] = tracker.get_tracker_snapshot()[device]["Total"]
+    tracker._peak_mem_snap[device] = tracker.get_tracker_snapshot()[device]
+
+
 def _measure_plan(model, plan, example_input, labels, steps, optimizer, dtype, lr) -> dict:
     import contextlib
 
@@ -163,8 +169,15 @@ def _measure_plan(model, plan, example_input, labels, steps, optimizer, dtype, l
     tracker = MemTracker()
     tracker.track_external(runtime.model, getattr(opt, "optim", opt), x)  # ZeRO: its local optimizer
     debug = CommDebugMode() if not repeated else contextlib.nullcontext()
-    with tracker, debug, recorder:
-        step(recorder, saved, after_forward)
+    with tracker:
+        # A tracked warm-up step first: storages allocated outside any op (DDP's gradient buckets)
+        # become visible to the tracker when an op first writes them, so the measured step sees them
+        # from its start, not from the middle of its backward.
+        step()
+        tracker.reset_mod_stats()
+        _restart_peak(tracker, x.device)
+        with debug, recorder:
+            step(recorder, saved, after_forward)
     peak = tracker.get_tracker_snapshot("peak")[x.device]["Total"]
 
     buckets = 0
@@ -185,7 +198,7 @@ def _measure_plan(model, plan, example_input, labels, steps, optimizer, dtype, l
                  optimizer_bytes=sum(_storage_bytes([v for s in state_dict.values() for v in s.values()]).values()),
                  buffers_bytes=sum(_storage_bytes([b for b in module.buffers() if id(b) not in state_ids]).values()),
                  activations_bytes=activations, neuron_state_bytes=sum(seen["state"].values()),
-                 transient_bytes=buckets if plan.mode == "dp" else float("nan"), peak_bytes=peak + buckets),
+                 transient_bytes=buckets if plan.mode == "dp" else float("nan"), peak_bytes=peak),
         collectives=recorder.table(dims), times=times,
         debug=None if repeated else {str(k).rsplit(".", 1)[-1]: v for k, v in debug.get_comm_counts().items()})
 

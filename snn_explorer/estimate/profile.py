@@ -22,14 +22,16 @@ import gc
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
-from ..core.neurons import reset_all, stateful_modules
+from ..core.neurons import stateful_modules
 from ._step import batch_slice, forward_loss
 from .meter import StorageMeter
+from .sharding import state_tensor_ids
+from .tp_replica import tp_replica
 
 #: The batch sizes and time steps of the profile runs: a 2 x 2 grid.
 NS, TS = (2, 4), (2, 3)
@@ -85,17 +87,25 @@ class ModelProfile:
     model: nn.Module = field(repr=False, default=None)
     example_input: torch.Tensor = field(repr=False, default=None)
     labels: Optional[torch.Tensor] = field(repr=False, default=None)
-    peaks: Dict[Tuple[int, int], Tuple[int, int, int, int]] = field(default_factory=dict, repr=False)
+    peaks: Dict[tuple, Tuple[int, int, int]] = field(default_factory=dict, repr=False)
+    replicas: Dict[tuple, nn.Module] = field(default_factory=dict, repr=False)
 
-    def dynamic_peak(self, n: int, t: int) -> Tuple[int, int, int, int]:
-        """Bytes above the memory at the start of an unsharded forward + backward of ``n`` samples
-        and ``t`` steps: (peak of the forward, peak of the backward, left after the backward,
-        gradients already accumulated when the backward peaked)."""
-        if (n, t) not in self.peaks:
+    def dynamic_peak(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]] = None,
+                     tp: int = 1) -> Tuple[int, int, int]:
+        """Bytes above the memory at the start of a forward + backward of ``n`` samples and ``t``
+        steps: (peak of the forward, peak of the backward beside the gradients, left after the
+        backward beside the gradients). With ``tp > 1``: of one TP rank under ``tp_plan``
+        (:func:`~.tp_replica.tp_replica`)."""
+        layout = tuple(sorted(tp_plan.items())) if tp > 1 else ()
+        key = (n, t, layout, tp)
+        if key not in self.peaks:
+            if tp > 1 and (layout, tp) not in self.replicas:
+                self.replicas[(layout, tp)] = tp_replica(self.model, dict(layout), tp)
+            model = self.replicas[(layout, tp)] if tp > 1 else self.model
             x, y = batch_slice(self.example_input, self.labels, n, t)
-            run = _run_point(self.model, x.to(self.dtype), y, saved_only=False)
-            self.peaks[(n, t)] = (run["peak_fwd"], run["peak"], run["after"], run["ready_at_peak"])
-        return self.peaks[(n, t)]
+            run = _run_point(model, x.to(self.dtype), y, saved_only=False)
+            self.peaks[key] = (run["peak_fwd"], run["peak"] - run["grads"], run["after"] - run["grads"])
+        return self.peaks[key]
 
 
 def _storages(tensors) -> Dict[int, int]:
@@ -155,12 +165,10 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
         return t
 
     hooks = [m.register_forward_pre_hook(pre) for m in names] + [m.register_forward_hook(post) for m in names]
-    order, marks, tracking = [], [], []  # marks: (backward peak so far, bytes) per accumulated gradient
+    order = []
 
     def on_grad(param, name):
         order.append(name)
-        if tracking:
-            marks.append((tracking[0].peak, param.numel() * param.element_size()))
 
     hooks += [p.register_post_accumulate_grad_hook(lambda p, n=n: on_grad(p, n))
               for n, p in model.named_parameters() if p.requires_grad]
@@ -170,12 +178,15 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
         order.clear()
         saved.clear()
         calls.clear(), ins.clear(), outs.clear()
-        reset_all(model)
-        # Held until the comparison below, so no freed address can alias a saved activation's.
-        static_refs = list(model.parameters()) + list(model.buffers()) + [x]
+        # No reset here: like a rank in training, the step starts with the last step's neuron state
+        # (forward_loss resets it, replacing those tensors).
+        # Held until the comparison below, so no freed address can alias a saved activation's; the
+        # last step's neuron state is counted at the start but not held (the forward replaces it).
+        state_ids = state_tensor_ids(model)
+        static_refs = [t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in state_ids] + [x]
         static = _storages(static_refs)
         meter = StorageMeter()
-        meter.track(static_refs)
+        meter.track(static_refs + [t for _, m in stateful_modules(model) for t in _state_tensors(m)])
         with meter if not saved_only else contextlib.nullcontext():
             entry = meter.current
             # The peak run must not hold saved tensors itself (that would raise its peak).
@@ -190,14 +201,10 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
                     if any(sys.getrefcount(t) > 3 for t in tensors)}  # ours: the list, the loop, the call
             saved.clear()
             peak_fwd = meter.restart_peak() - entry
-            if not saved_only:
-                tracking.append(meter)
             loss.backward()
             del loss
             after = meter.current - entry
         peak = meter.peak - entry
-        first = next((i for i, (so_far, _) in enumerate(marks) if so_far >= meter.peak), len(marks))
-        ready_at_peak = sum(nbytes for _, nbytes in marks[:first])
     finally:
         for h in hooks:
             h.remove()
@@ -209,7 +216,7 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
     del static_refs, state_refs
     grads = sum(_storages([p.grad for p in model.parameters()]).values())
     return dict(saved=per_saved, state={n: sum(s.values()) for n, s in state.items()}, calls=calls, ins=ins,
-                outs=outs, rg=rg, peak_fwd=peak_fwd, peak=peak, after=after, ready_at_peak=ready_at_peak, grads=grads, order=tuple(order),
+                outs=outs, rg=rg, peak_fwd=peak_fwd, peak=peak, after=after, grads=grads, order=tuple(order),
                 input=x.numel() * x.element_size())
 
 
