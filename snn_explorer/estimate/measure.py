@@ -94,7 +94,8 @@ class _Saved:
         return t
 
     def alive(self) -> Dict[int, int]:
-        return {ptr: n for ptr, (n, ref) in self.refs.items() if ref() is not None}
+        """Bytes now held by each saved storage still alive (FSDP2 frees unsharded weights by resizing)."""
+        return {ptr: ref().nbytes() for ptr, (n, ref) in self.refs.items() if ref() is not None}
 
 
 def _called_twice(model: nn.Module, run) -> bool:
@@ -165,6 +166,7 @@ def _measure_plan(model, plan, example_input, labels, steps, optimizer, dtype, l
     def after_forward():
         seen["state"] = _storage_bytes(_state_tensors(module))
         seen["saved"] = saved.alive()
+        seen["params"] = _storage_bytes(module.parameters())  # FSDP2 without resharding: the unsharded ones
 
     tracker = MemTracker()
     tracker.track_external(runtime.model, getattr(opt, "optim", opt), x)  # ZeRO: its local optimizer
@@ -186,7 +188,7 @@ def _measure_plan(model, plan, example_input, labels, steps, optimizer, dtype, l
         buckets = sum(int(s) for s in sizes.replace(",", " ").split())
     input_ptr = x.untyped_storage().data_ptr()
     activations = sum(n for p, n in seen["saved"].items() if p not in static and p not in seen["state"]
-                      and p != input_ptr) + x.numel() * x.element_size()
+                      and p not in seen["params"] and p != input_ptr) + x.numel() * x.element_size()
     params = list(module.parameters())
     state_dict = getattr(opt, "optim", opt).state
     dims = {} if runtime.mesh is None else {
