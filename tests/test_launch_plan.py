@@ -106,3 +106,42 @@ def test_exported_job_runs_under_torchrun_like_launch(zoo, tp_run, tmp_path):
     for rank in (0, 1):
         exported = json.load(open(os.path.join(job.path, "results", f"rank{rank}.json")))
         assert [m["loss"] for m in exported] == pytest.approx(launched.losses[rank], rel=1e-6)
+
+
+class CountingNeuron(nn.Module):
+    """A neuron snn_explorer cannot recognise by itself (defined here, so it travels by value)."""
+
+    def __init__(self):
+        super().__init__()
+        self.v = None
+
+    def reset(self):
+        self.v = None
+
+    def forward(self, x):
+        self.v = x if self.v is None else self.v + x
+        return (self.v > 1).to(x.dtype)
+
+
+def _library_on_rank():
+    from snn_explorer.core.neurons import snn_library
+
+    return snn_library(CountingNeuron())
+
+
+@pytest.mark.timeout(120)
+def test_register_stateful_reaches_launched_and_spawned_ranks(clean_launch):
+    from snn_explorer import register_stateful, unregister_stateful
+    from snn_explorer.core.neurons import snn_library
+    from snn_explorer.estimate._spawn import run_on_ranks
+    from snn_explorer.launch import launch
+
+    assert snn_library(CountingNeuron()) is None  # not recognised without the registration
+    register_stateful(CountingNeuron)
+    try:
+        launched = launch(_library_on_rank, nprocs=2, backend="gloo", progress=False, timeout=60)
+        spawned = run_on_ranks(_library_on_rank, 2, timeout=60)
+    finally:
+        unregister_stateful(CountingNeuron)
+    assert launched.values == ["registered", "registered"]
+    assert spawned == ["registered", "registered"]

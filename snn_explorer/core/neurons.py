@@ -37,6 +37,16 @@ def unregister_stateful(cls: type) -> None:
     _REGISTRY.pop(cls, None)
 
 
+def registered_stateful() -> Dict[type, ResetFn]:
+    """A copy of the :func:`register_stateful` registrations, for shipping to other processes."""
+    return dict(_REGISTRY)
+
+
+def restore_stateful(registrations: Dict[type, ResetFn]) -> None:
+    """Register what :func:`registered_stateful` returned in another process (a launched rank)."""
+    _REGISTRY.update(registrations)
+
+
 def _call_reset(module: nn.Module) -> None:
     module.reset()
 

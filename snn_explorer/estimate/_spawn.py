@@ -19,7 +19,10 @@ def _child(rank: int, world: int, port: int, payload: bytes, timeout: float, con
 
     torch.set_num_threads(1)
     try:
-        fn, args = cloudpickle.loads(payload)
+        fn, args, stateful = cloudpickle.loads(payload)
+        from ..core.neurons import restore_stateful
+
+        restore_stateful(stateful)  # the parent's register_stateful calls
         td = datetime.timedelta(seconds=timeout)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=td)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=td)
@@ -41,7 +44,9 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
 
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout))
-    payload = cloudpickle.dumps((fn, args))
+    from ..core.neurons import registered_stateful
+
+    payload = cloudpickle.dumps((fn, args, registered_stateful()))
     ctx = multiprocessing.get_context("spawn")
     procs, conns = [], []
     try:

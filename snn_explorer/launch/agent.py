@@ -57,7 +57,8 @@ def _write_error(run_dir: str, rank: int, exc: BaseException, phase: str) -> Non
 
 
 def _load_payload(path: str):
-    """``(fn, args, kwargs)``; in-memory sources (notebook cells) go to linecache for tracebacks."""
+    """``(fn, args, kwargs)``; in-memory sources (notebook cells) go to linecache for tracebacks and
+    the parent's ``register_stateful`` registrations are made here too."""
     import cloudpickle
     import linecache
 
@@ -65,7 +66,11 @@ def _load_payload(path: str):
         data, sources = cloudpickle.loads(fh.read())
     for name, lines in sources.items():
         linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
-    return cloudpickle.loads(data)
+    fn, args, kwargs, stateful = cloudpickle.loads(data)
+    from snn_explorer.core.neurons import restore_stateful  # this file also runs as a script
+
+    restore_stateful(stateful)
+    return fn, args, kwargs
 
 
 def run_rank(run_dir: str, backend: str) -> None:

@@ -21,6 +21,7 @@ def main(script: str, argv: Optional[Sequence[str]] = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from ..core.neurons import restore_stateful
     from .plan_run import train_plan_rank
 
     here = os.path.dirname(os.path.abspath(script))
@@ -33,6 +34,7 @@ def main(script: str, argv: Optional[Sequence[str]] = None) -> int:
         plan_data = json.load(fh)
     with open(args.payload, "rb") as fh:
         job = cloudpickle.loads(fh.read())
+    restore_stateful(job.get("stateful", {}))  # the exporting process's register_stateful calls
     backend = _backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

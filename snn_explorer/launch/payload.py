@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Tuple
 
 import cloudpickle
 
+from ..core.neurons import registered_stateful
+
 _code_reduce = getattr(getattr(cloudpickle, "cloudpickle", None), "_code_reduce", None)
 
 
@@ -52,8 +54,9 @@ def _memory_sources(filenames) -> Dict[str, List[str]]:
 
 
 def dumps(fn, args: Tuple, kwargs: Dict[str, Any]) -> bytes:
-    """The payload a rank loads: ``(fn, args, kwargs, in-memory sources)``."""
+    """The payload a rank loads: ``(fn, args, kwargs, register_stateful registrations)`` and the
+    in-memory sources."""
     buf = io.BytesIO()
     pickler = _Pickler(buf)
-    pickler.dump((fn, args, kwargs))
+    pickler.dump((fn, args, kwargs, registered_stateful()))
     return cloudpickle.dumps((buf.getvalue(), _memory_sources(pickler.filenames)))
