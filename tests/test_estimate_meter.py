@@ -73,3 +73,23 @@ def test_estimates_identical_in_fresh_processes():
     assert len(tables[0]) >= 5 and any(row[5] > 0 for t in tables[0].values() for row in t)
     assert tables[0] == tables[1] == tables[2]
 
+
+
+@pytest.mark.parametrize("name", ["mlp", "spikformer"])
+def test_tp_replica_has_the_local_shapes(name):
+    """The model the TP peak is measured on holds each rank's parameter shapes and runs."""
+    import snn_explorer as se
+    from snn_explorer.estimate import enumerate_plans
+    from snn_explorer.estimate.sharding import tp_local_shape
+    from snn_explorer.estimate.tp_replica import tp_replica
+
+    zoo = build(name)
+    plan = next(p for p in enumerate_plans(se.analyze(zoo.model, model_family=zoo.family), world_size=2,
+                                           batch_size=zoo.batch_size) if p.mode == "tp")
+    replica = tp_replica(zoo.model, plan.tensor_parallel_plan, plan.tp_size)
+    full = dict(zoo.model.named_parameters())
+    local = {n: tuple(p.shape) for n, p in replica.named_parameters()}
+    assert local == {n: tp_local_shape(plan, n, p.shape) for n, p in full.items()}
+    assert any(local[n] != tuple(p.shape) for n, p in full.items())
+    out = replica(zoo.example_input)
+    assert out.shape == zoo.model(zoo.example_input).shape
