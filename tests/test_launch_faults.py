@@ -146,8 +146,12 @@ def test_keyboard_interrupt_while_waiting_ends_every_rank(clean_launch):
 
 
 SIGINT_SCRIPT = textwrap.dedent("""
-    import json, sys, time
+    import json, signal, sys, time
     from snn_explorer.launch import launch
+
+    # A shell that starts the suite in the background hands SIGINT down ignored; Ctrl-C in a terminal
+    # or notebook raises KeyboardInterrupt, so that is what this script sets up.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def hang():
         time.sleep(600)
