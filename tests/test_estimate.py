@@ -95,13 +95,9 @@ def test_all_plans_of_8_ranks_for_a_120_module_model_in_under_a_second():
     assert model_profile(model, x) is model_profile(model, x)
 
 
-def test_experimental_tp_styles_are_refused_clearly():
-    zoo = build("vgg")
-    analysis = se.analyze(zoo.model, model_family=zoo.family)
-    plans = enumerate_plans(analysis, world_size=2, batch_size=zoo.batch_size,
-                            features=se.DistributedFeatureSet(allow_experimental_conv_tp=True))
-    conv = [p for p in plans if any(s.startswith("conv") for s in p.tensor_parallel_plan.values())]
-    assert conv
-    for plan in conv:
-        with pytest.raises(NotImplementedError, match="experimental"):
-            estimate(zoo.model, plan, example_input=zoo.example_input)
+def test_unknown_tp_styles_are_refused_clearly():
+    from snn_explorer.estimate.tp_replica import tp_replica
+
+    zoo = build("mlp")
+    with pytest.raises(NotImplementedError, match="'diagonal'"):
+        tp_replica(zoo.model, {"net.0": "diagonal"}, 2)

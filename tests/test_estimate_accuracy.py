@@ -30,7 +30,11 @@ def _plain():
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)), torch.randn(3, 4, 16), torch.arange(4) % 8
 
 
-def _case(name, world, objectives=("speed",), optimizer="adam"):
+#: Gates of the experimental TP styles (channel-sharded convolutions, head-aligned attention).
+EXPERIMENTAL = se.DistributedFeatureSet(allow_experimental_conv_tp=True, allow_experimental_spikformer_tp=True)
+
+
+def _case(name, world, objectives=("speed",), optimizer="adam", features=None):
     if name == "padded":
         model, x, y = _padded_mlp()
         family = "generic"
@@ -42,8 +46,8 @@ def _case(name, world, objectives=("speed",), optimizer="adam"):
         model, x, y, family = zoo.model, zoo.example_input, zoo.labels, zoo.family
     analysis = se.analyze(model, model_family=family)
     plans = [p for obj in objectives for p in enumerate_plans(analysis, world_size=world, batch_size=x.shape[1],
-                                                               objective=obj)]
-    plans = list(dict.fromkeys(plans))
+                                                               objective=obj, features=features)]
+    plans = list(dict.fromkeys(p for p in plans if features is None or p.tp_size > 1))
     measured = measure_many(model, plans, example_input=x, labels=y, steps=2, optimizer=optimizer, timeout=240)
     estimated = [estimate(model, p, example_input=x, labels=y, optimizer=optimizer) for p in plans]
     return list(zip(plans, estimated, measured))
@@ -56,6 +60,8 @@ CASES = {
     "vgg-4": ("vgg", 4, ("speed", "memory"), "adam"),
     "padded-4": ("padded", 4, ("speed",), "adamw"),
     "plain-2": ("plain", 2, ("speed",), "sgd"),
+    "vgg-conv-tp-4": ("vgg", 4, ("speed",), "adam", EXPERIMENTAL),
+    "spikformer-heads-tp-2": ("spikformer", 2, ("speed",), "adam", EXPERIMENTAL),
 }
 _RESULTS = {}
 
@@ -81,6 +87,9 @@ def test_sharded_bytes_and_collectives_are_exact(key):
         assert _rows(est.collectives) == _rows(meas.collectives), plan
     world = CASES[key][1]
     expected = {"none"} if world == 1 else {"dp", "fsdp2", "tp", "fsdp2_tp"} if world == 4 else {"dp", "fsdp2", "tp"}
+    if "-tp-" in key:  # the experimental styles: TP plans only
+        expected -= {"dp", "fsdp2"}
+        assert all(any(s.startswith("conv") for s in p.tensor_parallel_plan.values()) for p, _, _ in results(key))
     if key == "padded-4":
         expected -= {"tp"}  # tp=4 does not divide the head's 10 rows
     assert modes == expected

@@ -232,3 +232,22 @@ def test_spikingjelly_vgg_channel_tp(tp):
                                                         "norm_local", "rowwise"]
         for what, err in res["errors"].items():
             assert err <= 1e-9, f"rank {rank}: {what} differs by {err:.3g}"
+
+
+@pytest.mark.timeout(240)
+def test_estimate_matches_measure_for_fused_qkv_head_aligned_tp():
+    """The estimator models the experimental styles too: fused q/k/v, its BatchNorm, local heads."""
+    import snn_explorer as se
+    from snn_explorer.estimate import compare_estimate, estimate, measure
+
+    model, x, y = jelly_spikformer(), spikformer_input(), torch.arange(2) % 8
+    plan = se.plan(analysis=se.analyze(model), objective="memory", topology={"tp": 2}, backend="torch",
+                   batch_size=2, mode="tp", features=se.DistributedFeatureSet(allow_experimental_spikformer_tp=True))
+    assert {"qkv_colwise", "qkv_norm_local", "heads_local", "conv_rowwise"} <= set(plan.tensor_parallel_plan.values())
+    est = estimate(model, plan, example_input=x, labels=y)
+    side = compare_estimate(est, measure(model, plan, example_input=x, labels=y, steps=2, timeout=200))
+    per_rank, coll = side["per_rank"], side["collectives"]
+    for col in ("params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes", "neuron_state_bytes"):
+        assert (per_rank[f"{col}_est"] == per_rank[f"{col}_meas"]).all(), col
+    assert len(coll) and (coll["count_rel_err"] == 0).all() and (coll["bytes_rel_err"] == 0).all()
+    assert per_rank["peak_bytes_rel_err"].abs().max() <= 0.10

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from ..core import SNNDistributedPlan
 from .profile import ModelProfile
 from .sharding import Param
+from .tp_replica import COLWISE, ROWWISE
 
 Row = Tuple[str, str, str]  # mesh_dim, kind, phase
 
@@ -66,11 +67,11 @@ def _tp(out, plan: SNNDistributedPlan, profile: ModelProfile, n: int, t: int, it
         if style == "local" or module is None:
             continue
         calls = round(module.calls(n, t))
-        if style == "rowwise":
+        if style in ROWWISE:
             _add(out, ("tp", "all_reduce", "forward"), calls, round(module.out_elems(n, t)) * itemsize)
         if style == "colwise_gather":
             _add(out, ("tp", "all_gather", "forward"), calls, round(module.out_elems(n, t)) * itemsize)
-        if style in ("colwise", "colwise_gather") and module.input_requires_grad:
+        if style in COLWISE and module.input_requires_grad:
             _add(out, ("tp", "all_reduce", "backward"), calls, round(module.in_elems(n, t)) * itemsize)
 
 

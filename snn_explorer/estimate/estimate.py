@@ -14,7 +14,6 @@ the forward, the backward (beside the gradients the plan keeps there) and the op
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
@@ -22,7 +21,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..core import SNNDistributedPlan, analyze
+from ..core import SNNDistributedPlan
 from ._step import check_optimizer
 from .comms import ddp_buckets, fsdp_groups, step_collectives
 from .profile import ModelProfile, model_profile
@@ -31,7 +30,6 @@ from .sharding import buffer_bytes, local_params, optimizer_temporaries, rank_by
 PER_RANK_COLUMNS = ("rank", "params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes", "activations_bytes",
                     "neuron_state_bytes", "transient_bytes", "peak_bytes")
 COLLECTIVE_COLUMNS = ("mesh_dim", "kind", "phase", "count", "bytes")
-MODELLED_TP_STYLES = ("colwise", "rowwise", "colwise_gather", "local")
 
 
 def _mib(n: float) -> str:
@@ -81,40 +79,6 @@ class PlanEstimate:
                 + self.collectives.to_html(index=False))
 
 
-def _tp_factors(plan: SNNDistributedPlan, analysis, profile: ModelProfile) -> Dict[str, float]:
-    """1/tp for modules whose tensors are feature-sharded by the plan's TP layout, else 1."""
-    if plan.tp_size == 1:
-        return {}
-    sharded, candidates = set(), set(analysis.tensor_parallel_candidate_names)
-    for chain in analysis.tp_chains:
-        inside = False
-        for path in chain:
-            if path in candidates:
-                style = plan.tensor_parallel_plan.get(path)
-                if style == "rowwise":
-                    sharded.add(path)
-                inside = style == "colwise"
-            elif inside:
-                sharded.add(path)
-    factors = {}
-    for name in profile.modules:
-        if any(name == s or name.startswith(s + ".") for s in sharded):
-            factors[name] = 1.0 / plan.tp_size
-    return factors
-
-
-_ANALYSES: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
-
-
-def _analysis(model: nn.Module, plan: SNNDistributedPlan):
-    """The core's analysis for the plan's family and roots, cached per live model like the profile."""
-    key = (plan.model_family, plan.tensor_parallel_roots)
-    per_model = _ANALYSES.setdefault(model, {})
-    if key not in per_model:
-        per_model[key] = analyze(model, model_family=plan.model_family, roots=plan.tensor_parallel_roots)
-    return per_model[key]
-
-
 def _transient(plan: SNNDistributedPlan, params, grads_full: int) -> tuple:
     """(transient bytes, gradient bytes live at the peak) for the plan's mode."""
     if plan.mode == "dp":  # DDP's flat gradient buckets, allocated once
@@ -146,10 +110,6 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     turns the verdict into fits / does not fit.
     """
     optimizer = check_optimizer(optimizer)
-    unmodelled = sorted({s for s in plan.tensor_parallel_plan.values() if s not in MODELLED_TP_STYLES})
-    if unmodelled:
-        raise NotImplementedError(f"the estimator models the TP styles {MODELLED_TP_STYLES}, not the experimental "
-                                  f"{unmodelled} of this plan; measure() it instead")
     if example_input.dim() < 2:
         raise ValueError(f"example_input must be [T, N, ...], got shape {tuple(example_input.shape)}")
     t = int(time_steps if time_steps is not None else example_input.shape[0])
@@ -157,14 +117,12 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     itemsize = torch.empty((), dtype=profile.dtype).element_size()
     params = local_params(model, plan, itemsize)
     n = plan.per_rank_batch
-    factors = _tp_factors(plan, _analysis(model, plan), profile)
-    saved_local = sum(m.saved(n, t) * factors.get(k, 1.0) for k, m in profile.modules.items())
-    state = sum(m.state(n, t) * factors.get(k, 1.0) for k, m in profile.modules.items())
+    saved_local, state = profile.saved_and_state(n, t, plan.tensor_parallel_plan, plan.tp_size)
     activations = saved_local + profile.input_bytes(n, t)
     # Activations and temporaries of the forward (the gradients were set to None), of the backward
     # and after it (both beside the gradients): measured on the model as one rank runs it.
     fwd, bwd, after_bwd = profile.dynamic_peak(n, t, plan.tensor_parallel_plan, plan.tp_size)
-    buffers = buffer_bytes(model, profile.dtype)
+    buffers = buffer_bytes(model, profile.dtype, plan)
     grads_full = sum(p.numel * p.itemsize for p in params)
     transient, grads_at_peak = _transient(plan, params, grads_full)
     persistent = transient if plan.mode == "dp" else 0  # DDP buckets live through the optimizer step

@@ -89,6 +89,19 @@ class ModelProfile:
     labels: Optional[torch.Tensor] = field(repr=False, default=None)
     peaks: Dict[tuple, Tuple[int, int, int]] = field(default_factory=dict, repr=False)
     replicas: Dict[tuple, nn.Module] = field(default_factory=dict, repr=False)
+    tp_saved: Dict[tuple, Tuple[float, float]] = field(default_factory=dict, repr=False)
+
+    def _rank_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Tuple[tuple, nn.Module]:
+        """The model one rank runs: the private copy, or its TP replica for ``tp_plan``."""
+        layout = tuple(sorted(tp_plan.items())) if tp > 1 else ()
+        if tp > 1 and (layout, tp) not in self.replicas:
+            self.replicas[(layout, tp)] = tp_replica(self.model, dict(layout), tp)
+        return (layout, tp), self.replicas[(layout, tp)] if tp > 1 else self.model
+
+    def _run(self, n: int, t: int, tp_plan, tp: int, saved_only: bool) -> dict:
+        key, model = self._rank_model(tp_plan, tp)
+        x, y = batch_slice(self.example_input, self.labels, n, t)
+        return _run_point(model, x.to(self.dtype), y, saved_only=saved_only)
 
     def dynamic_peak(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]] = None,
                      tp: int = 1) -> Tuple[int, int, int]:
@@ -96,16 +109,24 @@ class ModelProfile:
         steps: (peak of the forward, peak of the backward beside the gradients, left after the
         backward beside the gradients). With ``tp > 1``: of one TP rank under ``tp_plan``
         (:func:`~.tp_replica.tp_replica`)."""
-        layout = tuple(sorted(tp_plan.items())) if tp > 1 else ()
-        key = (n, t, layout, tp)
+        key = (n, t) + self._rank_model(tp_plan, tp)[0]
         if key not in self.peaks:
-            if tp > 1 and (layout, tp) not in self.replicas:
-                self.replicas[(layout, tp)] = tp_replica(self.model, dict(layout), tp)
-            model = self.replicas[(layout, tp)] if tp > 1 else self.model
-            x, y = batch_slice(self.example_input, self.labels, n, t)
-            run = _run_point(model, x.to(self.dtype), y, saved_only=False)
+            run = self._run(n, t, tp_plan, tp, saved_only=False)
             self.peaks[key] = (run["peak_fwd"], run["peak"] - run["grads"], run["after"] - run["grads"])
         return self.peaks[key]
+
+    def saved_and_state(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]] = None,
+                        tp: int = 1) -> Tuple[float, float]:
+        """Bytes saved for backward and of neuron state after a forward of ``n`` samples, ``t``
+        steps: from the fits, or for ``tp > 1`` measured on the TP replica (once per size)."""
+        if tp == 1:
+            return (sum(m.saved(n, t) for m in self.modules.values()),
+                    sum(m.state(n, t) for m in self.modules.values()))
+        key = (n, t) + self._rank_model(tp_plan, tp)[0]
+        if key not in self.tp_saved:
+            run = self._run(n, t, tp_plan, tp, saved_only=True)
+            self.tp_saved[key] = (float(sum(run["saved"].values())), float(sum(run["state"].values())))
+        return self.tp_saved[key]
 
 
 def _storages(tensors) -> Dict[int, int]:

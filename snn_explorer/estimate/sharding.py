@@ -47,13 +47,15 @@ class Param:
 
 
 def tp_local_shape(plan: SNNDistributedPlan, name: str, shape: Sequence[int]) -> Tuple[int, ...]:
-    """The shape of parameter ``name`` on one TP rank of ``plan``."""
+    """The shape of parameter or buffer ``name`` on one TP rank of ``plan``."""
     shape = tuple(shape)
     owner, _, leaf = name.rpartition(".")
     style = plan.tensor_parallel_plan.get(owner) if plan.tp_size > 1 else None
-    if style in ("colwise", "colwise_gather"):
+    if not shape or leaf == "num_batches_tracked":
+        return shape
+    if style in ("colwise", "colwise_gather", "conv_colwise", "qkv_colwise", "norm_local", "qkv_norm_local"):
         return (shape[0] // plan.tp_size,) + shape[1:]
-    if style == "rowwise" and leaf == "weight":
+    if style in ("rowwise", "conv_rowwise") and leaf == "weight":
         return (shape[0], shape[1] // plan.tp_size) + shape[2:]
     return shape
 
@@ -119,11 +121,12 @@ def state_tensor_ids(model: nn.Module) -> set:
     return ids
 
 
-def buffer_bytes(model: nn.Module, dtype: torch.dtype) -> int:
-    """Bytes of the model's buffers other than neuron state (not sharded by any mode) once cast to ``dtype``."""
+def buffer_bytes(model: nn.Module, dtype: torch.dtype, plan: SNNDistributedPlan) -> int:
+    """Bytes of one rank's buffers other than neuron state once cast to ``dtype`` (not sharded by
+    any mode but TP's channel-sharded BatchNorms)."""
     state, itemsize = state_tensor_ids(model), torch.empty((), dtype=dtype).element_size()
-    return sum(b.numel() * (itemsize if b.is_floating_point() else b.element_size())
-               for b in model.buffers() if id(b) not in state)
+    return sum(math.prod(tp_local_shape(plan, n, b.shape)) * (itemsize if b.is_floating_point() else b.element_size())
+               for n, b in model.named_buffers() if id(b) not in state)
 
 
 def optimizer_temporaries(params: Sequence[Param], plan: SNNDistributedPlan, rank: int, optimizer: str) -> int:
