@@ -101,3 +101,15 @@ def test_unknown_tp_styles_are_refused_clearly():
     zoo = build("mlp")
     with pytest.raises(NotImplementedError, match="'diagonal'"):
         tp_replica(zoo.model, {"net.0": "diagonal"}, 2)
+
+
+def test_measure_device_is_checked_before_any_rank_starts():
+    from snn_explorer.estimate import measure
+
+    zoo = build("mlp")
+    plan = _plans(zoo, 2)[0]
+    with pytest.raises(ValueError, match=r"device='tpu'; expected 'cpu' \(gloo ranks\) or 'cuda'"):
+        measure(zoo.model, plan, example_input=zoo.example_input, device="tpu")
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(ValueError, match=r"device='cuda' needs one GPU per rank: 2 ranks, \d GPU\(s\) visible"):
+            measure(zoo.model, plan, example_input=zoo.example_input, device="cuda")

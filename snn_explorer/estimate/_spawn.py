@@ -11,7 +11,7 @@ import traceback
 import cloudpickle
 
 
-def _child(rank: int, world: int, port: int, payload: bytes, timeout: float, conn) -> None:
+def _child(rank: int, world: int, port: int, payload: bytes, timeout: float, conn, backend: str) -> None:
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
@@ -25,7 +25,9 @@ def _child(rank: int, world: int, port: int, payload: bytes, timeout: float, con
         restore_stateful(stateful)  # the parent's register_stateful calls
         td = datetime.timedelta(seconds=timeout)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=td)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=td)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td)
         conn.send(("ok", cloudpickle.dumps(fn(*args))))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         conn.send(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -35,8 +37,9 @@ def _child(rank: int, world: int, port: int, payload: bytes, timeout: float, con
         conn.close()
 
 
-def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
-    """``fn(*args)`` on ``world_size`` gloo ranks; the return values in rank order.
+def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo") -> list:
+    """``fn(*args)`` on ``world_size`` ranks (gloo, or NCCL with rank ``r`` on GPU ``r``); the return
+    values in rank order.
 
     Raises RuntimeError with the first rank's traceback when a rank fails, dies or times out.
     """
@@ -52,7 +55,7 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
     try:
         for rank in range(world_size):
             parent, child = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_child, args=(rank, world_size, store.port, payload, timeout, child),
+            proc = ctx.Process(target=_child, args=(rank, world_size, store.port, payload, timeout, child, backend),
                                daemon=True)
             proc.start()
             child.close()

@@ -110,13 +110,26 @@ def _called_twice(model: nn.Module, run) -> bool:
     return any(c > 1 for c in counts.values())
 
 
+@dataclass(frozen=True)
+class _Settings:
+    """What every measured plan shares: the work of one step and where it runs."""
+
+    example_input: torch.Tensor
+    labels: Optional[torch.Tensor]
+    steps: int
+    optimizer: str
+    dtype: torch.dtype
+    lr: float
+    device: str  # "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)
+
+
 def _restart_peak(tracker, device: torch.device) -> None:
     """Restart MemTracker's peak from the current memory (it has no public reset)."""
     tracker._peak_mem[device] = tracker.get_tracker_snapshot()[device]["Total"]
     tracker._peak_mem_snap[device] = tracker.get_tracker_snapshot()[device]
 
 
-def _measure_plan(model, plan, example_input, labels, steps, optimizer, dtype, lr) -> dict:
+def _measure_plan(model, plan, run: _Settings) -> dict:
     import contextlib
 
     import torch.distributed as dist
@@ -125,13 +138,15 @@ def _measure_plan(model, plan, example_input, labels, steps, optimizer, dtype, l
 
     from ..core import apply
 
-    model = copy.deepcopy(model).to(dtype)
-    runtime = apply(model=model, plan=plan, device_type="cpu")
-    x, y = batch_slice(example_input, labels, plan.per_rank_batch, example_input.shape[0],
+    cuda = run.device == "cuda"
+    model = copy.deepcopy(model).to(run.dtype)
+    runtime = apply(model=model, plan=plan, device_type=run.device)
+    x, y = batch_slice(run.example_input, run.labels, plan.per_rank_batch, run.example_input.shape[0],
                        start=runtime.dp_rank * plan.per_rank_batch)
-    x = x.to(dtype)
-    cls, kw = OPTIMIZERS[optimizer]
-    opt = runtime.build_optimizer(cls, lr=lr, **kw)
+    device = next(runtime.model.parameters()).device if cuda else torch.device("cpu")
+    x, y = x.to(device, run.dtype), None if y is None else y.to(device)
+    cls, kw = OPTIMIZERS[run.optimizer]
+    opt = runtime.build_optimizer(cls, lr=run.lr, **kw)
     module = runtime.module
 
     def step(recorder=None, saved=None, after_forward=None):
@@ -153,7 +168,7 @@ def _measure_plan(model, plan, example_input, labels, steps, optimizer, dtype, l
 
     repeated = _called_twice(module, step)
     times = []
-    for _ in range(max(1, steps)):
+    for _ in range(max(1, run.steps)):
         dist.barrier()
         start = time.perf_counter()
         step()
@@ -171,6 +186,9 @@ def _measure_plan(model, plan, example_input, labels, steps, optimizer, dtype, l
     tracker = MemTracker()
     tracker.track_external(runtime.model, getattr(opt, "optim", opt), x)  # ZeRO: its local optimizer
     debug = CommDebugMode() if not repeated else contextlib.nullcontext()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     with tracker:
         # A tracked warm-up step first: storages allocated outside any op (DDP's gradient buckets)
         # become visible to the tracker when an op first writes them, so the measured step sees them
@@ -181,6 +199,9 @@ def _measure_plan(model, plan, example_input, labels, steps, optimizer, dtype, l
         with debug, recorder:
             step(recorder, saved, after_forward)
     peak = tracker.get_tracker_snapshot("peak")[x.device]["Total"]
+    if cuda:  # the allocator's own count (block rounding, NCCL's tensors) over the two steps
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
 
     buckets = 0
     if plan.mode == "dp":
@@ -205,8 +226,8 @@ def _measure_plan(model, plan, example_input, labels, steps, optimizer, dtype, l
         debug=None if repeated else {str(k).rsplit(".", 1)[-1]: v for k, v in debug.get_comm_counts().items()})
 
 
-def _measure_on_rank(model, plans, example_input, labels, steps, optimizer, dtype, lr) -> List[dict]:
-    return [_measure_plan(model, p, example_input, labels, steps, optimizer, dtype, lr) for p in plans]
+def _measure_on_rank(model, plans, run: _Settings) -> List[dict]:
+    return [_measure_plan(model, p, run) for p in plans]
 
 
 def _kind_counts(rows) -> Dict[str, int]:
@@ -229,51 +250,61 @@ def _assemble(plan: SNNDistributedPlan, results: Sequence[dict], steps: int) -> 
 
 def measure_many(model: nn.Module, plans: Sequence[SNNDistributedPlan], *, example_input: torch.Tensor,
                  labels: Optional[torch.Tensor] = None, steps: int = 3, optimizer: str = "adam",
-                 dtype: Optional[torch.dtype] = None, lr: float = 1e-3, timeout: float = 300.0) -> List[PlanMeasurement]:
-    """:func:`measure` for several plans, one spawned set of gloo ranks per world size."""
+                 dtype: Optional[torch.dtype] = None, lr: float = 1e-3, timeout: float = 300.0,
+                 device: str = "cpu") -> List[PlanMeasurement]:
+    """:func:`measure` for several plans, one spawned set of ranks per world size."""
     optimizer = check_optimizer(optimizer)
-    dtype = dtype or next((p.dtype for p in model.parameters()), example_input.dtype)
-    out: Dict[int, PlanMeasurement] = {}
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}; expected 'cpu' (gloo ranks) or 'cuda' (NCCL, one GPU per rank)")
     worlds = sorted({p.world_size for p in plans})
+    if device == "cuda" and (not torch.cuda.is_available() or torch.cuda.device_count() < max(worlds, default=1)):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ValueError(f"device='cuda' needs one GPU per rank: {max(worlds)} ranks, {count} GPU(s) visible")
+    run = _Settings(example_input, labels, steps, optimizer,
+                    dtype or next((p.dtype for p in model.parameters()), example_input.dtype), lr, device)
+    backend = "nccl" if device == "cuda" else "gloo"
+    out: Dict[int, PlanMeasurement] = {}
     for world in worlds:
         idx = [i for i, p in enumerate(plans) if p.world_size == world]
         group = [plans[i] for i in idx]
         if world == 1:
-            ranks = [_measure_single(model, group, example_input, labels, steps, optimizer, dtype, lr)]
+            ranks = [_measure_single(model, group, run, backend)]
         else:
-            ranks = run_on_ranks(_measure_on_rank, world, model, group, example_input, labels, steps, optimizer,
-                                 dtype, lr, timeout=timeout)
+            ranks = run_on_ranks(_measure_on_rank, world, model, group, run, timeout=timeout, backend=backend)
         for j, i in enumerate(idx):
             out[i] = _assemble(plans[i], [r[j] for r in ranks], steps)
     return [out[i] for i in range(len(plans))]
 
 
-def _measure_single(model, plans, example_input, labels, steps, optimizer, dtype, lr):
-    """A one-rank (mode 'none') measurement in this process, on a private gloo group."""
+def _measure_single(model, plans, run: _Settings, backend: str):
+    """A one-rank (mode 'none') measurement in this process, on a private process group."""
     import datetime
     import tempfile
 
     import torch.distributed as dist
 
     if dist.is_initialized():
-        return _measure_on_rank(model, plans, example_input, labels, steps, optimizer, dtype, lr)
+        return _measure_on_rank(model, plans, run)
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1,
+        dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=60))
         try:
-            return _measure_on_rank(model, plans, example_input, labels, steps, optimizer, dtype, lr)
+            return _measure_on_rank(model, plans, run)
         finally:
             dist.destroy_process_group()
 
 
 def measure(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch.Tensor,
             labels: Optional[torch.Tensor] = None, steps: int = 3, optimizer: str = "adam",
-            dtype: Optional[torch.dtype] = None, lr: float = 1e-3, timeout: float = 300.0) -> PlanMeasurement:
-    """Train ``plan`` on ``plan.world_size`` spawned gloo ranks for ``steps`` steps and measure one more.
+            dtype: Optional[torch.dtype] = None, lr: float = 1e-3, timeout: float = 300.0,
+            device: str = "cpu") -> PlanMeasurement:
+    """Train ``plan`` on ``plan.world_size`` spawned ranks for ``steps`` steps and measure one more.
 
+    ``device``: ``"cpu"`` (gloo; the peak is MemTracker's) or ``"cuda"`` (NCCL, rank ``r`` on GPU
+    ``r``; the peak is the CUDA allocator's ``max_memory_allocated``).
     ``example_input`` ``[T, N, ...]`` is the global batch (``plan.batch_size`` samples): dp rank
     ``r`` trains on samples ``r * per_rank_batch`` onwards. ``labels`` select a cross-entropy loss
     (else the mean square output). The model is copied; it is not changed.
     """
     return measure_many(model, [plan], example_input=example_input, labels=labels, steps=steps,
-                        optimizer=optimizer, dtype=dtype, lr=lr, timeout=timeout)[0]
+                        optimizer=optimizer, dtype=dtype, lr=lr, timeout=timeout, device=device)[0]
