@@ -10,9 +10,12 @@ quantity is fitted bilinearly in ``N`` and ``T`` (:class:`Fit`), which is exact 
 tensors grow linearly in batch and in time, and evaluated at a plan's per-rank batch.
 
 The peak of a step is a maximum over time, not linear in ``N`` and ``T``: it is measured
-(:class:`~.meter.StorageMeter`; forward, backward and what is left after it) once per per-rank batch that is
-asked for, at that size, and cached with the rest. Everything runs on real CPU tensors: the
-saved-tensor and state sizes of snntorch/spikingjelly neurons come from executing them.
+(:class:`~.meter.StorageMeter`; forward, backward and what is left after it) once per per-rank
+batch that is asked for, at that size, and cached with the rest. A tensor-parallel rank runs a
+different model, so for TP plans the peak, saved bytes and neuron state are measured the same way
+on :func:`~.tp_replica.tp_replica` (the model with each rank's local layer shapes), once per TP
+layout and size. Everything runs on real CPU tensors: the saved-tensor and state sizes of
+snntorch/spikingjelly neurons come from executing them.
 """
 from __future__ import annotations
 
