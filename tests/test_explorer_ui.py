@@ -141,3 +141,30 @@ def test_tabs_render_modules_candidates_charts_and_launch(ui):
 def test_without_an_example_input_the_comparison_says_why():
     ex = Explorer(SpikingMLP(in_features=8, hidden=(8,), num_classes=4), batch_size=4)
     assert "cannot estimate" in _data(ex.ui)["text/plain"] and ex.ui.current is not None
+
+
+def test_controls_other_than_the_work_reestimate_without_running_the_model():
+    """Opening the UI prepares every plan of the world size; dp x tp, mode, objective, gates and budget
+    then never run the model (its profile copy or a TP replica)."""
+    from snn_explorer.estimate import model_profile
+
+    ex = Explorer.from_zoo(build("vgg"))
+    ui = ex.ui
+    profile = model_profile(ex.model, ex.example_input, ex.labels)
+    assert profile.replicas, "TP layouts were prepared"
+    runs = []
+    for model in [profile.model, *profile.replicas.values()]:
+        model.register_forward_pre_hook(lambda m, a: runs.append(m))
+    seen = set()
+    for tp in (1, 2, 4, 2, 1):
+        for objective in ("speed", "memory", "capacity"):
+            ui.tp.value, ui.objective.value = tp, objective
+            for gate in ("allow_experimental_conv_tp", "allow_zero_optimizer"):
+                ui.gates[gate].value = not ui.gates[gate].value
+                seen.add(_data(ui)["text/plain"])
+    ui.memory_budget.value = 1.0
+    ui.mode.value = "fsdp2"
+    assert len(seen) > 5 and ui.error == ""  # the comparison really changed
+    assert runs == []
+    ui.batch_size.value = ui.batch_size.value * 2  # new work: measured once, here
+    assert runs

@@ -160,9 +160,14 @@ class SNNDistributedPlan:
         return isinstance(other, SNNDistributedPlan) and self._key() == other._key()
 
     def _key(self) -> str:
-        data = self.to_dict()
-        data["topology"] = list(self.topology.dims.items())  # dim order is part of the mesh
-        return json.dumps(data, sort_keys=True)
+        """The plan's identity as canonical JSON; computed once (the plan is frozen)."""
+        key = self.__dict__.get("_cached_key")
+        if key is None:
+            data = self.to_dict()
+            data["topology"] = list(self.topology.dims.items())  # dim order is part of the mesh
+            key = json.dumps(data, sort_keys=True)
+            object.__setattr__(self, "_cached_key", key)
+        return key
 
     def to_dict(self) -> dict:
         return dataclass_dict(self, "plan")

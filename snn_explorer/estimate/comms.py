@@ -5,6 +5,7 @@ all-gather: the output, reduce-scatter: the input), summed over its calls, on ev
 """
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from typing import Dict, List, Sequence, Tuple
 
@@ -22,11 +23,18 @@ Row = Tuple[str, str, str]  # mesh_dim, kind, phase
 def ddp_buckets(params: Sequence[Param], ready_order: Sequence[str]) -> List[int]:
     """Bytes of each DDP bucket after its first-iteration rebuild (gradients in ready order)."""
     by_name = {p.name: p for p in params}
-    order = [n for n in ready_order if n in by_name] + [p.name for p in params if p.name not in ready_order]
-    meta = [torch.empty(by_name[n].numel, dtype=_dtype(by_name[n].itemsize), device="meta") for n in order]
+    ready = set(ready_order)
+    order = [n for n in ready_order if n in by_name] + [p.name for p in params if p.name not in ready]
+    return list(_buckets(tuple((by_name[n].numel, by_name[n].itemsize) for n in order)))
+
+
+@functools.lru_cache(maxsize=32)
+def _buckets(sizes: Tuple[Tuple[int, int], ...]) -> Tuple[int, ...]:
+    """torch's own bucket assignment (on meta tensors) for gradients of these (numel, itemsize)."""
+    meta = [torch.empty(numel, dtype=_dtype(itemsize), device="meta") for numel, itemsize in sizes]
     buckets, _ = dist._compute_bucket_assignment_by_size(
         meta, [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 1024 * 1024], [False] * len(meta), list(range(len(meta))))
-    return [sum(meta[i].numel() * meta[i].element_size() for i in b) for b in buckets]
+    return tuple(sum(sizes[i][0] * sizes[i][1] for i in b) for b in buckets)
 
 
 def _dtype(itemsize: int) -> torch.dtype:

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..core import SNNDistributedPlan
 from ._step import check_optimizer
-from .comms import ddp_buckets, fsdp_groups, step_collectives
+from .comms import fsdp_groups, step_collectives
 from .profile import ModelProfile, model_profile
 from .sharding import buffer_bytes, local_params, optimizer_temporaries, rank_bytes
 
@@ -81,8 +81,8 @@ class PlanEstimate:
 
 def _transient(plan: SNNDistributedPlan, params, grads_full: int) -> tuple:
     """(transient bytes, gradient bytes live at the peak) for the plan's mode."""
-    if plan.mode == "dp":  # DDP's flat gradient buckets, allocated once
-        return sum(ddp_buckets(params, ())), grads_full
+    if plan.mode == "dp":  # DDP's flat gradient buckets, allocated once: every gradient's size
+        return grads_full, grads_full
     if plan.mode in ("fsdp2", "fsdp2_tp"):
         groups = fsdp_groups(params)
         unsharded = {u: sum(p.numel * p.itemsize for p in g) for u, g in groups.items()}
@@ -115,23 +115,26 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     t = int(time_steps if time_steps is not None else example_input.shape[0])
     profile = profile or model_profile(model, example_input, labels, dtype)
     itemsize = torch.empty((), dtype=profile.dtype).element_size()
-    params = local_params(model, plan, itemsize)
+    params = local_params(profile.params, plan, itemsize)
     n = plan.per_rank_batch
     saved_local, state = profile.saved_and_state(n, t, plan.tensor_parallel_plan, plan.tp_size)
     activations = saved_local + profile.input_bytes(n, t)
     # Activations and temporaries of the forward (the gradients were set to None), of the backward
     # and after it (both beside the gradients): measured on the model as one rank runs it.
     fwd, bwd, after_bwd = profile.dynamic_peak(n, t, plan.tensor_parallel_plan, plan.tp_size)
-    buffers = buffer_bytes(model, profile.dtype, plan)
+    buffers = buffer_bytes(profile.buffers, profile.dtype, plan)
     grads_full = sum(p.numel * p.itemsize for p in params)
     transient, grads_at_peak = _transient(plan, params, grads_full)
     persistent = transient if plan.mode == "dp" else 0  # DDP buckets live through the optimizer step
-    rows = []
+    rows, per_dp_rank = [], {}  # shards depend on the dp coordinate only
     for rank in range(plan.world_size):
-        b = rank_bytes(params, plan, rank, optimizer)
+        if rank // plan.tp_size not in per_dp_rank:
+            per_dp_rank[rank // plan.tp_size] = (rank_bytes(params, plan, rank, optimizer),
+                                                 optimizer_temporaries(params, plan, rank, optimizer))
+        b, scratch = per_dp_rank[rank // plan.tp_size]
         live_grads = b["grads_bytes"] if grads_at_peak is None else grads_at_peak
         phases = (fwd + transient, bwd + live_grads + transient,
-                  after_bwd + b["grads_bytes"] + persistent + optimizer_temporaries(params, plan, rank, optimizer))
+                  after_bwd + b["grads_bytes"] + persistent + scratch)
         peak = (b["params_bytes"] + b["optimizer_bytes"] + buffers + profile.input_bytes(n, t) + state
                 + max(phases))
         rows.append(dict(rank=rank, **b, buffers_bytes=buffers, activations_bytes=round(activations),

@@ -33,7 +33,7 @@ from torch import nn
 from ..core.neurons import stateful_modules
 from ._step import batch_slice, forward_loss
 from .meter import StorageMeter
-from .sharding import state_tensor_ids
+from .sharding import plain_buffers, state_tensor_ids, trainable_shapes
 from .tp_replica import tp_replica
 
 #: The batch sizes and time steps of the profile runs: a 2 x 2 grid.
@@ -87,12 +87,14 @@ class ModelProfile:
     grads_bytes: int
     grad_ready_order: Tuple[str, ...]
     dtype: torch.dtype
+    params: tuple = ()  # (name, shape) of the trainable parameters (sharding.trainable_shapes)
+    buffers: tuple = ()  # the buffers other than neuron state (sharding.plain_buffers)
     model: nn.Module = field(repr=False, default=None)
     example_input: torch.Tensor = field(repr=False, default=None)
     labels: Optional[torch.Tensor] = field(repr=False, default=None)
     peaks: Dict[tuple, Tuple[int, int, int]] = field(default_factory=dict, repr=False)
     replicas: Dict[tuple, nn.Module] = field(default_factory=dict, repr=False)
-    tp_saved: Dict[tuple, Tuple[float, float]] = field(default_factory=dict, repr=False)
+    saved_state: Dict[tuple, Tuple[float, float]] = field(default_factory=dict, repr=False)
 
     def _rank_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Tuple[tuple, nn.Module]:
         """The model one rank runs: the private copy, or its TP replica for ``tp_plan``."""
@@ -122,14 +124,15 @@ class ModelProfile:
                         tp: int = 1) -> Tuple[float, float]:
         """Bytes saved for backward and of neuron state after a forward of ``n`` samples, ``t``
         steps: from the fits, or for ``tp > 1`` measured on the TP replica (once per size)."""
-        if tp == 1:
-            return (sum(m.saved(n, t) for m in self.modules.values()),
-                    sum(m.state(n, t) for m in self.modules.values()))
         key = (n, t) + self._rank_model(tp_plan, tp)[0]
-        if key not in self.tp_saved:
-            run = self._run(n, t, tp_plan, tp, saved_only=True)
-            self.tp_saved[key] = (float(sum(run["saved"].values())), float(sum(run["state"].values())))
-        return self.tp_saved[key]
+        if key not in self.saved_state:
+            if tp == 1:
+                self.saved_state[key] = (sum(m.saved(n, t) for m in self.modules.values()),
+                                         sum(m.state(n, t) for m in self.modules.values()))
+            else:
+                run = self._run(n, t, tp_plan, tp, saved_only=True)
+                self.saved_state[key] = (float(sum(run["saved"].values())), float(sum(run["state"].values())))
+        return self.saved_state[key]
 
 
 def _storages(tensors) -> Dict[int, int]:
@@ -270,6 +273,7 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
         )
     return ModelProfile(modules=modules, input_bytes=_fit(points, lambda p: p["input"]),
                         grads_bytes=points[0]["grads"], grad_ready_order=points[-1]["order"], dtype=dtype,
+                        params=trainable_shapes(model), buffers=plain_buffers(model),
                         model=model, example_input=example_input, labels=labels)
 
 
@@ -278,7 +282,7 @@ _CACHE: "weakref.WeakKeyDictionary[nn.Module, Dict[tuple, ModelProfile]]" = weak
 
 
 def _key(model: nn.Module, example_input: torch.Tensor, labels, dtype) -> tuple:
-    shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in model.named_parameters())
+    shapes = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters())
     return (shapes, tuple(example_input.shape[2:]), example_input.dtype, labels is None, dtype)
 
 

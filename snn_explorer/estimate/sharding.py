@@ -7,6 +7,7 @@ ZeroRedundancyOptimizer assigns whole parameters to ranks greedily, largest firs
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
@@ -31,7 +32,7 @@ class Param:
     itemsize: int
     group: str = ""  # FSDP2 unit path ('' = the root group); None-like '' also for non-FSDP plans
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
@@ -41,7 +42,7 @@ class Param:
         chunk = -(-dim0 // dp)
         return chunk, max(0, min(chunk, dim0 - dp_rank * chunk))
 
-    @property
+    @functools.cached_property
     def row_numel(self) -> int:
         return math.prod(self.shape[1:]) if self.shape else 1
 
@@ -60,22 +61,36 @@ def tp_local_shape(plan: SNNDistributedPlan, name: str, shape: Sequence[int]) ->
     return shape
 
 
-def fsdp_group_of(plan: SNNDistributedPlan, name: str) -> str:
-    for unit in plan.fsdp_units:
-        if name.startswith(unit + "."):
-            return unit
+def fsdp_group_of(units, name: str) -> str:
+    """The innermost FSDP2 unit (a set of module paths) that holds parameter ``name``; '' = the root."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in units:
+            return prefix
     return ""
 
 
-def local_params(model: nn.Module, plan: SNNDistributedPlan, itemsize: int) -> List[Param]:
-    """Every trainable parameter as one rank holds it before FSDP2 sharding (TP applied)."""
-    fsdp = plan.mode in ("fsdp2", "fsdp2_tp")
-    return [Param(n, tp_local_shape(plan, n, p.shape), itemsize, fsdp_group_of(plan, n) if fsdp else "")
-            for n, p in model.named_parameters() if p.requires_grad]
+def trainable_shapes(model: nn.Module) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
+    """``(name, shape)`` of every trainable parameter of the unsharded model."""
+    return tuple((n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad)
+
+
+def local_params(shapes: Sequence[Tuple[str, Tuple[int, ...]]], plan: SNNDistributedPlan, itemsize: int) -> List[Param]:
+    """Every trainable parameter (``trainable_shapes``) as one rank holds it before FSDP2 sharding
+    (TP applied)."""
+    units = set(plan.fsdp_units) if plan.mode in ("fsdp2", "fsdp2_tp") else None
+    return [Param(n, tp_local_shape(plan, n, shape), itemsize, fsdp_group_of(units, n) if units else "")
+            for n, shape in shapes]
 
 
 def zero_partition(params: Sequence[Param], world: int) -> List[List[Param]]:
     """ZeroRedundancyOptimizer's partition: largest first, each to the least-loaded rank."""
+    return _zero_partition(tuple(params), world)
+
+
+@functools.lru_cache(maxsize=16)
+def _zero_partition(params: Tuple[Param, ...], world: int) -> List[List[Param]]:
     sizes, parts = [0] * world, [[] for _ in range(world)]
     for p in sorted(params, key=lambda p: p.numel, reverse=True):
         rank = sizes.index(min(sizes))
@@ -84,6 +99,7 @@ def zero_partition(params: Sequence[Param], world: int) -> List[List[Param]]:
     return parts
 
 
+@functools.lru_cache(maxsize=None)
 def step_bytes(optimizer: str) -> int:
     """Bytes of the per-parameter ``step`` counter (Adam family; a 0-dim float tensor)."""
     if optimizer not in ("adam", "adamw"):
@@ -103,8 +119,11 @@ def rank_bytes(params: Sequence[Param], plan: SNNDistributedPlan, rank: int, opt
         raise ValueError(f"optimizer={optimizer!r}; expected one of {tuple(OPTIMIZERS)}")
     dp, dp_rank = plan.dp_size, rank // plan.tp_size
     if plan.mode in ("fsdp2", "fsdp2_tp"):
-        padded = sum(p.rows(dp, dp_rank)[0] * p.row_numel * p.itemsize for p in params)
-        opt = sum(_state(p.rows(dp, dp_rank)[1] * p.row_numel, p.itemsize, optimizer) for p in params)
+        padded = opt = 0
+        for p in params:
+            chunk, real = p.rows(dp, dp_rank)
+            padded += chunk * p.row_numel * p.itemsize
+            opt += _state(real * p.row_numel, p.itemsize, optimizer)
         return dict(params_bytes=padded, grads_bytes=padded, optimizer_bytes=opt)
     full = sum(p.numel * p.itemsize for p in params)
     owned = zero_partition(params, dp)[dp_rank] if plan.optimizer_strategy == "zero" else params
@@ -121,12 +140,19 @@ def state_tensor_ids(model: nn.Module) -> set:
     return ids
 
 
-def buffer_bytes(model: nn.Module, dtype: torch.dtype, plan: SNNDistributedPlan) -> int:
-    """Bytes of one rank's buffers other than neuron state once cast to ``dtype`` (not sharded by
-    any mode but TP's channel-sharded BatchNorms)."""
-    state, itemsize = state_tensor_ids(model), torch.empty((), dtype=dtype).element_size()
-    return sum(math.prod(tp_local_shape(plan, n, b.shape)) * (itemsize if b.is_floating_point() else b.element_size())
-               for n, b in model.named_buffers() if id(b) not in state)
+def plain_buffers(model: nn.Module) -> tuple:
+    """``(name, shape, is_floating, element_size)`` of the buffers other than neuron state."""
+    state = state_tensor_ids(model)
+    return tuple((n, tuple(b.shape), b.is_floating_point(), b.element_size())
+                 for n, b in model.named_buffers() if id(b) not in state)
+
+
+def buffer_bytes(buffers: Sequence[tuple], dtype: torch.dtype, plan: SNNDistributedPlan) -> int:
+    """Bytes of one rank's ``plain_buffers`` once cast to ``dtype`` (not sharded by any mode but
+    TP's channel-sharded BatchNorms)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(tp_local_shape(plan, n, shape)) * (itemsize if floating else size)
+               for n, shape, floating, size in buffers)
 
 
 def optimizer_temporaries(params: Sequence[Param], plan: SNNDistributedPlan, rank: int, optimizer: str) -> int:

@@ -49,6 +49,7 @@ class Explorer:
         self.backend, self.optimizer = backend, optimizer
         self._plans: List[SNNDistributedPlan] = []
         self._estimates: Dict[tuple, Any] = {}
+        self._profile = None
         self._modules: Dict[tuple, Any] = {}
         self._ui = None
 
@@ -151,10 +152,34 @@ class Explorer:
         t = int(time_steps if time_steps is not None else self.time_steps)
         key = (plan, t)
         if key not in self._estimates:
-            profile = model_profile(self.model, self.example_input, self.labels)
+            if self._profile is None:  # looked up once: the cache key reads every parameter's shape
+                self._profile = model_profile(self.model, self.example_input, self.labels)
             self._estimates[key] = estimate(self.model, plan, example_input=self.example_input, labels=self.labels,
-                                            time_steps=t, optimizer=self.optimizer, profile=profile)
+                                            time_steps=t, optimizer=self.optimizer, profile=self._profile)
         return self._estimates[key]
+
+    def prepare(self, world_size: int, *, batch_size: Optional[int] = None, time_steps: Optional[int] = None) -> int:
+        """Measure up front what the estimates of every plan for ``world_size`` ranks need: the
+        profile, and one model run per per-rank batch and TP layout (experimental layouts included).
+        Afterwards changing dp x tp, mode, objective, gates or budget re-estimates without running
+        the model; a new batch size, time steps or world size needs ``prepare`` again. Returns how
+        many plans it estimated. Without an example input there is nothing to prepare (0)."""
+        from ..estimate import enumerate_plans
+
+        if self.example_input is None:
+            return 0
+        batch = batch_size if batch_size is not None else self.batch_size
+        plans = {}
+        for conv in (False, True):
+            for heads in (False, True):
+                features = as_features({"allow_experimental_conv_tp": conv, "allow_experimental_spikformer_tp": heads})
+                for objective in ("speed", "memory"):
+                    for p in enumerate_plans(self.analysis, world_size=world_size, batch_size=batch,
+                                             backend=self.backend, features=features, objective=objective):
+                        plans.setdefault((p.tp_size, p.per_rank_batch, tuple(sorted(p.tensor_parallel_plan.items()))), p)
+        for p in plans.values():
+            self.estimate(p, time_steps)
+        return len(plans)
 
     def estimates(self, plans: Optional[Sequence[SNNDistributedPlan]] = None,
                   time_steps: Optional[int] = None) -> list:
