@@ -104,7 +104,7 @@ class ModelProfile:
         return (layout, tp), self.replicas[(layout, tp)] if tp > 1 else self.model
 
     def _run(self, n: int, t: int, tp_plan, tp: int, saved_only: bool) -> dict:
-        key, model = self._rank_model(tp_plan, tp)
+        _, model = self._rank_model(tp_plan, tp)
         x, y = batch_slice(self.example_input, self.labels, n, t)
         return _run_point(model, x.to(self.dtype), y, saved_only=saved_only)
 
@@ -192,12 +192,8 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
         return t
 
     hooks = [m.register_forward_pre_hook(pre) for m in names] + [m.register_forward_hook(post) for m in names]
-    order = []
-
-    def on_grad(param, name):
-        order.append(name)
-
-    hooks += [p.register_post_accumulate_grad_hook(lambda p, n=n: on_grad(p, n))
+    order = []  # the order in which gradients become ready
+    hooks += [p.register_post_accumulate_grad_hook(lambda p, n=n: order.append(n))
               for n, p in model.named_parameters() if p.requires_grad]
     try:
         forward_loss(model, x, labels).backward()  # warm-up: state tensors take this size
