@@ -1,6 +1,7 @@
 """Estimate vs measured, every mode, on the built-in models; and the time to estimate all plans.
 
-Run: ``python benchmarks/estimator_accuracy.py [--worlds 2 4] [--models mlp vgg ...] [--out table.csv]``.
+Run: ``python benchmarks/estimator_accuracy.py [--worlds 2 4] [--models mlp vgg ...] [--out table.csv]``,
+or ``--speed`` for the time to estimate every plan of 8 ranks for a ~120-module model.
 Measures on real gloo ranks of this machine (CPU), prints one row per plan with the relative
 error of the peak (worst rank), whether sharded bytes and collectives match exactly, and the
 estimation time: the first estimate (which profiles the model) and all the other plans after it.
@@ -51,6 +52,33 @@ def rows_for(name: str, world: int, objectives, optimizer: str):
     return rows
 
 
+def speed_rows(world: int = 8, repeats: int = 3):
+    """Issue 3's target: all plans of 8 ranks for a ~120-module model in under 1 s after the first
+    estimate (which profiles the model); each repeat on a fresh copy of the model (nothing cached)."""
+    import copy
+
+    import torch
+
+    from snn_explorer.zoo import SpikingMLP
+
+    base = SpikingMLP(in_features=64, hidden=(64,) * 40, num_classes=8, stepping="all_steps")
+    x = torch.rand(4, 16, 64)
+    rows = []
+    for _ in range(repeats):
+        model = copy.deepcopy(base)
+        plans = list(dict.fromkeys(p for obj in ("speed", "memory") for p in enumerate_plans(
+            se.analyze(model), world_size=world, batch_size=16, objective=obj)))
+        start = time.perf_counter()
+        estimate(model, plans[0], example_input=x)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        for p in plans[1:]:
+            estimate(model, p, example_input=x)
+        rows.append(dict(modules=sum(1 for _ in model.modules()), world=world, plans=len(plans),
+                         first_s=round(first, 3), rest_s=round(time.perf_counter() - start, 3)))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["mlp", "mlp_all_steps", "vgg", "spikformer"])
@@ -58,7 +86,12 @@ def main() -> None:
     parser.add_argument("--objectives", nargs="+", default=["speed", "memory"])
     parser.add_argument("--optimizer", default="adam")
     parser.add_argument("--out", default=None, help="also write the table as CSV here")
+    parser.add_argument("--speed", action="store_true",
+                        help="only time estimating every plan of 8 ranks for a ~120-module model")
     args = parser.parse_args()
+    if args.speed:
+        print(pd.DataFrame(speed_rows()).to_string(index=False))
+        return
     rows = [r for name in args.models for world in args.worlds
             for r in rows_for(name, world, args.objectives, args.optimizer)]
     table = pd.DataFrame(rows)

@@ -56,6 +56,8 @@ def _case(name, world, objectives=("speed",), optimizer="adam", features=None):
 CASES = {
     "mlp-1": ("mlp", 1, ("speed",), "adam"),
     "mlp-2": ("mlp", 2, ("speed", "memory"), "adam"),
+    "mlp_all_steps-2": ("mlp_all_steps", 2, ("speed", "memory"), "adam"),
+    "mlp_all_steps-4": ("mlp_all_steps", 4, ("speed", "memory"), "adam"),
     "vgg-2": ("vgg", 2, ("speed",), "sgd_momentum"),
     "vgg-4": ("vgg", 4, ("speed", "memory"), "adam"),
     "padded-4": ("padded", 4, ("speed",), "adamw"),
@@ -100,6 +102,19 @@ def test_peak_within_tolerance(key):
     for plan, est, meas in results(key):
         err = compare_estimate(est, meas)["per_rank"]["peak_bytes_rel_err"]
         assert err.abs().max() <= PEAK_TOL, f"{plan}: peak errors per rank {list(err.round(3))}"
+
+
+def test_fsdp2_peaks_follow_its_buffers():
+    """FSDP2 on 2 ranks and FSDP2 x TP on 2 x 2, with and without resharding after forward: its
+    all-gather outputs, unsharded parameters, reduce-scatter inputs and backward prefetch replayed
+    on the profile run put the peak within 1 % on this all-steps model (whose measured peak does not
+    vary between runs). (FSDP2 on 4 ranks with resharding is 6 % over: inside the 10 % above.)"""
+    res = [r for key in ("mlp_all_steps-2", "mlp_all_steps-4") for r in results(key)
+           if r[0].mode == "fsdp2" and r[0].dp_size == 2 or r[0].mode == "fsdp2_tp"]
+    assert {(p.mode, p.memopt_level) for p, _, _ in res} == {(m, k) for m in ("fsdp2", "fsdp2_tp") for k in (0, 1)}
+    for plan, est, meas in res:
+        err = compare_estimate(est, meas)["per_rank"]["peak_bytes_rel_err"]
+        assert err.abs().max() <= 0.01, f"{plan}: peak errors per rank {list(err.round(3))}"
 
 
 @pytest.mark.parametrize("key", ["mlp-2", "vgg-2"])

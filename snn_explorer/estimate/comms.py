@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..core import SNNDistributedPlan
 from .profile import ModelProfile
-from .sharding import Param
+from .sharding import Param, fsdp_group_bytes
 from .tp_replica import COLWISE, ROWWISE
 
 Row = Tuple[str, str, str]  # mesh_dim, kind, phase
@@ -46,11 +46,6 @@ def fsdp_groups(params: Sequence[Param]) -> Dict[str, List[Param]]:
     for p in params:
         groups[p.group].append(p)
     return groups
-
-
-def fsdp_group_bytes(group: Sequence[Param], dp: int) -> int:
-    """All-gather output = reduce-scatter input of one FSDP2 group: ``dp`` padded dim-0 chunks."""
-    return dp * sum(p.rows(dp, 0)[0] * p.row_numel * p.itemsize for p in group)
 
 
 def _fsdp(out, plan: SNNDistributedPlan, params, profile: ModelProfile, t: int) -> None:

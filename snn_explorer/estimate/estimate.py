@@ -10,7 +10,8 @@ Parameters, gradients, optimizer state, buffers and collectives are exact shard 
 buffers, input, neuron state) plus the largest of three phases, each measured once per per-rank
 batch (and TP layout) on the model as one rank runs it (the unsharded model, or its TP replica):
 the forward, the backward (beside the gradients the plan keeps there) and the optimizer step
-(Adam's scratch). FSDP2 adds the unsharded parameters it holds, DDP its gradient buckets.
+(Adam's scratch). DDP adds its gradient buckets; for FSDP2 the same run is replayed with FSDP2's
+all-gather and reduce-scatter buffers and unsharded parameters (:mod:`.fsdp_timeline`).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from torch import nn
 
 from ..core import SNNDistributedPlan
 from ._step import check_optimizer
-from .comms import fsdp_groups, step_collectives
+from .comms import step_collectives
+from .fsdp_timeline import FsdpTimeline
 from .profile import ModelProfile, model_profile
 from .sharding import buffer_bytes, local_params, optimizer_temporaries, rank_bytes
 
@@ -79,22 +81,6 @@ class PlanEstimate:
                 + self.collectives.to_html(index=False))
 
 
-def _transient(plan: SNNDistributedPlan, params, grads_full: int) -> tuple:
-    """(transient bytes, gradient bytes live at the peak) for the plan's mode."""
-    if plan.mode == "dp":  # DDP's flat gradient buckets, allocated once: every gradient's size
-        return grads_full, grads_full
-    if plan.mode in ("fsdp2", "fsdp2_tp"):
-        groups = fsdp_groups(params)
-        unsharded = {u: sum(p.numel * p.itemsize for p in g) for u, g in groups.items()}
-        if plan.memopt_level >= 1:
-            units = sorted((b for u, b in unsharded.items() if u), reverse=True)
-            live = unsharded.get("", 0) + sum(units[:2])
-        else:
-            live = sum(unsharded.values())
-        return live, grads_full
-    return 0, None
-
-
 def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch.Tensor,
              labels: Optional[torch.Tensor] = None, time_steps: Optional[int] = None, optimizer: str = "adam",
              dtype: Optional[torch.dtype] = None, memory_budget: Optional[int] = None,
@@ -121,20 +107,24 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     activations = saved_local + profile.input_bytes(n, t)
     # Activations and temporaries of the forward (the gradients were set to None), of the backward
     # and after it (both beside the gradients): measured on the model as one rank runs it.
-    fwd, bwd, after_bwd = profile.dynamic_peak(n, t, plan.tensor_parallel_plan, plan.tp_size)
+    fsdp = plan.mode in ("fsdp2", "fsdp2_tp")
+    timeline = FsdpTimeline.of(params, plan.dp_size, plan.memopt_level >= 1) if fsdp else None
+    fwd, bwd, after_bwd, fsdp_held = profile.dynamic_peak(n, t, plan.tensor_parallel_plan, plan.tp_size, timeline)
     buffers = buffer_bytes(profile.buffers, profile.dtype, plan)
-    grads_full = sum(p.numel * p.itemsize for p in params)
-    transient, grads_at_peak = _transient(plan, params, grads_full)
-    persistent = transient if plan.mode == "dp" else 0  # DDP buckets live through the optimizer step
+    # DDP's flat gradient buckets are allocated once, every gradient's size, and live through the
+    # optimizer step beside the gradients, which are all live at the backward's peak.
+    transient = sum(p.numel * p.itemsize for p in params) if plan.mode == "dp" else fsdp_held
     rows, per_dp_rank = [], {}  # shards depend on the dp coordinate only
     for rank in range(plan.world_size):
         if rank // plan.tp_size not in per_dp_rank:
             per_dp_rank[rank // plan.tp_size] = (rank_bytes(params, plan, rank, optimizer),
                                                  optimizer_temporaries(params, plan, rank, optimizer))
         b, scratch = per_dp_rank[rank // plan.tp_size]
-        live_grads = b["grads_bytes"] if grads_at_peak is None else grads_at_peak
-        phases = (fwd + transient, bwd + live_grads + transient,
-                  after_bwd + b["grads_bytes"] + persistent + scratch)
+        if timeline:  # FSDP2's buffers and gradients are in the replayed phases
+            phases = (fwd, bwd, after_bwd + scratch)
+        else:
+            phases = (fwd + transient, bwd + b["grads_bytes"] + transient,
+                      after_bwd + b["grads_bytes"] + transient + scratch)
         peak = (b["params_bytes"] + b["optimizer_bytes"] + buffers + profile.input_bytes(n, t) + state
                 + max(phases))
         rows.append(dict(rank=rank, **b, buffers_bytes=buffers, activations_bytes=round(activations),

@@ -25,13 +25,15 @@ import gc
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..core.neurons import stateful_modules
+from ..core.plans.families import fsdp_units
 from ._step import batch_slice, forward_loss
+from .fsdp_timeline import FsdpTimeline, record, replay
 from .meter import StorageMeter
 from .sharding import plain_buffers, state_tensor_ids, trainable_shapes
 from .tp_replica import tp_replica
@@ -92,7 +94,9 @@ class ModelProfile:
     model: nn.Module = field(repr=False, default=None)
     example_input: torch.Tensor = field(repr=False, default=None)
     labels: Optional[torch.Tensor] = field(repr=False, default=None)
-    peaks: Dict[tuple, Tuple[int, int, int]] = field(default_factory=dict, repr=False)
+    fsdp_units: Tuple[str, ...] = ()  # the units FSDP2 plans shard (``core.plans.families.fsdp_units``)
+    peaks: Dict[tuple, Tuple[int, int, int, int]] = field(default_factory=dict, repr=False)
+    logs: Dict[tuple, dict] = field(default_factory=dict, repr=False)  # per size and layout: one logged run
     replicas: Dict[tuple, nn.Module] = field(default_factory=dict, repr=False)
     saved_state: Dict[tuple, Tuple[float, float]] = field(default_factory=dict, repr=False)
 
@@ -103,22 +107,30 @@ class ModelProfile:
             self.replicas[(layout, tp)] = tp_replica(self.model, dict(layout), tp)
         return (layout, tp), self.replicas[(layout, tp)] if tp > 1 else self.model
 
-    def _run(self, n: int, t: int, tp_plan, tp: int, saved_only: bool) -> dict:
+    def _run(self, n: int, t: int, tp_plan, tp: int, saved_only: bool, units: Sequence[str] = ()) -> dict:
         _, model = self._rank_model(tp_plan, tp)
         x, y = batch_slice(self.example_input, self.labels, n, t)
-        return _run_point(model, x.to(self.dtype), y, saved_only=saved_only)
+        return _run_point(model, x.to(self.dtype), y, saved_only=saved_only, units=units)
 
     def dynamic_peak(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]] = None,
-                     tp: int = 1) -> Tuple[int, int, int]:
+                     tp: int = 1, fsdp: Optional[FsdpTimeline] = None) -> Tuple[int, int, int, int]:
         """Bytes above the memory at the start of a forward + backward of ``n`` samples and ``t``
         steps: (peak of the forward, peak of the backward beside the gradients, left after the
         backward beside the gradients). With ``tp > 1``: of one TP rank under ``tp_plan``
-        (:func:`~.tp_replica.tp_replica`)."""
+        (:func:`~.tp_replica.tp_replica`). With ``fsdp``: FSDP2's own buffers replayed on the
+        same run (:mod:`.fsdp_timeline`), the backward's and what is left include the gradients
+        FSDP2 keeps, and a fourth value is the most FSDP2's buffers held at once (else 0)."""
         key = (n, t) + self._rank_model(tp_plan, tp)[0]
-        if key not in self.peaks:
-            run = self._run(n, t, tp_plan, tp, saved_only=False)
-            self.peaks[key] = (run["peak_fwd"], run["peak"] - run["grads"], run["after"] - run["grads"])
-        return self.peaks[key]
+        if (key, fsdp) not in self.peaks:
+            units = {u.path for u in fsdp.units if u.path} if fsdp else set()
+            if key not in self.logs or not units <= set(self.logs[key]["log"].units):
+                logged = set(self.logs[key]["log"].units) if key in self.logs else set(self.fsdp_units)
+                self.logs[key] = self._run(n, t, tp_plan, tp, saved_only=False, units=sorted(logged | units))
+            run = self.logs[key]
+            fwd, bwd, after, held = replay(run["log"], run["entry"], fsdp)
+            grads = 0 if fsdp else run["grads"]
+            self.peaks[(key, fsdp)] = (fwd, bwd - grads, after - grads, held)
+        return self.peaks[(key, fsdp)]
 
     def saved_and_state(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]] = None,
                         tp: int = 1) -> Tuple[float, float]:
@@ -165,7 +177,8 @@ def _requires_grad(args) -> bool:
     return any(isinstance(a, torch.Tensor) and a.requires_grad for a in flat)
 
 
-def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor], saved_only: bool = True) -> dict:
+def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor], saved_only: bool = True,
+               units: Sequence[str] = ()) -> dict:
     """One forward + backward; per-module raw numbers and the dynamic peak above the entry memory."""
     names = {m: n for n, m in model.named_modules()}
     stack, calls, ins, outs, rg = [], {}, {}, {}, {}
@@ -191,6 +204,7 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
             entry[2].append(t)
         return t
 
+    frozen = False
     hooks = [m.register_forward_pre_hook(pre) for m in names] + [m.register_forward_hook(post) for m in names]
     order = []  # the order in which gradients become ready
     hooks += [p.register_post_accumulate_grad_hook(lambda p, n=n: order.append(n))
@@ -208,27 +222,37 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
         state_ids = state_tensor_ids(model)
         static_refs = [t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in state_ids] + [x]
         static = _storages(static_refs)
+        # The objects that exist now are left out of the collection below (a full one scans every
+        # object of the process); the graph pieces it is for are all created after this.
+        frozen = saved_only and gc.get_freeze_count() == 0
+        if frozen:
+            gc.freeze()
         meter = StorageMeter()
         meter.track(static_refs + [t for _, m in stateful_modules(model) for t in _state_tensors(m)])
-        with meter if not saved_only else contextlib.nullcontext():
+        with meter if not saved_only else contextlib.nullcontext(), \
+                record(model, units, meter) if not saved_only else contextlib.nullcontext() as log:
             entry = meter.current
             # The peak run must not hold saved tensors itself (that would raise its peak).
             packing = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if saved_only \
                 else contextlib.nullcontext()
             with packing:
                 loss = forward_loss(model, x, labels)
+            if log:
+                log.mark(meter, "forward_end")
             state_refs = {n: _state_tensors(m) for n, m in stateful_modules(model)}
             state = {n: _storages(refs) for n, refs in state_refs.items()}
-            gc.collect()  # graph pieces in reference cycles would otherwise look alive, depending on timing
+            if saved_only:  # graph pieces in reference cycles would otherwise look alive, depending on timing
+                gc.collect()
             held = {ptr: (name, nbytes) for ptr, (name, nbytes, tensors) in saved.items()
                     if any(sys.getrefcount(t) > 3 for t in tensors)}  # ours: the list, the loop, the call
             saved.clear()
-            peak_fwd = meter.restart_peak() - entry
             loss.backward()
             del loss
-            after = meter.current - entry
-        peak = meter.peak - entry
+            if log:
+                log.mark(meter, "end")
     finally:
+        if frozen:
+            gc.unfreeze()
         for h in hooks:
             h.remove()
     state_ptrs = {p for s in state.values() for p in s}
@@ -239,7 +263,7 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
     del static_refs, state_refs
     grads = sum(_storages([p.grad for p in model.parameters()]).values())
     return dict(saved=per_saved, state={n: sum(s.values()) for n, s in state.items()}, calls=calls, ins=ins,
-                outs=outs, rg=rg, peak_fwd=peak_fwd, peak=peak, after=after, grads=grads, order=tuple(order),
+                outs=outs, rg=rg, log=log, entry=entry, grads=grads, order=tuple(order),
                 input=x.numel() * x.element_size())
 
 
@@ -269,7 +293,7 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
         )
     return ModelProfile(modules=modules, input_bytes=_fit(points, lambda p: p["input"]),
                         grads_bytes=points[0]["grads"], grad_ready_order=points[-1]["order"], dtype=dtype,
-                        params=trainable_shapes(model), buffers=plain_buffers(model),
+                        params=trainable_shapes(model), buffers=plain_buffers(model), fsdp_units=fsdp_units(model),
                         model=model, example_input=example_input, labels=labels)
 
 

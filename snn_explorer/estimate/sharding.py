@@ -71,6 +71,11 @@ def fsdp_group_of(units, name: str) -> str:
     return ""
 
 
+def fsdp_group_bytes(group: Sequence[Param], dp: int) -> int:
+    """All-gather output = reduce-scatter input of one FSDP2 group: ``dp`` padded dim-0 chunks."""
+    return dp * sum(p.rows(dp, 0)[0] * p.row_numel * p.itemsize for p in group)
+
+
 def trainable_shapes(model: nn.Module) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
     """``(name, shape)`` of every trainable parameter of the unsharded model."""
     return tuple((n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad)

@@ -1,0 +1,287 @@
+"""FSDP2's memory over a step, replayed on the unsharded model as one rank runs it.
+
+FSDP2 allocates outside the model's own ops: each unit's all-gather output (``dp`` padded dim-0
+chunks, flat), the unsharded parameters copied out of it, the reduce-scatter input (the unit's
+gradients, flat and padded) and the sharded gradient it produces; it frees them at fixed points
+(torch's ``_fsdp_param_group``): in the forward a unit's all-gather output is kept until the next
+unit's copy-out, a unit is resharded after its forward when ``reshard_after_forward`` (never the
+root), re-gathered before its backward, resharded after it, and the last reduce-scatter input is
+kept until the next one; in the backward, the unit whose forward ended before is all-gathered
+ahead (implicit prefetch).
+
+The model runs once per batch size and TP layout: :func:`record` hooks the same points (forward
+pre/post, gradients of a call's outputs and of its inputs, each gradient accumulated, the end of
+the backward) for the model's FSDP2 units and logs the :class:`~.meter.StorageMeter`'s bytes at
+each and its peak since the one before. :func:`replay` walks the log for any plan's units, ``dp``
+and resharding, adding and removing FSDP2's bytes at those points and standing each unsharded
+gradient down once it is reduce-scattered, so every FSDP2 plan reuses that one run.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+from .meter import StorageMeter
+from .sharding import Param, fsdp_group_bytes
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One FSDP2 group: its module path ('' = the root) and its bytes on a rank."""
+
+    path: str
+    unsharded: int  # the parameters as the forward uses them
+    flat: int  # all-gather output = reduce-scatter input: dp padded chunks
+    shard: int  # the reduce-scatter output: the rank's padded gradient chunk
+
+
+@dataclass(frozen=True)
+class FsdpTimeline:
+    """What :func:`replay` needs of a plan: its units, which unit holds each parameter, resharding."""
+
+    units: Tuple[Unit, ...]
+    param_units: Tuple[Tuple[str, str], ...]  # (parameter name, unit path)
+    reshard_after_forward: bool
+
+    @classmethod
+    def of(cls, params: Sequence[Param], dp: int, reshard_after_forward: bool) -> "FsdpTimeline":
+        groups: Dict[str, List[Param]] = {}
+        for p in params:
+            groups.setdefault(p.group, []).append(p)
+        units = []
+        for path, group in groups.items():
+            flat = fsdp_group_bytes(group, dp)
+            units.append(Unit(path, sum(p.numel * p.itemsize for p in group), flat, flat // dp))
+        return cls(tuple(units), tuple((p.name, p.group) for p in params), reshard_after_forward)
+
+
+class _Once(torch.autograd.Function):
+    """Identity on a call's inputs whose backward marks the call's post-backward (as FSDP2's)."""
+
+    @staticmethod
+    def forward(ctx, callback, *inputs):
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None,) + grads
+
+
+class _Replay:
+    """FSDP2's state per unit and the bytes it holds above the model's own (``offset``)."""
+
+    def __init__(self, timeline: FsdpTimeline, grad_bytes: Dict[str, int]):
+        self.reshard = timeline.reshard_after_forward
+        self.base = self.offset = self.peak = 0  # the model's bytes at the current point
+        self.held = self.most_held = 0
+        self.units = {"": Unit("", 0, 0, 0)}  # the root's hooks run even when it holds no parameter
+        self.units.update((u.path, u) for u in timeline.units)
+        self.params_of: Dict[str, List[str]] = {}
+        for name, unit in timeline.param_units:
+            self.params_of.setdefault(unit, []).append(name)
+        self.grad_bytes = {n: grad_bytes[n] for n, _ in timeline.param_units}
+        self.unsharded = set()
+        self.state = {path: "idle" for path in self.units}
+        self.kept_gather = None  # the forward's last all-gather output
+        self.kept_scatter = None  # the last reduce-scatter input
+        self.pending = set()  # parameters with an unsharded gradient not yet reduce-scattered
+        self.stood_down = set()  # reduce-scattered: their real gradient is no longer counted
+        self.scattered = set()  # units that already hold a sharded gradient
+        self.order: List[str] = []  # units by the end of each forward call
+        self.forward_ends: Dict[str, List[int]] = {}  # unit -> its indices in ``order``
+        self.prefetched = set()  # all-gathered ahead of their backward, not yet copied out
+
+    def _add(self, nbytes: int, buffer: bool = True) -> None:
+        """``buffer``: FSDP2's own buffers and unsharded parameters (else a gradient adjustment)."""
+        self.offset += nbytes
+        self.peak = max(self.peak, self.base + self.offset)
+        if buffer:
+            self.held += nbytes
+            self.most_held = max(self.most_held, self.held)
+
+    def unshard(self, path: str, forward: bool) -> None:
+        if path in self.unsharded:
+            return
+        unit = self.units[path]
+        if path in self.prefetched:  # its all-gather output is already there
+            self.prefetched.discard(path)
+        else:
+            self._add(unit.flat)
+        if forward and self.kept_gather is not None:
+            self._add(-self.kept_gather)
+        self._add(unit.unsharded)  # copied out of the all-gather output
+        self.unsharded.add(path)
+        if forward:
+            self.kept_gather = unit.flat
+        else:
+            self._add(-unit.flat)
+
+    def prefetch(self, path: str) -> None:
+        """FSDP2's implicit backward prefetch: all-gather the unit whose forward ended before."""
+        if self.forward_ends.get(path):
+            index = self.forward_ends[path].pop()
+            target = self.order[index - 1] if index > 0 else None
+            if target is not None and target not in self.unsharded and target not in self.prefetched:
+                self._add(self.units[target].flat)
+                self.prefetched.add(target)
+
+    def reshard_unit(self, path: str) -> None:
+        if path in self.unsharded:
+            self.unsharded.discard(path)
+            self._add(-self.units[path].unsharded)
+
+    def pre_forward(self, path: str) -> None:
+        if path not in self.units:
+            return
+        self.state[path] = "forward"
+        self.unshard(path, forward=True)
+
+    def post_forward(self, path: str) -> None:
+        if path not in self.units:
+            return
+        if self.reshard and path:
+            self.reshard_unit(path)
+        if self.units[path].flat:  # a unit with parameters: in the post-forward order
+            self.forward_ends.setdefault(path, []).append(len(self.order))
+            self.order.append(path)
+        self.state[path] = "idle"
+        if not path and self.kept_gather is not None:  # the root's forward ends: free the last one
+            self._add(-self.kept_gather)
+            self.kept_gather = None
+
+    def pre_backward(self, path: str) -> None:
+        if path in self.units and self.state[path] != "pre_backward":
+            self.state[path] = "pre_backward"
+            self.unshard(path, forward=False)
+            self.prefetch(path)
+
+    def accumulated(self, name: str) -> None:
+        if name not in self.grad_bytes:
+            return
+        self.pending.add(name)
+        if name in self.stood_down:  # a new unsharded gradient after an earlier reduce-scatter
+            self.stood_down.discard(name)
+            self._add(self.grad_bytes[name], buffer=False)
+
+    def post_backward(self, path: str) -> None:
+        if path not in self.units:
+            return
+        self.state[path] = "post_backward"
+        ready = [n for n in self.params_of.get(path, ()) if n in self.pending]
+        if ready:
+            unit = self.units[path]
+            if self.kept_scatter is not None:
+                self._add(-self.kept_scatter)
+            self._add(unit.flat)
+            self._add(-sum(self.grad_bytes[n] for n in ready), buffer=False)
+            self.pending.difference_update(ready)
+            self.stood_down.update(ready)
+            if path not in self.scattered:
+                self._add(unit.shard, buffer=False)
+                self.scattered.add(path)
+            self.kept_scatter = unit.flat
+        self.reshard_unit(path)
+
+    def end_backward(self) -> None:
+        for path in reversed(list(self.units)):
+            if self.state[path] != "post_backward":
+                self.post_backward(path)
+            self.state[path] = "idle"
+        if self.kept_scatter is not None:
+            self._add(-self.kept_scatter)
+            self.kept_scatter = None
+        for path in self.prefetched:  # gathered but never used
+            self._add(-self.units[path].flat)
+        self.prefetched.clear()
+
+
+@dataclass
+class EventLog:
+    """What :func:`record` saw: ``(kind, module path or parameter, bytes, peak since the last)``."""
+
+    units: Tuple[str, ...]
+    grad_bytes: Dict[str, int]
+    events: List[tuple] = field(default_factory=list)
+
+    def mark(self, meter: StorageMeter, kind: str, what: str = "") -> None:
+        self.events.append((kind, what, meter.current, meter.restart_peak()))
+
+
+@contextlib.contextmanager
+def record(model: nn.Module, units: Sequence[str], meter: StorageMeter):
+    """Log, within the block, the points where FSDP2 acts for ``units`` (and the root) as the
+    model runs one forward and backward; ``meter`` counts the model's bytes meanwhile."""
+    params = dict(model.named_parameters())
+    log = EventLog(tuple(units), {n: p.numel() * p.element_size() for n, p in params.items() if p.requires_grad})
+    queued = []
+
+    def pre(path):
+        def hook(module, args, kwargs):
+            log.mark(meter, "pre_forward", path)
+            tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.requires_grad]
+            if not tensors or not torch.is_grad_enabled():
+                return None
+            marked = iter(_Once.apply(lambda: log.mark(meter, "post_backward", path), *tensors))
+            return tree_map(lambda a: next(marked) if isinstance(a, torch.Tensor) and a.requires_grad else a,
+                            (args, kwargs))
+        return hook
+
+    def pre_backward(path):
+        def hook(grad):
+            if not path and not queued:  # as FSDP2's root: the end of the backward is a callback
+                queued.append(True)
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: log.mark(meter, "end_backward"))
+            log.mark(meter, "pre_backward", path)
+        return hook
+
+    def post(path):
+        def hook(module, args, output):
+            log.mark(meter, "post_forward", path)
+            for out in tree_leaves(output):
+                if isinstance(out, torch.Tensor) and out.requires_grad:
+                    out.register_hook(pre_backward(path))
+        return hook
+
+    hooks = []
+    for path in ("",) + tuple(u for u in units if u):
+        module = model.get_submodule(path)
+        hooks.append(module.register_forward_pre_hook(pre(path), with_kwargs=True))
+        hooks.append(module.register_forward_hook(post(path)))
+    for name in log.grad_bytes:
+        hooks.append(params[name].register_post_accumulate_grad_hook(
+            lambda p, n=name: log.mark(meter, "accumulated", n)))
+    try:
+        yield log
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def replay(log: EventLog, entry: int, timeline: Optional[FsdpTimeline] = None) -> Tuple[int, int, int, int]:
+    """(peak of the forward, peak of the backward, bytes after it) above ``entry``, with FSDP2's
+    bytes for ``timeline`` added (none without one), and the most bytes FSDP2's buffers and
+    unsharded parameters held at once. The log must hold the timeline's units."""
+    missing = sorted({u.path for u in timeline.units} - set(log.units) - {""}) if timeline else []
+    if missing:
+        raise ValueError(f"the profile logged no FSDP2 events for units {missing}; logged: {list(log.units)}")
+    sim = _Replay(timeline or FsdpTimeline((), (), False), log.grad_bytes)
+    handlers = dict(pre_forward=sim.pre_forward, post_forward=sim.post_forward, pre_backward=sim.pre_backward,
+                    post_backward=sim.post_backward, accumulated=sim.accumulated,
+                    end_backward=lambda _: sim.end_backward())
+    peak_fwd, peak, current = None, entry, entry
+    for kind, what, current, stretch in log.events:
+        peak = max(peak, stretch + sim.offset)
+        sim.base, sim.peak = current, current + sim.offset
+        if kind in handlers:
+            handlers[kind](what)
+        peak = max(peak, sim.peak)
+        if kind == "forward_end":
+            peak_fwd, peak = peak, current + sim.offset
+    return peak_fwd - entry, peak - entry, current + sim.offset - entry, sim.most_held
