@@ -237,7 +237,7 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
                 else contextlib.nullcontext()
             with packing:
                 loss = forward_loss(model, x, labels)
-            if log:
+            if log is not None:
                 log.mark(meter, "forward_end")
             state_refs = {n: _state_tensors(m) for n, m in stateful_modules(model)}
             state = {n: _storages(refs) for n, refs in state_refs.items()}
@@ -248,7 +248,7 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
             saved.clear()
             loss.backward()
             del loss
-            if log:
+            if log is not None:
                 log.mark(meter, "end")
     finally:
         if frozen:
