@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..core import SNNDistributedPlan
 from .profile import ModelProfile
-from .sharding import Param, fsdp_group_bytes
+from .sharding import Param, fsdp_group_bytes, fsdp_groups
 from .tp_replica import COLWISE, ROWWISE
 
 Row = Tuple[str, str, str]  # mesh_dim, kind, phase
@@ -39,13 +39,6 @@ def _buckets(sizes: Tuple[Tuple[int, int], ...]) -> Tuple[int, ...]:
 
 def _dtype(itemsize: int) -> torch.dtype:
     return {1: torch.uint8, 2: torch.float16, 4: torch.float32, 8: torch.float64}[itemsize]
-
-
-def fsdp_groups(params: Sequence[Param]) -> Dict[str, List[Param]]:
-    groups: Dict[str, List[Param]] = defaultdict(list)
-    for p in params:
-        groups[p.group].append(p)
-    return groups
 
 
 def _fsdp(out, plan: SNNDistributedPlan, params, profile: ModelProfile, t: int) -> None:

@@ -107,8 +107,8 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     activations = saved_local + profile.input_bytes(n, t)
     # Activations and temporaries of the forward (the gradients were set to None), of the backward
     # and after it (both beside the gradients): measured on the model as one rank runs it.
-    fsdp = plan.mode in ("fsdp2", "fsdp2_tp")
-    timeline = FsdpTimeline.of(params, plan.dp_size, plan.memopt_level >= 1) if fsdp else None
+    timeline = (FsdpTimeline.of(params, plan.dp_size, plan.memopt_level >= 1)
+                if plan.mode in ("fsdp2", "fsdp2_tp") else None)
     fwd, bwd, after_bwd, fsdp_held = profile.dynamic_peak(n, t, plan.tensor_parallel_plan, plan.tp_size, timeline)
     buffers = buffer_bytes(profile.buffers, profile.dtype, plan)
     # DDP's flat gradient buckets are allocated once, every gradient's size, and live through the

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .meter import StorageMeter
-from .sharding import Param, fsdp_group_bytes
+from .sharding import Param, fsdp_group_bytes, fsdp_groups
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,8 @@ class FsdpTimeline:
 
     @classmethod
     def of(cls, params: Sequence[Param], dp: int, reshard_after_forward: bool) -> "FsdpTimeline":
-        groups: Dict[str, List[Param]] = {}
-        for p in params:
-            groups.setdefault(p.group, []).append(p)
         units = []
-        for path, group in groups.items():
+        for path, group in fsdp_groups(params).items():
             flat = fsdp_group_bytes(group, dp)
             units.append(Unit(path, sum(p.numel * p.itemsize for p in group), flat, flat // dp))
         return cls(tuple(units), tuple((p.name, p.group) for p in params), reshard_after_forward)

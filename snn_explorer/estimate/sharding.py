@@ -71,6 +71,14 @@ def fsdp_group_of(units, name: str) -> str:
     return ""
 
 
+def fsdp_groups(params: Sequence[Param]) -> Dict[str, List[Param]]:
+    """The parameters of each FSDP2 group (unit path, '' = the root), in parameter order."""
+    groups: Dict[str, List[Param]] = {}
+    for p in params:
+        groups.setdefault(p.group, []).append(p)
+    return groups
+
+
 def fsdp_group_bytes(group: Sequence[Param], dp: int) -> int:
     """All-gather output = reduce-scatter input of one FSDP2 group: ``dp`` padded dim-0 chunks."""
     return dp * sum(p.rows(dp, 0)[0] * p.row_numel * p.itemsize for p in group)
