@@ -14,7 +14,7 @@ import time
 import pandas as pd
 
 import snn_explorer as se
-from snn_explorer.estimate import compare_estimate, enumerate_plans, estimate, measure_many
+from snn_explorer.estimator import compare_estimate, enumerate_plans, estimate, measure_many
 from snn_explorer.zoo import build
 
 EXACT = ("params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes")

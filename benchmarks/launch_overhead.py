@@ -41,7 +41,7 @@ def trivial():
 
 
 def time_launch(nprocs: int) -> float:
-    from snn_explorer.launch import launch
+    from snn_explorer.launcher import launch
 
     start = time.perf_counter()
     result = launch(trivial, nprocs=nprocs, progress=False)
@@ -76,7 +76,7 @@ def main() -> None:
     t_launch, t_start, t_torchrun = (statistics.median(r[i] for r in runs) for i in range(3))
     label = "median of %d" % args.repeat if args.repeat > 1 else "one run"
     print(f"{'runner (' + label + ')':<26}{'ranks':>6}{'wall s':>9}")
-    print(f"{'snn_explorer.launch':<26}{args.nprocs:>6}{t_launch:>9.2f}")
+    print(f"{'snn_explorer.launcher':<26}{args.nprocs:>6}{t_launch:>9.2f}")
     print(f"{'  last rank started at':<26}{'':>6}{t_start:>9.2f}")
     print(f"{'torchrun (script)':<26}{args.nprocs:>6}{t_torchrun:>9.2f}")
     print(f"{'ratio launch / torchrun':<26}{'':>6}{t_launch / t_torchrun:>9.2f}")

@@ -1,25 +1,35 @@
-"""snn_explorer: analyze, plan and apply distribution strategies for spiking neural networks."""
+"""snn_explorer: analyze, plan and apply distribution strategies for spiking neural networks.
+
+Every public name is reachable as ``snn_explorer.<name>`` and is the function or class itself;
+no subpackage shares a name with one (the estimator lives in ``snn_explorer.estimator``, the
+launcher in ``snn_explorer.launcher``).
+"""
 import importlib
 
 from .core import *  # noqa: F401,F403
 from .core import __all__ as _core_all
-from .explorer import Explorer
 
 __version__ = "0.1.0"
 
-# Loaded on first use, so that launched ranks do not pay for pandas / ipywidgets imports. The
-# functions named like their subpackages stay there: ``from snn_explorer.estimate import estimate``,
-# ``from snn_explorer.launch import launch``.
+# Loaded on first use, so that launched ranks do not pay for pandas / ipywidgets imports.
 _LAZY = {
-    **{name: "snn_explorer.estimate" for name in ("enumerate_plans", "measure", "compare_estimate",
-                                                  "PlanEstimate", "PlanMeasurement")},
-    **{name: "snn_explorer.launch" for name in ("launch_plan", "export_job", "report", "LaunchError",
-                                                "LaunchResult", "TrainResult")},
+    **{name: "snn_explorer.estimator" for name in ("enumerate_plans", "estimate", "estimate_all", "measure",
+                                                   "measure_many", "compare_estimate", "model_profile",
+                                                   "PlanEstimate", "PlanMeasurement")},
+    **{name: "snn_explorer.launcher" for name in ("launch", "launch_plan", "export_job", "report", "LaunchError",
+                                                  "LaunchResult", "TrainResult")},
+    "Explorer": "snn_explorer.explorer",
 }
-__all__ = list(_core_all) + ["Explorer"] + list(_LAZY)
+__all__ = list(_core_all) + list(_LAZY)
 
 
 def __getattr__(name):
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later lookups skip __getattr__
+        return value
     raise AttributeError(f"module 'snn_explorer' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

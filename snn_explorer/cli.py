@@ -156,7 +156,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .launch import export_job
+    from .launcher import export_job
 
     model, analysis, batch = _analysis(args)
     if not args.objective or args.objective == "all":

@@ -11,7 +11,7 @@ from torch import nn
 
 from . import analyze, plan, SNNDistributedPlan
 from .explorer import analysis_table, plans_table
-from .launch import launch_plan
+from .launcher import launch_plan
 from .zoo import build
 
 TOPOLOGIES = ({"dp": 4}, {"dp": 2, "tp": 2}, {"tp": 4})

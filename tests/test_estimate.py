@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import snn_explorer as se
-from snn_explorer.estimate import (COLLECTIVE_COLUMNS, PER_RANK_COLUMNS, enumerate_plans, estimate, estimate_all,
+from snn_explorer.estimator import (COLLECTIVE_COLUMNS, PER_RANK_COLUMNS, enumerate_plans, estimate, estimate_all,
                                    model_profile)
-from snn_explorer.estimate.profile import Fit, NS, TS
+from snn_explorer.estimator.profile import Fit, NS, TS
 from snn_explorer.zoo import SpikingMLP, build
 
 
@@ -82,7 +82,7 @@ def test_estimates_reuse_one_run_per_batch_and_layout(monkeypatch):
     per-rank batch and TP layout (FSDP2 plans replay the same run, whatever their dp and
     resharding), and estimating them all again runs the model not at all. The time this takes is
     in ``benchmarks/estimator_accuracy.py --speed``."""
-    from snn_explorer.estimate import profile as profile_mod
+    from snn_explorer.estimator import profile as profile_mod
 
     model = SpikingMLP(in_features=64, hidden=(64,) * 40, num_classes=8, stepping="all_steps")
     assert 115 <= sum(1 for _ in model.modules()) <= 130
@@ -106,7 +106,7 @@ def test_estimates_reuse_one_run_per_batch_and_layout(monkeypatch):
 
 
 def test_unknown_tp_styles_are_refused_clearly():
-    from snn_explorer.estimate.tp_replica import tp_replica
+    from snn_explorer.estimator.tp_replica import tp_replica
 
     zoo = build("mlp")
     with pytest.raises(NotImplementedError, match="'diagonal'"):
@@ -114,7 +114,7 @@ def test_unknown_tp_styles_are_refused_clearly():
 
 
 def test_measure_device_is_checked_before_any_rank_starts():
-    from snn_explorer.estimate import measure
+    from snn_explorer.estimator import measure
 
     zoo = build("mlp")
     plan = _plans(zoo, 2)[0]
@@ -131,11 +131,11 @@ def test_fsdp2_replay_recovers_the_meters_peaks_and_frees_every_buffer():
     backward, which leaves the run's bytes minus the unsharded gradients plus the sharded ones, and
     resharding after forward lowers the forward's peak."""
     from snn_explorer.core.plans.families import fsdp_units
-    from snn_explorer.estimate._step import forward_loss
-    from snn_explorer.estimate.fsdp_timeline import FsdpTimeline, replay
-    from snn_explorer.estimate.meter import StorageMeter
-    from snn_explorer.estimate.profile import _run_point
-    from snn_explorer.estimate.sharding import local_params, trainable_shapes
+    from snn_explorer.estimator._step import forward_loss
+    from snn_explorer.estimator.fsdp_timeline import FsdpTimeline, replay
+    from snn_explorer.estimator.meter import StorageMeter
+    from snn_explorer.estimator.profile import _run_point
+    from snn_explorer.estimator.sharding import local_params, trainable_shapes
 
     zoo = build("mlp_all_steps")
     model, x, y = zoo.model, zoo.example_input[:, :4], zoo.labels[:4]

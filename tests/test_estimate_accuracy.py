@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.estimate import compare_estimate, enumerate_plans, estimate, measure_many
+from snn_explorer.estimator import compare_estimate, enumerate_plans, estimate, measure_many
 from snn_explorer.zoo import SpikingMLP, build
 
 PEAK_TOL = 0.10

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from snn_explorer.estimate._step import forward_loss
-from snn_explorer.estimate.meter import StorageMeter
+from snn_explorer.estimator._step import forward_loss
+from snn_explorer.estimator.meter import StorageMeter
 from snn_explorer.zoo import build
 
 
@@ -53,7 +53,7 @@ def test_meter_releases_freed_storages():
 _DUMP = """
 import json, sys
 import snn_explorer as se
-from snn_explorer.estimate import enumerate_plans, estimate
+from snn_explorer.estimator import enumerate_plans, estimate
 from snn_explorer.zoo import build
 out = {}
 for name in ("vgg", "spikformer"):
@@ -79,9 +79,9 @@ def test_estimates_identical_in_fresh_processes():
 def test_tp_replica_has_the_local_shapes(name):
     """The model the TP peak is measured on holds each rank's parameter shapes and runs."""
     import snn_explorer as se
-    from snn_explorer.estimate import enumerate_plans
-    from snn_explorer.estimate.sharding import tp_local_shape
-    from snn_explorer.estimate.tp_replica import tp_replica
+    from snn_explorer.estimator import enumerate_plans
+    from snn_explorer.estimator.sharding import tp_local_shape
+    from snn_explorer.estimator.tp_replica import tp_replica
 
     zoo = build(name)
     plan = next(p for p in enumerate_plans(se.analyze(zoo.model, model_family=zoo.family), world_size=2,

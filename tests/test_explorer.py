@@ -174,7 +174,7 @@ def test_repr_is_short_and_deterministic(ex):
 
 
 #: Rows that carry the estimator's saved-activation attribution, which varies between processes
-#: (snn_explorer.estimate.profile attributes saved storages by address; reported to its owner).
+#: (snn_explorer.estimator.profile attributes saved storages by address; reported to its owner).
 _PROFILE_ROWS = ["verdict", "activations_bytes", "peak_bytes_max"]
 
 

@@ -146,7 +146,7 @@ def test_without_an_example_input_the_comparison_says_why():
 def test_controls_other_than_the_work_reestimate_without_running_the_model():
     """Opening the UI prepares every plan of the world size; dp x tp, mode, objective, gates and budget
     then never run the model (its profile copy or a TP replica)."""
-    from snn_explorer.estimate import model_profile
+    from snn_explorer.estimator import model_profile
 
     ex = Explorer.from_zoo(build("vgg"))
     ui = ex.ui

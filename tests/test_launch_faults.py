@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from launch_helpers import clean_launch, gone, is_reused_helper, live_children  # noqa: F401  (fixture)
-from snn_explorer.launch import LaunchError, launch, report
-from snn_explorer.launch.channel import DIR_ENV
+from snn_explorer.launcher import LaunchError, launch, report
+from snn_explorer.launcher.channel import DIR_ENV
 
 # Rank functions defined here travel by value, so ranks need not import this test module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -147,7 +147,7 @@ def test_keyboard_interrupt_while_waiting_ends_every_rank(clean_launch):
 
 SIGINT_SCRIPT = textwrap.dedent("""
     import json, signal, sys, time
-    from snn_explorer.launch import launch
+    from snn_explorer.launcher import launch
 
     # A shell that starts the suite in the background hands SIGINT down ignored; Ctrl-C in a terminal
     # or notebook raises KeyboardInterrupt, so that is what this script sets up.

@@ -10,7 +10,7 @@ jupyter_client = pytest.importorskip("jupyter_client")
 CELL = textwrap.dedent("""
     import signal
     import torch, torch.distributed as dist
-    from snn_explorer.launch import launch, report
+    from snn_explorer.launcher import launch, report
     handlers = lambda: (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))
     before = handlers()
     torch.cuda.is_available()  # touching CUDA in the kernel first must not matter

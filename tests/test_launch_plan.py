@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from launch_helpers import clean_launch  # noqa: F401  (fixture)
 from snn_explorer import analyze, plan
-from snn_explorer.launch import export_job, launch_plan
+from snn_explorer.launcher import export_job, launch_plan
 from snn_explorer.zoo import build, reset_state
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -133,8 +133,8 @@ def _library_on_rank():
 def test_register_stateful_reaches_launched_and_spawned_ranks(clean_launch):
     from snn_explorer import register_stateful, unregister_stateful
     from snn_explorer.core.neurons import snn_library
-    from snn_explorer.estimate._spawn import run_on_ranks
-    from snn_explorer.launch import launch
+    from snn_explorer.estimator._spawn import run_on_ranks
+    from snn_explorer.launcher import launch
 
     assert snn_library(CountingNeuron()) is None  # not recognised without the registration
     register_stateful(CountingNeuron)

@@ -11,10 +11,10 @@ from launch_helpers import live_children
 import pytest
 
 from snn_explorer import analyze, plan
-from snn_explorer.launch import LaunchError, RankFailure, export_job, launch, launch_plan, resolve_backend
-from snn_explorer.launch import channel
-from snn_explorer.launch.display import TextDisplay, choose_display, NullDisplay, CallbackDisplay
-from snn_explorer.launch.progress import Tracker, report
+from snn_explorer.launcher import LaunchError, RankFailure, export_job, launch, launch_plan, resolve_backend
+from snn_explorer.launcher import channel
+from snn_explorer.launcher.display import TextDisplay, choose_display, NullDisplay, CallbackDisplay
+from snn_explorer.launcher.progress import Tracker, report
 from snn_explorer.zoo import build
 
 
@@ -96,7 +96,7 @@ def test_tracker_heartbeats_and_displays():
 
 def test_widget_display_updates_live():
     pytest.importorskip("ipywidgets")
-    from snn_explorer.launch.display import WidgetDisplay
+    from snn_explorer.launcher.display import WidgetDisplay
 
     tracker = Tracker(2, started=0.0)
     shown = WidgetDisplay(2)
@@ -144,7 +144,7 @@ def test_export_job_files(mlp_plan, tmp_path):
                  "#SBATCH --partition=gpu", "srun torchrun --nnodes 2 --nproc-per-node 2",
                  "--rdzv-endpoint $MASTER_ADDR:$MASTER_PORT --rdzv-id $SLURM_JOB_ID"):
         assert line in sbatch
-    assert os.path.exists(job.payload_file) and "snn_explorer.launch.job" in open(job.script).read()
+    assert os.path.exists(job.payload_file) and "snn_explorer.launcher.job" in open(job.script).read()
 
 
 def test_export_job_with_a_script_and_bad_shapes(mlp_plan, tmp_path):

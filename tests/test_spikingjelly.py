@@ -173,7 +173,7 @@ def test_spikingjelly_spikformer_head_aligned_tp(topology, mode):
 
 def test_contiguous_qkv_split_would_be_wrong():
     """Why the rows are reordered: a contiguous split of the fused output does not give whole heads."""
-    from snn_explorer.core.apply.channel_tp import head_aligned_rows
+    from snn_explorer.core.parallelize.channel_tp import head_aligned_rows
 
     rows = head_aligned_rows(8, 2)  # q, k, v of width 8 over 2 ranks
     assert rows[:12].tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19]
@@ -238,7 +238,7 @@ def test_spikingjelly_vgg_channel_tp(tp):
 def test_estimate_matches_measure_for_fused_qkv_head_aligned_tp():
     """The estimator models the experimental styles too: fused q/k/v, its BatchNorm, local heads."""
     import snn_explorer as se
-    from snn_explorer.estimate import compare_estimate, estimate, measure
+    from snn_explorer.estimator import compare_estimate, estimate, measure
 
     model, x, y = jelly_spikformer(), spikformer_input(), torch.arange(2) % 8
     plan = se.plan(analysis=se.analyze(model), objective="memory", topology={"tp": 2}, backend="torch",

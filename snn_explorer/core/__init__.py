@@ -1,6 +1,6 @@
 """The analyze / plan / apply core: no UI, no process management."""
 from .analysis import LinearShape, SNNDistributedAnalysis, analyze
-from .apply import apply, preflight
+from .parallelize import apply, preflight
 from .neurons import register_stateful, unregister_stateful
 from .plan_types import DistributedFeatureSet, SNNDistributedPlan
 from .planner import plan

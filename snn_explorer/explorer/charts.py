@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 import pandas as pd
 from matplotlib.figure import Figure
 
-from ..estimate import PlanEstimate
+from ..estimator import PlanEstimate
 from .compare import MEMORY_ROWS, unique_labels
 
 FIGSIZE = (9.0, 4.5)

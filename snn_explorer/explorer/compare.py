@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 import pandas as pd
 
 from ..core import SNNDistributedPlan
-from ..estimate import PlanEstimate
+from ..estimator import PlanEstimate
 
 #: Per-rank memory components (each row holds the largest value over the plan's ranks).
 MEMORY_ROWS = ("params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes", "activations_bytes",

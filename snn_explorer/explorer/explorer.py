@@ -133,7 +133,7 @@ class Explorer:
     def enumerate(self, world_size: int, *, batch_size: Optional[int] = None, features: FeaturesLike = None,
                   objective: str = "speed"):
         """Add every feasible plan for ``world_size`` ranks; returns them (``.infeasible``: why others are not)."""
-        from ..estimate import enumerate_plans
+        from ..estimator import enumerate_plans
 
         plans = enumerate_plans(self.analysis, world_size=world_size,
                                 batch_size=batch_size if batch_size is not None else self.batch_size,
@@ -144,8 +144,8 @@ class Explorer:
 
     # ---- estimates
     def estimate(self, plan: SNNDistributedPlan, time_steps: Optional[int] = None):
-        """The estimator's :class:`~snn_explorer.estimate.PlanEstimate` of ``plan`` (cached per plan and time steps)."""
-        from ..estimate import estimate, model_profile
+        """The estimator's :class:`~snn_explorer.estimator.PlanEstimate` of ``plan`` (cached per plan and time steps)."""
+        from ..estimator import estimate, model_profile
 
         if self.example_input is None:
             raise ValueError("estimates need an example input: Explorer(model, example_input=[T, N, ...] tensor)")
@@ -164,7 +164,7 @@ class Explorer:
         Afterwards changing dp x tp, mode, objective, gates or budget re-estimates without running
         the model; a new batch size, time steps or world size needs ``prepare`` again. Returns how
         many plans it estimated. Without an example input there is nothing to prepare (0)."""
-        from ..estimate import enumerate_plans
+        from ..estimator import enumerate_plans
 
         if self.example_input is None:
             return 0
@@ -251,15 +251,15 @@ class Explorer:
         return apply(model=self.model, plan=plan, device_type=device_type, device_mesh=device_mesh)
 
     def launch(self, plan: SNNDistributedPlan, train_fn: Callable, **kwargs):
-        """:func:`snn_explorer.launch.launch_plan`: ``plan.world_size`` ranks, each applying ``plan``
+        """:func:`snn_explorer.launcher.launch_plan`: ``plan.world_size`` ranks, each applying ``plan``
         and calling ``train_fn`` (see its docs for the signature and keyword arguments)."""
-        from ..launch import launch_plan
+        from ..launcher import launch_plan
 
         return launch_plan(self.model, plan, train_fn, **kwargs)
 
     def export(self, plan: SNNDistributedPlan, train_script_or_fn, path, **kwargs):
-        """:func:`snn_explorer.launch.export_job` for this model: a torchrun / Slurm job directory."""
-        from ..launch import export_job
+        """:func:`snn_explorer.launcher.export_job` for this model: a torchrun / Slurm job directory."""
+        from ..launcher import export_job
 
         kwargs.setdefault("model", self.model)
         return export_job(plan, train_script_or_fn, path, **kwargs)

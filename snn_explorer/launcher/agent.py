@@ -1,6 +1,6 @@
 """The agent process: runs torch elastic on its own main thread, in its own session.
 
-Started by :func:`snn_explorer.launch.launch` as ``python agent.py RUN_DIR`` (a script, so the
+Started by :func:`snn_explorer.launcher.launch` as ``python agent.py RUN_DIR`` (a script, so the
 ranks that elastic spawns re-import only this light file, not the whole package). The entry
 point of every rank is :func:`run_rank`, a trampoline that ``cloudpickle.loads`` the payload.
 """

@@ -24,7 +24,7 @@ from torch import nn
 from ..core import SNNDistributedPlan
 from ._spawn import run_on_ranks
 from ._step import OPTIMIZERS, batch_slice, check_optimizer, forward_loss
-from .estimate import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
+from .plan_estimate import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
 from .recorder import CollectiveRecorder
 from .sharding import state_tensor_ids
 

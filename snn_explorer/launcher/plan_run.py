@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
-from .launcher import launch, resolve_backend
+from .launching import launch, resolve_backend
 from .progress import _number, report
 from .result import TrainResult
 

@@ -5,8 +5,8 @@ which the data-parallel ranks of a plan split between them.
 """
 from .compare import compare_estimate
 from .enumerate import PlanList, enumerate_plans
-from .estimate import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS, PlanEstimate, estimate, estimate_all
-from .measure import PlanMeasurement, measure, measure_many
+from .plan_estimate import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS, PlanEstimate, estimate, estimate_all
+from .measurement import PlanMeasurement, measure, measure_many
 from .profile import ModelProfile, model_profile
 from .recorder import CollectiveRecorder
 

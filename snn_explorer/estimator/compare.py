@@ -6,8 +6,8 @@ from typing import Dict
 import numpy as np
 import pandas as pd
 
-from .estimate import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS, PlanEstimate
-from .measure import PlanMeasurement
+from .plan_estimate import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS, PlanEstimate
+from .measurement import PlanMeasurement
 
 _KEYS = ["mesh_dim", "kind", "phase"]
 

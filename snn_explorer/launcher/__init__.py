@@ -5,7 +5,7 @@ for a plan, ``report(...)`` from inside a rank, ``export_job(...)`` for torchrun
 """
 from .errors import LaunchError, RankFailure
 from .export import ExportedJob, export_job
-from .launcher import launch, resolve_backend
+from .launching import launch, resolve_backend
 from .plan_run import launch_plan
 from .progress import report
 from .result import LaunchResult, TrainResult

@@ -29,7 +29,7 @@ def check_process_group(plan: SNNDistributedPlan) -> None:
         return
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"mode {plan.mode!r} needs torch.distributed initialised with "
-                           f"{plan.world_size} rank(s); run it through snn_explorer.launch or torchrun")
+                           f"{plan.world_size} rank(s); run it through snn_explorer.launcher or torchrun")
     if dist.get_world_size() != plan.world_size:
         raise ValueError(f"the process group has {dist.get_world_size()} ranks but the plan's topology "
                          f"{dict(plan.topology.dims)} needs world_size={plan.world_size}")
