@@ -1,0 +1,63 @@
+"""Every private torch / cloudpickle name snn_explorer relies on, in one place.
+
+Each name is looked up once, at import, and checked for the shape the code expects (present,
+callable, taking the arguments we pass). A torch release that moved or changed one raises
+:class:`TorchCompatError` naming the name, the installed torch and the tested range, instead of
+failing deep inside a step. Everything else in the package uses public torch API only.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Iterable, Optional
+
+import torch
+
+#: The torch releases CI runs the suite (or the tests of every name below) on; pyproject.toml says the same.
+TESTED_TORCH = ">=2.13,<2.15"
+
+
+class TorchCompatError(ImportError):
+    """A private name snn_explorer needs is missing or changed in the installed torch."""
+
+
+def _require(module: str, attr: str, *, params: Iterable[str] = (), callable_: bool = True) -> Any:
+    """``module.attr``, checked: present, callable when ``callable_``, accepting ``params`` by name."""
+    where = f"{module}.{attr}"
+    try:
+        owner: Any = importlib.import_module(module)
+    except ImportError as exc:
+        raise _error(where, f"module {module} does not import ({exc})") from exc
+    value = owner
+    for part in attr.split("."):
+        if not hasattr(value, part):
+            raise _error(where, "it is missing")
+        value = getattr(value, part)
+    if callable_ and not callable(value):
+        raise _error(where, f"it is a {type(value).__name__}, not callable")
+    missing = _missing_params(value, params)
+    if missing:
+        raise _error(where, f"it no longer takes {missing}")
+    return value
+
+
+def _missing_params(fn: Any, params: Iterable[str]) -> Optional[list]:
+    params = list(params)
+    if not params:
+        return None
+    try:
+        names = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None  # a builtin without a signature: presence is all we can check
+    return [p for p in params if p not in names] or None
+
+
+def _error(where: str, why: str) -> TorchCompatError:
+    return TorchCompatError(f"snn_explorer needs the private torch name {where}, but in torch {torch.__version__} "
+                            f"{why}; snn_explorer is tested with torch {TESTED_TORCH}")
+
+
+# --- core and estimator ---------------------------------------------------------------------
+
+
+# --- rank runner (torch elastic, cloudpickle) -----------------------------------------------
