@@ -16,7 +16,8 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .core import SNN_DISTRIBUTED_PREFERENCES, SNNDistributedTopology, analyze, plan
+from .core import MODES, SNN_DISTRIBUTED_PREFERENCES, SNNDistributedTopology, analyze, plan
+from .core.topology import dp_tp_splits
 
 
 class CliError(Exception):
@@ -88,9 +89,7 @@ def topologies(args) -> List[SNNDistributedTopology]:
     n = args.world_size
     if n < 1:
         raise CliError(f"bad world size {n}: must be >= 1")
-    out = [SNNDistributedTopology({"dp": n})]
-    out += [SNNDistributedTopology({"dp": n // tp, "tp": tp}) for tp in range(2, n) if n % tp == 0]
-    return out + ([SNNDistributedTopology({"tp": n})] if n > 1 else [])
+    return [SNNDistributedTopology(dims) for dims in dp_tp_splits(n)]
 
 
 def _objectives(value: str) -> Sequence[str]:
@@ -112,7 +111,7 @@ def _plans(args, analysis, batch):
     for topology in topologies(args):
         for objective in _objectives(args.objective):
             try:
-                p = plan(analysis=analysis, objective=objective, topology=topology, backend="torch",
+                p = plan(analysis=analysis, objective=objective, topology=topology, neuron_backend="torch",
                          batch_size=batch, mode=getattr(args, "mode", None))
             except (ValueError, NotImplementedError) as exc:
                 skipped.append(f"{dict(topology.dims)} / {objective}: {exc}")
@@ -200,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
             where.add_argument("--topology", help="named mesh dims, e.g. dp=2,tp=2")
             p.add_argument("--objective", default="all", choices=SNN_DISTRIBUTED_PREFERENCES + ("all",))
             p.add_argument("--batch-size", type=int, help="global batch (default: the model's example batch or 8)")
-            p.add_argument("--mode", help="force a mode (dp, tp, fsdp2, fsdp2_tp)")
+            p.add_argument("--mode", help=f"force a mode ({', '.join(MODES)})")
 
     p = sub.add_parser("analyze", help="stateful neurons and tensor-parallel candidates")
     model_args(p, plans=False)

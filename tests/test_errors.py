@@ -33,9 +33,10 @@ def conv_only():
     return nn.Sequential(nn.Conv2d(2, 4, 3), leaky(), nn.Conv2d(4, 4, 3))
 
 
-def mk(objective="speed", topology=1, backend="torch", batch_size=8, model=None, roots=None, **kw):
+def mk(objective="speed", topology=1, neuron_backend="torch", batch_size=8, model=None, roots=None, **kw):
     a = analyze(MLP() if model is None else model, roots=roots)
-    return plan(analysis=a, objective=objective, topology=topology, backend=backend, batch_size=batch_size, **kw)
+    return plan(analysis=a, objective=objective, topology=topology, neuron_backend=neuron_backend,
+                batch_size=batch_size, **kw)
 
 
 def P(**kw):
@@ -187,7 +188,7 @@ CASES = [
     pytest.param(lambda: analyze(MLP(), model_family=""), ValueError, r"got ''", id="family-empty"),
     pytest.param(lambda: analyze(MLP(), model_family=7), ValueError, r"got 7\b", id="family-int"),
     pytest.param(lambda: analyze(MLP()).shape("body.1"), KeyError, r"'body\.1' is not a Linear", id="shape-neuron"),
-    pytest.param(lambda: plan(analysis={"kind": "analysis"}, objective="speed", topology=1, backend="torch",
+    pytest.param(lambda: plan(analysis={"kind": "analysis"}, objective="speed", topology=1, neuron_backend="torch",
                               batch_size=1), TypeError, r"got dict", id="plan-analysis-dict"),
     # ZeRO outside pure dp
     pytest.param(lambda: P(mode="fsdp2", topology={"dp": 2}, optimizer_strategy="zero"), ValueError,
@@ -215,15 +216,15 @@ CASES = [
     pytest.param(lambda: recommend_snn_distributed_strategy(world_size=2, batch_size=-3), ValueError,
                  r"batch_size=-3", id="recommend-batch"),
     # backend
-    pytest.param(lambda: mk(backend="jax"), ValueError, lit("jax"), id="backend-jax"),
-    pytest.param(lambda: mk(backend="nccl"), ValueError, lit("nccl"), id="backend-nccl-is-not-a-neuron-backend"),
-    pytest.param(lambda: mk(backend="gloo"), ValueError, lit("gloo"), id="backend-gloo"),
-    pytest.param(lambda: mk(backend=None), ValueError, r"backend=None", id="backend-None"),
-    pytest.param(lambda: P(backend="cuda"), ValueError, lit("cuda"), id="Plan-backend"),
-    pytest.param(lambda: mk(backend="cupy"), ValueError, r"backend='cupy'.*'body\.1'", id="cupy-with-snntorch"),
-    pytest.param(lambda: mk(backend="triton", topology={"dp": 2}), ValueError, r"backend='triton'.*'body\.1'",
+    pytest.param(lambda: mk(neuron_backend="jax"), ValueError, lit("jax"), id="backend-jax"),
+    pytest.param(lambda: mk(neuron_backend="nccl"), ValueError, lit("nccl"), id="backend-nccl-is-not-a-neuron-backend"),
+    pytest.param(lambda: mk(neuron_backend="gloo"), ValueError, lit("gloo"), id="backend-gloo"),
+    pytest.param(lambda: mk(neuron_backend=None), ValueError, r"neuron_backend=None", id="backend-None"),
+    pytest.param(lambda: P(neuron_backend="cuda"), ValueError, lit("cuda"), id="Plan-backend"),
+    pytest.param(lambda: mk(neuron_backend="cupy"), ValueError, r"backend='cupy'.*'body\.1'", id="cupy-with-snntorch"),
+    pytest.param(lambda: mk(neuron_backend="triton", topology={"dp": 2}), ValueError, r"backend='triton'.*'body\.1'",
                  id="triton-with-snntorch"),
-    pytest.param(lambda: recommend_snn_distributed_strategy(world_size=2, backend="tensorflow"), ValueError,
+    pytest.param(lambda: recommend_snn_distributed_strategy(world_size=2, neuron_backend="tensorflow"), ValueError,
                  lit("tensorflow"), id="recommend-backend"),
     # recommend world size
     pytest.param(lambda: recommend_snn_distributed_strategy(world_size=0), ValueError, r"world_size=0\b",

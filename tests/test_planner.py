@@ -41,7 +41,7 @@ def vgg_like() -> nn.Sequential:
 
 def mk_plan(model=None, objective="speed", topology=1, batch_size=8, **kw) -> SNNDistributedPlan:
     model = MLP() if model is None else model
-    return plan(analysis=analyze(model), objective=objective, topology=topology, backend="torch",
+    return plan(analysis=analyze(model), objective=objective, topology=topology, neuron_backend="torch",
                 batch_size=batch_size, **kw)
 
 
@@ -92,7 +92,7 @@ def test_zero_gate_off_adds_no_note_when_not_dp():
 @pytest.mark.parametrize("family", VGG_NAMES)
 def test_speed_vgg_family_is_fsdp2_tp(family, ws):
     p = plan(analysis=analyze(vgg_like(), model_family=family), objective="speed",
-             topology={"dp": ws // 2, "tp": 2}, backend="torch", batch_size=4 * ws)
+             topology={"dp": ws // 2, "tp": 2}, neuron_backend="torch", batch_size=4 * ws)
     assert p.model_family == "cifar10dvs_vgg"
     assert p.mode == "fsdp2_tp"
     assert p.mesh_shape == (ws // 2, 2) and p.mesh_dim_names == ("dp", "tp")
@@ -105,7 +105,7 @@ def test_speed_vgg_family_is_fsdp2_tp(family, ws):
 
 @pytest.mark.parametrize("family", VGG_NAMES)
 def test_speed_vgg_family_via_plan_model_family(family):
-    p = plan(analysis=analyze(vgg_like()), objective="speed", topology={"dp": 2, "tp": 2}, backend="torch",
+    p = plan(analysis=analyze(vgg_like()), objective="speed", topology={"dp": 2, "tp": 2}, neuron_backend="torch",
              batch_size=8, model_family=family)
     assert p.model_family == "cifar10dvs_vgg" and p.mode == "fsdp2_tp"
 
@@ -113,13 +113,13 @@ def test_speed_vgg_family_via_plan_model_family(family):
 @pytest.mark.parametrize("ws", [2, 3, 5])
 def test_speed_vgg_family_small_or_odd_world_is_dp(ws):
     p = plan(analysis=analyze(vgg_like(), model_family="vgg16"), objective="speed", topology=ws,
-             backend="torch", batch_size=ws * 2)
+             neuron_backend="torch", batch_size=ws * 2)
     assert p.mode == "dp" and p.optimizer_strategy == "zero"
 
 
 def test_speed_vgg_on_pure_dp_topology_falls_back_to_dp_with_note():
     p = plan(analysis=analyze(vgg_like(), model_family="vgg16"), objective="speed", topology={"dp": 4},
-             backend="torch", batch_size=8)
+             neuron_backend="torch", batch_size=8)
     assert p.mode == "dp" and p.optimizer_strategy == "zero"
     assert any("fsdp2_tp" in n and "'dp'" in n for n in p.notes)
 
@@ -159,7 +159,7 @@ def test_memory_on_tp_is_tp(objective, tp):
 def test_memory_on_dp_only_is_fsdp2_not_tp(objective, dp):
     """Reference defect 1: never tp with tp and dp on the same mesh dim."""
     model = MLP()
-    p = plan(analysis=analyze(model), objective=objective, topology={"dp": dp}, backend="torch", batch_size=12)
+    p = plan(analysis=analyze(model), objective=objective, topology={"dp": dp}, neuron_backend="torch", batch_size=12)
     assert p.mode == "fsdp2"
     assert p.mode != "tp" and "tp" not in p.mesh_dim_names
     assert dict(p.tensor_parallel_plan) == {}
@@ -194,8 +194,30 @@ def test_explicit_mode_overrides_recommendation():
 
 
 def test_case_insensitive_objective_and_backend():
-    p = plan(analysis=analyze(MLP()), objective="SPEED", topology=2, backend="Torch", batch_size=2)
-    assert p.objective == "speed" and p.backend == "torch"
+    p = plan(analysis=analyze(MLP()), objective="SPEED", topology=2, neuron_backend="Torch", batch_size=2)
+    assert p.objective == "speed" and p.neuron_backend == "torch"
+
+
+def test_deprecated_backend_keyword_still_plans():
+    """``backend=`` (the old name of neuron_backend) still works, with a DeprecationWarning."""
+    with pytest.warns(DeprecationWarning, match="neuron_backend"):
+        p = plan(analysis=analyze(MLP()), objective="speed", topology=2, backend="inductor", batch_size=2)
+    assert p.neuron_backend == "inductor"
+    with pytest.warns(DeprecationWarning, match="neuron_backend"):
+        assert p.backend == "inductor"
+    with pytest.raises(TypeError, match="not both"):
+        plan(analysis=analyze(MLP()), objective="speed", topology=2, backend="cupy", neuron_backend="inductor",
+             batch_size=2)
+    with pytest.warns(DeprecationWarning):
+        r = recommend_snn_distributed_strategy(world_size=2, backend="cupy")
+    assert r.mode == "dp"
+
+
+def test_plan_json_from_before_the_backend_rename_loads():
+    p = mk_plan(topology={"dp": 2})
+    old = p.to_dict()
+    old["backend"] = old.pop("neuron_backend")
+    assert SNNDistributedPlan.from_dict(old) == p
 
 
 # ---- recommend_snn_distributed_strategy --------------------------------------------------------
@@ -323,7 +345,7 @@ def test_auto_tp_plan_for_linear_chains(n):
     model = linear_chain(n)
     a = analyze(model)
     assert a.tp_chains == (tuple(str(i) for i in range(4 * n - 3)),)
-    p = plan(analysis=a, objective="memory", topology={"tp": 2}, backend="torch", batch_size=4)
+    p = plan(analysis=a, objective="memory", topology={"tp": 2}, neuron_backend="torch", batch_size=4)
     assert p.mode == "tp"
     got = dict(p.tensor_parallel_plan)
     assert got == expected_chain_plan(n)
@@ -381,9 +403,9 @@ def sample_plans():
         mk_plan(objective="memory", topology={"dp": 2}),
         mk_plan(objective="memory", topology={"tp": 2}),
         mk_plan(objective="capacity", topology={"dp": 2, "tp": 2}),
-        plan(analysis=vgg, objective="speed", topology={"dp": 3, "tp": 2}, backend="inductor", batch_size=6,
+        plan(analysis=vgg, objective="speed", topology={"dp": 3, "tp": 2}, neuron_backend="inductor", batch_size=6,
              features=DistributedFeatureSet(allow_experimental_conv_tp=True)),
-        plan(analysis=analyze(MLP(), roots=["body"]), objective="memory", topology={"tp": 2}, backend="torch",
+        plan(analysis=analyze(MLP(), roots=["body"]), objective="memory", topology={"tp": 2}, neuron_backend="torch",
              batch_size=4),
     ]
 
@@ -408,7 +430,7 @@ def test_plan_frozen_hashable_json_round_trip(index):
 
 
 @pytest.mark.parametrize("change", [
-    {"batch_size": 16}, {"objective": "capacity"}, {"memopt_level": 0}, {"backend": "inductor"},
+    {"batch_size": 16}, {"objective": "capacity"}, {"memopt_level": 0}, {"neuron_backend": "inductor"},
     {"notes": ("other",)}, {"rationale": ()}, {"model_family": "spikformer"},
     {"experimental_features": DistributedFeatureSet(allow_experimental_spikformer_tp=True)},
     {"tensor_parallel_plan": {"head": "colwise_gather"}}, {"topology": {"tp": 2, "x": 1}},
@@ -488,7 +510,7 @@ def test_unknown_family_is_generic_with_note():
 
 
 def mk_plan_from(a):
-    return plan(analysis=a, objective="speed", topology=1, backend="torch", batch_size=1)
+    return plan(analysis=a, objective="speed", topology=1, neuron_backend="torch", batch_size=1)
 
 
 def test_family_inferred_from_class_names():
@@ -506,13 +528,13 @@ def test_family_inferred_from_class_names():
 
 
 def test_plan_model_family_overrides_analysis():
-    p = plan(analysis=analyze(MLP()), objective="speed", topology=1, backend="torch", batch_size=1,
+    p = plan(analysis=analyze(MLP()), objective="speed", topology=1, neuron_backend="torch", batch_size=1,
              model_family="spikformer_ti")
     assert p.model_family == "spikformer"
 
 
 def test_plan_unknown_model_family_gets_a_note():
-    p = plan(analysis=analyze(MLP()), objective="speed", topology=1, backend="torch", batch_size=1,
+    p = plan(analysis=analyze(MLP()), objective="speed", topology=1, neuron_backend="torch", batch_size=1,
              model_family="resnet50")
     assert p.model_family == "generic"
     assert any("resnet50" in n for n in p.notes)
@@ -589,7 +611,7 @@ def test_register_stateful_custom_reset():
         a = analyze(model)
         assert a.memory_module_names == ("1",) and a.snn_libraries == (("1", "registered"),)
         assert neurons.reset_all(model) == 1 and calls == [model[1]] and model[1].state == 0.0
-        p = plan(analysis=a, objective="speed", topology=1, backend="torch", batch_size=2)
+        p = plan(analysis=a, objective="speed", topology=1, neuron_backend="torch", batch_size=2)
         rt = se.apply(model=model, plan=p, device_type="cpu")
         model[1].state = 5.0
         assert rt.reset_state() == 1 and model[1].state == 0.0 and len(calls) == 2
@@ -635,7 +657,7 @@ def test_analysis_roots_restrict_candidates():
 
 def test_roots_carried_into_plan_and_limit_tp():
     model = MLP()
-    p = plan(analysis=analyze(model, roots=["head"]), objective="memory", topology={"tp": 2}, backend="torch",
+    p = plan(analysis=analyze(model, roots=["head"]), objective="memory", topology={"tp": 2}, neuron_backend="torch",
              batch_size=4)
     assert p.tensor_parallel_roots == ("head",)
     assert dict(p.tensor_parallel_plan) == {"head": "colwise_gather"}
@@ -689,7 +711,7 @@ def test_every_returned_plan_fits_topology_and_model(objective, topology):
     for factory, family in ((MLP, None), (vgg_like, "vgg16"), (lambda: linear_chain(3), None)):
         model = factory()
         p = plan(analysis=analyze(model, model_family=family), objective=objective, topology=topology,
-                 backend="torch", batch_size=12)
+                 neuron_backend="torch", batch_size=12)
         assert topology_problem(p.mode, p.topology) is None, p
         if p.mode in ("tp", "fsdp2_tp"):
             assert p.tensor_parallel_plan

@@ -4,8 +4,8 @@ from .parallelize import apply, preflight
 from .neurons import register_stateful, unregister_stateful
 from .plan_types import DistributedFeatureSet, SNNDistributedPlan
 from .planner import plan
-from .recommend import (BACKENDS, MODES, SNN_DISTRIBUTED_PREFERENCES, StrategyRecommendation,
-                        recommend_snn_distributed_strategy)
+from .modes import MODES
+from .recommend import BACKENDS, SNN_DISTRIBUTED_PREFERENCES, StrategyRecommendation, recommend_snn_distributed_strategy
 from .runtime import SNNDistributedRuntime
 from .topology import SNNDistributedTopology
 from .tp_plan import TP_STYLES

@@ -2,19 +2,19 @@
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Tuple
 
-from .recommend import BACKENDS, MODES, SNN_DISTRIBUTED_PREFERENCES, check_batch_size
+from .modes import Mode, mode_of, names_text
+from .recommend import BACKENDS, SNN_DISTRIBUTED_PREFERENCES, check_batch_size
 from .serialize import check_kind, dataclass_dict, tuplify
 from .topology import SNNDistributedTopology
 
 OPTIMIZER_STRATEGIES = ("none", "zero")
 #: memopt_level acts on FSDP2 modes: 0 keeps gathered parameters for backward, 1 reshards after forward.
 MEMOPT_LEVELS = (0, 1)
-#: Which named dims each mode uses; all other dims must have size 1.
-MODE_DIMS = {"none": (), "dp": ("dp",), "fsdp2": ("dp",), "tp": ("tp",), "fsdp2_tp": ("dp", "tp")}
 
 
 @dataclass(frozen=True)
@@ -41,20 +41,7 @@ class DistributedFeatureSet:
 
 def topology_problem(mode: str, topology: SNNDistributedTopology) -> Optional[str]:
     """Why ``mode`` cannot run on ``topology`` (None when it can)."""
-    if mode == "none":
-        if topology.world_size != 1:
-            return f"mode 'none' runs one process but the topology has world_size={topology.world_size}"
-        return None
-    used = MODE_DIMS[mode]
-    missing = [d for d in used if d not in topology.dims]
-    if missing:
-        return (f"mode {mode!r} needs the dim(s) {missing} in the topology, which has "
-                f"{dict(topology.dims)}")
-    idle = {n: s for n, s in topology.dims.items() if n not in used and s > 1}
-    if idle:
-        return (f"mode {mode!r} uses only the dim(s) {list(used)}; the dim(s) {idle} would hold "
-                "unsynchronised replicas (give them size 1 or pick a mode that uses them)")
-    return None
+    return mode_of(mode).topology_problem(topology)
 
 
 @dataclass(frozen=True)
@@ -69,7 +56,7 @@ class SNNDistributedPlan:
     objective: str
     topology: SNNDistributedTopology
     model_family: str = "generic"
-    backend: str = "torch"
+    neuron_backend: str = "torch"
     batch_size: int = 1
     optimizer_strategy: str = "none"
     memopt_level: int = 0
@@ -81,41 +68,76 @@ class SNNDistributedPlan:
     experimental_features: DistributedFeatureSet = field(default_factory=DistributedFeatureSet)
 
     def __post_init__(self):
-        if self.mode == "pp":
-            raise NotImplementedError("mode='pp' (pipeline parallelism) is not supported by the "
-                                      "analyze/plan/apply API; use a pipeline schedule directly")
-        if self.mode not in MODES:
-            raise ValueError(f"unsupported mode={self.mode!r}; expected one of {MODES}")
+        mode = mode_of(self.mode)
         if self.objective not in SNN_DISTRIBUTED_PREFERENCES:
             raise ValueError(f"unsupported objective={self.objective!r}; expected one of {SNN_DISTRIBUTED_PREFERENCES}")
         if not isinstance(self.topology, SNNDistributedTopology):
             object.__setattr__(self, "topology", SNNDistributedTopology.coerce(self.topology))
-        if self.backend not in BACKENDS:
-            raise ValueError(f"unsupported backend={self.backend!r}; expected one of {BACKENDS}")
+        if self.neuron_backend not in BACKENDS:
+            raise ValueError(f"unsupported neuron_backend={self.neuron_backend!r}; expected one of {BACKENDS}")
         check_batch_size(self.batch_size)
         if self.optimizer_strategy not in OPTIMIZER_STRATEGIES:
             raise ValueError(f"optimizer_strategy={self.optimizer_strategy!r}; expected one of {OPTIMIZER_STRATEGIES}")
-        if self.optimizer_strategy == "zero" and self.mode != "dp":
-            raise ValueError(f"optimizer_strategy='zero' (ZeroRedundancyOptimizer) applies to mode 'dp' only, "
-                             f"not {self.mode!r}; FSDP2 already shards optimizer state")
+        if self.optimizer_strategy == "zero" and not mode.allows_zero:
+            raise ValueError(f"optimizer_strategy='zero' (ZeroRedundancyOptimizer) applies to "
+                             f"{names_text(lambda m: m.allows_zero)} only, not {self.mode!r}; "
+                             "FSDP2 already shards optimizer state")
         if type(self.memopt_level) is not int or self.memopt_level not in MEMOPT_LEVELS:
             raise ValueError(f"memopt_level={self.memopt_level!r}; expected one of {MEMOPT_LEVELS}")
-        problem = topology_problem(self.mode, self.topology)
+        problem = mode.topology_problem(self.topology)
         if problem:
             raise ValueError(problem)
         if self.batch_size % self.dp_size:
             raise ValueError(f"batch_size={self.batch_size} (global) is not divisible by dp={self.dp_size}; "
                              f"use a multiple of {self.dp_size}")
         tp_plan = dict(self.tensor_parallel_plan or {})
-        if self.mode in ("tp", "fsdp2_tp") and not tp_plan:
+        if mode.tp and not tp_plan:
             raise ValueError(f"mode {self.mode!r} needs a non-empty tensor_parallel_plan")
-        if self.mode not in ("tp", "fsdp2_tp") and tp_plan:
-            raise ValueError(f"tensor_parallel_plan is only used by modes 'tp' and 'fsdp2_tp', not {self.mode!r}")
+        if not mode.tp and tp_plan:
+            raise ValueError(f"tensor_parallel_plan is only used by {names_text(lambda m: m.tp)}, not {self.mode!r}")
         object.__setattr__(self, "tensor_parallel_plan", MappingProxyType(tp_plan))
         for name in ("rationale", "notes", "fsdp_units"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.tensor_parallel_roots is not None:
             object.__setattr__(self, "tensor_parallel_roots", tuple(self.tensor_parallel_roots))
+
+    # What the mode does, as named facts (see core.modes).
+    @property
+    def mode_spec(self) -> Mode:
+        """The :class:`~snn_explorer.core.modes.Mode` row of ``mode``."""
+        return mode_of(self.mode)
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the plan needs a process group and a device mesh."""
+        return self.mode_spec.distributed
+
+    @property
+    def uses_ddp(self) -> bool:
+        return self.mode_spec.ddp
+
+    @property
+    def uses_fsdp(self) -> bool:
+        return self.mode_spec.fsdp
+
+    @property
+    def uses_tp(self) -> bool:
+        return self.mode_spec.tp
+
+    @property
+    def uses_zero(self) -> bool:
+        return self.optimizer_strategy == "zero"
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """FSDP2 frees gathered parameters after forward (``memopt_level >= 1``) and gathers again in backward."""
+        return self.uses_fsdp and self.memopt_level >= 1
+
+    @property
+    def backend(self) -> str:
+        """Deprecated name of :attr:`neuron_backend`."""
+        warnings.warn("SNNDistributedPlan.backend is deprecated; use neuron_backend", DeprecationWarning, stacklevel=2)
+        return self.neuron_backend
 
     # Mesh geometry, derived from the topology.
     @property
@@ -136,13 +158,17 @@ class SNNDistributedPlan:
         names = self.mesh_dim_names
         return names.index("dp") if "dp" in names else None
 
+    def dim_size(self, name: str) -> int:
+        """How many ranks the mode spreads over mesh dim ``name`` (1 for a dim it does not use)."""
+        return self.topology.size(name) if name in self.mode_spec.dims else 1
+
     @property
     def dp_size(self) -> int:
-        return self.topology.size("dp") if self.mode != "tp" else 1
+        return self.dim_size("dp")
 
     @property
     def tp_size(self) -> int:
-        return self.topology.size("tp") if self.mode in ("tp", "fsdp2_tp") else 1
+        return self.dim_size("tp")
 
     @property
     def world_size(self) -> int:
@@ -175,6 +201,8 @@ class SNNDistributedPlan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "SNNDistributedPlan":
         data = check_kind(data, "plan")
+        if "backend" in data and "neuron_backend" not in data:  # files written before the rename
+            data["neuron_backend"] = data.pop("backend")
         data["topology"] = SNNDistributedTopology.from_dict(data["topology"])
         data["experimental_features"] = DistributedFeatureSet.from_dict(data["experimental_features"])
         for name in ("rationale", "notes", "fsdp_units", "tensor_parallel_roots"):
@@ -184,5 +212,5 @@ class SNNDistributedPlan:
 
     def __repr__(self) -> str:
         dims = "x".join(f"{n}{s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
-        zero = "+zero" if self.optimizer_strategy == "zero" else ""
+        zero = "+zero" if self.uses_zero else ""
         return f"SNNDistributedPlan({self.mode}{zero} on {dims}, objective={self.objective}, batch={self.batch_size})"

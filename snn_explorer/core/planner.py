@@ -4,13 +4,16 @@ from __future__ import annotations
 from typing import Any, List, Mapping, Optional, Tuple, Union
 
 from .analysis import SNNDistributedAnalysis
-from .plan_types import DistributedFeatureSet, SNNDistributedPlan, topology_problem
+from .modes import MODE_TABLE, MODES, Mode, mode_of, names_text
+from .plan_types import DistributedFeatureSet, SNNDistributedPlan
 from .plans.families import resolve_family
-from .recommend import MODES, check_backend, check_batch_size, check_objective, recommend_snn_distributed_strategy
+from .recommend import (UNSET, check_backend, check_batch_size, check_objective, neuron_backend_arg,
+                        recommend_snn_distributed_strategy)
 from .topology import SNNDistributedTopology
 from .tp_plan import auto_tp_plan, check_tp_plan, conv_tp_plan, head_aligned_tp_plan, with_local_neurons
 
-#: Modes tried after the recommendation, per objective, when it does not fit.
+#: Modes tried after the recommendation, per objective, when it does not fit (a mode missing
+#: here is tried last).
 FALLBACKS = {
     "speed": ("dp", "fsdp2", "fsdp2_tp", "tp"),
     "memory": ("fsdp2_tp", "tp", "fsdp2", "dp"),
@@ -19,23 +22,27 @@ FALLBACKS = {
 
 
 def check_mode(mode: Any) -> Optional[str]:
+    """``mode`` lower-cased and checked against the mode table (None: let the planner choose)."""
     if mode is None:
         return None
     if not isinstance(mode, str):
         raise ValueError(f"mode={mode!r} must be a string, one of {MODES} or None")
-    mode = mode.lower()
-    if mode == "pp":
-        raise NotImplementedError("mode='pp' (pipeline parallelism) is not supported by the "
-                                  "analyze/plan/apply API; use a pipeline schedule directly")
-    if mode not in MODES:
-        raise ValueError(f"unsupported mode={mode!r}; expected one of {MODES}")
-    return mode
+    return mode_of(mode.lower()).name
 
 
-def _tp_for(mode: str, analysis: SNNDistributedAnalysis, topology: SNNDistributedTopology,
+def _tp_modes(noun: bool = True) -> str:
+    return names_text(lambda m: m.tp, noun)
+
+
+def _order(objective: str) -> List[str]:
+    listed = list(FALLBACKS[objective])
+    return listed + [m.name for m in MODE_TABLE if m.distributed and m.name not in listed]
+
+
+def _tp_for(mode: Mode, analysis: SNNDistributedAnalysis, topology: SNNDistributedTopology,
             explicit: Optional[Mapping[str, str]], features: DistributedFeatureSet) -> Tuple[dict, Optional[str]]:
     """The TP plan for ``mode`` and the reason it cannot be built (None when it can)."""
-    if mode not in ("tp", "fsdp2_tp"):
+    if not mode.tp:
         return {}, None
     if explicit:
         tp_plan = with_local_neurons(analysis, explicit)
@@ -48,7 +55,7 @@ def _tp_for(mode: str, analysis: SNNDistributedAnalysis, topology: SNNDistribute
     if not tp_plan:
         roots = f" under roots {analysis.tensor_parallel_roots}" if analysis.tensor_parallel_roots else ""
         convs = " (conv layers need allow_experimental_conv_tp=True)" if analysis.conv_shapes else ""
-        return {}, f"mode {mode!r} needs tensor-parallel candidates, but analysis found no Linear layer{roots}{convs}"
+        return {}, f"mode {mode.name!r} needs tensor-parallel candidates, but analysis found no Linear layer{roots}{convs}"
     try:
         check_tp_plan(analysis, tp_plan, topology.size("tp"))
     except ValueError as exc:
@@ -56,28 +63,30 @@ def _tp_for(mode: str, analysis: SNNDistributedAnalysis, topology: SNNDistribute
     return tp_plan, None
 
 
-def _problem(mode, analysis, topology, explicit, features) -> Tuple[dict, Optional[str]]:
-    problem = topology_problem(mode, topology)
+def _problem(name: str, analysis, topology, explicit, features) -> Tuple[dict, Optional[str]]:
+    mode = mode_of(name)
+    problem = mode.topology_problem(topology)
     if problem:
         return {}, problem
     return _tp_for(mode, analysis, topology, explicit, features)
 
 
 def plan(*, analysis: SNNDistributedAnalysis, objective: str,
-         topology: Union[Mapping[str, int], SNNDistributedTopology, int], backend: str, batch_size: int,
-         model_family: Optional[str] = None, mode: Optional[str] = None,
+         topology: Union[Mapping[str, int], SNNDistributedTopology, int], batch_size: int,
+         neuron_backend: str = "torch", model_family: Optional[str] = None, mode: Optional[str] = None,
          features: Optional[DistributedFeatureSet] = None,
-         tensor_parallel_plan: Optional[Mapping[str, str]] = None) -> SNNDistributedPlan:
+         tensor_parallel_plan: Optional[Mapping[str, str]] = None, backend: Any = UNSET) -> SNNDistributedPlan:
     """Choose a mode for ``objective`` on ``topology`` and return a plan that ``apply`` accepts.
 
     ``batch_size`` is the global batch of one optimizer step; the ``dp`` ranks split it. An
     explicit ``mode`` must fit the topology and model; a recommended one that does not is
-    replaced by the objective's next choice, with a note saying why.
+    replaced by the objective's next choice, with a note saying why. ``neuron_backend`` (default
+    ``"torch"``) is the neuron compute backend (see ``BACKENDS``); ``backend`` is its deprecated name.
     """
     if not isinstance(analysis, SNNDistributedAnalysis):
         raise TypeError(f"analysis must come from analyze(), got {type(analysis).__name__}")
     objective = check_objective(objective)
-    backend = check_backend(backend)
+    backend = check_backend(neuron_backend_arg(neuron_backend, backend))
     batch_size = check_batch_size(batch_size)
     topology = SNNDistributedTopology.coerce(topology)
     features = features if features is not None else DistributedFeatureSet()
@@ -94,20 +103,20 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
         if not isinstance(tensor_parallel_plan, Mapping) or not tensor_parallel_plan:
             raise ValueError(f"tensor_parallel_plan={tensor_parallel_plan!r} must be a non-empty mapping "
                              "module path -> style")
-        if mode is not None and mode not in ("tp", "fsdp2_tp"):
-            raise ValueError(f"tensor_parallel_plan is only used by modes 'tp' and 'fsdp2_tp', not mode={mode!r}")
+        if mode is not None and not mode_of(mode).tp:
+            raise ValueError(f"tensor_parallel_plan is only used by {_tp_modes()}, not mode={mode!r}")
 
     rec = recommend_snn_distributed_strategy(family, world_size=topology.world_size, prefer=objective,
-                                             batch_size=batch_size, backend=backend)
+                                             batch_size=batch_size, neuron_backend=backend)
     if mode is not None:
         tp_plan, problem = _problem(mode, analysis, topology, tensor_parallel_plan, features)
         if problem:
             raise ValueError(f"mode={mode!r} cannot be applied: {problem}")
         chosen = mode
     else:
-        order = [rec.mode] + [m for m in FALLBACKS[objective] if m != rec.mode]
+        order = [rec.mode] + [m for m in _order(objective) if m != rec.mode]
         if tensor_parallel_plan is not None:
-            order = [m for m in order if m in ("tp", "fsdp2_tp")]
+            order = [m for m in order if mode_of(m).tp]
         elif topology.world_size == 1:
             order = ["none"] + [m for m in order if m != "none"]
         reasons = []
@@ -117,31 +126,33 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
                 break
             reasons.append(f"{chosen}: {problem}")
         else:
-            restricted = " (an explicit tensor_parallel_plan allows only 'tp' and 'fsdp2_tp')" if tensor_parallel_plan else ""
+            restricted = (f" (an explicit tensor_parallel_plan allows only {_tp_modes(noun=False)})"
+                          if tensor_parallel_plan else "")
             raise ValueError(f"no mode fits topology {dict(topology.dims)} for this model{restricted}: "
                              + "; ".join(reasons))
         if chosen != rec.mode:
             why = reasons[0].split(": ", 1)[1] if reasons else "an explicit tensor_parallel_plan needs a TP mode"
             notes.append(f"recommended {rec.mode!r} does not fit ({why}); using {chosen!r}.")
 
-    zero = chosen == "dp" and topology.size("dp") > 1
+    spec = mode_of(chosen)
+    zero = spec.allows_zero and topology.size("dp") > 1
     if zero and not features.allow_zero_optimizer:
         notes.append("ZeRO optimizer sharding is disabled by DistributedFeatureSet(allow_zero_optimizer=False); "
                      "optimizer_strategy='none'.")
         zero = False
-    if chosen in ("tp", "fsdp2_tp") and (analysis.attention_blocks or analysis.fused_attention_blocks) \
+    if spec.tp and (analysis.attention_blocks or analysis.fused_attention_blocks) \
             and not tensor_parallel_plan \
             and not features.allow_experimental_spikformer_tp:
         notes.append("attention is not split by heads (separate q/k/v Linears are each sharded with gathered "
                      "outputs); allow_experimental_spikformer_tp=True gives each rank whole heads instead.")
-    if analysis.batchnorm_names and chosen != "tp" and topology.size("dp") > 1:
+    if analysis.batchnorm_names and spec.splits_batch and topology.size("dp") > 1:
         notes.append(f"{len(analysis.batchnorm_names)} BatchNorm layer(s) normalise over each rank's share of the "
                      "batch in training mode (convert to SyncBatchNorm on CUDA for global statistics).")
     return SNNDistributedPlan(
-        mode=chosen, objective=objective, topology=topology, model_family=family, backend=backend,
+        mode=chosen, objective=objective, topology=topology, model_family=family, neuron_backend=backend,
         batch_size=batch_size, optimizer_strategy="zero" if zero else "none", memopt_level=rec.memopt_level,
         rationale=rec.rationale, notes=tuple(notes), tensor_parallel_roots=analysis.tensor_parallel_roots,
-        tensor_parallel_plan=tp_plan, fsdp_units=analysis.fsdp_unit_names if chosen.startswith("fsdp2") else (),
+        tensor_parallel_plan=tp_plan, fsdp_units=analysis.fsdp_unit_names if spec.fsdp else (),
         experimental_features=features,
     )
 
@@ -150,5 +161,5 @@ def _check_backend_support(backend: str, analysis: SNNDistributedAnalysis) -> No
     if backend in ("cupy", "triton"):
         others = [n for n, lib in analysis.snn_libraries if lib != "spikingjelly"]
         if others:
-            raise ValueError(f"backend={backend!r} is a spikingjelly neuron backend, but {others[0]!r} is not a "
-                             "spikingjelly neuron; use backend='torch'")
+            raise ValueError(f"neuron_backend={backend!r} is a spikingjelly neuron backend, but {others[0]!r} is not "
+                             "a spikingjelly neuron; use neuron_backend='torch'")

@@ -1,15 +1,16 @@
 """Rule-based strategy recommendation from objective, world size and model family."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Any, Tuple
 
 from .plans.families import VGG, resolve_family
+from .validate import positive_int
 
 #: Objectives the planner optimises for.
 SNN_DISTRIBUTED_PREFERENCES = ("speed", "memory", "capacity")
-#: Modes the unified API applies ("pp" is recognised only to be refused clearly).
-MODES = ("none", "dp", "tp", "fsdp2", "fsdp2_tp")
+#: Neuron compute backends (spikingjelly's kernels, or torch.compile); not the communication backend.
 BACKENDS = ("torch", "cupy", "triton", "inductor")
 
 
@@ -29,30 +30,50 @@ def check_objective(objective) -> str:
     return objective.lower()
 
 
-def check_backend(backend) -> str:
+def check_backend(backend, name: str = "neuron_backend") -> str:
     if not isinstance(backend, str) or backend.lower() not in BACKENDS:
-        raise ValueError(f"unsupported backend={backend!r} (the neuron compute backend); expected one of {BACKENDS}")
+        raise ValueError(f"unsupported {name}={backend!r} (the neuron compute backend); expected one of {BACKENDS}")
     return backend.lower()
 
 
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+#: Default of the deprecated ``backend=`` keywords: tells "not given" from any value.
+UNSET = _Unset()
+
+
+def neuron_backend_arg(neuron_backend: Any, backend: Any = UNSET) -> Any:
+    """``neuron_backend``, or the value of the deprecated ``backend`` keyword (with a DeprecationWarning)."""
+    if backend is UNSET:
+        return neuron_backend
+    if neuron_backend != "torch":
+        raise TypeError(f"give neuron_backend={neuron_backend!r} or the deprecated backend={backend!r}, not both")
+    warnings.warn("the keyword backend= is deprecated; use neuron_backend= (the neuron compute backend)",
+                  DeprecationWarning, stacklevel=3)
+    return backend
+
+
 def check_batch_size(batch_size) -> int:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size={batch_size!r} must be a positive int (the global batch of one step)")
-    return batch_size
+    return positive_int("batch_size", batch_size, what="the global batch of one step")
 
 
 def recommend_snn_distributed_strategy(model: str = "generic", *, world_size: int, prefer: str = "speed",
-                                       batch_size: int = 1, backend: str = "torch",
-                                       pipelining_available: bool = False) -> StrategyRecommendation:
+                                       batch_size: int = 1, backend: Any = UNSET,
+                                       pipelining_available: bool = False,
+                                       neuron_backend: str = "torch") -> StrategyRecommendation:
     """Recommend a mode for ``world_size`` ranks and objective ``prefer``, ignoring topology.
 
     The planner then fits the pick to the topology the user gave (see ``plan``).
+    ``backend`` is the deprecated name of ``neuron_backend``; ``pipelining_available`` only
+    changes the capacity rationale (pipeline parallelism is not applied by this API).
     """
     prefer = check_objective(prefer)
     check_batch_size(batch_size)
-    check_backend(backend)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive int")
+    check_backend(neuron_backend_arg(neuron_backend, backend))
+    positive_int("world_size", world_size)
     family, _ = resolve_family(None, model)
     memopt = 0 if prefer == "speed" else 1
     if world_size == 1:

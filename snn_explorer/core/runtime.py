@@ -58,7 +58,7 @@ class SNNDistributedRuntime:
     def build_optimizer(self, cls: Callable = torch.optim.Adam, lr: float = 1e-3, weight_decay: float = 0.0, **kw):
         """An optimizer over the model's parameters; ZeroRedundancyOptimizer for dp + 'zero'."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.plan.optimizer_strategy == "zero":
+        if self.plan.uses_zero:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
             return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=self.mesh.get_group("dp"),

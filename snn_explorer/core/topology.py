@@ -5,7 +5,7 @@ import math
 import numbers
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 #: Dimension names that lead the mesh order; other names follow in insertion order.
 LEADING_DIMS = ("dp", "tp", "pp", "vpp")
@@ -103,3 +103,17 @@ class SNNDistributedTopology:
     def __repr__(self) -> str:
         dims = ", ".join(f"{n}={s}" for n, s in self._items)
         return f"SNNDistributedTopology({dims}; world_size={self.world_size})"
+
+
+def dp_tp_splits(world_size: int) -> List[Dict[str, int]]:
+    """Every way to split ``world_size`` ranks into dp x tp, tp ascending, size-1 dims left out
+    (``[{"dp": 4}, {"dp": 2, "tp": 2}, {"tp": 4}]`` for 4; ``[{"dp": 1}]`` for 1)."""
+    from .validate import positive_int
+
+    world_size = positive_int("world_size", world_size)
+    out = []
+    for tp in range(1, world_size + 1):
+        if world_size % tp == 0:
+            dims = {n: s for n, s in (("dp", world_size // tp), ("tp", tp)) if s > 1}
+            out.append(dims or {"dp": 1})
+    return out

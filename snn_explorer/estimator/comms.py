@@ -42,7 +42,7 @@ def _dtype(itemsize: int) -> torch.dtype:
 
 
 def _fsdp(out, plan: SNNDistributedPlan, params, profile: ModelProfile, t: int) -> None:
-    reshard = plan.memopt_level >= 1
+    reshard = plan.reshard_after_forward
     for unit, group in fsdp_groups(params).items():
         nbytes = fsdp_group_bytes(group, plan.dp_size)
         module = profile.modules.get(unit)
@@ -82,13 +82,13 @@ def step_collectives(plan: SNNDistributedPlan, params: Sequence[Param], profile:
     """Rows ``mesh_dim, kind, phase, count, bytes`` of one step on each rank (all ranks alike)."""
     out: Dict[Row, List[int]] = defaultdict(lambda: [0, 0])
     n = plan.per_rank_batch
-    if plan.mode == "dp":
+    if plan.uses_ddp:
         buckets = ddp_buckets(params, profile.grad_ready_order)
         _add(out, ("dp", "all_reduce", "backward"), len(buckets), sum(buckets))
-        if plan.optimizer_strategy == "zero":
+        if plan.uses_zero:
             _add(out, ("dp", "broadcast", "optimizer"), len(params), sum(p.numel * p.itemsize for p in params))
-    if plan.mode in ("tp", "fsdp2_tp"):
+    if plan.uses_tp:
         _tp(out, plan, profile, n, time_steps, itemsize)
-    if plan.mode in ("fsdp2", "fsdp2_tp"):
+    if plan.uses_fsdp:
         _fsdp(out, plan, params, profile, time_steps)
     return [dict(mesh_dim=d, kind=k, phase=p, count=c, bytes=b) for (d, k, p), (c, b) in out.items()]

@@ -5,6 +5,9 @@ import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 from ..core import DistributedFeatureSet, SNNDistributedAnalysis, SNNDistributedPlan, plan
+from ..core.modes import MODE_TABLE
+from ..core.recommend import UNSET, neuron_backend_arg
+from ..core.topology import dp_tp_splits
 
 
 class PlanList(list):
@@ -16,13 +19,15 @@ class PlanList(list):
 
 
 def _candidates(world_size: int) -> List[Tuple[str, Dict[str, int], bool]]:
-    """(mode, topology, ZeRO) for each mode x factorisation of ``world_size`` into dp x tp."""
+    """(mode, topology, ZeRO) for each mode x dp x tp split of ``world_size`` that uses exactly the
+    mode's dims: data-parallel modes first, then TP modes, fewer dims first."""
+    splits = dp_tp_splits(world_size)
     if world_size == 1:
-        return [("none", {"dp": 1}, False)]
-    out = [("dp", {"dp": world_size}, False), ("dp", {"dp": world_size}, True),
-           ("fsdp2", {"dp": world_size}, False), ("tp", {"tp": world_size}, False)]
-    out += [("fsdp2_tp", {"dp": world_size // tp, "tp": tp}, False)
-            for tp in range(2, world_size) if world_size % tp == 0]
+        return [(m.name, splits[0], False) for m in MODE_TABLE if not m.distributed]
+    out = []
+    for mode in sorted((m for m in MODE_TABLE if m.distributed), key=lambda m: (m.tp, len(m.dims))):
+        for dims in (d for d in splits if set(d) == set(mode.dims)):
+            out += [(mode.name, dims, zero) for zero in ((False, True) if mode.allows_zero else (False,))]
     return out
 
 
@@ -30,8 +35,9 @@ def _label(mode: str, topology: Dict[str, int], zero: bool) -> str:
     return mode + ("+zero" if zero else "") + " " + " x ".join(f"{n}={s}" for n, s in topology.items())
 
 
-def enumerate_plans(analysis: SNNDistributedAnalysis, *, world_size: int, batch_size: int, backend: str = "torch",
-                    features: Optional[DistributedFeatureSet] = None, objective: str = "speed") -> PlanList:
+def enumerate_plans(analysis: SNNDistributedAnalysis, *, world_size: int, batch_size: int,
+                    neuron_backend: str = "torch", features: Optional[DistributedFeatureSet] = None,
+                    objective: str = "speed", backend=UNSET) -> PlanList:
     """Every feasible plan for ``world_size`` ranks: each mode x each dp x tp factorisation x ZeRO on/off.
 
     ``batch_size`` is the global batch of one optimizer step; the dp ranks of each plan split it
@@ -39,8 +45,9 @@ def enumerate_plans(analysis: SNNDistributedAnalysis, *, world_size: int, batch_
     gives each plan. Plans come from ``core.plan`` with an explicit mode, so each one is a plan
     ``apply`` accepts; a candidate the core refuses is left out and ``result.infeasible[label]``
     says why (e.g. ``"tp=4 does not divide head.out_features=10 ..."``). ZeRO is tried only for
-    ``dp`` and only when ``features`` allows it.
+    ``dp`` and only when ``features`` allows it. ``backend`` is the deprecated name of ``neuron_backend``.
     """
+    neuron_backend = neuron_backend_arg(neuron_backend, backend)
     features = features if features is not None else DistributedFeatureSet()
     plans: List[SNNDistributedPlan] = []
     infeasible: Dict[str, str] = {}
@@ -50,7 +57,8 @@ def enumerate_plans(analysis: SNNDistributedAnalysis, *, world_size: int, batch_
             infeasible[label] = "ZeRO is disabled by DistributedFeatureSet(allow_zero_optimizer=False)"
             continue
         try:
-            plans.append(plan(analysis=analysis, objective=objective, topology=topology, backend=backend,
+            plans.append(plan(analysis=analysis, objective=objective, topology=topology,
+                              neuron_backend=neuron_backend,
                               batch_size=batch_size, mode=mode,
                               features=dataclasses.replace(features, allow_zero_optimizer=zero)))
         except (ValueError, NotImplementedError) as exc:

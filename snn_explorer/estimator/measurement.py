@@ -204,7 +204,7 @@ def _measure_plan(model, plan, run: _Settings) -> dict:
         peak = torch.cuda.max_memory_allocated()
 
     buckets = 0
-    if plan.mode == "dp":
+    if plan.uses_ddp:
         sizes = str(runtime.model._get_ddp_logging_data().get("rebuilt_bucket_sizes", ""))
         buckets = sum(int(s) for s in sizes.replace(",", " ").split())
     input_ptr = x.untyped_storage().data_ptr()
@@ -221,7 +221,7 @@ def _measure_plan(model, plan, run: _Settings) -> dict:
                  optimizer_bytes=sum(_storage_bytes([v for s in state_dict.values() for v in s.values()]).values()),
                  buffers_bytes=sum(_storage_bytes([b for b in module.buffers() if id(b) not in state_ids]).values()),
                  activations_bytes=activations, neuron_state_bytes=sum(seen["state"].values()),
-                 transient_bytes=buckets if plan.mode == "dp" else float("nan"), peak_bytes=peak),
+                 transient_bytes=buckets if plan.uses_ddp else float("nan"), peak_bytes=peak),
         collectives=recorder.table(dims), times=times,
         debug=None if repeated else {str(k).rsplit(".", 1)[-1]: v for k, v in debug.get_comm_counts().items()})
 

@@ -69,7 +69,7 @@ class PlanEstimate:
     def summary(self) -> dict:
         """One row for comparison tables: plan, global and per-rank batch, peak, traffic, verdict."""
         p = self.plan
-        return dict(mode=p.mode + ("+zero" if p.optimizer_strategy == "zero" else ""),
+        return dict(mode=p.mode + ("+zero" if p.uses_zero else ""),
                     mesh=" x ".join(f"{n}={s}" for n, s in zip(p.mesh_dim_names, p.mesh_shape)),
                     batch=p.batch_size, batch_per_rank=p.per_rank_batch, time_steps=self.time_steps,
                     peak_bytes=self.peak_bytes, comm_bytes=self.comm_bytes,
@@ -107,13 +107,12 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     activations = saved_local + profile.input_bytes(n, t)
     # Activations and temporaries of the forward (the gradients were set to None), of the backward
     # and after it (both beside the gradients): measured on the model as one rank runs it.
-    timeline = (FsdpTimeline.of(params, plan.dp_size, plan.memopt_level >= 1)
-                if plan.mode in ("fsdp2", "fsdp2_tp") else None)
+    timeline = FsdpTimeline.of(params, plan.dp_size, plan.reshard_after_forward) if plan.uses_fsdp else None
     fwd, bwd, after_bwd, fsdp_held = profile.dynamic_peak(n, t, plan.tensor_parallel_plan, plan.tp_size, timeline)
     buffers = buffer_bytes(profile.buffers, profile.dtype, plan)
     # DDP's flat gradient buckets are allocated once, every gradient's size, and live through the
     # optimizer step beside the gradients, which are all live at the backward's peak.
-    transient = sum(p.numel * p.itemsize for p in params) if plan.mode == "dp" else fsdp_held
+    transient = sum(p.numel * p.itemsize for p in params) if plan.uses_ddp else fsdp_held
     rows, per_dp_rank = [], {}  # shards depend on the dp coordinate only
     for rank in range(plan.world_size):
         if rank // plan.tp_size not in per_dp_rank:

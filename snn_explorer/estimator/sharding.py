@@ -92,7 +92,7 @@ def trainable_shapes(model: nn.Module) -> Tuple[Tuple[str, Tuple[int, ...]], ...
 def local_params(shapes: Sequence[Tuple[str, Tuple[int, ...]]], plan: SNNDistributedPlan, itemsize: int) -> List[Param]:
     """Every trainable parameter (``trainable_shapes``) as one rank holds it before FSDP2 sharding
     (TP applied)."""
-    units = set(plan.fsdp_units) if plan.mode in ("fsdp2", "fsdp2_tp") else None
+    units = set(plan.fsdp_units) if plan.uses_fsdp else None
     return [Param(n, tp_local_shape(plan, n, shape), itemsize, fsdp_group_of(units, n) if units else "")
             for n, shape in shapes]
 
@@ -131,7 +131,7 @@ def rank_bytes(params: Sequence[Param], plan: SNNDistributedPlan, rank: int, opt
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}; expected one of {tuple(OPTIMIZERS)}")
     dp, dp_rank = plan.dp_size, rank // plan.tp_size
-    if plan.mode in ("fsdp2", "fsdp2_tp"):
+    if plan.uses_fsdp:
         padded = opt = 0
         for p in params:
             chunk, real = p.rows(dp, dp_rank)
@@ -139,7 +139,7 @@ def rank_bytes(params: Sequence[Param], plan: SNNDistributedPlan, rank: int, opt
             opt += _state(real * p.row_numel, p.itemsize, optimizer)
         return dict(params_bytes=padded, grads_bytes=padded, optimizer_bytes=opt)
     full = sum(p.numel * p.itemsize for p in params)
-    owned = zero_partition(params, dp)[dp_rank] if plan.optimizer_strategy == "zero" else params
+    owned = zero_partition(params, dp)[dp_rank] if plan.uses_zero else params
     opt = sum(_state(p.numel, p.itemsize, optimizer) for p in owned)
     return dict(params_bytes=full, grads_bytes=full, optimizer_bytes=opt)
 
@@ -174,9 +174,9 @@ def optimizer_temporaries(params: Sequence[Param], plan: SNNDistributedPlan, ran
     if optimizer not in ("adam", "adamw") or not params:
         return 0
     dp, dp_rank = plan.dp_size, rank // plan.tp_size
-    if plan.mode in ("fsdp2", "fsdp2_tp"):
+    if plan.uses_fsdp:
         sizes = [p.rows(dp, dp_rank)[1] * p.row_numel * p.itemsize for p in params]
     else:
-        owned = zero_partition(params, dp)[dp_rank] if plan.optimizer_strategy == "zero" else params
+        owned = zero_partition(params, dp)[dp_rank] if plan.uses_zero else params
         sizes = [p.numel * p.itemsize for p in owned]
     return 2 * max(sizes, default=0)

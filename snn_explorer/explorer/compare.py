@@ -27,7 +27,7 @@ def mesh_text(plan: SNNDistributedPlan) -> str:
 
 def plan_label(plan: SNNDistributedPlan) -> str:
     """``dp+zero dp=4``: mode, ZeRO and mesh; the objective follows when it is not the default."""
-    zero = "+zero" if plan.optimizer_strategy == "zero" else ""
+    zero = "+zero" if plan.uses_zero else ""
     return f"{plan.mode}{zero} {mesh_text(plan)}"
 
 

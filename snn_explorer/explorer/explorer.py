@@ -81,7 +81,7 @@ class Explorer:
 
         layout = dict(plan.tensor_parallel_plan) if plan is not None and plan.tensor_parallel_plan else \
             self.default_tp_plan(plan.experimental_features if plan is not None else None)
-        tp_size = plan.topology.size("tp") if plan is not None else tp_size
+        tp_size = plan.tp_size if plan is not None else tp_size
         key = (tuple(sorted(layout.items())), tp_size)
         if key not in self._modules:
             self._modules[key] = modules_table(self.model, self.analysis, layout, tp_size)

@@ -39,7 +39,7 @@ def shard_layout(model: nn.Module, plan: SNNDistributedPlan, module: str) -> pd.
         raise KeyError(f"{module!r} is not a module of the model")
     params = [(n, tuple(p.shape)) for n, p in modules[module].named_parameters(recurse=False)]
     style = plan.tensor_parallel_plan.get(module, "") if plan.tp_size > 1 else ""
-    fsdp = plan.mode in ("fsdp2", "fsdp2_tp")
+    fsdp = plan.uses_fsdp
     rows = []
     for rank in range(plan.world_size):
         dp_rank, tp_rank = divmod(rank, plan.tp_size)

@@ -14,6 +14,7 @@ from typing import List, Optional
 import ipywidgets as w
 
 from ..core import MODES, SNN_DISTRIBUTED_PREFERENCES, SNNDistributedPlan
+from ..core.topology import dp_tp_splits
 from . import charts
 from .compare import compare_table, plan_label, readable, style_compare
 from .modules import candidates_table
@@ -27,7 +28,8 @@ ERRORS = (ValueError, TypeError, KeyError, NotImplementedError)
 
 
 def divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The tp sizes of the dp x tp splits of ``n`` ranks (every divisor, ascending)."""
+    return [split.get("tp", 1) for split in dp_tp_splits(n)]
 
 
 class ExplorerUI:

@@ -70,12 +70,12 @@ def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: str = "cud
     device = local_device(device_type)
     mesh = build_mesh(plan, device_type, device_mesh)
     model.to(device)
-    _set_neuron_backend(model, plan.backend)
-    if plan.mode in ("tp", "fsdp2_tp"):
+    _set_neuron_backend(model, plan.neuron_backend)
+    if plan.uses_tp:
         apply_tp(model, mesh["tp"], plan.tensor_parallel_plan)
-    if plan.mode in ("fsdp2", "fsdp2_tp"):
-        apply_fsdp2(model, mesh["dp"], plan.fsdp_units, reshard_after_forward=plan.memopt_level >= 1)
-    wrapped = apply_ddp(model, mesh["dp"], device) if plan.mode == "dp" else model
-    if plan.backend == "inductor":
+    if plan.uses_fsdp:
+        apply_fsdp2(model, mesh["dp"], plan.fsdp_units, reshard_after_forward=plan.reshard_after_forward)
+    wrapped = apply_ddp(model, mesh["dp"], device) if plan.uses_ddp else model
+    if plan.neuron_backend == "inductor":
         wrapped = torch.compile(wrapped)
     return SNNDistributedRuntime(model=wrapped, mesh=mesh, analysis=analysis, plan=plan, device=device)

@@ -25,7 +25,7 @@ def check_device_type(device_type: str) -> str:
 
 def check_process_group(plan: SNNDistributedPlan) -> None:
     """The plan's world size must equal the initialised process group's."""
-    if plan.mode == "none":
+    if not plan.distributed:
         return
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"mode {plan.mode!r} needs torch.distributed initialised with "
@@ -51,7 +51,7 @@ def build_mesh(plan: SNNDistributedPlan, device_type: str, mesh: Optional[Device
     if mesh is not None:
         check_mesh(mesh, plan)
         return mesh
-    if plan.mode == "none":
+    if not plan.distributed:
         return None
     return init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
 

@@ -1,0 +1,98 @@
+"""The one table of distribution modes: which mesh dims each uses and what it does with them.
+
+Everything that asks "does this plan use FSDP / TP / DDP?" asks a :class:`Mode` (or the plan's
+predicates built on it), never a mode name; a new mode is one more row of :data:`MODE_TABLE`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+from .topology import SNNDistributedTopology
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One distribution mode.
+
+    ``dims``: the named mesh dims it uses (every other dim must have size 1). ``ddp``: replicate
+    the model over ``dp`` with DistributedDataParallel; ``fsdp``: shard parameters, gradients and
+    optimizer state over ``dp`` with FSDP2; ``tp``: split layers over ``tp`` with DTensor TP.
+    """
+
+    name: str
+    dims: Tuple[str, ...]
+    ddp: bool = False
+    fsdp: bool = False
+    tp: bool = False
+    summary: str = ""
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the mode needs a process group and a device mesh (``none`` runs one process)."""
+        return bool(self.dims)
+
+    @property
+    def splits_batch(self) -> bool:
+        """Whether the ranks of the ``dp`` dim see different samples."""
+        return "dp" in self.dims
+
+    @property
+    def allows_zero(self) -> bool:
+        """Whether ZeroRedundancyOptimizer applies (replicated parameters over ``dp``)."""
+        return self.ddp
+
+    def topology_problem(self, topology: SNNDistributedTopology) -> Optional[str]:
+        """Why this mode cannot run on ``topology`` (None when it can)."""
+        if not self.distributed:
+            if topology.world_size != 1:
+                return f"mode {self.name!r} runs one process but the topology has world_size={topology.world_size}"
+            return None
+        missing = [d for d in self.dims if d not in topology.dims]
+        if missing:
+            return (f"mode {self.name!r} needs the dim(s) {missing} in the topology, which has "
+                    f"{dict(topology.dims)}")
+        idle = {n: s for n, s in topology.dims.items() if n not in self.dims and s > 1}
+        if idle:
+            return (f"mode {self.name!r} uses only the dim(s) {list(self.dims)}; the dim(s) {idle} would hold "
+                    "unsynchronised replicas (give them size 1 or pick a mode that uses them)")
+        return None
+
+
+#: Every mode the unified API applies, in display order.
+MODE_TABLE: Tuple[Mode, ...] = (
+    Mode("none", (), summary="one process, the model unchanged"),
+    Mode("dp", ("dp",), ddp=True, summary="DistributedDataParallel over dp (optionally ZeRO)"),
+    Mode("tp", ("tp",), tp=True, summary="tensor parallelism over tp"),
+    Mode("fsdp2", ("dp",), fsdp=True, summary="FSDP2 over dp"),
+    Mode("fsdp2_tp", ("dp", "tp"), fsdp=True, tp=True, summary="TP over tp, then FSDP2 over dp"),
+)
+MODES_BY_NAME: Dict[str, Mode] = {m.name: m for m in MODE_TABLE}
+#: Mode names, in display order.
+MODES: Tuple[str, ...] = tuple(MODES_BY_NAME)
+#: Names recognised only to be refused with a reason (not yet implemented).
+REFUSED_MODES = {"pp": "mode='pp' (pipeline parallelism) is not supported by the analyze/plan/apply API; "
+                       "use a pipeline schedule directly"}
+
+
+def mode_of(name: Any) -> Mode:
+    """The :class:`Mode` called ``name`` (exact); NotImplementedError for a refused name, else ValueError."""
+    if isinstance(name, str) and name in REFUSED_MODES:
+        raise NotImplementedError(REFUSED_MODES[name])
+    try:
+        return MODES_BY_NAME[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unsupported mode={name!r}; expected one of {MODES}") from None
+
+
+def names_where(predicate) -> Tuple[str, ...]:
+    """Names of the modes for which ``predicate(mode)`` holds, e.g. ``names_where(lambda m: m.tp)``."""
+    return tuple(m.name for m in MODE_TABLE if predicate(m))
+
+
+def names_text(predicate, noun: bool = True) -> str:
+    """``names_where(predicate)`` for a message: "mode 'dp'", "modes 'tp' and 'fsdp2_tp'"
+    (without "mode(s) " when ``noun`` is False)."""
+    names = [repr(n) for n in names_where(predicate)]
+    text = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+    return (("mode " if len(names) == 1 else "modes ") if noun else "") + text
