@@ -32,7 +32,7 @@ def train_step(runtime, step, batch, state, inputs, labels) -> float:
 def run_on_gloo(plan_: SNNDistributedPlan, model_name: str, steps: int) -> dict:
     """Train the zoo model on the plan's gloo ranks through :func:`launch_plan`; rank -> losses."""
     zoo = build(model_name, batch_size=plan_.batch_size)
-    result = launch_plan(zoo.model, plan_, train_step, steps=steps, optimizer={"lr": 1e-2}, backend="gloo",
+    result = launch_plan(zoo.model, plan_, train_step, steps=steps, optimizer={"lr": 1e-2}, comm_backend="gloo",
                          train_kwargs={"inputs": zoo.example_input, "labels": zoo.labels})
     return result.losses
 
@@ -48,11 +48,11 @@ def main(argv=None) -> None:
     analysis = analyze(zoo.model, model_family=zoo.family)
     print(f"== {args.model}: stateful neurons and TP candidates ==")
     print(analysis_table(analysis).to_string(index=False))
-    plans = [plan(analysis=analysis, objective=o, topology=t, backend="torch", batch_size=zoo.batch_size)
+    plans = [plan(analysis=analysis, objective=o, topology=t, neuron_backend="torch", batch_size=zoo.batch_size)
              for o in ("speed", "memory", "capacity") for t in TOPOLOGIES]
     print("\n== plans for 4 ranks ==")
     print(plans_table(plans).to_string())
-    chosen = plan(analysis=analysis, objective="memory", topology={"dp": 2, "tp": 2}, backend="torch",
+    chosen = plan(analysis=analysis, objective="memory", topology={"dp": 2, "tp": 2}, neuron_backend="torch",
                   batch_size=zoo.batch_size)
     print(f"\n== applying {chosen!r} on 4 gloo ranks for {args.steps} steps ==")
     losses = run_on_gloo(chosen, args.model, args.steps)

@@ -2,6 +2,7 @@
 model families, explicit modes and the experimental TP gates; a representative subset is applied on
 real gloo ranks (the gated TP paths are applied on ranks in test_families)."""
 import itertools
+import re
 
 import pytest
 import torch
@@ -37,6 +38,29 @@ def all_cases(worlds=range(1, 9)):
                         yield world, topology, family, objective, mode
 
 
+def _check_refusal(message: str, mode, topology) -> None:
+    """A refusal names the mode (or every mode tried) and the exact reason for each."""
+    if mode is None:
+        head = f"no mode fits topology {dict(topology.dims)} for this model: "
+        assert message.startswith(head), message
+        names = "|".join(sorted(map(re.escape, se.MODES), key=len, reverse=True))
+        parts = re.split(f"; (?=(?:{names}): )", message[len(head):])
+        reasons = dict(part.split(": ", 1) for part in parts)
+        assert reasons and set(reasons) <= set(se.MODES), message
+        for name, reason in reasons.items():  # its topology problem, or a TP fact naming the size
+            problem = topology_problem(name, topology)
+            assert reason == problem if problem else (f"tp={topology.size('tp')}" in reason
+                                                      or "no Linear" in reason), (name, message)
+        return
+    head = f"mode={mode!r} cannot be applied: "
+    assert message.startswith(head), message
+    reason, problem = message[len(head):], topology_problem(mode, topology)
+    if problem:
+        assert reason == problem, message
+    else:  # the topology fits: the model does not, and the reason says which layer / size
+        assert f"tp={topology.size('tp')}" in reason or "no Linear" in reason, message
+
+
 def test_every_plan_applies_or_raises_clearly():
     models = {f: build(name).model for f, name in FAMILY_MODELS.items()}
     analyses = {f: se.analyze(m, model_family=f) for f, m in models.items()}
@@ -44,12 +68,10 @@ def test_every_plan_applies_or_raises_clearly():
     gated = se.DistributedFeatureSet(allow_experimental_conv_tp=True, allow_experimental_spikformer_tp=True)
     for (world, topology, family, objective, mode), features in itertools.product(all_cases(), (None, gated)):
         try:
-            plan = se.plan(analysis=analyses[family], objective=objective, topology=topology, backend="torch",
+            plan = se.plan(analysis=analyses[family], objective=objective, topology=topology, neuron_backend="torch",
                            batch_size=BATCH, mode=mode, features=features)
         except (ValueError, NotImplementedError) as exc:
-            assert str(exc), "errors must say why"
-            if mode is not None:
-                assert repr(mode) in str(exc) or "mode" in str(exc)
+            _check_refusal(str(exc), mode, se.SNNDistributedTopology(topology))
             counts["refused"] += 1
             continue
         assert plan.world_size == world and topology_problem(plan.mode, plan.topology) is None
@@ -68,7 +90,7 @@ def _apply_all(world):
         zoo = build(FAMILY_MODELS[family], batch_size=2 * world)
         try:
             plan = se.plan(analysis=se.analyze(zoo.model, model_family=family), objective=objective,
-                           topology=topology, backend="torch", batch_size=2 * world, mode=mode)
+                           topology=topology, neuron_backend="torch", batch_size=2 * world, mode=mode)
         except (ValueError, NotImplementedError):
             continue
         key = (family, plan.mode, plan.mesh_dim_names, plan.mesh_shape, plan.optimizer_strategy)

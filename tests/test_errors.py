@@ -346,13 +346,10 @@ def test_pp_refused_before_anything_else():
         P(mode="pp", topology={"dp": 3})
 
 
-def test_apply_none_plan_default_device_type_is_cuda():
-    """apply() defaults to device_type='cuda': on a CPU machine even a 1-rank plan needs device_type='cpu'."""
-    if torch.cuda.is_available():
-        pytest.skip("CUDA is available here")
-    with pytest.raises(ValueError, match=r"device_type='cuda'"):
-        apply(model=MLP(), plan=mk())
-    apply(model=MLP(), plan=mk(), device_type="cpu")
+def test_apply_default_device_type_follows_the_one_rule():
+    """apply() without device_type: CUDA when available (no process group here), else the CPU."""
+    runtime = apply(model=MLP(), plan=mk())
+    assert runtime.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_errors_leave_registry_unchanged():

@@ -158,7 +158,7 @@ def test_fsdp2_replay_recovers_the_meters_peaks_and_frees_every_buffer():
     assert replay(run["log"], run["entry"])[:3] == (fwd, bwd, after)
     assert fwd > 0 and bwd > fwd and after >= run["grads"] > 0
 
-    plan = se.plan(analysis=se.analyze(model), objective="memory", backend="torch", mode="fsdp2",
+    plan = se.plan(analysis=se.analyze(model), objective="memory", neuron_backend="torch", mode="fsdp2",
                    topology={"dp": 2}, batch_size=8)
     params = local_params(trainable_shapes(model), plan, 4)
     peaks = {}

@@ -44,7 +44,7 @@ def test_modules_table_has_the_issue_columns_and_reasons():
     neurons = mods[mods["stateful"]]
     assert len(neurons) == len(ex.analysis.memory_module_names) and set(neurons["snn_library"]) == {"snntorch"}
     assert list(ex.candidates["path"]) == list(ex.analysis.tensor_parallel_candidate_names)
-    gated = ex.plan(objective="memory", topology={"dp": 2, "tp": 2}, features={"allow_experimental_conv_tp": True})
+    gated = ex.add_plan(objective="memory", topology={"dp": 2, "tp": 2}, features={"allow_experimental_conv_tp": True})
     sharded = ex.modules_for(gated).set_index("path").loc[gated.tensor_parallel_plan.keys()]
     assert (sharded["not_candidate_because"] == "").all() and (sharded["sharded_dim"] != "").all()
 
@@ -52,7 +52,7 @@ def test_modules_table_has_the_issue_columns_and_reasons():
 def test_modules_table_says_which_size_tp_fails_to_divide():
     model = SpikingMLP(in_features=16, hidden=(32, 32), num_classes=10)
     ex = Explorer(model, batch_size=4)
-    plan = ex.plan(objective="memory", topology={"dp": 2, "tp": 2})
+    plan = ex.add_plan(objective="memory", topology={"dp": 2, "tp": 2})
     table = ex.modules_for(plan)
     assert (table["not_candidate_because"][table["tp_candidate"]] == "").all()
     four = ex.modules_for(None, tp_size=4).set_index("path")
@@ -65,12 +65,12 @@ def test_plan_enumerate_and_plan_list(ex):
     again = ex.enumerate(world_size=4)
     assert len(ex.plans) == 5 and len(again) == 5  # the same plans are not added twice
     other = Explorer.from_zoo("mlp")
-    p = other.plan(objective="memory", topology={"dp": 2, "tp": 2})
+    p = other.add_plan(objective="memory", topology={"dp": 2, "tp": 2})
     assert other.plans == [p] and p.mode == "fsdp2_tp"
     other.remove(p)
     assert other.plans == []
     with pytest.raises(ValueError, match="does not divide|not divisible"):
-        other.plan(topology={"dp": 3}, batch_size=8)
+        other.add_plan(topology={"dp": 3}, batch_size=8)
 
 
 def test_compare_rows_come_from_the_estimator(ex):
@@ -121,7 +121,7 @@ def test_text_tables_for_a_terminal(ex):
 
 def test_estimates_need_an_example_input():
     ex = Explorer(SpikingMLP(in_features=8, hidden=(8,), num_classes=4))
-    ex.plan(topology={"dp": 2}, batch_size=2)
+    ex.add_plan(topology={"dp": 2}, batch_size=2)
     with pytest.raises(ValueError, match="example_input"):
         ex.compare()
 
@@ -208,7 +208,7 @@ def test_tables_are_the_same_on_every_call(ex):
 def test_apply_single_process_plan():
     zoo = build("mlp")
     ex = Explorer.from_zoo(zoo)
-    runtime = ex.apply(ex.plan(topology={"dp": 1}))
+    runtime = ex.apply(ex.add_plan(topology={"dp": 1}))
     assert runtime.plan.mode == "none"
     assert runtime.model(zoo.example_input).shape == (zoo.time_steps, zoo.batch_size, zoo.num_classes)
 
@@ -227,8 +227,8 @@ def _step(runtime, step, batch, state, inputs, labels):
 def test_launch_hands_the_plan_to_launch_plan():
     zoo = build("mlp")
     ex = Explorer.from_zoo(zoo)
-    plan = ex.plan(topology={"dp": 2})
-    result = ex.launch(plan, _step, steps=1, backend="gloo", progress=False, timeout=120,
+    plan = ex.add_plan(topology={"dp": 2})
+    result = ex.launch(plan, _step, steps=1, comm_backend="gloo", progress=False, timeout=120,
                        train_kwargs={"inputs": zoo.example_input, "labels": zoo.labels})
     assert sorted(result.losses) == [0, 1] and all(len(v) == 1 for v in result.losses.values())
 

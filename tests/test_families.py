@@ -39,7 +39,7 @@ def _one_step(zoo_name, topology, mode, gates):
     crit(ref_out.mean(0), y).backward()
     model = zoo.model.double()
     plan = se.plan(analysis=se.analyze(model, model_family=zoo.family), objective="memory", topology=topology,
-                   backend="torch", batch_size=zoo.batch_size, mode=mode,
+                   neuron_backend="torch", batch_size=zoo.batch_size, mode=mode,
                    features=se.DistributedFeatureSet(**gates))
     runtime = se.apply(model=model, plan=plan, device_type="cpu")
     share, start = plan.per_rank_batch, runtime.dp_rank * plan.per_rank_batch

@@ -1,12 +1,11 @@
 """Rule-based strategy recommendation from objective, world size and model family."""
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any, Tuple
 
 from .plans.families import VGG, resolve_family
-from .validate import positive_int
+from .validate import UNSET, positive_int, renamed_keyword
 
 #: Objectives the planner optimises for.
 SNN_DISTRIBUTED_PREFERENCES = ("speed", "memory", "capacity")
@@ -36,24 +35,10 @@ def check_backend(backend, name: str = "neuron_backend") -> str:
     return backend.lower()
 
 
-class _Unset:
-    def __repr__(self) -> str:
-        return "<unset>"
-
-
-#: Default of the deprecated ``backend=`` keywords: tells "not given" from any value.
-UNSET = _Unset()
-
-
 def neuron_backend_arg(neuron_backend: Any, backend: Any = UNSET) -> Any:
     """``neuron_backend``, or the value of the deprecated ``backend`` keyword (with a DeprecationWarning)."""
-    if backend is UNSET:
-        return neuron_backend
-    if neuron_backend != "torch":
-        raise TypeError(f"give neuron_backend={neuron_backend!r} or the deprecated backend={backend!r}, not both")
-    warnings.warn("the keyword backend= is deprecated; use neuron_backend= (the neuron compute backend)",
-                  DeprecationWarning, stacklevel=3)
-    return backend
+    return renamed_keyword("neuron_backend", neuron_backend, "torch", "backend", backend,
+                           what="the neuron compute backend")
 
 
 def check_batch_size(batch_size) -> int:

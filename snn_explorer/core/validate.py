@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from typing import Any, Optional
 
 
@@ -25,6 +26,26 @@ def positive_number(name: str, value: Any, *, what: str = "", allow_none: bool =
         tail = " or None" if allow_none else ""
         raise ValueError(f"{name}={value!r} must be a finite positive number{_what(what)}{tail}")
     return float(value)
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+#: Default of a deprecated keyword: tells "not given" from any value.
+UNSET = _Unset()
+
+
+def renamed_keyword(name: str, value: Any, default: Any, old_name: str, old_value: Any, what: str = "") -> Any:
+    """``value`` of keyword ``name``, or that of its deprecated old name (with a DeprecationWarning)."""
+    if old_value is UNSET:
+        return value
+    if value != default:
+        raise TypeError(f"give {name}={value!r} or the deprecated {old_name}={old_value!r}, not both")
+    warnings.warn(f"the keyword {old_name}= is deprecated; use {name}={_what(what)}", DeprecationWarning,
+                  stacklevel=3)
+    return old_value
 
 
 def _what(what: str) -> str:

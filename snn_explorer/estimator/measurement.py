@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..core import SNNDistributedPlan
+from ..core.parallelize.mesh import comm_backend_for
 from ._spawn import run_on_ranks
 from ._step import OPTIMIZERS, batch_slice, check_optimizer, forward_loss
 from .plan_estimate import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
@@ -262,7 +263,7 @@ def measure_many(model: nn.Module, plans: Sequence[SNNDistributedPlan], *, examp
         raise ValueError(f"device='cuda' needs one GPU per rank: {max(worlds)} ranks, {count} GPU(s) visible")
     run = _Settings(example_input, labels, steps, optimizer,
                     dtype or next((p.dtype for p in model.parameters()), example_input.dtype), lr, device)
-    backend = "nccl" if device == "cuda" else "gloo"
+    backend = comm_backend_for(device)
     out: Dict[int, PlanMeasurement] = {}
     for world in worlds:
         idx = [i for i, p in enumerate(plans) if p.world_size == world]

@@ -1,12 +1,14 @@
 """Explorer: one model's analysis, a list of plans, their estimates, tables and charts."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze, apply, plan as core_plan
+from ..core.recommend import UNSET, check_backend, neuron_backend_arg
 from ..core.tp_plan import auto_tp_plan, conv_tp_plan, head_aligned_tp_plan
 
 # pandas, matplotlib and the estimator load on first use (see the package docstring).
@@ -29,13 +31,15 @@ class Explorer:
 
     ``example_input`` ``[T, N, ...]`` (the global batch of one step) is what the estimator
     profiles, once; without it plans and module tables work but estimates do not. ``time_steps``
-    (default ``T``) and ``batch_size`` (default ``N``) are the defaults of new plans and estimates.
+    (default ``T``) and ``batch_size`` (default ``N``) are the defaults of new plans and estimates;
+    ``neuron_backend`` (``backend``: its deprecated name) that of new plans.
     """
 
     def __init__(self, model: nn.Module, *, example_input: Optional[torch.Tensor] = None,
                  time_steps: Optional[int] = None, model_family: Optional[str] = None,
                  roots: Optional[Sequence[str]] = None, labels: Optional[torch.Tensor] = None,
-                 batch_size: Optional[int] = None, backend: str = "torch", optimizer: str = "adam"):
+                 batch_size: Optional[int] = None, neuron_backend: str = "torch", optimizer: str = "adam",
+                 backend: Any = UNSET):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Explorer expects a torch.nn.Module, got {type(model).__name__}")
         if example_input is not None and (not isinstance(example_input, torch.Tensor) or example_input.dim() < 2):
@@ -46,7 +50,8 @@ class Explorer:
                               example_input.shape[0] if example_input is not None else 1)
         self.batch_size = int(batch_size if batch_size is not None else
                               example_input.shape[1] if example_input is not None else 1)
-        self.backend, self.optimizer = backend, optimizer
+        self.neuron_backend = check_backend(neuron_backend_arg(neuron_backend, backend))
+        self.optimizer = optimizer
         self._plans: List[SNNDistributedPlan] = []
         self._estimates: Dict[tuple, Any] = {}
         self._profile = None
@@ -102,10 +107,11 @@ class Explorer:
     # ---- plans
     @property
     def plans(self) -> List[SNNDistributedPlan]:
-        """The plans added so far (by :meth:`plan`, :meth:`enumerate` or pinning), in order."""
+        """The plans added so far (by :meth:`add_plan`, :meth:`add`, :meth:`enumerate` or pinning), in order."""
         return list(self._plans)
 
     def add(self, plan: SNNDistributedPlan) -> SNNDistributedPlan:
+        """Add ``plan`` to :attr:`plans` (once); returns it."""
         if not isinstance(plan, SNNDistributedPlan):
             raise TypeError(f"expected an SNNDistributedPlan, got {type(plan).__name__}")
         if plan not in self._plans:
@@ -123,12 +129,18 @@ class Explorer:
                   tensor_parallel_plan: Optional[Mapping[str, str]] = None) -> SNNDistributedPlan:
         """The plan :func:`snn_explorer.plan` gives for these choices, without adding it."""
         return core_plan(analysis=self.analysis, objective=objective, topology=topology if topology is not None else 1,
-                         backend=self.backend, batch_size=batch_size if batch_size is not None else self.batch_size,
+                         neuron_backend=self.neuron_backend, batch_size=batch_size if batch_size is not None else self.batch_size,
                          mode=mode, features=as_features(features), tensor_parallel_plan=tensor_parallel_plan)
 
-    def plan(self, **choices) -> SNNDistributedPlan:
+    def add_plan(self, **choices) -> SNNDistributedPlan:
         """:meth:`make_plan` and add the plan to :attr:`plans`; returns it."""
         return self.add(self.make_plan(**choices))
+
+    def plan(self, **choices) -> SNNDistributedPlan:
+        """Deprecated name of :meth:`add_plan` (unlike the pure :func:`snn_explorer.plan`, it adds the plan)."""
+        warnings.warn("Explorer.plan() is deprecated: it adds the plan to the explorer; call add_plan() "
+                      "(or make_plan() for the plan alone)", DeprecationWarning, stacklevel=2)
+        return self.add_plan(**choices)
 
     def enumerate(self, world_size: int, *, batch_size: Optional[int] = None, features: FeaturesLike = None,
                   objective: str = "speed"):
@@ -137,7 +149,7 @@ class Explorer:
 
         plans = enumerate_plans(self.analysis, world_size=world_size,
                                 batch_size=batch_size if batch_size is not None else self.batch_size,
-                                backend=self.backend, features=as_features(features), objective=objective)
+                                neuron_backend=self.neuron_backend, features=as_features(features), objective=objective)
         for p in plans:
             self.add(p)
         return plans
@@ -175,7 +187,7 @@ class Explorer:
                 features = as_features({"allow_experimental_conv_tp": conv, "allow_experimental_spikformer_tp": heads})
                 for objective in ("speed", "memory"):
                     for p in enumerate_plans(self.analysis, world_size=world_size, batch_size=batch,
-                                             backend=self.backend, features=features, objective=objective):
+                                             neuron_backend=self.neuron_backend, features=features, objective=objective):
                         plans.setdefault((p.tp_size, p.per_rank_batch, tuple(sorted(p.tensor_parallel_plan.items()))), p)
         for p in plans.values():
             self.estimate(p, time_steps)
@@ -246,8 +258,9 @@ class Explorer:
         return mesh_chart(self.layout(plan, module), plan, module)
 
     # ---- running
-    def apply(self, plan: SNNDistributedPlan, *, device_type: str = "cpu", device_mesh=None):
-        """:func:`snn_explorer.apply` on this rank (inside an initialised process group); returns the runtime."""
+    def apply(self, plan: SNNDistributedPlan, *, device_type: Optional[str] = None, device_mesh=None):
+        """:func:`snn_explorer.apply` on this rank (inside an initialised process group); returns the runtime.
+        ``device_type`` defaults as there (the process group's, else CUDA when available)."""
         return apply(model=self.model, plan=plan, device_type=device_type, device_mesh=device_mesh)
 
     def launch(self, plan: SNNDistributedPlan, train_fn: Callable, **kwargs):

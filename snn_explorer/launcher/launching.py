@@ -20,6 +20,7 @@ from .errors import LaunchError, RankFailure, cause_order
 from .process import AgentProcess
 from .progress import Tracker
 from .result import LaunchResult
+from ..core.validate import UNSET, renamed_keyword
 
 BACKENDS = ("auto", "gloo", "nccl")
 #: Seconds the agent gets to end the other ranks after a failure before the launcher ends the tree.
@@ -34,9 +35,9 @@ POLL_S = 0.05
 
 
 def resolve_backend(backend: str, nprocs: int) -> str:
-    """``auto``: NCCL when CUDA has at least ``nprocs`` devices, else gloo."""
+    """The communication backend: ``auto`` is NCCL when CUDA has at least ``nprocs`` devices, else gloo."""
     if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
+        raise ValueError(f"comm_backend={backend!r}; expected one of {BACKENDS}")
     if backend != "auto":
         return backend
     import torch
@@ -177,14 +178,14 @@ def _wait(agent: AgentProcess, reader: channel.EventReader, tracker: Tracker, di
         time.sleep(POLL_S)
 
 
-def launch(fn: Callable, *args: Any, nprocs: int, backend: str = "auto", timeout: Optional[float] = 900.0,
+def launch(fn: Callable, *args: Any, nprocs: int, comm_backend: str = "auto", timeout: Optional[float] = 900.0,
            env: Optional[Mapping[str, str]] = None, progress: Union[bool, Callable, None] = True,
-           log_dir: Optional[str] = None, **kwargs: Any) -> LaunchResult:
+           log_dir: Optional[str] = None, backend: Any = UNSET, **kwargs: Any) -> LaunchResult:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` ranks with the process group initialised.
 
     ``fn`` may be a lambda, closure or notebook function: it is shipped by value (cloudpickle).
-    ``backend``: ``"auto"`` (NCCL when CUDA has ``nprocs`` devices, else gloo), ``"gloo"`` or
-    ``"nccl"`` (one GPU per rank). ``timeout``: seconds a rank may go without a heartbeat (its
+    ``comm_backend`` (``backend``: its deprecated name): ``"auto"`` (NCCL when CUDA has ``nprocs``
+    devices, else gloo), ``"gloo"`` or ``"nccl"`` (one GPU per rank). ``timeout``: seconds a rank may go without a heartbeat (its
     start, each :func:`report`, its end) before the launch is ended (starting may take up to
     ``max(timeout, 120)`` s); None waits forever.
     ``env``: extra environment variables for the ranks. ``progress``: True (widgets in a
@@ -192,7 +193,7 @@ def launch(fn: Callable, *args: Any, nprocs: int, backend: str = "auto", timeout
     each rank's stdout/stderr there (they are always on the result). Raises :class:`LaunchError`.
     """
     _check(nprocs, timeout)
-    backend = resolve_backend(backend, nprocs)
+    backend = resolve_backend(renamed_keyword("comm_backend", comm_backend, "auto", "backend", backend), nprocs)
     payload = payloads.dumps(fn, args, kwargs)
     for attempt in range(1, INIT_RETRIES + 2):
         try:

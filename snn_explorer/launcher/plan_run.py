@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 from .launching import launch, resolve_backend
 from .progress import _number, report
 from .result import TrainResult
+from ..core.validate import UNSET, renamed_keyword
 
 DEFAULT_OPTIMIZER = {"lr": 1e-3}
 
@@ -69,13 +70,13 @@ def train_plan_rank(model, plan_data: dict, train_fn: Callable, steps: int, data
 
 
 def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None,
-                optimizer: Optional[dict] = DEFAULT_OPTIMIZER, seed: int = 0, backend: str = "auto",
+                optimizer: Optional[dict] = DEFAULT_OPTIMIZER, seed: int = 0, comm_backend: str = "auto",
                 timeout: Optional[float] = 900.0, env: Optional[Mapping[str, str]] = None, progress=True,
-                log_dir: Optional[str] = None, train_kwargs: Optional[dict] = None) -> TrainResult:
+                log_dir: Optional[str] = None, train_kwargs: Optional[dict] = None, backend=UNSET) -> TrainResult:
     """Run ``plan`` for ``model`` on ``plan.world_size`` ranks, ``steps`` calls of ``train_fn`` each.
 
     The model travels by value; each rank applies the plan on CPU (gloo) or its own GPU (NCCL),
-    as ``backend`` implies. See the module docstring for ``train_fn``'s signature. Returns a
+    as ``comm_backend`` (``backend``: its deprecated name) implies. See the module docstring for ``train_fn``'s signature. Returns a
     :class:`TrainResult` (``.losses``: rank -> per-step losses); raises ``LaunchError``.
     """
     from ..core import SNNDistributedPlan, preflight
@@ -85,9 +86,10 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps={steps!r} must be a positive int")
     preflight(model, plan)
-    backend = resolve_backend(backend, plan.world_size)
+    backend = resolve_backend(renamed_keyword("comm_backend", comm_backend, "auto", "backend", backend),
+                              plan.world_size)
     result = launch(train_plan_rank, model, plan.to_dict(), train_fn, steps, dataset,
                     "cuda" if backend == "nccl" else "cpu", optimizer, seed, train_kwargs,
-                    nprocs=plan.world_size, backend=backend, timeout=timeout, env=env, progress=progress,
+                    nprocs=plan.world_size, comm_backend=backend, timeout=timeout, env=env, progress=progress,
                     log_dir=log_dir)
     return TrainResult(**{f.name: getattr(result, f.name) for f in dataclasses.fields(result)})

@@ -11,10 +11,10 @@ from ..plan_types import SNNDistributedPlan
 from ..tp_plan import check_tp_plan
 from .dp import apply_ddp
 from .fsdp import apply_fsdp2
-from .mesh import build_mesh, check_device_type, check_process_group, local_device
+from .mesh import build_mesh, check_device_type, check_process_group, default_device_type, local_device
 from .tp import apply_tp
 
-__all__ = ["apply", "preflight", "apply_ddp", "apply_fsdp2", "apply_tp"]
+__all__ = ["apply", "preflight", "apply_ddp", "apply_fsdp2", "apply_tp", "default_device_type"]
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -55,11 +55,13 @@ def _set_neuron_backend(model: nn.Module, backend: str) -> None:
             module.backend = backend
 
 
-def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: str = "cuda", device_mesh=None):
+def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: Optional[str] = None, device_mesh=None):
     """Distribute ``model`` in place as ``plan`` says and return an :class:`SNNDistributedRuntime`.
 
     Call on every rank of an initialised process group whose size is the plan's world size
-    (``mode='none'`` needs none). ``device_type`` selects the mesh device ('cuda' or 'cpu').
+    (``mode='none'`` needs none). ``device_type`` selects the mesh device ('cuda' or 'cpu'; default:
+    the process group's, else CUDA when available). A ``device_mesh`` of your own must carry the
+    plan's ``mesh_dim_names`` and ``mesh_shape``.
     """
     from ..runtime import SNNDistributedRuntime
 

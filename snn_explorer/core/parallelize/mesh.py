@@ -13,7 +13,23 @@ from ..plan_types import SNNDistributedPlan
 DEVICE_TYPES = ("cpu", "cuda")
 
 
-def check_device_type(device_type: str) -> str:
+def default_device_type() -> str:
+    """The one rule for a device nobody named: the initialised process group's (NCCL: 'cuda', else
+    'cpu'); without one, 'cuda' when CUDA is available, else 'cpu'."""
+    if dist.is_available() and dist.is_initialized():
+        return "cuda" if "nccl" in str(dist.get_backend()).lower() else "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def comm_backend_for(device_type: str) -> str:
+    """The communication backend for ``device_type``: NCCL on CUDA, gloo on the CPU."""
+    return "nccl" if check_device_type(device_type) == "cuda" else "gloo"
+
+
+def check_device_type(device_type: Optional[str]) -> str:
+    """``device_type`` checked (None: :func:`default_device_type`)."""
+    if device_type is None:
+        return default_device_type()
     device_type = device_type.lower() if isinstance(device_type, str) else device_type
     if device_type not in DEVICE_TYPES:
         raise ValueError(f"device_type={device_type!r}; expected one of {DEVICE_TYPES}")
@@ -36,14 +52,17 @@ def check_process_group(plan: SNNDistributedPlan) -> None:
 
 
 def check_mesh(mesh: DeviceMesh, plan: SNNDistributedPlan) -> None:
-    size = int(mesh.mesh.numel())
-    if size != plan.world_size:
-        raise ValueError(f"device_mesh spans {size} ranks, but plan.topology.world_size={plan.world_size}")
-    names = mesh.mesh_dim_names
-    if names is not None and tuple(names) != plan.mesh_dim_names:
-        raise ValueError(f"device_mesh dims {tuple(names)} differ from the plan's {plan.mesh_dim_names}")
-    if tuple(mesh.mesh.shape) != plan.mesh_shape:
-        raise ValueError(f"device_mesh shape {tuple(mesh.mesh.shape)} differs from the plan's {plan.mesh_shape}")
+    """A user's ``device_mesh`` must have the plan's dim names, in order, and shape."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}")
+    names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names is not None else None
+    shape = tuple(mesh.mesh.shape)
+    if names != plan.mesh_dim_names or shape != plan.mesh_shape:
+        given = "no mesh_dim_names" if names is None else f"mesh_dim_names={names}"
+        raise ValueError(f"device_mesh has {given} and shape {shape} ({int(mesh.mesh.numel())} ranks), but the plan "
+                         f"needs mesh_dim_names={plan.mesh_dim_names} and shape {plan.mesh_shape} "
+                         f"(world_size={plan.world_size}; e.g. init_device_mesh(device_type, "
+                         f"{plan.mesh_shape}, mesh_dim_names={plan.mesh_dim_names}), or pass device_mesh=None)")
 
 
 def build_mesh(plan: SNNDistributedPlan, device_type: str, mesh: Optional[DeviceMesh] = None) -> Optional[DeviceMesh]:
