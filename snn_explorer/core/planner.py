@@ -55,7 +55,8 @@ def _tp_for(mode: Mode, analysis: SNNDistributedAnalysis, topology: SNNDistribut
     if not tp_plan:
         roots = f" under roots {analysis.tensor_parallel_roots}" if analysis.tensor_parallel_roots else ""
         convs = " (conv layers need allow_experimental_conv_tp=True)" if analysis.conv_shapes else ""
-        return {}, f"mode {mode.name!r} needs tensor-parallel candidates, but analysis found no Linear layer{roots}{convs}"
+        return {}, (f"mode {mode.name!r} needs tensor-parallel candidates, but analysis found no Linear "
+                    f"layer{roots}{convs}")
     try:
         check_tp_plan(analysis, tp_plan, topology.size("tp"))
     except ValueError as exc:

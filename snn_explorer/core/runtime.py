@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from . import neurons
 from .analysis import SNNDistributedAnalysis
 from .plan_types import SNNDistributedPlan
+from .validate import positive_int
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -80,10 +81,10 @@ class SNNDistributedRuntime:
         Call :meth:`set_epoch` each epoch to reshuffle.
         """
         batch_size = self.plan.batch_size if batch_size is None else batch_size
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size={batch_size!r} must be a positive int (global batch)")
+        batch_size = positive_int("batch_size", batch_size, what="the loader's global batch")
         if batch_size % self.dp_size:
-            raise ValueError(f"batch_size={batch_size} (global) is not divisible by dp={self.dp_size}")
+            raise ValueError(f"batch_size={batch_size} (the loader's global batch) is not divisible by "
+                             f"dp={self.dp_size}")
         sampler = None
         if self.dp_size > 1:
             sampler = DistributedSampler(dataset, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=shuffle,

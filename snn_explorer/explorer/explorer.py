@@ -129,7 +129,8 @@ class Explorer:
                   tensor_parallel_plan: Optional[Mapping[str, str]] = None) -> SNNDistributedPlan:
         """The plan :func:`snn_explorer.plan` gives for these choices, without adding it."""
         return core_plan(analysis=self.analysis, objective=objective, topology=topology if topology is not None else 1,
-                         neuron_backend=self.neuron_backend, batch_size=batch_size if batch_size is not None else self.batch_size,
+                         neuron_backend=self.neuron_backend,
+                         batch_size=batch_size if batch_size is not None else self.batch_size,
                          mode=mode, features=as_features(features), tensor_parallel_plan=tensor_parallel_plan)
 
     def add_plan(self, **choices) -> SNNDistributedPlan:
@@ -187,7 +188,8 @@ class Explorer:
                 features = as_features({"allow_experimental_conv_tp": conv, "allow_experimental_spikformer_tp": heads})
                 for objective in ("speed", "memory"):
                     for p in enumerate_plans(self.analysis, world_size=world_size, batch_size=batch,
-                                             neuron_backend=self.neuron_backend, features=features, objective=objective):
+                                             neuron_backend=self.neuron_backend, features=features,
+                                             objective=objective):
                         plans.setdefault((p.tp_size, p.per_rank_batch, tuple(sorted(p.tensor_parallel_plan.items()))), p)
         for p in plans.values():
             self.estimate(p, time_steps)

@@ -76,7 +76,8 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
     """Run ``plan`` for ``model`` on ``plan.world_size`` ranks, ``steps`` calls of ``train_fn`` each.
 
     The model travels by value; each rank applies the plan on CPU (gloo) or its own GPU (NCCL),
-    as ``comm_backend`` (``backend``: its deprecated name) implies. See the module docstring for ``train_fn``'s signature. Returns a
+    as ``comm_backend`` (``backend``: its deprecated name) implies. See the module docstring for
+    ``train_fn``'s signature. Returns a
     :class:`TrainResult` (``.losses``: rank -> per-step losses); raises ``LaunchError``.
     """
     from ..core import SNNDistributedPlan, preflight
