@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import pandas as pd
@@ -49,7 +49,6 @@ class PlanMeasurement:
     collectives_agree: bool
     comm_debug_counts: Optional[Dict[str, int]] = None
     steps: int = 3
-    by_rank: List[dict] = field(default_factory=list, repr=False)
 
     @property
     def peak_bytes(self) -> int:
@@ -246,7 +245,7 @@ def _assemble(plan: SNNDistributedPlan, results: Sequence[dict], steps: int) -> 
     times = [sum(r["times"]) / len(r["times"]) for r in results]
     return PlanMeasurement(plan=plan, per_rank=per_rank.reset_index(drop=True), collectives=collectives,
                            step_time_s=times, samples_per_s=plan.batch_size / max(times), collectives_agree=agree,
-                           comm_debug_counts=results[0]["debug"], steps=steps, by_rank=list(results))
+                           comm_debug_counts=results[0]["debug"], steps=steps)
 
 
 def measure_many(model: nn.Module, plans: Sequence[SNNDistributedPlan], *, example_input: torch.Tensor,

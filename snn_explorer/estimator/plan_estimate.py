@@ -15,8 +15,8 @@ all-gather and reduce-scatter buffers and unsharded parameters (:mod:`.fsdp_time
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import pandas as pd
 import torch
@@ -52,7 +52,6 @@ class PlanEstimate:
     time_steps: int
     optimizer: str
     memory_budget: Optional[int] = None
-    details: Dict[str, float] = field(default_factory=dict, repr=False)
 
     @property
     def batch_per_rank(self) -> int:
@@ -138,8 +137,7 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     else:
         verdict = f"does not fit: peak {_mib(peak)} exceeds the {_mib(memory_budget)} budget per device"
     return PlanEstimate(plan=plan, per_rank=per_rank, collectives=collectives, verdict=verdict, time_steps=t,
-                        optimizer=optimizer, memory_budget=memory_budget,
-                        details=dict(saved=saved_local, forward=fwd, backward=bwd, after_backward=after_bwd))
+                        optimizer=optimizer, memory_budget=memory_budget)
 
 
 def estimate_all(model: nn.Module, plans, *, example_input: torch.Tensor, **kwargs) -> pd.DataFrame:

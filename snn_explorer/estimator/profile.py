@@ -86,7 +86,6 @@ class ModelProfile:
 
     modules: Dict[str, ModuleProfile]
     input_bytes: Fit
-    grads_bytes: int
     grad_ready_order: Tuple[str, ...]
     dtype: torch.dtype
     params: tuple = ()  # (name, shape) of the trainable parameters (sharding.trainable_shapes)
@@ -292,7 +291,7 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
             input_requires_grad=any(p["rg"].get(name, False) for p in points),
         )
     return ModelProfile(modules=modules, input_bytes=_fit(points, lambda p: p["input"]),
-                        grads_bytes=points[0]["grads"], grad_ready_order=points[-1]["order"], dtype=dtype,
+                        grad_ready_order=points[-1]["order"], dtype=dtype,
                         params=trainable_shapes(model), buffers=plain_buffers(model), fsdp_units=fsdp_units(model),
                         model=model, example_input=example_input, labels=labels)
 

@@ -20,7 +20,7 @@ from .errors import LaunchError, RankFailure, cause_order
 from .process import AgentProcess
 from .progress import Tracker
 from .result import LaunchResult
-from ..core.validate import UNSET, renamed_keyword
+from ..core.validate import UNSET, positive_int, positive_number, renamed_keyword
 
 BACKENDS = ("auto", "gloo", "nccl")
 #: Seconds the agent gets to end the other ranks after a failure before the launcher ends the tree.
@@ -46,10 +46,8 @@ def resolve_backend(backend: str, nprocs: int) -> str:
 
 
 def _check(nprocs: Any, timeout: Any) -> None:
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs={nprocs!r} must be a positive int")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds or None")
+    positive_int("nprocs", nprocs)
+    positive_number("timeout", timeout, what="seconds", allow_none=True)
 
 
 def _rank_env(run_dir: str, backend: str, env: Optional[Mapping[str, str]]) -> Dict[str, str]:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 from .launching import launch, resolve_backend
 from .progress import _number, report
 from .result import TrainResult
-from ..core.validate import UNSET, renamed_keyword
+from ..core.validate import UNSET, positive_int, renamed_keyword
 
 DEFAULT_OPTIMIZER = {"lr": 1e-3}
 
@@ -84,8 +84,7 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
 
     if not isinstance(plan, SNNDistributedPlan):
         raise TypeError(f"plan must be an SNNDistributedPlan, got {type(plan).__name__}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r} must be a positive int")
+    positive_int("steps", steps)
     preflight(model, plan)
     backend = resolve_backend(renamed_keyword("comm_backend", comm_backend, "auto", "backend", backend),
                               plan.world_size)

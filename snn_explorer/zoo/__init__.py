@@ -14,6 +14,7 @@ import snntorch
 import torch
 from torch import nn
 
+from ..core.validate import positive_int
 from ._neurons import ATanSurrogate, MultiStep, SeqWise, conv_bn_lif, lif
 from .mlp import SpikingMLP
 from .spikformer import Spikformer, SpikformerBlock, SpikingSelfAttention
@@ -120,8 +121,7 @@ def build(name: str, size: str = "tiny", *, seed: int = 0, batch_size: Optional[
     kw = cfg["kw"]
     T = cfg["T"] if time_steps is None else time_steps
     N = cfg["N"] if batch_size is None else batch_size
-    if T < 1 or N < 1:
-        raise ValueError(f"time_steps and batch_size must be >= 1, got {T} and {N}")
+    T, N = positive_int("time_steps", T), positive_int("batch_size", N)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = make(kw)
