@@ -719,3 +719,60 @@ def test_every_returned_plan_fits_topology_and_model(objective, topology):
             assert "tp" in p.mesh_dim_names and p.topology.size("dp") == 1
         se.preflight(model, p)
         assert SNNDistributedPlan.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+
+
+# ---- the mode table ----------------------------------------------------------------------------
+
+# What each mode is, written out by hand: (dims, ddp, fsdp, tp).
+MODE_FACTS = {
+    "none": ((), False, False, False),
+    "dp": (("dp",), True, False, False),
+    "tp": (("tp",), False, False, True),
+    "fsdp2": (("dp",), False, True, False),
+    "fsdp2_tp": (("dp", "tp"), False, True, True),
+}
+
+
+def test_mode_table_rows():
+    from snn_explorer.core.modes import MODE_TABLE, MODES, mode_of
+
+    assert se.MODES == MODES == tuple(MODE_FACTS) == tuple(m.name for m in MODE_TABLE)
+    for name, (dims, ddp, fsdp, tp) in MODE_FACTS.items():
+        m = mode_of(name)
+        assert (m.dims, m.ddp, m.fsdp, m.tp) == (dims, ddp, fsdp, tp), name
+        assert m.distributed == (name != "none") and m.allows_zero == (name == "dp")
+    with pytest.raises(ValueError, match=r"unsupported mode='ddp'; expected one of \('none', 'dp'"):
+        mode_of("ddp")
+    with pytest.raises(NotImplementedError, match="pipeline"):
+        mode_of("pp")
+
+
+@pytest.mark.parametrize("name,topology,memopt,sizes", [
+    ("none", {"dp": 1}, 1, (1, 1)),
+    ("dp", {"dp": 4}, 1, (4, 1)),
+    ("tp", {"tp": 2}, 1, (1, 2)),
+    ("fsdp2", {"dp": 2}, 0, (2, 1)),
+    ("fsdp2", {"dp": 2}, 1, (2, 1)),
+    ("fsdp2_tp", {"dp": 2, "tp": 2}, 1, (2, 2)),
+])
+def test_plan_facts_follow_the_mode(name, topology, memopt, sizes):
+    dims, ddp, fsdp, tp = MODE_FACTS[name]
+    p = SNNDistributedPlan(mode=name, objective="speed", topology=topology, batch_size=8, memopt_level=memopt,
+                           tensor_parallel_plan={"head": "colwise_gather"} if tp else {})
+    assert (p.uses_ddp, p.uses_fsdp, p.uses_tp, p.distributed) == (ddp, fsdp, tp, bool(dims))
+    assert (p.dp_size, p.tp_size) == sizes == (p.dim_size("dp"), p.dim_size("tp"))
+    assert p.reshard_after_forward == (fsdp and memopt == 1)
+    assert p.mode_spec.name == name and p.to_dict()["mode"] == name  # JSON keeps the name
+
+
+def test_no_mode_name_tests_outside_the_mode_table():
+    """Code asks a plan's predicates (uses_fsdp, uses_tp, ...), never compares mode names."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(se.__file__).parent
+    pattern = re.compile(r"""\b(mode|chosen)\s*(==|!=|\bin\b|\bnot in\b)\s*[("']|startswith\("fsdp""")
+    hits = [f"{path.relative_to(root)}:{n}: {line.strip()}"
+            for path in root.rglob("*.py") if path.name != "modes.py"
+            for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not hits, hits
