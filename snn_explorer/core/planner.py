@@ -87,7 +87,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     if not isinstance(analysis, SNNDistributedAnalysis):
         raise TypeError(f"analysis must come from analyze(), got {type(analysis).__name__}")
     objective = check_objective(objective)
-    backend = check_backend(neuron_backend_arg(neuron_backend, backend))
+    neuron_backend = check_backend(neuron_backend_arg(neuron_backend, backend))
     batch_size = check_batch_size(batch_size)
     topology = SNNDistributedTopology.coerce(topology)
     features = features if features is not None else DistributedFeatureSet()
@@ -99,7 +99,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     if model_family is not None:
         family, family_note = resolve_family(None, model_family)
         notes.extend([family_note] if family_note else [])
-    _check_backend_support(backend, analysis)
+    _check_backend_support(neuron_backend, analysis)
     if tensor_parallel_plan is not None:
         if not isinstance(tensor_parallel_plan, Mapping) or not tensor_parallel_plan:
             raise ValueError(f"tensor_parallel_plan={tensor_parallel_plan!r} must be a non-empty mapping "
@@ -108,7 +108,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
             raise ValueError(f"tensor_parallel_plan is only used by {_tp_modes()}, not mode={mode!r}")
 
     rec = recommend_snn_distributed_strategy(family, world_size=topology.world_size, prefer=objective,
-                                             batch_size=batch_size, neuron_backend=backend)
+                                             batch_size=batch_size, neuron_backend=neuron_backend)
     if mode is not None:
         tp_plan, problem = _problem(mode, analysis, topology, tensor_parallel_plan, features)
         if problem:
@@ -150,17 +150,18 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
         notes.append(f"{len(analysis.batchnorm_names)} BatchNorm layer(s) normalise over each rank's share of the "
                      "batch in training mode (convert to SyncBatchNorm on CUDA for global statistics).")
     return SNNDistributedPlan(
-        mode=chosen, objective=objective, topology=topology, model_family=family, neuron_backend=backend,
-        batch_size=batch_size, optimizer_strategy="zero" if zero else "none", memopt_level=rec.memopt_level,
+        mode=chosen, objective=objective, topology=topology, model_family=family,
+        neuron_backend=neuron_backend, batch_size=batch_size, optimizer_strategy="zero" if zero else "none",
+        memopt_level=rec.memopt_level,
         rationale=rec.rationale, notes=tuple(notes), tensor_parallel_roots=analysis.tensor_parallel_roots,
         tensor_parallel_plan=tp_plan, fsdp_units=analysis.fsdp_unit_names if spec.fsdp else (),
         experimental_features=features,
     )
 
 
-def _check_backend_support(backend: str, analysis: SNNDistributedAnalysis) -> None:
-    if backend in ("cupy", "triton"):
+def _check_backend_support(neuron_backend: str, analysis: SNNDistributedAnalysis) -> None:
+    if neuron_backend in ("cupy", "triton"):
         others = [n for n, lib in analysis.snn_libraries if lib != "spikingjelly"]
         if others:
-            raise ValueError(f"neuron_backend={backend!r} is a spikingjelly neuron backend, but {others[0]!r} is not "
-                             "a spikingjelly neuron; use neuron_backend='torch'")
+            raise ValueError(f"neuron_backend={neuron_backend!r} is a spikingjelly neuron backend, but "
+                             f"{others[0]!r} is not a spikingjelly neuron; use neuron_backend='torch'")

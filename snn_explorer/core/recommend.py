@@ -29,9 +29,11 @@ def check_objective(objective) -> str:
     return objective.lower()
 
 
-def check_backend(backend, name: str = "neuron_backend") -> str:
+def check_backend(backend) -> str:
+    """The neuron compute backend, lower-cased, checked against ``BACKENDS``."""
     if not isinstance(backend, str) or backend.lower() not in BACKENDS:
-        raise ValueError(f"unsupported {name}={backend!r} (the neuron compute backend); expected one of {BACKENDS}")
+        raise ValueError(f"unsupported neuron_backend={backend!r} (the neuron compute backend); "
+                         f"expected one of {BACKENDS}")
     return backend.lower()
 
 
