@@ -8,7 +8,7 @@ from .plan_types import DistributedFeatureSet, SNNDistributedPlan, topology_prob
 from .plans.families import resolve_family
 from .recommend import MODES, check_backend, check_batch_size, check_objective, recommend_snn_distributed_strategy
 from .topology import SNNDistributedTopology
-from .tp_plan import auto_tp_plan, check_tp_plan, conv_tp_plan, head_aligned_tp_plan, with_local_neurons
+from .tp_plan import auto_tp_plan, check_tied_parameters, check_tp_plan, conv_tp_plan, head_aligned_tp_plan, with_local_neurons
 
 #: Modes tried after the recommendation, per objective, when it does not fit.
 FALLBACKS = {
@@ -50,7 +50,7 @@ def _tp_for(mode: str, analysis: SNNDistributedAnalysis, topology: SNNDistribute
         convs = " (conv layers need allow_experimental_conv_tp=True)" if analysis.conv_shapes else ""
         return {}, f"mode {mode!r} needs tensor-parallel candidates, but analysis found no Linear layer{roots}{convs}"
     try:
-        check_tp_plan(analysis, tp_plan, topology.size("tp"))
+        check_tp_plan(analysis, tp_plan, topology.size("tp"), features)
     except ValueError as exc:
         return {}, str(exc)
     return tp_plan, None
@@ -60,6 +60,10 @@ def _problem(mode, analysis, topology, explicit, features) -> Tuple[dict, Option
     problem = topology_problem(mode, topology)
     if problem:
         return {}, problem
+    try:
+        check_tied_parameters(analysis, fsdp_units=analysis.fsdp_unit_names if mode.startswith("fsdp2") else ())
+    except ValueError as exc:
+        return {}, str(exc)
     return _tp_for(mode, analysis, topology, explicit, features)
 
 
