@@ -7,7 +7,8 @@ from torch import nn
 
 import snn_explorer as se
 from distributed_harness import run_on_ranks
-from models import MLP, leaky
+from models import MLP
+from snn_explorer.zoo import lif
 from snn_explorer.core.styles import STYLES
 
 TP = 2
@@ -32,7 +33,7 @@ class FusedAttention(nn.Module):
         self.num_heads, self.conv = num_heads, conv
         self.qkv = nn.Conv1d(dim, 3 * dim, 1) if conv else nn.Linear(dim, 3 * dim)
         self.qkv_bn = nn.BatchNorm1d(3 * dim)
-        self.qkv_lif = leaky()
+        self.qkv_lif = lif(0.8)
         self.proj = nn.Conv1d(dim, dim, 1) if conv else nn.Linear(dim, dim)
 
     def forward(self, x):
@@ -52,7 +53,7 @@ class AttentionNet(nn.Module):
     def __init__(self, conv: bool, dim: int = 8, length: int = 4):
         super().__init__()
         self.attn = FusedAttention(dim, 2, conv)
-        self.lif = leaky()
+        self.lif = lif(0.8)
         self.head = nn.Linear(dim * length, 6)
 
     def forward(self, x):
@@ -74,10 +75,10 @@ def _strong(model: nn.Module) -> nn.Module:
 def build(case: str) -> nn.Module:
     torch.manual_seed(0)
     if case == "linear":
-        net = nn.Sequential(nn.Linear(8, 16), leaky(), nn.Linear(16, 8), leaky(), nn.Linear(8, 6))
+        net = nn.Sequential(nn.Linear(8, 16), lif(0.8), nn.Linear(16, 8), lif(0.8), nn.Linear(8, 6))
     elif case == "conv":
-        net = nn.Sequential(nn.Conv2d(2, 8, 3, padding=1), nn.BatchNorm2d(8), leaky(), nn.MaxPool2d(2),
-                            nn.Conv2d(8, 4, 3, padding=1), leaky(), nn.Flatten(), nn.Linear(4 * 4 * 4, 6))
+        net = nn.Sequential(nn.Conv2d(2, 8, 3, padding=1), nn.BatchNorm2d(8), lif(0.8), nn.MaxPool2d(2),
+                            nn.Conv2d(8, 4, 3, padding=1), lif(0.8), nn.Flatten(), nn.Linear(4 * 4 * 4, 6))
     else:
         net = AttentionNet(conv=case == "attn_conv")
     return _strong(TimeLoop(net))
@@ -107,7 +108,7 @@ def _rates(model: nn.Module, x, y):
     rates = {}
     for name, m in model.named_modules():
         if isinstance(m, snntorch.SpikingNeuron):
-            m.register_forward_hook(lambda _m, _i, o, name=name: rates.setdefault(name, []).append(float(o.mean())))
+            m.register_forward_hook(lambda _m, _i, o, name=name: rates.setdefault(name, []).append(float(o.detach().mean())))
     se.core.neurons.reset_all(model)
     out = model(x)
     nn.functional.cross_entropy(out.mean(0), y).backward()
@@ -297,7 +298,7 @@ class Tied(nn.Module):
     def __init__(self):
         super().__init__()
         self.enc = nn.Linear(8, 8)
-        self.lif = leaky()
+        self.lif = lif(0.8)
         self.dec = nn.Linear(8, 8)
         self.dec.weight = self.enc.weight
 
