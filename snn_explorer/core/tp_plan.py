@@ -4,10 +4,11 @@ from __future__ import annotations
 from typing import Dict, Mapping, Sequence
 
 from .analysis import SNNDistributedAnalysis
-from .styles import SHARDED, STYLES, TP_STYLES, fused_block_of, style_of
+from .styles import SHARDED, STYLES, TP_STYLES, style_of
 
 __all__ = ["TP_STYLES", "auto_tp_plan", "head_aligned_tp_plan", "conv_tp_plan", "with_local_neurons", "check_tp_plan",
            "check_tied_parameters"]
+
 
 def _stateful_inside(analysis: SNNDistributedAnalysis, path: str) -> bool:
     return path in analysis.stateful_paths
