@@ -273,7 +273,7 @@ class _Heads(TPStyle):
 
 
 class QkvColwise(_Heads):
-    name, kind, label = "qkv_colwise", "qkv", "q/k/v out_features (whole heads)"
+    name, kind, label = "qkv_colwise", "qkv", "q/k/v outputs (whole heads)"
     gives, split, cut, reduces_input_grad = SHARDED, {"weight": 0, "bias": 0}, "outputs", True
 
     def parallel_style(self):

@@ -159,7 +159,7 @@ class FusedQkvNorm(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _reorder_rows(module, module.num_features // 3, device_mesh)
-        return NormLocal()._apply(module, device_mesh)
+        return parallelize_module(module, device_mesh, NormLocal())
 
 
 class HeadsLocal(ParallelStyle):
