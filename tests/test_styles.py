@@ -7,21 +7,12 @@ from torch import nn
 
 import snn_explorer as se
 from distributed_harness import run_on_ranks
-from models import MLP
+from models import MLP, TimeLoop
 from snn_explorer.zoo import lif
 from snn_explorer.core.styles import STYLES
 
 TP = 2
 T, N = 3, 4
-
-
-class TimeLoop(nn.Module):
-    def __init__(self, net):
-        super().__init__()
-        self.net = net
-
-    def forward(self, x):
-        return torch.stack([self.net(x[t]) for t in range(x.shape[0])])
 
 
 class FusedAttention(nn.Module):
