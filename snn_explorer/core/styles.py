@@ -134,7 +134,8 @@ class TPStyle:
         return shape[:dim] + (shape[dim] // tp,) + shape[dim + 1:]
 
     def held(self, leaf: str, shape: Sequence[int], tp: int, tp_rank: int) -> Optional[Tuple[int, List[int]]]:
-        """``(dim, indices along dim in model order)`` that TP rank ``tp_rank`` holds; None when whole."""
+        """``(dim, indices)``: the model's indices along ``dim`` that TP rank ``tp_rank`` holds, in the
+        order of its local tensor; None when the tensor is whole on every rank."""
         dim = self.split.get(leaf)
         if dim is None or tp <= 1 or len(shape) <= dim:
             return None
