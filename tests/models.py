@@ -21,6 +21,17 @@ class MLP(nn.Module):
         return self.head(self.body(x))
 
 
+class TimeLoop(nn.Module):
+    """Run a single-step ``net`` over dim 0 (time) of ``[T, N, ...]`` and stack the outputs."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return torch.stack([self.net(x[t]) for t in range(x.shape[0])])
+
+
 def gather_over_dp(runtime, out: torch.Tensor) -> torch.Tensor:
     """This rank's ``[T, n, C]`` outputs concatenated along the batch over the dp ranks."""
     if runtime.plan.dp_size == 1:

@@ -7,6 +7,7 @@ from torch import nn
 
 import snn_explorer as se
 from distributed_harness import run_on_ranks
+from models import TimeLoop
 from snn_explorer.zoo import lif
 
 WIDTH = 16
@@ -27,15 +28,6 @@ def chain_model(n_linears: int, seed: int = 0) -> nn.Module:
             if i % 3:
                 layers.append(lif(0.8))
     return TimeLoop(nn.Sequential(*layers, lif(0.8)))
-
-
-class TimeLoop(nn.Module):
-    def __init__(self, net):
-        super().__init__()
-        self.net = net
-
-    def forward(self, x):
-        return torch.stack([self.net(x[t]) for t in range(x.shape[0])])
 
 
 def chain_input():

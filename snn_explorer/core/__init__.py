@@ -8,7 +8,7 @@ from .modes import MODES
 from .recommend import BACKENDS, SNN_DISTRIBUTED_PREFERENCES, StrategyRecommendation, recommend_snn_distributed_strategy
 from .runtime import SNNDistributedRuntime
 from .topology import SNNDistributedTopology
-from .tp_plan import TP_STYLES
+from .styles import TP_STYLES
 
 __all__ = [
     "BACKENDS", "MODES", "SNN_DISTRIBUTED_PREFERENCES", "TP_STYLES", "DistributedFeatureSet", "LinearShape",

@@ -45,7 +45,8 @@ class ConvShape:
 class SNNDistributedAnalysis:
     """What :func:`analyze` found in a model (plain data, JSON-serialisable).
 
-    ``tp_chains`` lists runs of modules in known execution order (consecutive children of
+    ``shared_parameter_groups`` lists the paths of each parameter that several modules share (tied
+    weights), each group in ``named_parameters`` order. ``tp_chains`` lists runs of modules in known execution order (consecutive children of
     ``nn.Sequential`` containers) that hold Linear candidates separated only by feature-wise
     modules; a candidate outside such a run forms a chain of its own.
     """
@@ -67,6 +68,7 @@ class SNNDistributedAnalysis:
     conv_chains: Tuple[Tuple[str, ...], ...] = ()
     fused_attention_blocks: Tuple[FusedAttentionBlock, ...] = ()
     pointwise_chains: Tuple[Tuple[str, ...], ...] = ()
+    shared_parameter_groups: Tuple[Tuple[str, ...], ...] = ()
 
     @cached_property
     def _by_name(self) -> dict:
@@ -137,6 +139,14 @@ def _has_per_feature_state(module: nn.Module) -> bool:
     return any(t.numel() > 1 for t in persistent)
 
 
+def shared_parameters(model: nn.Module) -> Tuple[Tuple[str, ...], ...]:
+    """Groups of parameter paths that name one shared (tied) parameter."""
+    groups = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return tuple(tuple(g) for g in groups.values() if len(g) > 1)
+
+
 def analyze(model: nn.Module, *, model_family: Optional[str] = None,
             roots: Optional[Sequence[str]] = None) -> SNNDistributedAnalysis:
     """Find stateful neurons (whole model) and Linear TP candidates (under ``roots``)."""
@@ -188,4 +198,5 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
         conv_chains=tuple(c for c in chains(model, roots, "conv") if len(c) > 1),
         fused_attention_blocks=fused_attention_blocks(model, roots, memory),
         pointwise_chains=tuple(c for c in pointwise_chains(model, roots) if c not in linear_chains),
+        shared_parameter_groups=shared_parameters(model),
     )

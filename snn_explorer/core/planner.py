@@ -10,7 +10,7 @@ from .plans.families import resolve_family
 from .recommend import (UNSET, check_backend, check_batch_size, check_objective, neuron_backend_arg,
                         recommend_snn_distributed_strategy)
 from .topology import SNNDistributedTopology
-from .tp_plan import auto_tp_plan, check_tp_plan, conv_tp_plan, head_aligned_tp_plan, with_local_neurons
+from .tp_plan import auto_tp_plan, check_tied_parameters, check_tp_plan, conv_tp_plan, head_aligned_tp_plan, with_local_neurons
 
 #: Modes tried after the recommendation, per objective, when it does not fit (a mode missing
 #: here is tried last).
@@ -58,7 +58,7 @@ def _tp_for(mode: Mode, analysis: SNNDistributedAnalysis, topology: SNNDistribut
         return {}, (f"mode {mode.name!r} needs tensor-parallel candidates, but analysis found no Linear "
                     f"layer{roots}{convs}")
     try:
-        check_tp_plan(analysis, tp_plan, topology.size("tp"))
+        check_tp_plan(analysis, tp_plan, topology.size("tp"), features)
     except ValueError as exc:
         return {}, str(exc)
     return tp_plan, None
@@ -69,6 +69,10 @@ def _problem(name: str, analysis, topology, explicit, features) -> Tuple[dict, O
     problem = mode.topology_problem(topology)
     if problem:
         return {}, problem
+    try:
+        check_tied_parameters(analysis, fsdp_units=analysis.fsdp_unit_names if mode.fsdp else ())
+    except ValueError as exc:
+        return {}, str(exc)
     return _tp_for(mode, analysis, topology, explicit, features)
 
 

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from . import neurons
 from .analysis import SNNDistributedAnalysis
+from .parallelize.channel_tp import full_tensor
 from .plan_types import SNNDistributedPlan
 from .validate import positive_int
 
@@ -132,17 +133,10 @@ class SNNDistributedRuntime:
     def _full_tensors(self, pick: Callable) -> Dict[str, Optional[torch.Tensor]]:
         out = {}
         for owner_name, owner in self.module.named_modules():
-            group = getattr(owner, "_snn_tp_group", None)  # channel-sharded BatchNorm: plain local shards
-            order = getattr(owner, "_snn_row_order", None)  # head-aligned q/k/v rows, back to model order
             for name, param in owner.named_parameters(recurse=False):
                 tensor = pick(param)
-                if tensor is not None:
-                    tensor = _full(tensor.detach()).contiguous()
-                    if group is not None:
-                        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-                        dist.all_gather(parts, tensor, group=group)
-                        tensor = torch.cat(parts)
-                    tensor = tensor[order] if order is not None else tensor.clone()
+                if tensor is not None:  # DTensors (TP, FSDP2) gathered, then channel / head shards
+                    tensor = full_tensor(owner, name, _full(tensor.detach()).contiguous()).clone()
                 out[f"{owner_name}.{name}" if owner_name else name] = tensor
         return out
 

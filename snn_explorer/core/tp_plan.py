@@ -1,22 +1,13 @@
 """Tensor-parallel plans as data: module path -> style name, built and checked at plan time."""
 from __future__ import annotations
 
-from typing import Dict, Mapping
+from typing import Dict, Mapping, Sequence
 
 from .analysis import SNNDistributedAnalysis
+from .styles import SHARDED, STYLES, TP_STYLES, style_of
 
-#: Linear styles: column-sharded (output stays sharded), row-sharded (sharded input, summed
-#: output), column-sharded with the output gathered back. ``local`` marks a stateful module fed
-#: by a column-sharded Linear: its state is the local shard and its input is checked.
-LINEAR_STYLES = ("colwise", "rowwise", "colwise_gather")
-#: Channel TP (behind ``allow_experimental_conv_tp``): output-channel / input-channel sharded
-#: convolutions, and a BatchNorm between them holding its channel shard.
-CONV_STYLES = ("conv_colwise", "conv_rowwise", "norm_local")
-#: Fused q/k/v (behind ``allow_experimental_spikformer_tp``): the projection's rows and its
-#: BatchNorm split so each rank owns whole heads of q, k and v; the attention module's
-#: ``num_heads`` becomes the local head count.
-FUSED_STYLES = ("qkv_colwise", "qkv_norm_local", "heads_local")
-TP_STYLES = LINEAR_STYLES + CONV_STYLES + FUSED_STYLES + ("local",)
+__all__ = ["TP_STYLES", "auto_tp_plan", "head_aligned_tp_plan", "conv_tp_plan", "with_local_neurons", "check_tp_plan",
+           "check_tied_parameters"]
 
 
 def _stateful_inside(analysis: SNNDistributedAnalysis, path: str) -> bool:
@@ -85,78 +76,141 @@ def conv_tp_plan(analysis: SNNDistributedAnalysis) -> Dict[str, str]:
     return plan
 
 
+def _runs(analysis: SNNDistributedAnalysis) -> list:
+    """Every run of modules in known execution order (Linear, conv and pointwise chains)."""
+    return list(analysis.tp_chains) + list(analysis.conv_chains) + list(analysis.pointwise_chains)
+
+
+def _is_layer(analysis: SNNDistributedAnalysis, path: str) -> bool:
+    return path in analysis.tensor_parallel_candidate_names or path in _conv_names(analysis)
+
+
 def with_local_neurons(analysis: SNNDistributedAnalysis, plan: Mapping[str, str]) -> Dict[str, str]:
-    """Add ``local`` for stateful modules between a ``colwise`` Linear and the next Linear."""
+    """Add ``local`` for stateful modules (and ``norm_local`` for BatchNorms) that a sharded layer
+    output reaches along a chain before the next layer."""
     out = dict(plan)
-    candidates = set(analysis.tensor_parallel_candidate_names)
-    for chain in analysis.tp_chains:
+    for run in _runs(analysis):
         sharded = False
-        for path in chain:
-            if path in candidates:
-                sharded = out.get(path) == "colwise"
-            elif sharded and _stateful_inside(analysis, path) and path not in out:
+        for path in run:
+            if _is_layer(analysis, path):
+                sharded = path in out and STYLES.get(out[path]) is not None and STYLES[out[path]].gives == SHARDED
+            elif sharded and path not in out and path in analysis.batchnorm_names:
+                out[path] = "norm_local"
+            elif sharded and path not in out and _stateful_inside(analysis, path):
                 out[path] = "local"
     return out
 
 
-def check_tp_plan(analysis: SNNDistributedAnalysis, plan: Mapping[str, str], tp_size: int) -> None:
-    """Raise ValueError for unknown paths or styles, and for sizes ``tp_size`` does not divide."""
+def check_tp_plan(analysis: SNNDistributedAnalysis, plan: Mapping[str, str], tp_size: int,
+                  features=None) -> None:
+    """Raise ValueError for a plan that cannot compute: unknown paths or styles, a style on another
+    layer kind or without its gate (when ``features`` is given), sizes ``tp_size`` does not divide,
+    shardings that do not line up along a chain or an attention block, and tied parameters it would
+    split."""
     if not plan:
         raise ValueError("tensor_parallel_plan is empty; give at least one 'path': 'colwise'/'rowwise' entry")
-    candidates = set(analysis.tensor_parallel_candidate_names)
-    for block in analysis.attention_blocks:
-        if plan.get(block.q) == "colwise" and block.num_heads % tp_size:
-            raise ValueError(f"tp={tp_size} does not divide {block.path}.num_heads={block.num_heads}; "
+    for path, name in plan.items():
+        style = style_of(name, path)
+        style.check(analysis, path, tp_size)
+        if features is not None:
+            style.check_gate(path, features)
+    _check_attention(analysis, plan, tp_size)
+    for run in _flow_runs(analysis, plan):
+        _check_flow(analysis, plan, run)
+    check_tied_parameters(analysis, plan)
+
+
+def _attention_parts(analysis: SNNDistributedAnalysis) -> set:
+    parts = set()
+    for b in analysis.attention_blocks:
+        parts.update((b.q, b.k, b.v, b.proj) + b.neurons)
+    for f in analysis.fused_attention_blocks:
+        parts.update(p for p in (f.path, f.qkv, f.proj, f.qkv_norm, f.neuron) if p)
+    return parts
+
+
+def _check_attention(analysis: SNNDistributedAnalysis, plan: Mapping[str, str], tp_size: int) -> None:
+    """Attention is split by whole heads or not at all: q, k, v colwise with proj rowwise (or none
+    of them sharded); a fused block with all its parts in their head styles (or none)."""
+    for b in analysis.attention_blocks:
+        got = {p: plan.get(p) for p in (b.q, b.k, b.v, b.proj)}
+        shards = [p for p, s in got.items() if s in STYLES and SHARDED in (STYLES[s].takes, STYLES[s].gives)]
+        if shards and got != {b.q: "colwise", b.k: "colwise", b.v: "colwise", b.proj: "rowwise"}:
+            raise ValueError(f"attention {b.path!r} is split by heads only with q, k, v 'colwise' and proj 'rowwise' "
+                             f"(or none of them sharded: 'colwise_gather' or absent); got {got}")
+        if shards and b.num_heads % tp_size:
+            raise ValueError(f"tp={tp_size} does not divide {b.path}.num_heads={b.num_heads}; "
                              "head-aligned attention TP gives each rank whole heads")
-    for path, style in plan.items():
-        if style not in TP_STYLES:
-            raise ValueError(f"tensor_parallel_plan[{path!r}]={style!r} is not a TP style; expected one of {TP_STYLES}")
-        if style == "local":
-            if not _stateful_inside(analysis, path):
-                raise ValueError(f"tensor_parallel_plan[{path!r}]='local' names no stateful neuron module; "
-                                 f"stateful modules: {analysis.memory_module_names}")
-            blocked = [n for n in analysis.per_feature_neuron_names if n == path or n.startswith(path + ".")]
-            if blocked:
-                raise ValueError(f"neuron {blocked[0]!r} has per-feature parameters and cannot take a "
-                                 "column-sharded input; leave the Linear before it out of the TP plan")
+    for f in analysis.fused_attention_blocks:
+        proj = "rowwise" if f.proj in analysis.tensor_parallel_candidate_names else "conv_rowwise"
+        want = {f.path: "heads_local", f.qkv: "qkv_colwise", f.proj: proj}
+        want.update({f.qkv_norm: "qkv_norm_local"} if f.qkv_norm else {})
+        got = {p: plan.get(p) for p in want}
+        if any(got.values()) and got != want:
+            raise ValueError(f"fused attention {f.path!r} is split by heads only with all of {want}; got {got}")
+
+
+def _flow_runs(analysis: SNNDistributedAnalysis, plan: Mapping[str, str]) -> list:
+    """The runs whose sharding must line up: every chain not inside a longer one or an attention
+    block, and each sharded layer of the plan that no chain holds, on its own."""
+    attention = _attention_parts(analysis)
+    runs = [r for r in dict.fromkeys(_runs(analysis)) if not set(r) <= attention]
+    runs = [r for r in runs if not any(len(o) > len(r) and set(r) <= set(o) for o in runs)]
+    seen = {p for r in runs for p in r} | attention
+    return runs + [(p,) for p in plan if p not in seen]
+
+
+def _check_flow(analysis: SNNDistributedAnalysis, plan: Mapping[str, str], run) -> None:
+    """Walk ``run`` in order: each module must get the sharding its style takes, a sharded output
+    may reach only modules that hold shards, and the run must end whole."""
+    state, source = "whole", None
+    for path in run:
+        name = plan.get(path)
+        if name is None:
+            if state == SHARDED and (_is_layer(analysis, path) or path in analysis.batchnorm_names):
+                raise ValueError(f"{path!r} gets the sharded output of {source!r} ({plan[source]!r}) but is not in "
+                                 "the tensor_parallel_plan; shard it input-wise ('rowwise' / 'conv_rowwise', "
+                                 "BatchNorms 'norm_local') or make the earlier layer 'colwise_gather'")
             continue
-        if style in CONV_STYLES:
-            _check_channel_style(analysis, path, style, tp_size)
-            continue
-        if style in FUSED_STYLES:
-            _check_fused_style(analysis, path, style, tp_size)
-            continue
-        if path not in candidates:
-            raise ValueError(f"tensor_parallel_plan key {path!r} is not a tensor-parallel candidate; "
-                             f"candidates: {analysis.tensor_parallel_candidate_names}")
-        shape = analysis.shape(path)
-        dim, size = ("in_features", shape.in_features) if style == "rowwise" else ("out_features", shape.out_features)
-        if size % tp_size:
-            raise ValueError(f"tp={tp_size} does not divide {path}.{dim}={size} ({style} splits {dim}); "
-                             f"pick a tp size that divides {size} or leave {path!r} out of the TP plan")
+        style = STYLES[name]
+        if style.takes != state:
+            got = f"the sharded output of {source!r} ({plan[source]!r})" if state == SHARDED else "a whole input"
+            raise ValueError(f"tensor_parallel_plan[{path!r}]={name!r} needs a {style.takes} input but gets {got} "
+                             f"along {list(run)}; pair each 'colwise' with a following 'rowwise' (or gather it "
+                             "with 'colwise_gather')")
+        if style.gives == SHARDED and style.takes != SHARDED:
+            source = path
+        state = style.gives
+    if state == SHARDED:
+        raise ValueError(f"the output of {source!r} ({plan[source]!r}) leaves {list(run)} sharded, so what follows "
+                         "would compute on this rank's shard only; end the chain with a 'rowwise' layer or make "
+                         f"{source!r} 'colwise_gather'")
 
 
-def _check_channel_style(analysis: SNNDistributedAnalysis, path: str, style: str, tp_size: int) -> None:
-    if style == "norm_local":
-        if path not in analysis.batchnorm_names:
-            raise ValueError(f"tensor_parallel_plan[{path!r}]='norm_local' names no BatchNorm; "
-                             f"BatchNorms: {analysis.batchnorm_names}")
-        return
-    conv = analysis.conv(path)
-    if conv.groups != 1:
-        raise ValueError(f"{path} has groups={conv.groups}; channel TP supports groups=1 convolutions only")
-    dim, size = ("in_channels", conv.in_channels) if style == "conv_rowwise" else ("out_channels", conv.out_channels)
-    if size % tp_size:
-        raise ValueError(f"tp={tp_size} does not divide {path}.{dim}={size} ({style} splits {dim}); "
-                         f"pick a tp size that divides {size} or leave {path!r} out of the TP plan")
+def check_tied_parameters(analysis: SNNDistributedAnalysis, plan: Mapping[str, str] = None,
+                          fsdp_units: Sequence[str] = ()) -> None:
+    """Raise ValueError if a TP plan would shard a parameter shared by several modules (TP would
+    untie it) or FSDP2 units would put its users in different units."""
+    plan = plan or {}
+    for group in analysis.shared_parameter_groups:
+        sharded = [p for p in group if _sharded_by(plan, p)]
+        if sharded:
+            raise ValueError(f"parameters {list(group)} are one tied parameter, and the tensor_parallel_plan shards "
+                             f"{sharded} (TP would untie them and they would train apart); leave their modules out "
+                             "of the TP plan")
+        units = {_unit_of(fsdp_units, p) for p in group}
+        if fsdp_units and len(units) > 1:
+            raise ValueError(f"parameters {list(group)} are one tied parameter, but fall in different FSDP2 units "
+                             f"{sorted(units)}; FSDP2 shards a tied parameter only within one unit")
 
 
-def _check_fused_style(analysis: SNNDistributedAnalysis, path: str, style: str, tp_size: int) -> None:
-    role = {"heads_local": "path", "qkv_colwise": "qkv", "qkv_norm_local": "qkv_norm"}[style]
-    block = next((b for b in analysis.fused_attention_blocks if getattr(b, role) == path), None)
-    if block is None:
-        raise ValueError(f"tensor_parallel_plan[{path!r}]={style!r} names no fused q/k/v attention part; fused "
-                         f"attention blocks: {tuple(b.path for b in analysis.fused_attention_blocks)}")
-    if block.num_heads % tp_size:
-        raise ValueError(f"tp={tp_size} does not divide {block.path}.num_heads={block.num_heads}; "
-                         "head-aligned attention TP gives each rank whole heads")
+def _sharded_by(plan: Mapping[str, str], param: str) -> bool:
+    owner, _, leaf = param.rpartition(".")
+    style = STYLES.get(plan.get(owner))
+    return style is not None and leaf in style.split
+
+
+def _unit_of(units: Sequence[str], param: str) -> str:
+    """The innermost FSDP2 unit holding ``param`` ('' = the root)."""
+    parts = param.split(".")
+    return next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1) if ".".join(parts[:i]) in units), "")

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..core import SNNDistributedPlan
 from .profile import ModelProfile
 from .sharding import Param, fsdp_group_bytes, fsdp_groups
-from .tp_replica import COLWISE, ROWWISE
+from ..core.styles import STYLES
 
 Row = Tuple[str, str, str]  # mesh_dim, kind, phase
 
@@ -58,17 +58,11 @@ def _fsdp(out, plan: SNNDistributedPlan, params, profile: ModelProfile, t: int) 
 
 
 def _tp(out, plan: SNNDistributedPlan, profile: ModelProfile, n: int, t: int, itemsize: int) -> None:
-    for path, style in plan.tensor_parallel_plan.items():
+    for path, name in plan.tensor_parallel_plan.items():
         module = profile.modules.get(path)
-        if style == "local" or module is None:
-            continue
-        calls = round(module.calls(n, t))
-        if style in ROWWISE:
-            _add(out, ("tp", "all_reduce", "forward"), calls, round(module.out_elems(n, t)) * itemsize)
-        if style == "colwise_gather":
-            _add(out, ("tp", "all_gather", "forward"), calls, round(module.out_elems(n, t)) * itemsize)
-        if style in COLWISE and module.input_requires_grad:
-            _add(out, ("tp", "all_reduce", "backward"), calls, round(module.in_elems(n, t)) * itemsize)
+        if module is not None:
+            for kind, phase, count, nbytes in STYLES[name].collectives(module, n, t, itemsize):
+                _add(out, ("tp", kind, phase), count, nbytes)
 
 
 def _add(out, key: Row, count: int, nbytes: int) -> None:

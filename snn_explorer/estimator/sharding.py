@@ -1,7 +1,7 @@
 """Per-rank bytes of parameters, gradients, optimizer state and buffers under a plan.
 
 Exact arithmetic of the shards torch creates: TP splits the dims its style names
-(``colwise``: weight and bias dim 0, ``rowwise``: weight dim 1), FSDP2 chunks dim 0 of each
+(``core.styles``: ``colwise`` weight and bias dim 0, ``rowwise`` weight dim 1, ...), FSDP2 chunks dim 0 of each
 (TP-local) parameter over ``dp`` like ``torch.chunk`` into padded storage, and
 ZeroRedundancyOptimizer assigns whole parameters to ranks greedily, largest first.
 """
@@ -17,6 +17,7 @@ from torch import nn
 
 from ..core import SNNDistributedPlan
 from ..core.neurons import stateful_modules
+from ..core.styles import STYLES
 from ._step import OPTIMIZERS
 
 #: Optimizer state tensors per parameter, each the size of the (local) parameter.
@@ -48,17 +49,10 @@ class Param:
 
 
 def tp_local_shape(plan: SNNDistributedPlan, name: str, shape: Sequence[int]) -> Tuple[int, ...]:
-    """The shape of parameter or buffer ``name`` on one TP rank of ``plan``."""
-    shape = tuple(shape)
+    """The shape of parameter or buffer ``name`` on one TP rank of ``plan`` (its owner's style says)."""
     owner, _, leaf = name.rpartition(".")
-    style = plan.tensor_parallel_plan.get(owner) if plan.tp_size > 1 else None
-    if not shape or leaf == "num_batches_tracked":
-        return shape
-    if style in ("colwise", "colwise_gather", "conv_colwise", "qkv_colwise", "norm_local", "qkv_norm_local"):
-        return (shape[0] // plan.tp_size,) + shape[1:]
-    if style in ("rowwise", "conv_rowwise") and leaf == "weight":
-        return (shape[0], shape[1] // plan.tp_size) + shape[2:]
-    return shape
+    style = STYLES.get(plan.tensor_parallel_plan.get(owner)) if plan.tp_size > 1 else None
+    return tuple(shape) if style is None else style.local_shape(leaf, shape, plan.tp_size)
 
 
 def fsdp_group_of(units, name: str) -> str:

@@ -3,15 +3,14 @@
 The dynamic memory of a TP rank (activations, neuron state, temporaries, gradients of
 activations) is that of the model with each sharded layer cut to its local shape, plus the
 buffers its collectives allocate. :func:`tp_replica` builds that model for a plan's
-``path -> style`` map (the styles of ``core.tp_plan``):
+``path -> style`` map, each module cut as its style (``core.styles``) says:
 
-- ``colwise`` / ``conv_colwise`` / ``qkv_colwise``: ``1/tp`` of the output features or channels;
-  in backward the input gradient is all-reduced (a second, full-size input gradient);
-- ``rowwise`` / ``conv_rowwise``: ``1/tp`` of the input features or channels; the partial output
-  is all-reduced into a new tensor (before a convolution's bias);
-- ``colwise_gather``: ``colwise``, and the local output is all-gathered into a full-size one;
-- ``norm_local`` / ``qkv_norm_local``: a BatchNorm over ``1/tp`` of the channels;
-- ``heads_local``: ``num_heads / tp``; ``local``: unchanged (neurons take the width of their input).
+- ``cut="outputs"``: ``1/tp`` of the output features or channels;
+- ``cut="inputs"``: ``1/tp`` of the input features or channels;
+- ``cut="norm"``: a BatchNorm over ``1/tp`` of the channels; ``cut="heads"``: ``num_heads / tp``;
+- a style that all-reduces its input gradient gets a second, full-size input gradient in
+  backward; one that all-reduces its partial output returns a new tensor; one that gathers its
+  output returns a full-size one. Neurons take the width of their input.
 
 Values differ from a real rank's (the cut keeps the first rows); sizes, which are all the
 estimate reads, do not.
@@ -19,18 +18,13 @@ estimate reads, do not.
 from __future__ import annotations
 
 import copy
-import types
 from typing import Mapping
 
 import torch
 from torch import nn
 
 from ..core.neurons import reset_all
-
-COLWISE = ("colwise", "colwise_gather", "conv_colwise", "qkv_colwise")
-ROWWISE = ("rowwise", "conv_rowwise")
-NORMS = ("norm_local", "qkv_norm_local")
-MODELLED = COLWISE + ROWWISE + NORMS + ("heads_local", "local")
+from ..core.styles import STYLES
 
 
 class _GradAllReduce(torch.autograd.Function):
@@ -57,11 +51,6 @@ def _all_gather_output(tp: int):
     def hook(module, args, out):
         return torch.cat([out] * tp, dim=-1)
     return hook
-
-
-def _rowwise_conv(self, x, weight, bias):
-    out = type(self)._conv_forward(self, x, weight, None).contiguous().clone()
-    return out if bias is None else out + bias.view(-1, *([1] * len(self.kernel_size)))
 
 
 def _keep(param, index) -> nn.Parameter:
@@ -102,28 +91,28 @@ def _cut_norm(module: nn.Module, tp: int) -> None:
             setattr(module, name, getattr(module, name)[rows].clone())
 
 
+def _cut_heads(module: nn.Module, tp: int) -> None:
+    module.num_heads //= tp
+
+
+_CUTS = {"outputs": _cut_outputs, "inputs": _cut_inputs, "norm": _cut_norm, "heads": _cut_heads}
+
+
 def tp_replica(model: nn.Module, tp_plan: Mapping[str, str], tp: int) -> nn.Module:
     """A copy of ``model`` computing what one rank of ``tp`` computes under ``tp_plan`` (see module doc)."""
-    unknown = sorted({s for s in tp_plan.values() if s not in MODELLED})
+    unknown = sorted({s for s in tp_plan.values() if s not in STYLES})
     if unknown:
-        raise NotImplementedError(f"the estimator models the TP styles {MODELLED}, not {unknown}")
+        raise NotImplementedError(f"the estimator models the TP styles {tuple(STYLES)}, not {unknown}")
     reset_all(model)  # neuron state left by a forward is part of its graph and cannot be deep-copied
     replica = copy.deepcopy(model)
-    for path, style in tp_plan.items():
-        module = replica.get_submodule(path)
-        if style in COLWISE:
-            _cut_outputs(module, tp)
+    for path, name in tp_plan.items():
+        style, module = STYLES[name], replica.get_submodule(path)
+        if style.cut:
+            _CUTS[style.cut](module, tp)
+        if style.reduces_input_grad:
             module.register_forward_pre_hook(_input_grad_reduce)
-            if style == "colwise_gather":
-                module.register_forward_hook(_all_gather_output(tp))
-        elif style in ROWWISE:
-            _cut_inputs(module, tp)
-            if isinstance(module, nn.Linear):
-                module.register_forward_hook(_all_reduce_output)
-            else:
-                module._conv_forward = types.MethodType(_rowwise_conv, module)
-        elif style in NORMS:
-            _cut_norm(module, tp)
-        elif style == "heads_local":
-            module.num_heads //= tp
+        if style.gathers_output:
+            module.register_forward_hook(_all_gather_output(tp))
+        if style.reduces_output:
+            module.register_forward_hook(_all_reduce_output)
     return replica

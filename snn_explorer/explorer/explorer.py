@@ -9,6 +9,7 @@ from torch import nn
 
 from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze, apply, plan as core_plan
 from ..core.recommend import UNSET, check_backend, neuron_backend_arg
+from ..core.styles import STYLES
 from ..core.tp_plan import auto_tp_plan, conv_tp_plan, head_aligned_tp_plan
 
 # pandas, matplotlib and the estimator load on first use (see the package docstring).
@@ -239,7 +240,7 @@ class Explorer:
 
     def default_module(self, plan: SNNDistributedPlan) -> str:
         """The first module ``plan`` shards with TP, else the first TP candidate, else the first module with parameters."""
-        sharded = [p for p, s in plan.tensor_parallel_plan.items() if s != "local"]
+        sharded = [p for p, s in plan.tensor_parallel_plan.items() if STYLES[s].shards_parameters]
         if sharded:
             return sharded[0]
         if self.analysis.tensor_parallel_candidate_names:

@@ -7,16 +7,10 @@ import pandas as pd
 from torch import nn
 
 from ..core import SNNDistributedAnalysis
+from ..core.styles import STYLES
 
 MODULE_COLUMNS = ("path", "type", "depth", "params", "stateful", "snn_library", "tp_candidate", "tp_style",
                   "sharded_dim", "not_candidate_because")
-
-#: The tensor dimension each TP style splits.
-SHARDED_DIM = {
-    "colwise": "out_features", "colwise_gather": "out_features (output gathered)", "rowwise": "in_features",
-    "local": "neuron state (features)", "conv_colwise": "out_channels", "conv_rowwise": "in_channels",
-    "norm_local": "channels",
-}
 
 
 def _why_not(module: nn.Module, path: str, analysis: SNNDistributedAnalysis, candidates: set,
@@ -33,11 +27,13 @@ def _why_not(module: nn.Module, path: str, analysis: SNNDistributedAnalysis, can
 
 
 def _divisibility(analysis: SNNDistributedAnalysis, path: str, style: str, tp_size: int) -> str:
-    if tp_size <= 1 or style not in ("colwise", "colwise_gather", "rowwise"):
+    """Which size of ``path`` its ``style`` cannot split over ``tp_size`` ranks ('' when all divide)."""
+    if tp_size <= 1 or style not in STYLES:
         return ""
-    shape = analysis.shape(path)
-    dim, size = ("in_features", shape.in_features) if style == "rowwise" else ("out_features", shape.out_features)
-    return f"tp={tp_size} does not divide {dim}={size}" if size % tp_size else ""
+    if STYLES[style].kind_problem(analysis, path):
+        return STYLES[style].kind_problem(analysis, path)
+    bad = [(attr, size) for _, attr, size in STYLES[style].sizes(analysis, path) if size % tp_size]
+    return f"tp={tp_size} does not divide {bad[0][0]}={bad[0][1]}" if bad else ""
 
 
 def modules_table(model: nn.Module, analysis: SNNDistributedAnalysis,
@@ -59,13 +55,11 @@ def modules_table(model: nn.Module, analysis: SNNDistributedAnalysis,
             continue
         style = tp_plan.get(path, "")
         why = _why_not(module, path, analysis, candidates, convs, roots_note)
-        if path in candidates:
+        if path in candidates or style:
             why = _divisibility(analysis, path, style, tp_size)
-        elif style:
-            why = ""
         rows.append((path, type(module).__name__, path.count(".") + 1,
                      sum(p.numel() for p in module.parameters(recurse=False)), path in library,
-                     library.get(path, ""), path in candidates, style, SHARDED_DIM.get(style, ""), why))
+                     library.get(path, ""), path in candidates, style, STYLES[style].label if style in STYLES else "", why))
     return pd.DataFrame(rows, columns=MODULE_COLUMNS)
 
 

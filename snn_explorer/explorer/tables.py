@@ -6,6 +6,7 @@ from typing import Sequence
 import pandas as pd
 
 from ..core import SNNDistributedAnalysis, SNNDistributedPlan
+from ..core.styles import STYLES
 
 
 def analysis_table(analysis: SNNDistributedAnalysis) -> pd.DataFrame:
@@ -42,7 +43,7 @@ def plans_table(plans: Sequence[SNNDistributedPlan]) -> pd.DataFrame:
             "optimizer_strategy": p.optimizer_strategy,
             "memopt_level": p.memopt_level,
             "batch_per_rank": p.per_rank_batch,
-            "tp_sharded_linears": sum(s != "local" for s in styles),
+            "tp_sharded_linears": sum(STYLES[s].shards_parameters for s in styles),
             "fsdp_units": len(p.fsdp_units),
             "notes": " ".join(p.notes),
         })

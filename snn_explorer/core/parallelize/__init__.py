@@ -8,7 +8,7 @@ from torch import nn
 
 from ..analysis import SNNDistributedAnalysis, analyze
 from ..plan_types import SNNDistributedPlan
-from ..tp_plan import check_tp_plan
+from ..tp_plan import check_tied_parameters, check_tp_plan
 from .dp import apply_ddp
 from .fsdp import apply_fsdp2
 from .mesh import build_mesh, check_device_type, check_process_group, default_device_type, local_device
@@ -28,7 +28,8 @@ def preflight(model: nn.Module, plan: SNNDistributedPlan) -> SNNDistributedAnaly
     """Everything ``apply`` checks about the model before touching a process group.
 
     Returns the model's analysis (under the plan's roots). Raises for a plan that does not
-    match the model: unknown TP paths, sizes tp does not divide, missing FSDP units.
+    match the model: unknown TP paths, sizes tp does not divide, tied parameters split, missing FSDP
+    units.
     """
     if not isinstance(plan, SNNDistributedPlan):
         raise TypeError(f"plan must be an SNNDistributedPlan, got {type(plan).__name__}")
@@ -36,7 +37,8 @@ def preflight(model: nn.Module, plan: SNNDistributedPlan) -> SNNDistributedAnaly
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     analysis = analyze(model, model_family=plan.model_family, roots=plan.tensor_parallel_roots)
     if plan.tensor_parallel_plan:
-        check_tp_plan(analysis, plan.tensor_parallel_plan, plan.tp_size)
+        check_tp_plan(analysis, plan.tensor_parallel_plan, plan.tp_size, plan.experimental_features)
+    check_tied_parameters(analysis, plan.tensor_parallel_plan, plan.fsdp_units)
     modules = dict(model.named_modules())
     missing = [u for u in plan.fsdp_units if u not in modules]
     if missing:

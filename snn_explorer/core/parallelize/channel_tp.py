@@ -1,23 +1,26 @@
-"""Channel tensor parallelism for convolutions and BatchNorm, and head-aligned fused q/k/v.
+"""Channel tensor parallelism for convolutions and BatchNorm, and head-aligned fused q/k/v, as
+torch ``ParallelStyle`` subclasses (applied with ``parallelize_module``).
 
-``conv_colwise``: weight (and bias) sharded on output channels, input replicated; the input's
-gradient is summed over the tp group. ``conv_rowwise``: weight sharded on input channels; partial
-outputs are summed over the tp group before the (replicated) bias. Their parameters are DTensors
-on the tp mesh (FSDP2 composes, ``full_tensor()`` recovers them), and only the convolution itself
-is replaced (``_conv_forward``), so wrappers such as spikingjelly's multi-step layers keep working.
-``norm_local``: a BatchNorm between such a pair holds its channel shard as plain tensors; the
-runtime gathers them over ``_snn_tp_group`` when it reports full parameters.
+``ConvColwise``: weight (and bias) sharded on output channels, input replicated; a forward
+pre-hook makes the input's gradient a sum over the tp group. ``ConvRowwise``: weight sharded on
+input channels; a forward hook sums the partial outputs over the tp group (the bias, which every
+rank adds, counted once). ``NormLocal``: a BatchNorm between such a pair holds its channel shard.
+Only hooks and parameters change, never the module's forward, so wrappers such as
+spikingjelly's multi-step layers (which call the convolution inside their own forward) keep
+working. The shards are plain tensors (``DTensor`` has no channel-sharded convolution); each
+sharded module records the group, the split dim per tensor and any row order in
+``_snn_tp_shards``, and :func:`full_tensor` puts a full tensor back together from it.
 """
 from __future__ import annotations
 
-import types
+from dataclasses import dataclass
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 
 class _CopyToGroup(torch.autograd.Function):
@@ -49,40 +52,77 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None
 
 
-def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:
-    param = getattr(module, name)
-    if param is not None:
-        setattr(module, name, nn.Parameter(distribute_tensor(param.data, mesh, [placement]),
-                                           requires_grad=param.requires_grad))
+@dataclass
+class ShardInfo:
+    """How a module's tensors are split over a tp group: dim per tensor name, rows reordered by
+    ``order`` (model order = ``local-major order[argsort]``) before the split."""
+
+    group: object
+    dims: Dict[str, int]
+    order: Optional[torch.Tensor] = None
 
 
-def _local(t):
-    return None if t is None else t.to_local()
+def _info(module: nn.Module, mesh: DeviceMesh) -> ShardInfo:
+    info = getattr(module, "_snn_tp_shards", None)
+    if info is None:
+        info = ShardInfo(mesh.get_group(), {})
+        module._snn_tp_shards = info
+    return info
 
 
-def _colwise_conv(self, x, weight, bias):
-    return type(self)._conv_forward(self, _CopyToGroup.apply(x, self._tp_group), _local(weight), _local(bias))
-
-
-def _rowwise_conv(self, x, weight, bias):
-    out = _SumOverGroup.apply(type(self)._conv_forward(self, x, _local(weight), None), self._tp_group)
-    return out if bias is None else out + _local(bias).view(-1, *([1] * len(self.kernel_size)))
-
-
-def _colwise_linear(self, x):
-    return F.linear(_CopyToGroup.apply(x, self._tp_group), _local(self.weight), _local(self.bias))
-
-
-def shard_conv(module: nn.Module, mesh: DeviceMesh, style: str) -> None:
-    """Shard a Conv1d/2d/3d in place as ``conv_colwise`` or ``conv_rowwise`` (a Linear: colwise)."""
-    colwise = style == "conv_colwise"
-    _distribute(module, "weight", mesh, Shard(0) if colwise else Shard(1))
-    _distribute(module, "bias", mesh, Shard(0) if colwise else Replicate())
-    module._tp_group = mesh.get_group()
-    if isinstance(module, nn.Linear):
-        module.forward = types.MethodType(_colwise_linear, module)
+@torch.no_grad()
+def _shard(module: nn.Module, name: str, dim: int, mesh: DeviceMesh) -> None:
+    """Replace tensor ``name`` (parameter or buffer) by this rank's contiguous shard of ``dim``."""
+    tensor = getattr(module, name, None)
+    if tensor is None:
+        return
+    local = tensor.chunk(mesh.size(), dim=dim)[mesh.get_local_rank()].clone()
+    if isinstance(tensor, nn.Parameter):
+        setattr(module, name, nn.Parameter(local, requires_grad=tensor.requires_grad))
     else:
-        module._conv_forward = types.MethodType(_colwise_conv if colwise else _rowwise_conv, module)
+        setattr(module, name, local)
+    _info(module, mesh).dims[name] = dim
+
+
+def _channel_dim(module: nn.Module) -> int:
+    return -1 - len(module.kernel_size)
+
+
+class ConvColwise(ParallelStyle):
+    """Output-channel sharded convolution (or Linear, as ``ColwiseParallel`` does it)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name in ("weight", "bias"):
+            _shard(module, name, 0, device_mesh)
+        group = device_mesh.get_group()
+        module.register_forward_pre_hook(
+            lambda _m, args: (_CopyToGroup.apply(args[0], group),) + tuple(args[1:]))
+        return module
+
+
+class ConvRowwise(ParallelStyle):
+    """Input-channel sharded convolution whose partial outputs are summed over the tp group."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _shard(module, "weight", 1, device_mesh)
+        group, first = device_mesh.get_group(), device_mesh.get_local_rank() == 0
+
+        def sum_partials(mod, _args, out):
+            if mod.bias is not None and not first:  # every rank added the bias; keep rank 0's
+                out = out - mod.bias.detach().view(-1, *([1] * len(mod.kernel_size)))
+            return _SumOverGroup.apply(out, group)
+
+        module.register_forward_hook(sum_partials)
+        return module
+
+
+class NormLocal(ParallelStyle):
+    """A BatchNorm holding this rank's channel shard of its parameters and running statistics."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name in ("weight", "bias", "running_mean", "running_var"):
+            _shard(module, name, 0, device_mesh)
+        return module
 
 
 def head_aligned_rows(width: int, size: int) -> torch.Tensor:
@@ -93,36 +133,51 @@ def head_aligned_rows(width: int, size: int) -> torch.Tensor:
                       for r in range(size) for s in range(3)])
 
 
-def _reorder_rows(module: nn.Module, order: torch.Tensor) -> None:
-    """Permute dim 0 of the module's parameters and running statistics; keep the inverse so the
-    runtime can report full tensors in the original order."""
+@torch.no_grad()
+def _reorder_rows(module: nn.Module, width: int, mesh: DeviceMesh) -> None:
+    """Permute dim 0 of the module's tensors into head-aligned order; keep the inverse so full
+    tensors can be reported in the model's order."""
+    order = head_aligned_rows(width, mesh.size())
     for name in ("weight", "bias", "running_mean", "running_var"):
         tensor = getattr(module, name, None)
         if tensor is not None:
             tensor.data = tensor.data[order].clone()
-    module._snn_row_order = torch.argsort(order)
+    _info(module, mesh).order = torch.argsort(order)
 
 
-def shard_fused_qkv(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Shard a fused q/k/v Linear or pointwise conv so each rank owns whole heads of q, k and v."""
-    width = (module.out_features if isinstance(module, nn.Linear) else module.out_channels) // 3
-    _reorder_rows(module, head_aligned_rows(width, mesh.size()))
-    shard_conv(module, mesh, "conv_colwise")
+class FusedQkvColwise(ParallelStyle):
+    """A fused q/k/v Linear or pointwise conv whose rows are split so each rank owns whole heads."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        linear = isinstance(module, nn.Linear)
+        _reorder_rows(module, (module.out_features if linear else module.out_channels) // 3, device_mesh)
+        return parallelize_module(module, device_mesh, ColwiseParallel() if linear else ConvColwise())
 
 
-def shard_norm(module: nn.Module, mesh: DeviceMesh, fused_qkv: bool = False) -> None:
-    """Give a BatchNorm this rank's channel shard of its parameters and running statistics
-    (the head-aligned q/k/v shard when ``fused_qkv``)."""
-    if fused_qkv:
-        _reorder_rows(module, head_aligned_rows(module.num_features // 3, mesh.size()))
-    rank, width = mesh.get_local_rank(), module.num_features // mesh.size()
-    rows = slice(rank * width, (rank + 1) * width)
-    for name in ("weight", "bias"):
-        param = getattr(module, name)
-        if param is not None:
-            setattr(module, name, nn.Parameter(param.data[rows].clone(), requires_grad=param.requires_grad))
-    for name in ("running_mean", "running_var"):
-        stat = getattr(module, name)
-        if stat is not None:
-            setattr(module, name, stat[rows].clone())
-    module._snn_tp_group = mesh.get_group()
+class FusedQkvNorm(ParallelStyle):
+    """The BatchNorm on a fused q/k/v output, holding this rank's head-aligned channel shard."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _reorder_rows(module, module.num_features // 3, device_mesh)
+        return parallelize_module(module, device_mesh, NormLocal())
+
+
+class HeadsLocal(ParallelStyle):
+    """An attention module computing ``num_heads / tp`` heads (its q/k/v come head-aligned)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.num_heads //= device_mesh.size()
+        return module
+
+
+def full_tensor(owner: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (the local value of ``owner.name``, or its gradient) as the full tensor in the
+    model's row order; a collective over the tp group for split tensors. Others unchanged."""
+    info = getattr(owner, "_snn_tp_shards", None)
+    if info is None:
+        return tensor
+    if name in info.dims:
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(info.group))]
+        dist.all_gather(parts, tensor.contiguous(), group=info.group)
+        tensor = torch.cat(parts, dim=info.dims[name])
+    return tensor[info.order] if info.order is not None and tensor.dim() else tensor
