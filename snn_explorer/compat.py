@@ -68,7 +68,8 @@ def _check(where: str, ok: bool, why: str) -> None:
 
 
 def _arg_names(op: Any) -> list:
-    return [a.name for a in op.default._schema.arguments]
+    schema = getattr(getattr(op, "default", None), "_schema", None)
+    return [a.name for a in schema.arguments] if schema is not None else []
 
 
 # pytree: torch.utils.pytree is the public module where a release has it (2.13 and 2.14 do not).
@@ -93,18 +94,40 @@ _check("torch.utils._python_dispatch.is_traceable_wrapper_subclass_type",
 queue_callback = _require("torch.autograd", "Variable._execution_engine.queue_callback")
 
 
+def _callback_runs_at_end_of_backward() -> bool:
+    order = []
+    leaf = torch.zeros(1, requires_grad=True)
+    mid = leaf * 2
+    mid.register_hook(lambda g: queue_callback(lambda: order.append("end")))
+    leaf.register_hook(lambda g: order.append("leaf"))
+    try:
+        mid.sum().backward()
+    except (RuntimeError, TypeError):
+        return False
+    return order == ["leaf", "end"]
+
+
+_check("torch.autograd.Variable._execution_engine.queue_callback", _callback_runs_at_end_of_backward(),
+       "a callback queued during backward no longer runs once, after the backward")
+
+
 def non_persistent_buffer_names(module: torch.nn.Module) -> set:
     """Names of ``module``'s own buffers registered with ``persistent=False`` (neuron state)."""
     return module._non_persistent_buffers_set
 
 
-_probe = torch.nn.Module()
-_probe.register_buffer("state", torch.zeros(1), persistent=False)
-_check("torch.nn.Module._non_persistent_buffers_set",
-       isinstance(getattr(_probe, "_non_persistent_buffers_set", None), set)
-       and "state" in _probe._non_persistent_buffers_set,
-       "it is not the set of names registered with persistent=False")
-del _probe
+def _non_persistent_names_work() -> bool:
+    try:
+        probe = torch.nn.Module()
+        probe.register_buffer("state", torch.zeros(1), persistent=False)
+        probe.register_buffer("kept", torch.zeros(1))
+        return non_persistent_buffer_names(probe) == {"state"}
+    except (AttributeError, TypeError):
+        return False
+
+
+_check("torch.nn.Module._non_persistent_buffers_set", _non_persistent_names_work(),
+       "it is not the set of buffer names registered with persistent=False")
 
 # DDP's bucketing (the estimator predicts DDP's buckets without running DDP).
 _bucket_assignment = _require("torch.distributed", "_compute_bucket_assignment_by_size")
