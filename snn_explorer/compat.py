@@ -96,12 +96,13 @@ queue_callback = _require("torch.autograd", "Variable._execution_engine.queue_ca
 
 def _callback_runs_at_end_of_backward() -> bool:
     order = []
-    leaf = torch.zeros(1, requires_grad=True)
-    mid = leaf * 2
-    mid.register_hook(lambda g: queue_callback(lambda: order.append("end")))
-    leaf.register_hook(lambda g: order.append("leaf"))
     try:
-        mid.sum().backward()
+        with torch.enable_grad():  # also when snn_explorer is imported under no_grad
+            leaf = torch.zeros(1, requires_grad=True)
+            mid = leaf * 2
+            mid.register_hook(lambda g: queue_callback(lambda: order.append("end")))
+            leaf.register_hook(lambda g: order.append("leaf"))
+            mid.sum().backward()
     except (RuntimeError, TypeError):
         return False
     return order == ["leaf", "end"]
@@ -190,7 +191,6 @@ def restart_mem_tracker_peak(tracker: Any, device: torch.device) -> None:
     snapshot = tracker.get_tracker_snapshot()[device]
     tracker._peak_mem[device] = snapshot["Total"]
     tracker._peak_mem_snap[device] = snapshot
-
 
 
 # --- rank runner (torch elastic, cloudpickle) -----------------------------------------------
