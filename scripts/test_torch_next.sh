@@ -19,7 +19,8 @@ if [ "$installed" != "$TORCH_NEXT" ]; then
     exit 1
 fi
 # compat's own tests (each guarded name on the code that uses it, and the error a torch without it
-# gets), and StorageMeter against torch's MemTracker.
-TESTS=(tests/test_compat.py tests/test_estimate_meter.py)
+# gets), and StorageMeter (a TorchDispatchMode) against torch's MemTracker on every zoo model.
+TESTS=(tests/test_compat.py tests/test_estimate_meter.py::test_meter_peak_equals_memtracker
+       tests/test_estimate_meter.py::test_meter_releases_freed_storages)
 [ "$#" -gt 0 ] && TESTS=("$@")
 exec "$VENV/bin/python" -m pytest -q -rfE "${TESTS[@]}"

@@ -170,6 +170,14 @@ for _where, _op in (("torch.ops.c10d._allgather_base_", ALLGATHER_BASE),
     _check(_where, _arg_names(_op)[:3] == ["output_tensor", "input_tensor", "process_group"],
            f"its arguments are {_arg_names(_op)}, not (output_tensor, input_tensor, process_group, ...)")
 
+#: The op namespace of the functional collectives DTensor issues (all_reduce, all_gather_into_tensor, ...).
+FUNCTIONAL_COLLECTIVES = _require("torch", "ops._c10d_functional", callable_=False)
+for _name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
+    _where = f"torch.ops._c10d_functional.{_name}"
+    _check(_where, hasattr(FUNCTIONAL_COLLECTIVES, _name), "it is missing")
+    _check(_where, _arg_names(getattr(FUNCTIONAL_COLLECTIVES, _name))[-1:] == ["group_name"],
+           f"its arguments are {_arg_names(getattr(FUNCTIONAL_COLLECTIVES, _name))}, not (..., group_name)")
+
 
 @functools.lru_cache(maxsize=None)
 def mem_tracker_class() -> type:

@@ -65,22 +65,21 @@ class CollectiveCounter(CommDebugMode):
         before = sum(self.comm_counts.values())
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if out is not NotImplemented and sum(self.comm_counts.values()) > before:
-            self.calls.append((_group(func, args), _kind(func._overloadpacket), self.phase, _full_bytes(func, args, out)))
+            given = dict(zip((a.name for a in func._schema.arguments), args), **(kwargs or {}))
+            self.calls.append((_group(given), _kind(func._overloadpacket), self.phase, _full_bytes(given, out)))
         return out
 
 
-def _full_bytes(func, args, out) -> int:
-    names = [a.name for a in func._schema.arguments]
-    given = dict(zip(names, args))
+def _full_bytes(given, out) -> int:
+    """The larger of the bytes sent (inputs) and received (outputs, or the result of a functional op)."""
     sent = sum(_bytes(v) for n, v in given.items() if n.startswith("input") or n == "tensors")
     outputs = [v for n, v in given.items() if n.startswith("output")]
     received = _bytes(outputs) if outputs else sent if "tensors" in given else _bytes(out)
     return max(sent, received)
 
 
-def _group(func, args) -> str:
+def _group(given) -> str:
     """The name of the group a collective runs on: its ``group_name`` or boxed ``process_group``."""
-    given = dict(zip((a.name for a in func._schema.arguments), args))
     if "group_name" in given:
         return given["group_name"]
     return dist.ProcessGroup.unbox(given["process_group"]).group_name
@@ -193,7 +192,7 @@ def test_estimated_collectives_match_torchs_count_and_tensor_bytes(world):
     for (name, plan), ranks in zip(_cases(world), _measured(world)):
         first = ranks[0]
         assert first["rows"], f"{name} {plan}: no collective counted"
-        assert all(r["rows"] == first["rows"] for r in ranks), f"{name} {plan}: ranks differ"
+        assert all(r["rows"] == first["rows"] for r in ranks), (name, plan, [r["rows"] for r in ranks])
         assert _estimated_rows(name, plan) == first["rows"], f"{name} {plan}"
         per_kind = {}
         for _, kind, _, count, _ in first["rows"]:

@@ -61,6 +61,11 @@ def _break_mem_tracker(monkeypatch):
     monkeypatch.setattr(MemTracker, "__init__", patched)
 
 
+def _break_functional_collectives(monkeypatch):
+    functional = types.SimpleNamespace(all_reduce=torch.ops._c10d_functional.all_reduce)  # no all_gather
+    monkeypatch.setattr(torch, "ops", types.SimpleNamespace(c10d=torch.ops.c10d, _c10d_functional=functional))
+
+
 #: Each case breaks one name (or its shape) as a torch release might; compat, imported afresh (or
 #: asked for the MemTracker, checked on first use), must name it, its flaw and torch's version.
 BREAK = {
@@ -81,6 +86,7 @@ BREAK = {
     "torch.ops.c10d._allgather_base_":
         lambda mp: mp.setattr(torch, "ops", types.SimpleNamespace(c10d=types.SimpleNamespace())),
     "torch.distributed._tools.mem_tracker.MemTracker._peak_mem": _break_mem_tracker,
+    "torch.ops._c10d_functional.all_gather_into_tensor": _break_functional_collectives,
 }
 
 

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..compat import ALLGATHER_BASE, REDUCE_SCATTER_BASE, TorchDispatchMode
+from ..compat import ALLGATHER_BASE, FUNCTIONAL_COLLECTIVES, REDUCE_SCATTER_BASE, TorchDispatchMode
 
 _c10d = torch.ops.c10d
-_fn = torch.ops._c10d_functional
+_fn = FUNCTIONAL_COLLECTIVES
 
 
 def _nbytes(t: Any) -> int:
