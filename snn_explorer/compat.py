@@ -170,6 +170,11 @@ for _where, _op in (("torch.ops.c10d._allgather_base_", ALLGATHER_BASE),
     _check(_where, _arg_names(_op)[:3] == ["output_tensor", "input_tensor", "process_group"],
            f"its arguments are {_arg_names(_op)}, not (output_tensor, input_tensor, process_group, ...)")
 
+#: ``resolve_process_group(name)``: the ProcessGroup of a functional collective's ``group_name``. The
+#: recorder names groups by the mesh's own ``get_group(dim).group_name`` first; this is for a group
+#: DTensor reuses from an earlier, equal mesh (measure() applies several plans in one process).
+resolve_process_group = _require("torch.distributed.distributed_c10d", "_resolve_process_group")
+
 #: The op namespace of the functional collectives DTensor issues (all_reduce, all_gather_into_tensor, ...).
 FUNCTIONAL_COLLECTIVES = _require("torch", "ops._c10d_functional", callable_=False)
 for _name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):

@@ -96,8 +96,10 @@ def _plans(name, world):
     return plans
 
 
-def _count_step(name, plan):
-    """Two warm-up steps (DDP rebuilds its buckets, optimizers create state), then one counted."""
+def _count_step(name, plan, dims):
+    """Two warm-up steps (DDP rebuilds its buckets, optimizers create state), then one counted.
+    ``dims``: group name -> mesh dim of every mesh made so far on this rank (DTensor may run a
+    collective on the equal group of an earlier, equal mesh)."""
     from snn_explorer.estimator._step import batch_slice, forward_loss
 
     zoo = build(name)
@@ -128,7 +130,7 @@ def _count_step(name, plan):
     del hooked[:]
     with counter:
         step()
-    dims = {runtime.mesh.get_group(d).group_name: d for d in plan.mesh_dim_names}
+    dims.update((runtime.mesh.get_group(d).group_name, d) for d in plan.mesh_dim_names)
     rows = {}
     for group, kind, phase, nbytes in counter.calls:
         row = rows.setdefault((dims.get(group, f"group {group}"), kind, phase), [0, 0])
@@ -143,7 +145,8 @@ def _count_step(name, plan):
 
 
 def _on_rank(cases):
-    return [_count_step(name, plan) for name, plan in cases]
+    dims = {}
+    return [_count_step(name, plan, dims) for name, plan in cases]
 
 
 _CASES, _RESULTS = {}, {}

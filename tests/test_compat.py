@@ -236,6 +236,7 @@ def test_recorder_sees_the_base_gather_and_scatter_ops(one_rank):
         dist.reduce_scatter_tensor(torch.empty(8), torch.ones(8))
     assert [e[2:] for e in recorder.events] == [("all_gather", "forward", 32), ("reduce_scatter", "forward", 32)]
     assert {r["mesh_dim"] for r in recorder.table({"dp": one_rank})} == {"dp"}
+    assert compat.resolve_process_group(one_rank.group_name) is one_rank  # a group known by name only
 
 
 def test_mem_tracker_peak_restarts_from_the_current_memory():

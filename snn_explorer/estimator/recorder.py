@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..compat import ALLGATHER_BASE, FUNCTIONAL_COLLECTIVES, REDUCE_SCATTER_BASE, TorchDispatchMode
+from ..compat import (ALLGATHER_BASE, FUNCTIONAL_COLLECTIVES, REDUCE_SCATTER_BASE, TorchDispatchMode,
+                      resolve_process_group)
 
 _c10d = torch.ops.c10d
 _fn = FUNCTIONAL_COLLECTIVES
@@ -91,15 +92,17 @@ class CollectiveRecorder(TorchDispatchMode):
         """Rows ``mesh_dim, kind, phase, count, bytes`` summed over events.
 
         ``mesh_groups`` maps each mesh dim to its ProcessGroup (``mesh.get_group(dim)``). A group is
-        named by the mesh dim it is, else by the dim with the same ranks (an equal group another
-        mesh made); other groups keep their name.
+        named by the mesh dim it is, else by the dim with the same ranks (an equal group of an
+        earlier mesh, which DTensor may reuse); other groups keep their name.
         """
         by_name = {g.group_name: d for d, g in mesh_groups.items()}
         by_ranks = {frozenset(dist.get_process_group_ranks(g)): d for d, g in mesh_groups.items()}
         rows: Dict[tuple, List[int]] = {}
         for group, ranks, kind, phase, nbytes in self.events:
-            dim = by_name.get(group) or by_ranks.get(ranks, group)
-            key = (dim, kind, phase)
+            if group not in by_name:
+                ranks = ranks or frozenset(dist.get_process_group_ranks(resolve_process_group(group)))
+                by_name[group] = by_ranks.get(ranks, group)
+            key = (by_name[group], kind, phase)
             acc = rows.setdefault(key, [0, 0])
             acc[0] += 1
             acc[1] += nbytes
