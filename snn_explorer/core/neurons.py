@@ -63,7 +63,7 @@ def _is_snntorch_neuron(module: nn.Module) -> bool:
 def _reset_snntorch(module: nn.Module) -> None:
     """Zero an snntorch neuron's hidden state (its non-persistent buffers such as ``mem``)."""
     state = non_persistent_buffer_names(module)
-    for name, value in list(module.named_buffers(recurse=False)):
+    for name, value in list(module.named_buffers(recurse=False, remove_duplicate=False)):
         if name in state:
             setattr(module, name, torch.zeros_like(value))
 
