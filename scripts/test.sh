@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install everything into .venv and run the whole test suite: tests/ (unit, multi-rank, browser),
-# then the example notebooks under nbval. Fails if either run fails.
+# then the example notebooks under nbval, both on torch 2.13.0; then the tests of every private
+# torch name on torch 2.14.1 (scripts/test_torch_next.sh, a second venv). Fails if any run fails.
 # With test paths as arguments (e.g. tests/test_planner.py), runs only pytest on those.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,4 +16,6 @@ status=0
 echo "== example notebooks (nbval) =="
 .venv/bin/python -m pytest "$@" --nbval --nbval-current-env \
     --nbval-sanitize-with notebooks/nbval_sanitize.cfg notebooks/ || status=$?
+echo "== private torch names (snn_explorer/compat.py) on torch 2.14.1 =="
+bash scripts/test_torch_next.sh || status=$?
 exit $status

@@ -7,7 +7,9 @@ failing deep inside a step. Everything else in the package uses public torch API
 """
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
 import inspect
 from typing import Any, Iterable, Optional
 
@@ -58,6 +60,150 @@ def _error(where: str, why: str) -> TorchCompatError:
 
 
 # --- core and estimator ---------------------------------------------------------------------
+
+def _check(where: str, ok: bool, why: str) -> None:
+    """Raise :class:`TorchCompatError` for ``where`` unless ``ok`` (a shape check beyond presence)."""
+    if not ok:
+        raise _error(where, why)
+
+
+def _arg_names(op: Any) -> list:
+    schema = getattr(getattr(op, "default", None), "_schema", None)
+    return [a.name for a in schema.arguments] if schema is not None else []
+
+
+# pytree: torch.utils.pytree is the public module where a release has it (2.13 and 2.14 do not).
+_PYTREE = "torch.utils.pytree" if importlib.util.find_spec("torch.utils.pytree") else "torch.utils._pytree"
+tree_leaves = _require(_PYTREE, "tree_leaves")
+tree_map = _require(_PYTREE, "tree_map")
+_check(f"{_PYTREE}.tree_leaves", tree_leaves(([1], {"a": (2, 3)})) == [1, 2, 3],
+       "it no longer flattens lists, dicts and tuples")
+_check(f"{_PYTREE}.tree_map", tree_map(lambda v: v + 1, ([1], {"a": 2})) == ([2], {"a": 3}),
+       "it no longer maps over lists and dicts keeping their structure")
+
+# Dispatch modes (the estimator's StorageMeter and CollectiveRecorder): documented, but in a private module.
+TorchDispatchMode = _require("torch.utils._python_dispatch", "TorchDispatchMode")
+is_traceable_wrapper_subclass_type = _require("torch.utils._python_dispatch", "is_traceable_wrapper_subclass_type")
+_check("torch.utils._python_dispatch.TorchDispatchMode",
+       isinstance(TorchDispatchMode, type) and hasattr(TorchDispatchMode, "__enter__"),
+       "it is no longer a context-manager class")
+_check("torch.utils._python_dispatch.is_traceable_wrapper_subclass_type",
+       is_traceable_wrapper_subclass_type(torch.Tensor) is False, "it no longer answers False for torch.Tensor")
+
+#: ``queue_callback(fn)``: run ``fn`` when the running backward ends (as FSDP2's root does).
+queue_callback = _require("torch.autograd", "Variable._execution_engine.queue_callback")
+
+
+def _callback_runs_at_end_of_backward() -> bool:
+    order = []
+    try:
+        with torch.enable_grad():  # also when snn_explorer is imported under no_grad
+            leaf = torch.zeros(1, requires_grad=True)
+            mid = leaf * 2
+            mid.register_hook(lambda g: queue_callback(lambda: order.append("end")))
+            leaf.register_hook(lambda g: order.append("leaf"))
+            mid.sum().backward()
+    except (RuntimeError, TypeError):
+        return False
+    return order == ["leaf", "end"]
+
+
+_check("torch.autograd.Variable._execution_engine.queue_callback", _callback_runs_at_end_of_backward(),
+       "a callback queued during backward no longer runs once, after the backward")
+
+
+def non_persistent_buffer_names(module: torch.nn.Module) -> set:
+    """Names of ``module``'s own buffers registered with ``persistent=False`` (neuron state)."""
+    return module._non_persistent_buffers_set
+
+
+def _non_persistent_names_work() -> bool:
+    try:
+        probe = torch.nn.Module()
+        probe.register_buffer("state", torch.zeros(1), persistent=False)
+        probe.register_buffer("kept", torch.zeros(1))
+        return non_persistent_buffer_names(probe) == {"state"}
+    except (AttributeError, TypeError):
+        return False
+
+
+_check("torch.nn.Module._non_persistent_buffers_set", _non_persistent_names_work(),
+       "it is not the set of buffer names registered with persistent=False")
+
+# DDP's bucketing (the estimator predicts DDP's buckets without running DDP).
+_bucket_assignment = _require("torch.distributed", "_compute_bucket_assignment_by_size")
+DDP_FIRST_BUCKET_BYTES = _require("torch.distributed", "_DEFAULT_FIRST_BUCKET_BYTES", callable_=False)
+_check("torch.distributed._DEFAULT_FIRST_BUCKET_BYTES", isinstance(DDP_FIRST_BUCKET_BYTES, int),
+       f"it is a {type(DDP_FIRST_BUCKET_BYTES).__name__}, not an int")
+
+
+def ddp_bucket_assignment(tensors: list, limits: list) -> list:
+    """DDP's assignment of ``tensors`` (in ready order) to buckets under ``limits`` bytes: index lists."""
+    buckets, _ = _bucket_assignment(tensors, limits, [False] * len(tensors), list(range(len(tensors))))
+    return [list(b) for b in buckets]
+
+
+_meta = [torch.empty(4, device="meta"), torch.empty(4, device="meta")]
+try:
+    _probe_buckets = ddp_bucket_assignment(_meta, [1 << 20])
+except (TypeError, RuntimeError, ValueError) as _exc:
+    raise _error("torch.distributed._compute_bucket_assignment_by_size",
+                 f"it no longer takes (tensors, limits, expect_sparse, indices) ({_exc})") from _exc
+_check("torch.distributed._compute_bucket_assignment_by_size", _probe_buckets == [[0, 1]],
+       f"it put two 16-byte tensors under a 1 MiB limit into {_probe_buckets}, not one bucket [[0, 1]]")
+del _meta, _probe_buckets
+
+_ddp_logging_data = _require("torch.nn.parallel", "DistributedDataParallel._get_ddp_logging_data")
+
+
+def ddp_rebuilt_bucket_sizes(ddp: torch.nn.Module) -> list:
+    """Bytes of each bucket a DistributedDataParallel module rebuilt after its first iteration."""
+    sizes = str(_ddp_logging_data(ddp).get("rebuilt_bucket_sizes", ""))
+    return [int(s) for s in sizes.replace(",", " ").split()]
+
+
+# The c10d ops behind all_gather_into_tensor / reduce_scatter_tensor, as the recorder sees them.
+ALLGATHER_BASE = _require("torch", "ops.c10d._allgather_base_")
+REDUCE_SCATTER_BASE = _require("torch", "ops.c10d._reduce_scatter_base_")
+for _where, _op in (("torch.ops.c10d._allgather_base_", ALLGATHER_BASE),
+                    ("torch.ops.c10d._reduce_scatter_base_", REDUCE_SCATTER_BASE)):
+    _check(_where, _arg_names(_op)[:3] == ["output_tensor", "input_tensor", "process_group"],
+           f"its arguments are {_arg_names(_op)}, not (output_tensor, input_tensor, process_group, ...)")
+
+#: ``resolve_process_group(name)``: the ProcessGroup of a functional collective's ``group_name``. The
+#: recorder names groups by the mesh's own ``get_group(dim).group_name`` first; this is for a group
+#: DTensor reuses from an earlier, equal mesh (measure() applies several plans in one process).
+resolve_process_group = _require("torch.distributed.distributed_c10d", "_resolve_process_group")
+
+#: The op namespace of the functional collectives DTensor issues (all_reduce, all_gather_into_tensor, ...).
+FUNCTIONAL_COLLECTIVES = _require("torch", "ops._c10d_functional", callable_=False)
+for _name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
+    _where = f"torch.ops._c10d_functional.{_name}"
+    _check(_where, hasattr(FUNCTIONAL_COLLECTIVES, _name), "it is missing")
+    _check(_where, _arg_names(getattr(FUNCTIONAL_COLLECTIVES, _name))[-1:] == ["group_name"],
+           f"its arguments are {_arg_names(getattr(FUNCTIONAL_COLLECTIVES, _name))}, not (..., group_name)")
+
+
+@functools.lru_cache(maxsize=None)
+def mem_tracker_class() -> type:
+    """torch's ``MemTracker``, checked on first use: importing torch.distributed._tools takes a second
+    (it loads the runtime estimator), too much for every ``import snn_explorer``."""
+    cls = _require("torch.distributed._tools.mem_tracker", "MemTracker")
+    tracker = cls()
+    for name in ("_peak_mem", "_peak_mem_snap"):
+        _check(f"torch.distributed._tools.mem_tracker.MemTracker.{name}",
+               isinstance(getattr(tracker, name, None), dict), "it is not a dict per device")
+    for name in ("track_external", "get_tracker_snapshot", "reset_mod_stats"):
+        _check(f"torch.distributed._tools.mem_tracker.MemTracker.{name}", callable(getattr(tracker, name, None)),
+               "it is missing")
+    return cls
+
+
+def restart_mem_tracker_peak(tracker: Any, device: torch.device) -> None:
+    """Restart a MemTracker's peak from the current memory (it has no public reset)."""
+    snapshot = tracker.get_tracker_snapshot()[device]
+    tracker._peak_mem[device] = snapshot["Total"]
+    tracker._peak_mem_snap[device] = snapshot
 
 
 # --- rank runner (torch elastic, cloudpickle) -----------------------------------------------

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
 
+from snn_explorer.compat import mem_tracker_class
 from snn_explorer.estimator._step import forward_loss
 from snn_explorer.estimator.meter import StorageMeter
 from snn_explorer.zoo import build
@@ -16,7 +16,7 @@ def _step_peaks(model, x, labels):
     """(MemTracker peak, StorageMeter peak) of one forward + backward, each above its entry memory."""
     forward_loss(model, x, labels).backward()  # warm-up, so neuron state has its steady size
     model.zero_grad(set_to_none=True)
-    tracker = MemTracker()
+    tracker = mem_tracker_class()()
     tracker.track_external(model, x)
     with tracker:
         entry = tracker.get_tracker_snapshot()[x.device]["Total"]

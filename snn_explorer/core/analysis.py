@@ -7,6 +7,7 @@ from typing import Any, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 
+from ..compat import non_persistent_buffer_names
 from . import neurons
 from .attention import AttentionBlock, FusedAttentionBlock, attention_blocks, fused_attention_blocks, pointwise_chains
 from .structure import CONV_TYPES, chains, under
@@ -135,7 +136,7 @@ def _validate_roots(model: nn.Module, roots: Optional[Sequence[str]]) -> Optiona
 
 def _has_per_feature_state(module: nn.Module) -> bool:
     tensors = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
-    persistent = [t for n, t in tensors if n not in module._non_persistent_buffers_set]
+    persistent = [t for n, t in tensors if n not in non_persistent_buffer_names(module)]
     return any(t.numel() > 1 for t in persistent)
 
 

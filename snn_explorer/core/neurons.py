@@ -11,6 +11,8 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from ..compat import non_persistent_buffer_names
+
 ResetFn = Callable[[nn.Module], None]
 
 _REGISTRY: Dict[type, ResetFn] = {}
@@ -60,10 +62,10 @@ def _is_snntorch_neuron(module: nn.Module) -> bool:
 
 def _reset_snntorch(module: nn.Module) -> None:
     """Zero an snntorch neuron's hidden state (its non-persistent buffers such as ``mem``)."""
-    for name in module._non_persistent_buffers_set:
-        value = module._buffers.get(name)
-        if value is not None:
-            module._buffers[name] = torch.zeros_like(value)
+    state = non_persistent_buffer_names(module)
+    for name, value in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+        if name in state:
+            setattr(module, name, torch.zeros_like(value))
 
 
 def snn_library(module: nn.Module) -> Optional[str]:

@@ -10,8 +10,8 @@ from collections import defaultdict
 from typing import Dict, List, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
+from ..compat import DDP_FIRST_BUCKET_BYTES, ddp_bucket_assignment
 from ..core import SNNDistributedPlan
 from .profile import ModelProfile
 from .sharding import Param, fsdp_group_bytes, fsdp_groups
@@ -32,8 +32,7 @@ def ddp_buckets(params: Sequence[Param], ready_order: Sequence[str]) -> List[int
 def _buckets(sizes: Tuple[Tuple[int, int], ...]) -> Tuple[int, ...]:
     """torch's own bucket assignment (on meta tensors) for gradients of these (numel, itemsize)."""
     meta = [torch.empty(numel, dtype=_dtype(itemsize), device="meta") for numel, itemsize in sizes]
-    buckets, _ = dist._compute_bucket_assignment_by_size(
-        meta, [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 1024 * 1024], [False] * len(meta), list(range(len(meta))))
+    buckets = ddp_bucket_assignment(meta, [DDP_FIRST_BUCKET_BYTES, 25 * 1024 * 1024])
     return tuple(sum(sizes[i][0] * sizes[i][1] for i in b) for b in buckets)
 
 

@@ -24,8 +24,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
 
+from ..compat import queue_callback, tree_leaves, tree_map
 from .meter import StorageMeter
 from .sharding import Param, fsdp_group_bytes, fsdp_groups
 
@@ -234,7 +234,7 @@ def record(model: nn.Module, units: Sequence[str], meter: StorageMeter):
         def hook(grad):
             if not path and not queued:  # as FSDP2's root: the end of the backward is a callback
                 queued.append(True)
-                torch.autograd.Variable._execution_engine.queue_callback(lambda: log.mark(meter, "end_backward"))
+                queue_callback(lambda: log.mark(meter, "end_backward"))
             log.mark(meter, "pre_backward", path)
         return hook
 

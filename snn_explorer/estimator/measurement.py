@@ -21,6 +21,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from ..compat import ddp_rebuilt_bucket_sizes, mem_tracker_class, restart_mem_tracker_peak
 from ..core import SNNDistributedPlan
 from ..core.parallelize.mesh import comm_backend_for
 from ._spawn import run_on_ranks
@@ -62,7 +63,10 @@ class PlanMeasurement:
 def _local(t):
     from torch.distributed.tensor import DTensor
 
-    return t._local_tensor if isinstance(t, DTensor) else t
+    if not isinstance(t, DTensor):
+        return t
+    with torch.no_grad():
+        return t.to_local()
 
 
 def _storage_bytes(tensors) -> Dict[int, int]:
@@ -123,17 +127,10 @@ class _Settings:
     device: str  # "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)
 
 
-def _restart_peak(tracker, device: torch.device) -> None:
-    """Restart MemTracker's peak from the current memory (it has no public reset)."""
-    tracker._peak_mem[device] = tracker.get_tracker_snapshot()[device]["Total"]
-    tracker._peak_mem_snap[device] = tracker.get_tracker_snapshot()[device]
-
-
 def _measure_plan(model, plan, run: _Settings) -> dict:
     import contextlib
 
     import torch.distributed as dist
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.tensor.debug import CommDebugMode
 
     from ..core import apply
@@ -183,7 +180,7 @@ def _measure_plan(model, plan, run: _Settings) -> dict:
         seen["saved"] = saved.alive()
         seen["params"] = _storage_bytes(module.parameters())  # FSDP2 without resharding: the unsharded ones
 
-    tracker = MemTracker()
+    tracker = mem_tracker_class()()
     tracker.track_external(runtime.model, getattr(opt, "optim", opt), x)  # ZeRO: its local optimizer
     debug = CommDebugMode() if not repeated else contextlib.nullcontext()
     if cuda:
@@ -195,7 +192,7 @@ def _measure_plan(model, plan, run: _Settings) -> dict:
         # from its start, not from the middle of its backward.
         step()
         tracker.reset_mod_stats()
-        _restart_peak(tracker, x.device)
+        restart_mem_tracker_peak(tracker, x.device)
         with debug, recorder:
             step(recorder, saved, after_forward)
     peak = tracker.get_tracker_snapshot("peak")[x.device]["Total"]
@@ -205,15 +202,13 @@ def _measure_plan(model, plan, run: _Settings) -> dict:
 
     buckets = 0
     if plan.uses_ddp:
-        sizes = str(runtime.model._get_ddp_logging_data().get("rebuilt_bucket_sizes", ""))
-        buckets = sum(int(s) for s in sizes.replace(",", " ").split())
+        buckets = sum(ddp_rebuilt_bucket_sizes(runtime.model))
     input_ptr = x.untyped_storage().data_ptr()
     activations = sum(n for p, n in seen["saved"].items() if p not in static and p not in seen["state"]
                       and p not in seen["params"] and p != input_ptr) + x.numel() * x.element_size()
     params = list(module.parameters())
     state_dict = getattr(opt, "optim", opt).state
-    dims = {} if runtime.mesh is None else {
-        frozenset(dist.get_process_group_ranks(runtime.mesh.get_group(d))): d for d in plan.mesh_dim_names}
+    groups = {} if runtime.mesh is None else {d: runtime.mesh.get_group(d) for d in plan.mesh_dim_names}
     state_ids = state_tensor_ids(module)
     return dict(
         row=dict(rank=dist.get_rank(), params_bytes=sum(_storage_bytes(params).values()),
@@ -222,7 +217,7 @@ def _measure_plan(model, plan, run: _Settings) -> dict:
                  buffers_bytes=sum(_storage_bytes([b for b in module.buffers() if id(b) not in state_ids]).values()),
                  activations_bytes=activations, neuron_state_bytes=sum(seen["state"].values()),
                  transient_bytes=buckets if plan.uses_ddp else float("nan"), peak_bytes=peak),
-        collectives=recorder.table(dims), times=times,
+        collectives=recorder.table(groups), times=times,
         debug=None if repeated else {str(k).rsplit(".", 1)[-1]: v for k, v in debug.get_comm_counts().items()})
 
 

@@ -12,8 +12,8 @@ import weakref
 from typing import Dict, Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
-from torch.utils._pytree import tree_leaves
+
+from ..compat import TorchDispatchMode, is_traceable_wrapper_subclass_type, tree_leaves
 
 
 class StorageMeter(TorchDispatchMode):

@@ -30,6 +30,7 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..compat import non_persistent_buffer_names, tree_leaves
 from ..core.neurons import stateful_modules
 from ..core.plans.families import fsdp_units
 from ._step import batch_slice, forward_loss
@@ -156,7 +157,7 @@ def _storages(tensors) -> Dict[int, int]:
 
 
 def _state_tensors(module: nn.Module):
-    tensors = [b for n, b in module.named_buffers(recurse=False) if n in module._non_persistent_buffers_set]
+    tensors = [b for n, b in module.named_buffers(recurse=False) if n in non_persistent_buffer_names(module)]
     memories = getattr(module, "_memories", None)
     if isinstance(memories, dict):
         tensors += [v for v in memories.values() if isinstance(v, torch.Tensor)]
@@ -172,7 +173,7 @@ def _numel(obj) -> int:
 
 
 def _requires_grad(args) -> bool:
-    flat = torch.utils._pytree.tree_leaves(args)
+    flat = tree_leaves(args)
     return any(isinstance(a, torch.Tensor) and a.requires_grad for a in flat)
 
 

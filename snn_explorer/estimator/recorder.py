@@ -8,15 +8,17 @@ input of a reduce-scatter.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..compat import (ALLGATHER_BASE, FUNCTIONAL_COLLECTIVES, REDUCE_SCATTER_BASE, TorchDispatchMode,
+                      resolve_process_group)
 
 _c10d = torch.ops.c10d
-_fn = torch.ops._c10d_functional
+_fn = FUNCTIONAL_COLLECTIVES
 
 
 def _nbytes(t: Any) -> int:
@@ -27,13 +29,14 @@ def _nbytes(t: Any) -> int:
     return 0
 
 
-def _group(arg: Any) -> str:
-    """The group name of a functional collective's ``group_name`` or a c10d op's boxed ProcessGroup."""
+def _group(arg: Any) -> Tuple[str, Optional[frozenset]]:
+    """``(name, ranks)`` of a c10d op's boxed ProcessGroup, ``(name, None)`` of a functional
+    collective's ``group_name``."""
     if isinstance(arg, str):
-        return arg
+        return arg, None
     if isinstance(arg, torch.ScriptObject):
         arg = dist.ProcessGroup.unbox(arg)
-    return arg.group_name
+    return arg.group_name, frozenset(dist.get_process_group_ranks(arg))
 
 
 # op packet -> (kind, index of the group argument, index of the argument whose size is counted)
@@ -41,11 +44,11 @@ _OPS = {
     _c10d.allreduce_: ("all_reduce", 1, 0),
     _c10d.allreduce_coalesced_: ("all_reduce", 1, 0),
     _c10d.broadcast_: ("broadcast", 1, 0),
-    _c10d._allgather_base_: ("all_gather", 2, 0),
+    ALLGATHER_BASE: ("all_gather", 2, 0),
     _c10d.allgather_: ("all_gather", 2, 0),
     _c10d.allgather_coalesced_: ("all_gather", 2, 0),
     _c10d.allgather_into_tensor_coalesced_: ("all_gather", 2, 0),
-    _c10d._reduce_scatter_base_: ("reduce_scatter", 2, 1),
+    REDUCE_SCATTER_BASE: ("reduce_scatter", 2, 1),
     _c10d.reduce_scatter_: ("reduce_scatter", 2, 1),
     _c10d.reduce_scatter_tensor_coalesced_: ("reduce_scatter", 2, 1),
     _c10d.alltoall_base_: ("all_to_all", 2, 1),
@@ -63,7 +66,8 @@ _GATHERS = {_fn.all_gather_into_tensor: 2, _fn.all_gather_into_tensor_coalesced:
 
 @dataclass
 class CollectiveRecorder(TorchDispatchMode):
-    """Record collectives as ``(group_name, kind, phase, bytes)``; set ``phase`` as the step runs."""
+    """Record collectives as ``(group_name, ranks, kind, phase, bytes)`` (``ranks`` None where the op
+    names its group only); set ``phase`` as the step runs."""
 
     phase: str = "forward"
     events: List[tuple] = field(default_factory=list)
@@ -78,27 +82,27 @@ class CollectiveRecorder(TorchDispatchMode):
         packet = getattr(func, "_overloadpacket", None)
         if packet in _OPS:
             kind, g, b = _OPS[packet]
-            self.events.append((_group(args[g]), kind, self.phase, _nbytes(args[b])))
+            self.events.append((*_group(args[g]), kind, self.phase, _nbytes(args[b])))
         elif packet in _GATHERS:
-            self.events.append((_group(args[_GATHERS[packet]]), "all_gather", self.phase,
+            self.events.append((*_group(args[_GATHERS[packet]]), "all_gather", self.phase,
                                 _nbytes(args[0]) * int(args[1])))
         return out
 
-    def table(self, dim_of_ranks: Dict[frozenset, str]) -> List[dict]:
+    def table(self, mesh_groups: Mapping[str, Any]) -> List[dict]:
         """Rows ``mesh_dim, kind, phase, count, bytes`` summed over events.
 
-        A group is named by the mesh dim with the same ranks (DTensor may reuse an equal group of
-        an earlier mesh); other groups keep their name.
+        ``mesh_groups`` maps each mesh dim to its ProcessGroup (``mesh.get_group(dim)``). A group is
+        named by the mesh dim it is, else by the dim with the same ranks (an equal group of an
+        earlier mesh, which DTensor may reuse); other groups keep their name.
         """
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
+        by_name = {g.group_name: d for d, g in mesh_groups.items()}
+        by_ranks = {frozenset(dist.get_process_group_ranks(g)): d for d, g in mesh_groups.items()}
         rows: Dict[tuple, List[int]] = {}
-        names: Dict[str, str] = {}
-        for group, kind, phase, nbytes in self.events:
-            if group not in names:
-                ranks = frozenset(dist.get_process_group_ranks(_resolve_process_group(group)))
-                names[group] = dim_of_ranks.get(ranks, group)
-            key = (names[group], kind, phase)
+        for group, ranks, kind, phase, nbytes in self.events:
+            if group not in by_name:
+                ranks = ranks or frozenset(dist.get_process_group_ranks(resolve_process_group(group)))
+                by_name[group] = by_ranks.get(ranks, group)
+            key = (by_name[group], kind, phase)
             acc = rows.setdefault(key, [0, 0])
             acc[0] += 1
             acc[1] += nbytes

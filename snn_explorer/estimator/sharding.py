@@ -15,6 +15,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..compat import non_persistent_buffer_names
 from ..core import SNNDistributedPlan
 from ..core.neurons import stateful_modules
 from ..core.styles import STYLES
@@ -108,12 +109,16 @@ def _zero_partition(params: Tuple[Param, ...], world: int) -> List[List[Param]]:
 
 @functools.lru_cache(maxsize=None)
 def step_bytes(optimizer: str) -> int:
-    """Bytes of the per-parameter ``step`` counter (Adam family; a 0-dim float tensor)."""
+    """Bytes of the per-parameter ``step`` counter (Adam family; a 0-dim float tensor), as the
+    optimizer itself creates it on a one-element parameter."""
     if optimizer not in ("adam", "adamw"):
         return 0
-    from torch.optim.optimizer import _get_scalar_dtype
-
-    return torch.empty((), dtype=_get_scalar_dtype()).element_size()
+    cls, kw = OPTIMIZERS[optimizer]
+    param = nn.Parameter(torch.zeros(1))
+    param.grad = torch.zeros(1)
+    opt = cls([param], **kw)
+    opt.step()
+    return opt.state[param]["step"].element_size()
 
 
 def _state(numel: int, itemsize: int, optimizer: str) -> int:
@@ -142,7 +147,7 @@ def state_tensor_ids(model: nn.Module) -> set:
     """ids of the neuron-state tensors (non-persistent buffers, spikingjelly memories)."""
     ids = set()
     for _, module in stateful_modules(model):
-        ids.update(id(b) for n, b in module.named_buffers(recurse=False) if n in module._non_persistent_buffers_set)
+        ids.update(id(b) for n, b in module.named_buffers(recurse=False) if n in non_persistent_buffer_names(module))
         ids.update(id(v) for v in getattr(module, "_memories", {}).values() if isinstance(v, torch.Tensor))
     return ids
 

@@ -1,0 +1,280 @@
+"""snn_explorer.compat: every private torch name of the core and the estimator, on the code paths
+that use it, and the error a torch without one of them gets. CI runs this file on each torch of
+``compat.TESTED_TORCH`` (scripts/test.sh)."""
+import importlib.util
+import re
+import subprocess
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+import pytest
+import snntorch
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import snn_explorer as se
+from snn_explorer import compat
+from snn_explorer.core.neurons import reset_all
+from snn_explorer.estimator import estimate, measure_many
+from snn_explorer.estimator._step import forward_loss
+from snn_explorer.estimator.comms import ddp_buckets
+from snn_explorer.estimator.fsdp_timeline import record
+from snn_explorer.estimator.meter import StorageMeter
+from snn_explorer.estimator.recorder import CollectiveRecorder
+from snn_explorer.estimator.sharding import Param, state_tensor_ids, step_bytes
+from snn_explorer.zoo import build
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _version(text):
+    return tuple(int(p) for p in re.match(r"(\d+)\.(\d+)", text).groups())
+
+
+def test_installed_torch_is_in_the_tested_range_that_pyproject_declares():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'"torch{compat.TESTED_TORCH}"' in pyproject
+    low, high = re.fullmatch(r">=([\d.]+),<([\d.]+)", compat.TESTED_TORCH).groups()
+    assert _version(low) <= _version(torch.__version__) < _version(high), torch.__version__
+
+
+def _break_non_persistent_set(monkeypatch):
+    init = nn.Module.__init__
+
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.__dict__["_non_persistent_buffers_set"] = []  # a list: no longer the set torch adds names to
+    monkeypatch.setattr(nn.Module, "__init__", patched)
+
+
+def _break_mem_tracker(monkeypatch):
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    init = MemTracker.__init__
+
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        del self._peak_mem
+    monkeypatch.setattr(MemTracker, "__init__", patched)
+
+
+def _break_functional_collectives(monkeypatch):
+    functional = types.SimpleNamespace(all_reduce=torch.ops._c10d_functional.all_reduce)  # no all_gather
+    monkeypatch.setattr(torch, "ops", types.SimpleNamespace(c10d=torch.ops.c10d, _c10d_functional=functional))
+
+
+#: Each case breaks one name (or its shape) as a torch release might; compat, imported afresh (or
+#: asked for the MemTracker, checked on first use), must name it, its flaw and torch's version.
+BREAK = {
+    "torch.utils._pytree.tree_leaves": lambda mp: mp.delattr(torch.utils._pytree, "tree_leaves"),
+    "torch.utils._pytree.tree_map": lambda mp: mp.setattr(torch.utils._pytree, "tree_map", lambda f, t: t),
+    "torch.utils._python_dispatch.TorchDispatchMode":
+        lambda mp: mp.delattr(torch.utils._python_dispatch, "TorchDispatchMode"),
+    "torch.utils._python_dispatch.is_traceable_wrapper_subclass_type":
+        lambda mp: mp.setattr(torch.utils._python_dispatch, "is_traceable_wrapper_subclass_type", lambda t: None),
+    "torch.autograd.Variable._execution_engine.queue_callback":
+        lambda mp: mp.delattr(torch.autograd.Variable, "_execution_engine"),
+    "torch.nn.Module._non_persistent_buffers_set": _break_non_persistent_set,
+    "torch.distributed._compute_bucket_assignment_by_size":
+        lambda mp: mp.setattr(dist, "_compute_bucket_assignment_by_size", lambda *a: ([[0], [1]], [1])),
+    "torch.distributed._DEFAULT_FIRST_BUCKET_BYTES": lambda mp: mp.delattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES"),
+    "torch.nn.parallel.DistributedDataParallel._get_ddp_logging_data":
+        lambda mp: mp.delattr(nn.parallel.DistributedDataParallel, "_get_ddp_logging_data"),
+    "torch.ops.c10d._allgather_base_":
+        lambda mp: mp.setattr(torch, "ops", types.SimpleNamespace(c10d=types.SimpleNamespace())),
+    "torch.distributed._tools.mem_tracker.MemTracker._peak_mem": _break_mem_tracker,
+    "torch.ops._c10d_functional.all_gather_into_tensor": _break_functional_collectives,
+}
+
+
+def _fresh_compat():
+    """snn_explorer/compat.py executed anew as its own module (the package keeps its compat)."""
+    spec = importlib.util.spec_from_file_location("compat_probe", compat.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.mem_tracker_class()
+    return module
+
+
+def test_fresh_compat_passes_on_this_torch():
+    assert _fresh_compat().TESTED_TORCH == compat.TESTED_TORCH
+
+
+@pytest.mark.parametrize("name", list(BREAK))
+def test_a_missing_or_changed_name_raises_naming_it_and_the_torch_version(name, monkeypatch):
+    BREAK[name](monkeypatch)
+    with pytest.raises(ImportError) as err:
+        _fresh_compat()
+    assert type(err.value).__name__ == "TorchCompatError"
+    message = str(err.value)
+    assert name in message and f"torch {torch.__version__}" in message and compat.TESTED_TORCH in message, message
+
+
+def test_a_fresh_interpreter_fails_at_import_naming_the_name():
+    code = "import torch.distributed as d; del d._compute_bucket_assignment_by_size; import snn_explorer.estimator"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("snn_explorer.compat.TorchCompatError: ") and "_compute_bucket_assignment_by_size" in last
+    assert f"torch {torch.__version__}" in last, last
+
+
+def test_require_names_what_is_missing():
+    with pytest.raises(compat.TorchCompatError, match=r"torch\.nn\.no_such_name.*it is missing") as err:
+        compat._require("torch.nn", "no_such_name")
+    assert f"torch {torch.__version__}" in str(err.value)
+    with pytest.raises(compat.TorchCompatError, match="no_such_module does not import"):
+        compat._require("torch.no_such_module", "x")
+
+
+# --- the names on the code paths that use them ------------------------------------------------
+
+def test_fsdp_record_marks_forward_backward_and_its_end():
+    """fsdp_timeline: pytree over hook arguments, and the end of the backward queued on autograd's engine."""
+    zoo = build("mlp")
+    units = tuple(n for n, m in zoo.model.named_modules() if isinstance(m, nn.Linear))
+    assert len(units) == 3
+    meter = StorageMeter()
+    meter.track(list(zoo.model.parameters()) + [zoo.example_input])
+    with meter, record(zoo.model, units, meter) as log:
+        forward_loss(zoo.model, zoo.example_input, zoo.labels).backward()
+    kinds = [k for k, *_ in log.events]
+    assert kinds.count("end_backward") == 1 and kinds[-1] == "end_backward", kinds
+    marks = [(k, w) for k, w, *_ in log.events]
+    for unit in units:
+        assert ("pre_forward", unit) in marks and ("pre_backward", unit) in marks, unit
+    for unit in units[1:]:  # their inputs need a gradient: a post-backward through pytree-mapped arguments
+        assert ("post_backward", unit) in marks, unit
+
+
+def test_storage_meter_counts_allocations_and_lets_dtensor_desugar(one_rank):
+    from torch.distributed.tensor import DeviceMesh, Replicate, distribute_tensor
+
+    meter = StorageMeter()
+    with meter:
+        big = torch.ones(1000)
+        del big
+    assert meter.peak == 4000 and meter.current == 0
+    dt = distribute_tensor(torch.ones(256), DeviceMesh("cpu", [0]), [Replicate()])
+    with StorageMeter() as meter:
+        out = dt * 2  # a DTensor op: the meter counts the local multiply's output
+    assert isinstance(out, torch.distributed.tensor.DTensor) and bool((out.to_local() == 2).all())
+    assert meter.peak >= 1024 and meter.current >= 1024
+
+
+def test_neuron_state_is_the_non_persistent_buffers():
+    lif = snntorch.Leaky(beta=0.9, init_hidden=True)
+    model = nn.Sequential(nn.Linear(4, 4), lif)
+    model(torch.ones(2, 4) * 5)
+    assert lif.mem.abs().sum() > 0
+    assert reset_all(model) == 1
+    assert lif.mem.abs().sum() == 0
+    assert "mem" in compat.non_persistent_buffer_names(lif)
+    assert id(lif.mem) in state_tensor_ids(model)
+    assert se.analyze(model).per_feature_neuron_names == ()  # its 8-element mem is state, not a per-feature beta
+    per_feature = nn.Sequential(nn.Linear(4, 4), snntorch.Leaky(beta=torch.full((4,), 0.9), init_hidden=True))
+    per_feature(torch.ones(2, 4))
+    assert se.analyze(per_feature).per_feature_neuron_names == ("1",)
+
+
+def test_adam_step_counter_bytes_are_the_optimizers_own():
+    p = nn.Parameter(torch.zeros(3))
+    p.grad = torch.ones(3)
+    opt = torch.optim.AdamW([p])
+    opt.step()
+    assert step_bytes("adamw") == opt.state[p]["step"].element_size() > 0
+    assert step_bytes("sgd") == 0
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A one-rank gloo group in this process (DDP, c10d ops and DTensor need one)."""
+    if dist.is_initialized():  # left by an earlier test: usable only if it is a one-rank group
+        assert dist.get_world_size() == 1, f"this process already has a {dist.get_world_size()}-rank group"
+        yield dist.group.WORLD
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            yield dist.group.WORLD
+        finally:
+            dist.destroy_process_group()
+
+
+def test_ddp_buckets_are_those_ddp_hands_its_comm_hook(one_rank):
+    """The estimator's bucket assignment against DDP's own buckets, after DDP rebuilt them in
+    the order the gradients became ready (3 MiB of gradients: several buckets)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(300, 600), nn.Tanh(), nn.Linear(600, 500), nn.Tanh(), nn.Linear(500, 300))
+    ready = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _, n=name: ready.append(n))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    hooked = []
+
+    def hook(group, bucket):
+        hooked.append(bucket.buffer().numel() * bucket.buffer().element_size())
+        return allreduce_hook(group, bucket)
+    ddp.register_comm_hook(one_rank, hook)
+    for _ in range(3):
+        del ready[:], hooked[:]
+        ddp(torch.randn(2, 300)).square().mean().backward()
+    params = [Param(n, tuple(p.shape), 4) for n, p in model.named_parameters()]
+    assert len(hooked) > 1
+    assert ddp_buckets(params, ready) == hooked
+    assert compat.ddp_rebuilt_bucket_sizes(ddp) == hooked
+
+
+def test_recorder_sees_the_base_gather_and_scatter_ops(one_rank):
+    recorder = CollectiveRecorder()
+    with recorder:
+        out = torch.empty(8)
+        dist.all_gather_into_tensor(out, torch.ones(8))
+        dist.reduce_scatter_tensor(torch.empty(8), torch.ones(8))
+    assert [e[2:] for e in recorder.events] == [("all_gather", "forward", 32), ("reduce_scatter", "forward", 32)]
+    assert {r["mesh_dim"] for r in recorder.table({"dp": one_rank})} == {"dp"}
+    assert compat.resolve_process_group(one_rank.group_name) is one_rank  # a group known by name only
+
+
+def test_mem_tracker_peak_restarts_from_the_current_memory():
+    tracker = compat.mem_tracker_class()()
+    cpu = torch.device("cpu")
+    base = torch.ones(4)
+    tracker.track_external(base)
+    with tracker:
+        big = torch.ones(1 << 18)
+        del big
+        before = tracker.get_tracker_snapshot("peak")[cpu]["Total"]
+        compat.restart_mem_tracker_peak(tracker, cpu)
+        small = torch.ones(16)
+    after = tracker.get_tracker_snapshot("peak")[cpu]["Total"]
+    assert before >= 1 << 20 > after >= small.numel() * 4
+
+
+def _plain():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)), torch.randn(3, 4, 16), torch.arange(4) % 8
+
+
+def test_measure_on_two_ranks_matches_the_estimate_in_every_two_rank_mode():
+    """measure(): MemTracker and its restarted peak, DDP's logging data, DTensor's local tensors,
+    FSDP2's base all-gather / reduce-scatter ops and the mesh's group names, all on real ranks."""
+    model, x, y = _plain()
+    analysis = se.analyze(model)
+    plans = [p for p in se.enumerate_plans(analysis, world_size=2, batch_size=4) if p.optimizer_strategy == "none"]
+    assert {p.mode for p in plans} == {"dp", "fsdp2", "tp"}
+    measured = measure_many(model, plans, example_input=x, labels=y, steps=2, optimizer="adam", timeout=240)
+    for plan, meas in zip(plans, measured):
+        est = estimate(model, plan, example_input=x, labels=y, optimizer="adam")
+        for col in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+            assert list(est.per_rank[col]) == list(meas.per_rank[col]), (plan, col)
+        rows = lambda t: sorted(map(tuple, t[["mesh_dim", "kind", "phase", "count", "bytes"]].values.tolist()))
+        assert rows(est.collectives) == rows(meas.collectives), plan
+        assert meas.peak_bytes > 0
+        if plan.mode == "dp":
+            assert meas.per_rank["transient_bytes"].iloc[0] == est.collectives["bytes"].sum()
