@@ -23,7 +23,8 @@ from torch import nn
 
 from ..core import SNNDistributedPlan
 from ._spawn import run_on_ranks
-from ._step import OPTIMIZERS, batch_slice, check_optimizer, forward_loss
+from ._step import OPTIMIZERS, batch_slice, check_inputs, check_optimizer, forward_loss
+from .isolation import as_found
 from .plan_estimate import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
 from .recorder import CollectiveRecorder
 from .sharding import state_tensor_ids
@@ -254,6 +255,8 @@ def measure_many(model: nn.Module, plans: Sequence[SNNDistributedPlan], *, examp
                  device: str = "cpu") -> List[PlanMeasurement]:
     """:func:`measure` for several plans, one spawned set of ranks per world size."""
     optimizer = check_optimizer(optimizer)
+    for p in plans:
+        check_inputs(model, example_input, labels, dtype, p)
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}; expected 'cpu' (gloo ranks) or 'cuda' (NCCL, one GPU per rank)")
     worlds = sorted({p.world_size for p in plans})
@@ -268,7 +271,8 @@ def measure_many(model: nn.Module, plans: Sequence[SNNDistributedPlan], *, examp
         idx = [i for i, p in enumerate(plans) if p.world_size == world]
         group = [plans[i] for i in idx]
         if world == 1:
-            ranks = [_measure_single(model, group, run, backend)]
+            with as_found():  # it runs in this process: its RNG, environment and temporary directory
+                ranks = [_measure_single(model, group, run, backend)]
         else:
             ranks = run_on_ranks(_measure_on_rank, world, model, group, run, timeout=timeout, backend=backend)
         for j, i in enumerate(idx):
