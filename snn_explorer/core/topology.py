@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import reprlib
 import numbers
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -105,7 +106,7 @@ class SNNDistributedTopology:
     def from_dict(cls, data: Mapping[str, Any]) -> "SNNDistributedTopology":
         if not isinstance(data, Mapping):
             raise TypeError(f"a serialised topology must be a mapping {{'dims': ..., 'world_size': ...}}, "
-                            f"got {type(data).__name__}: {data!r:.80}")
+                            f"got {type(data).__name__}: {reprlib.repr(data)}")
         extra = sorted(set(data) - {"dims", "world_size"}, key=str)
         if "dims" not in data or extra:
             problem = f"has unknown key(s) {extra}" if extra else "lacks the key 'dims'"

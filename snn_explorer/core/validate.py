@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import reprlib
 import numbers
 from typing import Any, Optional
 
@@ -45,7 +46,7 @@ def check_dtype(name: str, value: Any) -> Optional[Any]:
 def check_instance(name: str, value: Any, cls: type, what: str) -> Any:
     """``value`` if it is an instance of ``cls``, else TypeError naming its type and ``what`` is accepted."""
     if not isinstance(value, cls):
-        raise TypeError(f"{name} must be {what}, got {type(value).__name__}: {value!r:.80}")
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__}: {reprlib.repr(value)}")
     return value
 
 

@@ -5,6 +5,8 @@ import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 from ..core import DistributedFeatureSet, SNNDistributedAnalysis, SNNDistributedPlan, plan
+from ..core.topology import MAX_WORLD_SIZE
+from ..core.validate import positive_int
 
 
 class PlanList(list):
@@ -41,6 +43,9 @@ def enumerate_plans(analysis: SNNDistributedAnalysis, *, world_size: int, batch_
     says why (e.g. ``"tp=4 does not divide head.out_features=10 ..."``). ZeRO is tried only for
     ``dp`` and only when ``features`` allows it.
     """
+    world_size = positive_int("world_size", world_size, maximum=MAX_WORLD_SIZE, what="the number of ranks")
+    if not isinstance(analysis, SNNDistributedAnalysis):
+        raise TypeError(f"analysis must come from analyze(), got {type(analysis).__name__}")
     features = features if features is not None else DistributedFeatureSet()
     plans: List[SNNDistributedPlan] = []
     infeasible: Dict[str, str] = {}

@@ -44,6 +44,17 @@ def preflight(model: nn.Module, plan: SNNDistributedPlan) -> SNNDistributedAnaly
     return analysis
 
 
+#: Set on a model that apply() distributed (its parameters are now shards or DDP-wrapped).
+_APPLIED = "_snn_explorer_applied"
+
+
+def _check_not_applied(model: nn.Module) -> None:
+    applied = model.__dict__.get(_APPLIED) if isinstance(model, nn.Module) else None
+    if applied:
+        raise ValueError(f"this model was already distributed by apply() with {applied}; apply a fresh model "
+                         "(keep an undistributed copy with copy.deepcopy(model) before apply)")
+
+
 def _set_neuron_backend(model: nn.Module, backend: str) -> None:
     if backend not in ("cupy", "triton"):
         return
@@ -64,6 +75,7 @@ def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: str = "cud
     from ..runtime import SNNDistributedRuntime
 
     model = _unwrap(model)
+    _check_not_applied(model)
     analysis = preflight(model, plan)
     device_type = check_device_type(device_type)
     check_process_group(plan)
@@ -76,6 +88,8 @@ def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: str = "cud
     if plan.mode in ("fsdp2", "fsdp2_tp"):
         apply_fsdp2(model, mesh["dp"], plan.fsdp_units, reshard_after_forward=plan.memopt_level >= 1)
     wrapped = apply_ddp(model, mesh["dp"], device) if plan.mode == "dp" else model
+    if plan.mode != "none":
+        model.__dict__[_APPLIED] = repr(plan)
     if plan.backend == "inductor":
         wrapped = torch.compile(wrapped)
     return SNNDistributedRuntime(model=wrapped, mesh=mesh, analysis=analysis, plan=plan, device=device)

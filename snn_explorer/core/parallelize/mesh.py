@@ -26,6 +26,10 @@ def check_device_type(device_type: str) -> str:
 def check_process_group(plan: SNNDistributedPlan) -> None:
     """The plan's world size must equal the initialised process group's."""
     if plan.mode == "none":
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(f"plan mode 'none' runs one process, but this process group has "
+                             f"{dist.get_world_size()} ranks; each would train its own copy. Plan for "
+                             f"world_size={dist.get_world_size()} (e.g. dp) or run a 'none' plan on one process")
         return
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"mode {plan.mode!r} needs torch.distributed initialised with "
@@ -49,6 +53,9 @@ def check_mesh(mesh: DeviceMesh, plan: SNNDistributedPlan) -> None:
 def build_mesh(plan: SNNDistributedPlan, device_type: str, mesh: Optional[DeviceMesh] = None) -> Optional[DeviceMesh]:
     """The plan's named mesh (None for mode 'none'); a given ``mesh`` is checked and used."""
     if mesh is not None:
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh (or None to build "
+                            f"the plan's), got {type(mesh).__name__}: {mesh!r}")
         check_mesh(mesh, plan)
         return mesh
     if plan.mode == "none":
