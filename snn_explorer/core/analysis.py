@@ -73,6 +73,7 @@ class SNNDistributedAnalysis:
     conv_chains: Tuple[Tuple[str, ...], ...] = ()
     fused_attention_blocks: Tuple[FusedAttentionBlock, ...] = ()
     pointwise_chains: Tuple[Tuple[str, ...], ...] = ()
+    trainable_parameters: Optional[int] = None  # elements of the parameters that require grad (None: unknown)
 
     @cached_property
     def _by_name(self) -> dict:
@@ -110,6 +111,9 @@ class SNNDistributedAnalysis:
         for name in _PATHS + ("tensor_parallel_roots",):
             if name in data:
                 data[name] = string_tuple("analysis", name, data[name], optional=name == "tensor_parallel_roots")
+        count = data.get("trainable_parameters")
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+            raise TypeError(f"analysis.trainable_parameters must be a non-negative int or None, got {count!r}")
         for name in _PATH_TUPLES:
             if name in data:
                 data[name] = tuple(string_tuple("analysis", name + "[]", item)
@@ -209,4 +213,5 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
         conv_chains=tuple(c for c in chains(model, roots, "conv") if len(c) > 1),
         fused_attention_blocks=fused_attention_blocks(model, roots, memory),
         pointwise_chains=tuple(c for c in pointwise_chains(model, roots) if c not in linear_chains),
+        trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
     )

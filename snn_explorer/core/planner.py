@@ -60,6 +60,9 @@ def _problem(mode, analysis, topology, explicit, features) -> Tuple[dict, Option
     problem = topology_problem(mode, topology)
     if problem:
         return {}, problem
+    if mode == "dp" and analysis.trainable_parameters == 0:
+        return {}, ("the model has no trainable parameters, so DDP has no gradients to synchronise (and refuses "
+                    "the model); use 'fsdp2' or 'tp' to split it, or 'none' on one process")
     return _tp_for(mode, analysis, topology, explicit, features)
 
 

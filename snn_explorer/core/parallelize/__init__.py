@@ -11,7 +11,7 @@ from ..plan_types import SNNDistributedPlan
 from ..tp_plan import check_tp_plan
 from .dp import apply_ddp
 from .fsdp import apply_fsdp2
-from .mesh import build_mesh, check_device_type, check_process_group, local_device
+from .mesh import build_mesh, check_device_type, check_mesh_type, check_process_group, local_device
 from .tp import apply_tp
 
 __all__ = ["apply", "preflight", "apply_ddp", "apply_fsdp2", "apply_tp"]
@@ -75,6 +75,7 @@ def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: str = "cud
     from ..runtime import SNNDistributedRuntime
 
     model = _unwrap(model)
+    check_mesh_type(device_mesh)
     _check_not_applied(model)
     analysis = preflight(model, plan)
     device_type = check_device_type(device_type)

@@ -50,12 +50,17 @@ def check_mesh(mesh: DeviceMesh, plan: SNNDistributedPlan) -> None:
         raise ValueError(f"device_mesh shape {tuple(mesh.mesh.shape)} differs from the plan's {plan.mesh_shape}")
 
 
+def check_mesh_type(mesh) -> Optional[DeviceMesh]:
+    """``mesh`` if it is None or a DeviceMesh, else TypeError."""
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh (or None to build "
+                        f"the plan's), got {type(mesh).__name__}: {mesh!r:.80}")
+    return mesh
+
+
 def build_mesh(plan: SNNDistributedPlan, device_type: str, mesh: Optional[DeviceMesh] = None) -> Optional[DeviceMesh]:
     """The plan's named mesh (None for mode 'none'); a given ``mesh`` is checked and used."""
-    if mesh is not None:
-        if not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh (or None to build "
-                            f"the plan's), got {type(mesh).__name__}: {mesh!r}")
+    if check_mesh_type(mesh) is not None:
         check_mesh(mesh, plan)
         return mesh
     if plan.mode == "none":
