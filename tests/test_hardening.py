@@ -389,6 +389,10 @@ def test_estimate_of_a_mixed_dtype_model(zoo_plan):
     assert expected == (64 * 32 + 32) * 4 + (32 * 10 + 10) * 8
     assert est.per_rank["params_bytes"].tolist() == [expected, expected]
     assert model.high.weight.dtype == torch.float64  # the caller's model is not cast
+    from snn_explorer.estimator import measure
+
+    measured = measure(model, single, example_input=X, steps=1)  # one rank, in this process
+    assert measured.per_rank["params_bytes"].tolist() == [expected]
 
 
 def test_a_model_without_trainable_parameters_is_not_offered_dp():

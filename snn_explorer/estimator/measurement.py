@@ -23,7 +23,7 @@ from torch import nn
 
 from ..core import SNNDistributedPlan
 from ._spawn import run_on_ranks
-from ._step import OPTIMIZERS, batch_slice, check_inputs, check_optimizer, forward_loss
+from ._step import OPTIMIZERS, batch_slice, check_inputs, check_optimizer, forward_loss, run_dtypes
 from .isolation import as_found
 from .plan_estimate import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
 from .recorder import CollectiveRecorder
@@ -122,6 +122,7 @@ class _Settings:
     dtype: torch.dtype
     lr: float
     device: str  # "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)
+    cast: Optional[torch.dtype] = None  # the model's dtype for the run; None keeps a mixed-dtype model as it is
 
 
 def _restart_peak(tracker, device: torch.device) -> None:
@@ -140,7 +141,9 @@ def _measure_plan(model, plan, run: _Settings) -> dict:
     from ..core import apply
 
     cuda = run.device == "cuda"
-    model = copy.deepcopy(model).to(run.dtype)
+    model = copy.deepcopy(model)
+    if run.cast is not None:
+        model.to(run.cast)
     runtime = apply(model=model, plan=plan, device_type=run.device)
     x, y = batch_slice(run.example_input, run.labels, plan.per_rank_batch, run.example_input.shape[0],
                        start=runtime.dp_rank * plan.per_rank_batch)
@@ -263,8 +266,8 @@ def measure_many(model: nn.Module, plans: Sequence[SNNDistributedPlan], *, examp
     if device == "cuda" and (not torch.cuda.is_available() or torch.cuda.device_count() < max(worlds, default=1)):
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         raise ValueError(f"device='cuda' needs one GPU per rank: {max(worlds)} ranks, {count} GPU(s) visible")
-    run = _Settings(example_input, labels, steps, optimizer,
-                    dtype or next((p.dtype for p in model.parameters()), example_input.dtype), lr, device)
+    cast, input_dtype = run_dtypes(model, dtype, example_input)
+    run = _Settings(example_input, labels, steps, optimizer, input_dtype, lr, device, cast)
     backend = "nccl" if device == "cuda" else "gloo"
     out: Dict[int, PlanMeasurement] = {}
     for world in worlds:

@@ -95,8 +95,10 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     its per-sample shape and dtype matter, ``T`` is the default ``time_steps``. ``labels`` select
     the cross-entropy loss that :func:`measure` uses too (else the mean square output). The unsharded model is measured once (see ``profile``) and the
     measurement is cached, so estimating many plans of one model is fast. ``dtype`` (default:
-    the model's) is the parameter and activation dtype. ``memory_budget`` (bytes per device)
-    turns the verdict into fits / does not fit.
+    the model's; a model that mixes dtypes is run as it is) is the parameter and activation dtype. ``memory_budget`` (bytes per device)
+    turns the verdict into fits / does not fit. Every argument is checked before anything runs,
+    and a ``time_steps`` whose run cannot fit in this machine's memory is refused. The caller's
+    RNG, environment and temporary directory are left as they were.
     """
     optimizer = check_optimizer(optimizer)
     check_inputs(model, example_input, labels, dtype, plan)

@@ -340,6 +340,7 @@ def _key(model: nn.Module, example_input: torch.Tensor, labels, dtype) -> tuple:
 def model_profile(model: nn.Module, example_input: torch.Tensor, labels: Optional[torch.Tensor] = None,
                   dtype: Optional[torch.dtype] = None) -> ModelProfile:
     """:func:`measure_profile`, cached per model object, parameter shapes, sample shape and dtype."""
+    check_inputs(model, example_input, labels, dtype)
     per_model = _CACHE.setdefault(model, {})
     key = _key(model, example_input, labels, dtype)
     if key not in per_model:
