@@ -126,13 +126,13 @@ def export_job(plan, train_script_or_fn: Union[str, os.PathLike, Callable], path
         if not os.path.isfile(source):
             raise FileNotFoundError(f"training script {source!r} does not exist")
     with PrivateDir(path) as job_dir:
-        return _write(job_dir, plan, train_script_or_fn, source, nnodes, nproc_per_node, port, words,
+        return _write(job_dir, plan, source, nnodes, nproc_per_node, port, words,
                       gpus_per_node or 0,
                       dict(model=model, train_fn=train_script_or_fn, steps=steps, dataset=dataset,
                            optimizer=optimizer, seed=seed, train_kwargs=train_kwargs))
 
 
-def _write(job_dir: PrivateDir, plan, train, source: Optional[str], nnodes: int, nproc_per_node: int, port: int,
+def _write(job_dir: PrivateDir, plan, source: Optional[str], nnodes: int, nproc_per_node: int, port: int,
            words: Dict[str, Optional[str]], gpus_per_node: int, job: dict) -> ExportedJob:
     """Every file of the job, written afresh into the private ``job_dir``."""
     plan_file = job_dir.write("plan.json", json.dumps(plan.to_dict(), indent=2, sort_keys=True))
