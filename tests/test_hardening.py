@@ -507,8 +507,8 @@ SIDE_EFFECTS = textwrap.dedent('''
     import torch
     from torch import nn
     import snntorch as snn
-    from snn_explorer import analyze, plan
-    from snn_explorer.estimator import estimate, measure
+    from snn_explorer import Explorer, analyze, plan
+    from snn_explorer.estimator import estimate, measure, model_profile
 
     model = nn.Sequential(nn.Linear(6, 12), nn.Dropout(0.5), snn.Leaky(beta=0.9, init_hidden=True), nn.Linear(12, 4))
     x = torch.rand(3, 4, 6)
@@ -516,6 +516,9 @@ SIDE_EFFECTS = textwrap.dedent('''
     before = torch.get_rng_state()
     env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     a = analyze(model)
+    model_profile(model, x[:, :2])
+    Explorer(model, example_input=x).estimate(plan(analysis=a, objective="memory", topology={"dp": 2},
+                                                   backend="torch", batch_size=4))
     for topo, obj in ((1, "speed"), ({"dp": 2}, "speed"), ({"dp": 2}, "memory"), ({"tp": 2}, "memory")):
         estimate(model, plan(analysis=a, objective=obj, topology=topo, backend="torch", batch_size=4), example_input=x)
     measure(model, plan(analysis=a, objective="speed", topology=1, backend="torch", batch_size=4), example_input=x,

@@ -35,6 +35,7 @@ from ..core.neurons import stateful_modules
 from ..core.plans.families import fsdp_units
 from ._step import batch_slice, check_inputs, forward_loss, run_dtypes
 from .fsdp_timeline import FsdpTimeline, record, replay
+from .isolation import as_found
 from .meter import StorageMeter
 from .sharding import plain_buffers, state_tensor_ids, trainable_shapes
 from .tp_replica import tp_replica
@@ -344,5 +345,6 @@ def model_profile(model: nn.Module, example_input: torch.Tensor, labels: Optiona
     per_model = _CACHE.setdefault(model, {})
     key = _key(model, example_input, labels, dtype)
     if key not in per_model:
-        per_model[key] = measure_profile(model, example_input, labels, dtype)
+        with as_found():  # the runs draw random numbers (dropout) and may import torch's compiler
+            per_model[key] = measure_profile(model, example_input, labels, dtype)
     return per_model[key]
