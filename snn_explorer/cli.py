@@ -11,17 +11,49 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .core import MODES, SNN_DISTRIBUTED_PREFERENCES, SNNDistributedTopology, analyze, plan
-from .core.topology import dp_tp_splits
+from .core.topology import MAX_WORLD_SIZE, dp_tp_splits
+from .core.validate import positive_int
 
 
 class CliError(Exception):
     """A user error: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are CliErrors too (one line, exit 2)."""
+
+    def error(self, message: str):
+        raise CliError(f"{message} (see '{self.prog} --help')")
+
+
+def _positive(name: str, value, **kw) -> int:
+    try:
+        return positive_int(name, value, **kw)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _call_factory(factory, spec: str):
+    """``factory()``, with its failure (or its required arguments) as a CliError."""
+    try:
+        required = [n for n, p in inspect.signature(factory).parameters.items()
+                    if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    except (TypeError, ValueError):
+        required = []
+    if required:
+        raise CliError(f"model factory {spec!r} needs the argument(s) {required}; give a factory that "
+                       "takes no arguments (or defaults for all of them)")
+    try:
+        return factory()
+    except Exception as exc:  # noqa: BLE001 - the user's code: reported in one line
+        raise CliError(f"model factory {spec!r} raised {type(exc).__name__}: {exc}") from None
 
 
 def _resolve(spec: str, what: str) -> Any:
@@ -57,7 +89,7 @@ def load_model(spec: str) -> Tuple[Any, Optional[str], Optional[int]]:
     else:
         obj = _resolve(spec, "model")
         if callable(obj) and not isinstance(obj, nn.Module):
-            obj = obj()
+            obj = _call_factory(obj, spec)
     if isinstance(obj, nn.Module):
         return obj, None, None
     if isinstance(getattr(obj, "model", None), nn.Module):
@@ -72,6 +104,8 @@ def parse_topology(text: str) -> SNNDistributedTopology:
         name, sep, size = item.strip().partition("=")
         if not sep or not name.strip():
             raise CliError(f"bad topology {text!r}: {item.strip()!r} is not NAME=SIZE; expected e.g. 'dp=2,tp=2'")
+        if name.strip() in dims:
+            raise CliError(f"bad topology {text!r}: dim {name.strip()!r} is given twice; name each dim once")
         try:
             dims[name.strip()] = int(size)
         except ValueError:
@@ -87,8 +121,8 @@ def topologies(args) -> List[SNNDistributedTopology]:
     if args.topology:
         return [parse_topology(args.topology)]
     n = args.world_size
-    if n < 1:
-        raise CliError(f"bad world size {n}: must be >= 1")
+    if n < 1 or n > MAX_WORLD_SIZE:
+        raise CliError(f"bad world size {n}: must be between 1 and {MAX_WORLD_SIZE}")
     return [SNNDistributedTopology(dims) for dims in dp_tp_splits(n)]
 
 
@@ -106,7 +140,7 @@ def _analysis(args):
 
 
 def _plans(args, analysis, batch):
-    batch = args.batch_size or batch or 8
+    batch = _positive("--batch-size", args.batch_size) if args.batch_size is not None else (batch or 8)
     plans, skipped = [], []
     for topology in topologies(args):
         for objective in _objectives(args.objective):
@@ -157,9 +191,10 @@ def cmd_compare(args) -> int:
 def cmd_export(args) -> int:
     from .launcher import export_job
 
-    model, analysis, batch = _analysis(args)
     if not args.objective or args.objective == "all":
         raise CliError("export needs one --objective (speed, memory or capacity)")
+    _positive("--steps", args.steps)
+    model, analysis, batch = _analysis(args)
     plans, skipped = _plans(args, analysis, batch)
     if not plans:
         raise CliError("no plan fits: " + "; ".join(skipped))
@@ -178,6 +213,8 @@ def cmd_export(args) -> int:
                          partition=args.partition)
     except (TypeError, ValueError) as exc:
         raise CliError(f"cannot export: {exc}") from None
+    except OSError as exc:
+        raise CliError(f"cannot write the job to --out {args.out!r}: {exc}") from None
     print(f"plan: {chosen!r}")
     print(f"wrote {job.path}: {os.path.basename(job.script)}, plan.json, command.sh, job.sbatch")
     print(job.command)
@@ -185,7 +222,7 @@ def cmd_export(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="snn-explorer", description="Analyze a spiking model, compare "
+    parser = _Parser(prog="snn-explorer", description="Analyze a spiking model, compare "
                                      "distribution plans, export a torchrun / Slurm job.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -199,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
             where.add_argument("--topology", help="named mesh dims, e.g. dp=2,tp=2")
             p.add_argument("--objective", default="all", choices=SNN_DISTRIBUTED_PREFERENCES + ("all",))
             p.add_argument("--batch-size", type=int, help="global batch (default: the model's example batch or 8)")
-            p.add_argument("--mode", help=f"force a mode ({', '.join(MODES)})")
+            p.add_argument("--mode", choices=MODES, help="force a mode")
 
     p = sub.add_parser("analyze", help="stateful neurons and tensor-parallel candidates")
     model_args(p, plans=False)
@@ -226,8 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return args.run(args)
     except CliError as exc:
         print(f"snn-explorer: error: {exc}", file=sys.stderr)

@@ -89,3 +89,69 @@ def test_console_script_is_installed():
     done = subprocess.run([exe, "compare", "zoo:mlp", "--topology", "dp=x"], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2 and "bad topology 'dp=x'" in done.stderr
+
+
+BAD_FACTORIES = '''
+def raises():
+    raise RuntimeError("no weights here")
+
+def needs(width, depth=2):
+    return None
+'''
+
+
+@pytest.fixture
+def bad_factories(tmp_path, monkeypatch):
+    (tmp_path / "bad_models.py").write_text(BAD_FACTORIES)
+    monkeypatch.chdir(tmp_path)
+    yield "bad_models"
+    sys.modules.pop("bad_models", None)
+
+
+def _one_line_error(capsys, argv, named):
+    """``main(argv)`` exits 2 with one 'snn-explorer: error:' line naming ``named`` and no traceback."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("snn-explorer: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and named in err, err
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["compare", "zoo:mlp", "--topology", "dp=2", "--batch-size", "0"], "--batch-size=0 must be a positive int"),
+    (["compare", "zoo:mlp", "--topology", "dp=2", "--batch-size", "-4"], "--batch-size=-4"),
+    (["compare", "zoo:mlp", "--topology", "dp=2,dp=4"], "dim 'dp' is given twice"),
+    (["compare", "zoo:mlp", "--topology", "dp=70000"], "MAX_WORLD_SIZE=65536"),
+    (["compare", "zoo:mlp", "--world-size", "100000000000"], "world size 100000000000"),
+    (["compare", "zoo:mlp", "--topology", "dp=2", "--mode", "ddp"], "'ddp'"),
+    (["compare", "zoo:mlp"], "--world-size --topology is required"),
+    (["compare", "zoo:mlp", "--world-size", "two"], "'two'"),
+    (["frobnicate", "zoo:mlp"], "'frobnicate'"),
+    (["export", "zoo:mlp", "--topology", "dp=2", "--objective", "speed", "--train", "os:getcwd",
+      "--steps", "-5", "--out", "job"], "--steps=-5 must be a positive int"),
+])
+def test_usage_errors_are_one_line_exit_2(capsys, argv, named):
+    _one_line_error(capsys, argv, named)
+
+
+@pytest.mark.parametrize("factory, named", [
+    ("raises", "model factory 'bad_models:raises' raised RuntimeError: no weights here"),
+    ("needs", "model factory 'bad_models:needs' needs the argument(s) ['width']"),
+])
+def test_a_factory_that_fails_is_one_line(capsys, bad_factories, factory, named):
+    _one_line_error(capsys, ["analyze", f"{bad_factories}:{factory}"], named)
+
+
+def test_export_to_an_unwritable_out_is_one_line(capsys, user_module, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    _one_line_error(capsys, ["export", f"{user_module}:make_net", "--topology", "dp=2", "--objective", "speed",
+                             "--train", f"{user_module}:step", "--out", str(blocker / "job")],
+                    f"cannot write the job to --out '{blocker / 'job'}'")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    _one_line_error(capsys, ["export", f"{user_module}:make_net", "--topology", "dp=2", "--objective", "speed",
+                             "--train", f"{user_module}:step", "--out", str(shared)], "writable by other users")
+    _one_line_error(capsys, ["export", f"{user_module}:make_net", "--topology", "dp=2", "--objective", "speed",
+                             "--train", f"{user_module}:step", "--out", str(tmp_path / "j"), "--partition", "a\nb"],
+                    "contains the control character")

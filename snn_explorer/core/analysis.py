@@ -1,6 +1,7 @@
 """analyze(): walk a model and record its stateful neurons and tensor-parallel candidates."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Mapping, Optional, Sequence, Tuple
@@ -12,7 +13,12 @@ from . import neurons
 from .attention import AttentionBlock, FusedAttentionBlock, attention_blocks, fused_attention_blocks, pointwise_chains
 from .structure import CONV_TYPES, chains, under
 from .plans.families import fsdp_units, resolve_family
-from .serialize import check_kind, dataclass_dict, tuplify
+from .serialize import check_keys, check_kind, dataclass_dict, string_tuple, tuplify
+
+#: Analysis fields that hold module paths, and those that hold tuples of them (chains, (path, library)).
+_PATHS = ("memory_module_names", "tensor_parallel_candidate_names", "unsupported_tensor_parallel_names", "notes",
+          "fsdp_unit_names", "per_feature_neuron_names", "batchnorm_names")
+_PATH_TUPLES = ("snn_libraries", "tp_chains", "conv_chains", "pointwise_chains")
 
 
 
@@ -70,6 +76,7 @@ class SNNDistributedAnalysis:
     fused_attention_blocks: Tuple[FusedAttentionBlock, ...] = ()
     pointwise_chains: Tuple[Tuple[str, ...], ...] = ()
     shared_parameter_groups: Tuple[Tuple[str, ...], ...] = ()
+    trainable_parameters: Optional[int] = None  # elements of the parameters that require grad (None: unknown)
 
     @cached_property
     def _by_name(self) -> dict:
@@ -103,6 +110,17 @@ class SNNDistributedAnalysis:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "SNNDistributedAnalysis":
         data = check_kind(data, "analysis")
+        check_keys(data, "analysis", _PATHS[:3], tuple(f.name for f in dataclasses.fields(cls)))
+        for name in _PATHS + ("tensor_parallel_roots",):
+            if name in data:
+                data[name] = string_tuple("analysis", name, data[name], optional=name == "tensor_parallel_roots")
+        count = data.get("trainable_parameters")
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+            raise TypeError(f"analysis.trainable_parameters must be a non-negative int or None, got {count!r}")
+        for name in _PATH_TUPLES:
+            if name in data:
+                data[name] = tuple(string_tuple("analysis", name + "[]", item)
+                                   for item in string_tuple_list("analysis", name, data[name]))
         objects = {
             "linear_shapes": tuple(LinearShape(**check_kind(s, "linear")) for s in data.pop("linear_shapes", ())),
             "attention_blocks": tuple(AttentionBlock(**{k: tuplify(v) for k, v in check_kind(b, "attention").items()})
@@ -112,6 +130,13 @@ class SNNDistributedAnalysis:
                                             for b in data.pop("fused_attention_blocks", ())),
         }
         return cls(**{k: tuplify(v) for k, v in data.items()}, **objects)
+
+
+def string_tuple_list(owner: str, name: str, value: Any) -> list:
+    """``value`` if it is a list (or tuple) of items, else TypeError (the items are checked by the caller)."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{owner}.{name} must be a list of lists of strings, got {type(value).__name__}")
+    return list(value)
 
 
 def _validate_roots(model: nn.Module, roots: Optional[Sequence[str]]) -> Optional[Tuple[str, ...]]:
@@ -200,4 +225,5 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
         fused_attention_blocks=fused_attention_blocks(model, roots, memory),
         pointwise_chains=tuple(c for c in pointwise_chains(model, roots) if c not in linear_chains),
         shared_parameter_groups=shared_parameters(model),
+        trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
     )

@@ -1,7 +1,9 @@
 """Frozen plan data: feature gates and the plan itself, validated on construction."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import reprlib
 import warnings
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -9,7 +11,7 @@ from typing import Any, Mapping, Optional, Tuple
 
 from .modes import Mode, mode_of, names_text
 from .recommend import BACKENDS, SNN_DISTRIBUTED_PREFERENCES, check_batch_size
-from .serialize import check_kind, dataclass_dict, tuplify
+from .serialize import check_keys, check_kind, dataclass_dict, string_tuple
 from .topology import SNNDistributedTopology
 
 OPTIMIZER_STRATEGIES = ("none", "zero")
@@ -42,6 +44,20 @@ class DistributedFeatureSet:
 def topology_problem(mode: str, topology: SNNDistributedTopology) -> Optional[str]:
     """Why ``mode`` cannot run on ``topology`` (None when it can)."""
     return mode_of(mode).topology_problem(topology)
+
+
+def _style_mapping(value: Any) -> dict:
+    """The plan's TP styles as a dict path -> style name, both strings."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"tensor_parallel_plan must map module paths to style names, got "
+                        f"{type(value).__name__}: {reprlib.repr(value)}")
+    for path, style in value.items():
+        if not isinstance(path, str) or not isinstance(style, str):
+            raise TypeError(f"tensor_parallel_plan must map module paths (str) to style names (str), got "
+                            f"{reprlib.repr(path)}: {reprlib.repr(style)}")
+    return dict(value)
 
 
 @dataclass(frozen=True)
@@ -90,16 +106,18 @@ class SNNDistributedPlan:
         if self.batch_size % self.dp_size:
             raise ValueError(f"batch_size={self.batch_size} (global) is not divisible by dp={self.dp_size}; "
                              f"use a multiple of {self.dp_size}")
-        tp_plan = dict(self.tensor_parallel_plan or {})
+        tp_plan = _style_mapping(self.tensor_parallel_plan)
         if mode.tp and not tp_plan:
             raise ValueError(f"mode {self.mode!r} needs a non-empty tensor_parallel_plan")
         if not mode.tp and tp_plan:
             raise ValueError(f"tensor_parallel_plan is only used by {names_text(lambda m: m.tp)}, not {self.mode!r}")
         object.__setattr__(self, "tensor_parallel_plan", MappingProxyType(tp_plan))
-        for name in ("rationale", "notes", "fsdp_units"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
-        if self.tensor_parallel_roots is not None:
-            object.__setattr__(self, "tensor_parallel_roots", tuple(self.tensor_parallel_roots))
+        for name in ("rationale", "notes", "fsdp_units", "tensor_parallel_roots"):
+            value = string_tuple("SNNDistributedPlan", name, getattr(self, name),
+                                 optional=name == "tensor_parallel_roots")
+            object.__setattr__(self, name, value)
+        if not isinstance(self.model_family, str):
+            raise TypeError(f"SNNDistributedPlan.model_family must be a string, got {reprlib.repr(self.model_family)}")
 
     # What the mode does, as named facts (see core.modes).
     @property
@@ -203,11 +221,11 @@ class SNNDistributedPlan:
         data = check_kind(data, "plan")
         if "backend" in data and "neuron_backend" not in data:  # files written before the rename
             data["neuron_backend"] = data.pop("backend")
+        check_keys(data, "plan", ("mode", "objective", "topology"),
+                   tuple(f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")))
         data["topology"] = SNNDistributedTopology.from_dict(data["topology"])
-        data["experimental_features"] = DistributedFeatureSet.from_dict(data["experimental_features"])
-        for name in ("rationale", "notes", "fsdp_units", "tensor_parallel_roots"):
-            if data.get(name) is not None:
-                data[name] = tuplify(data[name])
+        if "experimental_features" in data:
+            data["experimental_features"] = DistributedFeatureSet.from_dict(data["experimental_features"])
         return cls(**data)
 
     def __repr__(self) -> str:

@@ -73,6 +73,9 @@ def _problem(name: str, analysis, topology, explicit, features) -> Tuple[dict, O
         check_tied_parameters(analysis, fsdp_units=analysis.fsdp_unit_names if mode.fsdp else ())
     except ValueError as exc:
         return {}, str(exc)
+    if mode.ddp and analysis.trainable_parameters == 0:
+        return {}, ("the model has no trainable parameters, so DDP has no gradients to synchronise (and refuses "
+                    "the model); use 'fsdp2' or 'tp' to split it, or 'none' on one process")
     return _tp_for(mode, analysis, topology, explicit, features)
 
 

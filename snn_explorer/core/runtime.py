@@ -21,6 +21,13 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _check_batch(inputs, labels) -> None:
+    """Both tensors, before the forward runs (labels are matched to the outputs after it)."""
+    for name, value in (("inputs", inputs), ("labels", labels)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
 @dataclass
 class SNNDistributedRuntime:
     """The distributed model, its mesh, and helpers that respect the plan's dp/tp layout."""
@@ -105,6 +112,12 @@ class SNNDistributedRuntime:
     @staticmethod
     def prepare_classification_output(outputs: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``[T, N, C]`` outputs -> mean over time ``[N, C]``; one-hot / ``[N, 1]`` labels -> ``[N]``."""
+        if not isinstance(outputs, torch.Tensor):
+            raise TypeError(f"the model returned a {type(outputs).__name__}, not a tensor; classification needs "
+                            "outputs [T, N, C] or [N, C]")
+        if not isinstance(labels, torch.Tensor):
+            raise TypeError(f"labels must be a torch.Tensor ([N], [N, 1] or one-hot [N, C]), got "
+                            f"{type(labels).__name__}")
         outputs = _full(outputs)
         labels = _full(labels)
         if outputs.dim() == 3:
@@ -123,6 +136,7 @@ class SNNDistributedRuntime:
     def forward_loss(self, criterion: Callable, inputs: torch.Tensor, labels: torch.Tensor,
                      reset: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
         """Reset neuron state (unless ``reset=False``), run the model, return ``(loss, outputs)``."""
+        _check_batch(inputs, labels)
         if reset:
             self.reset_state()
         outputs = self.model(inputs.to(self.device))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import reprlib
 from dataclasses import fields
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -50,3 +51,34 @@ def tuplify(value: Any) -> Any:
 
 def dumps(obj: Any) -> str:
     return json.dumps(to_plain(obj), sort_keys=True)
+
+
+def string_tuple(owner: str, name: str, value: Any, *, optional: bool = False) -> Any:
+    """``value`` (a list or tuple of strings) as a tuple; a bare string is refused, not split."""
+    if value is None and optional:
+        return None
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{owner}.{name} must be a list of strings{' or None' if optional else ''}, got "
+                        f"{type(value).__name__}: {reprlib.repr(value)}")
+    for item in value:
+        if not isinstance(item, str):
+            raise TypeError(f"{owner}.{name} must hold strings only, got {type(item).__name__}: {reprlib.repr(item)}")
+    return tuple(value)
+
+
+def check_keys(data: Mapping[str, Any], kind: str, required: tuple, allowed: tuple) -> None:
+    """Refuse serialised ``kind`` data that lacks a required key or has one the type does not know."""
+    missing = [k for k in required if k not in data]
+    unknown = sorted((str(k) for k in data if k not in allowed))
+    if missing or unknown:
+        problem = f"lacks the key(s) {missing}" if missing else f"has unknown key(s) {unknown}"
+        raise ValueError(f"serialised {kind} {problem}; required: {list(required)}, accepted: {list(allowed)}")
+
+
+def loads(text: str) -> Any:
+    """``json.loads`` whose too-deep nesting is a ValueError, not a RecursionError."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("the JSON is nested too deeply to parse (a plan or analysis nests a few levels "
+                         "at most)") from None

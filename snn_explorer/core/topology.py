@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import reprlib
 import numbers
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -9,6 +10,8 @@ from typing import Any, Dict, List, Mapping, Optional
 
 #: Dimension names that lead the mesh order; other names follow in insertion order.
 LEADING_DIMS = ("dp", "tp", "pp", "vpp")
+#: The most ranks a topology may have: estimates, plans and meshes are sized for at most this many.
+MAX_WORLD_SIZE = 2 ** 16
 
 
 def _as_size(name: str, value: Any) -> int:
@@ -48,6 +51,9 @@ class SNNDistributedTopology:
                 raise ValueError(f"topology dim names must be non-empty, got {name!r}")
             items.append((name, _as_size(name, size)))
         product = math.prod(size for _, size in items)
+        if product > MAX_WORLD_SIZE:
+            raise ValueError(f"topology dims {dict(items)} make {product} ranks, more than the largest supported "
+                             f"world size MAX_WORLD_SIZE={MAX_WORLD_SIZE}")
         if world_size is None:
             world_size = product
         else:
@@ -98,6 +104,14 @@ class SNNDistributedTopology:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "SNNDistributedTopology":
+        if not isinstance(data, Mapping):
+            raise TypeError(f"a serialised topology must be a mapping {{'dims': ..., 'world_size': ...}}, "
+                            f"got {type(data).__name__}: {reprlib.repr(data)}")
+        extra = sorted(set(data) - {"dims", "world_size"}, key=str)
+        if "dims" not in data or extra:
+            problem = f"has unknown key(s) {extra}" if extra else "lacks the key 'dims'"
+            raise ValueError(f"serialised topology {problem}; expected the keys 'dims' (name -> size) and "
+                             "optionally 'world_size'")
         return cls(data["dims"], data.get("world_size"))
 
     def __repr__(self) -> str:

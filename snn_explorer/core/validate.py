@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import reprlib
 import numbers
 import warnings
 from typing import Any, Optional
@@ -50,3 +51,43 @@ def renamed_keyword(name: str, value: Any, default: Any, old_name: str, old_valu
 
 def _what(what: str) -> str:
     return f" ({what})" if what else ""
+
+
+def check_dtype(name: str, value: Any) -> Optional[Any]:
+    """``value`` if it is None or a floating-point ``torch.dtype`` (not a string), else TypeError."""
+    import torch
+
+    if value is None or (isinstance(value, torch.dtype) and value.is_floating_point):
+        return value
+    hint = f"; write torch.{value}" if isinstance(value, str) and hasattr(torch, value) else ""
+    raise TypeError(f"{name}={value!r} must be a floating-point torch.dtype such as torch.float32, "
+                    f"or None{hint}")
+
+
+def check_instance(name: str, value: Any, cls: type, what: str) -> Any:
+    """``value`` if it is an instance of ``cls``, else TypeError naming its type and ``what`` is accepted."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__}: {reprlib.repr(value)}")
+    return value
+
+
+def check_batch_tensor(name: str, value: Any, *, min_dims: int = 3):
+    """A real tensor ``[T, N, ...]`` (time first, then batch) with T, N >= 1 and no grad, else an error."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        hint = " (convert it with torch.as_tensor)" if hasattr(value, "__len__") else ""
+        raise TypeError(f"{name} must be a torch.Tensor [T, N, ...] (time first, then batch), got "
+                        f"{type(value).__name__}{hint}")
+    shape = tuple(value.shape)
+    if value.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device (shape {shape}); give a tensor with data (CPU is fine)")
+    if value.dim() < min_dims:
+        raise ValueError(f"{name} has shape {shape}; expected [T, N, features...] with at least {min_dims} dims "
+                         "(time first, then batch)")
+    empty = [f"{label}={size}" for label, size in zip(("T", "N") + ("features",) * (len(shape) - 2), shape) if size < 1]
+    if empty:
+        raise ValueError(f"{name} of shape {shape} is empty ({', '.join(empty)}); every dim must be >= 1")
+    if value.requires_grad:
+        raise ValueError(f"{name} requires grad; pass {name}.detach() (an input batch is not a parameter)")
+    return value

@@ -5,15 +5,18 @@ import datetime
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
+import tempfile
 import time
 import traceback
 
 import cloudpickle
 
 
-def _child(rank: int, world: int, port: int, payload: bytes, timeout: float, conn, backend: str) -> None:
+def _child(rank: int, world: int, port: int, payload: bytes, timeout: float, conn, backend: str,
+           env: dict = None) -> None:
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env or {}))
     import torch
     import torch.distributed as dist
 
@@ -49,14 +52,17 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: st
                           timeout=datetime.timedelta(seconds=timeout))
     from ..core.neurons import registered_stateful
 
+    from .isolation import rank_scratch_env
+
     payload = cloudpickle.dumps((fn, args, registered_stateful()))
     ctx = multiprocessing.get_context("spawn")
     procs, conns = [], []
+    scratch = tempfile.mkdtemp(prefix="snn-ranks-")  # the ranks' temporary files; removed after
     try:
         for rank in range(world_size):
             parent, child = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_child, args=(rank, world_size, store.port, payload, timeout, child, backend),
-                               daemon=True)
+            proc = ctx.Process(target=_child, args=(rank, world_size, store.port, payload, timeout, child, backend,
+                                                    rank_scratch_env(scratch)), daemon=True)
             proc.start()
             child.close()
             procs.append(proc)
@@ -91,4 +97,5 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: st
                 proc.join(2.0)
         for conn in conns:
             conn.close()
+        shutil.rmtree(scratch, ignore_errors=True)
         del store

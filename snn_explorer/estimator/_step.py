@@ -6,8 +6,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..core import SNNDistributedRuntime
+from ..core import SNNDistributedPlan, SNNDistributedRuntime
 from ..core.neurons import reset_all
+from ..core.validate import check_batch_tensor, check_dtype, check_instance
 
 OPTIMIZERS = {
     "adam": (torch.optim.Adam, {}),
@@ -23,8 +24,51 @@ def check_optimizer(name: str) -> str:
     return name
 
 
+def check_inputs(model: nn.Module, example_input, labels, dtype=None, plan=None) -> None:
+    """The arguments every estimate and measurement shares, each refused with its own message."""
+    check_instance("model", model, nn.Module, "a torch.nn.Module")
+    if plan is not None:
+        check_instance("plan", plan, SNNDistributedPlan, "an SNNDistributedPlan (from plan() or "
+                       "SNNDistributedPlan.from_dict)")
+    check_batch_tensor("example_input", example_input)
+    check_dtype("dtype", dtype)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no trainable parameters (none requires grad); estimate and measure "
+                         "describe a training step")
+    if labels is None:
+        return
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor [N] of class indices (or None), got {type(labels).__name__}")
+    n = example_input.shape[1]
+    if labels.dim() == 0 or labels.shape[0] != n:
+        raise ValueError(f"labels of shape {tuple(labels.shape)} do not match example_input "
+                         f"{tuple(example_input.shape)}: expected [N] (or [N, C]) with N={n} samples")
+
+
+def run_dtypes(model: nn.Module, dtype: Optional[torch.dtype], example_input: torch.Tensor):
+    """``(dtype to cast the model to, or None to keep its own; dtype of the input batch)``.
+
+    An explicit ``dtype`` casts both. Without one, a model with one floating dtype runs in it; a
+    model that mixes dtypes (float32 and float64 layers) runs as it is, as ``apply`` runs it,
+    with the input in its first parameter's dtype.
+    """
+    if dtype is not None:
+        return dtype, dtype
+    floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    first = floats[0] if floats else (example_input.dtype if example_input.is_floating_point() else torch.float32)
+    return (first if len(set(floats)) <= 1 else None), first
+
+
+def _check_output(outputs) -> torch.Tensor:
+    if not isinstance(outputs, torch.Tensor):
+        raise TypeError(f"the model returned a {type(outputs).__name__}, not a tensor; estimate and measure need "
+                        "a forward that returns one tensor (e.g. [T, N, C] spikes or scores)")
+    return outputs
+
+
 def loss_of(outputs: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
     """Cross-entropy of the time-mean output when ``labels`` are given, else the mean square output."""
+    outputs = _check_output(outputs)
     if labels is None:
         return outputs.square().mean()
     outputs, labels = SNNDistributedRuntime.prepare_classification_output(outputs, labels)

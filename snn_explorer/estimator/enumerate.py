@@ -7,7 +7,8 @@ from typing import Dict, List, Optional, Tuple
 from ..core import DistributedFeatureSet, SNNDistributedAnalysis, SNNDistributedPlan, plan
 from ..core.modes import MODE_TABLE
 from ..core.recommend import UNSET, neuron_backend_arg
-from ..core.topology import dp_tp_splits
+from ..core.topology import MAX_WORLD_SIZE, dp_tp_splits
+from ..core.validate import positive_int
 
 
 class PlanList(list):
@@ -48,6 +49,9 @@ def enumerate_plans(analysis: SNNDistributedAnalysis, *, world_size: int, batch_
     ``dp`` and only when ``features`` allows it. ``backend`` is the deprecated name of ``neuron_backend``.
     """
     neuron_backend = neuron_backend_arg(neuron_backend, backend)
+    world_size = positive_int("world_size", world_size, maximum=MAX_WORLD_SIZE, what="the number of ranks")
+    if not isinstance(analysis, SNNDistributedAnalysis):
+        raise TypeError(f"analysis must come from analyze(), got {type(analysis).__name__}")
     features = features if features is not None else DistributedFeatureSet()
     plans: List[SNNDistributedPlan] = []
     infeasible: Dict[str, str] = {}

@@ -25,7 +25,8 @@ from ..compat import ddp_rebuilt_bucket_sizes, mem_tracker_class, restart_mem_tr
 from ..core import SNNDistributedPlan
 from ..core.parallelize.mesh import comm_backend_for
 from ._spawn import run_on_ranks
-from ._step import OPTIMIZERS, batch_slice, check_optimizer, forward_loss
+from ._step import OPTIMIZERS, batch_slice, check_inputs, check_optimizer, forward_loss, run_dtypes
+from .isolation import as_found
 from .plan_estimate import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
 from .recorder import CollectiveRecorder
 from .sharding import state_tensor_ids
@@ -125,6 +126,7 @@ class _Settings:
     dtype: torch.dtype
     lr: float
     device: str  # "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)
+    cast: Optional[torch.dtype] = None  # the model's dtype for the run; None keeps a mixed-dtype model as it is
 
 
 def _measure_plan(model, plan, run: _Settings) -> dict:
@@ -136,7 +138,9 @@ def _measure_plan(model, plan, run: _Settings) -> dict:
     from ..core import apply
 
     cuda = run.device == "cuda"
-    model = copy.deepcopy(model).to(run.dtype)
+    model = copy.deepcopy(model)
+    if run.cast is not None:
+        model.to(run.cast)
     runtime = apply(model=model, plan=plan, device_type=run.device)
     x, y = batch_slice(run.example_input, run.labels, plan.per_rank_batch, run.example_input.shape[0],
                        start=runtime.dp_rank * plan.per_rank_batch)
@@ -249,21 +253,24 @@ def measure_many(model: nn.Module, plans: Sequence[SNNDistributedPlan], *, examp
                  device: str = "cpu") -> List[PlanMeasurement]:
     """:func:`measure` for several plans, one spawned set of ranks per world size."""
     optimizer = check_optimizer(optimizer)
+    for p in plans:
+        check_inputs(model, example_input, labels, dtype, p)
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}; expected 'cpu' (gloo ranks) or 'cuda' (NCCL, one GPU per rank)")
     worlds = sorted({p.world_size for p in plans})
     if device == "cuda" and (not torch.cuda.is_available() or torch.cuda.device_count() < max(worlds, default=1)):
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         raise ValueError(f"device='cuda' needs one GPU per rank: {max(worlds)} ranks, {count} GPU(s) visible")
-    run = _Settings(example_input, labels, steps, optimizer,
-                    dtype or next((p.dtype for p in model.parameters()), example_input.dtype), lr, device)
+    cast, input_dtype = run_dtypes(model, dtype, example_input)
+    run = _Settings(example_input, labels, steps, optimizer, input_dtype, lr, device, cast)
     backend = comm_backend_for(device)
     out: Dict[int, PlanMeasurement] = {}
     for world in worlds:
         idx = [i for i, p in enumerate(plans) if p.world_size == world]
         group = [plans[i] for i in idx]
         if world == 1:
-            ranks = [_measure_single(model, group, run, backend)]
+            with as_found():  # it runs in this process: its RNG, environment and temporary directory
+                ranks = [_measure_single(model, group, run, backend)]
         else:
             ranks = run_on_ranks(_measure_on_rank, world, model, group, run, timeout=timeout, backend=backend)
         for j, i in enumerate(idx):

@@ -18,16 +18,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import pandas as pd
 import torch
 from torch import nn
 
 from ..core import SNNDistributedPlan
-from ._step import check_optimizer
+from ..core.validate import positive_int, positive_number
+from ._step import check_inputs, check_optimizer
+from .isolation import as_found
 from .comms import step_collectives
 from .fsdp_timeline import FsdpTimeline
-from .profile import ModelProfile, model_profile
-from .sharding import buffer_bytes, local_params, optimizer_temporaries, rank_bytes
+from .profile import ModelProfile, check_run_size, model_profile
+from .sharding import buffer_bytes, dp_roles, local_params, optimizer_temporaries, rank_bytes
 
 PER_RANK_COLUMNS = ("rank", "params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes", "activations_bytes",
                     "neuron_state_bytes", "transient_bytes", "peak_bytes")
@@ -91,17 +94,36 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     its per-sample shape and dtype matter, ``T`` is the default ``time_steps``. ``labels`` select
     the cross-entropy loss that :func:`measure` uses too (else the mean square output). The unsharded model is measured once (see ``profile``) and the
     measurement is cached, so estimating many plans of one model is fast. ``dtype`` (default:
-    the model's) is the parameter and activation dtype. ``memory_budget`` (bytes per device)
-    turns the verdict into fits / does not fit.
+    the model's; a model that mixes dtypes is run as it is) is the parameter and activation dtype. ``memory_budget`` (bytes per device)
+    turns the verdict into fits / does not fit. Every argument is checked before anything runs,
+    and a ``time_steps`` whose run cannot fit in this machine's memory is refused. The caller's
+    RNG, environment and temporary directory are left as they were.
     """
     optimizer = check_optimizer(optimizer)
-    if example_input.dim() < 2:
-        raise ValueError(f"example_input must be [T, N, ...], got shape {tuple(example_input.shape)}")
-    t = int(time_steps if time_steps is not None else example_input.shape[0])
+    check_inputs(model, example_input, labels, dtype, plan)
+    t = example_input.shape[0] if time_steps is None else positive_int("time_steps", time_steps)
+    positive_number("memory_budget", memory_budget, allow_none=True, what="bytes per device")
+    if profile is not None and not isinstance(profile, ModelProfile):
+        raise TypeError(f"profile must be a ModelProfile (from model_profile) or None, got {type(profile).__name__}")
+    with as_found():  # the runs below draw random numbers and may import torch's compiler
+        return _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_budget, profile)
+
+
+def _per_rank(rows, roles, plan: SNNDistributedPlan) -> pd.DataFrame:
+    """The per-rank table: rank ``r`` (mesh order dp, tp) gets the row of its dp coordinate's role."""
+    dp_of_rank = np.arange(plan.world_size) // plan.tp_size
+    role = np.searchsorted(np.asarray(roles), dp_of_rank, side="right") - 1
+    table = pd.DataFrame(rows).iloc[role].reset_index(drop=True)
+    table.insert(0, "rank", np.arange(plan.world_size))
+    return table[list(PER_RANK_COLUMNS)]
+
+
+def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_budget, profile) -> PlanEstimate:
     profile = profile or model_profile(model, example_input, labels, dtype)
-    itemsize = torch.empty((), dtype=profile.dtype).element_size()
-    params = local_params(profile.params, plan, itemsize)
     n = plan.per_rank_batch
+    check_run_size(profile, n, t)
+    itemsize = torch.empty((), dtype=profile.dtype).element_size()
+    params = local_params(profile.params, plan, profile.param_itemsizes or itemsize)
     saved_local, state = profile.saved_and_state(n, t, plan.tensor_parallel_plan, plan.tp_size)
     activations = saved_local + profile.input_bytes(n, t)
     # Activations and temporaries of the forward (the gradients were set to None), of the backward
@@ -112,22 +134,20 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     # DDP's flat gradient buckets are allocated once, every gradient's size, and live through the
     # optimizer step beside the gradients, which are all live at the backward's peak.
     transient = sum(p.numel * p.itemsize for p in params) if plan.uses_ddp else fsdp_held
-    rows, per_dp_rank = [], {}  # shards depend on the dp coordinate only
-    for rank in range(plan.world_size):
-        if rank // plan.tp_size not in per_dp_rank:
-            per_dp_rank[rank // plan.tp_size] = (rank_bytes(params, plan, rank, optimizer),
-                                                 optimizer_temporaries(params, plan, rank, optimizer))
-        b, scratch = per_dp_rank[rank // plan.tp_size]
+    static = buffers + profile.input_bytes(n, t) + state
+    rows = []  # one per role (dp ranks holding the same shards), then repeated for their ranks
+    for dp_rank in dp_roles(params, plan):
+        b = rank_bytes(params, plan, dp_rank * plan.tp_size, optimizer)
+        scratch = optimizer_temporaries(params, plan, dp_rank * plan.tp_size, optimizer)
         if timeline:  # FSDP2's buffers and gradients are in the replayed phases
             phases = (fwd, bwd, after_bwd + scratch)
         else:
             phases = (fwd + transient, bwd + b["grads_bytes"] + transient,
                       after_bwd + b["grads_bytes"] + transient + scratch)
-        peak = (b["params_bytes"] + b["optimizer_bytes"] + buffers + profile.input_bytes(n, t) + state
-                + max(phases))
-        rows.append(dict(rank=rank, **b, buffers_bytes=buffers, activations_bytes=round(activations),
+        peak = b["params_bytes"] + b["optimizer_bytes"] + static + max(phases)
+        rows.append(dict(**b, buffers_bytes=buffers, activations_bytes=round(activations),
                          neuron_state_bytes=round(state), transient_bytes=round(transient), peak_bytes=round(peak)))
-    per_rank = pd.DataFrame(rows, columns=PER_RANK_COLUMNS)
+    per_rank = _per_rank(rows, dp_roles(params, plan), plan)
     collectives = pd.DataFrame(step_collectives(plan, params, profile, t, itemsize), columns=COLLECTIVE_COLUMNS)
     peak = int(per_rank["peak_bytes"].max())
     if memory_budget is None:

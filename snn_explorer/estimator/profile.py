@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import os
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -33,8 +34,9 @@ from torch import nn
 from ..compat import non_persistent_buffer_names, tree_leaves
 from ..core.neurons import stateful_modules
 from ..core.plans.families import fsdp_units
-from ._step import batch_slice, forward_loss
+from ._step import batch_slice, check_inputs, forward_loss, run_dtypes
 from .fsdp_timeline import FsdpTimeline, record, replay
+from .isolation import as_found
 from .meter import StorageMeter
 from .sharding import plain_buffers, state_tensor_ids, trainable_shapes
 from .tp_replica import tp_replica
@@ -90,6 +92,7 @@ class ModelProfile:
     grad_ready_order: Tuple[str, ...]
     dtype: torch.dtype
     params: tuple = ()  # (name, shape) of the trainable parameters (sharding.trainable_shapes)
+    param_itemsizes: Mapping[str, int] = field(default_factory=dict)  # bytes per element, by parameter name
     buffers: tuple = ()  # the buffers other than neuron state (sharding.plain_buffers)
     model: nn.Module = field(repr=False, default=None)
     example_input: torch.Tensor = field(repr=False, default=None)
@@ -145,6 +148,24 @@ class ModelProfile:
                 run = self._run(n, t, tp_plan, tp, saved_only=True)
                 self.saved_state[key] = (float(sum(run["saved"].values())), float(sum(run["state"].values())))
         return self.saved_state[key]
+
+
+def _physical_memory() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_run_size(profile: ModelProfile, n: int, t: int) -> None:
+    """Refuse, before running it, a measurement run of ``n`` samples and ``t`` steps that cannot fit
+    in this machine's memory (from the fitted input, saved-activation and neuron-state bytes)."""
+    fitted = profile.input_bytes(n, t) + sum(m.saved(n, t) + m.state(n, t) for m in profile.modules.values())
+    need, have = 2 * fitted, _physical_memory()  # the backward holds about as much again
+    if have is not None and need > have:
+        raise ValueError(f"time_steps={t} with {n} samples per rank would need about {need / 2 ** 30:.1f} GiB to "
+                         f"measure on this machine's CPU, which has {have / 2 ** 30:.1f} GiB; use fewer time_steps "
+                         "(the step's memory grows linearly in them)")
 
 
 def _storages(tensors) -> Dict[int, int]:
@@ -274,12 +295,22 @@ def _fit(points, get) -> Fit:
 def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optional[torch.Tensor] = None,
                     dtype: Optional[torch.dtype] = None) -> ModelProfile:
     """Run a copy of ``model`` unsharded at :data:`SIZES` and fit the profile (see the module doc)."""
-    dtype = dtype or next((p.dtype for p in model.parameters()), example_input.dtype)
-    model = copy.deepcopy(model).to(dtype).train()
+    check_inputs(model, example_input, labels, dtype)
+    cast, dtype = run_dtypes(model, dtype, example_input)
+    model = copy.deepcopy(model).train()
+    if cast is not None:
+        model.to(cast)
     points = []
     for n, t in SIZES:
         x, y = batch_slice(example_input, labels, n, t)
-        points.append(_run_point(model, x.to(dtype), y))
+        try:
+            points.append(_run_point(model, x.to(dtype), y))
+        except RuntimeError as exc:
+            if points:
+                raise
+            raise ValueError(f"the model does not run on example_input of shape {tuple(example_input.shape)} "
+                             f"({example_input.dtype}; a slice {tuple(x.shape)} was tried): {exc}; give a batch "
+                             "[T, N, ...] the model's forward accepts") from exc
     names = set().union(*(p["calls"] for p in points), *(p["saved"] for p in points))
     modules = {}
     for name in names:
@@ -294,6 +325,7 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
     return ModelProfile(modules=modules, input_bytes=_fit(points, lambda p: p["input"]),
                         grad_ready_order=points[-1]["order"], dtype=dtype,
                         params=trainable_shapes(model), buffers=plain_buffers(model), fsdp_units=fsdp_units(model),
+                        param_itemsizes={n: p.element_size() for n, p in model.named_parameters()},
                         model=model, example_input=example_input, labels=labels)
 
 
@@ -309,8 +341,10 @@ def _key(model: nn.Module, example_input: torch.Tensor, labels, dtype) -> tuple:
 def model_profile(model: nn.Module, example_input: torch.Tensor, labels: Optional[torch.Tensor] = None,
                   dtype: Optional[torch.dtype] = None) -> ModelProfile:
     """:func:`measure_profile`, cached per model object, parameter shapes, sample shape and dtype."""
+    check_inputs(model, example_input, labels, dtype)
     per_model = _CACHE.setdefault(model, {})
     key = _key(model, example_input, labels, dtype)
     if key not in per_model:
-        per_model[key] = measure_profile(model, example_input, labels, dtype)
+        with as_found():  # the runs draw random numbers (dropout) and may import torch's compiler
+            per_model[key] = measure_profile(model, example_input, labels, dtype)
     return per_model[key]

@@ -8,9 +8,10 @@ ZeroRedundancyOptimizer assigns whole parameters to ranks greedily, largest firs
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Mapping, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -84,27 +85,59 @@ def trainable_shapes(model: nn.Module) -> Tuple[Tuple[str, Tuple[int, ...]], ...
     return tuple((n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad)
 
 
-def local_params(shapes: Sequence[Tuple[str, Tuple[int, ...]]], plan: SNNDistributedPlan, itemsize: int) -> List[Param]:
+def local_params(shapes: Sequence[Tuple[str, Tuple[int, ...]]], plan: SNNDistributedPlan,
+                 itemsize: Union[int, Mapping[str, int]]) -> List[Param]:
     """Every trainable parameter (``trainable_shapes``) as one rank holds it before FSDP2 sharding
-    (TP applied)."""
+    (TP applied); ``itemsize``: one for all, or per parameter name (models that mix dtypes)."""
     units = set(plan.fsdp_units) if plan.uses_fsdp else None
-    return [Param(n, tp_local_shape(plan, n, shape), itemsize, fsdp_group_of(units, n) if units else "")
+    size_of = itemsize.__getitem__ if isinstance(itemsize, Mapping) else (lambda _: itemsize)
+    return [Param(n, tp_local_shape(plan, n, shape), size_of(n), fsdp_group_of(units, n) if units else "")
             for n, shape in shapes]
 
 
 def zero_partition(params: Sequence[Param], world: int) -> List[List[Param]]:
-    """ZeroRedundancyOptimizer's partition: largest first, each to the least-loaded rank."""
+    """ZeroRedundancyOptimizer's partition: largest first, each to the least-loaded rank (the lowest
+    such rank on ties). Only ranks that own something are listed: at most ``len(params)``, since a
+    rank beyond them never becomes the least loaded one first."""
     return _zero_partition(tuple(params), world)
 
 
 @functools.lru_cache(maxsize=16)
 def _zero_partition(params: Tuple[Param, ...], world: int) -> List[List[Param]]:
-    sizes, parts = [0] * world, [[] for _ in range(world)]
+    ranks = min(world, len(params))
+    heap, parts = [(0, r) for r in range(ranks)], [[] for _ in range(ranks)]
     for p in sorted(params, key=lambda p: p.numel, reverse=True):
-        rank = sizes.index(min(sizes))
+        load, rank = heapq.heappop(heap)
         parts[rank].append(p)
-        sizes[rank] += p.numel
+        heapq.heappush(heap, (load + p.numel, rank))
     return parts
+
+
+def zero_owned(params: Sequence[Param], world: int, rank: int) -> List[Param]:
+    """The parameters dp rank ``rank`` updates under ZeRO (see :func:`zero_partition`)."""
+    parts = zero_partition(params, world)
+    return parts[rank] if rank < len(parts) else []
+
+
+def dp_roles(params: Sequence[Param], plan: SNNDistributedPlan) -> List[int]:
+    """The first dp rank of each run of dp ranks that hold the same shards, in order.
+
+    Every dp rank from ``roles[i]`` up to ``roles[i + 1]`` holds what ``roles[i]`` holds, so a
+    per-rank table costs one evaluation per role, not per rank: one role without sharding, a
+    ZeRO owner each (at most one per parameter) and the empty rest, and under FSDP2 the ranks of
+    full, partial and empty dim-0 chunks (two boundaries per parameter).
+    """
+    dp = plan.dp_size
+    if plan.uses_fsdp:
+        starts = {0}
+        for p in params:
+            dim0 = p.shape[0] if p.shape else 1
+            chunk = -(-dim0 // dp)
+            starts.update({dim0 // chunk, -(-dim0 // chunk)})
+        return sorted(r for r in starts if r < dp)
+    if plan.uses_zero:
+        return list(range(min(dp, len(params) + 1)))
+    return [0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,7 +171,7 @@ def rank_bytes(params: Sequence[Param], plan: SNNDistributedPlan, rank: int, opt
             opt += _state(real * p.row_numel, p.itemsize, optimizer)
         return dict(params_bytes=padded, grads_bytes=padded, optimizer_bytes=opt)
     full = sum(p.numel * p.itemsize for p in params)
-    owned = zero_partition(params, dp)[dp_rank] if plan.uses_zero else params
+    owned = zero_owned(params, dp, dp_rank) if plan.uses_zero else params
     opt = sum(_state(p.numel, p.itemsize, optimizer) for p in owned)
     return dict(params_bytes=full, grads_bytes=full, optimizer_bytes=opt)
 
@@ -176,6 +209,6 @@ def optimizer_temporaries(params: Sequence[Param], plan: SNNDistributedPlan, ran
     if plan.uses_fsdp:
         sizes = [p.rows(dp, dp_rank)[1] * p.row_numel * p.itemsize for p in params]
     else:
-        owned = zero_partition(params, dp)[dp_rank] if plan.uses_zero else params
+        owned = zero_owned(params, dp, dp_rank) if plan.uses_zero else params
         sizes = [p.numel * p.itemsize for p in owned]
     return 2 * max(sizes, default=0)

@@ -11,6 +11,7 @@ from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze, apply, pl
 from ..core.recommend import UNSET, check_backend, neuron_backend_arg
 from ..core.styles import STYLES
 from ..core.tp_plan import auto_tp_plan, conv_tp_plan, head_aligned_tp_plan
+from ..core.validate import check_batch_tensor, positive_int
 
 # pandas, matplotlib and the estimator load on first use (see the package docstring).
 
@@ -43,14 +44,14 @@ class Explorer:
                  backend: Any = UNSET):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Explorer expects a torch.nn.Module, got {type(model).__name__}")
-        if example_input is not None and (not isinstance(example_input, torch.Tensor) or example_input.dim() < 2):
-            raise ValueError("example_input must be a tensor [T, N, ...] (time first, then batch)")
+        if example_input is not None:
+            check_batch_tensor("example_input", example_input)
         self.model, self.example_input, self.labels = model, example_input, labels
         self.analysis = analyze(model, model_family=model_family, roots=roots)
-        self.time_steps = int(time_steps if time_steps is not None else
-                              example_input.shape[0] if example_input is not None else 1)
-        self.batch_size = int(batch_size if batch_size is not None else
-                              example_input.shape[1] if example_input is not None else 1)
+        self.time_steps = positive_int("time_steps", time_steps if time_steps is not None else
+                                       example_input.shape[0] if example_input is not None else 1)
+        self.batch_size = positive_int("batch_size", batch_size if batch_size is not None else
+                                       example_input.shape[1] if example_input is not None else 1)
         self.neuron_backend = check_backend(neuron_backend_arg(neuron_backend, backend))
         self.optimizer = optimizer
         self._plans: List[SNNDistributedPlan] = []

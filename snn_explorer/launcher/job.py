@@ -22,7 +22,9 @@ def main(script: str, argv: Optional[Sequence[str]] = None) -> int:
     import torch.distributed as dist
 
     from ..core.neurons import restore_stateful
+    from ..core.serialize import loads
     from .plan_run import train_plan_rank
+    from .private_files import read_private
 
     here = os.path.dirname(os.path.abspath(script))
     parser = argparse.ArgumentParser(description="Run an exported snn_explorer plan on this rank (via torchrun).")
@@ -30,10 +32,9 @@ def main(script: str, argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--payload", default=os.path.join(here, "payload.pkl"))
     parser.add_argument("--out", default=os.path.join(here, "results"))
     args = parser.parse_args(argv)
-    with open(args.plan) as fh:
-        plan_data = json.load(fh)
-    with open(args.payload, "rb") as fh:
-        job = cloudpickle.loads(fh.read())
+    plan_data = loads(read_private(args.plan, "plan file"))
+    # Unpickling runs code: only a payload that no other user could have written or replaced.
+    job = cloudpickle.loads(read_private(args.payload, "payload"))
     restore_stateful(job.get("stateful", {}))  # the exporting process's register_stateful calls
     backend = _backend()
     if backend == "nccl":

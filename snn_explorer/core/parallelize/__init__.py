@@ -11,7 +11,7 @@ from ..plan_types import SNNDistributedPlan
 from ..tp_plan import check_tied_parameters, check_tp_plan
 from .dp import apply_ddp
 from .fsdp import apply_fsdp2
-from .mesh import build_mesh, check_device_type, check_process_group, default_device_type, local_device
+from .mesh import build_mesh, check_device_type, check_mesh_type, check_process_group, default_device_type, local_device
 from .tp import apply_tp
 
 __all__ = ["apply", "preflight", "apply_ddp", "apply_fsdp2", "apply_tp", "default_device_type"]
@@ -46,6 +46,17 @@ def preflight(model: nn.Module, plan: SNNDistributedPlan) -> SNNDistributedAnaly
     return analysis
 
 
+#: Set on a model that apply() distributed (its parameters are now shards or DDP-wrapped).
+_APPLIED = "_snn_explorer_applied"
+
+
+def _check_not_applied(model: nn.Module) -> None:
+    applied = model.__dict__.get(_APPLIED) if isinstance(model, nn.Module) else None
+    if applied:
+        raise ValueError(f"this model was already distributed by apply() with {applied}; apply a fresh model "
+                         "(keep an undistributed copy with copy.deepcopy(model) before apply)")
+
+
 def _set_neuron_backend(model: nn.Module, backend: str) -> None:
     if backend not in ("cupy", "triton"):
         return
@@ -68,6 +79,8 @@ def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: Optional[s
     from ..runtime import SNNDistributedRuntime
 
     model = _unwrap(model)
+    check_mesh_type(device_mesh)
+    _check_not_applied(model)
     analysis = preflight(model, plan)
     device_type = check_device_type(device_type)
     check_process_group(plan)
@@ -80,6 +93,8 @@ def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: Optional[s
     if plan.uses_fsdp:
         apply_fsdp2(model, mesh["dp"], plan.fsdp_units, reshard_after_forward=plan.reshard_after_forward)
     wrapped = apply_ddp(model, mesh["dp"], device) if plan.uses_ddp else model
+    if plan.distributed:
+        model.__dict__[_APPLIED] = repr(plan)
     if plan.neuron_backend == "inductor":
         wrapped = torch.compile(wrapped)
     return SNNDistributedRuntime(model=wrapped, mesh=mesh, analysis=analysis, plan=plan, device=device)

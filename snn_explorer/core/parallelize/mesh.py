@@ -42,6 +42,10 @@ def check_device_type(device_type: Optional[str]) -> str:
 def check_process_group(plan: SNNDistributedPlan) -> None:
     """The plan's world size must equal the initialised process group's."""
     if not plan.distributed:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(f"plan mode {plan.mode!r} runs one process, but this process group has "
+                             f"{dist.get_world_size()} ranks; each would train its own copy. Plan for "
+                             f"world_size={dist.get_world_size()} (e.g. dp) or run a {plan.mode!r} plan on one process")
         return
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"mode {plan.mode!r} needs torch.distributed initialised with "
@@ -65,9 +69,17 @@ def check_mesh(mesh: DeviceMesh, plan: SNNDistributedPlan) -> None:
                          f"{plan.mesh_shape}, mesh_dim_names={plan.mesh_dim_names}), or pass device_mesh=None)")
 
 
+def check_mesh_type(mesh) -> Optional[DeviceMesh]:
+    """``mesh`` if it is None or a DeviceMesh, else TypeError."""
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh (or None to build "
+                        f"the plan's), got {type(mesh).__name__}: {mesh!r:.80}")
+    return mesh
+
+
 def build_mesh(plan: SNNDistributedPlan, device_type: str, mesh: Optional[DeviceMesh] = None) -> Optional[DeviceMesh]:
     """The plan's named mesh (None for mode 'none'); a given ``mesh`` is checked and used."""
-    if mesh is not None:
+    if check_mesh_type(mesh) is not None:
         check_mesh(mesh, plan)
         return mesh
     if not plan.distributed:

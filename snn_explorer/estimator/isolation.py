@@ -1,0 +1,67 @@
+"""Leave the caller's process as it was found: its RNG, its environment, its temporary directory.
+
+Running a model to measure it draws random numbers (dropout) and can import ``torch._dynamo``,
+which sets ``TORCHINDUCTOR_CACHE_DIR`` in ``os.environ`` and creates ``torchinductor_<user>`` in the
+temporary directory. :func:`as_found` undoes all three; spawned ranks get a scratch directory of
+their own (:func:`rank_scratch_env`).
+"""
+from __future__ import annotations
+
+import contextlib
+import getpass
+import os
+import re
+import tempfile
+from typing import Dict, Iterator
+
+import torch
+
+#: Variables torch sets in ``os.environ`` as a side effect of importing its compiler stack.
+TORCH_SET_ENV = ("TORCHINDUCTOR_CACHE_DIR",)
+
+
+def _default_cache_dir() -> str:
+    """Where torch puts its compiler cache when ``TORCHINDUCTOR_CACHE_DIR`` is unset."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError, ImportError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
+def _remove_empty_tree(path: str) -> None:
+    """Remove ``path`` if it holds nothing but empty directories (never a file)."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return
+    for root, dirs, files in os.walk(path, topdown=False):
+        if files:
+            return
+        for d in dirs:
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(root, d))
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
+@contextlib.contextmanager
+def as_found() -> Iterator[None]:
+    """Run the body, then restore the CPU RNG, the variables torch sets and the temporary directory."""
+    env = {key: os.environ.get(key) for key in TORCH_SET_ENV}
+    cache = _default_cache_dir()
+    cache_existed = os.path.exists(cache)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        for key, value in env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if not cache_existed:
+            _remove_empty_tree(cache)
+
+
+def rank_scratch_env(scratch: str) -> Dict[str, str]:
+    """Environment for spawned ranks: their temporary files and torch's cache under ``scratch``."""
+    return {"TMPDIR": scratch, "TORCHINDUCTOR_CACHE_DIR": os.path.join(scratch, "torchinductor")}
