@@ -61,3 +61,31 @@ def _error(where: str, why: str) -> TorchCompatError:
 
 
 # --- rank runner (torch elastic, cloudpickle) -----------------------------------------------
+
+
+def _code_reduce_shape(reduce: Any) -> Any:
+    """cloudpickle's code reducer must still return ``(constructor, args)`` that rebuild the code."""
+    code = _code_reduce_shape.__code__
+    try:
+        ctor, args = reduce(code)
+        ok = isinstance(ctor(*args), type(code))
+    except Exception:  # noqa: BLE001 - any failure means the shape changed
+        ok = False
+    if not ok:
+        import cloudpickle
+
+        raise TorchCompatError(f"snn_explorer needs cloudpickle.cloudpickle._code_reduce(code) -> (constructor, args), "
+                               f"but cloudpickle {cloudpickle.__version__} changed it")
+    return reduce
+
+
+#: torch elastic's per-poll look at its worker processes (``self._pc.processes``); the rank runner
+#: wraps it to learn every worker's exit code as soon as it exits (elastic reports one failure only).
+ELASTIC_POLL = _require("torch.distributed.elastic.multiprocessing.api", "MultiprocessContext._poll", params=("self",))
+#: The rendezvous handler's factory of the store it shares with the workers (MASTER_ADDR/PORT); the
+#: rank runner replaces it on its handler with one that listens on 127.0.0.1 only.
+ELASTIC_STORE_SERVER = _require("torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+                                "DynamicRendezvousHandler._create_tcp_store_server",
+                                params=("master_addr", "master_port"))
+#: cloudpickle's reducer of code objects; the payload pickler wraps it to keep real file names.
+CODE_REDUCE = _code_reduce_shape(_require("cloudpickle.cloudpickle", "_code_reduce", params=("obj",)))

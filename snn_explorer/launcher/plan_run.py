@@ -17,8 +17,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
-from .launching import launch, resolve_backend
-from .progress import _number, report
+from ..ranks import resolve_backend
+from ..ranks.progress import _number, report
+from .launching import launch
 from .result import TrainResult
 
 DEFAULT_OPTIMIZER = {"lr": 1e-3}
