@@ -89,3 +89,22 @@ ELASTIC_STORE_SERVER = _require("torch.distributed.elastic.rendezvous.dynamic_re
                                 params=("master_addr", "master_port"))
 #: cloudpickle's reducer of code objects; the payload pickler wraps it to keep real file names.
 CODE_REDUCE = _code_reduce_shape(_require("cloudpickle.cloudpickle", "_code_reduce", params=("obj",)))
+
+
+class _NoHook:
+    """Stands for a grad-hook handle MemTracker would remove on exit."""
+
+    def remove(self) -> None:
+        pass
+
+
+def mem_tracker_skip_grad_hooks(tracker: Any, params: Iterable[Any]) -> None:
+    """Tell ``MemTracker`` (its private ``_param_to_grad_hook_handles``) that ``params`` already have
+    grad hooks: it registers one on every parameter of a module it enters, which fails for a frozen
+    parameter (measure() on ranks; checked here, when first used, as mem_tracker imports slowly)."""
+    handles = getattr(tracker, "_param_to_grad_hook_handles", None)
+    if not (hasattr(handles, "get") and hasattr(handles, "__setitem__")):
+        raise _error("torch.distributed._tools.mem_tracker.MemTracker._param_to_grad_hook_handles",
+                     "it is missing or no longer a mapping")
+    for p in params:
+        handles[p] = (_NoHook(), _NoHook())

@@ -12,9 +12,9 @@ import pytest
 
 from snn_explorer import analyze, plan
 from snn_explorer.launcher import LaunchError, RankFailure, export_job, launch, launch_plan, resolve_backend
-from snn_explorer.launcher import channel
-from snn_explorer.launcher.display import TextDisplay, choose_display, NullDisplay, CallbackDisplay
-from snn_explorer.launcher.progress import Tracker, report
+from snn_explorer.ranks import channel
+from snn_explorer.ranks.display import TextDisplay, choose_display, NullDisplay, CallbackDisplay
+from snn_explorer.ranks.progress import Tracker, report
 from snn_explorer.zoo import build
 
 
@@ -96,7 +96,7 @@ def test_tracker_heartbeats_and_displays():
 
 def test_widget_display_updates_live():
     pytest.importorskip("ipywidgets")
-    from snn_explorer.launcher.display import WidgetDisplay
+    from snn_explorer.ranks.display import WidgetDisplay
 
     tracker = Tracker(2, started=0.0)
     shown = WidgetDisplay(2)

@@ -21,8 +21,10 @@ import pandas as pd
 import torch
 from torch import nn
 
+from .. import compat, ranks
 from ..core import SNNDistributedPlan
-from ._spawn import run_on_ranks
+from ..core.validate import positive_int, positive_number
+from ..ranks.progress import heartbeat
 from ._step import OPTIMIZERS, batch_slice, check_optimizer, forward_loss
 from .plan_estimate import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
 from .recorder import CollectiveRecorder
@@ -168,11 +170,12 @@ def _measure_plan(model, plan, run: _Settings) -> dict:
 
     repeated = _called_twice(module, step)
     times = []
-    for _ in range(max(1, run.steps)):
+    for i in range(run.steps):
         dist.barrier()
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
+        heartbeat(step=i + 1, total=run.steps + 1, message=f"{plan.mode}: timed step")
     times = times[1:] if len(times) > 1 else times
 
     recorder, saved, seen = CollectiveRecorder(), _Saved(), {}
@@ -184,6 +187,7 @@ def _measure_plan(model, plan, run: _Settings) -> dict:
         seen["params"] = _storage_bytes(module.parameters())  # FSDP2 without resharding: the unsharded ones
 
     tracker = MemTracker()
+    compat.mem_tracker_skip_grad_hooks(tracker, [p for p in runtime.model.parameters() if not p.requires_grad])
     tracker.track_external(runtime.model, getattr(opt, "optim", opt), x)  # ZeRO: its local optimizer
     debug = CommDebugMode() if not repeated else contextlib.nullcontext()
     if cuda:
@@ -199,6 +203,7 @@ def _measure_plan(model, plan, run: _Settings) -> dict:
         with debug, recorder:
             step(recorder, saved, after_forward)
     peak = tracker.get_tracker_snapshot("peak")[x.device]["Total"]
+    heartbeat(step=run.steps + 1, total=run.steps + 1, message=f"{plan.mode}: measured step")
     if cuda:  # the allocator's own count (block rounding, NCCL's tensors) over the two steps
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
@@ -248,31 +253,40 @@ def _assemble(plan: SNNDistributedPlan, results: Sequence[dict], steps: int) -> 
                            comm_debug_counts=results[0]["debug"], steps=steps, by_rank=list(results))
 
 
-def measure_many(model: nn.Module, plans: Sequence[SNNDistributedPlan], *, example_input: torch.Tensor,
-                 labels: Optional[torch.Tensor] = None, steps: int = 3, optimizer: str = "adam",
-                 dtype: Optional[torch.dtype] = None, lr: float = 1e-3, timeout: float = 300.0,
-                 device: str = "cpu") -> List[PlanMeasurement]:
-    """:func:`measure` for several plans, one spawned set of ranks per world size."""
+def _settings(model, plans, example_input, labels, steps, optimizer, dtype, lr, device) -> _Settings:
+    """The checked arguments shared by every measured plan."""
     optimizer = check_optimizer(optimizer)
+    steps = positive_int("steps", steps, what="timed training steps before the measured one")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}; expected 'cpu' (gloo ranks) or 'cuda' (NCCL, one GPU per rank)")
     worlds = sorted({p.world_size for p in plans})
     if device == "cuda" and (not torch.cuda.is_available() or torch.cuda.device_count() < max(worlds, default=1)):
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         raise ValueError(f"device='cuda' needs one GPU per rank: {max(worlds)} ranks, {count} GPU(s) visible")
-    run = _Settings(example_input, labels, steps, optimizer,
-                    dtype or next((p.dtype for p in model.parameters()), example_input.dtype), lr, device)
+    return _Settings(example_input, labels, steps, optimizer,
+                     dtype or next((p.dtype for p in model.parameters()), example_input.dtype), lr, device)
+
+
+def measure_many(model: nn.Module, plans: Sequence[SNNDistributedPlan], *, example_input: torch.Tensor,
+                 labels: Optional[torch.Tensor] = None, steps: int = 3, optimizer: str = "adam",
+                 dtype: Optional[torch.dtype] = None, lr: float = 1e-3, timeout: Optional[float] = 300.0,
+                 device: str = "cpu", progress=False) -> List[PlanMeasurement]:
+    """:func:`measure` for several plans, one set of ranks per world size (``snn_explorer.ranks``)."""
+    run = _settings(model, plans, example_input, labels, steps, optimizer, dtype, lr, device)
+    timeout = positive_number("timeout", timeout, what="seconds a rank may go without finishing a step",
+                              allow_none=True)
     backend = "nccl" if device == "cuda" else "gloo"
     out: Dict[int, PlanMeasurement] = {}
-    for world in worlds:
+    for world in sorted({p.world_size for p in plans}):
         idx = [i for i, p in enumerate(plans) if p.world_size == world]
         group = [plans[i] for i in idx]
         if world == 1:
-            ranks = [_measure_single(model, group, run, backend)]
+            per_rank = [_measure_single(model, group, run, backend)]
         else:
-            ranks = run_on_ranks(_measure_on_rank, world, model, group, run, timeout=timeout, backend=backend)
+            per_rank = ranks.run(_measure_on_rank, (model, group, run), nprocs=world, backend=backend,
+                                 timeout=timeout, progress=progress).values
         for j, i in enumerate(idx):
-            out[i] = _assemble(plans[i], [r[j] for r in ranks], steps)
+            out[i] = _assemble(plans[i], [r[j] for r in per_rank], steps)
     return [out[i] for i in range(len(plans))]
 
 
@@ -296,8 +310,8 @@ def _measure_single(model, plans, run: _Settings, backend: str):
 
 def measure(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch.Tensor,
             labels: Optional[torch.Tensor] = None, steps: int = 3, optimizer: str = "adam",
-            dtype: Optional[torch.dtype] = None, lr: float = 1e-3, timeout: float = 300.0,
-            device: str = "cpu") -> PlanMeasurement:
+            dtype: Optional[torch.dtype] = None, lr: float = 1e-3, timeout: Optional[float] = 300.0,
+            device: str = "cpu", progress=False) -> PlanMeasurement:
     """Train ``plan`` on ``plan.world_size`` spawned ranks for ``steps`` steps and measure one more.
 
     ``device``: ``"cpu"`` (gloo; the peak is MemTracker's) or ``"cuda"`` (NCCL, rank ``r`` on GPU
@@ -305,6 +319,10 @@ def measure(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch.
     ``example_input`` ``[T, N, ...]`` is the global batch (``plan.batch_size`` samples): dp rank
     ``r`` trains on samples ``r * per_rank_batch`` onwards. ``labels`` select a cross-entropy loss
     (else the mean square output). The model is copied; it is not changed.
+    The ranks run on :mod:`snn_explorer.ranks`: ``timeout`` is the seconds a rank may take for one
+    step (each step is a heartbeat; None: no limit), a failing rank raises ``LaunchError`` with
+    its traceback, ``progress`` shows the steps (True: widgets / a text line, or a callable).
     """
     return measure_many(model, [plan], example_input=example_input, labels=labels, steps=steps,
-                        optimizer=optimizer, dtype=dtype, lr=lr, timeout=timeout, device=device)[0]
+                        optimizer=optimizer, dtype=dtype, lr=lr, timeout=timeout, device=device,
+                        progress=progress)[0]

@@ -62,6 +62,12 @@ def report(step: Optional[int] = None, loss: Any = None, message: Optional[str] 
     print(" ".join(parts), flush=True)
 
 
+def heartbeat(step: Optional[int] = None, total: Optional[int] = None, message: Optional[str] = None) -> None:
+    """:func:`report` inside a run; nothing outside one (library code that may also run in-process)."""
+    if os.environ.get(channel.DIR_ENV):
+        report(step=step, total=total, message=message)
+
+
 @dataclass
 class RankState:
     """What the launcher knows about one rank."""
