@@ -15,9 +15,9 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from launch_helpers import clean_launch, gone  # noqa: F401  (fixture)
+from test_launch_plan import tp_step  # travels by value, as that module registered itself
 from snn_explorer import analyze, plan
 from snn_explorer.estimator import measure
 from snn_explorer.launcher import LaunchError, export_job, launch
@@ -86,20 +86,12 @@ def test_measure_listens_on_loopback_and_works_with_a_frozen_parameter(clean_lau
         measure(model, dp, example_input=zoo.example_input, steps=-4)
 
 
-def _tp_step(runtime, step, batch, state, inputs, labels):
-    loss, _ = runtime.forward_loss(nn.CrossEntropyLoss(), inputs, labels)
-    state["optimizer"].zero_grad()
-    loss.backward()
-    state["optimizer"].step()
-    return loss
-
-
 @pytest.mark.timeout(150)
 def test_exported_job_runs_locally_through_the_rank_runner_on_loopback(tmp_path):
     zoo = build("mlp")
     tp = plan(analysis=analyze(zoo.model, model_family=zoo.family), objective="memory", topology={"tp": 2},
               backend="torch", batch_size=zoo.batch_size, mode="tp")
-    job = export_job(tp, _tp_step, tmp_path / "job", model=zoo.model, steps=2, optimizer={"lr": 1e-2},
+    job = export_job(tp, tp_step, tmp_path / "job", model=zoo.model, steps=2, optimizer={"lr": 1e-2},
                      train_kwargs={"inputs": zoo.example_input, "labels": zoo.labels})
     (tmp_path / "tmp").mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "TORCHELASTIC_RUN_ID")}

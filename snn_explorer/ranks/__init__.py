@@ -4,11 +4,11 @@ trampoline, a progress channel, per-rank failures (used by the launcher, measure
 ``run(fn, args, nprocs=...)`` -> :class:`LaunchResult` or :class:`LaunchError`; ``report()`` from
 inside a rank. Sits below the estimator: imports ``snn_explorer.core`` only.
 """
-from .engine import BACKENDS, check_log_dir, resolve_backend, run
+from .engine import BACKENDS, resolve_backend, run
 from .errors import LaunchError, RankFailure
 from .progress import report
 from .rank import init_process_group
 from .result import LaunchResult
 
-__all__ = ["BACKENDS", "LaunchError", "LaunchResult", "RankFailure", "check_log_dir", "init_process_group",
-           "report", "resolve_backend", "run"]
+__all__ = ["BACKENDS", "LaunchError", "LaunchResult", "RankFailure", "init_process_group", "report",
+           "resolve_backend", "run"]

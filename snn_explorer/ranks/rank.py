@@ -46,12 +46,10 @@ def _write_error(run_dir: str, rank: int, exc: BaseException, phase: str) -> Non
     import traceback
 
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    kind = type(exc)
-    qualname = kind.__qualname__ if kind.__module__ in ("builtins", "__main__") else f"{kind.__module__}.{kind.__qualname__}"
     channel.write_json(channel.path(run_dir, "errors", f"{rank}.json"),
-                       {"type": kind.__name__, "qualname": qualname, "message": str(exc), "traceback": tb,
-                        "phase": phase, "time": time.time()})
-    channel.emit(run_dir, rank, "error", type=kind.__name__, message=str(exc))
+                       {"type": type(exc).__name__, "message": str(exc), "traceback": tb, "phase": phase,
+                        "time": time.time()})
+    channel.emit(run_dir, rank, "error", type=type(exc).__name__, message=str(exc))
     sys.stderr.write(tb)
 
 
