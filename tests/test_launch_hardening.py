@@ -192,3 +192,15 @@ def test_caller_killed_by_a_signal_leaves_no_run_dir_and_no_process(clean_launch
         time.sleep(0.1)
     assert not os.path.exists(run_dir)
     assert all(gone(p) for p in tree)
+
+
+def _signal_handlers():
+    return [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)]
+
+
+@pytest.mark.timeout(60)
+def test_ranks_have_python_default_signal_handlers(clean_launch):
+    """The ranks are forked from the agent, whose elastic handlers must not stay: a SIGTERM from
+    elastic ends a rank at once, even one blocked in a collective."""
+    values = launch(_signal_handlers, nprocs=2, progress=False).values
+    assert values == [[signal.SIG_DFL, signal.SIG_DFL, signal.default_int_handler]] * 2

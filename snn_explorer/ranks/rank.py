@@ -87,11 +87,23 @@ def _leave(code: int) -> None:
     os._exit(code)
 
 
+def _default_signals() -> None:
+    """A forked rank inherits the agent's elastic handlers (SIGTERM raising an exception, which a
+    rank blocked in a collective would only see after it): give it Python's defaults back."""
+    import signal
+
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def run_rank(run_dir: str, backend: str, pg_timeout: Optional[float] = None) -> None:
     """One rank: heartbeat, load the payload, init the process group, run, store the value."""
     import faulthandler
     import signal
 
+    _default_signals()
     rank = int(os.environ["RANK"])
     os.environ[channel.DIR_ENV] = run_dir
     exit_with_parent(os.getppid(), lambda: os._exit(70))
