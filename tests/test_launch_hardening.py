@@ -19,7 +19,7 @@ import torch.distributed as dist
 from launch_helpers import clean_launch, gone  # noqa: F401  (fixture)
 from test_launch_plan import tp_step  # travels by value, as that module registered itself
 from snn_explorer import analyze, plan
-from snn_explorer.estimator import measure
+from snn_explorer.estimator import measure, measure_many
 from snn_explorer.launcher import LaunchError, export_job, launch
 from snn_explorer.ranks.channel import DIR_ENV
 from snn_explorer.zoo import build
@@ -70,16 +70,19 @@ def test_measure_listens_on_loopback_and_works_with_a_frozen_parameter(clean_lau
     model = zoo.model
     frozen = next(model.parameters())
     frozen.requires_grad_(False)
-    dp = plan(analysis=analyze(model, model_family=zoo.family), objective="speed", topology={"dp": 2},
-              backend="torch", batch_size=zoo.batch_size, mode="dp")
+    analysis = analyze(model, model_family=zoo.family)
+    dp, fsdp2 = (plan(analysis=analysis, objective="speed", topology={"dp": 2}, backend="torch",
+                      batch_size=zoo.batch_size, mode=mode) for mode in ("dp", "fsdp2"))
     watch = ListenWatch()
-    measured = measure(model, dp, example_input=zoo.example_input, labels=zoo.labels, steps=2, progress=watch)
+    measured = measure_many(model, [dp, fsdp2], example_input=zoo.example_input, labels=zoo.labels, steps=2,
+                            progress=watch)
     assert watch.polls and watch.seen == {"127.0.0.1"}, watch.seen
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     everything = sum(p.numel() * p.element_size() for p in model.parameters())
     assert trainable < everything
-    assert list(measured.per_rank["grads_bytes"]) == [trainable, trainable]  # no gradient for the frozen one
-    assert list(measured.per_rank["params_bytes"]) == [everything, everything]
+    assert list(measured[0].per_rank["grads_bytes"]) == [trainable, trainable]  # no gradient for the frozen one
+    assert list(measured[0].per_rank["params_bytes"]) == [everything, everything]
+    assert sum(measured[1].per_rank["grads_bytes"]) < sum(measured[1].per_rank["params_bytes"])  # FSDP2 shards
     with pytest.raises(ValueError, match="steps=0"):
         measure(model, dp, example_input=zoo.example_input, steps=0)
     with pytest.raises(ValueError, match="steps=-4"):

@@ -11,6 +11,7 @@ rebuilds its buckets and optimizers create their state.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 import weakref
@@ -125,6 +126,20 @@ class _Settings:
     device: str  # "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)
 
 
+@contextlib.contextmanager
+def _spare_frozen(tracker):
+    """A global forward pre-hook, entered before MemTracker's, that spares it the grad hook it would
+    put on each frozen parameter of the module being entered (it fails on those); modules are seen
+    as they are called, so FSDP2's unsharded parameters are covered too."""
+    def spare(module, args):
+        compat.mem_tracker_skip_grad_hooks(tracker, [p for p in module.parameters() if not p.requires_grad])
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(spare)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def _restart_peak(tracker, device: torch.device) -> None:
     """Restart MemTracker's peak from the current memory (it has no public reset)."""
     tracker._peak_mem[device] = tracker.get_tracker_snapshot()[device]["Total"]
@@ -132,8 +147,6 @@ def _restart_peak(tracker, device: torch.device) -> None:
 
 
 def _measure_plan(model, plan, run: _Settings) -> dict:
-    import contextlib
-
     import torch.distributed as dist
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.tensor.debug import CommDebugMode
@@ -187,13 +200,12 @@ def _measure_plan(model, plan, run: _Settings) -> dict:
         seen["params"] = _storage_bytes(module.parameters())  # FSDP2 without resharding: the unsharded ones
 
     tracker = MemTracker()
-    compat.mem_tracker_skip_grad_hooks(tracker, [p for p in runtime.model.parameters() if not p.requires_grad])
     tracker.track_external(runtime.model, getattr(opt, "optim", opt), x)  # ZeRO: its local optimizer
     debug = CommDebugMode() if not repeated else contextlib.nullcontext()
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    with tracker:
+    with _spare_frozen(tracker), tracker:
         # A tracked warm-up step first: storages allocated outside any op (DDP's gradient buckets)
         # become visible to the tracker when an op first writes them, so the measured step sees them
         # from its start, not from the middle of its backward.
