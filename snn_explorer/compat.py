@@ -207,3 +207,50 @@ def restart_mem_tracker_peak(tracker: Any, device: torch.device) -> None:
 
 
 # --- rank runner (torch elastic, cloudpickle) -----------------------------------------------
+
+
+def _code_reduce_shape(reduce: Any) -> Any:
+    """cloudpickle's code reducer must still return ``(constructor, args)`` that rebuild the code."""
+    code = _code_reduce_shape.__code__
+    try:
+        ctor, args = reduce(code)
+        ok = isinstance(ctor(*args), type(code))
+    except Exception:  # noqa: BLE001 - any failure means the shape changed
+        ok = False
+    if not ok:
+        import cloudpickle
+
+        raise TorchCompatError(f"snn_explorer needs cloudpickle.cloudpickle._code_reduce(code) -> (constructor, args), "
+                               f"but cloudpickle {cloudpickle.__version__} changed it")
+    return reduce
+
+
+#: torch elastic's per-poll look at its worker processes (``self._pc.processes``); the rank runner
+#: wraps it to learn every worker's exit code as soon as it exits (elastic reports one failure only).
+ELASTIC_POLL = _require("torch.distributed.elastic.multiprocessing.api", "MultiprocessContext._poll", params=("self",))
+#: The rendezvous handler's factory of the store it shares with the workers (MASTER_ADDR/PORT); the
+#: rank runner replaces it on its handler with one that listens on 127.0.0.1 only.
+ELASTIC_STORE_SERVER = _require("torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+                                "DynamicRendezvousHandler._create_tcp_store_server",
+                                params=("master_addr", "master_port"))
+#: cloudpickle's reducer of code objects; the payload pickler wraps it to keep real file names.
+CODE_REDUCE = _code_reduce_shape(_require("cloudpickle.cloudpickle", "_code_reduce", params=("obj",)))
+
+
+class _NoHook:
+    """Stands for a grad-hook handle MemTracker would remove on exit."""
+
+    def remove(self) -> None:
+        pass
+
+
+def mem_tracker_skip_grad_hooks(tracker: Any, params: Iterable[Any]) -> None:
+    """Tell ``MemTracker`` (its private ``_param_to_grad_hook_handles``) that ``params`` already have
+    grad hooks: it registers one on every parameter of a module it enters, which fails for a frozen
+    parameter (measure() on ranks; checked here, when first used, as mem_tracker imports slowly)."""
+    handles = getattr(tracker, "_param_to_grad_hook_handles", None)
+    if not (hasattr(handles, "get") and hasattr(handles, "__setitem__")):
+        raise _error("torch.distributed._tools.mem_tracker.MemTracker._param_to_grad_hook_handles",
+                     "it is missing or no longer a mapping")
+    for p in params:
+        handles[p] = (_NoHook(), _NoHook())

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from launch_helpers import clean_launch, gone, is_reused_helper, live_children  # noqa: F401  (fixture)
 from snn_explorer.launcher import LaunchError, launch, report
-from snn_explorer.launcher.channel import DIR_ENV
+from snn_explorer.ranks.channel import DIR_ENV
 
 # Rank functions defined here travel by value, so ranks need not import this test module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -133,14 +133,14 @@ def _library_on_rank():
 def test_register_stateful_reaches_launched_and_spawned_ranks(clean_launch):
     from snn_explorer import register_stateful, unregister_stateful
     from snn_explorer.core.neurons import snn_library
-    from snn_explorer.estimator._spawn import run_on_ranks
     from snn_explorer.launcher import launch
+    from snn_explorer.ranks import run
 
     assert snn_library(CountingNeuron()) is None  # not recognised without the registration
     register_stateful(CountingNeuron)
     try:
         launched = launch(_library_on_rank, nprocs=2, backend="gloo", progress=False, timeout=60)
-        spawned = run_on_ranks(_library_on_rank, 2, timeout=60)
+        spawned = run(_library_on_rank, nprocs=2, backend="gloo", timeout=60).values  # measure()'s way
     finally:
         unregister_stateful(CountingNeuron)
     assert launched.values == ["registered", "registered"]

@@ -12,9 +12,9 @@ import pytest
 
 from snn_explorer import analyze, plan
 from snn_explorer.launcher import LaunchError, RankFailure, export_job, launch, launch_plan, resolve_backend
-from snn_explorer.launcher import channel
-from snn_explorer.launcher.display import TextDisplay, choose_display, NullDisplay, CallbackDisplay
-from snn_explorer.launcher.progress import Tracker, report
+from snn_explorer.ranks import channel
+from snn_explorer.ranks.display import TextDisplay, choose_display, NullDisplay, CallbackDisplay
+from snn_explorer.ranks.progress import Tracker, report
 from snn_explorer.zoo import build
 
 
@@ -28,12 +28,43 @@ def mlp_plan():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"nprocs": 0}, "nprocs=0"), ({"nprocs": True}, "nprocs=True"), ({"nprocs": 2, "backend": "mpi"}, "backend='mpi'"),
-    ({"nprocs": 2, "timeout": -1}, "timeout=-1"),
+    ({"nprocs": 2, "timeout": -1}, "timeout=-1"), ({"nprocs": 2, "timeout": float("nan")}, "timeout=nan"),
+    ({"nprocs": 2, "timeout": float("inf")}, "timeout=inf"), ({"nprocs": 2, "timeout": -0.5}, "timeout=-0.5"),
 ])
 def test_bad_arguments_fail_before_any_process(kwargs, match):
     with pytest.raises(ValueError, match=match):
         launch(print, **kwargs)
     assert not live_children()
+
+
+def test_nccl_without_a_gpu_per_rank_fails_before_any_process():
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match=rf"backend='nccl' needs one CUDA device per rank: 64 rank\(s\), {gpus} visible"):
+        launch(print, nprocs=64, backend="nccl", progress=False)
+    assert not live_children()
+
+
+def test_unwritable_log_dir_fails_before_any_process(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="log_dir=.*a-file/logs.* is not a directory this process can write"):
+        launch(print, nprocs=2, progress=False, log_dir=str(blocker / "logs"))
+    assert not live_children()
+
+
+def test_rank_exit_is_a_failure_unless_the_value_was_stored():
+    tracker = Tracker(3, started=0.0)
+    tracker.apply({"kind": "end", "rank": 0, "time": 1.0, "seconds": 0.5})
+    tracker.apply({"kind": "exit", "rank": 0, "time": 1.5, "code": 0})  # the normal end after storing
+    tracker.apply({"kind": "exit", "rank": 1, "time": 2.0, "code": 0})
+    tracker.apply({"kind": "exit", "rank": 2, "time": 2.0, "code": 1, "how": "SystemExit", "text": "bye"})
+    tracker.apply({"kind": "exit", "rank": 2, "time": 2.1, "code": 1})  # the agent saw it too
+    assert [s.status for s in tracker.ranks.values()] == ["done", "failed", "failed"]
+    assert tracker.ranks[1].message == "exited with code 0 before returning a value"
+    assert tracker.ranks[2].message == "exited with code 1 before returning a value: bye"
+    assert tracker.ranks[2].exit_how == "SystemExit" and tracker.unfinished() == [1, 2]
 
 
 def test_unpicklable_payload_fails_before_any_process(tmp_path):
@@ -96,7 +127,7 @@ def test_tracker_heartbeats_and_displays():
 
 def test_widget_display_updates_live():
     pytest.importorskip("ipywidgets")
-    from snn_explorer.launcher.display import WidgetDisplay
+    from snn_explorer.ranks.display import WidgetDisplay
 
     tracker = Tracker(2, started=0.0)
     shown = WidgetDisplay(2)

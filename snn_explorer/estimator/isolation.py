@@ -2,8 +2,8 @@
 
 Running a model to measure it draws random numbers (dropout) and can import ``torch._dynamo``,
 which sets ``TORCHINDUCTOR_CACHE_DIR`` in ``os.environ`` and creates ``torchinductor_<user>`` in the
-temporary directory. :func:`as_found` undoes all three; spawned ranks get a scratch directory of
-their own (:func:`rank_scratch_env`).
+temporary directory. :func:`as_found` undoes all three; the ranks ``measure`` starts run with a
+temporary directory of their own (``snn_explorer.ranks`` sets ``TMPDIR`` to its run directory).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import getpass
 import os
 import re
 import tempfile
-from typing import Dict, Iterator
+from typing import Iterator
 
 import torch
 
@@ -61,7 +61,3 @@ def as_found() -> Iterator[None]:
         if not cache_existed:
             _remove_empty_tree(cache)
 
-
-def rank_scratch_env(scratch: str) -> Dict[str, str]:
-    """Environment for spawned ranks: their temporary files and torch's cache under ``scratch``."""
-    return {"TMPDIR": scratch, "TORCHINDUCTOR_CACHE_DIR": os.path.join(scratch, "torchinductor")}

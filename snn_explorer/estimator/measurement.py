@@ -11,8 +11,10 @@ rebuilds its buckets and optimizers create their state.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
@@ -21,10 +23,11 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..compat import ddp_rebuilt_bucket_sizes, mem_tracker_class, restart_mem_tracker_peak
+from .. import compat, ranks
 from ..core import SNNDistributedPlan
 from ..core.parallelize.mesh import comm_backend_for
-from ._spawn import run_on_ranks
+from ..core.validate import positive_int, positive_number
+from ..ranks.progress import heartbeat
 from ._step import OPTIMIZERS, batch_slice, check_inputs, check_optimizer, forward_loss, run_dtypes
 from .isolation import as_found
 from .plan_estimate import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
@@ -129,9 +132,30 @@ class _Settings:
     cast: Optional[torch.dtype] = None  # the model's dtype for the run; None keeps a mixed-dtype model as it is
 
 
-def _measure_plan(model, plan, run: _Settings) -> dict:
-    import contextlib
+@contextlib.contextmanager
+def _quiet_tracker_hooks():
+    """MemTracker's full backward hooks warn when a module's inputs need no gradient (the first
+    layer's); they are this measurement's instruments, not the user's hooks, so the warning is ours."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+        yield
 
+
+@contextlib.contextmanager
+def _spare_frozen(tracker):
+    """A global forward pre-hook, entered before MemTracker's, that spares it the grad hook it would
+    put on each frozen parameter of the module being entered (it fails on those); modules are seen
+    as they are called, so FSDP2's unsharded parameters are covered too."""
+    def spare(module, args):
+        compat.mem_tracker_skip_grad_hooks(tracker, [p for p in module.parameters() if not p.requires_grad])
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(spare)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _measure_plan(model, plan, run: _Settings) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -169,11 +193,12 @@ def _measure_plan(model, plan, run: _Settings) -> dict:
 
     repeated = _called_twice(module, step)
     times = []
-    for _ in range(max(1, run.steps)):
+    for i in range(run.steps):
         dist.barrier()
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
+        heartbeat(step=i + 1, total=run.steps + 1, message=f"{plan.mode}: timed step")
     times = times[1:] if len(times) > 1 else times
 
     recorder, saved, seen = CollectiveRecorder(), _Saved(), {}
@@ -184,29 +209,30 @@ def _measure_plan(model, plan, run: _Settings) -> dict:
         seen["saved"] = saved.alive()
         seen["params"] = _storage_bytes(module.parameters())  # FSDP2 without resharding: the unsharded ones
 
-    tracker = mem_tracker_class()()
+    tracker = compat.mem_tracker_class()()
     tracker.track_external(runtime.model, getattr(opt, "optim", opt), x)  # ZeRO: its local optimizer
     debug = CommDebugMode() if not repeated else contextlib.nullcontext()
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    with tracker:
+    with _spare_frozen(tracker), _quiet_tracker_hooks(), tracker:
         # A tracked warm-up step first: storages allocated outside any op (DDP's gradient buckets)
         # become visible to the tracker when an op first writes them, so the measured step sees them
         # from its start, not from the middle of its backward.
         step()
         tracker.reset_mod_stats()
-        restart_mem_tracker_peak(tracker, x.device)
+        compat.restart_mem_tracker_peak(tracker, x.device)
         with debug, recorder:
             step(recorder, saved, after_forward)
     peak = tracker.get_tracker_snapshot("peak")[x.device]["Total"]
+    heartbeat(step=run.steps + 1, total=run.steps + 1, message=f"{plan.mode}: measured step")
     if cuda:  # the allocator's own count (block rounding, NCCL's tensors) over the two steps
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
 
     buckets = 0
     if plan.uses_ddp:
-        buckets = sum(ddp_rebuilt_bucket_sizes(runtime.model))
+        buckets = sum(compat.ddp_rebuilt_bucket_sizes(runtime.model))
     input_ptr = x.untyped_storage().data_ptr()
     activations = sum(n for p, n in seen["saved"].items() if p not in static and p not in seen["state"]
                       and p not in seen["params"] and p != input_ptr) + x.numel() * x.element_size()
@@ -247,14 +273,12 @@ def _assemble(plan: SNNDistributedPlan, results: Sequence[dict], steps: int) -> 
                            comm_debug_counts=results[0]["debug"], steps=steps)
 
 
-def measure_many(model: nn.Module, plans: Sequence[SNNDistributedPlan], *, example_input: torch.Tensor,
-                 labels: Optional[torch.Tensor] = None, steps: int = 3, optimizer: str = "adam",
-                 dtype: Optional[torch.dtype] = None, lr: float = 1e-3, timeout: float = 300.0,
-                 device: str = "cpu") -> List[PlanMeasurement]:
-    """:func:`measure` for several plans, one spawned set of ranks per world size."""
+def _settings(model, plans, example_input, labels, steps, optimizer, dtype, lr, device) -> _Settings:
+    """The checked arguments shared by every measured plan."""
     optimizer = check_optimizer(optimizer)
     for p in plans:
         check_inputs(model, example_input, labels, dtype, p)
+    steps = positive_int("steps", steps, what="timed training steps before the measured one")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}; expected 'cpu' (gloo ranks) or 'cuda' (NCCL, one GPU per rank)")
     worlds = sorted({p.world_size for p in plans})
@@ -262,19 +286,30 @@ def measure_many(model: nn.Module, plans: Sequence[SNNDistributedPlan], *, examp
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         raise ValueError(f"device='cuda' needs one GPU per rank: {max(worlds)} ranks, {count} GPU(s) visible")
     cast, input_dtype = run_dtypes(model, dtype, example_input)
-    run = _Settings(example_input, labels, steps, optimizer, input_dtype, lr, device, cast)
+    return _Settings(example_input, labels, steps, optimizer, input_dtype, lr, device, cast)
+
+
+def measure_many(model: nn.Module, plans: Sequence[SNNDistributedPlan], *, example_input: torch.Tensor,
+                 labels: Optional[torch.Tensor] = None, steps: int = 3, optimizer: str = "adam",
+                 dtype: Optional[torch.dtype] = None, lr: float = 1e-3, timeout: Optional[float] = 300.0,
+                 device: str = "cpu", progress=False) -> List[PlanMeasurement]:
+    """:func:`measure` for several plans, one set of ranks per world size (``snn_explorer.ranks``)."""
+    run = _settings(model, plans, example_input, labels, steps, optimizer, dtype, lr, device)
+    timeout = positive_number("timeout", timeout, what="seconds a rank may go without finishing a step",
+                              allow_none=True)
     backend = comm_backend_for(device)
     out: Dict[int, PlanMeasurement] = {}
-    for world in worlds:
+    for world in sorted({p.world_size for p in plans}):
         idx = [i for i, p in enumerate(plans) if p.world_size == world]
         group = [plans[i] for i in idx]
         if world == 1:
             with as_found():  # it runs in this process: its RNG, environment and temporary directory
-                ranks = [_measure_single(model, group, run, backend)]
+                per_rank = [_measure_single(model, group, run, backend)]
         else:
-            ranks = run_on_ranks(_measure_on_rank, world, model, group, run, timeout=timeout, backend=backend)
+            per_rank = ranks.run(_measure_on_rank, (model, group, run), nprocs=world, backend=backend,
+                                 timeout=timeout, progress=progress).values
         for j, i in enumerate(idx):
-            out[i] = _assemble(plans[i], [r[j] for r in ranks], steps)
+            out[i] = _assemble(plans[i], [r[j] for r in per_rank], steps)
     return [out[i] for i in range(len(plans))]
 
 
@@ -298,8 +333,8 @@ def _measure_single(model, plans, run: _Settings, backend: str):
 
 def measure(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch.Tensor,
             labels: Optional[torch.Tensor] = None, steps: int = 3, optimizer: str = "adam",
-            dtype: Optional[torch.dtype] = None, lr: float = 1e-3, timeout: float = 300.0,
-            device: str = "cpu") -> PlanMeasurement:
+            dtype: Optional[torch.dtype] = None, lr: float = 1e-3, timeout: Optional[float] = 300.0,
+            device: str = "cpu", progress=False) -> PlanMeasurement:
     """Train ``plan`` on ``plan.world_size`` spawned ranks for ``steps`` steps and measure one more.
 
     ``device``: ``"cpu"`` (gloo; the peak is MemTracker's) or ``"cuda"`` (NCCL, rank ``r`` on GPU
@@ -307,6 +342,10 @@ def measure(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch.
     ``example_input`` ``[T, N, ...]`` is the global batch (``plan.batch_size`` samples): dp rank
     ``r`` trains on samples ``r * per_rank_batch`` onwards. ``labels`` select a cross-entropy loss
     (else the mean square output). The model is copied; it is not changed.
+    The ranks run on :mod:`snn_explorer.ranks`: ``timeout`` is the seconds a rank may take for one
+    step (each step is a heartbeat; None: no limit), a failing rank raises ``LaunchError`` with
+    its traceback, ``progress`` shows the steps (True: widgets / a text line, or a callable).
     """
     return measure_many(model, [plan], example_input=example_input, labels=labels, steps=steps,
-                        optimizer=optimizer, dtype=dtype, lr=lr, timeout=timeout, device=device)[0]
+                        optimizer=optimizer, dtype=dtype, lr=lr, timeout=timeout, device=device,
+                        progress=progress)[0]

@@ -1,4 +1,6 @@
-"""What an exported job's ``run.py`` calls on every rank under ``torchrun`` (see ``export_job``)."""
+"""What an exported job's ``run.py`` calls (see ``export_job``): under ``torchrun``, this rank's
+training; run directly (``python run.py``), every rank of the plan on this machine through
+:mod:`snn_explorer.ranks` (loopback only)."""
 from __future__ import annotations
 
 import argparse
@@ -15,19 +17,56 @@ def _backend() -> str:
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world else "gloo"
 
 
+def _train(job: dict, plan_data: dict, backend: str) -> list:
+    """One rank of the job, inside its process group: apply the plan and run the steps."""
+    from .plan_run import train_plan_rank
+
+    return train_plan_rank(job["model"], plan_data, job["train_fn"], job["steps"], job["dataset"],
+                           "cuda" if backend == "nccl" else "cpu", job["optimizer"], job["seed"], job["train_kwargs"])
+
+
+def _write(out: str, rank: int, history: list) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(history, fh)
+
+
+def _torchrun_rank(job: dict, plan_data: dict, out: str) -> None:
+    """Under torchrun: join its process group (the rank runner's entry), train, write this rank's metrics."""
+    from ..ranks import init_process_group
+
+    backend = _backend()
+    dist = init_process_group(backend)
+    try:
+        _write(out, dist.get_rank(), _train(job, plan_data, backend))
+    finally:
+        dist.destroy_process_group()
+
+
+def _local_run(job: dict, plan_data: dict, out: str) -> None:
+    """Without torchrun: every rank on this machine through ``snn_explorer.ranks`` (loopback only)."""
+    from ..core import SNNDistributedPlan
+    from ..ranks import resolve_backend, run
+
+    world = SNNDistributedPlan.from_dict(plan_data).world_size
+    backend = resolve_backend("auto", world)
+    result = run(_train, (job, plan_data, backend), nprocs=world, backend=backend, progress=True)
+    for rank, history in enumerate(result.values):
+        _write(out, rank, history)
+
+
 def main(script: str, argv: Optional[Sequence[str]] = None) -> int:
-    """Parse ``--plan/--payload/--out``, join the torchrun process group, train, write ``rank<R>.json``."""
+    """Parse ``--plan/--payload/--out`` and train: under torchrun, this rank; run directly
+    (``python run.py``), all the plan's ranks on this machine. Writes ``rank<R>.json`` per rank."""
     import cloudpickle
-    import torch
-    import torch.distributed as dist
 
     from ..core.neurons import restore_stateful
     from ..core.serialize import loads
-    from .plan_run import train_plan_rank
     from .private_files import read_private
 
     here = os.path.dirname(os.path.abspath(script))
-    parser = argparse.ArgumentParser(description="Run an exported snn_explorer plan on this rank (via torchrun).")
+    parser = argparse.ArgumentParser(description="Run an exported snn_explorer plan: on this torchrun rank, "
+                                                 "or (run directly) on all its ranks on this machine.")
     parser.add_argument("--plan", default=os.path.join(here, "plan.json"))
     parser.add_argument("--payload", default=os.path.join(here, "payload.pkl"))
     parser.add_argument("--out", default=os.path.join(here, "results"))
@@ -36,20 +75,11 @@ def main(script: str, argv: Optional[Sequence[str]] = None) -> int:
     # Unpickling runs code: only a payload that no other user could have written or replaced.
     job = cloudpickle.loads(read_private(args.payload, "payload"))
     restore_stateful(job.get("stateful", {}))  # the exporting process's register_stateful calls
-    backend = _backend()
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
-    try:
-        history = train_plan_rank(job["model"], plan_data, job["train_fn"], job["steps"], job["dataset"],
-                                  "cuda" if backend == "nccl" else "cpu", job["optimizer"], job["seed"],
-                                  job["train_kwargs"])
-        os.makedirs(args.out, exist_ok=True)
-        rank = dist.get_rank()
-        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
-            json.dump(history, fh)
-        if rank == 0:
+    if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:
+        _torchrun_rank(job, plan_data, args.out)
+        if os.environ.get("RANK", "0") == "0":
             print(f"rank 0 finished {job['steps']} steps; metrics in {args.out}", file=sys.stderr)
-    finally:
-        dist.destroy_process_group()
+    else:
+        _local_run(job, plan_data, args.out)
+        print(f"finished {job['steps']} steps on every rank; metrics in {args.out}", file=sys.stderr)
     return 0

@@ -17,8 +17,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
-from .launching import launch, resolve_backend
-from .progress import _number, report
+from ..ranks import resolve_backend
+from ..ranks.progress import _number, report
+from .launching import launch
 from .result import TrainResult
 from ..core.validate import UNSET, positive_int, renamed_keyword
 

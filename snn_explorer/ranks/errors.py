@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
+
+#: Words of an error that only reports a vanished peer (a consequence of another rank's failure).
+PEER_ERROR_MARKERS = ("by peer", "remote worker", "Connection refused", "Broken pipe", "Connection closed")
 
 
 @dataclass(frozen=True)
@@ -26,26 +29,45 @@ class RankFailure:
         code = "still running" if self.exitcode is None else f"exit code {self.exitcode}"
         return f"rank {self.rank} ({code}): {self.type}: {self.message}"
 
+    @property
+    def early_exit(self) -> bool:
+        """True when the rank's process ended by itself before returning (``sys.exit``, ``os._exit``)."""
+        return self.message.startswith("exited with code")
+
+    def summary(self) -> str:
+        """One line: ``rank 1 exited with code 0 before returning a value`` / ``rank 1 ValueError: ...``."""
+        return f"rank {self.rank} {self.message}" if self.early_exit else f"rank {self.rank} {self.type}: {self.message}"
+
+    @property
+    def peer_error(self) -> bool:
+        """True for an error that only says a peer went away (the peer's failure is the cause)."""
+        return bool(self.traceback) and any(m in self.message for m in PEER_ERROR_MARKERS)
+
 
 def cause_order(failures) -> list:
-    """Root causes first: deaths without a Python error (signal, exit code), then errors by time;
-    ranks ended by the launcher last."""
-    return sorted(failures, key=lambda f: (f.collateral, not (f.traceback == "" and f.exitcode is not None),
+    """Root causes first: deaths without a Python error (signal, exit code), then errors by time,
+    errors that only report a vanished peer after them; ranks ended by the launcher last."""
+    return sorted(failures, key=lambda f: (f.collateral, f.peer_error,
+                                           not (f.traceback == "" and f.exitcode is not None),
                                            f.time if f.time is not None else float("inf"), f.rank))
 
 
 class LaunchError(RuntimeError):
     """A launch failed. ``failures`` maps rank -> :class:`RankFailure` (in rank order; the message
     lists root causes first); ``unfinished`` lists the ranks that had not finished; ``logs`` maps
-    rank -> captured stdout+stderr; ``attempts`` counts the launches tried (a launch whose ranks all
-    failed joining the process group is retried once)."""
+    rank -> captured stdout+stderr; ``results`` maps rank -> return value of the ranks that did
+    return one; ``timed_out`` is True when the launch ended at its timeout; ``attempts`` counts
+    the launches tried (a launch whose ranks all failed joining the process group is retried once)."""
 
     def __init__(self, headline: str, failures: Dict[int, RankFailure], unfinished: Sequence[int] = (),
-                 logs: Optional[Dict[int, str]] = None, attempts: int = 1):
+                 logs: Optional[Dict[int, str]] = None, attempts: int = 1, results: Optional[Dict[int, Any]] = None,
+                 timed_out: bool = False):
         self.failures = dict(sorted(failures.items()))
         self.unfinished = tuple(unfinished)
         self.logs = logs or {}
         self.attempts = attempts
+        self.results = dict(results or {})
+        self.timed_out = timed_out
         super().__init__(self._format(headline))
 
     def _format(self, headline: str) -> str:

@@ -15,9 +15,8 @@ from typing import Any, Dict, List, Tuple
 
 import cloudpickle
 
+from ..compat import CODE_REDUCE
 from ..core.neurons import registered_stateful
-
-_code_reduce = getattr(getattr(cloudpickle, "cloudpickle", None), "_code_reduce", None)
 
 
 class _Code:
@@ -27,7 +26,7 @@ class _Code:
         self.code = code
 
     def __reduce__(self):
-        return _code_reduce(self.code)
+        return CODE_REDUCE(self.code)
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -36,7 +35,7 @@ class _Pickler(cloudpickle.Pickler):
         self.filenames = set()
 
     def reducer_override(self, obj):
-        if _code_reduce is not None and isinstance(obj, types.CodeType):
+        if isinstance(obj, types.CodeType):
             self.filenames.add(obj.co_filename)
             return operator.methodcaller("replace", co_filename=obj.co_filename), (_Code(obj),)
         return super().reducer_override(obj)

@@ -6,6 +6,7 @@ launcher's timeout counts from a rank's latest one.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -24,6 +25,16 @@ def _number(value: Any) -> Any:
         return float(value)
     except (TypeError, ValueError):
         return repr(value)
+
+
+def exit_message(code: int, text: str = "") -> str:
+    """``exited with code 0 before returning a value`` (+ ``: text`` of ``sys.exit(text)``), or the signal."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code} before returning a value" + (f": {text}" if text else "")
 
 
 def report(step: Optional[int] = None, loss: Any = None, message: Optional[str] = None,
@@ -51,6 +62,12 @@ def report(step: Optional[int] = None, loss: Any = None, message: Optional[str] 
     print(" ".join(parts), flush=True)
 
 
+def heartbeat(step: Optional[int] = None, total: Optional[int] = None, message: Optional[str] = None) -> None:
+    """:func:`report` inside a run; nothing outside one (library code that may also run in-process)."""
+    if os.environ.get(channel.DIR_ENV):
+        report(step=step, total=total, message=message)
+
+
 @dataclass
 class RankState:
     """What the launcher knows about one rank."""
@@ -67,6 +84,7 @@ class RankState:
     started_at: Optional[float] = None
     failed_at: Optional[float] = None
     exit_code: Optional[int] = None
+    exit_how: str = ""  # "SystemExit" when the rank said so, else "" (the agent saw the process end)
     reports: List[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -97,9 +115,18 @@ class Tracker:
             state.status, state.message = "failed", f"{event['type']}: {event['message']}"
             state.failed_at = event["time"]
         elif kind == "exit":
-            state.exit_code = event["code"]
-            state.status = "failed" if event["code"] else "exited"
-            state.failed_at = event["time"] if event["code"] else None
+            self._exit(state, event)
+
+    @staticmethod
+    def _exit(state: RankState, event: Dict[str, Any]) -> None:
+        """A rank's process ended (said by the rank on ``sys.exit``, or by the agent on any exit):
+        a failure unless the rank had stored its value."""
+        if state.exit_code is None:
+            state.exit_code, state.exit_how = event["code"], event.get("how", "")
+        if state.status in ("done", "failed"):
+            return
+        state.status, state.failed_at = "failed", event["time"]
+        state.message = exit_message(event["code"], event.get("text", ""))
 
     def unfinished(self) -> List[int]:
         return [r for r, s in self.ranks.items() if s.status != "done"]

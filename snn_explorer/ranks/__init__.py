@@ -1,0 +1,14 @@
+"""The one way snn_explorer runs code on N ranks: torch elastic in an agent process, a payload
+trampoline, a progress channel, per-rank failures (used by the launcher, measure() and the tests).
+
+``run(fn, args, nprocs=...)`` -> :class:`LaunchResult` or :class:`LaunchError`; ``report()`` from
+inside a rank. Sits below the estimator: imports ``snn_explorer.core`` only.
+"""
+from .engine import BACKENDS, resolve_backend, run
+from .errors import LaunchError, RankFailure
+from .progress import report
+from .rank import init_process_group
+from .result import LaunchResult
+
+__all__ = ["BACKENDS", "LaunchError", "LaunchResult", "RankFailure", "init_process_group", "report",
+           "resolve_backend", "run"]

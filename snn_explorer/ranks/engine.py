@@ -1,0 +1,199 @@
+"""run(): a function on N ranks through torch elastic in a separate agent process (the one rank runner).
+
+``launch``, ``measure`` and the test harness all come here. The caller writes a private run
+directory (``channel``), starts the agent (``process``), follows the ranks' heartbeats and
+reports (``progress``) until every rank stored its value, one failed, or one went silent, ends
+the whole process tree, and turns the directory into a LaunchResult or LaunchError (``outcome``).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
+
+from ..core.validate import positive_int, positive_number
+from . import channel
+from . import payload as payloads
+from .display import choose_display
+from .errors import LaunchError
+from .outcome import outcome
+from .process import AgentProcess
+from .progress import Tracker
+from .result import LaunchResult
+
+BACKENDS = ("auto", "gloo", "nccl")
+#: Seconds the agent gets to end the other ranks after a failure before the caller ends the tree.
+FAILURE_GRACE_S = 5.0
+#: Fresh launches tried after one whose ranks all failed joining the process group, before any user
+#: code ran (a transient gloo connect error on a busy machine, e.g. "connectFullMesh failed").
+INIT_RETRIES = 1
+#: Seconds the ranks get to exit by themselves once every rank has stored its value; then the
+#: tree ends without waiting for elastic's own teardown.
+EXIT_GRACE_S = 5.0
+POLL_S = 0.05
+
+
+def resolve_backend(backend: str, nprocs: int) -> str:
+    """``auto``: NCCL when CUDA has at least ``nprocs`` devices, else gloo; ``nccl`` needs them."""
+    if backend not in BACKENDS:
+        raise ValueError(f"comm_backend={backend!r}; expected one of {BACKENDS}")
+    if backend == "gloo":
+        return backend
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "nccl" and gpus < nprocs:
+        raise ValueError(f"comm_backend='nccl' needs one CUDA device per rank: {nprocs} rank(s), {gpus} visible; "
+                         f"use comm_backend='gloo' (CPU) or fewer ranks")
+    return "nccl" if gpus >= nprocs else "gloo"
+
+
+def check_log_dir(log_dir) -> Optional[str]:
+    """``log_dir`` as an absolute path, created and proven writable before any rank starts."""
+    if log_dir is None:
+        return None
+    path = os.path.abspath(os.fspath(log_dir))
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".snn-explorer-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"log_dir={os.fspath(log_dir)!r} is not a directory this process can write "
+                         f"({exc.strerror or exc}); pass a writable directory or None") from None
+    return path
+
+
+def _rank_env(run_dir: str, backend: str, env: Optional[Mapping[str, Optional[str]]]) -> Dict[str, str]:
+    """The caller's environment, the run's variables, then ``env`` (a None value removes a key)."""
+    out = dict(os.environ)
+    out.update({"PYTHONUNBUFFERED": "1", "TMPDIR": channel.path(run_dir, "tmp"), channel.DIR_ENV: run_dir})
+    if backend == "gloo":
+        out.setdefault("OMP_NUM_THREADS", "1")
+    for key, value in (env or {}).items():
+        if value is None:
+            out.pop(str(key), None)
+        else:
+            out[str(key)] = str(value)
+    return out
+
+
+def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Mapping[str, Any]] = None, *, nprocs: int,
+        backend: str = "auto", timeout: Optional[float] = 900.0, time_limit: Optional[float] = None,
+        pg_timeout: Optional[float] = None, env: Optional[Mapping[str, Optional[str]]] = None,
+        progress: Union[bool, Callable, None] = False, log_dir: Optional[str] = None) -> LaunchResult:
+    """``fn(*args, **kwargs)`` on ``nprocs`` ranks with the process group initialised.
+
+    ``timeout``: seconds a rank may go without a heartbeat (its start, each ``report``, its end;
+    starting may take ``max(timeout, 120)`` s), None: no limit. ``time_limit``: seconds for the whole
+    run, start-up included, None: no limit. ``pg_timeout``: the process group's own timeout
+    (torch's default if None). ``env``: extra variables for the ranks (None removes one).
+    ``progress``: see :func:`~snn_explorer.ranks.display.choose_display`. Raises :class:`LaunchError`.
+    """
+    nprocs = positive_int("nprocs", nprocs)
+    timeout = positive_number("timeout", timeout, what="seconds without a heartbeat", allow_none=True)
+    time_limit = positive_number("time_limit", time_limit, what="seconds for the whole run", allow_none=True)
+    pg_timeout = positive_number("pg_timeout", pg_timeout, what="seconds", allow_none=True)
+    backend = resolve_backend(backend, nprocs)
+    log_dir = check_log_dir(log_dir)
+    payload = payloads.dumps(fn, tuple(args), dict(kwargs or {}))
+    spec = {"nprocs": nprocs, "backend": backend, "pg_timeout": pg_timeout, "shutdown_timeout": 3}
+    for attempt in range(1, INIT_RETRIES + 2):
+        try:
+            return _run_once(payload, spec, (timeout, time_limit), env, progress, log_dir)
+        except LaunchError as exc:
+            exc.attempts = attempt
+            if not exc.before_user_code or attempt > INIT_RETRIES:
+                raise
+
+
+def _run_once(payload: bytes, spec: dict, limits: Tuple, env, progress, log_dir) -> LaunchResult:
+    """One agent, one run directory, one outcome."""
+    started = time.time()
+    nprocs, backend = spec["nprocs"], spec["backend"]
+    run_dir = tempfile.mkdtemp(prefix="snn-launch-")  # mode 0700
+    try:
+        channel.make_layout(run_dir)
+        channel.write_atomic(channel.path(run_dir, "payload.pkl"), payload)
+        channel.write_json(channel.path(run_dir, "spec.json"), {
+            **spec, "run_id": uuid.uuid4().hex, "sys_path": list(sys.path), "parent_pid": os.getpid()})
+        tracker = Tracker(nprocs, started)
+        display = choose_display(progress, nprocs)
+        reader = channel.EventReader(run_dir)
+        agent = AgentProcess(run_dir, _rank_env(run_dir, backend, env))
+        try:
+            hung, why = _wait(agent, reader, tracker, display, started, *limits)
+            stacks = _dump_stacks(run_dir, tracker, hung) if hung else {}
+        finally:
+            agent.end(grace=0.0 if not tracker.unfinished() else 3.0)
+            for event in reader.poll():
+                tracker.apply(event)
+            display.close(tracker)
+        return outcome(run_dir, nprocs, backend, started, tracker, hung, why, stacks, log_dir)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _dump_stacks(run_dir: str, tracker: Tracker, ranks) -> Dict[int, str]:
+    """Ask hung ranks for their Python stacks (faulthandler on SIGUSR1)."""
+    for r in ranks:
+        if tracker.ranks[r].pid:
+            try:
+                os.kill(tracker.ranks[r].pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+    time.sleep(0.5)
+    stacks = dict((r, open(p).read()) for r, p in channel.rank_files(run_dir, "stacks"))
+    return {r: stacks.get(r, "") for r in ranks}
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie has exited); without /proc, assume it runs."""
+    if not os.path.isdir("/proc/self"):
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+
+
+def _alive(tracker: Tracker) -> bool:
+    return any(s.pid and _running(s.pid) for s in tracker.ranks.values())
+
+
+def _wait(agent: AgentProcess, reader: channel.EventReader, tracker: Tracker, display, started: float,
+          timeout: Optional[float], time_limit: Optional[float]):
+    """Follow the ranks until the agent exits, a failure's grace ends, or all values are stored
+    and the exit grace ends; returns the timed-out ranks (empty if none) and why."""
+    failed_at = done_at = None
+    while True:
+        events = list(reader.poll())
+        for event in events:
+            tracker.apply(event)
+        if events:
+            display.update(tracker)
+        if agent.poll() is not None:
+            return [], ""
+        now = time.time()
+        if failed_at is None and any(s.status == "failed" for s in tracker.ranks.values()):
+            failed_at = now
+        if failed_at is not None and now - failed_at > FAILURE_GRACE_S:
+            return [], ""
+        if done_at is None and not tracker.unfinished():
+            done_at = now
+        if done_at is not None and (now - done_at > EXIT_GRACE_S or not _alive(tracker)):
+            return [], ""  # values are stored and the ranks have exited: skip elastic's teardown
+        if time_limit is not None and now - started > time_limit and tracker.unfinished():
+            return tracker.unfinished(), f"not finished within the time limit of {time_limit:g} s"
+        silent = tracker.silent(now, timeout)
+        if silent:
+            return silent, f"no heartbeat for {timeout:g} s"
+        time.sleep(POLL_S)

@@ -1,0 +1,140 @@
+"""What a finished run directory says: the ranks' values, logs and failures -> LaunchResult / LaunchError."""
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import time
+import warnings
+from typing import Any, Dict, Optional, Tuple
+
+import cloudpickle
+
+from . import channel
+from .errors import LaunchError, RankFailure, cause_order
+from .progress import Tracker
+from .result import LaunchResult
+
+#: Characters of a rank's stderr kept on its failure record.
+LOG_TAIL = 4000
+
+
+def read_logs(run_dir: str, nprocs: int) -> Dict[int, Dict[str, str]]:
+    logs: Dict[int, Dict[str, str]] = {}
+    for rank in range(nprocs):
+        logs[rank] = {}
+        for stream in ("stdout", "stderr"):
+            found = glob.glob(channel.path(run_dir, "logs", "*", "attempt_0", str(rank), f"{stream}.log"))
+            logs[rank][stream] = open(found[0], errors="replace").read() if found else ""
+    return logs
+
+
+def keep_logs(logs: Dict[int, Dict[str, str]], log_dir: str) -> Dict[int, tuple]:
+    """Copy the logs to ``log_dir``; a failure to write them warns and keeps the run's results."""
+    files = {}
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+        for rank, streams in logs.items():
+            paths = tuple(os.path.join(log_dir, f"rank{rank}.{s}.log") for s in ("stdout", "stderr"))
+            for p, s in zip(paths, ("stdout", "stderr")):
+                with open(p, "w") as fh:
+                    fh.write(streams[s])
+            files[rank] = paths
+    except OSError as exc:
+        warnings.warn(f"could not keep the rank logs in log_dir={log_dir!r} ({exc}); they are on the result",
+                      RuntimeWarning, stacklevel=3)
+    return files
+
+
+def _signal_name(exitcode: Optional[int]) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return signal.Signals(-exitcode).name
+        except ValueError:
+            return f"signal {-exitcode}"
+    return "ExitCode"
+
+
+def load_values(run_dir: str) -> Tuple[Dict[int, Any], Dict[int, RankFailure]]:
+    """rank -> stored value, and a failure for each value the caller cannot unpickle."""
+    values, failures = {}, {}
+    for rank, path in channel.rank_files(run_dir, "results"):
+        try:
+            with open(path, "rb") as fh:
+                values[rank] = cloudpickle.loads(fh.read())
+        except Exception as exc:  # noqa: BLE001 - e.g. a class the caller cannot import
+            failures[rank] = RankFailure(rank, 0, type(exc).__name__, f"could not unpickle its value here: {exc}")
+    return values, failures
+
+
+def _failure(rank: int, state, err: Optional[dict], code: Optional[int], tail: str, others: bool) -> RankFailure:
+    if err:
+        return RankFailure(rank, code, err["type"], err["message"], err["traceback"], tail,
+                           time=err.get("time", state.failed_at), phase=err.get("phase", ""))
+    if state.message and state.status == "failed":  # an exit the tracker saw (sys.exit, os._exit, a signal)
+        kind = "SystemExit" if state.exit_how == "SystemExit" else _signal_name(code)
+        collateral = code == -signal.SIGTERM and others
+        return RankFailure(rank, code, kind, state.message, "", tail, time=state.failed_at, collateral=collateral)
+    ended = code == -signal.SIGTERM and others
+    message = f"exited with code {code}" if code is None or code >= 0 else f"killed by {_signal_name(code)}"
+    return RankFailure(rank, code, _signal_name(code), message, "", tail, collateral=ended)
+
+
+def failures(run_dir: str, status: dict, logs, values: dict, tracker: Tracker) -> Dict[int, RankFailure]:
+    """Every rank that did not store a value: its reported exception if any, else its exit."""
+    reported = {r: channel.read_json(p) for r, p in channel.rank_files(run_dir, "errors")}
+    codes = {int(r): f["exitcode"] for r, f in status.get("failures", {}).items()}
+    failed = set(reported) | set(codes) | {r for r, s in tracker.ranks.items() if s.status == "failed"}
+    out = {}
+    for rank in sorted(failed - set(values)):
+        state = tracker.ranks[rank]
+        code = codes.get(rank, state.exit_code if state.exit_code is not None else 1)
+        tail = logs.get(rank, {}).get("stderr", "")[-LOG_TAIL:]
+        out[rank] = _failure(rank, state, reported.get(rank), code, tail, len(failed) > 1)
+    return out
+
+
+def headline(fails: Dict[int, RankFailure], nprocs: int) -> str:
+    first = cause_order(fails.values())[0]
+    return f"launch failed on rank(s) {sorted(fails)} of {nprocs}; first: {first.summary()}"
+
+
+def timed_out(tracker: Tracker, hung, why: str, stacks, logs, joined, values) -> LaunchError:
+    fails = {r: RankFailure(r, None, "Timeout", why, stacks.get(r, ""), logs[r]["stderr"][-LOG_TAIL:]) for r in hung}
+    return LaunchError(f"launch timed out: rank(s) {sorted(tracker.unfinished())} had not finished ({why}; "
+                       f"rank(s) {sorted(hung)})", fails, unfinished=tracker.unfinished(), logs=joined,
+                       results=values, timed_out=True)
+
+
+def outcome(run_dir, nprocs, backend, started, tracker, hung, why, stacks, log_dir) -> LaunchResult:
+    """The LaunchResult of a finished run, or the LaunchError that says why it is not one."""
+    logs = read_logs(run_dir, nprocs)
+    joined = {r: s["stdout"] + s["stderr"] for r, s in logs.items()}
+    values, unreadable = load_values(run_dir)
+    if hung:
+        raise timed_out(tracker, hung, why, stacks, logs, joined, values)
+    status_file = channel.path(run_dir, "status.json")
+    status = channel.read_json(status_file) if os.path.exists(status_file) else {}
+    fails = {**failures(run_dir, status, logs, values, tracker), **unreadable}
+    if len(values) == nprocs and not fails:
+        return _result(values, logs, backend, started, tracker, log_dir)  # whatever the agent's exit
+    if status.get("agent_error") and not fails:
+        raise LaunchError(f"the launcher agent failed:\n{status['agent_error']}", {}, logs=joined, results=values)
+    for rank in sorted(set(range(nprocs)) - set(values) - set(fails)):
+        fails[rank] = RankFailure(rank, tracker.ranks[rank].exit_code, "NoResult", "ended without returning a value",
+                                  "", logs[rank]["stderr"][-LOG_TAIL:])
+    text = headline(fails, nprocs)
+    if not status and not any(s.pid for s in tracker.ranks.values()):
+        agent_log = open(channel.path(run_dir, "agent.log"), errors="replace").read()[-LOG_TAIL:]
+        text += f"\nno rank started; the launcher agent's log:\n{agent_log}"
+    raise LaunchError(text, fails, unfinished=tracker.unfinished(), logs=joined, results=values)
+
+
+def _result(values, logs, backend, started, tracker, log_dir) -> LaunchResult:
+    return LaunchResult(
+        values=[values[r] for r in range(len(values))], backend=backend, wall_time=time.time() - started,
+        stdout={r: s["stdout"] for r, s in logs.items()}, stderr={r: s["stderr"] for r, s in logs.items()},
+        log_files=keep_logs(logs, log_dir) if log_dir else {}, log_dir=log_dir,
+        timings={r: s.seconds for r, s in tracker.ranks.items()},
+        startup={r: s.started_at - started for r, s in tracker.ranks.items()},
+        reports={r: s.reports for r, s in tracker.ranks.items()})

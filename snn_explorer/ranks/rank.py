@@ -1,0 +1,136 @@
+"""The rank side: the one entry every rank runs, under the agent or under ``torchrun``.
+
+``run_rank`` is what the agent's elastic workers execute: heartbeat, load the payload, join the
+process group, run the function, store its value. ``init_process_group`` is shared with the
+exported job's ``run.py`` under torchrun. Imports only the standard library until called.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Optional, Tuple
+
+from . import channel
+
+
+def exit_with_parent(parent: int, on_orphan) -> None:
+    """A daemon thread that calls ``on_orphan`` once the process ``parent`` is gone."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        on_orphan()
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def init_process_group(backend: str, timeout_s: Optional[float] = None):
+    """Join the process group torchrun / the agent describe in the environment (NCCL: the
+    ``LOCAL_RANK``-th GPU); returns ``torch.distributed``."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local), **kwargs)
+    else:
+        dist.init_process_group("gloo", **kwargs)
+    return dist
+
+
+def _write_error(run_dir: str, rank: int, exc: BaseException, phase: str) -> None:
+    import traceback
+
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    channel.write_json(channel.path(run_dir, "errors", f"{rank}.json"),
+                       {"type": type(exc).__name__, "message": str(exc), "traceback": tb, "phase": phase,
+                        "time": time.time()})
+    channel.emit(run_dir, rank, "error", type=type(exc).__name__, message=str(exc))
+    sys.stderr.write(tb)
+
+
+def _load_payload(path: str):
+    """``(fn, args, kwargs)``; in-memory sources (notebook cells) go to linecache for tracebacks and
+    the parent's ``register_stateful`` registrations are made here too."""
+    import linecache
+
+    import cloudpickle
+
+    from ..core.neurons import restore_stateful
+
+    with open(path, "rb") as fh:
+        data, sources = cloudpickle.loads(fh.read())
+    for name, lines in sources.items():
+        linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
+    fn, args, kwargs, stateful = cloudpickle.loads(data)
+    restore_stateful(stateful)
+    return fn, args, kwargs
+
+
+def exit_status(code) -> Tuple[int, str]:
+    """``SystemExit.code`` -> (exit code, message): None -> 0, an int -> itself, anything else -> 1 and its text."""
+    if code is None:
+        return 0, ""
+    if isinstance(code, int):
+        return code, ""
+    return 1, str(code)
+
+
+def _leave(code: int) -> None:
+    """Exit now: interpreter teardown can block on a live process group."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _default_signals() -> None:
+    """A forked rank inherits the agent's elastic handlers (SIGTERM raising an exception, which a
+    rank blocked in a collective would only see after it): give it Python's defaults back."""
+    import signal
+
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def run_rank(run_dir: str, backend: str, pg_timeout: Optional[float] = None) -> None:
+    """One rank: heartbeat, load the payload, init the process group, run, store the value."""
+    import faulthandler
+    import signal
+
+    _default_signals()
+    rank = int(os.environ["RANK"])
+    os.environ[channel.DIR_ENV] = run_dir
+    exit_with_parent(os.getppid(), lambda: os._exit(70))
+    stacks = open(channel.path(run_dir, "stacks", f"{rank}.txt"), "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    channel.emit(run_dir, rank, "start", pid=os.getpid())
+    phase = "load"  # then "init" (joining the process group), then "run" (the function)
+    try:
+        import cloudpickle
+
+        fn, args, kwargs = _load_payload(channel.path(run_dir, "payload.pkl"))
+        phase = "init"
+        dist = init_process_group(backend, pg_timeout)
+        phase = "run"
+        started = time.time()
+        value = fn(*args, **kwargs)
+        data = cloudpickle.dumps(value)
+    except SystemExit as exc:
+        code, text = exit_status(exc.code)
+        if text:
+            print(text, file=sys.stderr)
+        channel.emit(run_dir, rank, "exit", code=code, how="SystemExit", text=text)
+        _leave(code)
+    except BaseException as exc:  # the peers may be blocked in a collective: leave at once
+        _write_error(run_dir, rank, exc, phase)
+        _leave(1)
+    channel.write_atomic(channel.path(run_dir, "results", f"{rank}.pkl"), data)
+    channel.emit(run_dir, rank, "end", seconds=time.time() - started)
+    dist.destroy_process_group()
+    _leave(0)  # the value is stored; a torch interpreter teardown only delays the launcher
