@@ -101,10 +101,10 @@ class TPStyle:
         kinds = layer_kinds(analysis, path)
         if self.kind in kinds:
             return ""
-        head = f"tensor_parallel_plan[{path!r}]={self.name!r} applies to {KINDS[self.kind]}"
         if not kinds:
-            return (f"{head}, but {path!r} is not a module the TP styles know (outside the roots, or not in the "
-                    f"model); tensor-parallel candidates: {analysis.tensor_parallel_candidate_names}")
+            return (f"tensor_parallel_plan key {path!r} is not a tensor-parallel candidate; candidates: "
+                    f"{analysis.tensor_parallel_candidate_names}")
+        head = f"tensor_parallel_plan[{path!r}]={self.name!r} applies to {KINDS[self.kind]}"
         fits = [s.name for s in STYLES.values() if s.kind in kinds]
         return f"{head}, but {path!r} is {' and '.join(KINDS[k] for k in sorted(kinds))}; styles for it: {fits}"
 
