@@ -67,6 +67,8 @@ class SNNDistributedAnalysis:
     conv_chains: Tuple[Tuple[str, ...], ...] = ()
     fused_attention_blocks: Tuple[FusedAttentionBlock, ...] = ()
     pointwise_chains: Tuple[Tuple[str, ...], ...] = ()
+    #: snntorch neurons whose membrane the model's forward passes explicitly (init_hidden=False)
+    explicit_state_names: Tuple[str, ...] = ()
 
     @cached_property
     def _by_name(self) -> dict:
@@ -163,6 +165,12 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
             unsupported.append(name)
             convs.append(ConvShape(name, module.in_channels, module.out_channels, module.groups,
                                    len(module.kernel_size)))
+    explicit = neurons.explicit_state_neurons(model)
+    if explicit:
+        notes.append(f"{', '.join(explicit)}: snntorch neuron(s) with init_hidden=False; the model's forward passes "
+                     "their membrane explicitly (spk, mem = lif(x, mem)), so their state lives in forward's local "
+                     "variables, not in the module: nothing to reset between batches if forward starts it "
+                     "fresh (mem = lif.init_leaky()), and it is sharded with the activations that carry it.")
     if unsupported:
         notes.append(f"{len(unsupported)} conv layer(s) are not Linear TP candidates; "
                      "DistributedFeatureSet(allow_experimental_conv_tp=True) shards their channels.")
@@ -188,4 +196,5 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
         conv_chains=tuple(c for c in chains(model, roots, "conv") if len(c) > 1),
         fused_attention_blocks=fused_attention_blocks(model, roots, memory),
         pointwise_chains=tuple(c for c in pointwise_chains(model, roots) if c not in linear_chains),
+        explicit_state_names=explicit,
     )

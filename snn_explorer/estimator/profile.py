@@ -20,7 +20,6 @@ snntorch/spikingjelly neurons come from executing them.
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import sys
 import weakref
@@ -30,7 +29,7 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..core.neurons import stateful_modules
+from ..core.neurons import detached_copy, stateful_modules
 from ..core.plans.families import fsdp_units
 from ._step import batch_slice, forward_loss
 from .fsdp_timeline import FsdpTimeline, record, replay
@@ -275,7 +274,7 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
                     dtype: Optional[torch.dtype] = None) -> ModelProfile:
     """Run a copy of ``model`` unsharded at :data:`SIZES` and fit the profile (see the module doc)."""
     dtype = dtype or next((p.dtype for p in model.parameters()), example_input.dtype)
-    model = copy.deepcopy(model).to(dtype).train()
+    model = detached_copy(model).to(dtype).train()
     points = []
     for n, t in SIZES:
         x, y = batch_slice(example_input, labels, n, t)

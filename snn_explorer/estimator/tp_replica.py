@@ -18,14 +18,13 @@ estimate reads, do not.
 """
 from __future__ import annotations
 
-import copy
 import types
 from typing import Mapping
 
 import torch
 from torch import nn
 
-from ..core.neurons import reset_all
+from ..core.neurons import detached_copy
 
 COLWISE = ("colwise", "colwise_gather", "conv_colwise", "qkv_colwise")
 ROWWISE = ("rowwise", "conv_rowwise")
@@ -107,8 +106,7 @@ def tp_replica(model: nn.Module, tp_plan: Mapping[str, str], tp: int) -> nn.Modu
     unknown = sorted({s for s in tp_plan.values() if s not in MODELLED})
     if unknown:
         raise NotImplementedError(f"the estimator models the TP styles {MODELLED}, not {unknown}")
-    reset_all(model)  # neuron state left by a forward is part of its graph and cannot be deep-copied
-    replica = copy.deepcopy(model)
+    replica = detached_copy(model)
     for path, style in tp_plan.items():
         module = replica.get_submodule(path)
         if style in COLWISE:
