@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install into .venv and run the main job: analyze -> compare plans -> apply on 4 gloo ranks.
+# Install what the main job needs into .venv (no test tools) and run it: analyze -> compare plans -> apply on 4 gloo ranks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -1,17 +1,32 @@
 #!/usr/bin/env bash
 # Create .venv with the CPU build of torch 2.13.0 first (so nothing pulls a CUDA build), then the package.
+#   bash scripts/setup.sh          what the main job needs (torch, the package and its dependencies)
+#   bash scripts/setup.sh --test   also the test extras, spikingjelly and chromium for the browser test
+# Re-running skips pip when neither pyproject.toml nor this script changed since the last install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+target=main
+[ "${1:-}" = "--test" ] && target=test
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e '.[test]'
-# spikingjelly without its dependency list (which would replace the CPU torch); its core modules need only these.
-.venv/bin/python -m pip install -q --no-deps spikingjelly==2.0.0
-.venv/bin/python -m pip install -q loguru tqdm h5py
-# Build matplotlib's font cache now, not inside a notebook cell under nbval.
-.venv/bin/python -c 'import matplotlib.pyplot' 2>/dev/null
+stamp=.venv/.snn-setup-$target
+digest=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$digest" ]; then
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q torch==2.13.0
+    if [ $target = test ]; then
+        .venv/bin/python -m pip install -q -e '.[test]'
+        # spikingjelly without its dependency list (which would replace the CPU torch); its core modules need only these.
+        .venv/bin/python -m pip install -q --no-deps spikingjelly==2.0.0
+        .venv/bin/python -m pip install -q loguru tqdm h5py
+    else
+        .venv/bin/python -m pip install -q -e .
+    fi
+    # Build matplotlib's font cache now, not inside a notebook cell under nbval.
+    .venv/bin/python -c 'import matplotlib.pyplot' 2>/dev/null
+    echo "$digest" > "$stamp"
+fi
+[ $target = test ] || exit 0
 # The browser test drives Debian's chromium through Playwright (Playwright cannot download its own
 # browser here); install it when missing (CI runs as root).
 if [ ! -x /usr/bin/chromium ]; then

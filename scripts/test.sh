@@ -5,7 +5,7 @@
 # With test paths as arguments (e.g. tests/test_planner.py), runs only pytest on those.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --test
 for arg in "$@"; do
     if [ "${arg#-}" = "$arg" ] && [ -e "${arg%%::*}" ]; then
         exec .venv/bin/python -m pytest "$@"

@@ -117,3 +117,97 @@ def test_representative_plans_apply_on_real_ranks(world):
     if world == 4:
         assert "fsdp2_tp" in modes
     assert {key[0] for key in done} == set(FAMILY_MODELS)
+
+
+class Block(nn.Module):
+    """A residual block with a neuron: what transformer / ResNet stages hold."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class Staged(nn.Module):
+    """``stages``: containers of the kinds and lengths real models use, run item by item."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.stages = {
+            "list0": lambda: nn.ModuleList(),
+            "list1": lambda: nn.ModuleList([Block()]),
+            "list3": lambda: nn.ModuleList([Block(), Block(), Block()]),
+            "nested": lambda: nn.ModuleList([nn.ModuleList([Block()]), nn.ModuleList([Block(), Block()])]),
+            "dict1": lambda: nn.ModuleDict({"a": Block()}),
+            "seq1": lambda: nn.Sequential(Block()),
+            "linears": lambda: nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)]),
+        }[kind]()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for item in _items(self.stages):
+            x = item(x)
+        return self.head(x)
+
+
+def _items(container):
+    if isinstance(container, nn.Sequential):  # a Sequential runs as a whole
+        yield container
+        return
+    children = container.values() if isinstance(container, nn.ModuleDict) else container.children()
+    for child in children:
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            yield from _items(child)
+        else:
+            yield child
+
+
+CONTAINER_KINDS = ("list0", "list1", "list3", "nested", "dict1", "seq1", "linears")
+
+
+def test_fsdp_units_are_modules_that_run():
+    for kind in CONTAINER_KINDS:
+        model = Staged(kind)
+        units = se.analyze(model).fsdp_unit_names
+        assert units[0] == "stem" and units[-1] == "head", (kind, units)
+        for path in units:
+            assert not isinstance(model.get_submodule(path), (nn.ModuleList, nn.ModuleDict)), (kind, path)
+        params = {id(p) for u in units for p in model.get_submodule(u).parameters()}
+        assert params == {id(p) for p in model.parameters()}, f"{kind}: every parameter sits in a unit"
+    assert se.analyze(Staged("nested")).fsdp_unit_names == (
+        "stem", "stages.0.0", "stages.1.0", "stages.1.1", "head")
+
+
+def test_a_container_named_as_fsdp_unit_is_refused_with_its_path():
+    model = Staged("list1")
+    plan = se.plan(analysis=se.analyze(model), objective="memory", topology={"dp": 2}, backend="torch",
+                   batch_size=4, mode="fsdp2")
+    bad = se.SNNDistributedPlan.from_dict({**plan.to_dict(), "fsdp_units": ["stem", "stages", "head"]})
+    with pytest.raises(ValueError, match=r"plan.fsdp_units names \['stages \(ModuleList\)'\], container"):
+        se.preflight(model, bad)
+
+
+def _fsdp2_step_on_containers():
+    losses = {}
+    for kind in CONTAINER_KINDS:
+        torch.manual_seed(0)
+        model = Staged(kind)
+        reference = nn.functional.mse_loss(model(torch.ones(4, 8)), torch.zeros(4, 4)).item()
+        plan = se.plan(analysis=se.analyze(model), objective="memory", topology={"dp": 2}, backend="torch",
+                       batch_size=4, mode="fsdp2")
+        runtime = se.apply(model=model, plan=plan, device_type="cpu")
+        loss = nn.functional.mse_loss(runtime.model(torch.ones(2, 8)), torch.zeros(2, 4))
+        loss.backward()
+        losses[kind] = (loss.item(), reference)
+    return losses
+
+
+def test_fsdp2_applies_to_containers_of_any_length_on_real_ranks():
+    for losses in run_on_ranks(_fsdp2_step_on_containers, 2, timeout=120):
+        assert set(losses) == set(CONTAINER_KINDS)
+        for kind, (loss, reference) in losses.items():
+            assert loss == pytest.approx(reference, rel=1e-6), kind

@@ -30,7 +30,7 @@ def dp_step(runtime, step, batch, state):
     state["optimizer"].zero_grad()
     loss.backward()
     state["optimizer"].step()
-    return {"loss": loss, "samples": labels.shape[0]}
+    return {"loss": loss, "samples": labels.shape[0], "draw": torch.rand(()).item()}
 
 
 def tp_step(runtime, step, batch, state, inputs, labels):
@@ -38,7 +38,7 @@ def tp_step(runtime, step, batch, state, inputs, labels):
     state["optimizer"].zero_grad()
     loss.backward()
     state["optimizer"].step()
-    return loss
+    return {"loss": loss, "draw": torch.rand(()).item()}
 
 
 def _reference_loss(model, inputs, labels) -> float:
@@ -79,6 +79,9 @@ def test_launch_plan_dp_with_dataset(clean_launch, zoo):
         reference = _reference_loss(zoo.model, inputs.transpose(0, 1), labels)
         assert result.losses[rank][0] == pytest.approx(reference, rel=1e-5)
     assert result.losses[0][0] != result.losses[1][0]  # the ranks saw different samples
+    draws = [[m["draw"] for m in steps] for steps in result.values]
+    assert draws[0] != draws[1], "data a step draws at random must differ between dp ranks"
+    assert repr(result).startswith("TrainResult(2 ranks")
 
 
 @pytest.mark.timeout(90)
@@ -86,6 +89,8 @@ def test_launch_plan_tp(clean_launch, zoo, tp_run):
     _, _, result = tp_run
     losses = result.losses
     assert losses[0] == losses[1]  # tensor-parallel peers compute one model on the same batch
+    assert [m["draw"] for m in result.values[0]] == [m["draw"] for m in result.values[1]], \
+        "tensor-parallel peers must draw the same random data"
     assert losses[0][0] == pytest.approx(_reference_loss(zoo.model, zoo.example_input, zoo.labels), rel=1e-5)
     assert losses[0][-1] < losses[0][0]
 

@@ -82,3 +82,30 @@ def test_forward_loss_resets_state_and_returns_outputs():
     again, out2 = runtime.forward_loss(nn.CrossEntropyLoss(), zoo.example_input, zoo.labels)
     assert out.shape == (zoo.time_steps, zoo.batch_size, zoo.num_classes) and out.std() > 0
     assert torch.equal(out, out2) and loss.item() == again.item()
+
+
+def _per_step_cross_entropy(outputs, labels):
+    """A criterion written for ``[T, N, C]`` outputs: cross-entropy at every time step."""
+    t = outputs.shape[0]
+    return nn.functional.cross_entropy(outputs.flatten(0, 1), labels.repeat(t))
+
+
+def test_forward_loss_reduce_time_chooses_what_the_criterion_sees():
+    from snn_explorer.zoo import build
+
+    zoo = build("mlp")
+    plan = se.plan(analysis=se.analyze(zoo.model), objective="speed", topology=1, backend="torch",
+                   batch_size=zoo.batch_size)
+    runtime = se.apply(model=zoo.model, plan=plan, device_type="cpu")
+    seen = []
+    with pytest.raises((RuntimeError, ValueError)):  # the default mean over time hands the per-step criterion [N, C]
+        runtime.forward_loss(lambda out, y: seen.append(out.shape) or _per_step_cross_entropy(out, y),
+                             zoo.example_input, zoo.labels)
+    assert seen == [(zoo.batch_size, zoo.num_classes)]
+    loss, out = runtime.forward_loss(_per_step_cross_entropy, zoo.example_input, zoo.labels, reduce_time=None)
+    assert torch.isclose(loss, _per_step_cross_entropy(out, zoo.labels))
+    mean_loss, _ = runtime.forward_loss(nn.CrossEntropyLoss(), zoo.example_input, zoo.labels)
+    assert torch.isclose(mean_loss, nn.functional.cross_entropy(out.mean(0), zoo.labels))
+    assert not torch.isclose(loss, mean_loss), "the two reductions must differ on this model"
+    with pytest.raises(ValueError, match=r"reduce_time='sum'; expected one of \('mean', None\)"):
+        runtime.forward_loss(nn.CrossEntropyLoss(), zoo.example_input, zoo.labels, reduce_time="sum")

@@ -1,6 +1,7 @@
 """spikingjelly models (the real library): detection, reset, and TP / dp equal to the unsharded model."""
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -80,15 +81,17 @@ def _jelly_rank(step_mode, topology, mode):
     model = jelly_mlp(step_mode).double()
     plan = se.plan(analysis=se.analyze(model), objective="memory", topology=topology, backend="torch",
                    batch_size=4, mode=mode)
-    runtime = se.apply(model=model, plan=plan, device_type="cpu")
-    share, start = plan.per_rank_batch, runtime.dp_rank * plan.per_rank_batch
-    loss, out = runtime.forward_loss(nn.CrossEntropyLoss(), x[:, start:start + share], y[start:start + share])
-    loss.backward()
+    with warnings.catch_warnings(record=True) as caught:  # what a user would see
+        runtime = se.apply(model=model, plan=plan, device_type="cpu")
+        share, start = plan.per_rank_batch, runtime.dp_rank * plan.per_rank_batch
+        loss, out = runtime.forward_loss(nn.CrossEntropyLoss(), x[:, start:start + share], y[start:start + share])
+        loss.backward()
     out = gather_over_dp(runtime, out)
     grads = runtime.full_gradients()
     err = max([float((out.detach() - ref_out.detach()).abs().max())]
               + [float((grads[n] - p.grad).abs().max()) for n, p in ref.named_parameters()])
-    return dict(err=err, rate=sum(rates) / len(rates), min_rate=min(rates), styles=dict(plan.tensor_parallel_plan))
+    return dict(err=err, rate=sum(rates) / len(rates), min_rate=min(rates), styles=dict(plan.tensor_parallel_plan),
+                warnings=[str(w.message)[:200] for w in caught])
 
 
 @pytest.mark.parametrize("step_mode,topology,mode", [
@@ -98,6 +101,7 @@ def test_spikingjelly_matches_unsharded(step_mode, topology, mode):
     for res in run_on_ranks(_jelly_rank, 2, step_mode, topology, mode, timeout=90):
         assert 0.05 <= res["rate"] <= 0.95 and res["min_rate"] > 0, f"spike rates make it vacuous: {res}"
         assert res["err"] <= 1e-9, res
+        assert not res["warnings"], res["warnings"]
         if mode == "tp":
             assert "local" in res["styles"].values()
 

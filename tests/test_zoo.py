@@ -14,7 +14,7 @@ from torch import nn
 from snn_explorer.zoo import (SIZES, ZOO_NAMES, ATanSurrogate, MultiStep, SpikingMLP, SpikingSelfAttention,
                               ZooModel, build, reset_state)
 
-FAMILIES = {"mlp": "mlp", "mlp_all_steps": "mlp", "vgg": "cifar10dvs_vgg", "spikformer": "spikformer"}
+FAMILIES = {"mlp": "mlp", "mlp_all_steps": "mlp", "mlp_tutorial": "generic", "vgg": "cifar10dvs_vgg", "spikformer": "spikformer"}
 
 
 def leaky_modules(model: nn.Module):
@@ -24,7 +24,10 @@ def leaky_modules(model: nn.Module):
 def spike_rates(model: nn.Module, x: torch.Tensor) -> dict:
     """Mean spike rate of every Leaky module over one forward pass (state reset first)."""
     record = defaultdict(list)
-    hooks = [m.register_forward_hook(lambda mod, inp, out, name=n: record[name].append(out.detach()))
+    def spikes(out):  # init_hidden=False neurons return (spk, mem)
+        return (out[0] if isinstance(out, tuple) else out).detach()
+
+    hooks = [m.register_forward_hook(lambda mod, inp, out, name=n: record[name].append(spikes(out)))
              for n, m in leaky_modules(model)]
     try:
         reset_state(model)
@@ -67,8 +70,8 @@ def test_tiny_conventions(name):
     model = build(name, "tiny").model
     neurons = leaky_modules(model)
     assert neurons
-    for n, m in neurons:
-        assert m.init_hidden and not m.output, n
+    for n, m in neurons:  # the tutorial model passes its membranes explicitly, as snntorch's tutorials do
+        assert m.init_hidden == (name != "mlp_tutorial") and not m.output, n
     for n, m in model.named_modules():
         if isinstance(m, snntorch.SpikingNeuron):
             assert isinstance(m, snntorch.Leaky), n

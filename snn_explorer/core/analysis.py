@@ -77,6 +77,8 @@ class SNNDistributedAnalysis:
     pointwise_chains: Tuple[Tuple[str, ...], ...] = ()
     shared_parameter_groups: Tuple[Tuple[str, ...], ...] = ()
     trainable_parameters: Optional[int] = None  # elements of the parameters that require grad (None: unknown)
+    #: snntorch neurons whose membrane the model's forward passes explicitly (init_hidden=False)
+    explicit_state_names: Tuple[str, ...] = ()
 
     @cached_property
     def _by_name(self) -> dict:
@@ -199,6 +201,12 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
             unsupported.append(name)
             convs.append(ConvShape(name, module.in_channels, module.out_channels, module.groups,
                                    len(module.kernel_size)))
+    explicit = neurons.explicit_state_neurons(model)
+    if explicit:
+        notes.append(f"{', '.join(explicit)}: snntorch neuron(s) with init_hidden=False; the model's forward passes "
+                     "their membrane explicitly (spk, mem = lif(x, mem)), so their state lives in forward's local "
+                     "variables, not in the module: nothing to reset between batches if forward starts it "
+                     "fresh (mem = lif.init_leaky()), and it is sharded with the activations that carry it.")
     if unsupported:
         notes.append(f"{len(unsupported)} conv layer(s) are not Linear TP candidates; "
                      "DistributedFeatureSet(allow_experimental_conv_tp=True) shards their channels.")
@@ -226,4 +234,5 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
         pointwise_chains=tuple(c for c in pointwise_chains(model, roots) if c not in linear_chains),
         shared_parameter_groups=shared_parameters(model),
         trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        explicit_state_names=explicit,
     )

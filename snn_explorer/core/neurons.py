@@ -6,6 +6,7 @@ snntorch spiking neurons created with ``init_hidden=True``, and any class regist
 """
 from __future__ import annotations
 
+import copy
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -105,6 +106,38 @@ def is_stateful(module: nn.Module) -> bool:
 def is_spiking_neuron(module: nn.Module) -> bool:
     """True for stateful neurons and for snntorch neurons with explicit state (``init_hidden=False``)."""
     return is_stateful(module) or _is_snntorch_neuron(module)
+
+
+def explicit_state_neurons(model: nn.Module) -> Tuple[str, ...]:
+    """snntorch neurons created with ``init_hidden=False``: the model's ``forward`` passes their
+    membrane in and gets it back (``spk, mem = lif(x, mem)``), so their state lives in ``forward``."""
+    return tuple(n for n, m in model.named_modules() if n and _is_snntorch_neuron(m) and not is_stateful(m))
+
+
+def detached_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` with fresh neuron state; ``model`` itself is not touched.
+
+    Tensors a forward left behind with autograd history (a neuron's membrane, a cached input)
+    cannot be deep-copied; the copy gets them detached. Works whatever the user ran before.
+    """
+    memo = {id(t): t.detach().clone() for t in _tensors_with_history(model)}
+    copy_ = copy.deepcopy(model, memo)
+    reset_all(copy_)
+    return copy_
+
+
+def _tensors_with_history(model: nn.Module):
+    for module in model.modules():
+        stack = list(vars(module).values())
+        while stack:
+            value = stack.pop()
+            if isinstance(value, torch.Tensor):
+                if value.grad_fn is not None:
+                    yield value
+            elif isinstance(value, dict):
+                stack.extend(value.values())
+            elif isinstance(value, (list, tuple)):
+                stack.extend(value)
 
 
 def stateful_modules(model: nn.Module) -> Tuple[Tuple[str, nn.Module], ...]:

@@ -16,6 +16,9 @@ from .parallelize.channel_tp import full_tensor
 from .plan_types import SNNDistributedPlan
 from .validate import positive_int
 
+#: What ``forward_loss`` does with the time dim of ``[T, N, C]`` outputs before the criterion.
+REDUCE_TIME = ("mean", None)
+
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
@@ -110,8 +113,16 @@ class SNNDistributedRuntime:
                 loader.sampler.set_epoch(epoch)
 
     @staticmethod
-    def prepare_classification_output(outputs: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``[T, N, C]`` outputs -> mean over time ``[N, C]``; one-hot / ``[N, 1]`` labels -> ``[N]``."""
+    def prepare_classification_output(outputs: torch.Tensor, labels: torch.Tensor,
+                                      reduce_time: Optional[str] = "mean") -> Tuple[torch.Tensor, torch.Tensor]:
+        """Outputs and labels as a classification criterion takes them.
+
+        ``[T, N, C]`` outputs become their mean over time ``[N, C]`` (``reduce_time="mean"``) or
+        stay ``[T, N, C]`` (``reduce_time=None``, for a criterion written for per-step outputs);
+        one-hot ``[N, C]`` / ``[N, 1]`` labels become ``[N]``.
+        """
+        if reduce_time not in REDUCE_TIME:
+            raise ValueError(f"reduce_time={reduce_time!r}; expected one of {REDUCE_TIME}")
         if not isinstance(outputs, torch.Tensor):
             raise TypeError(f"the model returned a {type(outputs).__name__}, not a tensor; classification needs "
                             "outputs [T, N, C] or [N, C]")
@@ -120,27 +131,34 @@ class SNNDistributedRuntime:
                             f"{type(labels).__name__}")
         outputs = _full(outputs)
         labels = _full(labels)
-        if outputs.dim() == 3:
-            outputs = outputs.mean(0)
-        elif outputs.dim() != 2:
+        if outputs.dim() not in (2, 3):
             raise ValueError(f"classification outputs must be [T, N, C] or [N, C], got shape {tuple(outputs.shape)}")
-        if labels.dim() == 2 and labels.shape == outputs.shape:
+        samples = outputs.shape[-2]
+        if labels.dim() == 2 and labels.shape == outputs.shape[-2:]:
             labels = labels.argmax(-1)
         elif labels.dim() == 2 and labels.shape[1] == 1:
             labels = labels[:, 0]
-        if labels.dim() != 1 or labels.shape[0] != outputs.shape[0]:
-            raise ValueError(f"labels of shape {tuple(labels.shape)} do not match outputs {tuple(outputs.shape)}; "
-                             "expected [N], [N, 1] or one-hot [N, C]")
+        if labels.dim() != 1 or labels.shape[0] != samples:
+            raise ValueError(f"labels of shape {tuple(labels.shape)} do not match outputs {tuple(outputs.shape)} "
+                             f"({samples} samples); expected [N], [N, 1] or one-hot [N, C]")
+        if outputs.dim() == 3 and reduce_time == "mean":
+            outputs = outputs.mean(0)
         return outputs, labels.long()
 
     def forward_loss(self, criterion: Callable, inputs: torch.Tensor, labels: torch.Tensor,
-                     reset: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Reset neuron state (unless ``reset=False``), run the model, return ``(loss, outputs)``."""
+                     reset: bool = True, reduce_time: Optional[str] = "mean") -> Tuple[torch.Tensor, torch.Tensor]:
+        """Reset neuron state (unless ``reset=False``), run the model, return ``(loss, outputs)``.
+
+        The criterion sees the outputs averaged over time by default: a model's ``[T, N, C]``
+        output becomes ``[N, C]`` before ``criterion(outputs, labels)``. Pass ``reduce_time=None``
+        to give the criterion the ``[T, N, C]`` outputs themselves. ``outputs`` returned are the
+        model's own, unreduced.
+        """
         _check_batch(inputs, labels)
         if reset:
             self.reset_state()
         outputs = self.model(inputs.to(self.device))
-        prepared, labels = self.prepare_classification_output(outputs, labels.to(self.device))
+        prepared, labels = self.prepare_classification_output(outputs, labels.to(self.device), reduce_time)
         return criterion(prepared, labels), outputs
 
     # ---- inspection ---------------------------------------------------------------------------

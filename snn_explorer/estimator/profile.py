@@ -20,7 +20,6 @@ snntorch/spikingjelly neurons come from executing them.
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import os
 import sys
@@ -32,7 +31,7 @@ import torch
 from torch import nn
 
 from ..compat import non_persistent_buffer_names, tree_leaves
-from ..core.neurons import stateful_modules
+from ..core.neurons import detached_copy, stateful_modules
 from ..core.plans.families import fsdp_units
 from ._step import batch_slice, check_inputs, forward_loss, run_dtypes
 from .fsdp_timeline import FsdpTimeline, record, replay
@@ -297,7 +296,7 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
     """Run a copy of ``model`` unsharded at :data:`SIZES` and fit the profile (see the module doc)."""
     check_inputs(model, example_input, labels, dtype)
     cast, dtype = run_dtypes(model, dtype, example_input)
-    model = copy.deepcopy(model).train()
+    model = detached_copy(model).train()
     if cast is not None:
         model.to(cast)
     points = []

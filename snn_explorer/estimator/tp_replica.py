@@ -17,13 +17,12 @@ estimate reads, do not.
 """
 from __future__ import annotations
 
-import copy
 from typing import Mapping
 
 import torch
 from torch import nn
 
-from ..core.neurons import reset_all
+from ..core.neurons import detached_copy
 from ..core.styles import STYLES
 
 
@@ -103,8 +102,7 @@ def tp_replica(model: nn.Module, tp_plan: Mapping[str, str], tp: int) -> nn.Modu
     unknown = sorted({s for s in tp_plan.values() if s not in STYLES})
     if unknown:
         raise NotImplementedError(f"the estimator models the TP styles {tuple(STYLES)}, not {unknown}")
-    reset_all(model)  # neuron state left by a forward is part of its graph and cannot be deep-copied
-    replica = copy.deepcopy(model)
+    replica = detached_copy(model)
     for path, name in tp_plan.items():
         style, module = STYLES[name], replica.get_submodule(path)
         if style.cut:

@@ -1,17 +1,4 @@
-"""launch_plan(): every rank receives the model, applies the plan and runs the user's step function.
-
-The step function's signature is ``train_fn(runtime, step, batch, state, **train_kwargs)``:
-
-* ``runtime``: the :class:`~snn_explorer.core.SNNDistributedRuntime` that ``apply`` returned;
-* ``step``: 0, 1, ..., ``steps - 1``;
-* ``batch``: this rank's next batch from ``runtime.prepare_dataloader(dataset)`` (``None``
-  without a dataset; the loader restarts with a new epoch when it runs out);
-* ``state``: a dict that lives for the whole run on this rank; ``state["optimizer"]`` is
-  ``runtime.build_optimizer(**optimizer)`` unless ``optimizer=None``.
-
-It returns the step's loss (a number or scalar tensor), a dict of metrics (``"loss"`` among
-them), or None. Each step is reported (a heartbeat) and the metrics come back per rank.
-"""
+"""launch_plan(): every rank receives the model, applies the plan and runs the user's step function."""
 from __future__ import annotations
 
 import dataclasses
@@ -59,6 +46,7 @@ def train_plan_rank(model, plan_data: dict, train_fn: Callable, steps: int, data
 
     torch.manual_seed(seed)
     runtime = apply(model=model, plan=SNNDistributedPlan.from_dict(plan_data), device_type=device_type)
+    torch.manual_seed(seed + runtime.dp_rank)  # data drawn in the step differs per dp rank, equal on TP peers
     state: Dict[str, Any] = {}
     if optimizer is not None:
         state["optimizer"] = runtime.build_optimizer(**optimizer)
@@ -77,8 +65,23 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
     """Run ``plan`` for ``model`` on ``plan.world_size`` ranks, ``steps`` calls of ``train_fn`` each.
 
     The model travels by value; each rank applies the plan on CPU (gloo) or its own GPU (NCCL),
-    as ``comm_backend`` (``backend``: its deprecated name) implies. See the module docstring for
-    ``train_fn``'s signature. Returns a
+    as ``comm_backend`` (``backend``: its deprecated name) implies, then calls
+    ``train_fn(runtime, step, batch, state, **train_kwargs)`` for ``step`` = 0 .. ``steps - 1``:
+
+    * ``runtime``: the :class:`~snn_explorer.core.SNNDistributedRuntime` that ``apply`` returned
+      (``runtime.forward_loss``, ``runtime.dp_rank``, ``runtime.plan.per_rank_batch``, ...);
+    * ``batch``: with ``dataset=`` (a torch ``Dataset``), this rank's next batch of
+      ``plan.per_rank_batch`` samples: the dp ranks get different samples, tensor-parallel peers
+      the same ones, and the loader starts a new epoch when it runs out. Without a dataset
+      ``batch`` is None and the step brings its own data: slice a global batch by
+      ``runtime.dp_rank`` (see ``snn_explorer.quickstart.train_step``) or draw it at random, for
+      which torch's RNG is seeded ``seed + dp_rank`` on each rank, so dp ranks draw different
+      samples and TP peers the same ones;
+    * ``state``: a dict that lives for the whole run on this rank; ``state["optimizer"]`` is
+      ``runtime.build_optimizer(**optimizer)`` unless ``optimizer=None``.
+
+    ``train_fn`` returns the step's loss (a number or scalar tensor), a dict of metrics
+    (``"loss"`` among them) or None; each step is reported to the progress display. Returns a
     :class:`TrainResult` (``.losses``: rank -> per-step losses); raises ``LaunchError``.
     """
     from ..core import SNNDistributedPlan, preflight

@@ -35,4 +35,4 @@ class LaunchResult:
         return self.stdout.get(rank, "") + self.stderr.get(rank, "")
 
     def __repr__(self) -> str:
-        return f"LaunchResult({self.nprocs} ranks, backend={self.backend}, wall_time={self.wall_time:.1f}s)"
+        return f"{type(self).__name__}({self.nprocs} ranks, backend={self.backend}, wall_time={self.wall_time:.1f}s)"

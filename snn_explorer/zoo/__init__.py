@@ -1,9 +1,11 @@
 """Built-in example spiking models (snntorch) with deterministic example inputs.
 
 ``build(name, size)`` returns a :class:`ZooModel`. Every model maps time-first input ``[T, N, ...]``
-to ``[T, N, num_classes]`` (the head's per-step current) and uses stateful
-``snntorch.Leaky(init_hidden=True)`` neurons that its ``forward`` never resets: call
-:func:`reset_state` (or the runtime's reset) before each batch.
+to ``[T, N, num_classes]`` (the head's per-step current). All but ``mlp_tutorial`` use stateful
+``snntorch.Leaky(init_hidden=True)`` neurons that their ``forward`` never resets: call
+:func:`reset_state` (or the runtime's reset) before each batch. ``mlp_tutorial`` is written as
+snntorch's tutorials write models: ``init_hidden=False`` neurons whose membrane ``forward`` passes
+explicitly and starts fresh on every call.
 """
 from __future__ import annotations
 
@@ -18,13 +20,14 @@ from ..core.validate import positive_int
 from ._neurons import ATanSurrogate, MultiStep, SeqWise, conv_bn_lif, lif
 from .mlp import SpikingMLP
 from .spikformer import Spikformer, SpikformerBlock, SpikingSelfAttention
+from .tutorial import TutorialMLP
 from .vgg import DVSVGG
 
 __all__ = ["ZOO_NAMES", "SIZES", "ZooModel", "build", "reset_state", "SpikingMLP", "DVSVGG", "Spikformer",
-           "SpikformerBlock", "SpikingSelfAttention", "MultiStep", "SeqWise", "conv_bn_lif", "lif",
+           "SpikformerBlock", "SpikingSelfAttention", "TutorialMLP", "MultiStep", "SeqWise", "conv_bn_lif", "lif",
            "ATanSurrogate"]
 
-ZOO_NAMES = ("mlp", "mlp_all_steps", "vgg", "spikformer")
+ZOO_NAMES = ("mlp", "mlp_all_steps", "mlp_tutorial", "vgg", "spikformer")
 SIZES = ("tiny", "small", "full")
 
 
@@ -100,6 +103,8 @@ def _spikformer_input(kw, T, N, g):
 _REGISTRY: Dict[str, tuple] = {
     "mlp": ("mlp", lambda kw: SpikingMLP(**kw, stepping="per_step"), _MLP, _mlp_input),
     "mlp_all_steps": ("mlp", lambda kw: SpikingMLP(**kw, stepping="all_steps"), _MLP, _mlp_input),
+    "mlp_tutorial": ("generic", lambda kw: TutorialMLP(kw["in_features"], kw["hidden"][0], kw["num_classes"],
+                                                      init_gain=kw["init_gain"]), _MLP, _mlp_input),
     "vgg": ("cifar10dvs_vgg", lambda kw: DVSVGG(**kw), _VGG, _vgg_input),
     "spikformer": ("spikformer", lambda kw: Spikformer(**kw), _SPIKFORMER, _spikformer_input),
 }

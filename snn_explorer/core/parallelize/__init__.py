@@ -8,6 +8,7 @@ from torch import nn
 
 from ..analysis import SNNDistributedAnalysis, analyze
 from ..plan_types import SNNDistributedPlan
+from ..plans.families import CONTAINERS
 from ..tp_plan import check_tied_parameters, check_tp_plan
 from .dp import apply_ddp
 from .fsdp import apply_fsdp2
@@ -43,6 +44,10 @@ def preflight(model: nn.Module, plan: SNNDistributedPlan) -> SNNDistributedAnaly
     missing = [u for u in plan.fsdp_units if u not in modules]
     if missing:
         raise ValueError(f"plan.fsdp_units names {missing}, which are not modules of this model")
+    containers = [f"{u} ({type(modules[u]).__name__})" for u in plan.fsdp_units if isinstance(modules[u], CONTAINERS)]
+    if containers:
+        raise ValueError(f"plan.fsdp_units names {containers}, container(s) with no forward of their own; "
+                         "FSDP2 units must be modules that run: name the modules inside them instead")
     return analysis
 
 

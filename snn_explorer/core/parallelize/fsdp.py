@@ -1,6 +1,8 @@
 """FSDP2: ``fully_shard`` the plan's units, then the root, over the dp sub-mesh."""
 from __future__ import annotations
 
+import re
+import warnings
 from typing import Sequence
 
 from torch import nn
@@ -10,6 +12,25 @@ from torch.distributed.fsdp import fully_shard
 
 def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, units: Sequence[str], reshard_after_forward: bool) -> None:
     """Shard parameters, gradients and optimizer state of each unit (and the root) over ``dp_mesh``."""
+    _quiet_view_warning(model, units)
     for path in units:
         fully_shard(model.get_submodule(path), mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+
+
+def _quiet_view_warning(model: nn.Module, units: Sequence[str]) -> None:
+    """Silence FSDP2's "returned a view tensor" warning for the units chosen here, in spikingjelly models.
+
+    spikingjelly's multi-step layers (``SeqToANNContainer``, ``layer.Linear`` in step mode ``m``)
+    return their output as a ``view`` of the time-flattened result, so FSDP2 warns, for every
+    unit (and the root) whose output comes from one, that an in-place op on that output would skip
+    its pre-backward hook. The hazard is in code that runs after the unit: spikingjelly's neurons
+    and snn_explorer's runtime never modify it in place (the equivalence tests check the
+    gradients); do not write ``out += ...`` on a spikingjelly model's output under FSDP2.
+    Models without spikingjelly layers keep the warning.
+    """
+    if not any(type(m).__module__.startswith("spikingjelly") for m in model.modules()):
+        return
+    names = sorted({type(model.get_submodule(u)).__name__ for u in ("", *units)})
+    pattern = "|".join(re.escape(n) for n in names)
+    warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \((FSDP)?({pattern})\) returned a view tensor")

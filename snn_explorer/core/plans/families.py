@@ -60,30 +60,34 @@ def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
+#: Containers without a ``forward`` of their own: never an FSDP2 unit, their items are.
+CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
 def fsdp_units(model: nn.Module) -> Tuple[str, ...]:
     """Module paths to ``fully_shard`` before the root, in ``named_modules`` order.
 
     The parameter-holding children of the root, descending through a root that holds a single
-    container (``model.net``), and splitting ``nn.ModuleList`` / ``nn.Sequential`` children of
-    the root into their items (each block of a transformer, each stage of a VGG).
+    container (``model.net``), and splitting ``nn.Sequential`` children of the root whose items
+    are blocks into those items (each block of a transformer, each stage of a VGG). A unit is
+    always a module that runs: ``nn.ModuleList`` / ``nn.ModuleDict`` of any length, nested or
+    not, stand for their items.
     """
-    units = []
+    children = [(n, c) for n, c in model.named_children() if _has_params(c)]
+    if len(children) == 1 and next(iter(children[0][1].children()), None) is not None:
+        name, child = children[0]
+        children = [(f"{name}.{n}", c) for n, c in child.named_children() if _has_params(c)]
+    return tuple(unit for path, child in children for unit in _units_of(path, child))
 
-    def visit(module: nn.Module, prefix: str) -> None:
-        children = [(n, c) for n, c in module.named_children() if _has_params(c)]
-        if len(children) == 1 and next(iter(children[0][1].children()), None) is not None and not prefix:
-            name, child = children[0]
-            visit(child, name + ".")
-            return
-        for name, child in children:
-            path = prefix + name
-            if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) > 1 and _splittable(child):
-                units.extend(f"{path}.{n}" for n, c in child.named_children() if _has_params(c))
-            else:
-                units.append(path)
 
-    visit(model, "")
-    return tuple(units)
+def _units_of(path: str, module: nn.Module) -> Tuple[str, ...]:
+    """``module`` at ``path`` as FSDP2 units: itself, or its items when it is a container to split."""
+    split = isinstance(module, CONTAINERS) or (isinstance(module, nn.Sequential) and len(module) > 1
+                                               and _splittable(module))
+    if not split:
+        return (path,)
+    return tuple(unit for name, child in module.named_children() if _has_params(child)
+                 for unit in (_units_of(f"{path}.{name}", child) if isinstance(child, CONTAINERS) else (f"{path}.{name}",)))
 
 
 def _splittable(container: nn.Module) -> bool:
