@@ -168,3 +168,18 @@ def test_controls_other_than_the_work_reestimate_without_running_the_model():
     assert runs == []
     ui.batch_size.value = ui.batch_size.value * 2  # new work: measured once, here
     assert runs
+
+
+def test_pinning_the_same_layout_twice_keeps_one_column_and_says_so(ui):
+    first = ui.pin()
+    ui.pin()
+    assert ui.ex.plans == [first] and _columns(ui) == ["#1 dp+zero dp=4"]
+    assert "current = #1 (already pinned)" in ui.plan_list.value
+    ui.objective.value = "memory"  # another objective, same mode forced: the same layout (dp ignores memopt)
+    ui.mode.value = "dp"
+    assert ui.current.objective == "memory" and ui.current != first
+    assert ui.current.layout_key() == first.layout_key()
+    ui.pin()
+    assert ui.ex.plans == [first] and _columns(ui) == ["#1 dp+zero dp=4"]
+    ui.mode.value = "fsdp2"  # a different layout appears as the current column again
+    assert _columns(ui) == ["#1 dp+zero dp=4", "current fsdp2 dp=4"] and "already pinned" not in ui.plan_list.value

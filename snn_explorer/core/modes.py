@@ -26,6 +26,8 @@ class Mode:
     fsdp: bool = False
     tp: bool = False
     summary: str = ""
+    #: what the mode buys, as the plan's rationale says it ("<objective>: <mode> on <mesh> <benefit>")
+    benefit: str = ""
 
     @property
     def distributed(self) -> bool:
@@ -61,11 +63,20 @@ class Mode:
 
 #: Every mode the unified API applies, in display order.
 MODE_TABLE: Tuple[Mode, ...] = (
-    Mode("none", (), summary="one process, the model unchanged"),
-    Mode("dp", ("dp",), ddp=True, summary="DistributedDataParallel over dp (optionally ZeRO)"),
-    Mode("tp", ("tp",), tp=True, summary="tensor parallelism over tp"),
-    Mode("fsdp2", ("dp",), fsdp=True, summary="FSDP2 over dp"),
-    Mode("fsdp2_tp", ("dp", "tp"), fsdp=True, tp=True, summary="TP over tp, then FSDP2 over dp"),
+    Mode("none", (), summary="one process, the model unchanged",
+         benefit="runs the model unchanged in one process: there is nothing to distribute"),
+    Mode("dp", ("dp",), ddp=True, summary="DistributedDataParallel over dp (optionally ZeRO)",
+         benefit="keeps a whole copy of the model on every rank and only all-reduces the gradients, "
+                 "the least communication per sample"),
+    Mode("tp", ("tp",), tp=True, summary="tensor parallelism over tp",
+         benefit="splits each shardable layer and its neurons' state over the ranks, which all see the "
+                 "same samples, at the cost of collectives inside every layer call"),
+    Mode("fsdp2", ("dp",), fsdp=True, summary="FSDP2 over dp",
+         benefit="shards parameters, gradients and optimizer state over the ranks and gathers one "
+                 "unit's parameters at a time"),
+    Mode("fsdp2_tp", ("dp", "tp"), fsdp=True, tp=True, summary="TP over tp, then FSDP2 over dp",
+         benefit="splits layers and neuron state over tp and shards parameters, gradients and "
+                 "optimizer state over dp"),
 )
 MODES_BY_NAME: Dict[str, Mode] = {m.name: m for m in MODE_TABLE}
 #: Mode names, in display order.

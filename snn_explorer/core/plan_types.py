@@ -213,6 +213,17 @@ class SNNDistributedPlan:
             object.__setattr__(self, "_cached_key", key)
         return key
 
+    def layout_key(self) -> str:
+        """What ``apply`` does with the plan, as canonical JSON: the plan without the words that
+        explain it (objective, rationale, notes) and with ``memopt_level`` only where FSDP2 reads it.
+        Two plans with one layout train identically."""
+        data = json.loads(self._key())
+        for name in ("objective", "rationale", "notes"):
+            data.pop(name)
+        if not self.uses_fsdp:
+            data.pop("memopt_level")
+        return json.dumps(data, sort_keys=True)
+
     def to_dict(self) -> dict:
         return dataclass_dict(self, "plan")
 

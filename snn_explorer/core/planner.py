@@ -160,10 +160,31 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
         mode=chosen, objective=objective, topology=topology, model_family=family,
         neuron_backend=neuron_backend, batch_size=batch_size, optimizer_strategy="zero" if zero else "none",
         memopt_level=rec.memopt_level,
-        rationale=rec.rationale, notes=tuple(notes), tensor_parallel_roots=analysis.tensor_parallel_roots,
+        rationale=(_rationale(objective, chosen, topology, zero, explicit=mode is not None, recommended=rec.mode),),
+        notes=tuple(notes), tensor_parallel_roots=analysis.tensor_parallel_roots,
         tensor_parallel_plan=tp_plan, fsdp_units=analysis.fsdp_unit_names if spec.fsdp else (),
         experimental_features=features,
     )
+
+
+def _rationale(objective: str, chosen: str, topology: SNNDistributedTopology, zero: bool, *, explicit: bool,
+               recommended: str) -> str:
+    """One sentence that explains the plan as it is: why this mode on this mesh for this objective."""
+    mesh = " x ".join(f"{n}={s}" for n, s in topology.dims.items())
+    spec = mode_of(chosen)
+    what = f"{chosen}{'+zero' if zero else ''} on {mesh} {spec.benefit}"
+    if zero:
+        what += ", and ZeRO shards the optimizer state over dp"
+    if explicit:
+        return f"{objective}: {what} (mode chosen explicitly)."
+    if not spec.distributed:
+        return f"{objective}: one process, nothing to distribute."
+    goal = {"speed": "the fastest step", "memory": "the least memory per rank",
+            "capacity": "the largest model (pipeline parallelism is not available here, so the least memory "
+                        "per rank)"}[objective]
+    if chosen != recommended:
+        return f"{objective}: for {goal}, {recommended} would come first but does not fit this mesh, so {what}."
+    return f"{objective}: for {goal}, {what}."
 
 
 def _check_backend_support(neuron_backend: str, analysis: SNNDistributedAnalysis) -> None:

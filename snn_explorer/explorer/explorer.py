@@ -113,12 +113,19 @@ class Explorer:
         return list(self._plans)
 
     def add(self, plan: SNNDistributedPlan) -> SNNDistributedPlan:
-        """Add ``plan`` to :attr:`plans` (once); returns it."""
+        """Add ``plan`` to :attr:`plans` unless a plan of the same layout is there; returns the one kept."""
         if not isinstance(plan, SNNDistributedPlan):
             raise TypeError(f"expected an SNNDistributedPlan, got {type(plan).__name__}")
-        if plan not in self._plans:
-            self._plans.append(plan)
+        index = self.index_of(plan)
+        if index is not None:
+            return self._plans[index]
+        self._plans.append(plan)
         return plan
+
+    def index_of(self, plan: SNNDistributedPlan) -> Optional[int]:
+        """Where in :attr:`plans` a plan of ``plan``'s layout stands (see ``layout_key``), or None."""
+        key = plan.layout_key()
+        return next((i for i, p in enumerate(self._plans) if p.layout_key() == key), None)
 
     def remove(self, plan: SNNDistributedPlan) -> None:
         self._plans = [p for p in self._plans if p != plan]

@@ -150,17 +150,20 @@ class ExplorerUI:
     def shown(self) -> List[tuple]:
         """(label, plan) of every plan in the comparison: the pinned ones, then the current one."""
         rows = [(f"#{i + 1} {plan_label(p)}", p) for i, p in enumerate(self.ex.plans)]
-        if self.current is not None and self.current not in self.ex.plans:
+        if self.current is not None and self.ex.index_of(self.current) is None:
             rows.append((f"current {plan_label(self.current)}", self.current))
         return rows
 
     # ---- actions
     def pin(self) -> Optional[SNNDistributedPlan]:
-        """Keep the current plan in the comparison (adds it to ``explorer.plans``)."""
-        if self.current is not None:
-            self.ex.add(self.current)
+        """Keep the current plan in the comparison (adds it to ``explorer.plans`` unless a plan of the
+        same layout is pinned already); returns the pinned plan."""
+        if self.current is None:
+            self.refresh()
+            return None
+        pinned = self.ex.add(self.current)
         self.refresh()
-        return self.current
+        return pinned
 
     def clear(self) -> None:
         self.ex.clear()
@@ -206,6 +209,9 @@ class ExplorerUI:
     def _render_plan_list(self) -> None:
         items = [f"<li>{html.escape(label)}{'' if label.startswith('#') else ' (not pinned)'}</li>"
                  for label, _ in self.shown()]
+        same = None if self.current is None else self.ex.index_of(self.current)
+        if same is not None:
+            items.append(f"<li>current = #{same + 1} (already pinned)</li>")
         self.plan_list.value = f"<b>plans</b><ul>{''.join(items)}</ul>" if items else "<b>plans</b>: none"
 
     def _render_tab(self, name: str) -> None:
