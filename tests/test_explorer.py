@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 import snn_explorer as se
 from snn_explorer.explorer import (COMPARE_ROWS, FIGSIZE, Explorer, comm_chart, memory_chart, pareto_chart,
                                    pareto_front)
-from snn_explorer.explorer.compare import BEST_LOW, MEMORY_ROWS, STYLER_UUID, best_columns
+from snn_explorer.explorer.compare import BEST_LOW, MEMORY_ROWS, STYLER_UUID, best_columns, unique_labels
 from snn_explorer.zoo import SpikingMLP, build
 
 
@@ -238,3 +238,48 @@ def test_importing_the_package_leaves_pandas_matplotlib_and_widgets_unloaded():
             "print(sorted(m for m in ('pandas', 'matplotlib', 'ipywidgets') if m in sys.modules))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "[]", run.stderr[-2000:]
+
+
+def test_tables_say_where_state_lives_and_keep_integers():
+    from snn_explorer.explorer import analysis_table, modules_table
+
+    zoo = build("mlp_tutorial")
+    table = modules_table(zoo.model, se.analyze(zoo.model)).set_index("path")
+    assert "passed in and out by the model's forward" in table.loc["lif1", "state"]
+    assert not table.loc["lif1", "stateful"] and table.loc["fc1", "state"] == ""
+    zoo = build("mlp")
+    table = modules_table(zoo.model, se.analyze(zoo.model)).set_index("path")
+    assert table.loc["net.1", "state"] == "membrane in the module (snntorch init_hidden=True)"
+    shapes = analysis_table(se.analyze(zoo.model)).set_index("path")
+    assert str(shapes["in_features"].dtype) == "Int64" and shapes.loc["net.4", "out_features"] == 8
+    assert shapes["in_features"].isna().sum() == 2  # the two neurons have no feature counts
+    assert "64.0" not in shapes.to_string() and "NaN" not in shapes.to_string()
+
+
+def test_coinciding_plans_share_one_label_on_the_pareto_chart():
+    from snn_explorer.explorer.charts import coinciding, mesh_fontsize
+
+    groups = coinciding([(1.0, 2.0), (1.0000001, 2.0), (3.0, 1.0)], ["#1 dp", "#2 dp+zero", "#3 tp"])
+    assert [names for _, names in groups] == [["#1 dp", "#2 dp+zero"], ["#3 tp"]]
+    ex = Explorer.from_zoo(build("mlp"))
+    plans = ex.enumerate(world_size=2)
+    fig = ex.pareto_chart()
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    points = {(round(e.peak_bytes), round(e.comm_bytes)) for e in ex.estimates(plans)}
+    assert len(texts) == len(points) <= len(plans)
+    assert sorted(n for t in texts for n in t.split("\n")) == sorted(unique_labels(plans))
+    assert mesh_fontsize(2, 2) >= 10 and mesh_fontsize(1, 4) >= 10
+    fig = ex.mesh_chart(plans[0], "net.0")
+    assert min(t.get_fontsize() for t in fig.axes[0].texts) >= 10
+
+
+def test_compare_rows_pick_rows_and_keep_readable_units():
+    ex = Explorer.from_zoo(build("mlp"))
+    ex.enumerate(world_size=2)
+    rows = ["mode", "params_bytes", "peak_bytes_max"]
+    table = ex.compare(rows=rows)
+    assert list(table.index) == rows
+    html = ex.compare(rows=rows, styled=True).to_html()
+    assert "KiB" in html
+    with pytest.raises(ValueError, match=r"rows \['bogus'\] are not rows of the comparison"):
+        ex.compare(rows=["bogus"])

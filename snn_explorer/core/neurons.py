@@ -99,6 +99,22 @@ def reset_function(module: nn.Module) -> Optional[ResetFn]:
     return None
 
 
+def state_description(module: nn.Module) -> str:
+    """Which state ``module`` holds between calls and where, in words ('' for none)."""
+    library = snn_library(module)
+    if library == "registered":
+        return f"registered state ({type(module).__name__}, reset by its reset function)"
+    if library == "spikingjelly":
+        names = ", ".join(module._memories) or "none yet"
+        kind = "dropout mask, kept over time steps" if "Dropout" in type(module).__name__ else "neuron state"
+        return f"{kind} in the module (spikingjelly memories: {names})"
+    if library == "snntorch":
+        return "membrane in the module (snntorch init_hidden=True)"
+    if _is_snntorch_neuron(module):
+        return "membrane passed in and out by the model's forward (snntorch init_hidden=False)"
+    return ""
+
+
 def is_stateful(module: nn.Module) -> bool:
     return snn_library(module) is not None
 

@@ -90,6 +90,16 @@ def pareto_front(points: Sequence[tuple]) -> list:
     return sorted(front, key=lambda i: points[i])
 
 
+def coinciding(points: Sequence[tuple], labels: Sequence[str], digits: int = 3) -> list:
+    """``((x, y), [labels])`` per distinct point (to ``digits`` significant digits), so plans that
+    land on one point share one annotation instead of printing over each other."""
+    groups: dict = {}
+    for label, (x, y) in zip(labels, points):
+        key = (float(f"{x:.{digits}g}"), float(f"{y:.{digits}g}"))
+        groups.setdefault(key, ((x, y), []))[1].append(label)
+    return list(groups.values())
+
+
 def pareto_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[str]] = None) -> Figure:
     """Peak memory (max over ranks) against communication per step; the Pareto front joined by a line."""
     fig, ax = _figure()
@@ -101,8 +111,8 @@ def pareto_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[st
     front = pareto_front(points)
     ax.scatter([p[0] for p in points], [p[1] for p in points], color="C0", label="plan")
     ax.plot([points[i][0] for i in front], [points[i][1] for i in front], "o-", color="C3", label="Pareto front")
-    for label, (m, c) in zip(labels, points):
-        ax.annotate(label, (m, c), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    for (m, c), names in coinciding(points, labels):
+        ax.annotate("\n".join(names), (m, c), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("peak MiB per rank (max over ranks)")
     ax.set_ylabel("MiB communicated per step")
     ax.set_title("memory vs communication")
@@ -113,25 +123,33 @@ def pareto_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[st
 def mesh_chart(layout: pd.DataFrame, plan, module: str) -> Figure:
     """The mesh as a dp x tp grid of ranks; each cell lists the slice of ``module``'s parameters
     it holds (a :func:`~snn_explorer.explorer.layout.shard_layout` table)."""
-    fig, ax = _figure()
     dp, tp = plan.world_size // plan.tp_size, plan.tp_size
+    fig = Figure(figsize=(FIGSIZE[0], max(FIGSIZE[1], 1.8 * dp + 0.6)), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    fontsize = mesh_fontsize(dp, tp)
     for rank, group in layout.groupby("rank", sort=True):
         d, t = divmod(int(rank), tp)
         text = "\n".join(f"{r.param} {r.held}" for r in group.itertuples()) or "(no parameters)"
         whole = (group["held"] == "whole").all()
         ax.add_patch(_cell(t, dp - 1 - d, "#e8e8e8" if whole else f"C{t % 10}"))
         ax.text(t + 0.5, dp - 1 - d + 0.5, f"rank {rank} (dp {d}, tp {t})\n{text}", ha="center",
-                va="center", fontsize=7)
+                va="center", fontsize=fontsize)
     if layout.empty:
         for rank in range(plan.world_size):
             d, t = divmod(rank, tp)
             ax.add_patch(_cell(t, dp - 1 - d, "#e8e8e8"))
-            ax.text(t + 0.5, dp - 1 - d + 0.5, f"rank {rank}\n(no parameters)", ha="center", va="center", fontsize=7)
+            ax.text(t + 0.5, dp - 1 - d + 0.5, f"rank {rank}\n(no parameters)", ha="center", va="center",
+                    fontsize=fontsize)
     ax.set_xlim(0, tp)
     ax.set_ylim(0, dp)
     ax.set_axis_off()
-    ax.set_title(f"{module}: what each rank holds ({plan.mode}, dp={dp} x tp={tp})")
+    ax.set_title(f"{module}: what each rank holds ({plan.mode}, dp={dp} x tp={tp})", fontsize=12)
     return fig
+
+
+def mesh_fontsize(dp: int, tp: int) -> float:
+    """Cell text size: 11 pt for the few-rank meshes notebooks show, smaller as columns multiply."""
+    return max(6.0, min(11.0, 40.0 / tp))
 
 
 def _cell(x: int, y: int, color: str):

@@ -210,13 +210,19 @@ class Explorer:
 
     def compare(self, plans: Optional[Sequence[SNNDistributedPlan]] = None, *, time_steps: Optional[int] = None,
                 memory_budget: Optional[int] = None, labels: Optional[Sequence[str]] = None,
-                styled: bool = False):
-        """Side by side, one column per plan (default: :attr:`plans`); ``styled=True`` gives the
-        Styler (fixed uuid) with each row's best value highlighted."""
+                styled: bool = False, rows: Optional[Sequence[str]] = None):
+        """Side by side, one column per plan (default: :attr:`plans`); ``rows`` picks and orders
+        rows; ``styled=True`` gives the Styler (fixed uuid, bytes in B / KiB / MiB) with each row's
+        best value highlighted."""
         from .compare import compare_table, style_compare
 
         ests = self.estimates(plans, time_steps)
         table = compare_table(ests, labels, memory_budget)
+        if rows is not None:
+            unknown = [r for r in rows if r not in table.index]
+            if unknown:
+                raise ValueError(f"rows {unknown} are not rows of the comparison; rows: {list(table.index)}")
+            table = table.loc[list(rows)]
         return style_compare(table) if styled else table
 
     def compare_text(self, plans: Optional[Sequence[SNNDistributedPlan]] = None, *, max_text: int = 40,

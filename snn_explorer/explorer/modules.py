@@ -7,9 +7,10 @@ import pandas as pd
 from torch import nn
 
 from ..core import SNNDistributedAnalysis
+from ..core.neurons import state_description
 from ..core.styles import STYLES
 
-MODULE_COLUMNS = ("path", "type", "depth", "params", "stateful", "snn_library", "tp_candidate", "tp_style",
+MODULE_COLUMNS = ("path", "type", "depth", "params", "stateful", "snn_library", "state", "tp_candidate", "tp_style",
                   "sharded_dim", "not_candidate_because")
 
 
@@ -40,7 +41,9 @@ def modules_table(model: nn.Module, analysis: SNNDistributedAnalysis,
                   tp_plan: Optional[Mapping[str, str]] = None, tp_size: int = 1) -> pd.DataFrame:
     """One row per module (the root excluded), in ``named_modules`` order.
 
-    ``params`` counts the module's own parameters (not its children's). ``tp_style`` and
+    ``params`` counts the module's own parameters (not its children's); ``state`` says which
+    state a module keeps between calls and where it lives (``stateful`` modules are reset before
+    every batch; a membrane passed by the model's forward needs no reset). ``tp_style`` and
     ``sharded_dim`` come from ``tp_plan`` (path -> style); ``not_candidate_because`` says why a
     module is not a TP candidate, or which size ``tp_size`` fails to divide.
     """
@@ -59,7 +62,7 @@ def modules_table(model: nn.Module, analysis: SNNDistributedAnalysis,
             why = _divisibility(analysis, path, style, tp_size)
         rows.append((path, type(module).__name__, path.count(".") + 1,
                      sum(p.numel() for p in module.parameters(recurse=False)), path in library,
-                     library.get(path, ""), path in candidates, style, STYLES[style].label if style in STYLES else "", why))
+                     library.get(path, ""), state_description(module), path in candidates, style, STYLES[style].label if style in STYLES else "", why))
     return pd.DataFrame(rows, columns=MODULE_COLUMNS)
 
 

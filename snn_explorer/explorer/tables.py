@@ -27,8 +27,9 @@ def analysis_table(analysis: SNNDistributedAnalysis) -> pd.DataFrame:
             "out_features": shape.out_features if shape else None,
             "note": "conv: experimental TP only" if name in analysis.unsupported_tensor_parallel_names else "",
         })
-    return pd.DataFrame(rows, columns=["path", "stateful", "snn_library", "tp_candidate", "in_features",
-                                       "out_features", "note"])
+    table = pd.DataFrame(rows, columns=["path", "stateful", "snn_library", "tp_candidate", "in_features",
+                                        "out_features", "note"])
+    return table.astype({"in_features": "Int64", "out_features": "Int64"})  # integers, <NA> where none
 
 
 def plans_table(plans: Sequence[SNNDistributedPlan]) -> pd.DataFrame:
