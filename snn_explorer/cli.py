@@ -77,6 +77,13 @@ def _resolve(spec: str, what: str) -> Any:
 
 def load_model(spec: str) -> Tuple[Any, Optional[str], Optional[int]]:
     """``(model, family or None, example batch size or None)`` for ``module:factory`` / ``zoo:NAME``."""
+    model, family, batch, _ = load_model_and_batch(spec)
+    return model, family, batch
+
+
+def load_model_and_batch(spec: str) -> Tuple[Any, Optional[str], Optional[int], Optional[tuple]]:
+    """:func:`load_model` plus ``(example_input, labels)`` when the factory's object carries them
+    (a zoo model, or any object with ``.model`` and ``.example_input``), else None."""
     from torch import nn
 
     if spec.startswith("zoo:"):
@@ -91,9 +98,11 @@ def load_model(spec: str) -> Tuple[Any, Optional[str], Optional[int]]:
         if callable(obj) and not isinstance(obj, nn.Module):
             obj = _call_factory(obj, spec)
     if isinstance(obj, nn.Module):
-        return obj, None, None
+        return obj, None, None, None
     if isinstance(getattr(obj, "model", None), nn.Module):
-        return obj.model, getattr(obj, "family", None), getattr(obj, "batch_size", None)
+        example = getattr(obj, "example_input", None)
+        batch = (example, getattr(obj, "labels", None)) if example is not None else None
+        return obj.model, getattr(obj, "family", None), getattr(obj, "batch_size", None), batch
     raise CliError(f"model {spec!r} gave a {type(obj).__name__}, not a torch.nn.Module (or an object with .model)")
 
 
@@ -130,13 +139,33 @@ def _objectives(value: str) -> Sequence[str]:
     return SNN_DISTRIBUTED_PREFERENCES if value == "all" else (value,)
 
 
+def _roots(args) -> Optional[List[str]]:
+    return args.roots.split(",") if getattr(args, "roots", None) else None
+
+
 def _analysis(args):
     model, family, batch = load_model(args.model)
-    roots = args.roots.split(",") if getattr(args, "roots", None) else None
     try:
-        return model, analyze(model, model_family=args.family or family, roots=roots), batch
+        return model, analyze(model, model_family=args.family or family, roots=_roots(args)), batch
     except (KeyError, TypeError, ValueError) as exc:
         raise CliError(f"cannot analyze {args.model!r}: {exc}") from None
+
+
+def _example_batch(args, carried: Optional[tuple], batch: int):
+    """``(example_input, labels)``: the model's own, else random inputs of ``--input-shape``, else None."""
+    if args.input_shape:
+        try:
+            shape = tuple(int(v) for v in args.input_shape.split(","))
+        except ValueError:
+            raise CliError(f"bad --input-shape {args.input_shape!r}: expected integers T,N,F... "
+                           "(e.g. 8,16,784)") from None
+        if len(shape) < 3 or min(shape) < 1:
+            raise CliError(f"bad --input-shape {args.input_shape!r}: expected T,N and at least one feature "
+                           "size, all positive (e.g. 8,16,784)")
+        import torch
+
+        return torch.rand(shape, generator=torch.Generator().manual_seed(0)), None
+    return carried
 
 
 def _plans(args, analysis, batch):
@@ -170,17 +199,30 @@ def cmd_analyze(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from .explorer import plans_table
+    """The plans side by side with the estimator's rows (as ``Explorer.compare``); without an
+    example input (none carried by the model, no ``--input-shape``), the plans alone, saying why."""
+    from .explorer import Explorer, plans_table
 
-    _, analysis, batch = _analysis(args)
+    model, analysis, batch = _analysis(args)
     plans, skipped = _plans(args, analysis, batch)
+    example = _example_batch(args, load_model_and_batch(args.model)[3], batch)
     if args.json:
         print(json.dumps([p.to_dict() for p in plans], indent=2))
     elif plans:
         import pandas as pd
 
         with pd.option_context("display.width", 200, "display.max_colwidth", 60):
-            print(plans_table(plans).to_string())
+            if example is None:
+                print(plans_table(plans).to_string())
+                print("no estimates: this model carries no example input; give --input-shape T,N,F... "
+                      "(e.g. 8,16,784) for per-rank memory and communication", file=sys.stderr)
+            else:
+                explorer = Explorer(model, example_input=example[0], labels=example[1],
+                                    model_family=analysis.model_family, roots=_roots(args))
+                try:
+                    print(explorer.compare_text(plans))
+                except (TypeError, ValueError, RuntimeError) as exc:
+                    raise CliError(f"cannot estimate the plans of {args.model!r}: {exc}") from None
     for line in skipped:
         print(f"no plan: {line}", file=sys.stderr)
     if not plans:
@@ -245,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="side-by-side plans for a world size or topology")
     model_args(p, plans=True)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--input-shape", help="example input T,N,F... for the estimates, e.g. 8,16,784 "
+                                         "(default: the model's own example input, if it carries one)")
     p.set_defaults(run=cmd_compare)
     p = sub.add_parser("export", help="write a torchrun / Slurm job for one plan")
     model_args(p, plans=True)

@@ -155,3 +155,29 @@ def test_export_to_an_unwritable_out_is_one_line(capsys, user_module, tmp_path):
     _one_line_error(capsys, ["export", f"{user_module}:make_net", "--topology", "dp=2", "--objective", "speed",
                              "--train", f"{user_module}:step", "--out", str(tmp_path / "j"), "--partition", "a\nb"],
                     "contains the control character")
+
+
+def test_compare_shows_the_estimates_explorer_compare_shows(capsys, user_module):
+    from snn_explorer.explorer import Explorer
+    from snn_explorer.zoo import build
+
+    assert main(["compare", "zoo:mlp", "--topology", "dp=2,tp=2", "--objective", "memory"]) == 0
+    out = capsys.readouterr().out
+    zoo = build("mlp")
+    ex = Explorer.from_zoo(zoo)
+    expected = ex.compare([ex.make_plan(objective="memory", topology={"dp": 2, "tp": 2})])
+    from snn_explorer.explorer.compare import format_bytes
+
+    for row in ("peak_bytes_max", "comm_bytes_per_step", "activations_bytes"):
+        line = next(ln for ln in out.splitlines() if ln.startswith(row))
+        assert line.split()[1:] == format_bytes(expected.loc[row].iloc[0]).split(), line
+    line = next(ln for ln in out.splitlines() if ln.startswith("collectives_per_step"))
+    assert line.split()[1] == str(int(expected.loc["collectives_per_step"].iloc[0]))
+    # a plain module carries no example input: the plans alone, and how to get the estimates
+    assert main(["compare", f"{user_module}:make_net", "--topology", "dp=2"]) == 0
+    captured = capsys.readouterr()
+    assert "peak_bytes_max" not in captured.out and "--input-shape" in captured.err
+    assert main(["compare", f"{user_module}:make_net", "--topology", "dp=2", "--input-shape", "8,8,64"]) == 0
+    assert "peak_bytes_max" in capsys.readouterr().out
+    assert main(["compare", f"{user_module}:make_net", "--topology", "dp=2", "--input-shape", "8,x"]) == 2
+    assert "bad --input-shape '8,x'" in capsys.readouterr().err
