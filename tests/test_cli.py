@@ -22,12 +22,17 @@ def step(runtime, step, batch, state):
 '''
 
 
+def _module_in_cwd(tmp_path, monkeypatch, name: str, source: str):
+    """Write ``name``.py into a fresh working directory (where the CLI imports factories from)."""
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    yield name
+    sys.modules.pop(name, None)
+
+
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
-    (tmp_path / "my_models.py").write_text(FACTORY)
-    monkeypatch.chdir(tmp_path)
-    yield "my_models"
-    sys.modules.pop("my_models", None)
+    yield from _module_in_cwd(tmp_path, monkeypatch, "my_models", FACTORY)
 
 
 def test_analyze_a_zoo_model(capsys):
@@ -102,10 +107,7 @@ def needs(width, depth=2):
 
 @pytest.fixture
 def bad_factories(tmp_path, monkeypatch):
-    (tmp_path / "bad_models.py").write_text(BAD_FACTORIES)
-    monkeypatch.chdir(tmp_path)
-    yield "bad_models"
-    sys.modules.pop("bad_models", None)
+    yield from _module_in_cwd(tmp_path, monkeypatch, "bad_models", BAD_FACTORIES)
 
 
 def _one_line_error(capsys, argv, named):
