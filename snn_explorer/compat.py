@@ -206,6 +206,16 @@ def restart_mem_tracker_peak(tracker: Any, device: torch.device) -> None:
     tracker._peak_mem_snap[device] = snapshot
 
 
+def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
+    """The module inside a ``torch.compile`` wrapper (its private ``_orig_mod``), else ``module``."""
+    if type(module).__name__ != "OptimizedModule":
+        return module
+    inner = getattr(module, "_orig_mod", None)
+    _check("torch._dynamo.eval_frame.OptimizedModule._orig_mod", isinstance(inner, torch.nn.Module),
+           "a compiled module no longer keeps the original in _orig_mod")
+    return inner
+
+
 # --- rank runner (torch elastic, cloudpickle) -----------------------------------------------
 
 

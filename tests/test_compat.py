@@ -278,3 +278,11 @@ def test_measure_on_two_ranks_matches_the_estimate_in_every_two_rank_mode():
         assert meas.peak_bytes > 0
         if plan.mode == "dp":
             assert meas.per_rank["transient_bytes"].iloc[0] == est.collectives["bytes"].sum()
+
+
+def test_uncompiled_returns_the_module_inside_torch_compile():
+    from snn_explorer import compat
+
+    model = torch.nn.Linear(2, 2)
+    compiled = torch.compile(model)
+    assert compat.uncompiled(compiled) is model and compat.uncompiled(model) is model

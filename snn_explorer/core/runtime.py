@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from ..compat import uncompiled
 from . import neurons
 from .analysis import SNNDistributedAnalysis
 from .parallelize.channel_tp import full_tensor
@@ -46,7 +47,7 @@ class SNNDistributedRuntime:
     @property
     def module(self) -> nn.Module:
         """The user's model inside any DDP / compile wrapper."""
-        m = getattr(self.model, "_orig_mod", self.model)
+        m = uncompiled(self.model)
         return m.module if isinstance(m, nn.parallel.DistributedDataParallel) else m
 
     @property

@@ -11,18 +11,19 @@ from typing import Optional, Sequence
 
 
 def _backend() -> str:
-    import torch
+    """NCCL when this node has a GPU per local rank, else gloo (the rank runner's ``auto``)."""
+    from ..ranks import resolve_backend
 
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world else "gloo"
+    return resolve_backend("auto", int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def _train(job: dict, plan_data: dict, backend: str) -> list:
     """One rank of the job, inside its process group: apply the plan and run the steps."""
+    from ..core.parallelize.mesh import device_type_for
     from .plan_run import train_plan_rank
 
     return train_plan_rank(job["model"], plan_data, job["train_fn"], job["steps"], job["dataset"],
-                           "cuda" if backend == "nccl" else "cpu", job["optimizer"], job["seed"], job["train_kwargs"])
+                           device_type_for(backend), job["optimizer"], job["seed"], job["train_kwargs"])
 
 
 def _write(out: str, rank: int, history: list) -> None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
+from ..core.parallelize.mesh import device_type_for
+from ..core.validate import UNSET, positive_int, renamed_keyword
 from ..ranks import resolve_backend
 from ..ranks.progress import _number, report
 from .launching import launch
 from .result import TrainResult
-from ..core.validate import UNSET, positive_int, renamed_keyword
 
 DEFAULT_OPTIMIZER = {"lr": 1e-3}
 
@@ -93,7 +94,7 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
     backend = resolve_backend(renamed_keyword("comm_backend", comm_backend, "auto", "backend", backend),
                               plan.world_size)
     result = launch(train_plan_rank, model, plan.to_dict(), train_fn, steps, dataset,
-                    "cuda" if backend == "nccl" else "cpu", optimizer, seed, train_kwargs,
+                    device_type_for(backend), optimizer, seed, train_kwargs,
                     nprocs=plan.world_size, comm_backend=backend, timeout=timeout, env=env, progress=progress,
                     log_dir=log_dir)
     return TrainResult(**{f.name: getattr(result, f.name) for f in dataclasses.fields(result)})

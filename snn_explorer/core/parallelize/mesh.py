@@ -26,6 +26,11 @@ def comm_backend_for(device_type: str) -> str:
     return "nccl" if check_device_type(device_type) == "cuda" else "gloo"
 
 
+def device_type_for(comm_backend: str) -> str:
+    """The device a rank of ``comm_backend`` trains on: CUDA for NCCL, the CPU for gloo."""
+    return "cuda" if comm_backend == "nccl" else "cpu"
+
+
 def check_device_type(device_type: Optional[str]) -> str:
     """``device_type`` checked (None: :func:`default_device_type`)."""
     if device_type is None:
