@@ -176,7 +176,6 @@ import sys  # noqa: E402
 import textwrap  # noqa: E402
 import time  # noqa: E402
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 

@@ -269,10 +269,10 @@ def test_recommendation_is_frozen():
 
 @pytest.mark.parametrize("dims,names,shape", [
     ({"tp": 2, "dp": 3}, ("dp", "tp"), (3, 2)),
-    ({"x": 2, "vpp": 1, "pp": 3, "tp": 4, "dp": 5}, ("dp", "tp", "pp", "vpp", "x"), (5, 4, 3, 1, 2)),
+    ({"x": 2, "vpp": 1, "pp": 3, "tp": 4, "dp": 5}, ("dp", "tp", "x", "vpp", "pp"), (5, 4, 2, 1, 3)),
     ({"zz": 1, "dp": 2, "aa": 3}, ("dp", "zz", "aa"), (2, 1, 3)),
     ({"b": 2, "a": 3}, ("b", "a"), (2, 3)),
-    ({"pp": 2, "ep": 2, "tp": 2}, ("tp", "pp", "ep"), (2, 2, 2)),
+    ({"pp": 2, "ep": 2, "tp": 2}, ("tp", "pp", "ep"), (2, 2, 2)),  # no pipeline dims are special (yet)
 ])
 def test_topology_ordering(dims, names, shape):
     t = SNNDistributedTopology.from_mapping(dims)

@@ -129,7 +129,6 @@ def _layout_problems(model, fresh, plan, tp_rank):
 
 
 def _all_cases_on_rank():
-    import torch.distributed as dist
     from snn_explorer.estimator.recorder import CollectiveRecorder
 
     results = {}
@@ -148,9 +147,8 @@ def _all_cases_on_rank():
         grads = runtime.full_gradients()
         errors = {"outputs": float((out.detach() - ref_out).abs().max())}
         errors.update({n: float((grads[n] - p.grad).abs().max()) for n, p in ref.named_parameters()})
-        group = frozenset(dist.get_process_group_ranks(runtime.mesh.get_group("tp")))
         results[case] = dict(rates=rates, errors=errors, layout=layout, styles=dict(plan.tensor_parallel_plan),
-                             collectives=recorder.table({group: "tp"}),
+                             collectives=recorder.table({"tp": runtime.mesh.get_group("tp")}),
                              params_bytes=sum(_local(p).numel() * p.element_size() for p in runtime.module.parameters()))
     return results
 

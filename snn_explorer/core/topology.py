@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Dict, List, Mapping, Optional
 
-#: Dimension names that lead the mesh order; other names follow in insertion order.
-LEADING_DIMS = ("dp", "tp", "pp", "vpp")
+#: Dimension names that lead the mesh order (the dims the modes use); others follow in insertion order.
+LEADING_DIMS = ("dp", "tp")
 #: The most ranks a topology may have: estimates, plans and meshes are sized for at most this many.
 MAX_WORLD_SIZE = 2 ** 16
 
