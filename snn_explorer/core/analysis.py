@@ -11,7 +11,7 @@ from torch import nn
 from ..compat import non_persistent_buffer_names
 from . import neurons
 from .attention import AttentionBlock, FusedAttentionBlock, attention_blocks, fused_attention_blocks, pointwise_chains
-from .structure import CONV_TYPES, chains, under
+from .structure import CONV_TYPES, NORM_TYPES, chains, under
 from .plans.families import fsdp_units, resolve_family
 from .serialize import check_keys, check_kind, dataclass_dict, string_tuple, tuplify
 
@@ -185,7 +185,7 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
     notes = [family_note] if family_note else []
     memory, libraries, per_feature, linears, unsupported, norms, convs = [], [], [], [], [], [], []
     for name, module in model.named_modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        if isinstance(module, NORM_TYPES):
             norms.append(name)
         library = neurons.snn_library(module)
         if library and name:

@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Tuple
 from torch import nn
 
 from .serialize import dataclass_dict
-from .structure import flatten, runs, under
+from .structure import NORM_TYPES, flatten, runs, under
 
 @dataclass(frozen=True)
 class AttentionBlock:
@@ -97,7 +97,7 @@ def _fused_block(path: str, module: nn.Module, memory: Sequence[str]) -> Optiona
             if _width(sub) == (dim, dim):
                 proj = name
             break
-        elif norm is None and neuron is None and isinstance(sub, nn.modules.batchnorm._BatchNorm) \
+        elif norm is None and neuron is None and isinstance(sub, NORM_TYPES) \
                 and sub.num_features == 3 * dim:
             norm = name
         elif neuron is None and name in memory:

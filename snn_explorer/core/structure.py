@@ -14,6 +14,8 @@ ELEMENTWISE_TYPES = (
     nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Mish, nn.Softplus,
 )
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: BatchNorm layers (the public classes; not torch's private ``_BatchNorm`` base).
+NORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 #: Channel-wise modules a channel-sharded activation can pass through (besides ELEMENTWISE_TYPES).
 CHANNELWISE_TYPES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
 
@@ -40,7 +42,7 @@ def kind(module: nn.Module, name: str, roots) -> str:
         return "linear" if under(name, roots) else "other"
     if isinstance(module, CONV_TYPES):
         return "conv" if under(name, roots) else "other"
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+    if isinstance(module, NORM_TYPES):
         return "norm"
     if isinstance(module, CHANNELWISE_TYPES):
         return "channelwise"

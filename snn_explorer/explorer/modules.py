@@ -8,21 +8,21 @@ from torch import nn
 
 from ..core import SNNDistributedAnalysis
 from ..core.neurons import state_description
+from ..core.structure import CONV_TYPES
 from ..core.styles import STYLES
 
 MODULE_COLUMNS = ("path", "type", "depth", "params", "stateful", "snn_library", "state", "tp_candidate", "tp_style",
                   "sharded_dim", "not_candidate_because")
 
 
-def _why_not(module: nn.Module, path: str, analysis: SNNDistributedAnalysis, candidates: set,
-             convs: set, roots_note: str) -> str:
+def _why_not(module: nn.Module, path: str, candidates: set, convs: set, roots_note: str) -> str:
     if path in candidates:
         return ""
     if path in convs:
         return "convolution: channel TP needs allow_experimental_conv_tp=True"
     if isinstance(module, nn.Linear):
         return f"outside the TP roots {roots_note}"
-    if isinstance(module, nn.modules.conv._ConvNd):
+    if isinstance(module, CONV_TYPES):
         return f"outside the TP roots {roots_note}"
     return "not a Linear layer"
 
@@ -57,7 +57,7 @@ def modules_table(model: nn.Module, analysis: SNNDistributedAnalysis,
         if not path:
             continue
         style = tp_plan.get(path, "")
-        why = _why_not(module, path, analysis, candidates, convs, roots_note)
+        why = _why_not(module, path, candidates, convs, roots_note)
         if path in candidates or style:
             why = _divisibility(analysis, path, style, tp_size)
         rows.append((path, type(module).__name__, path.count(".") + 1,
