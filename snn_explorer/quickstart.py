@@ -87,7 +87,7 @@ def main(argv=None) -> None:
     chosen = plan(analysis=analysis, objective=OBJECTIVE, topology=TOPOLOGY, batch_size=zoo.batch_size)
     mesh = " x ".join(f"{k}={v}" for k, v in TOPOLOGY.items())
     print(f"\n3. Training {chosen.mode} on {WORLD_SIZE} gloo ranks ({mesh}) for {args.steps} steps")
-    _say(f"Why this plan: the objective {OBJECTIVE!r} on a {mesh} mesh. {' '.join(chosen.rationale)}")
+    _say(f"Why this plan: the objective {' '.join(chosen.rationale)}")
     result = launch_plan(zoo.model, chosen, train_step, steps=args.steps, optimizer={"lr": 1e-2}, comm_backend="gloo",
                          progress=False, train_kwargs={"inputs": zoo.example_input, "labels": zoo.labels})
     losses = result.losses
@@ -103,7 +103,7 @@ def main(argv=None) -> None:
     _say("Explore the trade-offs interactively: .venv/bin/python -m pip install jupyterlab && "
          ".venv/bin/jupyter lab notebooks/01_quickstart.ipynb (add --allow-root when running as root).")
     _say("Compare plans for your own model: .venv/bin/snn-explorer compare mypkg.models:make_net "
-         "--topology dp=2,tp=2 --objective memory")
+         "--topology dp=2,tp=2 --objective memory --input-shape T,N,F (your example input's shape)")
 
 
 if __name__ == "__main__":
