@@ -27,8 +27,10 @@ def _train(job: dict, plan_data: dict, backend: str) -> list:
 
 
 def _write(out: str, rank: int, history: list) -> None:
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+    """This rank's metrics as ``out/rank<R>.json``, readable by the running user only (like the job's files)."""
+    os.makedirs(out, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(out, f"rank{rank}.json"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
         json.dump(history, fh)
 
 
