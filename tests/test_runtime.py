@@ -109,3 +109,21 @@ def test_forward_loss_reduce_time_chooses_what_the_criterion_sees():
     assert not torch.isclose(loss, mean_loss), "the two reductions must differ on this model"
     with pytest.raises(ValueError, match=r"reduce_time='sum'; expected one of \('mean', None\)"):
         runtime.forward_loss(nn.CrossEntropyLoss(), zoo.example_input, zoo.labels, reduce_time="sum")
+
+
+def test_train_step_backpropagates_the_loss_it_returns():
+    from snn_explorer.zoo import build
+
+    zoo = build("mlp")
+    reference = __import__("copy").deepcopy(zoo.model)
+    plan = se.plan(analysis=se.analyze(zoo.model), objective="speed", topology=1, batch_size=zoo.batch_size)
+    runtime = se.apply(model=zoo.model, plan=plan, device_type="cpu")
+    loss = runtime.train_step(nn.CrossEntropyLoss(), zoo.example_input, zoo.labels)
+    expected, _ = se.apply(model=reference, plan=plan, device_type="cpu").forward_loss(
+        nn.CrossEntropyLoss(), zoo.example_input, zoo.labels)
+    expected.backward()
+    assert not loss.requires_grad and loss.item() == expected.item()
+    grads = {n: p.grad for n, p in zoo.model.named_parameters()}
+    assert any(g.abs().sum() > 0 for g in grads.values()), "the step must produce non-zero gradients"
+    for name, param in reference.named_parameters():
+        assert torch.equal(grads[name], param.grad), name

@@ -161,6 +161,17 @@ class SNNDistributedRuntime:
         prepared, labels = self.prepare_classification_output(outputs, labels.to(self.device), reduce_time)
         return criterion(prepared, labels), outputs
 
+    def train_step(self, criterion: Callable, inputs: torch.Tensor, labels: torch.Tensor,
+                   reduce_time: Optional[str] = "mean") -> torch.Tensor:
+        """One training step's forward and backward on this rank's batch: reset neuron state, run
+        the model, compute the loss, backpropagate. Returns the loss (detached), on every rank.
+
+        The optimizer step (and ``zero_grad``) stays the caller's, as in any torch loop.
+        """
+        loss, _ = self.forward_loss(criterion, inputs, labels, reduce_time=reduce_time)
+        loss.backward()
+        return loss.detach()
+
     # ---- inspection ---------------------------------------------------------------------------
     def _full_tensors(self, pick: Callable) -> Dict[str, Optional[torch.Tensor]]:
         out = {}
