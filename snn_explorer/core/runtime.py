@@ -172,6 +172,28 @@ class SNNDistributedRuntime:
         loss.backward()
         return loss.detach()
 
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, path, optimizer=None, step: int = 0, extra: Any = None, overwrite: bool = False,
+                        allow_mid_sequence: bool = False):
+        """Write the model (and ``optimizer``'s state, ``step``, RNG states, JSON ``extra``) to the
+        directory ``path``, sharded as this plan shards it; atomic, a collective (call on every rank).
+
+        Neuron state is not saved (it is reset every batch): a neuron still holding state is refused
+        unless ``allow_mid_sequence=True``. An existing checkpoint is replaced only with
+        ``overwrite=True``. See :mod:`snn_explorer.core.checkpoint`.
+        """
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, path, optimizer=optimizer, step=step, extra=extra, overwrite=overwrite,
+                               allow_mid_sequence=allow_mid_sequence)
+
+    def load_checkpoint(self, path, optimizer=None):
+        """Load a checkpoint saved under any plan of this model, resharded to this one (a collective);
+        returns a :class:`~snn_explorer.core.checkpoint.LoadedCheckpoint` (step, extra, saved plan)."""
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path, optimizer=optimizer)
+
     # ---- inspection ---------------------------------------------------------------------------
     def _full_tensors(self, pick: Callable) -> Dict[str, Optional[torch.Tensor]]:
         out = {}

@@ -181,3 +181,30 @@ def full_tensor(owner: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tens
         dist.all_gather(parts, tensor.contiguous(), group=info.group)
         tensor = torch.cat(parts, dim=info.dims[name])
     return tensor[info.order] if info.order is not None and tensor.dim() else tensor
+
+
+def full_shape(owner: nn.Module, name: str, tensor: torch.Tensor) -> torch.Size:
+    """The shape :func:`full_tensor` would return for ``owner.name``, without a collective."""
+    info = getattr(owner, "_snn_tp_shards", None)
+    if info is None or name not in info.dims:
+        return tensor.shape
+    shape = list(tensor.shape)
+    shape[info.dims[name]] *= dist.get_world_size(info.group)
+    return torch.Size(shape)
+
+
+def is_channel_shard(owner: nn.Module, name: str) -> bool:
+    """Whether ``owner.name`` is a plain tensor holding this rank's channel / head shard."""
+    info = getattr(owner, "_snn_tp_shards", None)
+    return info is not None and name in info.dims
+
+
+def local_shard(owner: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`full_tensor`: this rank's shard of ``full`` (model row order) as
+    ``owner.name`` holds it (rows reordered, then split). No collective."""
+    info = owner._snn_tp_shards
+    if info.order is not None and full.dim():
+        full = full[torch.argsort(info.order)]
+    if name not in info.dims:
+        return full
+    return full.chunk(dist.get_world_size(info.group), dim=info.dims[name])[dist.get_rank(info.group)].clone()
