@@ -6,6 +6,7 @@ module attribute holding one) or ``zoo:NAME`` for a built-in. Examples::
     snn-explorer analyze zoo:mlp
     snn-explorer compare mypkg.models:make_net --world-size 4 --objective memory
     snn-explorer export zoo:mlp --topology dp=2,tp=2 --train mypkg.train:step --steps 100 --out job/
+    snn-explorer checkpoint info runs/step-100
 """
 from __future__ import annotations
 
@@ -263,6 +264,34 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_checkpoint_info(args) -> int:
+    """What a checkpoint directory holds: plan, step, world size, every tensor."""
+    from .core.checkpoint import CheckpointError, read_manifest
+    from .core.plan_types import SNNDistributedPlan
+
+    try:
+        manifest = read_manifest(args.dir)
+        plan = SNNDistributedPlan.from_dict(manifest["plan"])
+    except (CheckpointError, KeyError, TypeError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    if args.json:
+        print(json.dumps(manifest, indent=2))
+        return 0
+    optimizer = manifest.get("optimizer")
+    print(f"checkpoint: {args.dir}")
+    print(f"plan: {plan!r}")
+    print(f"step: {manifest['step']}  world size: {manifest['world_size']}  torch: {manifest['torch_version']}")
+    print(f"optimizer: {optimizer['class'] if optimizer else 'none saved'}")
+    if manifest.get("extra") is not None:
+        print(f"extra: {json.dumps(manifest['extra'])}")
+    tensors = manifest["tensors"]
+    width = max((len(p) for p in tensors), default=4)
+    print(f"{'tensor':<{width}}  shape  dtype")
+    for path, meta in tensors.items():
+        print(f"{path:<{width}}  {tuple(meta['shape'])}  {meta['dtype']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="snn-explorer", description="Analyze a spiking model, compare "
                                      "distribution plans, export a torchrun / Slurm job.")
@@ -303,6 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, help="Slurm --gpus-per-node (default: none requested)")
     p.add_argument("--partition", help="Slurm partition")
     p.set_defaults(run=cmd_export)
+    p = sub.add_parser("checkpoint", help="inspect a checkpoint directory")
+    actions = p.add_subparsers(dest="action", required=True)
+    info = actions.add_parser("info", help="plan, step and tensors of a checkpoint")
+    info.add_argument("dir", help="the checkpoint directory (runtime.save_checkpoint's path)")
+    info.add_argument("--json", action="store_true", help="the whole manifest as JSON")
+    info.set_defaults(run=cmd_checkpoint_info)
     return parser
 
 
