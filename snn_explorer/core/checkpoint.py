@@ -378,6 +378,26 @@ def check_checkpoint(path, model: nn.Module, plan: Optional[SNNDistributedPlan] 
     return manifest
 
 
+# ---- a directory of step checkpoints ------------------------------------------------------------------
+STEP_PREFIX = "step-"
+
+
+def step_path(directory, step: int) -> Path:
+    """Where a run's checkpoint of ``step`` lives in ``directory``: ``step-000042``."""
+    return Path(directory) / f"{STEP_PREFIX}{step:06d}"
+
+
+def latest_checkpoint(directory) -> Optional[Path]:
+    """The complete checkpoint (manifest written) of the highest step in ``directory``; None if none.
+    Unfinished writes (hidden ``.partial`` directories) are never taken."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    steps = sorted((p for p in directory.iterdir() if p.name.startswith(STEP_PREFIX) and p.name[5:].isdigit()
+                    and (p / MANIFEST).is_file()), key=lambda p: int(p.name[len(STEP_PREFIX):]))
+    return steps[-1] if steps else None
+
+
 # ---- load -------------------------------------------------------------------------------------------
 def _saved_shapes(path: Path) -> Dict[str, TensorStorageMetadata]:
     metadata = dcp.FileSystemReader(str(path)).read_metadata()

@@ -37,10 +37,35 @@ def _metrics(out: Any) -> Dict[str, Any]:
     return {"loss": _number(out)}
 
 
+def _resume(runtime, state: dict, checkpoints: Optional[dict]) -> int:
+    """The step to start from: after the latest complete checkpoint in ``checkpoint_dir`` (loaded
+    into the runtime and optimizer), else 0."""
+    if not checkpoints:
+        return 0
+    from ..core.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(checkpoints["dir"])
+    if latest is None:
+        return 0
+    return runtime.load_checkpoint(latest, optimizer=state.get("optimizer")).step
+
+
+def _checkpoint(runtime, state: dict, checkpoints: Optional[dict], done: int, steps: int) -> None:
+    if checkpoints and (done % checkpoints["every"] == 0 or done == steps):
+        from ..core.checkpoint import step_path
+
+        runtime.reset_state()  # between batches: the next step resets the neurons anyway
+        runtime.save_checkpoint(step_path(checkpoints["dir"], done), optimizer=state.get("optimizer"), step=done,
+                                overwrite=True)
+
+
 def train_plan_rank(model, plan_data: dict, train_fn: Callable, steps: int, dataset=None,
                     device_type: str = "cpu", optimizer: Optional[dict] = DEFAULT_OPTIMIZER, seed: int = 0,
-                    train_kwargs: Optional[dict] = None) -> List[Dict[str, Any]]:
-    """One rank of :func:`launch_plan` (also what an exported job runs): apply, then ``steps`` steps."""
+                    train_kwargs: Optional[dict] = None, checkpoints: Optional[dict] = None) -> List[Dict[str, Any]]:
+    """One rank of :func:`launch_plan` (also what an exported job runs): apply, then ``steps`` steps,
+    resuming after the latest checkpoint of ``checkpoints["dir"]`` and saving one every
+    ``checkpoints["every"]`` steps when ``checkpoints`` is given. Returns the metrics of the steps
+    this run made."""
     import torch
 
     from ..core import SNNDistributedPlan, apply
@@ -51,18 +76,42 @@ def train_plan_rank(model, plan_data: dict, train_fn: Callable, steps: int, data
     state: Dict[str, Any] = {}
     if optimizer is not None:
         state["optimizer"] = runtime.build_optimizer(**optimizer)
+    start = _resume(runtime, state, checkpoints)
     batches, history = _batches(runtime, dataset, seed), []
-    for step in range(steps):
+    for _ in range(start):  # the data position of the resumed step
+        next(batches)
+    for step in range(start, steps):
         metrics = _metrics(train_fn(runtime, step, next(batches), state, **(train_kwargs or {})))
         history.append(metrics)
         report(step=step + 1, total=steps, loss=metrics.get("loss"))
+        _checkpoint(runtime, state, checkpoints, step + 1, steps)
     return history
+
+
+def _checkpoint_spec(model, plan, checkpoint_dir, checkpoint_every) -> Optional[dict]:
+    """``{"dir", "every"}`` checked before any rank starts (None without checkpoints)."""
+    if checkpoint_dir is None and checkpoint_every is None:
+        return None
+    if checkpoint_dir is None or checkpoint_every is None:
+        raise ValueError("checkpoint_dir and checkpoint_every go together: give both or neither")
+    import os
+
+    from ..core.checkpoint import check_checkpoint, latest_checkpoint
+
+    every = positive_int("checkpoint_every", checkpoint_every)
+    path = os.path.abspath(os.fspath(checkpoint_dir))
+    os.makedirs(path, exist_ok=True)
+    latest = latest_checkpoint(path)
+    if latest is not None:
+        check_checkpoint(latest, model, plan)
+    return {"dir": path, "every": every}
 
 
 def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None,
                 optimizer: Optional[dict] = DEFAULT_OPTIMIZER, seed: int = 0, comm_backend: str = "auto",
                 timeout: Optional[float] = 900.0, env: Optional[Mapping[str, str]] = None, progress=True,
-                log_dir: Optional[str] = None, train_kwargs: Optional[dict] = None, backend=UNSET) -> TrainResult:
+                log_dir: Optional[str] = None, train_kwargs: Optional[dict] = None, checkpoint_dir=None,
+                checkpoint_every: Optional[int] = None, backend=UNSET) -> TrainResult:
     """Run ``plan`` for ``model`` on ``plan.world_size`` ranks, ``steps`` calls of ``train_fn`` each.
 
     The model travels by value; each rank applies the plan on CPU (gloo) or its own GPU (NCCL),
@@ -84,6 +133,11 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
     ``train_fn`` returns the step's loss (a number or scalar tensor), a dict of metrics
     (``"loss"`` among them) or None; each step is reported to the progress display. Returns a
     :class:`TrainResult` (``.losses``: rank -> per-step losses); raises ``LaunchError``.
+
+    ``checkpoint_dir`` with ``checkpoint_every=n``: every ``n`` steps (and after the last) the ranks
+    save a checkpoint ``step-000010`` there (see ``runtime.save_checkpoint``), and a launch into a
+    directory that already holds one resumes after the latest complete checkpoint (whatever plan
+    wrote it): after a fault, launch again. ``.losses`` then holds the steps this launch made.
     """
     from ..core import SNNDistributedPlan, preflight
 
@@ -91,10 +145,11 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
         raise TypeError(f"plan must be an SNNDistributedPlan, got {type(plan).__name__}")
     positive_int("steps", steps)
     preflight(model, plan)
+    checkpoints = _checkpoint_spec(model, plan, checkpoint_dir, checkpoint_every)
     backend = resolve_backend(renamed_keyword("comm_backend", comm_backend, "auto", "backend", backend),
                               plan.world_size)
     result = launch(train_plan_rank, model, plan.to_dict(), train_fn, steps, dataset,
-                    device_type_for(backend), optimizer, seed, train_kwargs,
+                    device_type_for(backend), optimizer, seed, train_kwargs, checkpoints,
                     nprocs=plan.world_size, comm_backend=backend, timeout=timeout, env=env, progress=progress,
                     log_dir=log_dir)
     return TrainResult(**{f.name: getattr(result, f.name) for f in dataclasses.fields(result)})
