@@ -1,5 +1,6 @@
 """The analyze / plan / apply core: no UI, no process management."""
 from .analysis import LinearShape, SNNDistributedAnalysis, analyze
+from .checkpoint import CheckpointError, check_checkpoint, latest_checkpoint
 from .parallelize import apply, preflight
 from .neurons import register_stateful, unregister_stateful
 from .plan_types import DistributedFeatureSet, SNNDistributedPlan
@@ -11,8 +12,8 @@ from .topology import SNNDistributedTopology
 from .styles import TP_STYLES
 
 __all__ = [
-    "BACKENDS", "MODES", "SNN_DISTRIBUTED_PREFERENCES", "TP_STYLES", "DistributedFeatureSet", "LinearShape",
+    "BACKENDS", "CheckpointError", "MODES", "SNN_DISTRIBUTED_PREFERENCES", "TP_STYLES", "DistributedFeatureSet", "LinearShape",
     "SNNDistributedAnalysis", "SNNDistributedPlan", "SNNDistributedRuntime", "SNNDistributedTopology",
-    "StrategyRecommendation", "analyze", "apply", "plan", "preflight", "recommend_snn_distributed_strategy",
+    "StrategyRecommendation", "analyze", "apply", "check_checkpoint", "latest_checkpoint", "plan", "preflight", "recommend_snn_distributed_strategy",
     "register_stateful", "unregister_stateful",
 ]
