@@ -1,5 +1,6 @@
 """Checkpoints refused with a clear error (one process, mode ``none``), and ``snn-explorer checkpoint info``."""
 import json
+import os
 import re
 import shutil
 
@@ -114,7 +115,8 @@ def test_a_plan_that_cannot_reshard_the_checkpoint_is_named_at_plan_time(saved):
     manifest = read_manifest(path)
     first = next(iter(plan.tensor_parallel_plan))
     manifest["tensors"][f"{first}.weight"]["shape"][0] = 7  # a width tp=2 cannot split
-    assert "tp=2 cannot reshard" in reshard_problem(manifest, plan) and f"{first}.weight" in reshard_problem(manifest, plan)
+    problem = reshard_problem(manifest, plan)
+    assert "tp=2 cannot reshard" in problem and f"{first}.weight" in problem
 
 
 def test_nothing_is_overwritten_unless_asked(saved):
@@ -154,3 +156,24 @@ def test_cli_checkpoint_info(saved, capsys, tmp_path):
     assert main(["checkpoint", "info", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "nowhere" in err and "does not exist" in err
+
+
+def test_exported_job_restarts_and_resumes_from_checkpoints(tmp_path):
+    import pickle
+    import stat
+
+    from snn_explorer.launcher import export_job
+
+    zoo = build("mlp")
+    plan = se.plan(analysis=se.analyze(zoo.model), objective="speed", topology={"dp": 2}, mode="dp",
+                   batch_size=zoo.batch_size)
+    job = export_job(plan, lambda runtime, step, batch, state: 0.0, tmp_path / "job", model=zoo.model, steps=10,
+                     max_restarts=3, checkpoint_dir="ckpt", checkpoint_every=2)
+    assert "--max-restarts 3" in job.command and "--max-restarts 3" in open(job.sbatch_file).read()
+    assert stat.S_IMODE(os.stat(job.payload_file).st_mode) == 0o600
+    with open(job.payload_file, "rb") as fh:
+        assert pickle.load(fh)["checkpoints"] == {"dir": "ckpt", "every": 2}
+    with pytest.raises(ValueError, match="max_restarts=-1 must be a non-negative int"):
+        export_job(plan, lambda *a: 0.0, tmp_path / "job2", model=zoo.model, max_restarts=-1)
+    with pytest.raises(ValueError, match="checkpoint_dir and checkpoint_every go together"):
+        export_job(plan, lambda *a: 0.0, tmp_path / "job3", model=zoo.model, checkpoint_every=2)

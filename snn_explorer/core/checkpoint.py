@@ -202,7 +202,7 @@ def _attempt(fn, *args) -> Optional[str]:
 
 
 # ---- save -------------------------------------------------------------------------------------------
-def neurons_at_rest(module: nn.Module) -> List[str]:
+def neurons_holding_state(module: nn.Module) -> List[str]:
     """Paths of the stateful neurons that hold state (not at their reset value). Registered classes
     (``register_stateful``) cannot be inspected and count as at rest."""
     busy = []
@@ -213,7 +213,8 @@ def neurons_at_rest(module: nn.Module) -> List[str]:
             held = any(torch.count_nonzero(b) for b in state if isinstance(b, torch.Tensor))
         elif library == "spikingjelly":
             rest = m._memories_rv if hasattr(m, "_memories_rv") else {}
-            held = any(isinstance(v, torch.Tensor) and not torch.all(v == rest.get(k, 0)) for k, v in m._memories.items())
+            held = any(isinstance(v, torch.Tensor) and not torch.all(v == rest.get(k, 0))
+                       for k, v in m._memories.items())
         else:
             held = False
         if held:
@@ -226,8 +227,8 @@ def _check_target(path: Path, overwrite: bool) -> None:
         raise CheckpointError(f"{path} already exists; pass overwrite=True to replace it (or choose another path)")
     if path.exists() and not (path / MANIFEST).is_file():
         raise CheckpointError(f"{path} exists and is not a checkpoint (no {MANIFEST}); refusing to replace it")
-    if not path.parent.is_dir():
-        raise CheckpointError(f"the parent directory {path.parent} of the checkpoint does not exist")
+    if path.parent.exists() and not path.parent.is_dir():
+        raise CheckpointError(f"the parent {path.parent} of the checkpoint is a file, not a directory")
 
 
 def _check_save_inputs(runtime, path: Path, step: int, extra: Any, overwrite: bool, allow_mid_sequence: bool) -> None:
@@ -237,7 +238,7 @@ def _check_save_inputs(runtime, path: Path, step: int, extra: Any, overwrite: bo
         json.dumps(extra)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"extra must be JSON-serialisable (it is stored in {MANIFEST}): {exc}") from None
-    busy = [] if allow_mid_sequence else neurons_at_rest(runtime.module)
+    busy = [] if allow_mid_sequence else neurons_holding_state(runtime.module)
     if busy:
         raise CheckpointError(
             f"neuron state is not at rest in {busy[:3]}{' ...' if len(busy) > 3 else ''}: a checkpoint does not hold "
@@ -284,8 +285,9 @@ def save_checkpoint(runtime, path, optimizer=None, step: int = 0, extra: Any = N
     _agree(_attempt(_check_save_inputs, runtime, path, step, extra, overwrite, allow_mid_sequence))
     tmp = path.parent / f".{path.name}.partial"
     if _rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    _agree(None)  # the stale partial directory is gone before anyone writes
+    _agree(None)  # the parent exists and the stale partial directory is gone before anyone writes
     module = runtime.module
     state = {f"model.{p}": _saveable(o, n, t) for p, o, n, t in _tensors(module)}
     if optimizer is not None:
@@ -293,7 +295,7 @@ def save_checkpoint(runtime, path, optimizer=None, step: int = 0, extra: Any = N
     state[f"rng.{_rank()}"] = torch.get_rng_state()
     if torch.cuda.is_available() and runtime.device.type == "cuda":
         state[f"rng_cuda.{_rank()}"] = torch.cuda.get_rng_state(runtime.device)
-    dcp.save(state, checkpoint_id=str(tmp))
+    dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed())
     manifest = _manifest(runtime, optimizer, step, extra, model_tensor_shapes(module))
     _agree(_attempt(_publish, tmp, path, manifest) if _rank() == 0 else None)
     return path
@@ -469,7 +471,7 @@ def load_checkpoint(runtime, path, optimizer=None) -> LoadedCheckpoint:
     restore_rng = manifest["world_size"] == _world() and all(k in saved for k in rng_keys)
     if restore_rng:
         state.update({k: torch.empty(saved[k].size, dtype=saved[k].properties.dtype) for k in rng_keys})
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
     with torch.no_grad():
         for owner, name, tensor, dest in targets.values():
             if _kept_whole(owner):

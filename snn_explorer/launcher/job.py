@@ -23,7 +23,8 @@ def _train(job: dict, plan_data: dict, backend: str) -> list:
     from .plan_run import train_plan_rank
 
     return train_plan_rank(job["model"], plan_data, job["train_fn"], job["steps"], job["dataset"],
-                           device_type_for(backend), job["optimizer"], job["seed"], job["train_kwargs"])
+                           device_type_for(backend), job["optimizer"], job["seed"], job["train_kwargs"],
+                           job.get("checkpoints"))
 
 
 def _write(out: str, rank: int, history: list) -> None:

@@ -88,23 +88,33 @@ def train_plan_rank(model, plan_data: dict, train_fn: Callable, steps: int, data
     return history
 
 
-def _checkpoint_spec(model, plan, checkpoint_dir, checkpoint_every) -> Optional[dict]:
-    """``{"dir", "every"}`` checked before any rank starts (None without checkpoints)."""
+def checkpoint_settings(checkpoint_dir, checkpoint_every) -> Optional[dict]:
+    """``{"dir", "every"}`` for the ranks (None without checkpoints); both or neither must be given."""
     if checkpoint_dir is None and checkpoint_every is None:
         return None
     if checkpoint_dir is None or checkpoint_every is None:
         raise ValueError("checkpoint_dir and checkpoint_every go together: give both or neither")
     import os
 
+    return {"dir": os.fspath(checkpoint_dir), "every": positive_int("checkpoint_every", checkpoint_every)}
+
+
+def _checkpoint_spec(model, plan, checkpoint_dir, checkpoint_every) -> Optional[dict]:
+    """:func:`checkpoint_settings` with an absolute directory, created, and its latest checkpoint
+    checked against the model and plan before any rank starts."""
+    import os
+
     from ..core.checkpoint import check_checkpoint, latest_checkpoint
 
-    every = positive_int("checkpoint_every", checkpoint_every)
-    path = os.path.abspath(os.fspath(checkpoint_dir))
-    os.makedirs(path, exist_ok=True)
-    latest = latest_checkpoint(path)
+    settings = checkpoint_settings(checkpoint_dir, checkpoint_every)
+    if settings is None:
+        return None
+    settings["dir"] = os.path.abspath(settings["dir"])
+    os.makedirs(settings["dir"], exist_ok=True)
+    latest = latest_checkpoint(settings["dir"])
     if latest is not None:
         check_checkpoint(latest, model, plan)
-    return {"dir": path, "every": every}
+    return settings
 
 
 def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None,
