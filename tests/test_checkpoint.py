@@ -212,8 +212,17 @@ def test_optimizer_state_survives_resharding_exactly(round_trips):
             assert torch.equal(saved[key], again[key]), f"{name} {src} -> {dst}: {key} differs"
 
 
+def _trains_like_one_process(name, key):
+    """The VGG and Spikformer have BatchNorm: under a plan with dp > 1 each rank normalises its own
+    share of the batch (no SyncBatchNorm), so their training differs from one process by design."""
+    return name == "mlp" or PLANS[key][0].get("dp", 1) == 1
+
+
 def test_training_continued_after_load_equals_uninterrupted(round_trips):
-    for (name, src, dst), res in round_trips["results"].items():
+    cases = {c: r for c, r in round_trips["results"].items()
+             if _trains_like_one_process(c[0], c[1]) and _trains_like_one_process(c[0], c[2])}
+    assert {n for n, _, _ in cases} == {"mlp", "vgg", "spikformer"}
+    for (name, src, dst), res in cases.items():
         want = round_trips["references"][name]["params"]
         assert res["continued"].keys() == want.keys()
         for param, value in want.items():

@@ -395,7 +395,8 @@ def latest_checkpoint(directory) -> Optional[Path]:
     directory = Path(directory)
     if not directory.is_dir():
         return None
-    steps = sorted((p for p in directory.iterdir() if p.name.startswith(STEP_PREFIX) and p.name[5:].isdigit()
+    steps = sorted((p for p in directory.iterdir() if p.name.startswith(STEP_PREFIX)
+                    and p.name[len(STEP_PREFIX):].isdigit()
                     and (p / MANIFEST).is_file()), key=lambda p: int(p.name[len(STEP_PREFIX):]))
     return steps[-1] if steps else None
 

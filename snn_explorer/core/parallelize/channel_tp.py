@@ -193,12 +193,6 @@ def full_shape(owner: nn.Module, name: str, tensor: torch.Tensor) -> torch.Size:
     return torch.Size(shape)
 
 
-def is_channel_shard(owner: nn.Module, name: str) -> bool:
-    """Whether ``owner.name`` is a plain tensor holding this rank's channel / head shard."""
-    info = getattr(owner, "_snn_tp_shards", None)
-    return info is not None and name in info.dims
-
-
 def local_shard(owner: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`full_tensor`: this rank's shard of ``full`` (model row order) as
     ``owner.name`` holds it (rows reordered, then split). No collective."""
