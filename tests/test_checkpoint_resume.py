@@ -1,8 +1,9 @@
-"""launch_plan with checkpoint_dir / checkpoint_every: a rank SIGKILLed mid-step, the launch repeated,
-training resumed from the last complete checkpoint equals an uninterrupted run."""
+"""launch_plan with checkpoint_dir / checkpoint_every / max_restarts: a rank SIGKILLed mid-step, the
+group restarted, training resumed from the last complete checkpoint equals an uninterrupted run."""
 import os
 import signal
 
+import psutil
 import pytest
 import torch
 from torch import nn
@@ -12,15 +13,16 @@ from snn_explorer.core.checkpoint import latest_checkpoint, read_manifest
 from snn_explorer.ranks import LaunchError
 from snn_explorer.zoo import build
 
-STEPS = 6
+STEPS = 10
+KILLED_STEP = 6  # the 7th of 10, after the checkpoint of step 6
 
 
 def _step(runtime, step, batch, state, inputs, labels, kill_marker=None):
     share, start = runtime.plan.per_rank_batch, runtime.dp_rank * runtime.plan.per_rank_batch
     loss, _ = runtime.forward_loss(nn.CrossEntropyLoss(), inputs[:, start:start + share], labels[start:start + share])
-    if kill_marker and step == 4 and runtime.dp_rank == 1 and not os.path.exists(kill_marker):
+    if kill_marker and step == KILLED_STEP and runtime.dp_rank == 1 and not os.path.exists(kill_marker):
         open(kill_marker, "w").close()
-        os.kill(os.getpid(), signal.SIGKILL)  # in the middle of step 5 of 6, after the forward
+        os.kill(os.getpid(), signal.SIGKILL)  # in the middle of the step, after the forward
     state["optimizer"].zero_grad()
     loss.backward()
     state["optimizer"].step()
@@ -38,12 +40,28 @@ def test_a_killed_rank_resumes_from_the_last_complete_checkpoint(tmp_path):
     assert len(set(whole)) == STEPS  # training moves the loss
     ckpt, marker = tmp_path / "ckpt", str(tmp_path / "killed")
     faulty = dict(train_kwargs={**data, "kill_marker": marker}, checkpoint_dir=ckpt, checkpoint_every=2, **kw)
-    with pytest.raises(LaunchError, match="rank 1"):
+    with pytest.raises(LaunchError, match="rank 1"):  # without restarts the fault ends the launch
         se.launch_plan(model, plan, _step, **faulty)
-    assert latest_checkpoint(ckpt).name == "step-000004" and read_manifest(latest_checkpoint(ckpt))["step"] == 4
+    assert latest_checkpoint(ckpt).name == "step-000006" and read_manifest(latest_checkpoint(ckpt))["step"] == 6
     assert not [p.name for p in ckpt.iterdir() if p.name.endswith(".partial")] or \
-        latest_checkpoint(ckpt).name == "step-000004"  # an unfinished write is never the latest
-    resumed = se.launch_plan(model, plan, _step, **faulty).losses[0]
-    assert len(resumed) == STEPS - 4
-    assert resumed == pytest.approx(whole[4:], abs=1e-12)
-    assert latest_checkpoint(ckpt).name == f"step-{STEPS:06d}"
+        latest_checkpoint(ckpt).name == "step-000006"  # an unfinished write is never the latest
+    resumed = se.launch_plan(model, plan, _step, **faulty).losses[0]  # launched again by hand
+    assert resumed == pytest.approx(whole[KILLED_STEP:], abs=1e-12)
+
+    restarted_dir, marker = tmp_path / "restarted", str(tmp_path / "killed-again")
+    restarted = se.launch_plan(model, plan, _step, train_kwargs={**data, "kill_marker": marker},
+                               checkpoint_dir=restarted_dir, checkpoint_every=2, max_restarts=1, **kw)
+    assert os.path.exists(marker) and restarted.restarts == 1 and "rank 1" in restarted.faults[0]
+    assert restarted.losses[0] == pytest.approx(whole[KILLED_STEP:], abs=1e-12)
+    assert latest_checkpoint(restarted_dir).name == f"step-{STEPS:06d}"
+    assert not psutil.Process().children(recursive=True), "no rank or agent outlives the launch"
+
+
+def test_max_restarts_needs_checkpoints_to_resume_from():
+    zoo = build("mlp")
+    plan = se.plan(analysis=se.analyze(zoo.model), objective="speed", topology={"dp": 2}, mode="dp",
+                   batch_size=zoo.batch_size)
+    with pytest.raises(ValueError, match="max_restarts=2 needs checkpoint_dir and checkpoint_every"):
+        se.launch_plan(zoo.model, plan, _step, max_restarts=2)
+    with pytest.raises(ValueError, match=r"max_restarts=-1 must be a non-negative int"):
+        se.launch_plan(zoo.model, plan, _step, max_restarts=-1)

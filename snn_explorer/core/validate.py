@@ -17,6 +17,13 @@ def positive_int(name: str, value: Any, *, maximum: Optional[int] = None, what: 
     return int(value)
 
 
+def non_negative_int(name: str, value: Any, *, what: str = "") -> int:
+    """``value`` if it is an int >= 0 (bools refused), else ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name}={value!r} must be a non-negative int{_what(what)}")
+    return int(value)
+
+
 def positive_number(name: str, value: Any, *, what: str = "", allow_none: bool = False) -> Optional[float]:
     """``value`` if it is a finite real number > 0 (bools and NaN refused), else ValueError."""
     if value is None and allow_none:

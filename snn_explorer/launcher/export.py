@@ -11,7 +11,7 @@ from typing import Callable, Dict, Optional, Union
 import cloudpickle
 
 from ..core.neurons import registered_stateful
-from ..core.validate import positive_int
+from ..core.validate import non_negative_int, positive_int
 from .plan_run import DEFAULT_OPTIMIZER, checkpoint_settings
 from .private_files import SCRIPT_MODE, PrivateDir
 
@@ -123,8 +123,7 @@ def export_job(plan, train_script_or_fn: Union[str, os.PathLike, Callable], path
     if gpus_per_node is not None and gpus_per_node != 0:
         gpus_per_node = positive_int("gpus_per_node", gpus_per_node, what="0 or None requests none")
     port = _port(port)
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, numbers.Integral) or max_restarts < 0:
-        raise ValueError(f"max_restarts={max_restarts!r} must be a non-negative int")
+    max_restarts = non_negative_int("max_restarts", max_restarts)
     checkpoints = checkpoint_settings(checkpoint_dir, checkpoint_every)
     if checkpoints is not None and not callable(train_script_or_fn):
         raise ValueError("checkpoint_dir / checkpoint_every need a step function; a training script saves its own "
@@ -142,7 +141,7 @@ def export_job(plan, train_script_or_fn: Union[str, os.PathLike, Callable], path
             raise FileNotFoundError(f"training script {source!r} does not exist")
     with PrivateDir(path) as job_dir:
         return _write(job_dir, plan, source, nnodes, nproc_per_node, port, words,
-                      gpus_per_node or 0, int(max_restarts),
+                      gpus_per_node or 0, max_restarts,
                       dict(model=model, train_fn=train_script_or_fn, steps=steps, dataset=dataset,
                            optimizer=optimizer, seed=seed, train_kwargs=train_kwargs, checkpoints=checkpoints))
 

@@ -5,8 +5,8 @@ import dataclasses
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 from ..core.parallelize.mesh import device_type_for
-from ..core.validate import UNSET, positive_int, renamed_keyword
-from ..ranks import resolve_backend
+from ..core.validate import UNSET, non_negative_int, positive_int, renamed_keyword
+from ..ranks import LaunchError, resolve_backend
 from ..ranks.progress import _number, report
 from .launching import launch
 from .result import TrainResult
@@ -121,7 +121,7 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
                 optimizer: Optional[dict] = DEFAULT_OPTIMIZER, seed: int = 0, comm_backend: str = "auto",
                 timeout: Optional[float] = 900.0, env: Optional[Mapping[str, str]] = None, progress=True,
                 log_dir: Optional[str] = None, train_kwargs: Optional[dict] = None, checkpoint_dir=None,
-                checkpoint_every: Optional[int] = None, backend=UNSET) -> TrainResult:
+                checkpoint_every: Optional[int] = None, max_restarts: int = 0, backend=UNSET) -> TrainResult:
     """Run ``plan`` for ``model`` on ``plan.world_size`` ranks, ``steps`` calls of ``train_fn`` each.
 
     The model travels by value; each rank applies the plan on CPU (gloo) or its own GPU (NCCL),
@@ -147,7 +147,12 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
     ``checkpoint_dir`` with ``checkpoint_every=n``: every ``n`` steps (and after the last) the ranks
     save a checkpoint ``step-000010`` there (see ``runtime.save_checkpoint``), and a launch into a
     directory that already holds one resumes after the latest complete checkpoint (whatever plan
-    wrote it): after a fault, launch again. ``.losses`` then holds the steps this launch made.
+    wrote it). ``.losses`` then holds the steps this launch made.
+
+    ``max_restarts=k`` (needs ``checkpoint_dir``): when a rank fails (an exception, a crash, a
+    kill, a timeout), every rank is ended and the group starts again, up to ``k`` times, resuming
+    after the latest complete checkpoint, as torch elastic restarts a group; ``.faults`` lists
+    what ended each failed attempt. The final failure is raised when restarts run out.
     """
     from ..core import SNNDistributedPlan, preflight
 
@@ -156,10 +161,29 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
     positive_int("steps", steps)
     preflight(model, plan)
     checkpoints = _checkpoint_spec(model, plan, checkpoint_dir, checkpoint_every)
+    max_restarts = restart_count(max_restarts, checkpoints)
     backend = resolve_backend(renamed_keyword("comm_backend", comm_backend, "auto", "backend", backend),
                               plan.world_size)
-    result = launch(train_plan_rank, model, plan.to_dict(), train_fn, steps, dataset,
-                    device_type_for(backend), optimizer, seed, train_kwargs, checkpoints,
-                    nprocs=plan.world_size, comm_backend=backend, timeout=timeout, env=env, progress=progress,
-                    log_dir=log_dir)
-    return TrainResult(**{f.name: getattr(result, f.name) for f in dataclasses.fields(result)})
+    faults: List[str] = []
+    while True:
+        try:
+            result = launch(train_plan_rank, model, plan.to_dict(), train_fn, steps, dataset,
+                            device_type_for(backend), optimizer, seed, train_kwargs, checkpoints,
+                            nprocs=plan.world_size, comm_backend=backend, timeout=timeout, env=env,
+                            progress=progress, log_dir=log_dir)
+            break
+        except LaunchError as error:
+            if len(faults) == max_restarts:
+                raise
+            faults.append(str(error).splitlines()[0])
+    fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+    return TrainResult(**fields, faults=tuple(faults))
+
+
+def restart_count(max_restarts, checkpoints: Optional[dict]) -> int:
+    """``max_restarts`` checked: a non-negative int, and above 0 only with checkpoints to resume from."""
+    max_restarts = non_negative_int("max_restarts", max_restarts)
+    if max_restarts and checkpoints is None:
+        raise ValueError(f"max_restarts={max_restarts} needs checkpoint_dir and checkpoint_every: a restarted "
+                         "group resumes from the latest checkpoint")
+    return max_restarts
