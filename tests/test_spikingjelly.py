@@ -255,3 +255,24 @@ def test_estimate_matches_measure_for_fused_qkv_head_aligned_tp():
         assert (per_rank[f"{col}_est"] == per_rank[f"{col}_meas"]).all(), col
     assert len(coll) and (coll["count_rel_err"] == 0).all() and (coll["bytes_rel_err"] == 0).all()
     assert per_rank["peak_bytes_rel_err"].abs().max() <= 0.10
+
+
+def test_explorer_tables_shard_what_plan_shards_on_the_spikformer():
+    """One decision: with the attention gate on, the Explorer's default layout (its module and
+    candidate tables) is the layout plan() builds, for every gate combination."""
+    import snn_explorer as se
+    from snn_explorer import Explorer
+
+    model = jelly_spikformer()
+    ex = Explorer(model, example_input=spikformer_input())
+    for heads in (False, True):
+        for conv in (False, True):
+            features = se.DistributedFeatureSet(allow_experimental_spikformer_tp=heads, allow_experimental_conv_tp=conv)
+            plan = ex.make_plan(objective="memory", topology={"tp": 2}, mode="tp", features=features)
+            layout = ex.default_tp_plan(features)
+            assert layout == dict(plan.tensor_parallel_plan), (heads, conv)
+            dp_plan = ex.make_plan(objective="memory", topology={"dp": 2}, mode="dp", features=features)
+            for shown_for in (plan, dp_plan):  # a plan without TP shows the layout TP would get
+                shown = ex.modules_for(shown_for).set_index("path")["tp_style"]
+                assert dict(shown[shown != ""]) == layout, (heads, conv, shown_for.mode)
+    assert "qkv_colwise" in layout.values() and len(layout) >= 8
