@@ -305,6 +305,8 @@ class Explorer:
     def __repr__(self) -> str:
         a = self.analysis
         count = sum(1 for n, _ in self.model.named_modules() if n)
-        return (f"Explorer({type(self.model).__name__}: {count} modules, {len(a.memory_module_names)} stateful, "
+        other = len(a.memory_module_names) - len(a.neuron_names)  # dropout masks: stateful, but no neurons
+        kinds = f" ({len(a.neuron_names)} neurons, {other} other)" if other else ""
+        return (f"Explorer({type(self.model).__name__}: {count} modules, {len(a.memory_module_names)} stateful{kinds}, "
                 f"{len(a.tensor_parallel_candidate_names)} TP candidates, family={a.model_family}, "
                 f"{len(self._plans)} plans)")
