@@ -30,16 +30,50 @@ def _plain():
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)), torch.randn(3, 4, 16), torch.arange(4) % 8
 
 
+def _wide_jelly():
+    """A plain chain of wide spikingjelly layer.Linear (multi-step): FSDP2's units are the Linears,
+    two of which dominate."""
+    from spikingjelly.activation_based import functional, layer, neuron
+
+    torch.manual_seed(0)
+    model = nn.Sequential(layer.Linear(64, 1024), neuron.LIFNode(), layer.Linear(1024, 1024), neuron.LIFNode(),
+                          layer.Linear(1024, 1024), neuron.LIFNode(), layer.Linear(1024, 10))
+    functional.set_step_mode(model, "m")
+    return model, torch.rand(2, 4, 64, generator=torch.Generator().manual_seed(1)) * 2, torch.arange(4) % 10
+
+
+class _DominantClassifier(nn.Module):
+    """VGG-style: a small conv feature stack, then a classifier whose first Linear (4096 x 1024)
+    holds most of the parameters (VGG's 25088 x 4096, scaled down)."""
+
+    def __init__(self):
+        super().__init__()
+        import snntorch as snn
+
+        self.features = nn.Sequential(nn.Conv2d(2, 16, 3, padding=1), nn.BatchNorm2d(16),
+                                      snn.Leaky(beta=0.9, init_hidden=True), nn.AvgPool2d(2))
+        self.classifier = nn.Sequential(nn.Linear(16 * 16 * 16, 1024), snn.Leaky(beta=0.9, init_hidden=True),
+                                        nn.Linear(1024, 10))
+
+    def forward(self, x):
+        return torch.stack([self.classifier(self.features(x_t).flatten(1)) for x_t in x])
+
+
+def _dominant():
+    torch.manual_seed(0)
+    return _DominantClassifier(), torch.rand(2, 4, 2, 32, 32, generator=torch.Generator().manual_seed(1)), \
+        torch.arange(4) % 10
+
+
+BUILDERS = {"padded": _padded_mlp, "plain": _plain, "wide_jelly": _wide_jelly, "dominant": _dominant}
+
 #: Gates of the experimental TP styles (channel-sharded convolutions, head-aligned attention).
 EXPERIMENTAL = se.DistributedFeatureSet(allow_experimental_conv_tp=True, allow_experimental_spikformer_tp=True)
 
 
 def _case(name, world, objectives=("speed",), optimizer="adam", features=None):
-    if name == "padded":
-        model, x, y = _padded_mlp()
-        family = "generic"
-    elif name == "plain":
-        model, x, y = _plain()
+    if name in BUILDERS:
+        model, x, y = BUILDERS[name]()
         family = "generic"
     else:
         zoo = build(name)
@@ -62,6 +96,8 @@ CASES = {
     "vgg-4": ("vgg", 4, ("speed", "memory"), "adam"),
     "padded-4": ("padded", 4, ("speed",), "adamw"),
     "plain-2": ("plain", 2, ("speed",), "sgd"),
+    "wide_jelly-2": ("wide_jelly", 2, ("speed", "memory"), "adam"),
+    "dominant-2": ("dominant", 2, ("speed", "memory"), "adam"),
     "vgg-conv-tp-4": ("vgg", 4, ("speed",), "adam", EXPERIMENTAL),
     "spikformer-heads-tp-2": ("spikformer", 2, ("speed",), "adam", EXPERIMENTAL),
 }
@@ -115,6 +151,19 @@ def test_fsdp2_peaks_follow_its_buffers():
     for plan, est, meas in res:
         err = compare_estimate(est, meas)["per_rank"]["peak_bytes_rel_err"]
         assert err.abs().max() <= 0.01, f"{plan}: peak errors per rank {list(err.round(3))}"
+
+
+@pytest.mark.parametrize("key", ["wide_jelly-2", "dominant-2"])
+def test_fsdp2_peaks_with_one_dominant_weight(key):
+    """Models outside the zoo whose FSDP2 units hold one or two very large weights: the replay
+    frees the unsharded parameters before the reduce-scatter input (torch reshards first) and keeps
+    the previous all-gather output until the copy-out ends, so every peak is within 5 % (it was
+    one extra shard of the largest weight over, ~11 %)."""
+    res = [r for r in results(key) if r[0].uses_fsdp]
+    assert {p.memopt_level for p, _, _ in res} == {0, 1}
+    for plan, est, meas in res:
+        err = compare_estimate(est, meas)["per_rank"]["peak_bytes_rel_err"]
+        assert err.abs().max() <= 0.05, f"{plan}: peak errors per rank {list(err.round(3))}"
 
 
 @pytest.mark.parametrize("key", ["mlp-2", "vgg-2"])
