@@ -12,6 +12,8 @@ import snn_explorer as se
 from snn_explorer.estimator import compare_estimate, enumerate_plans, estimate, measure_many
 from snn_explorer.zoo import SpikingMLP, build
 
+from models import dominant_classifier, wide_jelly
+
 PEAK_TOL = 0.10
 EXACT = ("params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes")
 
@@ -30,42 +32,7 @@ def _plain():
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)), torch.randn(3, 4, 16), torch.arange(4) % 8
 
 
-def _wide_jelly():
-    """A plain chain of wide spikingjelly layer.Linear (multi-step): FSDP2's units are the Linears,
-    two of which dominate."""
-    from spikingjelly.activation_based import functional, layer, neuron
-
-    torch.manual_seed(0)
-    model = nn.Sequential(layer.Linear(64, 1024), neuron.LIFNode(), layer.Linear(1024, 1024), neuron.LIFNode(),
-                          layer.Linear(1024, 1024), neuron.LIFNode(), layer.Linear(1024, 10))
-    functional.set_step_mode(model, "m")
-    return model, torch.rand(2, 4, 64, generator=torch.Generator().manual_seed(1)) * 2, torch.arange(4) % 10
-
-
-class _DominantClassifier(nn.Module):
-    """VGG-style: a small conv feature stack, then a classifier whose first Linear (4096 x 1024)
-    holds most of the parameters (VGG's 25088 x 4096, scaled down)."""
-
-    def __init__(self):
-        super().__init__()
-        import snntorch as snn
-
-        self.features = nn.Sequential(nn.Conv2d(2, 16, 3, padding=1), nn.BatchNorm2d(16),
-                                      snn.Leaky(beta=0.9, init_hidden=True), nn.AvgPool2d(2))
-        self.classifier = nn.Sequential(nn.Linear(16 * 16 * 16, 1024), snn.Leaky(beta=0.9, init_hidden=True),
-                                        nn.Linear(1024, 10))
-
-    def forward(self, x):
-        return torch.stack([self.classifier(self.features(x_t).flatten(1)) for x_t in x])
-
-
-def _dominant():
-    torch.manual_seed(0)
-    return _DominantClassifier(), torch.rand(2, 4, 2, 32, 32, generator=torch.Generator().manual_seed(1)), \
-        torch.arange(4) % 10
-
-
-BUILDERS = {"padded": _padded_mlp, "plain": _plain, "wide_jelly": _wide_jelly, "dominant": _dominant}
+BUILDERS = {"padded": _padded_mlp, "plain": _plain, "wide_jelly": wide_jelly, "dominant": dominant_classifier}
 
 #: Gates of the experimental TP styles (channel-sharded convolutions, head-aligned attention).
 EXPERIMENTAL = se.DistributedFeatureSet(allow_experimental_conv_tp=True, allow_experimental_spikformer_tp=True)
