@@ -118,11 +118,6 @@ def state_kind(module: nn.Module) -> Optional[str]:
     return DROPOUT_MASK if library == "spikingjelly" and _is_spikingjelly_dropout(module) else NEURON
 
 
-def is_neuron(module: nn.Module) -> bool:
-    """A stateful neuron (not a dropout mask): what counts as a neuron."""
-    return state_kind(module) == NEURON
-
-
 def state_description(module: nn.Module) -> str:
     """Which state ``module`` holds between calls and where, in words ('' for none)."""
     library = snn_library(module)
