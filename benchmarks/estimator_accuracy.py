@@ -1,4 +1,5 @@
-"""Estimate vs measured, every mode, on the built-in models; and the time to estimate all plans.
+"""Estimate vs measured, every mode, on the built-in models and two outside the zoo (one dominant
+weight per FSDP2 unit: tests/models.py); and the time to estimate all plans.
 
 Run: ``python benchmarks/estimator_accuracy.py [--worlds 2 4] [--models mlp vgg ...] [--out table.csv]``,
 or ``--speed`` for the time to estimate every plan of 8 ranks for a ~120-module model.
@@ -20,8 +21,27 @@ from snn_explorer.zoo import build
 EXACT = ("params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes")
 
 
+#: Models outside the zoo (tests/models.py): one or two weights dominate their FSDP2 units.
+OUTSIDE = ("wide_jelly", "dominant_classifier")
+
+
+def _model(name: str):
+    """The zoo model ``name``, or one of :data:`OUTSIDE` with the same fields."""
+    if name not in OUTSIDE:
+        return build(name)
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import models
+
+    model, x, y = getattr(models, name)()
+    return SimpleNamespace(model=model, example_input=x, labels=y, family="generic", batch_size=x.shape[1])
+
+
 def rows_for(name: str, world: int, objectives, optimizer: str):
-    zoo = build(name)
+    zoo = _model(name)
     analysis = se.analyze(zoo.model, model_family=zoo.family)
     plans = list(dict.fromkeys(p for obj in objectives for p in enumerate_plans(
         analysis, world_size=world, batch_size=zoo.batch_size, objective=obj)))
@@ -81,7 +101,8 @@ def speed_rows(world: int = 8, repeats: int = 3):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["mlp", "mlp_all_steps", "vgg", "spikformer"])
+    parser.add_argument("--models", nargs="+", default=["mlp", "mlp_all_steps", "vgg", "spikformer", *OUTSIDE],
+                        help=f"zoo names, or {', '.join(OUTSIDE)} (models outside the zoo, from tests/models.py)")
     parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--objectives", nargs="+", default=["speed", "memory"])
     parser.add_argument("--optimizer", default="adam")

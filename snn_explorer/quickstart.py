@@ -46,10 +46,12 @@ def _say(text: str, indent: str = "  ") -> None:
 
 
 def _analysis_lines(analysis) -> List[str]:
-    neurons = ", ".join(analysis.memory_module_names) or "none"
+    neurons = ", ".join(analysis.neuron_names) or "none"
     layers = ", ".join(f"{s.name} ({s.in_features}->{s.out_features})" for s in analysis.linear_shapes
                        if s.name in analysis.tensor_parallel_candidate_names)
-    return [f"{len(analysis.memory_module_names)} stateful neuron module(s), reset before every batch: {neurons}",
+    others = [n for n in analysis.memory_module_names if n not in analysis.neuron_names]
+    return [f"{len(analysis.neuron_names)} stateful neuron module(s), reset before every batch: {neurons}"
+            + (f" (and {len(others)} other stateful module(s): {', '.join(others)})" if others else ""),
             f"{len(analysis.tensor_parallel_candidate_names)} Linear layer(s) tensor parallelism can split: {layers or 'none'}"]
 
 

@@ -39,3 +39,37 @@ def gather_over_dp(runtime, out: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(out) for _ in range(runtime.plan.dp_size)]
     dist.all_gather(parts, out.detach().contiguous(), group=runtime.mesh.get_group("dp"))
     return torch.cat(parts, dim=1)
+
+
+def wide_jelly():
+    """(model, input, labels): a plain chain of wide spikingjelly layer.Linear (multi-step); FSDP2's
+    units are the Linears, two of which dominate (estimator accuracy tests and benchmark)."""
+    from spikingjelly.activation_based import functional, layer, neuron
+
+    torch.manual_seed(0)
+    model = nn.Sequential(layer.Linear(64, 1024), neuron.LIFNode(), layer.Linear(1024, 1024), neuron.LIFNode(),
+                          layer.Linear(1024, 1024), neuron.LIFNode(), layer.Linear(1024, 10))
+    functional.set_step_mode(model, "m")
+    return model, torch.rand(2, 4, 64, generator=torch.Generator().manual_seed(1)) * 2, torch.arange(4) % 10
+
+
+class _DominantClassifier(nn.Module):
+    """VGG-style: a small conv feature stack, then a classifier whose first Linear (4096 x 1024)
+    holds most of the parameters (VGG's 25088 x 4096, scaled down)."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(2, 16, 3, padding=1), nn.BatchNorm2d(16),
+                                      leaky(), nn.AvgPool2d(2))
+        self.classifier = nn.Sequential(nn.Linear(16 * 16 * 16, 1024), leaky(),
+                                        nn.Linear(1024, 10))
+
+    def forward(self, x):
+        return torch.stack([self.classifier(self.features(x_t).flatten(1)) for x_t in x])
+
+
+def dominant_classifier():
+    """(model, input [2, 4, 2, 32, 32], labels) of :class:`_DominantClassifier`."""
+    torch.manual_seed(0)
+    return _DominantClassifier(), torch.rand(2, 4, 2, 32, 32, generator=torch.Generator().manual_seed(1)), \
+        torch.arange(4) % 10

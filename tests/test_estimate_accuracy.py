@@ -12,6 +12,8 @@ import snn_explorer as se
 from snn_explorer.estimator import compare_estimate, enumerate_plans, estimate, measure_many
 from snn_explorer.zoo import SpikingMLP, build
 
+from models import dominant_classifier, wide_jelly
+
 PEAK_TOL = 0.10
 EXACT = ("params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes")
 
@@ -30,16 +32,15 @@ def _plain():
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)), torch.randn(3, 4, 16), torch.arange(4) % 8
 
 
+BUILDERS = {"padded": _padded_mlp, "plain": _plain, "wide_jelly": wide_jelly, "dominant": dominant_classifier}
+
 #: Gates of the experimental TP styles (channel-sharded convolutions, head-aligned attention).
 EXPERIMENTAL = se.DistributedFeatureSet(allow_experimental_conv_tp=True, allow_experimental_spikformer_tp=True)
 
 
 def _case(name, world, objectives=("speed",), optimizer="adam", features=None):
-    if name == "padded":
-        model, x, y = _padded_mlp()
-        family = "generic"
-    elif name == "plain":
-        model, x, y = _plain()
+    if name in BUILDERS:
+        model, x, y = BUILDERS[name]()
         family = "generic"
     else:
         zoo = build(name)
@@ -62,6 +63,8 @@ CASES = {
     "vgg-4": ("vgg", 4, ("speed", "memory"), "adam"),
     "padded-4": ("padded", 4, ("speed",), "adamw"),
     "plain-2": ("plain", 2, ("speed",), "sgd"),
+    "wide_jelly-2": ("wide_jelly", 2, ("speed", "memory"), "adam"),
+    "dominant-2": ("dominant", 2, ("speed", "memory"), "adam"),
     "vgg-conv-tp-4": ("vgg", 4, ("speed",), "adam", EXPERIMENTAL),
     "spikformer-heads-tp-2": ("spikformer", 2, ("speed",), "adam", EXPERIMENTAL),
 }
@@ -115,6 +118,19 @@ def test_fsdp2_peaks_follow_its_buffers():
     for plan, est, meas in res:
         err = compare_estimate(est, meas)["per_rank"]["peak_bytes_rel_err"]
         assert err.abs().max() <= 0.01, f"{plan}: peak errors per rank {list(err.round(3))}"
+
+
+@pytest.mark.parametrize("key", ["wide_jelly-2", "dominant-2"])
+def test_fsdp2_peaks_with_one_dominant_weight(key):
+    """Models outside the zoo whose FSDP2 units hold one or two very large weights: the replay
+    frees the unsharded parameters before the reduce-scatter input (torch reshards first) and keeps
+    the previous all-gather output until the copy-out ends, so every peak is within 5 % (it was
+    one extra shard of the largest weight over, ~11 %)."""
+    res = [r for r in results(key) if r[0].uses_fsdp]
+    assert {p.memopt_level for p, _, _ in res} == {0, 1}
+    for plan, est, meas in res:
+        err = compare_estimate(est, meas)["per_rank"]["peak_bytes_rel_err"]
+        assert err.abs().max() <= 0.05, f"{plan}: peak errors per rank {list(err.round(3))}"
 
 
 @pytest.mark.parametrize("key", ["mlp-2", "vgg-2"])

@@ -56,8 +56,10 @@ def test_detects_and_resets_spikingjelly_neurons():
 
     model = jelly_mlp("m").double()
     analysis = se.analyze(model)
-    # spikingjelly's Dropout keeps its mask across time steps: a memory module too
+    # spikingjelly's Dropout keeps its mask across time steps: stateful (reset), but no neuron
     assert dict(analysis.snn_libraries) == {"1": "spikingjelly", "3": "spikingjelly", "4": "spikingjelly"}
+    assert analysis.neuron_names == ("1", "3")
+    assert dict(analysis.state_kinds) == {"1": "neuron", "3": "neuron", "4": "dropout mask"}
     assert analysis.tp_chains == (("0", "1", "2.0", "3", "4", "5"),)  # SeqToANNContainer is a Sequential
     model(jelly_input())
     assert isinstance(model[1].v, torch.Tensor) and model[1].v.abs().sum() > 0
@@ -255,3 +257,51 @@ def test_estimate_matches_measure_for_fused_qkv_head_aligned_tp():
         assert (per_rank[f"{col}_est"] == per_rank[f"{col}_meas"]).all(), col
     assert len(coll) and (coll["count_rel_err"] == 0).all() and (coll["bytes_rel_err"] == 0).all()
     assert per_rank["peak_bytes_rel_err"].abs().max() <= 0.10
+
+
+def test_explorer_tables_shard_what_plan_shards_on_the_spikformer():
+    """One decision: with the attention gate on, the Explorer's default layout (its module and
+    candidate tables) is the layout plan() builds, for every gate combination."""
+    import snn_explorer as se
+    from snn_explorer import Explorer
+
+    model = jelly_spikformer()
+    ex = Explorer(model, example_input=spikformer_input())
+    for heads in (False, True):
+        for conv in (False, True):
+            features = se.DistributedFeatureSet(allow_experimental_spikformer_tp=heads, allow_experimental_conv_tp=conv)
+            plan = ex.make_plan(objective="memory", topology={"tp": 2}, mode="tp", features=features)
+            layout = ex.default_tp_plan(features)
+            assert layout == dict(plan.tensor_parallel_plan), (heads, conv)
+            dp_plan = ex.make_plan(objective="memory", topology={"dp": 2}, mode="dp", features=features)
+            for shown_for in (plan, dp_plan):  # a plan without TP shows the layout TP would get
+                shown = ex.modules_for(shown_for).set_index("path")["tp_style"]
+                assert dict(shown[shown != ""]) == layout, (heads, conv, shown_for.mode)
+    assert "qkv_colwise" in layout.values() and len(layout) >= 8
+
+
+def test_dropout_masks_are_state_but_not_neurons():
+    """A spikingjelly Dropout is reset with the neurons but counted, described and serialised as a
+    dropout mask; an analysis saved before state kinds existed still loads (all its state neurons)."""
+    import snn_explorer as se
+    from snn_explorer import Explorer
+    from snn_explorer.core.neurons import reset_all
+    from spikingjelly.activation_based import functional, layer, neuron
+
+    torch.manual_seed(0)
+    model = nn.Sequential(layer.Linear(16, 32), neuron.LIFNode(), layer.Dropout(0.5), layer.Linear(32, 8))
+    functional.set_step_mode(model, "m")
+    analysis = se.analyze(model)
+    assert analysis.memory_module_names == ("1", "2") and analysis.neuron_names == ("1",)
+    again = se.SNNDistributedAnalysis.from_dict(analysis.to_dict())
+    assert again == analysis and again.neuron_names == ("1",)
+    old = analysis.to_dict()
+    del old["state_kinds"]
+    assert se.SNNDistributedAnalysis.from_dict(old).neuron_names == ("1", "2")
+    table = Explorer(model).modules.set_index("path")
+    assert table.loc["2", "state"].startswith("dropout mask") and table.loc["1", "state"].startswith("neuron state")
+    assert "2 stateful (1 neurons, 1 other)" in repr(Explorer(model))
+    model.train()
+    model(torch.rand(3, 2, 16))
+    assert isinstance(model[2].mask, torch.Tensor)  # drawn at the first step, kept for the others
+    assert reset_all(model) == 2 and model[2].mask is None  # a new batch draws a new mask

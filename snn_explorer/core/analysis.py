@@ -18,7 +18,7 @@ from .serialize import check_keys, check_kind, dataclass_dict, string_tuple, tup
 #: Analysis fields that hold module paths, and those that hold tuples of them (chains, (path, library)).
 _PATHS = ("memory_module_names", "tensor_parallel_candidate_names", "unsupported_tensor_parallel_names", "notes",
           "fsdp_unit_names", "per_feature_neuron_names", "batchnorm_names")
-_PATH_TUPLES = ("snn_libraries", "tp_chains", "conv_chains", "pointwise_chains")
+_PATH_TUPLES = ("snn_libraries", "tp_chains", "conv_chains", "pointwise_chains", "state_kinds")
 
 
 
@@ -79,6 +79,15 @@ class SNNDistributedAnalysis:
     trainable_parameters: Optional[int] = None  # elements of the parameters that require grad (None: unknown)
     #: snntorch neurons whose membrane the model's forward passes explicitly (init_hidden=False)
     explicit_state_names: Tuple[str, ...] = ()
+    #: (path, kind) of each stateful module: "neuron" or "dropout mask" (an old analysis without it: all neurons)
+    state_kinds: Tuple[Tuple[str, str], ...] = ()
+
+    @cached_property
+    def neuron_names(self) -> Tuple[str, ...]:
+        """The stateful modules that are neurons: :attr:`memory_module_names` less dropout masks
+        (which are reset too, but are no neurons)."""
+        kinds = dict(self.state_kinds)
+        return tuple(n for n in self.memory_module_names if kinds.get(n, neurons.NEURON) == neurons.NEURON)
 
     @cached_property
     def _by_name(self) -> dict:
@@ -183,7 +192,7 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
     roots = _validate_roots(model, roots)
     family, family_note = resolve_family(model, model_family)
     notes = [family_note] if family_note else []
-    memory, libraries, per_feature, linears, unsupported, norms, convs = [], [], [], [], [], [], []
+    memory, libraries, kinds, per_feature, linears, unsupported, norms, convs = [], [], [], [], [], [], [], []
     for name, module in model.named_modules():
         if isinstance(module, NORM_TYPES):
             norms.append(name)
@@ -191,6 +200,7 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
         if library and name:
             memory.append(name)
             libraries.append((name, library))
+            kinds.append((name, neurons.state_kind(module)))
         if neurons.is_spiking_neuron(module) and _has_per_feature_state(module):
             per_feature.append(name)
         if not name or not under(name, roots):
@@ -235,4 +245,5 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
         shared_parameter_groups=shared_parameters(model),
         trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         explicit_state_names=explicit,
+        state_kinds=tuple(kinds),
     )

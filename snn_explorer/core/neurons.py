@@ -99,6 +99,25 @@ def reset_function(module: nn.Module) -> Optional[ResetFn]:
     return None
 
 
+#: The kinds of state a stateful module keeps between calls (see :func:`state_kind`).
+NEURON, DROPOUT_MASK = "neuron", "dropout mask"
+
+
+def _is_spikingjelly_dropout(module: nn.Module) -> bool:
+    """spikingjelly's stateful dropout (``layer.Dropout`` / ``Dropout2d``): one mask kept over time steps."""
+    return any(k.__name__.startswith("Dropout") and k.__module__.startswith("spikingjelly")
+               for k in type(module).__mro__)
+
+
+def state_kind(module: nn.Module) -> Optional[str]:
+    """:data:`NEURON`, :data:`DROPOUT_MASK` (state that must be reset but is no neuron), or None
+    for a stateless module. Registered classes are neurons."""
+    library = snn_library(module)
+    if library is None:
+        return None
+    return DROPOUT_MASK if library == "spikingjelly" and _is_spikingjelly_dropout(module) else NEURON
+
+
 def state_description(module: nn.Module) -> str:
     """Which state ``module`` holds between calls and where, in words ('' for none)."""
     library = snn_library(module)
@@ -106,7 +125,7 @@ def state_description(module: nn.Module) -> str:
         return f"registered state ({type(module).__name__}, reset by its reset function)"
     if library == "spikingjelly":
         names = ", ".join(module._memories) or "none yet"
-        kind = "dropout mask, kept over time steps" if "Dropout" in type(module).__name__ else "neuron state"
+        kind = "dropout mask, kept over time steps" if state_kind(module) == DROPOUT_MASK else "neuron state"
         return f"{kind} in the module (spikingjelly memories: {names})"
     if library == "snntorch":
         return "membrane in the module (snntorch init_hidden=True)"
@@ -116,11 +135,13 @@ def state_description(module: nn.Module) -> str:
 
 
 def is_stateful(module: nn.Module) -> bool:
+    """Whether ``module`` keeps state between calls that a reset clears (neurons and dropout masks)."""
     return snn_library(module) is not None
 
 
 def is_spiking_neuron(module: nn.Module) -> bool:
-    """True for stateful neurons and for snntorch neurons with explicit state (``init_hidden=False``)."""
+    """True for stateful modules (neurons and dropout masks: both act element-wise) and for snntorch
+    neurons with explicit state (``init_hidden=False``)."""
     return is_stateful(module) or _is_snntorch_neuron(module)
 
 

@@ -10,7 +10,7 @@ from .plans.families import resolve_family
 from .recommend import (UNSET, check_backend, check_batch_size, check_objective, neuron_backend_arg,
                         recommend_snn_distributed_strategy)
 from .topology import SNNDistributedTopology
-from .tp_plan import auto_tp_plan, check_tied_parameters, check_tp_plan, conv_tp_plan, head_aligned_tp_plan, with_local_neurons
+from .tp_plan import check_tied_parameters, check_tp_plan, default_tp_plan, has_attention, with_local_neurons
 
 #: Modes tried after the recommendation, per objective, when it does not fit (a mode missing
 #: here is tried last).
@@ -44,14 +44,7 @@ def _tp_for(mode: Mode, analysis: SNNDistributedAnalysis, topology: SNNDistribut
     """The TP plan for ``mode`` and the reason it cannot be built (None when it can)."""
     if not mode.tp:
         return {}, None
-    if explicit:
-        tp_plan = with_local_neurons(analysis, explicit)
-    elif features.allow_experimental_spikformer_tp and (analysis.attention_blocks or analysis.fused_attention_blocks):
-        tp_plan = head_aligned_tp_plan(analysis)
-    else:
-        tp_plan = auto_tp_plan(analysis)
-    if features.allow_experimental_conv_tp and not explicit:
-        tp_plan.update(conv_tp_plan(analysis))
+    tp_plan = with_local_neurons(analysis, explicit) if explicit else default_tp_plan(analysis, features)
     if not tp_plan:
         roots = f" under roots {analysis.tensor_parallel_roots}" if analysis.tensor_parallel_roots else ""
         convs = " (conv layers need allow_experimental_conv_tp=True)" if analysis.conv_shapes else ""
@@ -148,7 +141,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
         notes.append("ZeRO optimizer sharding is disabled by DistributedFeatureSet(allow_zero_optimizer=False); "
                      "optimizer_strategy='none'.")
         zero = False
-    if spec.tp and (analysis.attention_blocks or analysis.fused_attention_blocks) \
+    if spec.tp and has_attention(analysis) \
             and not tensor_parallel_plan \
             and not features.allow_experimental_spikformer_tp:
         notes.append("attention is not split by heads (separate q/k/v Linears are each sharded with gathered "

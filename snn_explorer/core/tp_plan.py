@@ -6,8 +6,8 @@ from typing import Dict, Mapping, Sequence
 from .analysis import SNNDistributedAnalysis
 from .styles import SHARDED, STYLES, TP_STYLES, style_of
 
-__all__ = ["TP_STYLES", "auto_tp_plan", "head_aligned_tp_plan", "conv_tp_plan", "with_local_neurons", "check_tp_plan",
-           "check_tied_parameters"]
+__all__ = ["TP_STYLES", "auto_tp_plan", "head_aligned_tp_plan", "conv_tp_plan", "default_tp_plan",
+           "with_local_neurons", "check_tp_plan", "check_tied_parameters"]
 
 
 def _stateful_inside(analysis: SNNDistributedAnalysis, path: str) -> bool:
@@ -46,6 +46,24 @@ def head_aligned_tp_plan(analysis: SNNDistributedAnalysis) -> Dict[str, str]:
     for chain in analysis.pointwise_chains:
         plan.update(_pair(analysis, chain, [p for p in chain if p in linears or p in _conv_names(analysis)]))
     return plan
+
+
+def default_tp_plan(analysis: SNNDistributedAnalysis, features) -> Dict[str, str]:
+    """The TP layout a TP mode gets without an explicit plan under ``features`` (the one decision
+    the planner and the Explorer share): attention by heads when its gate is on and the model has
+    attention, else Linear chains paired; conv chains added under the conv gate."""
+    if features.allow_experimental_spikformer_tp and has_attention(analysis):
+        plan = head_aligned_tp_plan(analysis)
+    else:
+        plan = auto_tp_plan(analysis)
+    if features.allow_experimental_conv_tp:
+        plan.update(conv_tp_plan(analysis))
+    return plan
+
+
+def has_attention(analysis: SNNDistributedAnalysis) -> bool:
+    """Whether the analysis found attention that head-aligned TP can split."""
+    return bool(analysis.attention_blocks or analysis.fused_attention_blocks)
 
 
 def _conv_names(analysis: SNNDistributedAnalysis) -> set:

@@ -4,9 +4,9 @@ FSDP2 allocates outside the model's own ops: each unit's all-gather output (``dp
 chunks, flat), the unsharded parameters copied out of it, the reduce-scatter input (the unit's
 gradients, flat and padded) and the sharded gradient it produces; it frees them at fixed points
 (torch's ``_fsdp_param_group``): in the forward a unit's all-gather output is kept until the next
-unit's copy-out, a unit is resharded after its forward when ``reshard_after_forward`` (never the
-root), re-gathered before its backward, resharded after it, and the last reduce-scatter input is
-kept until the next one; in the backward, the unit whose forward ended before is all-gathered
+unit's copy-out has ended, a unit is resharded after its forward when ``reshard_after_forward`` (never the
+root), re-gathered before its backward, resharded after it (before its reduce-scatter input is
+allocated), and the last reduce-scatter input is kept until the next one; in the backward, the unit whose forward ended before is all-gathered
 ahead (implicit prefetch).
 
 The model runs once per batch size and TP layout: :func:`record` hooks the same points (forward
@@ -111,9 +111,11 @@ class _Replay:
             self.prefetched.discard(path)
         else:
             self._add(unit.flat)
-        if forward and self.kept_gather is not None:
-            self._add(-self.kept_gather)
         self._add(unit.unsharded)  # copied out of the all-gather output
+        if forward and self.kept_gather is not None:
+            # torch drops its reference to the previous all-gather output before the copy-out, but
+            # the local variable that checked it (``prev_all_gather_state``) holds it to the end
+            self._add(-self.kept_gather)
         self.unsharded.add(path)
         if forward:
             self.kept_gather = unit.flat
@@ -171,6 +173,10 @@ class _Replay:
         if path not in self.units:
             return
         self.state[path] = "post_backward"
+        # torch's order: reshard (the unsharded parameters go) before the reduce-scatter input is
+        # allocated; that input is filled from the unsharded gradients, which are freed before
+        # the reduce-scatter output (the new sharded gradient) is allocated.
+        self.reshard_unit(path)
         ready = [n for n in self.params_of.get(path, ()) if n in self.pending]
         if ready:
             unit = self.units[path]
@@ -184,7 +190,6 @@ class _Replay:
                 self._add(unit.shard, buffer=False)
                 self.scattered.add(path)
             self.kept_scatter = unit.flat
-        self.reshard_unit(path)
 
     def end_backward(self) -> None:
         for path in reversed(list(self.units)):

@@ -10,7 +10,7 @@ from torch import nn
 from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze, apply, plan as core_plan
 from ..core.recommend import UNSET, check_backend, neuron_backend_arg
 from ..core.styles import STYLES
-from ..core.tp_plan import auto_tp_plan, conv_tp_plan, head_aligned_tp_plan
+from ..core.tp_plan import default_tp_plan
 from ..core.validate import check_batch_tensor, positive_int
 
 # pandas, matplotlib and the estimator load on first use (see the package docstring).
@@ -73,14 +73,7 @@ class Explorer:
     # ---- the module tree
     def default_tp_plan(self, features: FeaturesLike = None) -> Dict[str, str]:
         """The TP layout a TP mode gets without an explicit plan (what the planner builds)."""
-        features = as_features(features)
-        if features.allow_experimental_spikformer_tp and self.analysis.attention_blocks:
-            layout = head_aligned_tp_plan(self.analysis)
-        else:
-            layout = auto_tp_plan(self.analysis)
-        if features.allow_experimental_conv_tp:
-            layout.update(conv_tp_plan(self.analysis))
-        return layout
+        return default_tp_plan(self.analysis, as_features(features))
 
     def modules_for(self, plan: Optional[SNNDistributedPlan] = None, tp_size: int = 1):
         """The module table (a DataFrame) under ``plan``'s TP layout (the default layout when it has none)."""
@@ -312,6 +305,8 @@ class Explorer:
     def __repr__(self) -> str:
         a = self.analysis
         count = sum(1 for n, _ in self.model.named_modules() if n)
-        return (f"Explorer({type(self.model).__name__}: {count} modules, {len(a.memory_module_names)} stateful, "
+        other = len(a.memory_module_names) - len(a.neuron_names)  # dropout masks: stateful, but no neurons
+        kinds = f" ({len(a.neuron_names)} neurons, {other} other)" if other else ""
+        return (f"Explorer({type(self.model).__name__}: {count} modules, {len(a.memory_module_names)} stateful{kinds}, "
                 f"{len(a.tensor_parallel_candidate_names)} TP candidates, family={a.model_family}, "
                 f"{len(self._plans)} plans)")

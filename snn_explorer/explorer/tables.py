@@ -10,7 +10,7 @@ from ..core.styles import STYLES
 
 
 def analysis_table(analysis: SNNDistributedAnalysis) -> pd.DataFrame:
-    """One row per stateful neuron, TP candidate or unsupported conv, in model order."""
+    """One row per stateful module (neurons, dropout masks), TP candidate or unsupported conv, in model order."""
     library = dict(analysis.snn_libraries)
     shapes = {s.name: s for s in analysis.linear_shapes}
     rows = []
