@@ -1,0 +1,190 @@
+"""calibrate(): measure this machine's compute and collectives into a :class:`HardwareProfile`.
+
+On ``max(group_sizes)`` real ranks (``snn_explorer.ranks``; gloo on CPUs, NCCL with one GPU per
+rank) rank 0 first times alone a square matmul (FLOP/s), a large elementwise add (bytes/s) and
+a one-element add (the fixed cost of one operator); then the first ``p`` ranks time the same
+matmul together (how much ranks sharing a host's cores slow each other: ``compute_sharing``),
+and every collective kind at a few buffer sizes on each group size ``p``. Each (kind, p) gets
+``alpha + beta * bytes`` fitted by least squares (:func:`fit_alpha_beta`) to the median of the
+slowest rank's times. It takes a few seconds after the ranks start.
+
+:func:`default_hardware` is what ``estimate`` uses without ``hardware=``: the profile named by the
+``SNN_EXPLORER_HARDWARE`` environment variable (a built-in name or a JSON file), else this
+machine's calibration, made on first use and cached in the process and on disk
+(``$XDG_CACHE_HOME/snn_explorer`` or ``~/.cache/snn_explorer``).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import statistics
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .. import ranks
+from ..core.validate import positive_int
+from .hardware import KINDS, HardwareProfile, hardware_profile
+
+#: Buffer sizes (bytes) each collective is timed at, and repetitions per size.
+SIZES_BYTES = (4 * 2 ** 10, 256 * 2 ** 10, 2 ** 20, 4 * 2 ** 20)
+REPEATS = 5
+
+
+def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> Tuple[float, float]:
+    """Least-squares ``seconds = alpha + beta * nbytes``; alpha clamped at 0 (then beta refitted through 0)."""
+    if len(nbytes) != len(seconds) or len(set(nbytes)) < 2:
+        raise ValueError(f"need timings at two or more distinct sizes, got sizes {list(nbytes)}")
+    n = len(nbytes)
+    mx, my = sum(nbytes) / n, sum(seconds) / n
+    sxx = sum((x - mx) ** 2 for x in nbytes)
+    beta = sum((x - mx) * (y - my) for x, y in zip(nbytes, seconds)) / sxx
+    alpha = my - beta * mx
+    if alpha < 0:
+        alpha, beta = 0.0, sum(x * y for x, y in zip(nbytes, seconds)) / sum(x * x for x in nbytes)
+    if beta <= 0:
+        raise ValueError(f"collective times {list(seconds)} do not grow with size {list(nbytes)}; "
+                         "the machine was too busy to calibrate, try again")
+    return alpha, beta
+
+
+def _median_time(fn, repeats: int, sync) -> float:
+    fn()
+    sync()
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - start)
+    return statistics.median(out)
+
+
+def _compute_probes(device) -> Dict[str, float]:
+    import torch
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    n = 1024 if device.type == "cuda" else 256
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    big = torch.randn(2 ** 22 if device.type == "cuda" else 2 ** 20, device=device)
+    tiny = torch.ones(1, device=device)
+    flops = 2 * n ** 3 / _median_time(lambda: a @ b, 5, sync)
+    bandwidth = 3 * big.numel() * 4 / _median_time(lambda: big + big, 5, sync)
+    loop = 200
+    overhead = _median_time(lambda: [tiny + tiny for _ in range(loop)], 3, sync) / loop
+    return dict(flops=flops, bandwidth=bandwidth, overhead=overhead, matmul=_median_time(lambda: a @ b, 5, sync))
+
+
+def _time_collective(dist, kind: str, p: int, group, nbytes: int, device) -> List[float]:
+    import torch
+
+    rank = dist.get_rank()
+    elems = nbytes // 4
+    if kind == "all_gather":
+        out, inp = torch.empty(elems, device=device), torch.ones(elems // p, device=device)
+        op = lambda: dist.all_gather_into_tensor(out, inp, group=group)
+    elif kind == "reduce_scatter":
+        out, inp = torch.empty(elems // p, device=device), torch.ones(elems, device=device)
+        op = lambda: dist.reduce_scatter_tensor(out, inp, group=group)
+    elif kind == "send":
+        buf = torch.ones(elems, device=device)
+        op = (lambda: dist.send(buf, rank + 1)) if rank % 2 == 0 else (lambda: dist.recv(buf, rank - 1))
+    else:
+        buf = torch.ones(elems, device=device)
+        op = (lambda: dist.all_reduce(buf, group=group)) if kind == "all_reduce" else \
+            (lambda: dist.broadcast(buf, 0, group=group))
+    times = []
+    for i in range(REPEATS + 1):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        op()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def _calibrate_on_rank(group_sizes: Sequence[int]) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    rank = dist.get_rank()
+    alone = _compute_probes(device) if rank == 0 else None
+    dist.barrier()
+    out = {"alone": alone, "shared": {}, "collectives": {}}
+    for p in group_sizes:
+        group = dist.new_group(list(range(p)))  # every rank takes part in creating each group
+        if rank < p:
+            out["shared"][p] = _compute_probes(device)["matmul"]
+            for kind in KINDS:
+                for nbytes in SIZES_BYTES:
+                    out["collectives"][(kind, p, nbytes)] = _time_collective(dist, kind, p, group, nbytes, device)
+        dist.barrier()
+        ranks.report(message=f"calibrated {p} ranks")
+    return out
+
+
+def _profile_from(values: List[dict], group_sizes: Sequence[int], backend: str, name: Optional[str]) -> HardwareProfile:
+    alone = values[0]["alone"]
+    table: Dict[str, Dict[int, Tuple[float, float]]] = {k: {} for k in KINDS}
+    sharing = {}
+    for p in group_sizes:
+        sharing[p] = max(v["shared"][p] for v in values[:p]) / alone["matmul"]
+        for kind in KINDS:
+            medians = [statistics.median(max(ts) for ts in zip(*(v["collectives"][(kind, p, s)] for v in values[:p])))
+                       for s in SIZES_BYTES]
+            table[kind][p] = fit_alpha_beta(SIZES_BYTES, medians)
+    host = socket.gethostname()
+    device = "cuda" if backend == "nccl" else "cpu"
+    return HardwareProfile(name=name or f"{host} ({device}, {backend})", device=device, flops_per_s=alone["flops"],
+                           bytes_per_s=alone["bandwidth"], op_overhead_s=alone["overhead"], collectives=table,
+                           compute_sharing=sharing, efficiency=1.0, host=host,
+                           source=f"calibrated on {host} {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC "
+                                  f"({backend}, {max(group_sizes)} ranks)")
+
+
+def calibrate(group_sizes: Sequence[int] = (2, 4), *, backend: str = "auto", name: Optional[str] = None,
+              timeout: float = 120.0) -> HardwareProfile:
+    """Measure this machine into a :class:`HardwareProfile` (see the module doc); a few seconds
+    after the ranks start. ``group_sizes`` (each >= 2): the collective group sizes to time;
+    ``backend``: ``"auto"`` (NCCL when there is a GPU per rank, else gloo), ``"gloo"`` or ``"nccl"``."""
+    sizes = sorted({positive_int("group size", p) for p in group_sizes})
+    if not sizes or sizes[0] < 2:
+        raise ValueError(f"group_sizes={list(group_sizes)}; expected sizes >= 2 (the ranks a collective spans)")
+    if "send" in KINDS and sizes[0] % 2:
+        raise ValueError(f"group_sizes={list(group_sizes)}: send/recv is timed between rank pairs; use even sizes")
+    world = sizes[-1]
+    result = ranks.run(_calibrate_on_rank, (tuple(sizes),), nprocs=world, backend=backend, timeout=timeout)
+    return _profile_from(result.values, sizes, result.backend, name)
+
+
+_DEFAULT: Dict[str, HardwareProfile] = {}
+ENV_VAR = "SNN_EXPLORER_HARDWARE"
+
+
+def cache_path() -> str:
+    """Where this machine's calibration is kept between sessions."""
+    import torch
+
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "snn_explorer", f"hardware-{socket.gethostname()}-torch{torch.__version__}.json")
+
+
+def default_hardware() -> HardwareProfile:
+    """The profile ``estimate`` uses without ``hardware=`` (see the module doc)."""
+    chosen = os.environ.get(ENV_VAR)
+    if chosen:
+        return HardwareProfile.load(chosen) if os.path.exists(chosen) else hardware_profile(chosen)
+    if "local" not in _DEFAULT:
+        path = cache_path()
+        if os.path.exists(path):
+            _DEFAULT["local"] = HardwareProfile.load(path)
+        else:
+            profile = calibrate()
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            profile.save(path)
+            _DEFAULT["local"] = profile
+    return _DEFAULT["local"]
