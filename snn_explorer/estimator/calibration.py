@@ -27,12 +27,15 @@ from ..core.validate import positive_int
 from .hardware import KINDS, HardwareProfile, hardware_profile
 
 #: Buffer sizes (bytes) each collective is timed at, and repetitions per size.
-SIZES_BYTES = (4 * 2 ** 10, 256 * 2 ** 10, 2 ** 20, 4 * 2 ** 20)
+SIZES_BYTES = (4 * 2 ** 10, 256 * 2 ** 10, 2 ** 20, 4 * 2 ** 20, 16 * 2 ** 20)
 REPEATS = 5
+#: The smallest beta a fit gives (s/byte: 10 TB/s), when the times do not grow with the size.
+MIN_BETA = 1e-13
 
 
 def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> Tuple[float, float]:
-    """Least-squares ``seconds = alpha + beta * nbytes``; alpha clamped at 0 (then beta refitted through 0)."""
+    """Least-squares ``seconds = alpha + beta * nbytes``; alpha clamped at 0 (then beta refitted through 0).
+    Times that do not grow with the size give their smallest as alpha and :data:`MIN_BETA` or more."""
     if len(nbytes) != len(seconds) or len(set(nbytes)) < 2:
         raise ValueError(f"need timings at two or more distinct sizes, got sizes {list(nbytes)}")
     n = len(nbytes)
@@ -42,9 +45,10 @@ def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> Tuple[f
     alpha = my - beta * mx
     if alpha < 0:
         alpha, beta = 0.0, sum(x * y for x, y in zip(nbytes, seconds)) / sum(x * x for x in nbytes)
-    if beta <= 0:
-        raise ValueError(f"collective times {list(seconds)} do not grow with size {list(nbytes)}; "
-                         "the machine was too busy to calibrate, try again")
+    if beta <= MIN_BETA:  # latency-bound over every size (or noise hid the slope): the level and the largest size
+        alpha = min(seconds)
+        big = max(range(n), key=lambda i: nbytes[i])
+        beta = max(MIN_BETA, (seconds[big] - alpha) / nbytes[big])
     return alpha, beta
 
 

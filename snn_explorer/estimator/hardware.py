@@ -10,7 +10,7 @@ A group size the profile does not list is scaled from the nearest listed one by 
 formulas NCCL documents (``nccl-tests`` "performance"): an all-reduce moves
 ``2 (p - 1) / p`` of its buffer over each link in ``2 (p - 1)`` steps, an all-gather or
 reduce-scatter ``(p - 1) / p`` in ``p - 1`` steps, a broadcast (pipelined ring) and a
-send/recv the whole buffer. A group that spans nodes (more ranks than ``ranks_per_node``)
+send/recv the whole buffer (an all-reduce's latency is the tree's when that is shorter). A group that spans nodes (more ranks than ``ranks_per_node``)
 uses the ``inter_node`` table.
 
 Built-in profiles (:func:`hardware_profiles`) come from published datasheet figures and are
@@ -20,6 +20,7 @@ labelled ``source="datasheet"``; their latencies and per-operator costs are stat
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, Mapping, Optional, Tuple
@@ -31,8 +32,10 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")
 
 
 def ring_steps(kind: str, p: int) -> int:
-    """Latency-bound steps of one ring collective on ``p`` ranks."""
-    return {"all_reduce": 2 * (p - 1), "all_gather": p - 1, "reduce_scatter": p - 1,
+    """Latency-bound steps of one collective on ``p`` ranks: the ring's, but for an all-reduce the
+    fewer of the ring's ``2 (p - 1)`` and the tree's ``2 ceil(log2 p)`` (NCCL picks the tree at scale)."""
+    tree = 2 * math.ceil(math.log2(p)) if p > 1 else 0
+    return {"all_reduce": min(2 * (p - 1), tree), "all_gather": p - 1, "reduce_scatter": p - 1,
             "broadcast": p - 1, "send": 1}[kind]
 
 
