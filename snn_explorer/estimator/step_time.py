@@ -126,3 +126,9 @@ def plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, per_
     local = float(per_rank["params_bytes"].iloc[0]) / (plan.dp_size if plan.uses_zero else 1)
     phases = compute_phases(plan, work, hw, t, itemsize, local, correction)
     return time_table(plan, collectives, hw, phases)
+
+
+def fastest_first(estimates, memory_budget=None) -> list:
+    """``estimates`` by predicted step time, those whose peak fits ``memory_budget`` (bytes) first."""
+    fits = lambda e: memory_budget is None or e.peak_bytes <= memory_budget
+    return sorted(estimates, key=lambda e: (not fits(e), e.step_time_s))
