@@ -29,22 +29,30 @@ from .hardware import KINDS, HardwareProfile, hardware_profile
 #: Buffer sizes (bytes) each collective is timed at, and repetitions per size.
 SIZES_BYTES = (4 * 2 ** 10, 256 * 2 ** 10, 2 ** 20, 4 * 2 ** 20, 16 * 2 ** 20)
 REPEATS = 5
+#: Seconds each rank computes when timing how ranks on one host slow each other.
+SHARING_PROBE_S = 0.25
+#: Features of the Linear layer the TP and FSDP2 overheads are timed on.
+FRAMEWORK_FEATURES = 64
 #: The smallest beta a fit gives (s/byte: 10 TB/s), when the times do not grow with the size.
 MIN_BETA = 1e-13
 
 
 def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> Tuple[float, float]:
-    """Least-squares ``seconds = alpha + beta * nbytes``; alpha clamped at 0 (then beta refitted through 0).
+    """Least-squares ``seconds = alpha + beta * nbytes`` in relative error (weights ``1 / seconds**2``);
+    alpha clamped at 0 (then beta refitted through 0).
     Times that do not grow with the size give their smallest as alpha and :data:`MIN_BETA` or more."""
     if len(nbytes) != len(seconds) or len(set(nbytes)) < 2:
         raise ValueError(f"need timings at two or more distinct sizes, got sizes {list(nbytes)}")
     n = len(nbytes)
-    mx, my = sum(nbytes) / n, sum(seconds) / n
-    sxx = sum((x - mx) ** 2 for x in nbytes)
-    beta = sum((x - mx) * (y - my) for x, y in zip(nbytes, seconds)) / sxx
+    w = [1.0 / max(y, 1e-12) ** 2 for y in seconds]  # relative errors: the small sizes fix alpha
+    sw = sum(w)
+    mx, my = sum(wi * x for wi, x in zip(w, nbytes)) / sw, sum(wi * y for wi, y in zip(w, seconds)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, nbytes))
+    beta = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, nbytes, seconds)) / sxx
     alpha = my - beta * mx
     if alpha < 0:
-        alpha, beta = 0.0, sum(x * y for x, y in zip(nbytes, seconds)) / sum(x * x for x in nbytes)
+        alpha = 0.0
+        beta = sum(wi * x * y for wi, x, y in zip(w, nbytes, seconds)) / sum(wi * x * x for wi, x in zip(w, nbytes))
     if beta <= MIN_BETA:  # latency-bound over every size (or noise hid the slope): the level and the largest size
         alpha = min(seconds)
         big = max(range(n), key=lambda i: nbytes[i])
@@ -76,7 +84,20 @@ def _compute_probes(device) -> Dict[str, float]:
     bandwidth = 3 * big.numel() * 4 / _median_time(lambda: big + big, 5, sync)
     loop = 200
     overhead = _median_time(lambda: [tiny + tiny for _ in range(loop)], 3, sync) / loop
-    return dict(flops=flops, bandwidth=bandwidth, overhead=overhead, matmul=_median_time(lambda: a @ b, 5, sync))
+    return dict(flops=flops, bandwidth=bandwidth, overhead=overhead, matmul=_busy_time(lambda: a @ b, sync))
+
+
+def _busy_time(op, sync, seconds: float = SHARING_PROBE_S) -> float:
+    """Seconds of one ``op`` averaged over a loop of about ``seconds`` (longer than a scheduler time
+    slice, so that ranks sharing cores really run side by side)."""
+    op()
+    sync()
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        op()
+        calls += 1
+    sync()
+    return (time.perf_counter() - start) / calls
 
 
 def _time_collective(dist, kind: str, p: int, group, nbytes: int, device) -> List[float]:
@@ -109,6 +130,31 @@ def _time_collective(dist, kind: str, p: int, group, nbytes: int, device) -> Lis
     return times
 
 
+def _framework_times(dist, p: int, device) -> dict:
+    """Seconds of a small Linear's forward + backward plain, tensor-parallel (colwise, no collective)
+    and under FSDP2 (one all-gather, one reduce-scatter) on groups of ``p`` ranks; every rank takes part."""
+    import copy
+
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    world = dist.get_world_size()
+    mesh = DeviceMesh(device.type, torch.arange(world).reshape(-1, p), mesh_dim_names=("rest", "group"))["group"]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    plain = torch.nn.Linear(FRAMEWORK_FEATURES, FRAMEWORK_FEATURES, device=device)
+    x = torch.randn(8, FRAMEWORK_FEATURES, device=device)
+    step = lambda m: m(x).sum().backward()
+    out = {"plain": _median_time(lambda: step(plain), 9, sync)}
+    tp = parallelize_module(copy.deepcopy(plain), mesh, ColwiseParallel())
+    out["tp"] = _median_time(lambda: step(tp), 9, sync)
+    fsdp = fully_shard(copy.deepcopy(plain), mesh=mesh)
+    out["fsdp"] = _median_time(lambda: step(fsdp), 9, sync)
+    out["param_bytes"] = sum(q.numel() * 4 for q in plain.parameters())
+    return out
+
+
 def _calibrate_on_rank(group_sizes: Sequence[int]) -> dict:
     import torch
     import torch.distributed as dist
@@ -118,17 +164,29 @@ def _calibrate_on_rank(group_sizes: Sequence[int]) -> dict:
     rank = dist.get_rank()
     alone = _compute_probes(device) if rank == 0 else None
     dist.barrier()
-    out = {"alone": alone, "shared": {}, "collectives": {}}
+    out = {"alone": alone, "shared": {}, "collectives": {}, "framework": {}}
     for p in group_sizes:
         group = dist.new_group(list(range(p)))  # every rank takes part in creating each group
         if rank < p:
-            out["shared"][p] = _compute_probes(device)["matmul"]
+            a = torch.randn(256, 256, device=device)
+            out["shared"][p] = _busy_time(lambda: a @ a, torch.cuda.synchronize if cuda else (lambda: None))
             for kind in KINDS:
                 for nbytes in SIZES_BYTES:
                     out["collectives"][(kind, p, nbytes)] = _time_collective(dist, kind, p, group, nbytes, device)
         dist.barrier()
+        out["framework"][p] = _framework_times(dist, p, device)
         ranks.report(message=f"calibrated {p} ranks")
     return out
+
+
+def _overheads(values: List[dict], p: int, table) -> Dict[str, float]:
+    """Per TP module call and per FSDP2 collective: the slowest rank's time beyond the plain
+    Linear's (and, for FSDP2, beyond its all-gather and reduce-scatter as fitted)."""
+    times = {k: max(v["framework"][p][k] for v in values) for k in ("plain", "tp", "fsdp")}
+    nbytes = values[0]["framework"][p]["param_bytes"]
+    comm = sum(a + b * nbytes for a, b in (table["all_gather"][p], table["reduce_scatter"][p]))
+    return {"tp_module": max(0.0, times["tp"] - times["plain"]),
+            "fsdp_collective": max(0.0, (times["fsdp"] - times["plain"] - comm) / 2)}
 
 
 def _profile_from(values: List[dict], group_sizes: Sequence[int], backend: str, name: Optional[str]) -> HardwareProfile:
@@ -141,11 +199,12 @@ def _profile_from(values: List[dict], group_sizes: Sequence[int], backend: str, 
             medians = [statistics.median(max(ts) for ts in zip(*(v["collectives"][(kind, p, s)] for v in values[:p])))
                        for s in SIZES_BYTES]
             table[kind][p] = fit_alpha_beta(SIZES_BYTES, medians)
+    overheads = {p: _overheads(values, p, table) for p in group_sizes if "framework" in values[0]}
     host = socket.gethostname()
     device = "cuda" if backend == "nccl" else "cpu"
     return HardwareProfile(name=name or f"{host} ({device}, {backend})", device=device, flops_per_s=alone["flops"],
                            bytes_per_s=alone["bandwidth"], op_overhead_s=alone["overhead"], collectives=table,
-                           compute_sharing=sharing, efficiency=1.0, host=host,
+                           compute_sharing=sharing, framework_overhead=overheads, efficiency=1.0, host=host,
                            source=f"calibrated on {host} {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC "
                                   f"({backend}, {max(group_sizes)} ranks)")
 

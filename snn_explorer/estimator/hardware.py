@@ -76,6 +76,8 @@ class HardwareProfile:
     ranks_per_node: Optional[int] = None  # None: every rank on one node
     half_flops_per_s: Optional[float] = None  # FLOP/s at 2-byte floats (None: flops_per_s)
     compute_sharing: Mapping[int, float] = field(default_factory=dict)  # ranks on a host -> compute slow-down
+    # group size -> {"tp_module": s per call of a TP-sharded module, "fsdp_collective": s per FSDP2 collective}
+    framework_overhead: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
     efficiency: float = 1.0
     source: str = "datasheet"
     host: Optional[str] = None  # the host a calibration ran on
@@ -97,6 +99,8 @@ class HardwareProfile:
             if not self.inter_node:
                 raise ValueError("ranks_per_node is set but inter_node is empty; give the timings between nodes")
         object.__setattr__(self, "compute_sharing", {int(k): float(v) for k, v in self.compute_sharing.items()})
+        object.__setattr__(self, "framework_overhead", {int(p): {str(k): float(v) for k, v in o.items()}
+                                                        for p, o in self.framework_overhead.items()})
 
     def flops(self, itemsize: int = 4) -> float:
         """Achievable FLOP/s for floats of ``itemsize`` bytes, after ``efficiency``."""
@@ -115,6 +119,14 @@ class HardwareProfile:
         base = below[-1] if below else known[0]
         return max(1.0, self.compute_sharing[base] * ranks_on_host / base)
 
+    def overhead(self, what: str, group_size: int) -> float:
+        """Calibrated framework seconds (``tp_module`` per call, ``fsdp_collective`` per collective) at
+        the nearest calibrated group size; 0 where none was measured (datasheet profiles)."""
+        if not self.framework_overhead or group_size <= 1:
+            return 0.0
+        near = min(self.framework_overhead, key=lambda q: (abs(q - group_size), -q))
+        return self.framework_overhead[near].get(what, 0.0)
+
     def collective_time(self, kind: str, group_size: int, nbytes: float, calls: int = 1,
                         spans_nodes: bool = False) -> float:
         """Seconds for ``calls`` collectives of ``kind`` on ``group_size`` ranks moving ``nbytes`` in all."""
@@ -131,6 +143,7 @@ class HardwareProfile:
         for key in ("collectives", "inter_node"):
             d[key] = {k: {str(p): list(ab) for p, ab in v.items()} for k, v in d[key].items()}
         d["compute_sharing"] = {str(k): v for k, v in self.compute_sharing.items()}
+        d["framework_overhead"] = {str(k): dict(v) for k, v in self.framework_overhead.items()}
         return d
 
     @classmethod

@@ -4,7 +4,8 @@ Compute is the roofline time of the work one rank does (:mod:`.compute_work`: fo
 and optimizer of the model the rank runs, at its per-rank batch and time steps; the optimizer's
 work scaled to the parameter shard the rank updates), times the slow-down measured when that
 many ranks share one host's cores. On the machine the hardware profile was calibrated on, each
-phase is also multiplied by the measured / modelled ratio of the unsharded step.
+phase is also multiplied by the measured / modelled ratio of the unsharded step. The parallel
+wrappers' own cost, where the profile was calibrated with it (:func:`framework_s`), is compute too.
 
 Each collective of the estimate (:mod:`.comms`) is timed by the profile's alpha-beta model for
 its kind and group size. What is exposed, per row:
@@ -72,22 +73,41 @@ def exposed_comm_s(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: Hard
     return exposed + sum(seconds for seconds, _ in timed.values())  # TP, ZeRO: on the critical path
 
 
+def host_sharing(plan: SNNDistributedPlan, hw: HardwareProfile) -> float:
+    """How much slower each rank runs when the plan's ranks on one host share its cores (calibrated)."""
+    return hw.sharing(min(plan.world_size, hw.ranks_per_node or plan.world_size))
+
+
 def compute_phases(plan: SNNDistributedPlan, work: Work, hw: HardwareProfile, t: int, itemsize: int,
                    local_params_bytes: float, correction: Dict[str, float]) -> Dict[str, float]:
     """Seconds of forward, backward and optimizer on one rank of ``plan``."""
     n = plan.per_rank_batch
     share = local_params_bytes / work.param_bytes if work.param_bytes else 1.0
-    ranks_on_host = min(plan.world_size, hw.ranks_per_node or plan.world_size)
-    slow = hw.sharing(ranks_on_host)
+    slow = host_sharing(plan, hw)
     return {p: work.phase(p).seconds(hw, n, t, itemsize, share if p == "optimizer" else 1.0)
             * correction.get(p, 1.0) * slow for p in PHASES}
+
+
+def framework_s(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, hw: HardwareProfile, t: int) -> float:
+    """The calibrated cost of the parallel wrappers themselves (DTensor dispatch of each TP-sharded
+    module call, FSDP2's work around each of its collectives); 0 on profiles without it."""
+    seconds = 0.0
+    if plan.uses_tp:
+        calls = sum(profile.modules[path].calls(plan.per_rank_batch, t)
+                    for path in plan.tensor_parallel_plan if path in profile.modules)
+        seconds += calls * hw.overhead("tp_module", plan.tp_size)
+    if plan.uses_fsdp:
+        fsdp = collectives[(collectives["mesh_dim"] == "dp") & collectives["kind"].isin(("all_gather", "reduce_scatter"))]
+        seconds += int(fsdp["count"].sum()) * hw.overhead("fsdp_collective", plan.dp_size)
+    return seconds
 
 
 def time_table(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: HardwareProfile,
                phase_s: Dict[str, float]) -> pd.DataFrame:
     """The ``rank, compute_s, exposed_comm_s, bubble_s, step_s`` table (every rank alike)."""
     compute = sum(phase_s.values())
-    comm = exposed_comm_s(plan, collectives, hw, phase_s)
+    # Ranks time-slicing a host's cores also drive their transfers slower (1 on a device per rank).
+    comm = exposed_comm_s(plan, collectives, hw, phase_s) * host_sharing(plan, hw)
     bubble = pipeline_bubble_s(plan, phase_s)
     row = dict(compute_s=compute, exposed_comm_s=comm, bubble_s=bubble, step_s=compute + comm + bubble)
     table = pd.DataFrame([row] * plan.world_size)
@@ -125,6 +145,7 @@ def plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, per_
         correction = local_correction(profile, rank_work(profile, None, 1, optimizer), hw, optimizer)
     local = float(per_rank["params_bytes"].iloc[0]) / (plan.dp_size if plan.uses_zero else 1)
     phases = compute_phases(plan, work, hw, t, itemsize, local, correction)
+    phases["framework"] = framework_s(plan, profile, collectives, hw, t)
     return time_table(plan, collectives, hw, phases)
 
 
