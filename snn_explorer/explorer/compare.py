@@ -14,7 +14,7 @@ MEMORY_ROWS = ("params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes"
 #: Numeric rows where the smallest value is best (highlighted).
 BEST_LOW = MEMORY_ROWS + ("peak_bytes_max", "comm_bytes_per_step", "collectives_per_step", "step_time_s")
 TEXT_ROWS = ("objective", "mode", "mesh", "optimizer_strategy", "memopt_level", "batch", "batch_per_rank",
-             "time_steps", "rationale", "notes", "verdict")
+             "time_steps", "rationale", "notes", "verdict", "hardware")
 COMPARE_ROWS = TEXT_ROWS + MEMORY_ROWS + ("peak_bytes_max", "comm_bytes_per_step", "collectives_per_step",
                                           "step_time_s", "samples_per_s", "fits_budget")
 #: The Styler's table id, fixed so that rendered HTML is the same on every run.
@@ -41,7 +41,7 @@ def _column(est: PlanEstimate, budget: Optional[int]) -> dict:
     col = dict(objective=p.objective, mode=p.mode, mesh=mesh_text(p), optimizer_strategy=p.optimizer_strategy,
                memopt_level=p.memopt_level, batch=p.batch_size, batch_per_rank=p.per_rank_batch,
                time_steps=est.time_steps, rationale=" ".join(p.rationale), notes=" ".join(p.notes),
-               verdict=est.verdict)
+               verdict=est.verdict, hardware=est.hardware.name if est.hardware is not None else "")
     col.update({name: int(per_rank[name].max()) for name in MEMORY_ROWS})
     col.update(peak_bytes_max=est.peak_bytes, comm_bytes_per_step=est.comm_bytes,
                collectives_per_step=int(est.collectives["count"].sum()) if len(est.collectives) else 0,
