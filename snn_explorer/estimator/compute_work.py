@@ -19,7 +19,7 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -87,7 +87,8 @@ class Work:
         return getattr(self, name)
 
 
-def _count_step(model, x, y, opt) -> Tuple[list, list, list]:
+def _count_step(model, x, y, opt=None) -> list:
+    """Counts of the forward and the backward (and of ``opt``'s step when given)."""
     out = []
     with _Counter() as c:
         loss = forward_loss(model, x, y)
@@ -95,10 +96,11 @@ def _count_step(model, x, y, opt) -> Tuple[list, list, list]:
     with _Counter() as c:
         loss.backward()
     out.append(c.counts)
-    with _Counter() as c:
-        opt.step()
-    out.append(c.counts)
-    opt.zero_grad(set_to_none=True)
+    if opt is not None:
+        with _Counter() as c:
+            opt.step()
+        out.append(c.counts)
+    model.zero_grad(set_to_none=True)
     return out
 
 
@@ -113,14 +115,16 @@ def count_work(model: torch.nn.Module, profile: ModelProfile, optimizer: str) ->
     try:
         for n, t in SIZES:
             x, y = batch_slice(profile.example_input, profile.labels, n, t)
-            _count_step(model, x.to(profile.dtype), y, opt)  # the optimizer creates its state here
-            points.append(_count_step(model, x.to(profile.dtype), y, opt))
+            points.append(_count_step(model, x.to(profile.dtype), y))
+        forward_loss(model, x.to(profile.dtype), y).backward()
+        opt.step()  # the optimizer creates its state here; its work does not depend on N or T
+        step = _count_step(model, x.to(profile.dtype), y, opt)[2]
     finally:
         with torch.no_grad():
             for p, s in zip(params, saved):
                 p.copy_(s)
-    phases = [PhaseWork(*(Fit.of(*(pt[i][k] for pt in points)) for k in range(4))) for i in range(3)]
-    return Work(*phases, param_bytes=sum(p.numel() * p.element_size() for p in params))
+    phases = [PhaseWork(*(Fit.of(*(pt[i][k] for pt in points)) for k in range(4))) for i in range(2)]
+    return Work(*phases, PhaseWork(*(Fit(c0=v) for v in step)), param_bytes=sum(p.numel() * p.element_size() for p in params))
 
 
 _WORK: Dict[tuple, Work] = {}
