@@ -56,7 +56,7 @@ class PlanEstimate:
     time_steps: int
     optimizer: str
     memory_budget: Optional[int] = None
-    time: Optional[pd.DataFrame] = None  # per rank: compute_s, exposed_comm_s, bubble_s, step_s (.step_time)
+    time: Optional[pd.DataFrame] = None  # per rank: compute_s, exposed_comm_s, bubble_s, step_s
     hardware: Optional[object] = None  # the HardwareProfile the time was predicted on
 
     @property
