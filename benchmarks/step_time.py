@@ -11,9 +11,7 @@ and the measured order of the plans. Targets: median <= 15 %, worst <= 30 %, tau
 from __future__ import annotations
 
 import argparse
-import copy
 import itertools
-import statistics
 import time
 
 import pandas as pd
