@@ -127,9 +127,6 @@ def count_work(model: torch.nn.Module, profile: ModelProfile, optimizer: str) ->
     return Work(*phases, PhaseWork(*(Fit(c0=v) for v in step)), param_bytes=sum(p.numel() * p.element_size() for p in params))
 
 
-_WORK: Dict[tuple, Work] = {}
-
-
 def rank_work(profile: ModelProfile, tp_plan, tp: int, optimizer: str) -> Work:
     """:func:`count_work` of the model one rank of a plan runs, cached on the profile per TP layout."""
     cache = profile.__dict__.setdefault("_step_work", {})
@@ -138,15 +135,6 @@ def rank_work(profile: ModelProfile, tp_plan, tp: int, optimizer: str) -> Work:
     if key not in cache:
         cache[key] = count_work(model, profile, optimizer)
     return cache[key]
-
-
-def _timed(fn, repeats: int = 3) -> float:
-    out = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-    return statistics.median(out)
 
 
 def local_correction(profile: ModelProfile, work: Work, hw: HardwareProfile, optimizer: str) -> Dict[str, float]:
