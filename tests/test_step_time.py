@@ -62,6 +62,11 @@ def test_calibrate_on_real_ranks_and_json_round_trip(tmp_path):
         # a bigger buffer takes longer, and time is alpha plus bytes times beta
         assert hw.collective_time(kind, 2, 2 ** 22) > hw.collective_time(kind, 2, 2 ** 10)
     assert hw.flops_per_s > 1e8 and hw.bytes_per_s > 1e8 and hw.op_overhead_s > 0
+    # on the machine it was calibrated on, the measured unsharded step corrects the model's phases
+    zoo = build("mlp")
+    plan = enumerate_plans(se.analyze(zoo.model), world_size=2, batch_size=zoo.batch_size)[0]
+    row = estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels, hardware=hw).time.iloc[0]
+    assert row.step_s >= row.compute_s > 0 and row.exposed_comm_s > 0
     hw.save(tmp_path / "hw.json")
     assert HardwareProfile.load(tmp_path / "hw.json") == hw
     json.loads((tmp_path / "hw.json").read_text())
