@@ -3,6 +3,9 @@
 # are what `pytest --nbval` compares against. Usage: bash scripts/regen_notebooks.sh [notebook ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Step times in the notebooks are predicted on a datasheet profile, so that their outputs do not
+# depend on this machine's calibration (estimate() without hardware= would calibrate it).
+export SNN_EXPLORER_HARDWARE="${SNN_EXPLORER_HARDWARE:-A100-SXM-80GB}"
 [ -x .venv/bin/python ] || bash scripts/setup.sh
 # The notebooks' kernelspec is "python3": make it the venv's interpreter for this run.
 KERNELS=$(mktemp -d)

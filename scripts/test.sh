@@ -5,6 +5,9 @@
 # With test paths as arguments (e.g. tests/test_planner.py), runs only pytest on those.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Step times in the notebooks are predicted on a datasheet profile, so that their outputs do not
+# depend on this machine's calibration (estimate() without hardware= would calibrate it).
+export SNN_EXPLORER_HARDWARE="${SNN_EXPLORER_HARDWARE:-A100-SXM-80GB}"
 bash scripts/setup.sh --test
 for arg in "$@"; do
     if [ "${arg#-}" = "$arg" ] && [ -e "${arg%%::*}" ]; then

@@ -161,3 +161,17 @@ def test_recorder_agrees_with_comm_debug_mode():
         for k, v in debug.items():
             mapped[names.get(k, k)] = mapped.get(names.get(k, k), 0) + v
         assert mapped == recorded, (plan, debug, recorded)
+
+
+def test_measured_step_time_lines_up_with_the_estimate_column_for_column():
+    import math
+
+    for plan, est, meas in results("mlp-2"):
+        timing = compare_estimate(est, meas)["time"]
+        assert list(timing["step_s_meas"]) == pytest.approx(meas.step_time_s) and (timing["step_s_meas"] > 0).all()
+        assert (timing["step_s_est"] >= timing["compute_s_est"]).all()
+        for row in meas.time.itertuples():
+            if plan.uses_ddp or plan.uses_fsdp:  # their waits are outside the recorder: not split
+                assert math.isnan(row.exposed_comm_s), plan
+            else:  # TP: the blocked time in its functional collectives, the rest is compute
+                assert 0 < row.exposed_comm_s <= row.step_s and row.compute_s + row.exposed_comm_s == pytest.approx(row.step_s)

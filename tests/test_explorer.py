@@ -61,7 +61,13 @@ def test_modules_table_says_which_size_tp_fails_to_divide():
 
 def test_plan_enumerate_and_plan_list(ex):
     modes = [(p.mode, p.optimizer_strategy) for p in ex.plans]
-    assert modes == [("dp", "none"), ("dp", "zero"), ("fsdp2", "none"), ("tp", "none"), ("fsdp2_tp", "none")]
+    assert sorted(modes) == [("dp", "none"), ("dp", "zero"), ("fsdp2", "none"), ("fsdp2_tp", "none"), ("tp", "none")]
+    times = [ex.estimate(p).step_time_s for p in ex.plans]
+    assert times == sorted(times)  # objective "speed": fastest predicted step first
+    budget = min(ex.estimate(p).peak_bytes for p in ex.plans)  # only the leanest plans fit: they lead
+    ranked = ex.enumerate(world_size=4, memory_budget=budget)
+    fits = [ex.estimate(p).peak_bytes <= budget for p in ranked]
+    assert fits == sorted(fits, reverse=True) and 0 < sum(fits) < len(fits)
     again = ex.enumerate(world_size=4)
     assert len(ex.plans) == 5 and len(again) == 5  # the same plans are not added twice
     other = Explorer.from_zoo("mlp")
@@ -88,7 +94,7 @@ def test_compare_rows_come_from_the_estimator(ex):
             assert table.loc[row, col] == est.per_rank[row].max()
     assert ex.estimate(ex.plans[0]) is ex.estimate(ex.plans[0])  # cached
     subset = ex.compare(ex.plans[:2])
-    assert list(subset.columns) == ["#1 dp dp=4", "#2 dp+zero dp=4"]
+    assert list(subset.columns) == unique_labels(ex.plans[:2])
 
 
 def test_compare_budget_and_time_steps(ex):
@@ -143,10 +149,16 @@ def test_charts_are_figures_of_the_fixed_size_with_one_bar_per_rank_and_componen
     assert [round(h * 2 ** 20) for h in heights.values()] == pytest.approx([e.comm_bytes for e in ests], abs=2)
     pareto = ex.pareto_chart().axes[0]
     assert len(pareto.collections[0].get_offsets()) == len(ests)
-    front = pareto_front([(e.peak_bytes, e.comm_bytes) for e in ests])
+    front = pareto_front([(e.peak_bytes, e.step_time_s) for e in ests])
     assert len(pareto.lines[0].get_xdata()) == len(front) >= 1
     assert len(ex.mesh_chart(ex.plans[-1]).axes[0].patches) == ex.plans[-1].world_size
     assert len(memory_chart([]).axes) == 1 and comm_chart([]) and pareto_chart([])
+    steps = ex.step_time_chart(measured=[None] * len(ests)).axes[0]
+    assert tuple(steps.figure.get_size_inches()) == FIGSIZE
+    heights = {}
+    for bar in steps.patches:  # one bar per plan, split into compute / exposed communication / bubble
+        heights[round(bar.get_x(), 3)] = heights.get(round(bar.get_x(), 3), 0) + bar.get_height()
+    assert list(heights.values()) == pytest.approx([1e3 * e.step_time_s for e in ests])
 
 
 def test_pareto_front():
@@ -265,7 +277,7 @@ def test_coinciding_plans_share_one_label_on_the_pareto_chart():
     plans = ex.enumerate(world_size=2)
     fig = ex.pareto_chart()
     texts = [t.get_text() for t in fig.axes[0].texts]
-    points = {(round(e.peak_bytes), round(e.comm_bytes)) for e in ex.estimates(plans)}
+    points = {(float(f"{e.peak_bytes / 2 ** 20:.3g}"), float(f"{e.step_time_s * 1e3:.3g}")) for e in ex.estimates(plans)}
     assert len(texts) == len(points) <= len(plans)
     assert sorted(n for t in texts for n in t.split("\n")) == sorted(unique_labels(plans))
     assert mesh_fontsize(2, 2) >= 10 and mesh_fontsize(1, 4) >= 10

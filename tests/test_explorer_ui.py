@@ -183,3 +183,14 @@ def test_pinning_the_same_layout_twice_keeps_one_column_and_says_so(ui):
     assert ui.ex.plans == [first] and _columns(ui) == ["#1 dp+zero dp=4"]
     ui.mode.value = "fsdp2"  # a different layout appears as the current column again
     assert _columns(ui) == ["#1 dp+zero dp=4", "current fsdp2 dp=4"] and "already pinned" not in ui.plan_list.value
+
+
+def test_hardware_choice_re_predicts_step_time_and_world_size_reaches_1024(ui):
+    assert ui.world_size.max == 1024 and "A100-SXM-80GB" in ui.hardware.options
+    ui.hardware.value = "A100-SXM-80GB"
+    a100 = ui.compare_table.loc["step_time_s"].iloc[0]
+    ui.hardware.value = "RTX-4090"
+    assert ui.ex.hardware == "RTX-4090" and ui.compare_table.loc["step_time_s"].iloc[0] != a100
+    ui.chart.value = "step time"
+    ui.tabs.selected_index = TABS.index("Charts")
+    assert "image/png" in _data(ui, "Charts")

@@ -77,3 +77,10 @@ def test_public_callables_are_documented():
         if inspect.isfunction(value) or inspect.isclass(value):
             assert inspect.getdoc(value), f"snn_explorer.{name} has no docstring"
             assert not isinstance(value, types.ModuleType)
+
+
+def test_step_time_names_are_public():
+    for name in ("calibrate", "HardwareProfile", "hardware_profile", "hardware_profiles"):
+        assert name in snn_explorer.__all__, name
+    assert isinstance(snn_explorer.hardware_profile("H100-SXM"), snn_explorer.HardwareProfile)
+    assert "A100-SXM-80GB" in snn_explorer.hardware_profiles()

@@ -8,6 +8,7 @@ import pandas as pd
 
 from .plan_estimate import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS, PlanEstimate
 from .measurement import PlanMeasurement
+from .step_time import TIME_COLUMNS
 
 _KEYS = ["mesh_dim", "kind", "phase"]
 
@@ -20,7 +21,7 @@ def _rel(est: pd.Series, meas: pd.Series) -> pd.Series:
 
 
 def compare_estimate(estimate: PlanEstimate, measurement: PlanMeasurement) -> Dict[str, pd.DataFrame]:
-    """``{"per_rank": ..., "collectives": ...}``: per column ``<col>_est``, ``<col>_meas``, ``<col>_rel_err``.
+    """``{"per_rank": ..., "collectives": ..., "time": ...}``: per column ``<col>_est``, ``<col>_meas``, ``<col>_rel_err``.
 
     Relative errors are ``(estimate - measured) / measured`` (0 when both are 0, NaN where the
     quantity was not measured). Collectives are matched on ``mesh_dim, kind, phase``; a row one
@@ -40,4 +41,9 @@ def compare_estimate(estimate: PlanEstimate, measurement: PlanMeasurement) -> Di
         comm[f"{col}_est"] = coll[f"{col}_est"].astype(int)
         comm[f"{col}_meas"] = coll[f"{col}_meas"].astype(int)
         comm[f"{col}_rel_err"] = _rel(coll[f"{col}_est"], coll[f"{col}_meas"])
-    return {"per_rank": out, "collectives": comm.sort_values(_KEYS).reset_index(drop=True)}
+    times = estimate.time.merge(measurement.time, on="rank", suffixes=("_est", "_meas"))
+    timing = times[["rank"]].copy()
+    for col in TIME_COLUMNS[1:]:
+        timing[f"{col}_est"], timing[f"{col}_meas"] = times[f"{col}_est"], times[f"{col}_meas"]
+        timing[f"{col}_rel_err"] = _rel(times[f"{col}_est"], times[f"{col}_meas"])
+    return {"per_rank": out, "collectives": comm.sort_values(_KEYS).reset_index(drop=True), "time": timing}

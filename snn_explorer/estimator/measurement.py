@@ -32,6 +32,7 @@ from ._step import OPTIMIZERS, batch_slice, check_inputs, check_optimizer, forwa
 from .isolation import as_found
 from .plan_estimate import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
 from .recorder import CollectiveRecorder
+from .step_time import TIME_COLUMNS
 from .sharding import state_tensor_ids
 
 
@@ -44,6 +45,9 @@ class PlanMeasurement:
     collective buffers of FSDP2 and DTensor cannot be told apart from other temporaries.
     ``comm_debug_counts`` are CommDebugMode's counts per kind (None where it cannot run: torch's
     CommDebugMode fails on modules called more than once per forward, as per-step SNNs do).
+    ``time`` lines up with the estimate's: ``step_s`` is the mean timed step; ``exposed_comm_s``
+    the time the recorded step spent blocked in collectives, where the recorder sees all of it
+    (plans without DDP or FSDP2, whose waits happen outside it; else NaN); ``compute_s`` the rest.
     """
 
     plan: SNNDistributedPlan
@@ -54,6 +58,7 @@ class PlanMeasurement:
     collectives_agree: bool
     comm_debug_counts: Optional[Dict[str, int]] = None
     steps: int = 3
+    time: Optional[pd.DataFrame] = None  # rank, compute_s, exposed_comm_s, bubble_s, step_s (as PlanEstimate.time)
 
     @property
     def peak_bytes(self) -> int:
@@ -247,7 +252,7 @@ def _measure_plan(model, plan, run: _Settings) -> dict:
                  buffers_bytes=sum(_storage_bytes([b for b in module.buffers() if id(b) not in state_ids]).values()),
                  activations_bytes=activations, neuron_state_bytes=sum(seen["state"].values()),
                  transient_bytes=buckets if plan.uses_ddp else float("nan"), peak_bytes=peak),
-        collectives=recorder.table(groups), times=times,
+        collectives=recorder.table(groups), times=times, blocked_s=recorder.blocked_s,
         debug=None if repeated else {str(k).rsplit(".", 1)[-1]: v for k, v in debug.get_comm_counts().items()})
 
 
@@ -262,6 +267,14 @@ def _kind_counts(rows) -> Dict[str, int]:
     return out
 
 
+def _time_table(plan: SNNDistributedPlan, results: Sequence[dict], times: Sequence[float]) -> pd.DataFrame:
+    """The measured counterpart of :attr:`PlanEstimate.time` (see :class:`PlanMeasurement`)."""
+    seen = not (plan.uses_ddp or plan.uses_fsdp)
+    comm = [min(r["blocked_s"], t) if seen else float("nan") for r, t in zip(results, times)]
+    return pd.DataFrame(dict(rank=range(len(times)), compute_s=[t - c for t, c in zip(times, comm)],
+                             exposed_comm_s=comm, bubble_s=0.0, step_s=times), columns=list(TIME_COLUMNS))
+
+
 def _assemble(plan: SNNDistributedPlan, results: Sequence[dict], steps: int) -> PlanMeasurement:
     per_rank = pd.DataFrame([r["row"] for r in results], columns=PER_RANK_COLUMNS).sort_values("rank")
     key = lambda rows: sorted((r["mesh_dim"], r["kind"], r["phase"], r["count"], r["bytes"]) for r in rows)
@@ -270,7 +283,7 @@ def _assemble(plan: SNNDistributedPlan, results: Sequence[dict], steps: int) -> 
     times = [sum(r["times"]) / len(r["times"]) for r in results]
     return PlanMeasurement(plan=plan, per_rank=per_rank.reset_index(drop=True), collectives=collectives,
                            step_time_s=times, samples_per_s=plan.batch_size / max(times), collectives_agree=agree,
-                           comm_debug_counts=results[0]["debug"], steps=steps)
+                           comm_debug_counts=results[0]["debug"], steps=steps, time=_time_table(plan, results, times))
 
 
 def _settings(model, plans, example_input, labels, steps, optimizer, dtype, lr, device) -> _Settings:

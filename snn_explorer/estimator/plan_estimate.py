@@ -31,6 +31,7 @@ from .comms import step_collectives
 from .fsdp_timeline import FsdpTimeline
 from .profile import ModelProfile, check_run_size, model_profile
 from .sharding import buffer_bytes, dp_roles, local_params, optimizer_temporaries, rank_bytes
+from .step_time import plan_time, resolve_hardware
 
 PER_RANK_COLUMNS = ("rank", "params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes", "activations_bytes",
                     "neuron_state_bytes", "transient_bytes", "peak_bytes")
@@ -55,6 +56,8 @@ class PlanEstimate:
     time_steps: int
     optimizer: str
     memory_budget: Optional[int] = None
+    time: Optional[pd.DataFrame] = None  # per rank: compute_s, exposed_comm_s, bubble_s, step_s
+    hardware: Optional[object] = None  # the HardwareProfile the time was predicted on
 
     @property
     def batch_per_rank(self) -> int:
@@ -68,6 +71,15 @@ class PlanEstimate:
     def comm_bytes(self) -> int:
         return int(self.collectives["bytes"].sum()) if len(self.collectives) else 0
 
+    @property
+    def step_time_s(self) -> float:
+        """Predicted seconds of one optimizer step (the slowest rank's)."""
+        return float(self.time["step_s"].max())
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.plan.batch_size / self.step_time_s
+
     def summary(self) -> dict:
         """One row for comparison tables: plan, global and per-rank batch, peak, traffic, verdict."""
         p = self.plan
@@ -76,17 +88,17 @@ class PlanEstimate:
                     batch=p.batch_size, batch_per_rank=p.per_rank_batch, time_steps=self.time_steps,
                     peak_bytes=self.peak_bytes, comm_bytes=self.comm_bytes,
                     collectives=int(self.collectives["count"].sum()) if len(self.collectives) else 0,
-                    verdict=self.verdict)
+                    step_time_s=self.step_time_s, samples_per_s=self.samples_per_s, verdict=self.verdict)
 
     def _repr_html_(self) -> str:
         return (f"<p>{self.plan!r}: {self.verdict}</p>" + self.per_rank.to_html(index=False)
-                + self.collectives.to_html(index=False))
+                + self.collectives.to_html(index=False) + self.time.to_html(index=False))
 
 
 def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch.Tensor,
              labels: Optional[torch.Tensor] = None, time_steps: Optional[int] = None, optimizer: str = "adam",
              dtype: Optional[torch.dtype] = None, memory_budget: Optional[int] = None,
-             profile: Optional[ModelProfile] = None) -> PlanEstimate:
+             profile: Optional[ModelProfile] = None, hardware=None) -> PlanEstimate:
     """Estimate ``plan`` for ``model`` per rank of its mesh, for one optimizer step.
 
     ``example_input`` ``[T, N, ...]`` stands for the global batch of one optimizer step
@@ -98,6 +110,10 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     turns the verdict into fits / does not fit. Every argument is checked before anything runs,
     and a ``time_steps`` whose run cannot fit in this machine's memory is refused. The caller's
     RNG, environment and temporary directory are left as they were.
+
+    ``hardware`` (a :class:`HardwareProfile`, a built-in profile's name, or None for this
+    machine's calibration: the first call calibrates, a few seconds on spawned ranks, and keeps it
+    on disk) is where the step time (``time``, ``step_time_s``; :mod:`.step_time`) is predicted.
     """
     optimizer = check_optimizer(optimizer)
     check_inputs(model, example_input, labels, dtype, plan)
@@ -105,8 +121,9 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     positive_number("memory_budget", memory_budget, allow_none=True, what="bytes per device")
     if profile is not None and not isinstance(profile, ModelProfile):
         raise TypeError(f"profile must be a ModelProfile (from model_profile) or None, got {type(profile).__name__}")
+    hardware = resolve_hardware(hardware)
     with as_found():  # the runs below draw random numbers and may import torch's compiler
-        return _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_budget, profile)
+        return _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_budget, profile, hardware)
 
 
 def _per_rank(rows, roles, plan: SNNDistributedPlan) -> pd.DataFrame:
@@ -118,7 +135,7 @@ def _per_rank(rows, roles, plan: SNNDistributedPlan) -> pd.DataFrame:
     return table[list(PER_RANK_COLUMNS)]
 
 
-def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_budget, profile) -> PlanEstimate:
+def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_budget, profile, hardware):
     profile = profile or model_profile(model, example_input, labels, dtype)
     n = plan.per_rank_batch
     check_run_size(profile, n, t)
@@ -156,8 +173,9 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
         verdict = f"fits: peak {_mib(peak)} of a {_mib(memory_budget)} budget per device"
     else:
         verdict = f"does not fit: peak {_mib(peak)} exceeds the {_mib(memory_budget)} budget per device"
+    time = plan_time(plan, profile, collectives, per_rank, hardware, t, optimizer)
     return PlanEstimate(plan=plan, per_rank=per_rank, collectives=collectives, verdict=verdict, time_steps=t,
-                        optimizer=optimizer, memory_budget=memory_budget)
+                        optimizer=optimizer, memory_budget=memory_budget, time=time, hardware=hardware)
 
 
 def estimate_all(model: nn.Module, plans, *, example_input: torch.Tensor, **kwargs) -> pd.DataFrame:

@@ -7,6 +7,7 @@ input of a reduce-scatter.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -67,10 +68,13 @@ _GATHERS = {_fn.all_gather_into_tensor: 2, _fn.all_gather_into_tensor_coalesced:
 @dataclass
 class CollectiveRecorder(TorchDispatchMode):
     """Record collectives as ``(group_name, ranks, kind, phase, bytes)`` (``ranks`` None where the op
-    names its group only); set ``phase`` as the step runs."""
+    names its group only); set ``phase`` as the step runs. ``blocked_s`` sums the time spent in the
+    collective calls and functional-collective waits it sees (waits on c10d ``Work`` objects, as
+    DDP and FSDP2 make, happen outside the dispatcher and are not in it)."""
 
     phase: str = "forward"
     events: List[tuple] = field(default_factory=list)
+    blocked_s: float = 0.0  # seconds inside collective calls and functional-collective waits
 
     def __post_init__(self):
         super().__init__()
@@ -78,8 +82,11 @@ class CollectiveRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t is DTensor for t in types):
             return NotImplemented
+        start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
         packet = getattr(func, "_overloadpacket", None)
+        if packet in _OPS or packet in _GATHERS or packet is _fn.wait_tensor:
+            self.blocked_s += time.perf_counter() - start
         if packet in _OPS:
             kind, g, b = _OPS[packet]
             self.events.append((*_group(args[g]), kind, self.phase, _nbytes(args[b])))

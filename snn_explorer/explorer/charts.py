@@ -84,7 +84,7 @@ def comm_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[str]
 
 
 def pareto_front(points: Sequence[tuple]) -> list:
-    """Indices of the points ``(memory, communication)`` no other point beats on both, by memory."""
+    """Indices of the points ``(memory, time)`` no other point beats on both, by memory."""
     front = [i for i, (m, c) in enumerate(points)
              if not any((m2 <= m and c2 <= c) and (m2, c2) != (m, c) for m2, c2 in points)]
     return sorted(front, key=lambda i: points[i])
@@ -100,22 +100,54 @@ def coinciding(points: Sequence[tuple], labels: Sequence[str], digits: int = 3) 
     return list(groups.values())
 
 
-def pareto_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[str]] = None) -> Figure:
-    """Peak memory (max over ranks) against communication per step; the Pareto front joined by a line."""
+#: The parts of a predicted step, as the time table names them, and their labels.
+TIME_PARTS = (("compute_s", "compute"), ("exposed_comm_s", "exposed communication"), ("bubble_s", "pipeline bubble"))
+
+
+def step_time_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[str]] = None,
+                    measured: Optional[Sequence[Optional[float]]] = None) -> Figure:
+    """Predicted step time per plan (slowest rank), one bar split into compute / exposed
+    communication / pipeline bubble; ``measured`` (seconds, None where not measured) adds a
+    black mark per plan."""
     fig, ax = _figure()
     if not estimates:
         _empty(ax, "plans")
         return fig
     labels = _labels(estimates, labels)
-    points = [(e.peak_bytes / MIB, e.comm_bytes / MIB) for e in estimates]
+    rows = [e.time.loc[e.time["step_s"].idxmax()] for e in estimates]
+    bottom = [0.0] * len(rows)
+    for i, (column, name) in enumerate(TIME_PARTS):
+        values = [1e3 * r[column] for r in rows]
+        ax.bar(range(len(rows)), values, bottom=bottom, color=f"C{i}", label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    if measured is not None:
+        shown = [(i, 1e3 * m) for i, m in enumerate(measured) if m is not None]
+        ax.scatter([i for i, _ in shown], [m for _, m in shown], marker="_", s=900, color="black",
+                   label="measured", zorder=3)
+    ax.set_xticks(range(len(rows)), labels, rotation=15, ha="right", fontsize=8)
+    ax.set_ylabel("ms per step")
+    hardware = estimates[0].hardware
+    ax.set_title("predicted step time" + (f" on {hardware.name}" if hardware is not None else ""))
+    ax.legend(fontsize=7)
+    return fig
+
+
+def pareto_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[str]] = None) -> Figure:
+    """Peak memory (max over ranks) against predicted step time; the Pareto front joined by a line."""
+    fig, ax = _figure()
+    if not estimates:
+        _empty(ax, "plans")
+        return fig
+    labels = _labels(estimates, labels)
+    points = [(e.peak_bytes / MIB, 1e3 * e.step_time_s) for e in estimates]
     front = pareto_front(points)
     ax.scatter([p[0] for p in points], [p[1] for p in points], color="C0", label="plan")
     ax.plot([points[i][0] for i in front], [points[i][1] for i in front], "o-", color="C3", label="Pareto front")
     for (m, c), names in coinciding(points, labels):
         ax.annotate("\n".join(names), (m, c), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("peak MiB per rank (max over ranks)")
-    ax.set_ylabel("MiB communicated per step")
-    ax.set_title("memory vs communication")
+    ax.set_ylabel("predicted ms per step")
+    ax.set_title("memory vs step time")
     ax.legend(fontsize=7)
     return fig
 

@@ -12,11 +12,11 @@ from ..estimator import PlanEstimate
 MEMORY_ROWS = ("params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes", "activations_bytes",
                "neuron_state_bytes", "transient_bytes")
 #: Numeric rows where the smallest value is best (highlighted).
-BEST_LOW = MEMORY_ROWS + ("peak_bytes_max", "comm_bytes_per_step", "collectives_per_step")
+BEST_LOW = MEMORY_ROWS + ("peak_bytes_max", "comm_bytes_per_step", "collectives_per_step", "step_time_s")
 TEXT_ROWS = ("objective", "mode", "mesh", "optimizer_strategy", "memopt_level", "batch", "batch_per_rank",
-             "time_steps", "rationale", "notes", "verdict")
+             "time_steps", "rationale", "notes", "verdict", "hardware")
 COMPARE_ROWS = TEXT_ROWS + MEMORY_ROWS + ("peak_bytes_max", "comm_bytes_per_step", "collectives_per_step",
-                                          "fits_budget")
+                                          "step_time_s", "samples_per_s", "fits_budget")
 #: The Styler's table id, fixed so that rendered HTML is the same on every run.
 STYLER_UUID = "snn-compare"
 
@@ -41,10 +41,11 @@ def _column(est: PlanEstimate, budget: Optional[int]) -> dict:
     col = dict(objective=p.objective, mode=p.mode, mesh=mesh_text(p), optimizer_strategy=p.optimizer_strategy,
                memopt_level=p.memopt_level, batch=p.batch_size, batch_per_rank=p.per_rank_batch,
                time_steps=est.time_steps, rationale=" ".join(p.rationale), notes=" ".join(p.notes),
-               verdict=est.verdict)
+               verdict=est.verdict, hardware=est.hardware.name if est.hardware is not None else "")
     col.update({name: int(per_rank[name].max()) for name in MEMORY_ROWS})
     col.update(peak_bytes_max=est.peak_bytes, comm_bytes_per_step=est.comm_bytes,
                collectives_per_step=int(est.collectives["count"].sum()) if len(est.collectives) else 0,
+               step_time_s=est.step_time_s, samples_per_s=est.samples_per_s,
                fits_budget="" if budget is None else ("yes" if est.peak_bytes <= budget else "no"))
     return col
 
@@ -75,6 +76,12 @@ def format_bytes(n) -> str:
     return f"{n / 2 ** 10:.1f} KiB" if abs(n) >= 2 ** 10 else f"{n} B"
 
 
+def format_seconds(s) -> str:
+    if not isinstance(s, (int, float)):
+        return str(s)
+    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
+
+
 def _is_bytes_row(row: str) -> bool:
     return "_bytes" in row
 
@@ -85,6 +92,10 @@ def readable(table: pd.DataFrame, max_text: int = 0) -> pd.DataFrame:
     for row in table.index:
         if _is_bytes_row(row):
             out.loc[row] = [format_bytes(v) for v in table.loc[row]]
+        elif row == "step_time_s":
+            out.loc[row] = [format_seconds(v) for v in table.loc[row]]
+        elif row == "samples_per_s":
+            out.loc[row] = [f"{v:.4g}" if isinstance(v, (int, float)) else str(v) for v in table.loc[row]]
         elif max_text and row in ("rationale", "notes", "verdict"):
             out.loc[row] = [v if len(str(v)) <= max_text else str(v)[:max_text - 3] + "..." for v in table.loc[row]]
     return out

@@ -1,6 +1,7 @@
 """Explorer: one model's analysis, a list of plans, their estimates, tables and charts."""
 from __future__ import annotations
 
+import json
 import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
@@ -16,6 +17,12 @@ from ..core.validate import check_batch_tensor, positive_int
 # pandas, matplotlib and the estimator load on first use (see the package docstring).
 
 FeaturesLike = Union[DistributedFeatureSet, Mapping[str, bool], None]
+
+
+def hardware_key(hardware: Any):
+    """What tells two hardware choices apart in the estimate cache (a profile by its figures)."""
+    to_dict = getattr(hardware, "to_dict", None)
+    return json.dumps(to_dict(), sort_keys=True) if to_dict else hardware
 
 
 def as_features(features: FeaturesLike) -> DistributedFeatureSet:
@@ -34,14 +41,16 @@ class Explorer:
     ``example_input`` ``[T, N, ...]`` (the global batch of one step) is what the estimator
     profiles, once; without it plans and module tables work but estimates do not. ``time_steps``
     (default ``T``) and ``batch_size`` (default ``N``) are the defaults of new plans and estimates;
-    ``neuron_backend`` (``backend``: its deprecated name) that of new plans.
+    ``neuron_backend`` (``backend``: its deprecated name) that of new plans. ``hardware`` (a
+    ``HardwareProfile``, a built-in profile's name, or None: this machine's calibration, made on
+    the first estimate) is where step times are predicted; set the attribute to change it.
     """
 
     def __init__(self, model: nn.Module, *, example_input: Optional[torch.Tensor] = None,
                  time_steps: Optional[int] = None, model_family: Optional[str] = None,
                  roots: Optional[Sequence[str]] = None, labels: Optional[torch.Tensor] = None,
                  batch_size: Optional[int] = None, neuron_backend: str = "torch", optimizer: str = "adam",
-                 backend: Any = UNSET):
+                 backend: Any = UNSET, hardware: Any = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Explorer expects a torch.nn.Module, got {type(model).__name__}")
         if example_input is not None:
@@ -54,6 +63,7 @@ class Explorer:
                                        example_input.shape[1] if example_input is not None else 1)
         self.neuron_backend = check_backend(neuron_backend_arg(neuron_backend, backend))
         self.optimizer = optimizer
+        self.hardware = hardware
         self._plans: List[SNNDistributedPlan] = []
         self._estimates: Dict[tuple, Any] = {}
         self._profile = None
@@ -146,13 +156,20 @@ class Explorer:
         return self.add_plan(**choices)
 
     def enumerate(self, world_size: int, *, batch_size: Optional[int] = None, features: FeaturesLike = None,
-                  objective: str = "speed"):
-        """Add every feasible plan for ``world_size`` ranks; returns them (``.infeasible``: why others are not)."""
-        from ..estimator import enumerate_plans
+                  objective: str = "speed", memory_budget: Optional[int] = None):
+        """Add every feasible plan for ``world_size`` ranks; returns them (``.infeasible``: why others are not).
+
+        With ``objective="speed"`` and an example input the plans come fastest first by predicted
+        step time, those that fit ``memory_budget`` (bytes per device) before those that do not."""
+        from ..estimator import PlanList, enumerate_plans
+        from ..estimator.step_time import fastest_first
 
         plans = enumerate_plans(self.analysis, world_size=world_size,
                                 batch_size=batch_size if batch_size is not None else self.batch_size,
                                 neuron_backend=self.neuron_backend, features=as_features(features), objective=objective)
+        if objective == "speed" and self.example_input is not None:
+            ranked = fastest_first([self.estimate(p) for p in plans], memory_budget)
+            plans = PlanList([e.plan for e in ranked], plans.infeasible)
         for p in plans:
             self.add(p)
         return plans
@@ -165,12 +182,13 @@ class Explorer:
         if self.example_input is None:
             raise ValueError("estimates need an example input: Explorer(model, example_input=[T, N, ...] tensor)")
         t = int(time_steps if time_steps is not None else self.time_steps)
-        key = (plan, t)
+        key = (plan, t, hardware_key(self.hardware))
         if key not in self._estimates:
             if self._profile is None:  # looked up once: the cache key reads every parameter's shape
                 self._profile = model_profile(self.model, self.example_input, self.labels)
             self._estimates[key] = estimate(self.model, plan, example_input=self.example_input, labels=self.labels,
-                                            time_steps=t, optimizer=self.optimizer, profile=self._profile)
+                                            time_steps=t, optimizer=self.optimizer, profile=self._profile,
+                                            hardware=self.hardware)
         return self._estimates[key]
 
     def prepare(self, world_size: int, *, batch_size: Optional[int] = None, time_steps: Optional[int] = None) -> int:
@@ -226,12 +244,12 @@ class Explorer:
         return readable(self.compare(plans, **kwargs), max_text).to_string()
 
     # ---- charts
-    def _chart(self, name, plans, time_steps):
+    def _chart(self, name, plans, time_steps, **kwargs):
         from . import charts
         from .compare import unique_labels
 
         ests = self.estimates(plans, time_steps)
-        return getattr(charts, name)(ests, unique_labels([e.plan for e in ests]))
+        return getattr(charts, name)(ests, unique_labels([e.plan for e in ests]), **kwargs)
 
     def memory_chart(self, plans=None, *, time_steps=None):
         """Stacked per-rank memory of each plan (a Figure)."""
@@ -241,8 +259,13 @@ class Explorer:
         """Communication per step of each plan (a Figure)."""
         return self._chart("comm_chart", plans, time_steps)
 
+    def step_time_chart(self, plans=None, *, time_steps=None, measured=None):
+        """Predicted step time per plan split into compute / exposed communication / bubble;
+        ``measured`` (seconds per plan, None where not measured) marks the measured time."""
+        return self._chart("step_time_chart", plans, time_steps, measured=measured)
+
     def pareto_chart(self, plans=None, *, time_steps=None):
-        """Peak memory against communication, Pareto front marked (a Figure)."""
+        """Peak memory against predicted step time, Pareto front marked (a Figure)."""
         return self._chart("pareto_chart", plans, time_steps)
 
     def default_module(self, plan: SNNDistributedPlan) -> str:

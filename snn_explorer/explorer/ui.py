@@ -21,9 +21,11 @@ from .modules import candidates_table
 from .render import figure_data, message_data, message_html, show, styler_data, table_data
 
 TABS = ("Modules", "Candidates", "Compare", "Charts", "Launch")
-CHARTS = ("memory", "communication", "pareto", "mesh")
+CHARTS = ("memory", "communication", "step time", "pareto", "mesh")
 GATES = ("allow_experimental_conv_tp", "allow_experimental_spikformer_tp", "allow_zero_optimizer")
-MAX_WORLD = 16
+MAX_WORLD = 1024
+#: The hardware choice that means this machine's calibration (``Explorer.hardware = None``).
+THIS_MACHINE = "this machine (calibrated)"
 ERRORS = (ValueError, TypeError, KeyError, NotImplementedError)
 
 
@@ -66,6 +68,7 @@ class ExplorerUI:
                                            style=style)
         self.memory_budget = w.BoundedFloatText(value=0.0, min=0.0, max=1e9, step=64.0,
                                                 description="budget MiB", style=style)
+        self.hardware = self._hardware_control(style)
         self.pin_button = w.Button(description="pin plan", icon="thumb-tack",
                                    tooltip="keep the current plan in the comparison")
         self.clear_button = w.Button(description="clear pins")
@@ -79,7 +82,7 @@ class ExplorerUI:
                                     w.VBox([w.HBox([self.chart, self.chart_module]), self.outputs[n]])
                                     for n in TABS], titles=TABS, selected_index=TABS.index("Compare"))
         controls = w.VBox([self.objective, self.world_size, self.dp, self.tp, self.mode, self.batch_size,
-                           self.time_steps, self.memory_budget])
+                           self.time_steps, self.memory_budget, self.hardware])
         gates = w.VBox([w.HTML("<b>feature gates</b>"), *self.gates.values(),
                         w.HBox([self.pin_button, self.clear_button])])
         self.widget = w.VBox([w.HBox([controls, gates]), self.message, self.plan_list, self.tabs])
@@ -91,12 +94,31 @@ class ExplorerUI:
         for control in (self.objective, self.mode, self.batch_size, self.time_steps, self.memory_budget,
                         *self.gates.values()):
             control.observe(self.refresh, "value")
+        self.hardware.observe(self._on_hardware, "value")
         self.chart.observe(lambda _: self._render_tab("Charts"), "value")
         self.chart_module.observe(lambda _: self._render_tab("Charts"), "value")
         self.tabs.observe(lambda c: self._render_tab(TABS[c["new"]]) if c["new"] is not None else None,
                           "selected_index")
         self.pin_button.on_click(lambda _: self.pin())
         self.clear_button.on_click(lambda _: self.clear())
+
+    def _hardware_control(self, style) -> "w.Dropdown":
+        """Where step times are predicted: this machine, a built-in profile, or the Explorer's own profile."""
+        from ..estimator import hardware_profiles
+
+        options = [THIS_MACHINE, *hardware_profiles()]
+        own = self.ex.hardware
+        if own is not None and not isinstance(own, str):
+            options.append(f"given: {own.name}")
+        value = options[-1] if own is not None and not isinstance(own, str) else own or THIS_MACHINE
+        self._given_hardware = own
+        return w.Dropdown(options=options, value=value, description="hardware", style=style)
+
+    def _on_hardware(self, change) -> None:
+        new = change["new"]
+        self.ex.hardware = (None if new == THIS_MACHINE else self._given_hardware if new.startswith("given: ")
+                            else new)
+        self.refresh()
 
     def _prepare(self, *_) -> None:
         """Measure what every plan of this world size, batch and T needs (``Explorer.prepare``), so
@@ -246,5 +268,6 @@ class ExplorerUI:
                 raise ValueError(self.error or "no plan")
             return self.ex.mesh_chart(self.current, self.chart_module.value or None)
         labels, ests = self._estimates()
-        make = {"memory": charts.memory_chart, "communication": charts.comm_chart, "pareto": charts.pareto_chart}
+        make = {"memory": charts.memory_chart, "communication": charts.comm_chart, "pareto": charts.pareto_chart,
+                "step time": charts.step_time_chart}
         return make[kind](ests, labels)

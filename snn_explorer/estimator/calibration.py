@@ -1,0 +1,253 @@
+"""calibrate(): measure this machine's compute and collectives into a :class:`HardwareProfile`.
+
+On ``max(group_sizes)`` real ranks (``snn_explorer.ranks``; gloo on CPUs, NCCL with one GPU per
+rank) rank 0 first times alone a square matmul (FLOP/s), a large elementwise add (bytes/s) and
+a one-element add (the fixed cost of one operator); then the first ``p`` ranks time the same
+matmul together (how much ranks sharing a host's cores slow each other: ``compute_sharing``),
+and every collective kind at a few buffer sizes on each group size ``p``. Each (kind, p) gets
+``alpha + beta * bytes`` fitted by least squares (:func:`fit_alpha_beta`) to the median of the
+slowest rank's times. It takes a few seconds after the ranks start.
+
+:func:`default_hardware` is what ``estimate`` uses without ``hardware=``: the profile named by the
+``SNN_EXPLORER_HARDWARE`` environment variable (a built-in name or a JSON file), else this
+machine's calibration, made on first use and cached in the process and on disk
+(``$XDG_CACHE_HOME/snn_explorer`` or ``~/.cache/snn_explorer``).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import statistics
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .. import ranks
+from ..core.validate import positive_int
+from .hardware import KINDS, HardwareProfile, hardware_profile
+
+#: Buffer sizes (bytes) each collective is timed at, and repetitions per size.
+SIZES_BYTES = (4 * 2 ** 10, 256 * 2 ** 10, 2 ** 20, 4 * 2 ** 20, 16 * 2 ** 20)
+REPEATS = 5
+#: Seconds each rank computes when timing how ranks on one host slow each other.
+SHARING_PROBE_S = 0.25
+#: Features of the Linear layer the TP and FSDP2 overheads are timed on.
+FRAMEWORK_FEATURES = 64
+#: The smallest beta a fit gives (s/byte: 10 TB/s), when the times do not grow with the size.
+MIN_BETA = 1e-13
+
+
+def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> Tuple[float, float]:
+    """Least-squares ``seconds = alpha + beta * nbytes`` in relative error (weights ``1 / seconds**2``);
+    alpha clamped at 0 (then beta refitted through 0).
+    Times that do not grow with the size give their smallest as alpha and :data:`MIN_BETA` or more."""
+    if len(nbytes) != len(seconds) or len(set(nbytes)) < 2:
+        raise ValueError(f"need timings at two or more distinct sizes, got sizes {list(nbytes)}")
+    n = len(nbytes)
+    w = [1.0 / max(y, 1e-12) ** 2 for y in seconds]  # relative errors: the small sizes fix alpha
+    sw = sum(w)
+    mx, my = sum(wi * x for wi, x in zip(w, nbytes)) / sw, sum(wi * y for wi, y in zip(w, seconds)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, nbytes))
+    beta = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, nbytes, seconds)) / sxx
+    alpha = my - beta * mx
+    if alpha < 0:
+        alpha = 0.0
+        beta = sum(wi * x * y for wi, x, y in zip(w, nbytes, seconds)) / sum(wi * x * x for wi, x in zip(w, nbytes))
+    if beta <= MIN_BETA:  # latency-bound over every size (or noise hid the slope): the level and the largest size
+        alpha = min(seconds)
+        big = max(range(n), key=lambda i: nbytes[i])
+        beta = max(MIN_BETA, (seconds[big] - alpha) / nbytes[big])
+    return alpha, beta
+
+
+def _median_time(fn, repeats: int, sync) -> float:
+    fn()
+    sync()
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - start)
+    return statistics.median(out)
+
+
+def _compute_probes(device) -> Dict[str, float]:
+    import torch
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    n = 1024 if device.type == "cuda" else 256
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    big = torch.randn(2 ** 22 if device.type == "cuda" else 2 ** 20, device=device)
+    tiny = torch.ones(1, device=device)
+    flops = 2 * n ** 3 / _median_time(lambda: a @ b, 5, sync)
+    bandwidth = 3 * big.numel() * 4 / _median_time(lambda: big + big, 5, sync)
+    loop = 200
+    overhead = _median_time(lambda: [tiny + tiny for _ in range(loop)], 3, sync) / loop
+    return dict(flops=flops, bandwidth=bandwidth, overhead=overhead, matmul=_busy_time(lambda: a @ b, sync))
+
+
+def _busy_time(op, sync, seconds: float = SHARING_PROBE_S) -> float:
+    """Seconds of one ``op`` averaged over a loop of about ``seconds`` (longer than a scheduler time
+    slice, so that ranks sharing cores really run side by side)."""
+    op()
+    sync()
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        op()
+        calls += 1
+    sync()
+    return (time.perf_counter() - start) / calls
+
+
+def _time_collective(dist, kind: str, p: int, group, nbytes: int, device) -> List[float]:
+    import torch
+
+    rank = dist.get_rank()
+    elems = nbytes // 4
+    if kind == "all_gather":
+        out, inp = torch.empty(elems, device=device), torch.ones(elems // p, device=device)
+        op = lambda: dist.all_gather_into_tensor(out, inp, group=group)
+    elif kind == "reduce_scatter":
+        out, inp = torch.empty(elems // p, device=device), torch.ones(elems, device=device)
+        op = lambda: dist.reduce_scatter_tensor(out, inp, group=group)
+    elif kind == "send":
+        buf = torch.ones(elems, device=device)
+        op = (lambda: dist.send(buf, rank + 1)) if rank % 2 == 0 else (lambda: dist.recv(buf, rank - 1))
+    else:
+        buf = torch.ones(elems, device=device)
+        op = (lambda: dist.all_reduce(buf, group=group)) if kind == "all_reduce" else \
+            (lambda: dist.broadcast(buf, 0, group=group))
+    times = []
+    for i in range(REPEATS + 1):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        op()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def _framework_times(dist, p: int, device) -> dict:
+    """Seconds of a small Linear's forward + backward plain, tensor-parallel (colwise, no collective)
+    and under FSDP2 (one all-gather, one reduce-scatter) on groups of ``p`` ranks; every rank takes part."""
+    import copy
+
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    world = dist.get_world_size()
+    mesh = DeviceMesh(device.type, torch.arange(world).reshape(-1, p), mesh_dim_names=("rest", "group"))["group"]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    plain = torch.nn.Linear(FRAMEWORK_FEATURES, FRAMEWORK_FEATURES, device=device)
+    x = torch.randn(8, FRAMEWORK_FEATURES, device=device)
+    step = lambda m: m(x).sum().backward()
+    out = {"plain": _median_time(lambda: step(plain), 9, sync)}
+    tp = parallelize_module(copy.deepcopy(plain), mesh, ColwiseParallel())
+    out["tp"] = _median_time(lambda: step(tp), 9, sync)
+    fsdp = fully_shard(copy.deepcopy(plain), mesh=mesh)
+    out["fsdp"] = _median_time(lambda: step(fsdp), 9, sync)
+    out["param_bytes"] = sum(q.numel() * 4 for q in plain.parameters())
+    return out
+
+
+def _calibrate_on_rank(group_sizes: Sequence[int]) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    rank = dist.get_rank()
+    alone = _compute_probes(device) if rank == 0 else None
+    dist.barrier()
+    out = {"alone": alone, "shared": {}, "collectives": {}, "framework": {}}
+    for p in group_sizes:
+        group = dist.new_group(list(range(p)))  # every rank takes part in creating each group
+        if rank < p:
+            a = torch.randn(256, 256, device=device)
+            out["shared"][p] = _busy_time(lambda: a @ a, torch.cuda.synchronize if cuda else (lambda: None))
+            for kind in KINDS:
+                for nbytes in SIZES_BYTES:
+                    out["collectives"][(kind, p, nbytes)] = _time_collective(dist, kind, p, group, nbytes, device)
+        dist.barrier()
+        out["framework"][p] = _framework_times(dist, p, device)
+        ranks.report(message=f"calibrated {p} ranks")
+    return out
+
+
+def _overheads(values: List[dict], p: int, table) -> Dict[str, float]:
+    """Per TP module call and per FSDP2 collective: the slowest rank's time beyond the plain
+    Linear's (and, for FSDP2, beyond its all-gather and reduce-scatter as fitted)."""
+    times = {k: max(v["framework"][p][k] for v in values) for k in ("plain", "tp", "fsdp")}
+    nbytes = values[0]["framework"][p]["param_bytes"]
+    comm = sum(a + b * nbytes for a, b in (table["all_gather"][p], table["reduce_scatter"][p]))
+    return {"tp_module": max(0.0, times["tp"] - times["plain"]),
+            "fsdp_collective": max(0.0, (times["fsdp"] - times["plain"] - comm) / 2)}
+
+
+def _profile_from(values: List[dict], group_sizes: Sequence[int], backend: str, name: Optional[str]) -> HardwareProfile:
+    alone = values[0]["alone"]
+    table: Dict[str, Dict[int, Tuple[float, float]]] = {k: {} for k in KINDS}
+    sharing = {}
+    for p in group_sizes:
+        sharing[p] = max(v["shared"][p] for v in values[:p]) / alone["matmul"]
+        for kind in KINDS:
+            medians = [statistics.median(max(ts) for ts in zip(*(v["collectives"][(kind, p, s)] for v in values[:p])))
+                       for s in SIZES_BYTES]
+            table[kind][p] = fit_alpha_beta(SIZES_BYTES, medians)
+    overheads = {p: _overheads(values, p, table) for p in group_sizes if "framework" in values[0]}
+    host = socket.gethostname()
+    device = "cuda" if backend == "nccl" else "cpu"
+    return HardwareProfile(name=name or f"{host} ({device}, {backend})", device=device, flops_per_s=alone["flops"],
+                           bytes_per_s=alone["bandwidth"], op_overhead_s=alone["overhead"], collectives=table,
+                           compute_sharing=sharing, framework_overhead=overheads, efficiency=1.0, host=host,
+                           source=f"calibrated on {host} {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC "
+                                  f"({backend}, {max(group_sizes)} ranks)")
+
+
+def calibrate(group_sizes: Sequence[int] = (2, 4), *, backend: str = "auto", name: Optional[str] = None,
+              timeout: float = 120.0) -> HardwareProfile:
+    """Measure this machine into a :class:`HardwareProfile` (see the module doc); a few seconds
+    after the ranks start. ``group_sizes`` (each >= 2): the collective group sizes to time;
+    ``backend``: ``"auto"`` (NCCL when there is a GPU per rank, else gloo), ``"gloo"`` or ``"nccl"``."""
+    sizes = sorted({positive_int("group size", p) for p in group_sizes})
+    if not sizes or sizes[0] < 2:
+        raise ValueError(f"group_sizes={list(group_sizes)}; expected sizes >= 2 (the ranks a collective spans)")
+    if "send" in KINDS and sizes[0] % 2:
+        raise ValueError(f"group_sizes={list(group_sizes)}: send/recv is timed between rank pairs; use even sizes")
+    world = sizes[-1]
+    result = ranks.run(_calibrate_on_rank, (tuple(sizes),), nprocs=world, backend=backend, timeout=timeout)
+    return _profile_from(result.values, sizes, result.backend, name)
+
+
+_DEFAULT: Dict[str, HardwareProfile] = {}
+ENV_VAR = "SNN_EXPLORER_HARDWARE"
+
+
+def cache_path() -> str:
+    """Where this machine's calibration is kept between sessions."""
+    import torch
+
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "snn_explorer", f"hardware-{socket.gethostname()}-torch{torch.__version__}.json")
+
+
+def default_hardware() -> HardwareProfile:
+    """The profile ``estimate`` uses without ``hardware=`` (see the module doc)."""
+    chosen = os.environ.get(ENV_VAR)
+    if chosen:
+        return HardwareProfile.load(chosen) if os.path.exists(chosen) else hardware_profile(chosen)
+    if "local" not in _DEFAULT:
+        path = cache_path()
+        if os.path.exists(path):
+            _DEFAULT["local"] = HardwareProfile.load(path)
+        else:
+            profile = calibrate()
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            profile.save(path)
+            _DEFAULT["local"] = profile
+    return _DEFAULT["local"]

@@ -1,0 +1,246 @@
+"""HardwareProfile: what one rank's device computes and how fast its collectives run.
+
+Every time estimate asks one profile: the achievable FLOP/s and memory bandwidth of a rank's
+device (a roofline), the fixed cost of one operator (dispatch / kernel launch), and per
+collective kind an alpha-beta model ``time = alpha + beta * bytes`` per group size, where
+``bytes`` is the full buffer the collective works on (all-reduce / broadcast: the tensor,
+all-gather: the output, reduce-scatter: the input; :mod:`.comms` counts them so).
+
+A group size the profile does not list is scaled from the nearest listed one by the ring
+formulas NCCL documents (``nccl-tests`` "performance"): an all-reduce moves
+``2 (p - 1) / p`` of its buffer over each link in ``2 (p - 1)`` steps, an all-gather or
+reduce-scatter ``(p - 1) / p`` in ``p - 1`` steps, a broadcast (pipelined ring) and a
+send/recv the whole buffer (an all-reduce's latency is the tree's when that is shorter). A group that spans nodes (more ranks than ``ranks_per_node``)
+uses the ``inter_node`` table.
+
+Built-in profiles (:func:`hardware_profiles`) come from published datasheet figures and are
+labelled ``source="datasheet"``; their latencies and per-operator costs are stated assumptions
+(datasheets give none). ``efficiency`` scales the achievable fractions of every figure.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, replace
+from typing import Dict, Mapping, Optional, Tuple
+
+from ..core.validate import positive_int, positive_number
+
+#: The collective kinds a profile times (the names :mod:`.comms` and the recorder use).
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")
+
+
+def ring_steps(kind: str, p: int) -> int:
+    """Latency-bound steps of one collective on ``p`` ranks: the ring's, but for an all-reduce the
+    fewer of the ring's ``2 (p - 1)`` and the tree's ``2 ceil(log2 p)`` (NCCL picks the tree at scale)."""
+    tree = 2 * math.ceil(math.log2(p)) if p > 1 else 0
+    return {"all_reduce": min(2 * (p - 1), tree), "all_gather": p - 1, "reduce_scatter": p - 1,
+            "broadcast": p - 1, "send": 1}[kind]
+
+
+def ring_fraction(kind: str, p: int) -> float:
+    """Fraction of the buffer each rank sends over its link (NCCL's algorithm-to-bus bandwidth factor)."""
+    return {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p,
+            "broadcast": 1.0, "send": 1.0}[kind]
+
+
+def _check_table(name: str, table: Mapping) -> Dict[str, Dict[int, Tuple[float, float]]]:
+    out = {}
+    for kind, sizes in table.items():
+        if kind not in KINDS:
+            raise ValueError(f"{name}: unknown collective kind {kind!r}; expected one of {KINDS}")
+        out[kind] = {}
+        for p, ab in sizes.items():
+            p = positive_int(f"{name}[{kind!r}] group size", int(p))
+            alpha, beta = (float(v) for v in ab)
+            if p < 2 or alpha < 0 or beta <= 0:
+                raise ValueError(f"{name}[{kind!r}][{p}] = ({alpha}, {beta}); expected a group size >= 2, "
+                                 "alpha >= 0 s and beta > 0 s/byte")
+            out[kind][p] = (alpha, beta)
+    return out
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One rank's device and its collectives (see the module doc). Save with :meth:`save`, load
+    with :meth:`load`; :func:`hardware_profile` gives a built-in one by name."""
+
+    name: str
+    device: str
+    flops_per_s: float  # achievable dense FLOP/s at 4-byte floats
+    bytes_per_s: float  # achievable memory bandwidth
+    op_overhead_s: float  # fixed cost of one operator (dispatch, kernel launch)
+    collectives: Mapping[str, Mapping[int, Tuple[float, float]]]  # kind -> group size -> (alpha s, beta s/byte)
+    inter_node: Mapping[str, Mapping[int, Tuple[float, float]]] = field(default_factory=dict)
+    ranks_per_node: Optional[int] = None  # None: every rank on one node
+    half_flops_per_s: Optional[float] = None  # FLOP/s at 2-byte floats (None: flops_per_s)
+    compute_sharing: Mapping[int, float] = field(default_factory=dict)  # ranks on a host -> compute slow-down
+    # group size -> {"tp_module": s per call of a TP-sharded module, "fsdp_collective": s per FSDP2 collective}
+    framework_overhead: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
+    efficiency: float = 1.0
+    source: str = "datasheet"
+    host: Optional[str] = None  # the host a calibration ran on
+
+    def __post_init__(self):
+        for attr in ("flops_per_s", "bytes_per_s"):
+            positive_number(attr, getattr(self, attr), what="per second")
+        if self.op_overhead_s < 0:
+            raise ValueError(f"op_overhead_s={self.op_overhead_s}; expected seconds >= 0")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"efficiency={self.efficiency}; expected a fraction in (0, 1]")
+        object.__setattr__(self, "collectives", _check_table("collectives", self.collectives))
+        object.__setattr__(self, "inter_node", _check_table("inter_node", self.inter_node))
+        missing = [k for k in KINDS if k not in self.collectives]
+        if missing:
+            raise ValueError(f"hardware profile {self.name!r} has no timings for {missing}; give every kind of {KINDS}")
+        if self.ranks_per_node is not None:
+            positive_int("ranks_per_node", self.ranks_per_node)
+            if not self.inter_node:
+                raise ValueError("ranks_per_node is set but inter_node is empty; give the timings between nodes")
+        object.__setattr__(self, "compute_sharing", {int(k): float(v) for k, v in self.compute_sharing.items()})
+        object.__setattr__(self, "framework_overhead", {int(p): {str(k): float(v) for k, v in o.items()}
+                                                        for p, o in self.framework_overhead.items()})
+
+    def flops(self, itemsize: int = 4) -> float:
+        """Achievable FLOP/s for floats of ``itemsize`` bytes, after ``efficiency``."""
+        peak = self.half_flops_per_s if itemsize <= 2 and self.half_flops_per_s else self.flops_per_s
+        return peak * self.efficiency
+
+    def bandwidth(self) -> float:
+        return self.bytes_per_s * self.efficiency
+
+    def sharing(self, ranks_on_host: int) -> float:
+        """Compute slow-down when ``ranks_on_host`` ranks share one host's cores (1 when unmeasured)."""
+        known = sorted(self.compute_sharing)
+        if not known or ranks_on_host <= 1:
+            return 1.0
+        below = [k for k in known if k <= ranks_on_host]
+        base = below[-1] if below else known[0]
+        return max(1.0, self.compute_sharing[base] * ranks_on_host / base)
+
+    def overhead(self, what: str, group_size: int) -> float:
+        """Calibrated framework seconds (``tp_module`` per call, ``fsdp_collective`` per collective) at
+        the nearest calibrated group size; 0 where none was measured (datasheet profiles)."""
+        if not self.framework_overhead or group_size <= 1:
+            return 0.0
+        near = min(self.framework_overhead, key=lambda q: (abs(q - group_size), -q))
+        return self.framework_overhead[near].get(what, 0.0)
+
+    def collective_time(self, kind: str, group_size: int, nbytes: float, calls: int = 1,
+                        spans_nodes: bool = False) -> float:
+        """Seconds for ``calls`` collectives of ``kind`` on ``group_size`` ranks moving ``nbytes`` in all."""
+        if kind not in KINDS:
+            raise ValueError(f"collective kind {kind!r}; expected one of {KINDS}")
+        if group_size <= 1 or calls == 0:
+            return 0.0
+        table = self.inter_node if spans_nodes and self.inter_node else self.collectives
+        alpha, beta = _scaled(table[kind], kind, group_size)
+        return calls * alpha + nbytes * beta / self.efficiency
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for key in ("collectives", "inter_node"):
+            d[key] = {k: {str(p): list(ab) for p, ab in v.items()} for k, v in d[key].items()}
+        d["compute_sharing"] = {str(k): v for k, v in self.compute_sharing.items()}
+        d["framework_overhead"] = {str(k): dict(v) for k, v in self.framework_overhead.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "HardwareProfile":
+        d = dict(d)
+        for key in ("collectives", "inter_node"):
+            d[key] = {k: {int(p): tuple(ab) for p, ab in v.items()} for k, v in d.get(key, {}).items()}
+        return cls(**d)
+
+    def save(self, path) -> None:
+        """Write the profile as JSON to ``path``."""
+        with open(os.fspath(path), "w") as fh:
+            json.dump(self.to_dict(), fh, indent=1)
+
+    @classmethod
+    def load(cls, path) -> "HardwareProfile":
+        """A profile written by :meth:`save` (or by hand in the same JSON form)."""
+        with open(os.fspath(path)) as fh:
+            return cls.from_dict(json.load(fh))
+
+    def with_efficiency(self, efficiency: float) -> "HardwareProfile":
+        return replace(self, efficiency=efficiency)
+
+
+def _scaled(sizes: Mapping[int, Tuple[float, float]], kind: str, p: int) -> Tuple[float, float]:
+    """(alpha, beta) at group size ``p``: the listed one, else the nearest listed size scaled by the ring formulas."""
+    if p in sizes:
+        return sizes[p]
+    ref = min(sizes, key=lambda q: (abs(q - p), -q))
+    alpha, beta = sizes[ref]
+    return (alpha * ring_steps(kind, p) / ring_steps(kind, ref),
+            beta * ring_fraction(kind, p) / ring_fraction(kind, ref))
+
+
+def link_table(latency_s: float, bytes_per_s: float, group_size: int = 2) -> Dict[str, Dict[int, Tuple[float, float]]]:
+    """Alpha-beta per kind at ``group_size`` for ring collectives over links of ``bytes_per_s`` each way."""
+    return {k: {group_size: (latency_s * ring_steps(k, group_size), ring_fraction(k, group_size) / bytes_per_s)}
+            for k in KINDS}
+
+
+# Datasheet figures (dense, no sparsity): FP32 and BF16/FP16 tensor FLOP/s, memory bandwidth, and
+# per-direction link bandwidth. NVLink3 600 GB/s and NVLink4 900 GB/s are both directions together;
+# InfiniBand HDR 200 Gb/s and NDR 400 Gb/s are one NIC per GPU (DGX A100 / DGX H100 layout).
+_GB = 1e9
+_DEVICES = {
+    "A100-SXM-80GB": dict(flops_per_s=19.5e12, half_flops_per_s=312e12, bytes_per_s=2039 * _GB, link=300 * _GB,
+                          link_name="NVLink3"),
+    "H100-SXM": dict(flops_per_s=67e12, half_flops_per_s=989e12, bytes_per_s=3350 * _GB, link=450 * _GB,
+                     link_name="NVLink4"),
+    "H200-SXM": dict(flops_per_s=67e12, half_flops_per_s=989e12, bytes_per_s=4800 * _GB, link=450 * _GB,
+                     link_name="NVLink4"),
+    "RTX-4090": dict(flops_per_s=82.6e12, half_flops_per_s=165.2e12, bytes_per_s=1008 * _GB, link=32 * _GB,
+                     link_name="PCIe4-x16"),
+}
+_IB = {"A100-SXM-80GB": ("IB-HDR", 25 * _GB), "H100-SXM": ("IB-NDR", 50 * _GB), "H200-SXM": ("IB-NDR", 50 * _GB)}
+#: Assumed (no datasheet gives them): one ring step's latency in a node and between nodes, and the
+#: cost of one eager PyTorch operator on a GPU (kernel launch and dispatch).
+INTRA_LATENCY_S, INTER_LATENCY_S, GPU_OP_OVERHEAD_S = 5e-6, 10e-6, 8e-6
+#: Assumed fraction of the datasheet peaks that real kernels and collectives reach (change it with
+#: ``profile.with_efficiency(...)``).
+DEFAULT_EFFICIENCY = 0.6
+
+
+def _builtin(device: str, nodes: int) -> HardwareProfile:
+    d = _DEVICES[device]
+    common = dict(device="cuda", flops_per_s=d["flops_per_s"], half_flops_per_s=d["half_flops_per_s"],
+                  bytes_per_s=d["bytes_per_s"], op_overhead_s=GPU_OP_OVERHEAD_S,
+                  collectives=link_table(INTRA_LATENCY_S, d["link"]), efficiency=DEFAULT_EFFICIENCY,
+                  source="datasheet")
+    if nodes == 1:
+        return HardwareProfile(name=f"{device} + {d['link_name']}", **common)
+    ib, ib_bw = _IB[device]
+    return HardwareProfile(name=f"{nodes}x8 {device} + {d['link_name']}, {ib} between nodes", ranks_per_node=8,
+                           inter_node=link_table(INTER_LATENCY_S, ib_bw), **common)
+
+
+def _builtins() -> Dict[str, HardwareProfile]:
+    out = {}
+    for device in _DEVICES:
+        out[device] = _builtin(device, 1)
+        if device in _IB:
+            for nodes in (2, 8):
+                out[f"{nodes}x8-{device}"] = _builtin(device, nodes)
+    return out
+
+
+BUILTIN_PROFILES = _builtins()
+
+
+def hardware_profiles() -> Dict[str, HardwareProfile]:
+    """The built-in profiles by name (datasheet figures; see the module doc for what is assumed)."""
+    return dict(BUILTIN_PROFILES)
+
+
+def hardware_profile(name: str) -> HardwareProfile:
+    """A built-in profile by name (:func:`hardware_profiles` lists them)."""
+    if name not in BUILTIN_PROFILES:
+        raise ValueError(f"no built-in hardware profile {name!r}; expected one of {sorted(BUILTIN_PROFILES)} "
+                         "or a HardwareProfile (calibrate(), HardwareProfile.load)")
+    return BUILTIN_PROFILES[name]

@@ -1,0 +1,155 @@
+"""The predicted time of one training step of a plan: compute, exposed communication, bubble.
+
+Compute is the roofline time of the work one rank does (:mod:`.compute_work`: forward, backward
+and optimizer of the model the rank runs, at its per-rank batch and time steps; the optimizer's
+work scaled to the parameter shard the rank updates), times the slow-down measured when that
+many ranks share one host's cores. On the machine the hardware profile was calibrated on, each
+phase is also multiplied by the measured / modelled ratio of the unsharded step. The parallel
+wrappers' own cost, where the profile was calibrated with it (:func:`framework_s`), is compute too.
+
+Each collective of the estimate (:mod:`.comms`) is timed by the profile's alpha-beta model for
+its kind and group size. What is exposed, per row:
+
+- DDP's bucketed all-reduce runs beside the rest of the backward: ``max(one bucket, all - backward)``;
+- FSDP2's forward all-gathers are prefetched: the first is exposed, the rest beyond the forward;
+  its backward all-gathers and reduce-scatters overlap the backward but for the last reduce-scatter;
+- tensor-parallel collectives and everything else (ZeRO's broadcasts) are on the critical path.
+
+So a step is never faster than its compute. ``bubble_s`` is :func:`pipeline_bubble_s`.
+"""
+from __future__ import annotations
+
+import socket
+from typing import Dict, Tuple
+
+import pandas as pd
+import torch
+
+from ..core import SNNDistributedPlan
+from .compute_work import PHASES, Work, local_correction, rank_work
+from .hardware import HardwareProfile
+
+TIME_COLUMNS = ("rank", "compute_s", "exposed_comm_s", "bubble_s", "step_s")
+
+
+def pipeline_bubble_s(plan: SNNDistributedPlan, phase_s: Dict[str, float]) -> float:
+    """Idle time of a rank waiting for pipeline stages in one step: 0 for every mode without
+    pipeline stages (all of today's). Pipeline parallelism plugs its ``(stages - 1) / microbatches``
+    share of the forward and backward (``phase_s``) in here."""
+    return 0.0
+
+
+def spans_nodes(plan: SNNDistributedPlan, mesh_dim: str, hw: HardwareProfile) -> bool:
+    """Whether a ``mesh_dim`` group crosses nodes: tp groups are consecutive ranks, dp groups stride by tp."""
+    if hw.ranks_per_node is None:
+        return False
+    size, stride = (plan.tp_size, 1) if mesh_dim == "tp" else (plan.dp_size, plan.tp_size)
+    return (size - 1) * stride + 1 > hw.ranks_per_node
+
+
+def _group_size(plan: SNNDistributedPlan, mesh_dim: str) -> int:
+    return plan.tp_size if mesh_dim == "tp" else plan.dp_size
+
+
+def exposed_comm_s(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: HardwareProfile,
+                   phase_s: Dict[str, float]) -> float:
+    """Seconds of communication not hidden behind compute (rules in the module doc)."""
+    timed: Dict[Tuple[str, str, str], Tuple[float, int]] = {}
+    for row in collectives.itertuples(index=False):
+        seconds = hw.collective_time(row.kind, _group_size(plan, row.mesh_dim), row.bytes, row.count,
+                                     spans_nodes(plan, row.mesh_dim, hw))
+        timed[(row.mesh_dim, row.kind, row.phase)] = (seconds, row.count)
+    exposed = 0.0
+    ar, ar_n = timed.pop(("dp", "all_reduce", "backward"), (0.0, 0))
+    if ar_n:  # DDP buckets
+        exposed += max(ar / ar_n, ar - phase_s["backward"])
+    fwd, fwd_n = timed.pop(("dp", "all_gather", "forward"), (0.0, 0))
+    if fwd_n:  # FSDP2 prefetch: the first gather waits, the rest hide behind the forward
+        exposed += fwd / fwd_n + max(0.0, fwd - fwd / fwd_n - phase_s["forward"])
+    bag, _ = timed.pop(("dp", "all_gather", "backward"), (0.0, 0))
+    rs, rs_n = timed.pop(("dp", "reduce_scatter", "backward"), (0.0, 0))
+    if rs_n or bag:
+        exposed += max(rs / rs_n if rs_n else 0.0, bag + rs - phase_s["backward"])
+    return exposed + sum(seconds for seconds, _ in timed.values())  # TP, ZeRO: on the critical path
+
+
+def host_sharing(plan: SNNDistributedPlan, hw: HardwareProfile) -> float:
+    """How much slower each rank runs when the plan's ranks on one host share its cores (calibrated)."""
+    return hw.sharing(min(plan.world_size, hw.ranks_per_node or plan.world_size))
+
+
+def compute_phases(plan: SNNDistributedPlan, work: Work, hw: HardwareProfile, t: int, itemsize: int,
+                   local_params_bytes: float, correction: Dict[str, float]) -> Dict[str, float]:
+    """Seconds of forward, backward and optimizer on one rank of ``plan``."""
+    n = plan.per_rank_batch
+    share = local_params_bytes / work.param_bytes if work.param_bytes else 1.0
+    slow = host_sharing(plan, hw)
+    return {p: work.phase(p).seconds(hw, n, t, itemsize, share if p == "optimizer" else 1.0)
+            * correction.get(p, 1.0) * slow for p in PHASES}
+
+
+def framework_s(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, hw: HardwareProfile, t: int) -> float:
+    """The calibrated cost of the parallel wrappers themselves (DTensor dispatch of each TP-sharded
+    module call, FSDP2's work around each of its collectives); 0 on profiles without it."""
+    seconds = 0.0
+    if plan.uses_tp:
+        calls = sum(profile.modules[path].calls(plan.per_rank_batch, t)
+                    for path in plan.tensor_parallel_plan if path in profile.modules)
+        seconds += calls * hw.overhead("tp_module", plan.tp_size)
+    if plan.uses_fsdp:
+        fsdp = collectives[(collectives["mesh_dim"] == "dp") & collectives["kind"].isin(("all_gather", "reduce_scatter"))]
+        seconds += int(fsdp["count"].sum()) * hw.overhead("fsdp_collective", plan.dp_size)
+    return seconds
+
+
+def time_table(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: HardwareProfile,
+               phase_s: Dict[str, float]) -> pd.DataFrame:
+    """The ``rank, compute_s, exposed_comm_s, bubble_s, step_s`` table (every rank alike)."""
+    compute = sum(phase_s.values())
+    # Ranks time-slicing a host's cores also drive their transfers slower (1 on a device per rank).
+    comm = exposed_comm_s(plan, collectives, hw, phase_s) * host_sharing(plan, hw)
+    bubble = pipeline_bubble_s(plan, phase_s)
+    row = dict(compute_s=compute, exposed_comm_s=comm, bubble_s=bubble, step_s=compute + comm + bubble)
+    table = pd.DataFrame([row] * plan.world_size)
+    table.insert(0, "rank", range(plan.world_size))
+    return table[list(TIME_COLUMNS)]
+
+
+def resolve_hardware(hardware) -> HardwareProfile:
+    """``hardware`` as a profile: None is this machine's calibration, a string a built-in profile's name."""
+    from .calibration import default_hardware
+    from .hardware import hardware_profile
+
+    if hardware is None:
+        return default_hardware()
+    if isinstance(hardware, str):
+        return hardware_profile(hardware)
+    if not isinstance(hardware, HardwareProfile):
+        raise TypeError(f"hardware must be a HardwareProfile (calibrate(), hardware_profile(name)), a built-in "
+                        f"profile's name or None, got {type(hardware).__name__}")
+    return hardware
+
+
+def is_local(hw: HardwareProfile) -> bool:
+    """Whether ``hw`` was calibrated on this host's CPU (where the measured step corrects the model)."""
+    return hw.device == "cpu" and hw.host is not None and hw.host == socket.gethostname()
+
+
+def plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, per_rank: pd.DataFrame,
+              hw: HardwareProfile, t: int, optimizer: str) -> pd.DataFrame:
+    """The time table of ``plan`` (see the module doc) from the estimate's other tables."""
+    work = rank_work(profile, plan.tensor_parallel_plan, plan.tp_size, optimizer)
+    itemsize = torch.empty((), dtype=profile.dtype).element_size()
+    correction = {}
+    if is_local(hw):
+        correction = local_correction(profile, rank_work(profile, None, 1, optimizer), hw, optimizer)
+    local = float(per_rank["params_bytes"].iloc[0]) / (plan.dp_size if plan.uses_zero else 1)
+    phases = compute_phases(plan, work, hw, t, itemsize, local, correction)
+    phases["framework"] = framework_s(plan, profile, collectives, hw, t)
+    return time_table(plan, collectives, hw, phases)
+
+
+def fastest_first(estimates, memory_budget=None) -> list:
+    """``estimates`` by predicted step time, those whose peak fits ``memory_budget`` (bytes) first."""
+    fits = lambda e: memory_budget is None or e.peak_bytes <= memory_budget
+    return sorted(estimates, key=lambda e: (not fits(e), e.step_time_s))

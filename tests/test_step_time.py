@@ -1,0 +1,183 @@
+"""Step time: hardware profiles, the alpha-beta calibration, the compute roofline and the overlap rules."""
+import json
+import math
+
+import pandas as pd
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import snn_explorer as se
+from snn_explorer.estimator import enumerate_plans, estimate
+from snn_explorer.estimator.calibration import MIN_BETA, SIZES_BYTES, _profile_from, fit_alpha_beta
+from snn_explorer.estimator.hardware import KINDS, HardwareProfile, link_table, ring_fraction, ring_steps
+from snn_explorer.estimator.step_time import exposed_comm_s
+from snn_explorer.estimator.tp_replica import tp_replica
+from snn_explorer.estimator._step import batch_slice, forward_loss
+from snn_explorer.zoo import SpikingMLP, build
+
+FLOPS = 1e9
+
+
+def flops_only(**kw) -> HardwareProfile:
+    """Compute is FLOPs / 1 GFLOP/s exactly: no operator cost, unlimited bandwidth."""
+    return HardwareProfile(name="flops only", device="cpu", flops_per_s=FLOPS, bytes_per_s=1e30, op_overhead_s=0.0,
+                           collectives=link_table(1e-5, 1e9), source="synthetic", **kw)
+
+
+def test_alpha_beta_fit_recovers_known_latencies():
+    sizes = [4e3, 2.5e5, 1e6, 4e6]
+    alpha, beta = 3e-4, 2e-9
+    assert fit_alpha_beta(sizes, [alpha + beta * s for s in sizes]) == pytest.approx((alpha, beta), rel=1e-9)
+    noisy = [(alpha + beta * s) * f for s, f in zip(sizes, (1.02, 0.98, 1.01, 0.99))]
+    a, b = fit_alpha_beta(sizes, noisy)
+    assert a == pytest.approx(alpha, rel=0.2) and b == pytest.approx(beta, rel=0.05)
+    flat = fit_alpha_beta(sizes, [1.1e-3, 1.0e-3, 0.95e-3, 0.9e-3])  # latency-bound, slope lost in noise
+    assert flat == (pytest.approx(0.9e-3), MIN_BETA)
+
+
+def test_calibration_turns_rank_timings_into_the_known_alpha_beta_per_kind_and_group_size():
+    truth = {(k, p): (1e-4 * (i + 1) * p, 1e-9 * (i + 2) / p) for i, k in enumerate(KINDS) for p in (2, 4)}
+
+    def rank_value(rank, slow):  # what _calibrate_on_rank returns; rank 1 is the slowest
+        coll = {(k, p, s): [slow * (a + b * s)] * 5 for (k, p), (a, b) in truth.items() for s in SIZES_BYTES}
+        return {"alone": dict(flops=2e10, bandwidth=5e9, overhead=2e-6, matmul=1e-3) if rank == 0 else None,
+                "shared": {2: 1e-3 * slow, 4: 2e-3 * slow}, "collectives": coll}
+
+    values = [rank_value(r, 1.5 if r == 1 else 1.0) for r in range(4)]
+    hw = _profile_from(values, (2, 4), "gloo", None)
+    for (kind, p), (a, b) in truth.items():
+        assert hw.collectives[kind][p] == pytest.approx((1.5 * a, 1.5 * b), rel=1e-6)
+    assert hw.compute_sharing == pytest.approx({2: 1.5, 4: 3.0})
+    assert (hw.flops_per_s, hw.bytes_per_s, hw.op_overhead_s) == (2e10, 5e9, 2e-6)
+    assert hw.source.startswith("calibrated on ") and hw.device == "cpu"
+
+
+def test_calibrate_on_real_ranks_and_json_round_trip(tmp_path):
+    hw = se.calibrate(group_sizes=(2,), backend="gloo")
+    assert hw.source.startswith("calibrated on") and hw.host
+    for kind in KINDS:
+        alpha, beta = hw.collectives[kind][2]
+        assert alpha >= 0 and beta > 0
+        # a bigger buffer takes longer, and time is alpha plus bytes times beta
+        assert hw.collective_time(kind, 2, 2 ** 22) > hw.collective_time(kind, 2, 2 ** 10)
+    assert hw.flops_per_s > 1e8 and hw.bytes_per_s > 1e8 and hw.op_overhead_s > 0
+    # on the machine it was calibrated on, the measured unsharded step corrects the model's phases
+    zoo = build("mlp")
+    plan = enumerate_plans(se.analyze(zoo.model), world_size=2, batch_size=zoo.batch_size)[0]
+    row = estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels, hardware=hw).time.iloc[0]
+    assert row.step_s >= row.compute_s > 0 and row.exposed_comm_s > 0
+    hw.save(tmp_path / "hw.json")
+    assert HardwareProfile.load(tmp_path / "hw.json") == hw
+    json.loads((tmp_path / "hw.json").read_text())
+
+
+def test_builtin_profiles_are_datasheet_labelled_and_checked():
+    profiles = se.hardware_profiles()
+    assert {"A100-SXM-80GB", "H100-SXM", "H200-SXM", "RTX-4090", "2x8-A100-SXM-80GB", "8x8-H100-SXM"} <= set(profiles)
+    for name, hw in profiles.items():
+        assert hw.source == "datasheet" and HardwareProfile.from_dict(hw.to_dict()) == hw
+    a100 = se.hardware_profile("A100-SXM-80GB")
+    assert a100.with_efficiency(0.3).flops() == pytest.approx(a100.flops() / 2)
+    with pytest.raises(ValueError, match="no built-in hardware profile 'B200'"):
+        se.hardware_profile("B200")
+    with pytest.raises(ValueError, match=r"efficiency=0; expected a fraction"):
+        a100.with_efficiency(0)
+    with pytest.raises(ValueError, match="no timings for"):
+        HardwareProfile(name="x", device="cpu", flops_per_s=1, bytes_per_s=1, op_overhead_s=0,
+                        collectives={"all_reduce": {2: (0, 1e-9)}})
+    with pytest.raises(TypeError, match="hardware must be a HardwareProfile"):
+        zoo = build("mlp")
+        plan = enumerate_plans(se.analyze(zoo.model), world_size=1, batch_size=zoo.batch_size)[0]
+        estimate(zoo.model, plan, example_input=zoo.example_input, hardware=3)
+
+
+def test_group_sizes_not_calibrated_follow_the_ring_and_tree_formulas():
+    hw = flops_only()
+    for kind in KINDS:
+        alpha, beta = hw.collectives[kind][2]
+        expect = alpha * ring_steps(kind, 8) / ring_steps(kind, 2) + 1e6 * beta * ring_fraction(kind, 8) / ring_fraction(kind, 2)
+        assert hw.collective_time(kind, 8, 1e6) == pytest.approx(expect)
+    assert ring_steps("all_reduce", 1024) == 20 and ring_steps("all_gather", 1024) == 1023
+    nodes = se.hardware_profile("2x8-H100-SXM")
+    assert nodes.collective_time("all_reduce", 16, 1e8, spans_nodes=True) > nodes.collective_time("all_reduce", 16, 1e8)
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    zoo = build("mlp")
+    return zoo, {p.mode: p for p in enumerate_plans(se.analyze(zoo.model, model_family=zoo.family), world_size=2,
+                                                    batch_size=zoo.batch_size)}
+
+
+def _compute(zoo, plan, **kw):
+    return estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels, hardware=flops_only(),
+                    **kw).time["compute_s"].iloc[0]
+
+
+def _step_flops(model, zoo, n, t):
+    x, y = batch_slice(zoo.example_input, zoo.labels, n, t)
+    with FlopCounterMode(display=False) as counter:
+        forward_loss(model, x, y).backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def test_compute_time_scales_with_batch_time_steps_and_tp_shards(mlp):
+    zoo, plans = mlp
+    single = enumerate_plans(se.analyze(zoo.model), world_size=1, batch_size=zoo.batch_size)[0]
+    full = _compute(zoo, single)
+    t = zoo.example_input.shape[0]
+    assert full == pytest.approx(_step_flops(zoo.model, zoo, zoo.batch_size, t) / FLOPS, rel=1e-6)  # torch's count
+    assert _compute(zoo, plans["dp"]) == pytest.approx(full / 2, rel=1e-6)  # half the batch per rank
+    assert _compute(zoo, single, time_steps=2 * t) == pytest.approx(2 * full, rel=1e-6)
+    tp = plans["tp"]
+    replica = tp_replica(zoo.model, dict(tp.tensor_parallel_plan), tp.tp_size)
+    sharded = _step_flops(replica, zoo, tp.per_rank_batch, t) / FLOPS
+    assert _compute(zoo, tp) == pytest.approx(sharded, rel=1e-6)
+    assert sharded == pytest.approx(full / tp.tp_size)  # every Linear of this MLP is sharded
+
+
+def test_overlap_never_makes_a_step_faster_than_its_compute(mlp):
+    zoo, plans = mlp
+    slow_net = HardwareProfile(name="slow net", device="cpu", flops_per_s=1e9, bytes_per_s=1e9, op_overhead_s=1e-5,
+                               collectives=link_table(1e-3, 1e6), source="synthetic")
+    for hw in (flops_only(), slow_net, se.hardware_profile("8x8-H100-SXM")):
+        for plan in plans.values():
+            est = estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels, hardware=hw)
+            row = est.time.iloc[0]
+            raw = sum(hw.collective_time(r.kind, plan.tp_size if r.mesh_dim == "tp" else plan.dp_size, r.bytes, r.count)
+                      for r in est.collectives.itertuples())
+            assert row.step_s >= row.compute_s > 0 and row.bubble_s == 0
+            assert 0 <= row.exposed_comm_s <= raw + 1e-12
+            assert est.step_time_s == pytest.approx(row.step_s)
+            assert est.samples_per_s == pytest.approx(zoo.batch_size / row.step_s)
+            if plan.uses_tp:
+                assert row.exposed_comm_s == pytest.approx(raw)  # TP's collectives are on the critical path
+
+
+def test_ddp_hides_all_but_one_bucket_behind_a_long_backward_and_fsdp_its_prefetched_gathers():
+    hw = flops_only()
+    plan = type("P", (), dict(dp_size=4, tp_size=1))()
+    table = pd.DataFrame([dict(mesh_dim="dp", kind="all_reduce", phase="backward", count=4, bytes=4e6)])
+    total = hw.collective_time("all_reduce", 4, 4e6, 4)
+    assert exposed_comm_s(plan, table, hw, {"forward": 1, "backward": 100}) == pytest.approx(total / 4)
+    assert exposed_comm_s(plan, table, hw, {"forward": 1, "backward": 0}) == pytest.approx(total)
+    fsdp = pd.DataFrame([dict(mesh_dim="dp", kind="all_gather", phase="forward", count=5, bytes=5e6)])
+    gathers = hw.collective_time("all_gather", 4, 5e6, 5)
+    assert exposed_comm_s(plan, fsdp, hw, {"forward": 100, "backward": 1}) == pytest.approx(gathers / 5)
+
+
+def test_every_plan_of_1024_ranks_is_valid_and_timed():
+    model = SpikingMLP(in_features=16, hidden=(16, 16, 16), num_classes=8, stepping="all_steps")
+    x = torch.rand(2, 8, 16)
+    analysis = se.analyze(model)
+    plans = enumerate_plans(analysis, world_size=1024, batch_size=1024)
+    assert {p.mode for p in plans} >= {"dp", "fsdp2", "fsdp2_tp"} and all(p.world_size == 1024 for p in plans)
+    hw = se.hardware_profile("8x8-H100-SXM")
+    for plan in plans:
+        se.preflight(model, plan)
+        assert se.SNNDistributedPlan.from_dict(plan.to_dict()) == plan
+        est = estimate(model, plan, example_input=x, hardware=hw)
+        assert len(est.time) == 1024 and math.isfinite(est.step_time_s)
+        assert (est.time["step_s"] >= est.time["compute_s"]).all()
