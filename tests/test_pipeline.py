@@ -127,11 +127,16 @@ def pipelined(name, topology, schedule):
         if runtime.model.holds_last:
             outs = [_dp_cat(out, group, plan.dp_size) for out in outs]
     resets = {s.index: s.resets for s in runtime.model.stages}
+    try:
+        runtime.forward_loss(criterion, x, y)
+        forward_loss_error = None
+    except RuntimeError as exc:
+        forward_loss_error = str(exc)
     local_params = sum(p.numel() for p in runtime.model.parameters())
     on_meta = sum(p.numel() for p in model.parameters() if p.is_meta)
     return dict(outs=outs if runtime.model.holds_last else None, losses=losses, grads=grads,
                 params=runtime.full_parameters(), resets=resets, plan=plan.to_dict(),
-                local_params=local_params, on_meta=on_meta)
+                local_params=local_params, on_meta=on_meta, forward_loss_error=forward_loss_error)
 
 
 def _dp_mean(loss, group, size):
@@ -257,3 +262,40 @@ def test_back_to_back_pipelines_do_not_hang(two_ranks):
     losses = [r["back_to_back"] for r in two_ranks]
     assert len(losses[0]) == BACK_TO_BACK and losses[0] == losses[1]
     assert all(torch.isfinite(torch.tensor(l)).all() for l in losses)
+
+
+def test_forward_loss_points_to_train_step(two_ranks):
+    for res in two_ranks:
+        assert "use runtime.train_step(criterion, inputs, labels)" in res["results"][("jelly", "gpipe")][
+            "forward_loss_error"]
+
+
+def pp_train_fn(runtime, step, batch, state, inputs, labels):
+    """launch_plan's step function: the runtime's train_step, whatever the mode."""
+    state["optimizer"].zero_grad()
+    loss = runtime.train_step(nn.CrossEntropyLoss(), inputs, labels)
+    state["optimizer"].step()
+    return {"loss": loss}
+
+
+@pytest.mark.timeout(120)
+def test_launch_plan_and_export_job_run_a_pp_plan(tmp_path):
+    import json
+    import sys
+
+    import cloudpickle
+
+    import snn_explorer as se
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    model, x, y = build("mlp_all_steps")
+    plan = se.plan(analysis=se.analyze(model), objective="capacity", topology={"pp": 2}, batch_size=BATCH)
+    assert plan.uses_pp and plan.pp_schedule == "interleaved"
+    result = se.launch_plan(model, plan, pp_train_fn, steps=STEPS, optimizer={"lr": 1e-2}, progress=False,
+                            train_kwargs={"inputs": x, "labels": y}, timeout=120)
+    want = [float(loss) for loss in reference("mlp_all_steps")["losses"]]
+    for rank in (0, 1):
+        assert result.losses[rank] == pytest.approx(want, abs=TOL)
+    job = se.export_job(plan, pp_train_fn, tmp_path / "job", model=model, steps=STEPS,
+                        train_kwargs={"inputs": x, "labels": y})  # its run.py runs the same train_plan_rank
+    assert json.load(open(job.plan_file)) == plan.to_dict() and "--nproc-per-node 2" in job.command
