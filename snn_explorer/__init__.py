@@ -15,7 +15,8 @@ __version__ = "0.1.0"
 _LAZY = {
     **{name: "snn_explorer.estimator" for name in ("enumerate_plans", "estimate", "estimate_all", "measure",
                                                    "measure_many", "compare_estimate", "model_profile",
-                                                   "PlanEstimate", "PlanMeasurement")},
+                                                   "PlanEstimate", "PlanMeasurement", "balanced_pp_plan",
+                                                   "bubble_fraction")},
     **{name: "snn_explorer.launcher" for name in ("launch", "launch_plan", "export_job", "report", "LaunchError",
                                                   "LaunchResult", "TrainResult")},
     "Explorer": "snn_explorer.explorer",

@@ -198,6 +198,9 @@ def _pipeline_fields(analysis: SNNDistributedAnalysis, topology: SNNDistributedT
             virtual = 1
     if micro is None:
         micro = picked[1] if virtual == picked[0] else _largest_divisor(per_replica, pp * virtual)
+    if analysis.batchnorm_names:
+        notes.append(f"{len(analysis.batchnorm_names)} BatchNorm layer(s) normalise over each micro-batch, not "
+                     "over the whole batch.")
     stages = pp * virtual
     counts = resolve_layout(layout, units, stages) if stages <= len(units) else ()
     return dict(pp_schedule=default_schedule(virtual) if schedule is None else schedule, pp_microbatches=micro,
