@@ -71,3 +71,9 @@ def test_balanced_layout_follows_the_profile(vgg):
     est = lambda p: se.estimate(vgg.model, p, example_input=vgg.example_input, labels=vgg.labels).per_rank
     spread = lambda t: t["peak_bytes"].max() / t["peak_bytes"].min()
     assert spread(est(balanced)) < spread(est(plan))
+
+
+def test_measure_refuses_pipeline_plans_before_starting_ranks(vgg):
+    plan = _plan(vgg, {"pp": 2}, "gpipe")
+    with pytest.raises(NotImplementedError, match="measure\\(\\) of a pipeline plan .* may come later"):
+        se.measure(vgg.model, plan, example_input=vgg.example_input, labels=vgg.labels)
