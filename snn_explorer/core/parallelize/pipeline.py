@@ -26,15 +26,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B)
-from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
 from .. import neurons
 from ..pipeline_plan import rank_stages, resolve_layout, stage_units
 
-#: The torch schedule class of each ``pp_schedule``.
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+#: The torch.distributed.pipelining schedule class of each ``pp_schedule`` (imported when a pipeline
+#: is built: importing torch.distributed.pipelining loads torch's compiler, which sets
+#: TORCHINDUCTOR_CACHE_DIR and makes a temporary folder).
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
 #: The batch dim of SNN tensors ``[T, N, ...]``: micro-batches are cut and merged along it.
 BATCH_DIM = 1
 
@@ -122,16 +121,19 @@ class PipelinedModel(nn.Module):
         return examples
 
     def _build_schedule(self, inputs: torch.Tensor):
+        import torch.distributed.pipelining as pipelining
+        from torch.distributed.pipelining.microbatch import TensorChunkSpec
+
         plan = self.plan
         micro_shape = list(inputs.shape)
         micro_shape[BATCH_DIM] //= plan.pp_microbatches
         examples = self._stage_examples(torch.empty(micro_shape, dtype=inputs.dtype, device="meta"))
         self._loss_dtype = examples[-1][1].dtype
-        stages = [PipelineStage(module, module.index, plan.pp_stages, self.device,
+        stages = [pipelining.PipelineStage(module, module.index, plan.pp_stages, self.device,
                                 input_args=examples[module.index][0], output_args=examples[module.index][1],
                                 group=self.pp_group)
                   for module in self.stages]
-        cls = SCHEDULES[plan.pp_schedule]
+        cls = getattr(pipelining, SCHEDULES[plan.pp_schedule])
         kw = dict(n_microbatches=plan.pp_microbatches, loss_fn=self._micro_loss,
                   args_chunk_spec=(TensorChunkSpec(BATCH_DIM),), output_merge_spec=TensorChunkSpec(BATCH_DIM),
                   scale_grads=True)
