@@ -248,9 +248,13 @@ def recommend_pipeline(batch_size: int, world_size: int) -> Optional[Tuple[int, 
         virtual = 1
     else:
         return None
-    low, high = world_size * virtual, min(batch_size, 4 * world_size * virtual)
-    divisors = [m for m in range(high, low - 1, -1) if batch_size % m == 0]
-    return (virtual, divisors[0]) if divisors else None
+    micro = microbatches_for(batch_size, world_size * virtual)
+    return None if micro is None else (virtual, micro)
+
+
+def microbatches_for(batch_size: int, stages: int) -> Optional[int]:
+    """The largest divisor of ``batch_size`` in ``[stages, min(batch_size, 4 * stages)]``, or None."""
+    return next((m for m in range(min(batch_size, 4 * stages), stages - 1, -1) if batch_size % m == 0), None)
 
 
 def default_schedule(virtual: int) -> str:

@@ -5,8 +5,8 @@ from typing import Any, List, Mapping, Optional, Tuple, Union
 
 from .analysis import SNNDistributedAnalysis
 from .modes import MODE_TABLE, MODES, Mode, mode_of, names_text
-from .pipeline_plan import (check_pp_model, default_schedule, layout_text, recommend_pipeline, resolve_layout,
-                            units_problem)
+from .pipeline_plan import (check_pp_model, default_schedule, layout_text, microbatches_for, recommend_pipeline,
+                            resolve_layout, units_problem)
 from .plan_types import DistributedFeatureSet, SNNDistributedPlan
 from .plans.families import resolve_family
 from .recommend import (UNSET, check_backend, check_batch_size, check_objective, neuron_backend_arg,
@@ -191,13 +191,13 @@ def _pipeline_fields(analysis: SNNDistributedAnalysis, topology: SNNDistributedT
     pp, per_replica, units = topology.size("pp"), batch_size // topology.size("dp"), analysis.pipeline_units
     picked = recommend_pipeline(per_replica, pp) or (1, per_replica)
     if virtual is None:
-        virtual = picked[0] if schedule in (None, "interleaved") else 1
+        virtual = {None: picked[0], "interleaved": max(2, picked[0])}.get(schedule, 1)
         if virtual * pp > len(units):
             notes.append(f"{virtual} virtual stages per rank need {virtual * pp} pipeline units; the model has "
                          f"{len(units)}, so one stage per rank.")
             virtual = 1
     if micro is None:
-        micro = picked[1] if virtual == picked[0] else _largest_divisor(per_replica, pp * virtual)
+        micro = picked[1] if virtual == picked[0] else microbatches_for(per_replica, pp * virtual) or per_replica
     if analysis.batchnorm_names:
         notes.append(f"{len(analysis.batchnorm_names)} BatchNorm layer(s) normalise over each micro-batch, not "
                      "over the whole batch.")
@@ -205,11 +205,6 @@ def _pipeline_fields(analysis: SNNDistributedAnalysis, topology: SNNDistributedT
     counts = resolve_layout(layout, units, stages) if stages <= len(units) else ()
     return dict(pp_schedule=default_schedule(virtual) if schedule is None else schedule, pp_microbatches=micro,
                 pp_virtual_stages=virtual, pp_layout=layout_text(counts))
-
-
-def _largest_divisor(batch: int, at_least: int) -> int:
-    """The largest divisor of ``batch`` in ``[at_least, min(batch, 4 * at_least)]`` (else ``batch``)."""
-    return next((m for m in range(min(batch, 4 * at_least), at_least - 1, -1) if batch % m == 0), batch)
 
 
 def _rationale(objective: str, chosen: str, topology: SNNDistributedTopology, zero: bool, *, explicit: bool,
