@@ -256,7 +256,7 @@ def test_recommendation_table(model, ws, prefer, mode, sharding, memopt):
 def test_recommendation_capacity_pipelining_available_says_so():
     r = recommend_snn_distributed_strategy(world_size=2, prefer="capacity", pipelining_available=True)
     assert r.mode == "tp" and r.mesh_shape == (2,)
-    assert any("batch 1 is smaller than the 2 pipeline stages" in s for s in r.rationale)
+    assert any("batch 1 fits no pipeline of 2 stages" in s for s in r.rationale)
 
 
 @pytest.mark.parametrize("ws,batch,virtual,micro,schedule", [

@@ -264,7 +264,7 @@ class SNNDistributedPlan:
 
     def __repr__(self) -> str:
         dims = "x".join(f"{n}{s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
-        zero = "+zero" if self.uses_zero else ""
+        extra = "+zero" if self.uses_zero else ""
         if self.uses_pp:
-            zero = f" {self.pp_schedule} x{self.pp_microbatches}"
-        return f"SNNDistributedPlan({self.mode}{zero} on {dims}, objective={self.objective}, batch={self.batch_size})"
+            extra = f" {self.pp_schedule} x{self.pp_microbatches}"
+        return f"SNNDistributedPlan({self.mode}{extra} on {dims}, objective={self.objective}, batch={self.batch_size})"

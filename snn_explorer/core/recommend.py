@@ -90,8 +90,10 @@ def recommend_snn_distributed_strategy(model: str = "generic", *, world_size: in
                        f"per rank; batch {batch_size} gives {virtual} stage(s) per rank and {micro} micro-batches.")
             return StrategyRecommendation("pp", "none", 1, tuple(why), (world_size,), default_schedule(virtual),
                                           micro, virtual)
-        why.append("capacity: pipeline parallelism is not available through this API" if not pipelining_available
-                   else f"capacity: batch {batch_size} is smaller than the {world_size} pipeline stages")
+        why.append("capacity: pipeline parallelism is not available here (no pp dim)" if not pipelining_available
+                   else f"capacity: batch {batch_size} fits no pipeline of {world_size} stages (it needs at least "
+                        f"{world_size} samples and a micro-batch count between stages x V and 4 x stages x V "
+                        "that divides it)")
         why.append("falling back to the memory decision.")
     if hybrid:
         why.append("memory: fsdp2_tp shards parameters, gradients and optimizer state over dp and "
