@@ -77,3 +77,31 @@ def test_measure_refuses_pipeline_plans_before_starting_ranks(vgg):
     plan = _plan(vgg, {"pp": 2}, "gpipe")
     with pytest.raises(NotImplementedError, match="measure\\(\\) of a pipeline plan .* may come later"):
         se.measure(vgg.model, plan, example_input=vgg.example_input, labels=vgg.labels)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp,micro", [(2, 4), (4, 8), (4, 4)])
+def test_replayed_timeline_idles_as_the_bubble_fraction(schedule, pp, micro):
+    """The chart's replay of torch's action order (dependencies, backward = 2 forwards) idles
+    exactly the estimator's bubble fraction; 1F1B never holds more forwards than in_flight says."""
+    from snn_explorer.explorer.pipeline_view import idle_fraction, timeline
+
+    assert idle_fraction(schedule, pp, micro) == pytest.approx(se.bubble_fraction(schedule, pp, micro))
+    for rank, acts in timeline(schedule, pp, micro).items():
+        held = peak = 0
+        for kind, *_ in acts:
+            held += 1 if kind == "F" else -1
+            peak = max(peak, held)
+        assert peak == in_flight(schedule, pp, rank, micro)
+
+
+def test_pipeline_chart_draws_ranks_and_stages(vgg):
+    from snn_explorer.explorer import pipeline_chart
+
+    plan = _plan(vgg, {"pp": 2}, "1f1b")
+    fig = pipeline_chart(plan, se.analyze(vgg.model).pipeline_units)
+    top, bottom = fig.axes
+    assert len(top.patches) == 2 * 2 * 4 and len(bottom.patches) == 2
+    assert "idle 20%" in top.get_title()
+    with pytest.raises(NotImplementedError, match="may come later"):
+        pipeline_chart(_plan(vgg, {"pp": 2}, "interleaved", virtual=2), se.analyze(vgg.model).pipeline_units)
