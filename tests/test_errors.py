@@ -37,6 +37,12 @@ def mk(objective="speed", topology=1, neuron_backend="torch", batch_size=8, mode
                 batch_size=batch_size, **kw)
 
 
+def _tied_chain():
+    first, last = nn.Linear(4, 4), nn.Linear(4, 4)
+    last.weight = first.weight
+    return nn.Sequential(first, nn.ReLU(), last, nn.ReLU())
+
+
 def P(**kw):
     """SNNDistributedPlan with sane defaults, overridden by ``kw``."""
     args = dict(mode="none", objective="speed", topology={"dp": 1}, batch_size=8)
@@ -103,6 +109,9 @@ CASES = [
     pytest.param(lambda: mk(mode="pp", topology={"pp": 2}, pp_layout="1|1|1", pp_virtual_stages=1), ValueError,
                  re.escape("pp_layout='1|1|1' has 3 stage(s) of 3 unit(s), but the plan needs 2"),
                  id="plan()-pp-layout"),
+    pytest.param(lambda: mk(mode="pp", topology={"pp": 2}, model=_tied_chain(), pp_virtual_stages=1), ValueError,
+                 re.escape("the tied parameter ['0.weight', '2.weight'] would be split over pipeline stages [0, 1]"),
+                 id="plan()-pp-tied-over-stages"),
     pytest.param(lambda: mk(mode="pp", topology={"pp": 2}, pp_schedule="zb"), ValueError,
                  re.escape("pp_schedule='zb'"), id="plan()-pp-schedule"),
     pytest.param(lambda: P(mode="pp", topology={"pp": 2}, pp_schedule="gpipe", pp_microbatches=2,

@@ -229,13 +229,22 @@ def units_problem(units: Sequence[str], problem: str, stages: int, what: str) ->
     return None
 
 
-def check_pp_model(plan, units: Sequence[str], problem: str = "") -> Tuple[int, ...]:
-    """The plan's stage layout as unit counts; ValueError when the model cannot be cut as it asks."""
+def check_pp_model(plan, units: Sequence[str], problem: str = "", shared: Sequence[Sequence[str]] = ()
+                   ) -> Tuple[int, ...]:
+    """The plan's stage layout as unit counts; ValueError when the model cannot be cut as it asks,
+    or when a tied parameter (``shared``: groups of parameter paths) would be split over stages."""
     stages = plan.pp_stages
     why = units_problem(units, problem, stages, f"pp={plan.pp_size} x virtual stages {plan.pp_virtual_stages}")
     if why:
         raise ValueError(why)
-    return resolve_layout(plan.pp_layout, units, stages)
+    counts = resolve_layout(plan.pp_layout, units, stages)
+    stage_of = {u: s for s, run in enumerate(stage_units(units, counts)) for u in run}
+    for group in shared:
+        owners = {s for path in group for u, s in stage_of.items() if path.startswith(u + ".")}
+        if len(owners) > 1:
+            raise ValueError(f"the tied parameter {list(group)} would be split over pipeline stages {sorted(owners)}, "
+                             "whose copies would train apart; choose a pp_layout that keeps its modules in one stage")
+    return counts
 
 
 def recommend_pipeline(batch_size: int, world_size: int) -> Optional[Tuple[int, int]]:

@@ -180,7 +180,8 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
         experimental_features=features, **pipeline,
     )
     if spec.pp:
-        check_pp_model(plan_, analysis.pipeline_units, analysis.pipeline_problem)
+        check_pp_model(plan_, analysis.pipeline_units, analysis.pipeline_problem,
+                       analysis.shared_parameter_groups)
     return plan_
 
 
