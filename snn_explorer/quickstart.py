@@ -26,10 +26,9 @@ def train_step(runtime, step, batch, state, inputs, labels) -> float:
     """One training step on one rank (``launch_plan``'s signature): this dp rank's share of the batch."""
     share = runtime.plan.per_rank_batch
     start = runtime.dp_rank * share
-    loss, _ = runtime.forward_loss(nn.CrossEntropyLoss(), inputs[:, start:start + share], labels[start:start + share])
     optimizer = state["optimizer"]
     optimizer.zero_grad()
-    loss.backward()
+    loss = runtime.train_step(nn.CrossEntropyLoss(), inputs[:, start:start + share], labels[start:start + share])
     optimizer.step()
     return round(loss.item(), 6)
 

@@ -91,7 +91,7 @@ def _plans(name, world):
     n = zoo.example_input.shape[1]
     speed = enumerate_plans(analysis, world_size=world, batch_size=n, objective="speed")
     memory = enumerate_plans(analysis, world_size=world, batch_size=n, objective="memory")
-    plans = [p for p in speed if world == 2 or p.mode == "fsdp2_tp"]
+    plans = [p for p in speed if (world == 2 and not p.uses_pp) or p.mode == "fsdp2_tp"]
     plans += [p for p in memory if p.mode in ("fsdp2", "fsdp2_tp") and (world == 2) == (p.mode == "fsdp2")]
     return plans
 

@@ -37,6 +37,12 @@ def mk(objective="speed", topology=1, neuron_backend="torch", batch_size=8, mode
                 batch_size=batch_size, **kw)
 
 
+def _tied_chain():
+    first, last = nn.Linear(4, 4), nn.Linear(4, 4)
+    last.weight = first.weight
+    return nn.Sequential(first, nn.ReLU(), last, nn.ReLU())
+
+
 def P(**kw):
     """SNNDistributedPlan with sane defaults, overridden by ``kw``."""
     args = dict(mode="none", objective="speed", topology={"dp": 1}, batch_size=8)
@@ -85,9 +91,34 @@ CASES = [
     pytest.param(lambda: mk(mode="fsdp"), ValueError, lit("fsdp"), id="mode-fsdp"),
     pytest.param(lambda: mk(mode=2), ValueError, r"mode=2\b", id="mode-int"),
     pytest.param(lambda: P(mode="zero"), ValueError, re.escape("unsupported mode='zero'"), id="plan-mode"),
-    pytest.param(lambda: mk(mode="pp", topology={"pp": 2}), NotImplementedError, r"mode='pp'", id="plan()-pp"),
-    pytest.param(lambda: mk(mode="PP", topology={"dp": 2}), NotImplementedError, r"mode='pp'", id="plan()-PP"),
-    pytest.param(lambda: P(mode="pp", topology={"pp": 2}), NotImplementedError, r"mode='pp'", id="Plan-pp"),
+    pytest.param(lambda: mk(mode="pp", topology={"pp": 2, "tp": 2}), ValueError, r"pp with tp may come later",
+                 id="plan()-pp-with-tp"),
+    pytest.param(lambda: mk(mode="fsdp2", topology={"pp": 2, "dp": 2}), ValueError, r"pp with fsdp2 may come later",
+                 id="plan()-fsdp2-with-pp"),
+    pytest.param(lambda: mk(mode="PP", topology={"dp": 2}), ValueError,
+                 r"mode='pp' cannot be applied: mode 'pp' needs the dim\(s\) \['pp'\]",
+                 id="plan()-PP-without-pp-dim"),
+    pytest.param(lambda: mk(mode="pp", topology={"pp": 8}), ValueError,
+                 re.escape("pp=8 = 8 stages, but the model has only 4 pipeline unit(s)"), id="plan()-pp-more-stages-than-units"),
+    pytest.param(lambda: mk(mode="pp", topology={"pp": 2}, model=nn.Sequential(nn.Linear(2, 2)).eval()), ValueError,
+                 re.escape("pp=2 = 2 stages, but the model has only 1 pipeline unit(s)"), id="plan()-pp-one-unit"),
+    pytest.param(lambda: mk(mode="pp", topology={"pp": 2}, pp_microbatches=3), ValueError,
+                 re.escape("pp_microbatches=3 does not divide the per-rank batch 8"), id="plan()-pp-microbatches"),
+    pytest.param(lambda: mk(mode="pp", topology={"pp": 2}, pp_microbatches=2, pp_virtual_stages=2), ValueError,
+                 re.escape("pp_microbatches=2 is fewer than pp * virtual stages = 2 * 2 = 4"), id="plan()-pp-too-few"),
+    pytest.param(lambda: mk(mode="pp", topology={"pp": 2}, pp_layout="1|1|1", pp_virtual_stages=1), ValueError,
+                 re.escape("pp_layout='1|1|1' has 3 stage(s) of 3 unit(s), but the plan needs 2"),
+                 id="plan()-pp-layout"),
+    pytest.param(lambda: mk(mode="pp", topology={"pp": 2}, model=_tied_chain(), pp_virtual_stages=1), ValueError,
+                 re.escape("the tied parameter ['0.weight', '2.weight'] would be split over pipeline stages [0, 1]"),
+                 id="plan()-pp-tied-over-stages"),
+    pytest.param(lambda: mk(mode="pp", topology={"pp": 2}, pp_schedule="zb"), ValueError,
+                 re.escape("pp_schedule='zb'"), id="plan()-pp-schedule"),
+    pytest.param(lambda: P(mode="pp", topology={"pp": 2}, pp_schedule="gpipe", pp_microbatches=2,
+                           pp_virtual_stages=2), ValueError, r"pp_schedule='gpipe' runs one stage per rank",
+                 id="Plan-pp-gpipe-virtual"),
+    pytest.param(lambda: P(mode="dp", topology={"dp": 2}, pp_microbatches=2), ValueError,
+                 re.escape("pipeline fields {'pp_microbatches': 2} are only used by mode 'pp'"), id="Plan-dp-pp-fields"),
     pytest.param(lambda: mk(mode="none", topology={"dp": 2}), ValueError, r"mode='none'.*world_size=2",
                  id="mode-none-on-2-ranks"),
     pytest.param(lambda: P(mode="tp", topology={"dp": 2}, tensor_parallel_plan={"head": "colwise"}), ValueError,
@@ -139,7 +170,7 @@ CASES = [
                  re.escape("tensor_parallel_plan is only used by modes 'tp' and 'fsdp2_tp', not mode='dp'"),
                  id="tp-plan-with-mode-dp"),
     pytest.param(lambda: mk(mode="fsdp2", topology={"dp": 2}, tensor_parallel_plan={"head": "colwise"}), ValueError,
-                 r"mode='fsdp2'", id="tp-plan-with-mode-fsdp2"),
+                 r"not mode='fsdp2'", id="tp-plan-with-mode-fsdp2"),
     # TP size that does not divide a feature count
     pytest.param(lambda: mk(mode="tp", objective="memory", topology={"tp": 4}), ValueError,
                  re.escape("mode='tp' cannot be applied: tp=4 does not divide head.out_features=10"),
@@ -393,12 +424,13 @@ def test_each_pattern_picks_out_its_own_message(case, messages):
     assert hits == sorted(i for i, m in messages.items() if m == own), (pattern, own)
 
 
-def test_pp_refused_before_anything_else():
-    """mode='pp' is refused even with an otherwise bad topology, in plan() and in the plan type."""
-    with pytest.raises(NotImplementedError, match="pipeline"):
-        mk(mode="pp", topology={"dp": 2, "tp": 2})
-    with pytest.raises(NotImplementedError, match="pipeline"):
-        P(mode="pp", topology={"dp": 3})
+def test_pp_needs_a_model_whose_forward_chains_its_modules():
+    """A forward that loops over time cannot be cut into stages: the error says why and what would do."""
+    from snn_explorer.zoo import build
+
+    with pytest.raises(ValueError, match=r"forward chains its top-level modules, but torch.fx cannot trace .*"
+                                         r"nn.Sequential"):
+        mk(mode="pp", topology={"pp": 2}, model=build("mlp").model, pp_layout="1|1")
 
 
 def test_apply_default_device_type_follows_the_one_rule():

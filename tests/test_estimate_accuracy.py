@@ -48,7 +48,8 @@ def _case(name, world, objectives=("speed",), optimizer="adam", features=None):
     analysis = se.analyze(model, model_family=family)
     plans = [p for obj in objectives for p in enumerate_plans(analysis, world_size=world, batch_size=x.shape[1],
                                                                objective=obj, features=features)]
-    plans = list(dict.fromkeys(p for p in plans if features is None or p.tp_size > 1))
+    plans = list(dict.fromkeys(p for p in plans if (features is None or p.tp_size > 1)
+                               and not p.uses_pp))  # measure() refuses pp plans
     measured = measure_many(model, plans, example_input=x, labels=y, steps=2, optimizer=optimizer, timeout=240)
     estimated = [estimate(model, p, example_input=x, labels=y, optimizer=optimizer) for p in plans]
     return list(zip(plans, estimated, measured))

@@ -255,8 +255,27 @@ def test_recommendation_table(model, ws, prefer, mode, sharding, memopt):
 
 def test_recommendation_capacity_pipelining_available_says_so():
     r = recommend_snn_distributed_strategy(world_size=2, prefer="capacity", pipelining_available=True)
-    assert r.mode == "tp"
-    assert any("pipeline parallelism is available" in s for s in r.rationale)
+    assert r.mode == "tp" and r.mesh_shape == (2,)
+    assert any("batch 1 fits no pipeline of 2 stages" in s for s in r.rationale)
+
+
+@pytest.mark.parametrize("ws,batch,virtual,micro,schedule", [
+    (2, 8, 2, 8, "interleaved"),     # B >= 2W: V=2; m in [4, 8]: 8
+    (2, 3, 1, 3, "1f1b"),            # W <= B < 2W: V=1; m in [2, 3]: 3
+    (4, 100, 2, 25, "interleaved"),  # m in [8, 32]: largest divisor of 100 is 25
+    (4, 6, 1, 6, "1f1b"),            # m in [4, 6]: 6
+    (2, 1009, None, None, None),     # prime batch: no divisor in [4, 16], the memory decision
+    (4, 3, None, None, None),        # B < W: no pipeline
+])
+def test_recommendation_capacity_with_pipelining(ws, batch, virtual, micro, schedule):
+    r = recommend_snn_distributed_strategy(world_size=ws, prefer="capacity", batch_size=batch,
+                                           pipelining_available=True)
+    if virtual is None:
+        assert r.mode != "pp" and r.pp_schedule is None and r.pp_microbatches is None
+        return
+    assert (r.mode, r.mesh_shape, r.pp_virtual_stages, r.pp_microbatches, r.pp_schedule) == \
+        ("pp", (ws,), virtual, micro, schedule)
+    assert not recommend_snn_distributed_strategy(world_size=ws, prefer="capacity", batch_size=batch).mode == "pp"
 
 
 def test_recommendation_is_frozen():
@@ -269,10 +288,11 @@ def test_recommendation_is_frozen():
 
 @pytest.mark.parametrize("dims,names,shape", [
     ({"tp": 2, "dp": 3}, ("dp", "tp"), (3, 2)),
-    ({"x": 2, "vpp": 1, "pp": 3, "tp": 4, "dp": 5}, ("dp", "tp", "x", "vpp", "pp"), (5, 4, 2, 1, 3)),
+    ({"x": 2, "vpp": 1, "pp": 3, "tp": 4, "dp": 5}, ("pp", "dp", "tp", "x", "vpp"), (3, 5, 4, 2, 1)),
     ({"zz": 1, "dp": 2, "aa": 3}, ("dp", "zz", "aa"), (2, 1, 3)),
     ({"b": 2, "a": 3}, ("b", "a"), (2, 3)),
-    ({"pp": 2, "ep": 2, "tp": 2}, ("tp", "pp", "ep"), (2, 2, 2)),  # no pipeline dims are special (yet)
+    ({"ep": 2, "tp": 2, "pp": 2}, ("pp", "tp", "ep"), (2, 2, 2)),  # pp outermost, tp innermost of the three
+    ({"tp": 2, "dp": 3, "pp": 4}, ("pp", "dp", "tp"), (4, 3, 2)),
 ])
 def test_topology_ordering(dims, names, shape):
     t = SNNDistributedTopology.from_mapping(dims)
@@ -313,7 +333,7 @@ def test_topology_coerce_and_read_only():
     ("fsdp2", {"dp": 3}, (3,), 0, 0, 4),
     ("tp", {"tp": 2}, (2,), 0, None, 12),
     ("fsdp2_tp", {"tp": 2, "dp": 2}, (2, 2), 1, 0, 6),
-    ("fsdp2_tp", {"dp": 3, "tp": 2, "pp": 1}, (3, 2, 1), 1, 0, 4),
+    ("fsdp2_tp", {"dp": 3, "tp": 2, "pp": 1}, (1, 3, 2), 2, 1, 4),
     ("tp", {"x": 1, "tp": 2}, (2, 1), 0, None, 12),
 ])
 def test_plan_fields(mode, dims, shape, tp_dim, dp_dim, per_rank):
@@ -730,6 +750,7 @@ MODE_FACTS = {
     "tp": (("tp",), False, False, True),
     "fsdp2": (("dp",), False, True, False),
     "fsdp2_tp": (("dp", "tp"), False, True, True),
+    "pp": (("pp", "dp"), False, False, False),
 }
 
 
@@ -743,8 +764,8 @@ def test_mode_table_rows():
         assert m.distributed == (name != "none") and m.allows_zero == (name == "dp")
     with pytest.raises(ValueError, match=r"unsupported mode='ddp'; expected one of \('none', 'dp'"):
         mode_of("ddp")
-    with pytest.raises(NotImplementedError, match="pipeline"):
-        mode_of("pp")
+    assert mode_of("pp").pp and mode_of("pp").optional_dims == ("dp",) and not any(
+        m.pp for m in MODE_TABLE if m.name != "pp")
 
 
 @pytest.mark.parametrize("name,topology,memopt,sizes", [

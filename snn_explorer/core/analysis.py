@@ -12,12 +12,13 @@ from ..compat import non_persistent_buffer_names
 from . import neurons
 from .attention import AttentionBlock, FusedAttentionBlock, attention_blocks, fused_attention_blocks, pointwise_chains
 from .structure import CONV_TYPES, NORM_TYPES, chains, under
+from .pipeline_plan import pipeline_units
 from .plans.families import fsdp_units, resolve_family
 from .serialize import check_keys, check_kind, dataclass_dict, string_tuple, tuplify
 
 #: Analysis fields that hold module paths, and those that hold tuples of them (chains, (path, library)).
 _PATHS = ("memory_module_names", "tensor_parallel_candidate_names", "unsupported_tensor_parallel_names", "notes",
-          "fsdp_unit_names", "per_feature_neuron_names", "batchnorm_names")
+          "fsdp_unit_names", "per_feature_neuron_names", "batchnorm_names", "pipeline_units")
 _PATH_TUPLES = ("snn_libraries", "tp_chains", "conv_chains", "pointwise_chains", "state_kinds")
 
 
@@ -79,6 +80,10 @@ class SNNDistributedAnalysis:
     trainable_parameters: Optional[int] = None  # elements of the parameters that require grad (None: unknown)
     #: snntorch neurons whose membrane the model's forward passes explicitly (init_hidden=False)
     explicit_state_names: Tuple[str, ...] = ()
+    #: the modules forward chains, in order, that pipeline stages are cut from (see core.pipeline_plan),
+    #: and why there are none ('' when there are)
+    pipeline_units: Tuple[str, ...] = ()
+    pipeline_problem: str = ""
     #: (path, kind) of each stateful module: "neuron" or "dropout mask" (an old analysis without it: all neurons)
     state_kinds: Tuple[Tuple[str, str], ...] = ()
 
@@ -224,6 +229,7 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
         notes.append("no Linear tensor-parallel candidates found" + (f" under roots {roots}" if roots else ""))
     candidates = tuple(s.name for s in linears)
     linear_chains = chains(model, roots, "linear", candidates)
+    units, unit_problem = pipeline_units(model)
     return SNNDistributedAnalysis(
         memory_module_names=tuple(memory),
         tensor_parallel_candidate_names=candidates,
@@ -246,4 +252,6 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
         trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         explicit_state_names=explicit,
         state_kinds=tuple(kinds),
+        pipeline_units=units,
+        pipeline_problem=unit_problem,
     )

@@ -15,9 +15,11 @@ from .topology import SNNDistributedTopology
 class Mode:
     """One distribution mode.
 
-    ``dims``: the named mesh dims it uses (every other dim must have size 1). ``ddp``: replicate
-    the model over ``dp`` with DistributedDataParallel; ``fsdp``: shard parameters, gradients and
-    optimizer state over ``dp`` with FSDP2; ``tp``: split layers over ``tp`` with DTensor TP.
+    ``dims``: the named mesh dims it uses (every other dim must have size 1), ``optional_dims``
+    those of them the topology may leave out. ``ddp``: replicate the model over ``dp`` with
+    DistributedDataParallel; ``fsdp``: shard parameters, gradients and optimizer state over ``dp``
+    with FSDP2; ``tp``: split layers over ``tp`` with DTensor TP; ``pp``: cut the model's sequence
+    of modules into stages over ``pp`` (torch.distributed.pipelining), replicated over ``dp``.
     """
 
     name: str
@@ -25,6 +27,8 @@ class Mode:
     ddp: bool = False
     fsdp: bool = False
     tp: bool = False
+    pp: bool = False
+    optional_dims: Tuple[str, ...] = ()
     summary: str = ""
     #: what the mode buys, as the plan's rationale says it ("<objective>: <mode> on <mesh> <benefit>")
     benefit: str = ""
@@ -50,15 +54,31 @@ class Mode:
             if topology.world_size != 1:
                 return f"mode {self.name!r} runs one process but the topology has world_size={topology.world_size}"
             return None
-        missing = [d for d in self.dims if d not in topology.dims]
+        missing = [d for d in self.dims if d not in topology.dims and d not in self.optional_dims]
         if missing:
             return (f"mode {self.name!r} needs the dim(s) {missing} in the topology, which has "
                     f"{dict(topology.dims)}")
+        later = _not_yet(self, topology)
+        if later:
+            return later
         idle = {n: s for n, s in topology.dims.items() if n not in self.dims and s > 1}
         if idle:
             return (f"mode {self.name!r} uses only the dim(s) {list(self.dims)}; the dim(s) {idle} would hold "
                     "unsynchronised replicas (give them size 1 or pick a mode that uses them)")
         return None
+
+
+def _not_yet(mode: Mode, topology: SNNDistributedTopology) -> Optional[str]:
+    """Why pipeline parallelism cannot be combined with what ``mode`` does on ``topology`` yet."""
+    sizes = topology.dims
+    if mode.pp and sizes.get("tp", 1) > 1:
+        return (f"mode {mode.name!r} does not combine pipeline stages with tensor parallelism (tp={sizes['tp']}) "
+                "yet (pp with tp may come later); use a topology of pp and dp only, e.g. {'pp': 2, 'dp': 2}")
+    if not mode.pp and sizes.get("pp", 1) > 1 and mode.distributed:
+        later = " (pp with fsdp2 may come later)" if mode.fsdp else ""
+        return (f"mode {mode.name!r} does not cut the model into pipeline stages{later}; with pp={sizes['pp']} use "
+                "mode 'pp', which also replicates the stages over dp, or give pp size 1")
+    return None
 
 
 #: Every mode the unified API applies, in display order.
@@ -77,13 +97,16 @@ MODE_TABLE: Tuple[Mode, ...] = (
     Mode("fsdp2_tp", ("dp", "tp"), fsdp=True, tp=True, summary="TP over tp, then FSDP2 over dp",
          benefit="splits layers and neuron state over tp and shards parameters, gradients and "
                  "optimizer state over dp"),
+    Mode("pp", ("pp", "dp"), pp=True, optional_dims=("dp",),
+         summary="pipeline stages over pp (torch.distributed.pipelining), replicated over dp",
+         benefit="cuts the model's sequence of modules into stages, so each rank holds only its stages' "
+                 "parameters and activations, at the cost of pipeline bubbles and point-to-point sends"),
 )
 MODES_BY_NAME: Dict[str, Mode] = {m.name: m for m in MODE_TABLE}
 #: Mode names, in display order.
 MODES: Tuple[str, ...] = tuple(MODES_BY_NAME)
 #: Names recognised only to be refused with a reason (not yet implemented).
-REFUSED_MODES = {"pp": "mode='pp' (pipeline parallelism) is not supported by the analyze/plan/apply API; "
-                       "use a pipeline schedule directly"}
+REFUSED_MODES: Dict[str, str] = {}
 
 
 def mode_of(name: Any) -> Mode:

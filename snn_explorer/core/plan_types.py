@@ -10,6 +10,7 @@ from types import MappingProxyType
 from typing import Any, Mapping, Optional, Tuple
 
 from .modes import Mode, mode_of, names_text
+from .pipeline_plan import check_pp_fields
 from .recommend import BACKENDS, SNN_DISTRIBUTED_PREFERENCES, check_batch_size
 from .serialize import check_keys, check_kind, dataclass_dict, string_tuple
 from .topology import SNNDistributedTopology
@@ -66,6 +67,9 @@ class SNNDistributedPlan:
 
     ``batch_size`` is the global batch of one optimizer step; the ``dp`` ranks split it.
     ``tensor_parallel_plan`` maps module paths to TP styles (see ``core.tp_plan.TP_STYLES``).
+    Mode ``pp`` reads ``pp_schedule`` (``core.pipeline_plan.PP_SCHEDULES``), ``pp_microbatches`` (per
+    step, of each dp replica's batch), ``pp_virtual_stages`` (stages per rank) and ``pp_layout``
+    (pipeline units per stage, ``"3|4"``; ``""``: an even split); other modes leave them unset.
     """
 
     mode: str
@@ -82,6 +86,10 @@ class SNNDistributedPlan:
     tensor_parallel_plan: Mapping[str, str] = field(default_factory=dict)
     fsdp_units: Tuple[str, ...] = ()
     experimental_features: DistributedFeatureSet = field(default_factory=DistributedFeatureSet)
+    pp_schedule: Optional[str] = None
+    pp_microbatches: Optional[int] = None
+    pp_virtual_stages: int = 1
+    pp_layout: str = ""
 
     def __post_init__(self):
         mode = mode_of(self.mode)
@@ -116,6 +124,8 @@ class SNNDistributedPlan:
             value = string_tuple("SNNDistributedPlan", name, getattr(self, name),
                                  optional=name == "tensor_parallel_roots")
             object.__setattr__(self, name, value)
+        for name, value in check_pp_fields(self).items():
+            object.__setattr__(self, name, value)
         if not isinstance(self.model_family, str):
             raise TypeError(f"SNNDistributedPlan.model_family must be a string, got {reprlib.repr(self.model_family)}")
 
@@ -141,6 +151,10 @@ class SNNDistributedPlan:
     @property
     def uses_tp(self) -> bool:
         return self.mode_spec.tp
+
+    @property
+    def uses_pp(self) -> bool:
+        return self.mode_spec.pp
 
     @property
     def uses_zero(self) -> bool:
@@ -187,6 +201,15 @@ class SNNDistributedPlan:
     @property
     def tp_size(self) -> int:
         return self.dim_size("tp")
+
+    @property
+    def pp_size(self) -> int:
+        return self.dim_size("pp")
+
+    @property
+    def pp_stages(self) -> int:
+        """Pipeline stages in all: ``pp * pp_virtual_stages`` (1 without pipelining)."""
+        return self.pp_size * self.pp_virtual_stages
 
     @property
     def world_size(self) -> int:
@@ -241,5 +264,7 @@ class SNNDistributedPlan:
 
     def __repr__(self) -> str:
         dims = "x".join(f"{n}{s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
-        zero = "+zero" if self.uses_zero else ""
-        return f"SNNDistributedPlan({self.mode}{zero} on {dims}, objective={self.objective}, batch={self.batch_size})"
+        extra = "+zero" if self.uses_zero else ""
+        if self.uses_pp:
+            extra = f" {self.pp_schedule} x{self.pp_microbatches}"
+        return f"SNNDistributedPlan({self.mode}{extra} on {dims}, objective={self.objective}, batch={self.batch_size})"

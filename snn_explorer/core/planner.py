@@ -5,6 +5,8 @@ from typing import Any, List, Mapping, Optional, Tuple, Union
 
 from .analysis import SNNDistributedAnalysis
 from .modes import MODE_TABLE, MODES, Mode, mode_of, names_text
+from .pipeline_plan import (check_pp_model, default_schedule, layout_text, microbatches_for, recommend_pipeline,
+                            resolve_layout, units_problem)
 from .plan_types import DistributedFeatureSet, SNNDistributedPlan
 from .plans.families import resolve_family
 from .recommend import (UNSET, check_backend, check_batch_size, check_objective, neuron_backend_arg,
@@ -66,6 +68,10 @@ def _problem(name: str, analysis, topology, explicit, features) -> Tuple[dict, O
         check_tied_parameters(analysis, fsdp_units=analysis.fsdp_unit_names if mode.fsdp else ())
     except ValueError as exc:
         return {}, str(exc)
+    pp_problem = mode.pp and units_problem(analysis.pipeline_units, analysis.pipeline_problem,
+                                           topology.size("pp"), f"pp={topology.size('pp')}")
+    if pp_problem:
+        return {}, pp_problem
     if mode.ddp and analysis.trainable_parameters == 0:
         return {}, ("the model has no trainable parameters, so DDP has no gradients to synchronise (and refuses "
                     "the model); use 'fsdp2' or 'tp' to split it, or 'none' on one process")
@@ -76,13 +82,18 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
          topology: Union[Mapping[str, int], SNNDistributedTopology, int], batch_size: int,
          neuron_backend: str = "torch", model_family: Optional[str] = None, mode: Optional[str] = None,
          features: Optional[DistributedFeatureSet] = None,
-         tensor_parallel_plan: Optional[Mapping[str, str]] = None, backend: Any = UNSET) -> SNNDistributedPlan:
+         tensor_parallel_plan: Optional[Mapping[str, str]] = None, backend: Any = UNSET,
+         pp_schedule: Optional[str] = None, pp_microbatches: Optional[int] = None,
+         pp_virtual_stages: Optional[int] = None, pp_layout: Any = None) -> SNNDistributedPlan:
     """Choose a mode for ``objective`` on ``topology`` and return a plan that ``apply`` accepts.
 
     ``batch_size`` is the global batch of one optimizer step; the ``dp`` ranks split it. An
     explicit ``mode`` must fit the topology and model; a recommended one that does not is
     replaced by the objective's next choice, with a note saying why. ``neuron_backend`` (default
     ``"torch"``) is the neuron compute backend (see ``BACKENDS``); ``backend`` is its deprecated name.
+    Mode ``pp`` (a topology with a ``pp`` dim) takes ``pp_schedule``, ``pp_microbatches``,
+    ``pp_virtual_stages`` and ``pp_layout`` (``"3|4"`` or the unit paths where stages 2.. begin);
+    those left None follow :func:`~snn_explorer.core.pipeline_plan.recommend_pipeline`.
     """
     if not isinstance(analysis, SNNDistributedAnalysis):
         raise TypeError(f"analysis must come from analyze(), got {type(analysis).__name__}")
@@ -108,7 +119,8 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
             raise ValueError(f"tensor_parallel_plan is only used by {_tp_modes()}, not mode={mode!r}")
 
     rec = recommend_snn_distributed_strategy(family, world_size=topology.world_size, prefer=objective,
-                                             batch_size=batch_size, neuron_backend=neuron_backend)
+                                             batch_size=batch_size, neuron_backend=neuron_backend,
+                                             pipelining_available=topology.size("pp") > 1)
     if mode is not None:
         tp_plan, problem = _problem(mode, analysis, topology, tensor_parallel_plan, features)
         if problem:
@@ -149,15 +161,44 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     if analysis.batchnorm_names and spec.splits_batch and topology.size("dp") > 1:
         notes.append(f"{len(analysis.batchnorm_names)} BatchNorm layer(s) normalise over each rank's share of the "
                      "batch in training mode (convert to SyncBatchNorm on CUDA for global statistics).")
-    return SNNDistributedPlan(
+    pipeline = _pipeline_fields(analysis, topology, batch_size, notes, pp_schedule, pp_microbatches,
+                                pp_virtual_stages, pp_layout) if spec.pp else {}
+    plan_ = SNNDistributedPlan(
         mode=chosen, objective=objective, topology=topology, model_family=family,
         neuron_backend=neuron_backend, batch_size=batch_size, optimizer_strategy="zero" if zero else "none",
         memopt_level=rec.memopt_level,
         rationale=(_rationale(objective, chosen, topology, zero, explicit=mode is not None, recommended=rec.mode),),
         notes=tuple(notes), tensor_parallel_roots=analysis.tensor_parallel_roots,
         tensor_parallel_plan=tp_plan, fsdp_units=analysis.fsdp_unit_names if spec.fsdp else (),
-        experimental_features=features,
+        experimental_features=features, **pipeline,
     )
+    if spec.pp:
+        check_pp_model(plan_, analysis.pipeline_units, analysis.pipeline_problem,
+                       analysis.shared_parameter_groups)
+    return plan_
+
+
+def _pipeline_fields(analysis: SNNDistributedAnalysis, topology: SNNDistributedTopology, batch_size: int,
+                     notes: List[str], schedule, micro, virtual, layout) -> dict:
+    """The pp fields: those given, the rest as ``recommend_pipeline`` picks them for this topology
+    (its pp stages, each dp replica's batch), with one stage per rank when the model has too few units."""
+    pp, per_replica, units = topology.size("pp"), batch_size // topology.size("dp"), analysis.pipeline_units
+    picked = recommend_pipeline(per_replica, pp) or (1, per_replica)
+    if virtual is None:
+        virtual = {None: picked[0], "interleaved": max(2, picked[0])}.get(schedule, 1)
+        if virtual * pp > len(units):
+            notes.append(f"{virtual} virtual stages per rank need {virtual * pp} pipeline units; the model has "
+                         f"{len(units)}, so one stage per rank.")
+            virtual = 1
+    if micro is None:
+        micro = picked[1] if virtual == picked[0] else microbatches_for(per_replica, pp * virtual) or per_replica
+    if analysis.batchnorm_names:
+        notes.append(f"{len(analysis.batchnorm_names)} BatchNorm layer(s) normalise over each micro-batch, not "
+                     "over the whole batch.")
+    stages = pp * virtual
+    counts = resolve_layout(layout, units, stages) if stages <= len(units) else ()
+    return dict(pp_schedule=default_schedule(virtual) if schedule is None else schedule, pp_microbatches=micro,
+                pp_virtual_stages=virtual, pp_layout=layout_text(counts))
 
 
 def _rationale(objective: str, chosen: str, topology: SNNDistributedTopology, zero: bool, *, explicit: bool,
@@ -173,8 +214,8 @@ def _rationale(objective: str, chosen: str, topology: SNNDistributedTopology, ze
     if not spec.distributed:
         return f"{objective}: one process, nothing to distribute."
     goal = {"speed": "the fastest step", "memory": "the least memory per rank",
-            "capacity": "the largest model (pipeline parallelism is not available here, so the least memory "
-                        "per rank)"}[objective]
+            "capacity": "the largest model" + ("" if spec.pp else " (pipeline parallelism is not available here, "
+                                                                   "so the least memory per rank)")}[objective]
     if chosen != recommended:
         return f"{objective}: for {goal}, {recommended} would come first but does not fit this mesh, so {what}."
     return f"{objective}: for {goal}, {what}."

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
+from .pipeline_plan import default_schedule, recommend_pipeline
 from .plans.families import VGG, resolve_family
 from .validate import UNSET, positive_int, renamed_keyword
 
@@ -15,12 +16,17 @@ BACKENDS = ("torch", "cupy", "triton", "inductor")
 
 @dataclass(frozen=True)
 class StrategyRecommendation:
-    """The rule-based pick: mode, optimizer sharding, memopt level and why."""
+    """The rule-based pick: mode, optimizer sharding, memopt level and why; ``mesh_shape`` of the
+    mode's dims on ``world_size`` ranks and, for ``pp``, the schedule, micro-batches and virtual stages."""
 
     mode: str
     optimizer_sharding: str
     memopt_level: int
     rationale: Tuple[str, ...]
+    mesh_shape: Tuple[int, ...] = ()
+    pp_schedule: Optional[str] = None
+    pp_microbatches: Optional[int] = None
+    pp_virtual_stages: int = 1
 
 
 def check_objective(objective) -> str:
@@ -54,8 +60,9 @@ def recommend_snn_distributed_strategy(model: str = "generic", *, world_size: in
     """Recommend a mode for ``world_size`` ranks and objective ``prefer``, ignoring topology.
 
     The planner then fits the pick to the topology the user gave (see ``plan``).
-    ``backend`` is the deprecated name of ``neuron_backend``; ``pipelining_available`` only
-    changes the capacity rationale (pipeline parallelism is not applied by this API).
+    ``backend`` is the deprecated name of ``neuron_backend``. With ``pipelining_available``,
+    ``capacity`` picks mode ``pp`` over all ranks when the batch allows it (see
+    :func:`~snn_explorer.core.pipeline_plan.recommend_pipeline`), else the memory decision.
     """
     prefer = check_objective(prefer)
     check_batch_size(batch_size)
@@ -64,25 +71,33 @@ def recommend_snn_distributed_strategy(model: str = "generic", *, world_size: in
     family, _ = resolve_family(None, model)
     memopt = 0 if prefer == "speed" else 1
     if world_size == 1:
-        return StrategyRecommendation("none", "none", memopt, ("one rank: nothing to distribute.",))
+        return StrategyRecommendation("none", "none", memopt, ("one rank: nothing to distribute.",), (1,))
     hybrid = world_size >= 4 and world_size % 2 == 0
     if prefer == "speed":
         if family == VGG and hybrid:
             why = (f"speed on {world_size} ranks for the VGG family: fsdp2_tp splits the wide conv/"
                    "classifier weights over tp=2 and shards the rest over dp.",)
-            return StrategyRecommendation("fsdp2_tp", "none", memopt, why)
+            return StrategyRecommendation("fsdp2_tp", "none", memopt, why, (world_size // 2, 2))
         why = ("speed: data parallelism has the least communication per sample; ZeRO shards "
                "optimizer state at almost no extra cost.",)
-        return StrategyRecommendation("dp", "zero", memopt, why)
+        return StrategyRecommendation("dp", "zero", memopt, why, (world_size,))
     why = []
     if prefer == "capacity":
-        why.append("capacity: pipeline parallelism is not available through this API"
-                   if not pipelining_available else
-                   "capacity: pipeline parallelism is available but configured outside this API")
+        pipeline = recommend_pipeline(batch_size, world_size) if pipelining_available else None
+        if pipeline is not None:
+            virtual, micro = pipeline
+            why.append(f"capacity: pipeline parallelism over {world_size} ranks holds 1/{world_size} of the model "
+                       f"per rank; batch {batch_size} gives {virtual} stage(s) per rank and {micro} micro-batches.")
+            return StrategyRecommendation("pp", "none", 1, tuple(why), (world_size,), default_schedule(virtual),
+                                          micro, virtual)
+        why.append("capacity: pipeline parallelism is not available here (no pp dim)" if not pipelining_available
+                   else f"capacity: batch {batch_size} fits no pipeline of {world_size} stages (it needs at least "
+                        f"{world_size} samples and a micro-batch count between stages x V and 4 x stages x V "
+                        "that divides it)")
         why.append("falling back to the memory decision.")
     if hybrid:
         why.append("memory: fsdp2_tp shards parameters, gradients and optimizer state over dp and "
                    "splits layers and neuron state over tp.")
-        return StrategyRecommendation("fsdp2_tp", "none", 1, tuple(why))
+        return StrategyRecommendation("fsdp2_tp", "none", 1, tuple(why), (world_size // 2, 2))
     why.append("memory: tensor parallelism splits weights and neuron state of each sharded layer.")
-    return StrategyRecommendation("tp", "none", 1, tuple(why))
+    return StrategyRecommendation("tp", "none", 1, tuple(why), (world_size,))

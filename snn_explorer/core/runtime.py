@@ -155,6 +155,10 @@ class SNNDistributedRuntime:
         model's own, unreduced.
         """
         _check_batch(inputs, labels)
+        if self.plan.uses_pp:
+            raise RuntimeError("forward_loss runs the whole model, which a pipeline (mode 'pp') splits over ranks; "
+                               "use runtime.train_step(criterion, inputs, labels), which runs the schedule over "
+                               "the micro-batches and returns the loss on every rank")
         if reset:
             self.reset_state()
         outputs = self.model(inputs.to(self.device))
@@ -166,8 +170,14 @@ class SNNDistributedRuntime:
         """One training step's forward and backward on this rank's batch: reset neuron state, run
         the model, compute the loss, backpropagate. Returns the loss (detached), on every rank.
 
-        The optimizer step (and ``zero_grad``) stays the caller's, as in any torch loop.
+        The optimizer step (and ``zero_grad``) stays the caller's, as in any torch loop. Under mode
+        ``pp`` the step is the pipeline schedule's over the micro-batches (each stage resets its
+        neurons before every micro-batch); the loss is their mean, sent from the last stage.
         """
+        if self.plan.uses_pp:
+            _check_batch(inputs, labels)
+            return self.model.train_step(lambda out, y: criterion(*self.prepare_classification_output(
+                out, y, reduce_time)), inputs, labels)
         loss, _ = self.forward_loss(criterion, inputs, labels, reduce_time=reduce_time)
         loss.backward()
         return loss.detach()
@@ -196,6 +206,8 @@ class SNNDistributedRuntime:
 
     # ---- inspection ---------------------------------------------------------------------------
     def _full_tensors(self, pick: Callable) -> Dict[str, Optional[torch.Tensor]]:
+        if self.plan.uses_pp:  # gathered over the pipeline stages
+            return self.model.full_tensors(pick)
         out = {}
         for owner_name, owner in self.module.named_modules():
             for name, param in owner.named_parameters(recurse=False):
@@ -208,7 +220,7 @@ class SNNDistributedRuntime:
     def full_parameters(self) -> Dict[str, torch.Tensor]:
         """Every parameter as a full (unsharded) tensor, by its path in the user's model.
 
-        A collective under TP / FSDP2: call on every rank. ZeRO does not shard parameters.
+        A collective under TP / FSDP2 / PP: call on every rank. ZeRO does not shard parameters.
         """
         return self._full_tensors(lambda p: p)
 

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Dict, List, Mapping, Optional
 
-#: Dimension names that lead the mesh order (the dims the modes use); others follow in insertion order.
-LEADING_DIMS = ("dp", "tp")
+#: Dimension names that lead the mesh order (the dims the modes use), outermost first: pipeline
+#: stages, then data replicas, then tensor-parallel peers innermost (neighbouring ranks, as
+#: torchtitan orders them); others follow in insertion order.
+LEADING_DIMS = ("pp", "dp", "tp")
 #: The most ranks a topology may have: estimates, plans and meshes are sized for at most this many.
 MAX_WORLD_SIZE = 2 ** 16
 

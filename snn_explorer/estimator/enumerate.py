@@ -21,13 +21,16 @@ class PlanList(list):
 
 def _candidates(world_size: int) -> List[Tuple[str, Dict[str, int], bool]]:
     """(mode, topology, ZeRO) for each mode x dp x tp split of ``world_size`` that uses exactly the
-    mode's dims: data-parallel modes first, then TP modes, fewer dims first."""
+    mode's dims: data-parallel modes first, then TP modes, fewer dims first; then pipelines, each
+    pp size >= 2 that divides the world, the rest of the ranks as dp."""
     splits = dp_tp_splits(world_size)
     if world_size == 1:
         return [(m.name, splits[0], False) for m in MODE_TABLE if not m.distributed]
     out = []
-    for mode in sorted((m for m in MODE_TABLE if m.distributed), key=lambda m: (m.tp, len(m.dims))):
-        for dims in (d for d in splits if set(d) == set(mode.dims)):
+    pipelines = [{"pp": pp, "dp": world_size // pp} if pp < world_size else {"pp": pp}
+                 for pp in range(2, world_size + 1) if world_size % pp == 0]
+    for mode in sorted((m for m in MODE_TABLE if m.distributed), key=lambda m: (m.pp, m.tp, len(m.dims))):
+        for dims in (pipelines if mode.pp else [d for d in splits if set(d) == set(mode.dims)]):
             out += [(mode.name, dims, zero) for zero in ((False, True) if mode.allows_zero else (False,))]
     return out
 
@@ -39,7 +42,8 @@ def _label(mode: str, topology: Dict[str, int], zero: bool) -> str:
 def enumerate_plans(analysis: SNNDistributedAnalysis, *, world_size: int, batch_size: int,
                     neuron_backend: str = "torch", features: Optional[DistributedFeatureSet] = None,
                     objective: str = "speed", backend=UNSET) -> PlanList:
-    """Every feasible plan for ``world_size`` ranks: each mode x each dp x tp factorisation x ZeRO on/off.
+    """Every feasible plan for ``world_size`` ranks: each mode x each dp x tp factorisation x ZeRO on/off,
+    and mode ``pp`` on each pp x dp factorisation (its schedule and micro-batches as ``plan`` picks them).
 
     ``batch_size`` is the global batch of one optimizer step; the dp ranks of each plan split it
     (tensor-parallel peers see the same samples). ``objective`` sets the memopt level the core

@@ -291,6 +291,10 @@ def _settings(model, plans, example_input, labels, steps, optimizer, dtype, lr, 
     optimizer = check_optimizer(optimizer)
     for p in plans:
         check_inputs(model, example_input, labels, dtype, p)
+        if p.uses_pp:
+            raise NotImplementedError(f"measure() of a pipeline plan ({p!r}) may come later: torch's MemTracker "
+                                      "refuses a module called more than once per step, and every stage is called "
+                                      "once per micro-batch; train it with launch_plan and runtime.train_step")
     steps = positive_int("steps", steps, what="timed training steps before the measured one")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}; expected 'cpu' (gloo ranks) or 'cuda' (NCCL, one GPU per rank)")

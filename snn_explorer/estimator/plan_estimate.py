@@ -29,6 +29,8 @@ from ._step import check_inputs, check_optimizer
 from .isolation import as_found
 from .comms import step_collectives
 from .fsdp_timeline import FsdpTimeline
+from .pipeline_estimate import pipeline_rows
+from ..core.pipeline_plan import pipeline_units
 from .profile import ModelProfile, check_run_size, model_profile
 from .sharding import buffer_bytes, dp_roles, local_params, optimizer_temporaries, rank_bytes
 from .step_time import plan_time, resolve_hardware
@@ -58,6 +60,13 @@ class PlanEstimate:
     memory_budget: Optional[int] = None
     time: Optional[pd.DataFrame] = None  # per rank: compute_s, exposed_comm_s, bubble_s, step_s
     hardware: Optional[object] = None  # the HardwareProfile the time was predicted on
+    #: mode pp: per pp rank its stages, units, micro-batches in flight and bubble fraction (else None)
+    pipeline: Optional[pd.DataFrame] = None
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The share of a step each rank idles in the pipeline's fill and drain (0 without pipelining)."""
+        return float(self.pipeline["bubble_fraction"].iloc[0]) if self.pipeline is not None else 0.0
 
     @property
     def batch_per_rank(self) -> int:
@@ -141,6 +150,11 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
     check_run_size(profile, n, t)
     itemsize = torch.empty((), dtype=profile.dtype).element_size()
     params = local_params(profile.params, plan, profile.param_itemsizes or itemsize)
+    if plan.uses_pp:  # the rank's stages, micro-batches in flight, sends between stages
+        rows, collectives, pipeline = pipeline_rows(plan, profile, pipeline_units(model)[0], params, t, itemsize,
+                                                    optimizer)
+        return _finish(plan, pd.DataFrame(rows)[list(PER_RANK_COLUMNS)], collectives, t, optimizer, memory_budget,
+                       pipeline)
     saved_local, state = profile.saved_and_state(n, t, plan.tensor_parallel_plan, plan.tp_size)
     activations = saved_local + profile.input_bytes(n, t)
     # Activations and temporaries of the forward (the gradients were set to None), of the backward
@@ -165,7 +179,12 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
         rows.append(dict(**b, buffers_bytes=buffers, activations_bytes=round(activations),
                          neuron_state_bytes=round(state), transient_bytes=round(transient), peak_bytes=round(peak)))
     per_rank = _per_rank(rows, dp_roles(params, plan), plan)
-    collectives = pd.DataFrame(step_collectives(plan, params, profile, t, itemsize), columns=COLLECTIVE_COLUMNS)
+    return _finish(plan, per_rank, step_collectives(plan, params, profile, t, itemsize), t, optimizer, memory_budget)
+
+
+def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, pipeline=None) -> PlanEstimate:
+    """The estimate with its verdict, from the per-rank table and the collective rows."""
+    collectives = pd.DataFrame(collective_rows, columns=COLLECTIVE_COLUMNS)
     peak = int(per_rank["peak_bytes"].max())
     if memory_budget is None:
         verdict = f"peak {_mib(peak)} per rank; {collectives['bytes'].sum() / 2 ** 20:.2f} MiB communicated per step"
@@ -175,7 +194,8 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
         verdict = f"does not fit: peak {_mib(peak)} exceeds the {_mib(memory_budget)} budget per device"
     time = plan_time(plan, profile, collectives, per_rank, hardware, t, optimizer)
     return PlanEstimate(plan=plan, per_rank=per_rank, collectives=collectives, verdict=verdict, time_steps=t,
-                        optimizer=optimizer, memory_budget=memory_budget, time=time, hardware=hardware)
+                        optimizer=optimizer, memory_budget=memory_budget, time=time, hardware=hardware,
+                        pipeline=pipeline)
 
 
 def estimate_all(model: nn.Module, plans, *, example_input: torch.Tensor, **kwargs) -> pd.DataFrame:

@@ -33,21 +33,34 @@ TIME_COLUMNS = ("rank", "compute_s", "exposed_comm_s", "bubble_s", "step_s")
 
 
 def pipeline_bubble_s(plan: SNNDistributedPlan, phase_s: Dict[str, float]) -> float:
-    """Idle time of a rank waiting for pipeline stages in one step: 0 for every mode without
-    pipeline stages (all of today's). Pipeline parallelism plugs its ``(stages - 1) / microbatches``
-    share of the forward and backward (``phase_s``) in here."""
-    return 0.0
+    """Idle time of a rank waiting for pipeline stages in one step (0 without pipelining): the
+    schedule's bubble fraction ``f`` of the whole step (:func:`.pipeline_estimate.bubble_fraction`),
+    so ``f / (1 - f)`` times the rank's own forward and backward."""
+    if not plan.uses_pp:
+        return 0.0
+    from .pipeline_estimate import bubble_fraction
+
+    f = bubble_fraction(plan.pp_schedule, plan.pp_size, plan.pp_microbatches, plan.pp_virtual_stages)
+    return f / (1.0 - f) * (phase_s["forward"] + phase_s["backward"])
 
 
-def spans_nodes(plan: SNNDistributedPlan, mesh_dim: str, hw: HardwareProfile) -> bool:
-    """Whether a ``mesh_dim`` group crosses nodes: tp groups are consecutive ranks, dp groups stride by tp."""
+def _stride(plan: SNNDistributedPlan, mesh_dim: str) -> int:
+    """Rank distance between neighbours of a ``mesh_dim`` group (mesh order pp, dp, tp: tp innermost)."""
+    return {"tp": 1, "dp": plan.tp_size}.get(mesh_dim, plan.tp_size * plan.dp_size)
+
+
+def spans_nodes(plan: SNNDistributedPlan, mesh_dim: str, hw: HardwareProfile, size: int = 0) -> bool:
+    """Whether a ``mesh_dim`` group (of ``size`` ranks; default the whole dim) crosses nodes."""
     if hw.ranks_per_node is None:
         return False
-    size, stride = (plan.tp_size, 1) if mesh_dim == "tp" else (plan.dp_size, plan.tp_size)
-    return (size - 1) * stride + 1 > hw.ranks_per_node
+    size = size or _group_size(plan, mesh_dim, "")
+    return (size - 1) * _stride(plan, mesh_dim) + 1 > hw.ranks_per_node
 
 
-def _group_size(plan: SNNDistributedPlan, mesh_dim: str) -> int:
+def _group_size(plan: SNNDistributedPlan, mesh_dim: str, kind: str) -> int:
+    """Ranks taking part: a pipeline send joins two neighbouring stages, any other collective the dim."""
+    if mesh_dim == "pp":
+        return 2 if kind == "send" else plan.pp_size
     return plan.tp_size if mesh_dim == "tp" else plan.dp_size
 
 
@@ -56,8 +69,8 @@ def exposed_comm_s(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: Hard
     """Seconds of communication not hidden behind compute (rules in the module doc)."""
     timed: Dict[Tuple[str, str, str], Tuple[float, int]] = {}
     for row in collectives.itertuples(index=False):
-        seconds = hw.collective_time(row.kind, _group_size(plan, row.mesh_dim), row.bytes, row.count,
-                                     spans_nodes(plan, row.mesh_dim, hw))
+        size = _group_size(plan, row.mesh_dim, row.kind)
+        seconds = hw.collective_time(row.kind, size, row.bytes, row.count, spans_nodes(plan, row.mesh_dim, hw, size))
         timed[(row.mesh_dim, row.kind, row.phase)] = (seconds, row.count)
     exposed = 0.0
     ar, ar_n = timed.pop(("dp", "all_reduce", "backward"), (0.0, 0))
@@ -70,7 +83,7 @@ def exposed_comm_s(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: Hard
     rs, rs_n = timed.pop(("dp", "reduce_scatter", "backward"), (0.0, 0))
     if rs_n or bag:
         exposed += max(rs / rs_n if rs_n else 0.0, bag + rs - phase_s["backward"])
-    return exposed + sum(seconds for seconds, _ in timed.values())  # TP, ZeRO: on the critical path
+    return exposed + sum(seconds for seconds, _ in timed.values())  # TP, ZeRO, pipeline sends: critical path
 
 
 def host_sharing(plan: SNNDistributedPlan, hw: HardwareProfile) -> float:
@@ -80,12 +93,16 @@ def host_sharing(plan: SNNDistributedPlan, hw: HardwareProfile) -> float:
 
 def compute_phases(plan: SNNDistributedPlan, work: Work, hw: HardwareProfile, t: int, itemsize: int,
                    local_params_bytes: float, correction: Dict[str, float]) -> Dict[str, float]:
-    """Seconds of forward, backward and optimizer on one rank of ``plan``."""
+    """Seconds of forward, backward and optimizer on one rank of ``plan`` (a pipeline rank runs
+    its ``1 / pp`` of the model, the stages taken as balanced, and updates its stages' parameters)."""
     n = plan.per_rank_batch
     share = local_params_bytes / work.param_bytes if work.param_bytes else 1.0
     slow = host_sharing(plan, hw)
-    return {p: work.phase(p).seconds(hw, n, t, itemsize, share if p == "optimizer" else 1.0)
-            * correction.get(p, 1.0) * slow for p in PHASES}
+    stage = 1.0 / plan.pp_size
+    calls = plan.pp_microbatches * stage if plan.uses_pp else 1.0
+    return {p: (work.phase(p).seconds(hw, n, t, itemsize, share) if p == "optimizer"
+                else work.phase(p).seconds(hw, n, t, itemsize, stage, calls)) * correction.get(p, 1.0) * slow
+            for p in PHASES}
 
 
 def framework_s(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, hw: HardwareProfile, t: int) -> float:

@@ -10,7 +10,7 @@ from .explorer import Explorer
 _LAZY = {
     "COMPARE_ROWS": "compare", "compare_table": "compare", "style_compare": "compare",
     "FIGSIZE": "charts", "comm_chart": "charts", "memory_chart": "charts", "mesh_chart": "charts",
-    "pareto_chart": "charts", "pareto_front": "charts", "step_time_chart": "charts",
+    "pareto_chart": "charts", "pareto_front": "charts", "step_time_chart": "charts", "pipeline_chart": "pipeline_view",
     "shard_layout": "layout", "MODULE_COLUMNS": "modules", "candidates_table": "modules", "modules_table": "modules",
     "analysis_table": "tables", "plans_table": "tables",
 }

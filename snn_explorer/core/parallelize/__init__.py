@@ -8,14 +8,16 @@ from torch import nn
 
 from ..analysis import SNNDistributedAnalysis, analyze
 from ..plan_types import SNNDistributedPlan
+from ..pipeline_plan import check_pp_model
 from ..plans.families import CONTAINERS
 from ..tp_plan import check_tied_parameters, check_tp_plan
 from .dp import apply_ddp
 from .fsdp import apply_fsdp2
+from .pipeline import apply_pp
 from .mesh import build_mesh, check_device_type, check_mesh_type, check_process_group, default_device_type, local_device
 from .tp import apply_tp
 
-__all__ = ["apply", "preflight", "apply_ddp", "apply_fsdp2", "apply_tp", "default_device_type"]
+__all__ = ["apply", "preflight", "apply_ddp", "apply_fsdp2", "apply_tp", "apply_pp", "default_device_type"]
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -40,6 +42,11 @@ def preflight(model: nn.Module, plan: SNNDistributedPlan) -> SNNDistributedAnaly
     if plan.tensor_parallel_plan:
         check_tp_plan(analysis, plan.tensor_parallel_plan, plan.tp_size, plan.experimental_features)
     check_tied_parameters(analysis, plan.tensor_parallel_plan, plan.fsdp_units)
+    if plan.uses_pp:
+        check_pp_model(plan, analysis.pipeline_units, analysis.pipeline_problem, analysis.shared_parameter_groups)
+        if plan.neuron_backend == "inductor":
+            raise ValueError("neuron_backend='inductor' (torch.compile) with mode 'pp' may come later; use "
+                             "neuron_backend='torch'")
     modules = dict(model.named_modules())
     missing = [u for u in plan.fsdp_units if u not in modules]
     if missing:
@@ -91,13 +98,16 @@ def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: Optional[s
     check_process_group(plan)
     device = local_device(device_type)
     mesh = build_mesh(plan, device_type, device_mesh)
-    model.to(device)
+    if not plan.uses_pp:  # a pipeline keeps only the rank's own stages on its device
+        model.to(device)
     _set_neuron_backend(model, plan.neuron_backend)
     if plan.uses_tp:
         apply_tp(model, mesh["tp"], plan.tensor_parallel_plan)
     if plan.uses_fsdp:
         apply_fsdp2(model, mesh["dp"], plan.fsdp_units, reshard_after_forward=plan.reshard_after_forward)
     wrapped = apply_ddp(model, mesh["dp"], device) if plan.uses_ddp else model
+    if plan.uses_pp:
+        wrapped = apply_pp(model, plan, analysis.pipeline_units, mesh, device)
     if plan.distributed:
         model.__dict__[_APPLIED] = repr(plan)
     if plan.neuron_backend == "inductor":

@@ -1,0 +1,214 @@
+"""Pipeline parallelism: the model's units cut into stages, run by torch.distributed.pipelining.
+
+Each rank keeps only its own stages on its device (the other units of its copy of the model go to
+the ``meta`` device, which holds no data). torch's schedules (:data:`SCHEDULES`) split every
+step's batch into micro-batches **on the batch dim** (dim 1 of ``[T, N, ...]``), run them through
+the stages, and merge the last stage's outputs on that dim again.
+
+SNN state: a micro-batch is an independent set of samples, so every stage resets its neurons
+before each micro-batch's forward (:class:`PipelineStageModule`). Under 1F1B and interleaving a
+stage runs the next micro-batch's forward before the previous one's backward; that is safe
+because the resets snn_explorer performs (``core.neurons``) *replace* the state tensors (snntorch
+``mem = zeros_like(mem)``, spikingjelly's ``_memories[k] = copy``) instead of zeroing them in
+place, so the tensors autograd saved for the earlier micro-batch are untouched. A reset function
+registered with ``register_stateful`` must do the same.
+
+Data parallelism over ``dp``: after the schedule's step, each stage's gradients are averaged over
+its dp replicas with one all-reduce of the flattened gradients. That is simpler and cheaper here
+than DDP on the stage module: the schedule calls backward once per micro-batch, and DDP would
+all-reduce on every one of them unless each but the last ran under ``no_sync``; the explicit
+all-reduce runs exactly once per step, after all micro-batches, whatever the schedule.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import neurons
+from ..pipeline_plan import rank_stages, resolve_layout, stage_units
+
+#: The torch.distributed.pipelining schedule class of each ``pp_schedule`` (imported when a pipeline
+#: is built: importing torch.distributed.pipelining loads torch's compiler, which sets
+#: TORCHINDUCTOR_CACHE_DIR and makes a temporary folder).
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+#: The batch dim of SNN tensors ``[T, N, ...]``: micro-batches are cut and merged along it.
+BATCH_DIM = 1
+
+
+class PipelineStageModule(nn.Module):
+    """One stage: consecutive units of the user's model (the same module objects), called in order.
+
+    Every call is one micro-batch: the stage first resets all its stateful neurons (replacing their
+    state tensors) and counts it in ``resets``.
+    """
+
+    def __init__(self, index: int, paths: Sequence[str], units: Sequence[nn.Module]):
+        super().__init__()
+        self.index = index
+        self.paths = tuple(paths)
+        self.units = nn.ModuleList(units)
+        self.resets = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        neurons.reset_all(self)
+        self.resets += 1
+        for unit in self.units:
+            x = unit(x)
+        return x
+
+
+def _to_meta(module: nn.Module) -> nn.Module:
+    """``module`` with its parameters and buffers on the meta device (no data; shapes only)."""
+    return module.to("meta")
+
+
+class PipelinedModel(nn.Module):
+    """This rank's pipeline stages of the user's model and the torch schedule that runs them.
+
+    Not callable like the model: a step runs through :meth:`train_step` (``runtime.train_step``).
+    ``last_outputs``: the last step's outputs merged over micro-batches, on the rank holding the
+    last stage (None elsewhere).
+    """
+
+    def __init__(self, model: nn.Module, plan, units: Sequence[str], mesh, device: torch.device):
+        super().__init__()
+        self.plan = plan
+        self.device = device
+        self.pp_group = mesh.get_group("pp")
+        self.dp_group = mesh.get_group("dp") if plan.dp_size > 1 else None
+        self.pp_rank = mesh.get_local_rank("pp")
+        counts = resolve_layout(plan.pp_layout, units, plan.pp_stages)
+        self.stage_paths = stage_units(units, counts)
+        self.stage_ids = rank_stages(self.pp_rank, plan.pp_size, plan.pp_virtual_stages)
+        own = {p for s in self.stage_ids for p in self.stage_paths[s]}
+        # shapes only: every stage on the meta device, the rank's own ones as detached copies
+        self._meta_stages = [nn.Sequential(*[_to_meta(neurons.detached_copy(model.get_submodule(p)))
+                                             if p in own else _to_meta(model.get_submodule(p)) for p in paths])
+                             for paths in self.stage_paths]
+        self.stages = nn.ModuleList(
+            PipelineStageModule(s, self.stage_paths[s], [model.get_submodule(p).to(device)
+                                                         for p in self.stage_paths[s]])
+            for s in self.stage_ids)
+        self.last_outputs: Optional[torch.Tensor] = None
+        self._schedule, self._schedule_key, self._loss_fn, self._loss_dtype = None, None, None, None
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipelined model (mode 'pp') holds only this rank's stages and runs a step through "
+                           "runtime.train_step(criterion, inputs, labels), which drives the pipeline schedule")
+
+    @property
+    def holds_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def holds_last(self) -> bool:
+        return self.plan.pp_stages - 1 in self.stage_ids
+
+    # ---- the schedule -------------------------------------------------------------------------
+    def _stage_examples(self, micro: torch.Tensor) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """(input, output) example of every stage for one micro-batch, propagated on the meta device."""
+        x = torch.empty(micro.shape, dtype=micro.dtype, device="meta")
+        examples = []
+        with torch.enable_grad():
+            for stage in self._meta_stages:
+                neurons.reset_all(stage)
+                y = stage(x)
+                examples.append((x, y))
+                x = y
+        return examples
+
+    def _build_schedule(self, inputs: torch.Tensor):
+        import torch.distributed.pipelining as pipelining
+        from torch.distributed.pipelining.microbatch import TensorChunkSpec
+
+        plan = self.plan
+        micro_shape = list(inputs.shape)
+        micro_shape[BATCH_DIM] //= plan.pp_microbatches
+        examples = self._stage_examples(torch.empty(micro_shape, dtype=inputs.dtype, device="meta"))
+        self._loss_dtype = examples[-1][1].dtype
+        stages = [pipelining.PipelineStage(module, module.index, plan.pp_stages, self.device,
+                                input_args=examples[module.index][0], output_args=examples[module.index][1],
+                                group=self.pp_group)
+                  for module in self.stages]
+        cls = getattr(pipelining, SCHEDULES[plan.pp_schedule])
+        kw = dict(n_microbatches=plan.pp_microbatches, loss_fn=self._micro_loss,
+                  args_chunk_spec=(TensorChunkSpec(BATCH_DIM),), output_merge_spec=TensorChunkSpec(BATCH_DIM),
+                  scale_grads=True)
+        return cls(stages, **kw) if plan.pp_virtual_stages > 1 else cls(stages[0], **kw)
+
+    def _micro_loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self._loss_fn(outputs, labels)
+
+    def _check_inputs(self, inputs: torch.Tensor) -> None:
+        plan = self.plan
+        if inputs.dim() < 2 or inputs.shape[BATCH_DIM] != plan.per_rank_batch:
+            raise ValueError(f"mode 'pp' takes inputs [T, N, ...] with N = the per-rank batch {plan.per_rank_batch} "
+                             f"(split into {plan.pp_microbatches} micro-batches on dim {BATCH_DIM}), got shape "
+                             f"{tuple(inputs.shape)}")
+
+    # ---- one step -----------------------------------------------------------------------------
+    def train_step(self, loss_fn: Callable, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One step's forward and backward over all micro-batches; the mean micro-batch loss, on every rank."""
+        self._check_inputs(inputs)
+        key = (tuple(inputs.shape), inputs.dtype)
+        if key != self._schedule_key:
+            self._schedule, self._schedule_key = self._build_schedule(inputs), key
+        self._loss_fn = loss_fn
+        args = (inputs.to(self.device),) if self.holds_first else ()
+        losses: List[torch.Tensor] = []
+        target = labels.to(self.device) if self.holds_last else None
+        out = self._schedule.step(*args, target=target, losses=losses if self.holds_last else None)
+        self.last_outputs = out.detach() if self.holds_last and out is not None else None
+        if self.dp_group is not None:
+            self._average_gradients()
+        return self._broadcast_loss(losses)
+
+    def _average_gradients(self) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.plan.dp_size
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _broadcast_loss(self, losses: List[torch.Tensor]) -> torch.Tensor:
+        """The mean of the last stage's micro-batch losses, sent to every rank of the pp group."""
+        if self.holds_last:
+            loss = torch.stack([l.detach() for l in losses]).mean()
+        else:
+            loss = torch.zeros((), dtype=self._loss_dtype, device=self.device)
+        last = dist.get_global_rank(self.pp_group, self.plan.pp_size - 1)
+        loss = loss.to(self.device, self._loss_dtype).contiguous()
+        dist.broadcast(loss, src=last, group=self.pp_group)
+        return loss
+
+    # ---- inspection ---------------------------------------------------------------------------
+    def full_tensors(self, pick: Callable) -> Dict[str, Optional[torch.Tensor]]:
+        """``pick(param)`` of every parameter of the whole model, by its path, gathered over the stages."""
+        local = {}
+        for stage in self.stages:
+            tensors = {}
+            for path, unit in zip(stage.paths, stage.units):
+                for name, param in unit.named_parameters():
+                    tensor = pick(param)
+                    tensors[f"{path}.{name}"] = None if tensor is None else tensor.detach().cpu().clone()
+            local[stage.index] = tensors
+        parts: List[Optional[dict]] = [None] * self.plan.pp_size
+        dist.all_gather_object(parts, local, group=self.pp_group)
+        out = {}
+        for s in range(self.plan.pp_stages):
+            for name, tensor in parts[s % self.plan.pp_size][s].items():
+                out[name] = None if tensor is None else tensor.to(self.device)
+        return out
+
+
+def apply_pp(model: nn.Module, plan, units: Sequence[str], mesh, device: torch.device) -> PipelinedModel:
+    """This rank's stages of ``model`` on ``device`` (the rest of its units moved to ``meta``)."""
+    return PipelinedModel(model, plan, units, mesh, device)

@@ -1,0 +1,271 @@
+"""Pipeline-parallel plan facts: the model's cuttable sequence, stage layouts, schedules, checks.
+
+A model can be cut into pipeline stages when its ``forward`` calls its top-level modules one after
+the other, each on the previous one's output (an ``nn.Sequential``, or a module whose forward is
+``self.c(self.b(self.a(x)))``); nested ``nn.Sequential`` children are cut further. Those modules,
+in order, are the model's *pipeline units*; a stage is a run of consecutive units. Stage ``s`` of
+``pp * V`` lives on pp rank ``s % pp`` (the loop layout of torch's interleaved schedules).
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Any, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+#: Pipeline schedules, each one of torch.distributed.pipelining's.
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+#: Schedules that hold several (virtual) stages per rank.
+MULTI_STAGE_SCHEDULES = ("interleaved",)
+
+
+# ---- the model's sequence of units ---------------------------------------------------------------
+
+class _ChildrenAreLeaves(torch.fx.Tracer):
+    """Traces only the root's forward: every sub-module call stays one node."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+
+def _is_plain_sequential(module: nn.Module) -> bool:
+    return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
+
+
+def _chain_of(model: nn.Module) -> Tuple[Tuple[str, ...], str]:
+    """The top-level modules ``model.forward`` chains, in call order, and why not ('' when it does)."""
+    if _is_plain_sequential(model):
+        return tuple(name for name, _ in model.named_children()), ""
+    try:
+        graph = _ChildrenAreLeaves().trace(model)
+    except Exception as exc:  # fx cannot follow data-dependent control flow, loops over tensors, ...
+        return (), f"torch.fx cannot trace its forward ({type(exc).__name__}: {str(exc).split('. ')[0][:160]})"
+    previous, chain = None, []
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if previous is not None:
+                return (), "its forward takes more than one input"
+            previous = node
+        elif node.op == "call_module" and node.args == (previous,) and not node.kwargs:
+            if node.target in chain:
+                return (), f"its forward calls {node.target!r} twice"
+            chain.append(node.target)
+            previous = node
+        elif node.op == "output" and node.args == (previous,) and chain:
+            return tuple(chain), ""
+        else:
+            what = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", node.target)
+            return (), f"its forward does {node.op} {what!r} between its modules, not only module calls in a chain"
+    return (), "its forward calls no module"
+
+
+def pipeline_units(model: nn.Module) -> Tuple[Tuple[str, ...], str]:
+    """The paths of the model's pipeline units and, when it has none, why (else '')."""
+    chain, problem = _chain_of(model)
+    if problem:
+        return (), problem
+    units = []
+    for name in chain:
+        module = model.get_submodule(name)
+        if _is_plain_sequential(module) and len(module):
+            inner, _ = pipeline_units(module)
+            units.extend(f"{name}.{n}" for n in inner)
+        else:
+            units.append(name)
+    return tuple(units), ""
+
+
+# ---- layouts ------------------------------------------------------------------------------------
+
+def layout_text(counts: Sequence[int]) -> str:
+    """Unit counts per stage as the plan stores them: ``"3|4"``."""
+    return "|".join(str(int(c)) for c in counts)
+
+
+def layout_counts(layout: str) -> Tuple[int, ...]:
+    """``"3|4"`` -> ``(3, 4)``; a ValueError names a malformed layout."""
+    try:
+        counts = tuple(int(part) for part in layout.split("|"))
+    except ValueError:
+        counts = ()
+    if not counts or any(c < 1 for c in counts):
+        raise ValueError(f"pp_layout={layout!r} must be unit counts per stage, each >= 1, joined by '|' "
+                         "(e.g. '3|4'), or module paths where stages 2.. begin")
+    return counts
+
+
+def even_layout(units: int, stages: int) -> Tuple[int, ...]:
+    """``units`` split into ``stages`` consecutive runs whose sizes differ by at most one."""
+    return tuple(units // stages + (1 if s < units % stages else 0) for s in range(stages))
+
+
+def balanced_layout(costs: Sequence[float], stages: int) -> Tuple[int, ...]:
+    """Consecutive runs of ``costs`` (one per unit) in ``stages`` stages minimising the largest stage's
+    total cost (exact, by dynamic programming over cut points); ties keep stages even in count."""
+    n = len(costs)
+    if stages > n:
+        raise ValueError(f"{n} pipeline unit(s) cannot fill {stages} stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    inf = float("inf")
+    # best[s][i]: (least largest stage cost of the first i units in s stages, its last cut j)
+    best = [[(inf, 0)] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = (0.0, 0)
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            options = [(max(best[s - 1][j][0], prefix[i] - prefix[j]), abs(i - j - n / stages), j)
+                       for j in range(s - 1, i) if best[s - 1][j][0] < inf]
+            cost, _, cut = min(options)
+            best[s][i] = (cost, cut)
+    counts, i = [], n
+    for s in range(stages, 0, -1):
+        cut = best[s][i][1]
+        counts.append(i - cut)
+        i = cut
+    return tuple(reversed(counts))
+
+
+def resolve_layout(layout: Any, units: Sequence[str], stages: int) -> Tuple[int, ...]:
+    """``layout`` (``"3|4"``, counts, or the module paths where stages 2.. begin) as unit counts
+    checked against the model's ``units`` and ``stages``; None: :func:`even_layout`."""
+    if layout is None or layout == "":
+        return even_layout(len(units), stages)
+    if isinstance(layout, str) and not layout.replace("|", "").isdigit():
+        layout = [p for p in layout.replace("|", ",").split(",") if p]
+    if isinstance(layout, str):
+        counts = layout_counts(layout)
+    elif all(isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in layout):
+        counts = layout_counts(layout_text(layout))
+    else:
+        starts = [units.index(p) if p in units else None for p in layout]
+        if None in starts or starts != sorted(set(starts)) or 0 in starts:
+            raise ValueError(f"pp_layout={list(layout)!r} must name, in order, the pipeline units where stages "
+                             f"2.. begin; the model's units are {list(units)}")
+        bounds = [0] + starts + [len(units)]
+        counts = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    if len(counts) != stages or sum(counts) != len(units):
+        raise ValueError(f"pp_layout={layout_text(counts)!r} has {len(counts)} stage(s) of {sum(counts)} unit(s), "
+                         f"but the plan needs {stages} stage(s) covering the model's {len(units)} pipeline "
+                         f"units {list(units)}")
+    return counts
+
+
+def stage_units(units: Sequence[str], counts: Sequence[int]) -> Tuple[Tuple[str, ...], ...]:
+    """The units of each stage, in stage order."""
+    out, start = [], 0
+    for c in counts:
+        out.append(tuple(units[start:start + c]))
+        start += c
+    return tuple(out)
+
+
+def rank_stages(pp_rank: int, pp: int, virtual: int) -> Tuple[int, ...]:
+    """The stage indices pp rank ``pp_rank`` holds (loop layout: ``pp_rank + k * pp``)."""
+    return tuple(pp_rank + k * pp for k in range(virtual))
+
+
+# ---- checks -----------------------------------------------------------------------------------------
+
+def _count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    return int(value)
+
+
+def check_pp_fields(plan) -> dict:
+    """The plan's pp fields checked against each other and its batch (plan time, before any model).
+
+    Returns them normalised; ValueError names the numbers that do not fit.
+    """
+    fields = dict(pp_schedule=plan.pp_schedule, pp_microbatches=plan.pp_microbatches,
+                  pp_virtual_stages=plan.pp_virtual_stages, pp_layout=plan.pp_layout)
+    if not plan.uses_pp:
+        if fields != dict(pp_schedule=None, pp_microbatches=None, pp_virtual_stages=1, pp_layout=""):
+            set_ = {k: v for k, v in fields.items() if v not in (None, 1, "")}
+            raise ValueError(f"pipeline fields {set_} are only used by mode 'pp'; leave them unset for "
+                             f"mode {plan.mode!r}")
+        return fields
+    schedule, pp = plan.pp_schedule, plan.pp_size
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(f"pp_schedule={schedule!r}; expected one of {PP_SCHEDULES}")
+    m = _count("pp_microbatches", plan.pp_microbatches)
+    v = _count("pp_virtual_stages", plan.pp_virtual_stages)
+    if schedule not in MULTI_STAGE_SCHEDULES and v != 1:
+        raise ValueError(f"pp_schedule={schedule!r} runs one stage per rank, but pp_virtual_stages={v}; use "
+                         f"pp_schedule='interleaved' for several stages per rank")
+    if schedule in MULTI_STAGE_SCHEDULES and v < 2:
+        raise ValueError(f"pp_schedule={schedule!r} needs pp_virtual_stages >= 2 (got {v}); use '1f1b' for one "
+                         "stage per rank")
+    if plan.per_rank_batch % m:
+        raise ValueError(f"pp_microbatches={m} does not divide the per-rank batch {plan.per_rank_batch} "
+                         f"(batch_size={plan.batch_size} / dp={plan.dp_size}); use a divisor of it")
+    if m < pp * v:
+        raise ValueError(f"pp_microbatches={m} is fewer than pp * virtual stages = {pp} * {v} = {pp * v}: some "
+                         f"stage would have no micro-batch to run; use at least {pp * v}")
+    rounds = max(1, m // pp)
+    if schedule == "interleaved" and m % rounds:
+        raise ValueError(f"pp_schedule='interleaved' runs micro-batches in rounds of pp={pp}: "
+                         f"pp_microbatches={m} must be a multiple of {rounds} (= {m} // {pp})")
+    layout = plan.pp_layout
+    if not isinstance(layout, str):
+        raise TypeError(f"pp_layout must be a string such as '3|4' (or '' for an even split), got {layout!r}")
+    if layout and len(layout_counts(layout)) != pp * v:
+        raise ValueError(f"pp_layout={layout!r} has {len(layout_counts(layout))} stage(s), but pp * virtual "
+                         f"stages = {pp} * {v} = {pp * v}")
+    return dict(fields, pp_microbatches=m, pp_virtual_stages=v)
+
+
+def units_problem(units: Sequence[str], problem: str, stages: int, what: str) -> Optional[str]:
+    """Why a model with pipeline ``units`` cannot be cut into ``stages`` stages (``what`` names them), or None."""
+    if not units:
+        return (f"mode 'pp' needs a model whose forward chains its top-level modules, but {problem}; write the "
+                "model as an nn.Sequential (nested Sequentials are cut further) or a module whose forward is "
+                "self.c(self.b(self.a(x)))")
+    if stages > len(units):
+        return (f"{what} = {stages} stages, but the model has only {len(units)} pipeline unit(s) {list(units)}; "
+                f"use at most {len(units)} stages")
+    return None
+
+
+def check_pp_model(plan, units: Sequence[str], problem: str = "", shared: Sequence[Sequence[str]] = ()
+                   ) -> Tuple[int, ...]:
+    """The plan's stage layout as unit counts; ValueError when the model cannot be cut as it asks,
+    or when a tied parameter (``shared``: groups of parameter paths) would be split over stages."""
+    stages = plan.pp_stages
+    why = units_problem(units, problem, stages, f"pp={plan.pp_size} x virtual stages {plan.pp_virtual_stages}")
+    if why:
+        raise ValueError(why)
+    counts = resolve_layout(plan.pp_layout, units, stages)
+    stage_of = {u: s for s, run in enumerate(stage_units(units, counts)) for u in run}
+    for group in shared:
+        owners = {s for path in group for u, s in stage_of.items() if path.startswith(u + ".")}
+        if len(owners) > 1:
+            raise ValueError(f"the tied parameter {list(group)} would be split over pipeline stages {sorted(owners)}, "
+                             "whose copies would train apart; choose a pp_layout that keeps its modules in one stage")
+    return counts
+
+
+def recommend_pipeline(batch_size: int, world_size: int) -> Optional[Tuple[int, int]]:
+    """``(virtual stages V, micro-batches m)`` for ``batch_size`` on a ``world_size``-stage pipeline, or
+    None: V = 2 when the batch is >= 2 * world, 1 when >= world; m = the largest divisor of the batch in
+    ``[world * V, min(batch, 4 * world * V)]``."""
+    if batch_size >= 2 * world_size:
+        virtual = 2
+    elif batch_size >= world_size:
+        virtual = 1
+    else:
+        return None
+    micro = microbatches_for(batch_size, world_size * virtual)
+    return None if micro is None else (virtual, micro)
+
+
+def microbatches_for(batch_size: int, stages: int) -> Optional[int]:
+    """The largest divisor of ``batch_size`` in ``[stages, min(batch_size, 4 * stages)]``, or None."""
+    return next((m for m in range(min(batch_size, 4 * stages), stages - 1, -1) if batch_size % m == 0), None)
+
+
+def default_schedule(virtual: int) -> str:
+    """``interleaved`` for several stages per rank, else ``1f1b``."""
+    return "interleaved" if virtual > 1 else "1f1b"
