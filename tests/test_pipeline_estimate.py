@@ -105,3 +105,28 @@ def test_pipeline_chart_draws_ranks_and_stages(vgg):
     assert "idle 20%" in top.get_title()
     with pytest.raises(NotImplementedError, match="may come later"):
         pipeline_chart(_plan(vgg, {"pp": 2}, "interleaved", virtual=2), se.analyze(vgg.model).pipeline_units)
+
+
+def test_pp_step_time_has_the_schedules_bubble(vgg):
+    """A pipeline rank computes its stage's share and idles the schedule's bubble:
+    ``bubble_s / (step's forward + backward)`` is ``f / (1 - f)``, which more micro-batches shrink
+    (while each micro-batch launches the stage's operators again)."""
+    hw = se.hardware_profile("A100-SXM-80GB")
+    kw = dict(example_input=vgg.example_input, labels=vgg.labels, hardware=hw)
+    single = se.plan(analysis=se.analyze(vgg.model), objective="speed", topology=1, batch_size=8)
+    whole = se.estimate(vgg.model, single, **kw).time.iloc[0]
+    assert whole["bubble_s"] == 0
+    ratios = []
+    for micro in (2, 8):
+        est = se.estimate(vgg.model, _plan(vgg, {"pp": 2}, "gpipe", micro=micro), **kw)
+        row = est.time.iloc[0]
+        assert 0 < row["bubble_s"]
+        if micro == 2:  # 2 micro-batches through half the model: the operator launches of one whole pass
+            assert row["compute_s"] < whole["compute_s"]
+        assert row["step_s"] == pytest.approx(row["compute_s"] + row["exposed_comm_s"] + row["bubble_s"])
+        assert row["exposed_comm_s"] > 0  # the sends between the stages are on the critical path
+        ratios.append(row["bubble_s"] / row["compute_s"])
+    f2, f8 = se.bubble_fraction("gpipe", 2, 2), se.bubble_fraction("gpipe", 2, 8)
+    assert ratios[1] < ratios[0]
+    # the optimizer's share of compute_s keeps the ratio under f / (1 - f)
+    assert ratios[0] <= f2 / (1 - f2) + 1e-12 and ratios[1] <= f8 / (1 - f8) + 1e-12

@@ -154,7 +154,7 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
         rows, collectives, pipeline = pipeline_rows(plan, profile, pipeline_units(model)[0], params, t, itemsize,
                                                     optimizer)
         return _finish(plan, pd.DataFrame(rows)[list(PER_RANK_COLUMNS)], collectives, t, optimizer, memory_budget,
-                       pipeline)
+                       profile, hardware, pipeline)
     saved_local, state = profile.saved_and_state(n, t, plan.tensor_parallel_plan, plan.tp_size)
     activations = saved_local + profile.input_bytes(n, t)
     # Activations and temporaries of the forward (the gradients were set to None), of the backward
@@ -179,11 +179,13 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
         rows.append(dict(**b, buffers_bytes=buffers, activations_bytes=round(activations),
                          neuron_state_bytes=round(state), transient_bytes=round(transient), peak_bytes=round(peak)))
     per_rank = _per_rank(rows, dp_roles(params, plan), plan)
-    return _finish(plan, per_rank, step_collectives(plan, params, profile, t, itemsize), t, optimizer, memory_budget)
+    return _finish(plan, per_rank, step_collectives(plan, params, profile, t, itemsize), t, optimizer, memory_budget,
+                   profile, hardware)
 
 
-def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, pipeline=None) -> PlanEstimate:
-    """The estimate with its verdict, from the per-rank table and the collective rows."""
+def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profile, hardware,
+            pipeline=None) -> PlanEstimate:
+    """The estimate with its verdict and step time, from the per-rank table and the collective rows."""
     collectives = pd.DataFrame(collective_rows, columns=COLLECTIVE_COLUMNS)
     peak = int(per_rank["peak_bytes"].max())
     if memory_budget is None:
