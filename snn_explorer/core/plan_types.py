@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Tuple
 
+from .memory_levers import check_memory_levers, lever_label
 from .modes import Mode, mode_of, names_text
 from .recommend import BACKENDS, SNN_DISTRIBUTED_PREFERENCES, check_batch_size
 from .serialize import check_keys, check_kind, dataclass_dict, string_tuple
@@ -26,9 +27,11 @@ class DistributedFeatureSet:
     allow_experimental_conv_tp: bool = False
     allow_experimental_spikformer_tp: bool = False
     allow_zero_optimizer: bool = True
+    allow_activation_checkpointing: bool = False
+    allow_cpu_offload: bool = False
 
     def __post_init__(self):
-        for name in ("allow_experimental_conv_tp", "allow_experimental_spikformer_tp", "allow_zero_optimizer"):
+        for name in (f.name for f in dataclasses.fields(self)):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"DistributedFeatureSet.{name} must be a bool, got {value!r}")
@@ -82,6 +85,11 @@ class SNNDistributedPlan:
     tensor_parallel_plan: Mapping[str, str] = field(default_factory=dict)
     fsdp_units: Tuple[str, ...] = ()
     experimental_features: DistributedFeatureSet = field(default_factory=DistributedFeatureSet)
+    #: memory levers (see core.memory_levers): recomputation granularity, its k, FSDP2 CPU offload
+    activation_checkpointing: str = "none"
+    checkpoint_every: int = 1
+    cpu_offload: bool = False
+    time_step_module: Optional[str] = None
 
     def __post_init__(self):
         mode = mode_of(self.mode)
@@ -118,6 +126,7 @@ class SNNDistributedPlan:
             object.__setattr__(self, name, value)
         if not isinstance(self.model_family, str):
             raise TypeError(f"SNNDistributedPlan.model_family must be a string, got {reprlib.repr(self.model_family)}")
+        check_memory_levers(self)
 
     # What the mode does, as named facts (see core.modes).
     @property
@@ -242,4 +251,4 @@ class SNNDistributedPlan:
     def __repr__(self) -> str:
         dims = "x".join(f"{n}{s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
         zero = "+zero" if self.uses_zero else ""
-        return f"SNNDistributedPlan({self.mode}{zero} on {dims}, objective={self.objective}, batch={self.batch_size})"
+        return f"SNNDistributedPlan({self.mode}{zero}{lever_label(self)} on {dims}, objective={self.objective}, batch={self.batch_size})"

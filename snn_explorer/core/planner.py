@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, List, Mapping, Optional, Tuple, Union
 
 from .analysis import SNNDistributedAnalysis
+from .memory_levers import check_time_step_module, lever_fields, lever_notes
 from .modes import MODE_TABLE, MODES, Mode, mode_of, names_text
 from .plan_types import DistributedFeatureSet, SNNDistributedPlan
 from .plans.families import resolve_family
@@ -83,13 +84,17 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
          topology: Union[Mapping[str, int], SNNDistributedTopology, int], batch_size: int,
          neuron_backend: str = "torch", model_family: Optional[str] = None, mode: Optional[str] = None,
          features: Optional[DistributedFeatureSet] = None,
-         tensor_parallel_plan: Optional[Mapping[str, str]] = None, backend: Any = UNSET) -> SNNDistributedPlan:
+         tensor_parallel_plan: Optional[Mapping[str, str]] = None, backend: Any = UNSET,
+         activation_checkpointing: str = "none", checkpoint_every: int = 1, cpu_offload: bool = False,
+         time_step_module: Optional[str] = None) -> SNNDistributedPlan:
     """Choose a mode for ``objective`` on ``topology`` and return a plan that ``apply`` accepts.
 
     ``batch_size`` is the global batch of one optimizer step; the ``dp`` ranks split it. An
     explicit ``mode`` must fit the topology and model; a recommended one that does not is
     replaced by the objective's next choice, with a note saying why. ``neuron_backend`` (default
     ``"torch"``) is the neuron compute backend (see ``BACKENDS``); ``backend`` is its deprecated name.
+    ``activation_checkpointing``, ``checkpoint_every``, ``cpu_offload`` and ``time_step_module`` are the
+    memory levers (see ``core.memory_levers``), each behind its ``features`` gate.
     """
     if not isinstance(analysis, SNNDistributedAnalysis):
         raise TypeError(f"analysis must come from analyze(), got {type(analysis).__name__}")
@@ -101,7 +106,9 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     if not isinstance(features, DistributedFeatureSet):
         raise TypeError(f"features must be a DistributedFeatureSet, got {features!r}")
     mode = check_mode(mode)
-    notes: List[str] = list(analysis.notes)
+    levers = lever_fields(activation_checkpointing, checkpoint_every, cpu_offload, time_step_module)
+    check_time_step_module(analysis, time_step_module)
+    notes: List[str] = list(analysis.notes) + lever_notes(levers)
     family = analysis.model_family
     if model_family is not None:
         family, family_note = resolve_family(None, model_family)
@@ -125,6 +132,8 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
         order = [rec.mode] + [m for m in _order(objective) if m != rec.mode]
         if tensor_parallel_plan is not None:
             order = [m for m in order if mode_of(m).tp]
+        if cpu_offload:  # offload moves FSDP2's shards: only FSDP2 modes can take it
+            order = [m for m in order if mode_of(m).fsdp]
         elif topology.world_size == 1:
             order = ["none"] + [m for m in order if m != "none"]
         reasons = []
@@ -163,7 +172,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
         rationale=(_rationale(objective, chosen, topology, zero, explicit=mode is not None, recommended=rec.mode),),
         notes=tuple(notes), tensor_parallel_roots=analysis.tensor_parallel_roots,
         tensor_parallel_plan=tp_plan, fsdp_units=analysis.fsdp_unit_names if spec.fsdp else (),
-        experimental_features=features,
+        experimental_features=features, **levers,
     )
 
 
