@@ -86,8 +86,8 @@ def check_cpu_offload_device(plan: Any, device_type: str) -> None:
     if plan.cpu_offload and device_type != "cuda":
         raise ValueError(f"cpu_offload=True keeps FSDP2's shards in CPU memory and copies them to the GPU for "
                          f"each unit; on device_type={device_type!r} the parameters are in CPU memory already, "
-                         "so there is nothing to offload (torch's CPUOffloadPolicy refuses CPU ranks): use "
-                         "cuda ranks (NCCL) or cpu_offload=False")
+                         "so there is nothing to offload (torch's CPUOffloadPolicy() pins memory and fails with 'Cannot "
+                         "access accelerator device' without a GPU): use cuda ranks (NCCL) or cpu_offload=False")
 
 
 def find_time_step_module(model: nn.Module, example_input: torch.Tensor) -> Optional[str]:

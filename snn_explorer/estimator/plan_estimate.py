@@ -27,6 +27,7 @@ from ..core import SNNDistributedPlan
 from ..core.validate import positive_int, positive_number
 from ._step import check_inputs, check_optimizer
 from .isolation import as_found
+from .checkpoint_profile import levered_profile, recompute_fraction
 from .comms import step_collectives
 from .fsdp_timeline import FsdpTimeline
 from .profile import ModelProfile, check_run_size, model_profile
@@ -55,6 +56,8 @@ class PlanEstimate:
     time_steps: int
     optimizer: str
     memory_budget: Optional[int] = None
+    #: FLOPs activation checkpointing recomputes per step, as a fraction of one forward (0.0 without it)
+    recompute_forward_fraction: float = 0.0
 
     @property
     def batch_per_rank(self) -> int:
@@ -119,7 +122,7 @@ def _per_rank(rows, roles, plan: SNNDistributedPlan) -> pd.DataFrame:
 
 
 def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_budget, profile) -> PlanEstimate:
-    profile = profile or model_profile(model, example_input, labels, dtype)
+    profile = levered_profile(profile or model_profile(model, example_input, labels, dtype), plan)
     n = plan.per_rank_batch
     check_run_size(profile, n, t)
     itemsize = torch.empty((), dtype=profile.dtype).element_size()
@@ -157,7 +160,8 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
     else:
         verdict = f"does not fit: peak {_mib(peak)} exceeds the {_mib(memory_budget)} budget per device"
     return PlanEstimate(plan=plan, per_rank=per_rank, collectives=collectives, verdict=verdict, time_steps=t,
-                        optimizer=optimizer, memory_budget=memory_budget)
+                        optimizer=optimizer, memory_budget=memory_budget,
+                        recompute_forward_fraction=recompute_fraction(profile, plan, t))
 
 
 def estimate_all(model: nn.Module, plans, *, example_input: torch.Tensor, **kwargs) -> pd.DataFrame:
