@@ -152,8 +152,39 @@ def _spike_rates(model):
     return rates, hooks
 
 
-def _rank_group(cases):
-    """Every (mode, topology) x model case on these ranks: the run with and without checkpointing."""
+#: Memory cases (2 ranks, T=MEMORY_T): the measured peak with and without checkpointing, beside the estimate.
+MEMORY_T = 16
+MEMORY_CASES = (("dp", {"dp": 2}, "mlp_all_steps", dict(activation_checkpointing="blocks")),
+                ("tp", {"tp": 2}, "mlp_all_steps", dict(activation_checkpointing="blocks")),
+                ("fsdp2", {"dp": 2}, "mlp_all_steps", dict(activation_checkpointing="blocks", checkpoint_every=2)),
+                ("dp", {"dp": 2}, "mlp", dict(activation_checkpointing="time_chunks", checkpoint_every=4,
+                                               time_step_module="net")))
+
+
+def _memory_plans(case):
+    mode, topology, zoo_name, levers = case
+    zoo = build(zoo_name, time_steps=MEMORY_T)
+    analysis = se.analyze(zoo.model)
+    plans = [se.plan(analysis=analysis, objective="memory", topology=topology, batch_size=zoo.batch_size,
+                     mode=mode, features=GATES, **lv) for lv in ({}, levers)]
+    return zoo, plans
+
+
+def _measured_peaks(cases):
+    """Per memory case: the measured peak of each rank without and with checkpointing (measure()'s step)."""
+    from snn_explorer.estimator.measurement import _measure_on_rank, _settings
+
+    peaks = []
+    for case in cases:
+        zoo, plans = _memory_plans(case)
+        run = _settings(zoo.model, plans, zoo.example_input, zoo.labels, 1, "adam", None, 1e-3, "cpu")
+        peaks.append([m["row"]["peak_bytes"] for m in _measure_on_rank(zoo.model, plans, run)])
+    return peaks
+
+
+def _rank_group(cases, memory_cases=()):
+    """Every (mode, topology) x model case on these ranks: the run with and without checkpointing; then the
+    measured peaks of ``memory_cases``."""
     results = []
     for mode, topology in cases:
         for zoo_name, granularity, every, step_module in MODELS:
@@ -173,16 +204,45 @@ def _rank_group(cases):
                     hook.remove()
             results.append(dict(mode=mode, topology=topology, model=zoo_name, granularity=granularity,
                                 every=every, rank=dist.get_rank(), plain=runs[False], checkpointed=runs[True]))
-    return results
+    return results, _measured_peaks(memory_cases)
 
 
 @pytest.fixture(scope="module")
-def rank_results():
-    out = []
-    for world, cases in RANK_CASES.items():
-        for rank_results in run_on_ranks(_rank_group, world, cases, timeout=240):
-            out.extend(rank_results)
-    return out
+def rank_groups():
+    """Each rank group's results, by world size: per rank (equivalence results, measured peaks)."""
+    return {world: run_on_ranks(_rank_group, world, cases, MEMORY_CASES if world == 2 else (), timeout=300)
+            for world, cases in RANK_CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def rank_results(rank_groups):
+    return [r for per_rank in rank_groups.values() for results, _ in per_rank for r in results]
+
+
+@pytest.fixture(scope="module")
+def memory_rows(rank_groups):
+    """Per memory case: (estimated peak, measured peak) without and with checkpointing (max over ranks)."""
+    measured = [max(per_rank[1][i][j] for per_rank in rank_groups[2]) for i in range(len(MEMORY_CASES))
+                for j in (0, 1)]
+    rows = []
+    for i, case in enumerate(MEMORY_CASES):
+        zoo, plans = _memory_plans(case)
+        estimated = [se.estimate(zoo.model, p, example_input=zoo.example_input, labels=zoo.labels) for p in plans]
+        rows.append(dict(case=case, estimates=estimated, measured=measured[2 * i:2 * i + 2]))
+    return rows
+
+
+def test_checkpointing_lowers_the_measured_peak_as_estimated(memory_rows):
+    for row in memory_rows:
+        (plain_est, ckpt_est), (plain, ckpt) = row["estimates"], row["measured"]
+        label = f"{row['case'][0]} {row['case'][2]} {row['case'][3]}"
+        assert ckpt < plain, f"{label}: checkpointing did not lower the measured peak ({ckpt} >= {plain})"
+        for est, got in ((plain_est.peak_bytes, plain), (ckpt_est.peak_bytes, ckpt)):
+            assert abs(est - got) <= 0.1 * got, f"{label}: estimated peak {est} vs measured {got}"
+        saving_est, saving = plain_est.peak_bytes - ckpt_est.peak_bytes, plain - ckpt
+        assert abs(saving_est - saving) <= 0.1 * saving, f"{label}: estimated saving {saving_est} vs measured {saving}"
+        assert ckpt_est.per_rank["activations_bytes"].max() < plain_est.per_rank["activations_bytes"].max()
+        assert plain_est.recompute_forward_fraction == 0.0 and 0.1 < ckpt_est.recompute_forward_fraction < 3
 
 
 def _close(name, got, want):
