@@ -64,7 +64,7 @@ def test_cpu_offload_picks_an_fsdp2_mode():
     (dict(cpu_offload=True, mode="dp"), "cpu_offload=True offloads FSDP2's shards.*not mode='dp'"),
     (dict(activation_checkpointing="layers"), "activation_checkpointing='layers'; expected one of"),
     (dict(activation_checkpointing="blocks", checkpoint_every=0), "checkpoint_every=0 must be an int >= 1"),
-    (dict(checkpoint_every=2), "checkpoint_every=2 has no effect with activation_checkpointing='none'"),
+    (dict(activation_checkpointing="none", checkpoint_every=2), "checkpoint_every=2 has no effect with activation_checkpointing='none'"),
     (dict(activation_checkpointing="time_chunks"), "needs time_step_module"),
     (dict(activation_checkpointing="blocks", time_step_module="net"), "only used by .*'time_chunks', not 'blocks'"),
     (dict(activation_checkpointing="time_chunks", time_step_module="net.0"), "time_step_module='net.0' holds none"),
@@ -72,6 +72,25 @@ def test_cpu_offload_picks_an_fsdp2_mode():
 def test_plan_time_errors_name_the_values(kw, match):
     with pytest.raises(ValueError, match=match):
         _plan(**kw)
+
+
+def test_memory_objectives_checkpoint_when_the_gate_is_on():
+    assert _plan().activation_checkpointing == "blocks"
+    assert _plan(features=se.DistributedFeatureSet()).activation_checkpointing == "none"
+    assert _plan("mlp", time_step_module="net").activation_checkpointing == "time_chunks"
+    zoo = build("mlp_all_steps")
+    speed = se.plan(analysis=se.analyze(zoo.model), objective="speed", batch_size=8, topology={"dp": 2},
+                    features=GATES)
+    assert speed.activation_checkpointing == "none"
+
+
+def test_enumerate_plans_offers_checkpointing_variants():
+    analysis = se.analyze(build("mlp").model)
+    plain = se.enumerate_plans(analysis, world_size=2, batch_size=8)
+    gated = se.enumerate_plans(analysis, world_size=2, batch_size=8, features=GATES, time_step_module="net")
+    assert {p.activation_checkpointing for p in plain} == {"none"}
+    assert len(gated) == 3 * len(plain)
+    assert {p.activation_checkpointing for p in gated} == set(ACTIVATION_CHECKPOINTING)
 
 
 def test_cpu_offload_refused_on_cpu_ranks_before_any_collective():

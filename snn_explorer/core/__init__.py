@@ -1,6 +1,7 @@
 """The analyze / plan / apply core: no UI, no process management."""
 from .analysis import LinearShape, SNNDistributedAnalysis, analyze
 from .parallelize import apply, preflight
+from .memory_levers import ACTIVATION_CHECKPOINTING, find_time_step_module
 from .neurons import register_stateful, unregister_stateful
 from .plan_types import DistributedFeatureSet, SNNDistributedPlan
 from .planner import plan
@@ -11,8 +12,8 @@ from .topology import SNNDistributedTopology
 from .styles import TP_STYLES
 
 __all__ = [
-    "BACKENDS", "MODES", "SNN_DISTRIBUTED_PREFERENCES", "TP_STYLES", "DistributedFeatureSet", "LinearShape",
+    "ACTIVATION_CHECKPOINTING", "BACKENDS", "MODES", "SNN_DISTRIBUTED_PREFERENCES", "TP_STYLES", "DistributedFeatureSet", "LinearShape",
     "SNNDistributedAnalysis", "SNNDistributedPlan", "SNNDistributedRuntime", "SNNDistributedTopology",
-    "StrategyRecommendation", "analyze", "apply", "plan", "preflight", "recommend_snn_distributed_strategy",
+    "StrategyRecommendation", "analyze", "apply", "find_time_step_module", "plan", "preflight", "recommend_snn_distributed_strategy",
     "register_stateful", "unregister_stateful",
 ]

@@ -128,11 +128,41 @@ def lever_label(plan: Any) -> str:
     return "".join(parts)
 
 
-def lever_fields(activation_checkpointing: str = "none", checkpoint_every: int = 1, cpu_offload: bool = False,
-                 time_step_module: Optional[str] = None) -> dict:
-    """The plan fields of the memory levers, as ``plan(...)`` passes them on (checked by the plan itself)."""
+def lever_fields(activation_checkpointing: Optional[str] = "none", checkpoint_every: int = 1,
+                 cpu_offload: bool = False, time_step_module: Optional[str] = None, *, objective: str = "speed",
+                 features: Any = None, analysis: Any = None) -> dict:
+    """The plan fields of the memory levers, as ``plan(...)`` passes them on (checked by the plan itself).
+
+    ``activation_checkpointing=None`` lets the objective choose: with the gate on, the ``memory`` and
+    ``capacity`` objectives checkpoint ``time_chunks`` when ``time_step_module`` is given, else ``blocks``
+    when the model has blocks; ``speed`` (and a closed gate) ``none``.
+    """
+    if activation_checkpointing is None:
+        activation_checkpointing = _chosen_granularity(objective, features, analysis, time_step_module)
     return dict(activation_checkpointing=activation_checkpointing, checkpoint_every=checkpoint_every,
                 cpu_offload=cpu_offload, time_step_module=time_step_module)
+
+
+def _chosen_granularity(objective: str, features: Any, analysis: Any, time_step_module: Optional[str]) -> str:
+    if objective == "speed" or features is None or not features.allow_activation_checkpointing:
+        return "none"
+    if time_step_module is not None:
+        return "time_chunks"
+    return "blocks" if analysis is not None and analysis.fsdp_unit_names else "none"
+
+
+def checkpointing_variants(plan: Any, time_step_module: Optional[str] = None) -> List[Any]:
+    """``plan`` with each checkpointing granularity its gate allows: ``blocks``, and ``time_chunks`` (k=1)
+    when ``time_step_module`` names the module stepped once per time step ([] with the gate closed)."""
+    import dataclasses
+
+    if not plan.experimental_features.allow_activation_checkpointing or plan.activation_checkpointing != "none":
+        return []
+    variants = [dataclasses.replace(plan, activation_checkpointing="blocks")]
+    if time_step_module is not None:
+        variants.append(dataclasses.replace(plan, activation_checkpointing="time_chunks",
+                                            time_step_module=time_step_module))
+    return variants
 
 
 def lever_notes(levers: dict) -> List[str]:
@@ -156,5 +186,5 @@ def copy_without_levers(plan: Any) -> Any:
 
 
 __all__: Tuple[str, ...] = ("ACTIVATION_CHECKPOINTING", "check_memory_levers", "check_time_step_module",
-                            "check_cpu_offload_device", "find_time_step_module", "lever_label", "lever_fields", "lever_notes",
+                            "check_cpu_offload_device", "find_time_step_module", "lever_label", "lever_fields", "lever_notes", "checkpointing_variants",
                             "copy_without_levers")

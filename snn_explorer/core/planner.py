@@ -85,7 +85,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
          neuron_backend: str = "torch", model_family: Optional[str] = None, mode: Optional[str] = None,
          features: Optional[DistributedFeatureSet] = None,
          tensor_parallel_plan: Optional[Mapping[str, str]] = None, backend: Any = UNSET,
-         activation_checkpointing: str = "none", checkpoint_every: int = 1, cpu_offload: bool = False,
+         activation_checkpointing: Optional[str] = None, checkpoint_every: int = 1, cpu_offload: bool = False,
          time_step_module: Optional[str] = None) -> SNNDistributedPlan:
     """Choose a mode for ``objective`` on ``topology`` and return a plan that ``apply`` accepts.
 
@@ -94,7 +94,8 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     replaced by the objective's next choice, with a note saying why. ``neuron_backend`` (default
     ``"torch"``) is the neuron compute backend (see ``BACKENDS``); ``backend`` is its deprecated name.
     ``activation_checkpointing``, ``checkpoint_every``, ``cpu_offload`` and ``time_step_module`` are the
-    memory levers (see ``core.memory_levers``), each behind its ``features`` gate.
+    memory levers (see ``core.memory_levers``), each behind its ``features`` gate; with the gate on and
+    ``activation_checkpointing=None`` the ``memory`` and ``capacity`` objectives checkpoint, ``speed`` does not.
     """
     if not isinstance(analysis, SNNDistributedAnalysis):
         raise TypeError(f"analysis must come from analyze(), got {type(analysis).__name__}")
@@ -106,7 +107,8 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     if not isinstance(features, DistributedFeatureSet):
         raise TypeError(f"features must be a DistributedFeatureSet, got {features!r}")
     mode = check_mode(mode)
-    levers = lever_fields(activation_checkpointing, checkpoint_every, cpu_offload, time_step_module)
+    levers = lever_fields(activation_checkpointing, checkpoint_every, cpu_offload, time_step_module,
+                          objective=objective, features=features, analysis=analysis)
     check_time_step_module(analysis, time_step_module)
     notes: List[str] = list(analysis.notes) + lever_notes(levers)
     family = analysis.model_family
