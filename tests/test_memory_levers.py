@@ -302,3 +302,23 @@ def test_checkpointed_run_equals_plain_run(rank_results, what):
 
 def test_granularities_listed():
     assert ACTIVATION_CHECKPOINTING == ("none", "blocks", "time_chunks")
+
+
+def test_explorer_chooses_time_chunks_and_charts_activations_against_time_steps():
+    from snn_explorer.estimator.activation_curve import activation_curve
+
+    ex = se.Explorer.from_zoo(build("mlp"))
+    plan = ex.make_plan(objective="memory", topology={"dp": 2}, features={"allow_activation_checkpointing": True},
+                        checkpoint_every=4)
+    assert (plan.activation_checkpointing, plan.time_step_module) == ("time_chunks", "net")
+    figure = ex.activation_chart(plan, (4, 8))
+    lines = figure.axes[0].get_lines()
+    assert [line.get_label() for line in lines] == ["checkpointing: none", "checkpointing: time_chunks"]
+    plain, chunked = (line.get_ydata() for line in lines)
+    assert (chunked < plain).all() and plain[1] > plain[0]
+    all_steps = se.Explorer.from_zoo(build("mlp_all_steps"))
+    blocks = all_steps.make_plan(objective="memory", topology={"dp": 2}, features=GATES)
+    all_steps.estimate(blocks)
+    curve = activation_curve(all_steps._profile, blocks, (4, 8))
+    by = {k: rows["activations_bytes"].to_numpy() for k, rows in curve.groupby("plan")}
+    assert blocks.activation_checkpointing == "blocks" and (by["blocks"] < by["none"]).all()

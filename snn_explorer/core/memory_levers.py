@@ -135,10 +135,13 @@ def lever_fields(activation_checkpointing: Optional[str] = "none", checkpoint_ev
 
     ``activation_checkpointing=None`` lets the objective choose: with the gate on, the ``memory`` and
     ``capacity`` objectives checkpoint ``time_chunks`` when ``time_step_module`` is given, else ``blocks``
-    when the model has blocks; ``speed`` (and a closed gate) ``none``.
+    when the model has blocks; ``speed`` (and a closed gate) ``none``, and then ignore ``time_step_module``.
+    (A model stepped per time step wants ``time_chunks``: its blocks run once per step, and checkpointing
+    them keeps their inputs and an entry-state copy for every step.)
     """
     if activation_checkpointing is None:
         activation_checkpointing = _chosen_granularity(objective, features, analysis, time_step_module)
+        time_step_module = time_step_module if activation_checkpointing == "time_chunks" else None
     return dict(activation_checkpointing=activation_checkpointing, checkpoint_every=checkpoint_every,
                 cpu_offload=cpu_offload, time_step_module=time_step_module)
 
