@@ -2,6 +2,7 @@
 from .analysis import LinearShape, SNNDistributedAnalysis, analyze
 from .checkpoint import CheckpointError, check_checkpoint, latest_checkpoint
 from .parallelize import apply, preflight
+from .memory_levers import ACTIVATION_CHECKPOINTING, find_time_step_module
 from .neurons import register_stateful, unregister_stateful
 from .plan_types import DistributedFeatureSet, SNNDistributedPlan
 from .planner import plan
@@ -12,8 +13,9 @@ from .topology import SNNDistributedTopology
 from .styles import TP_STYLES
 
 __all__ = [
-    "BACKENDS", "CheckpointError", "MODES", "SNN_DISTRIBUTED_PREFERENCES", "TP_STYLES", "DistributedFeatureSet", "LinearShape",
-    "SNNDistributedAnalysis", "SNNDistributedPlan", "SNNDistributedRuntime", "SNNDistributedTopology",
-    "StrategyRecommendation", "analyze", "apply", "check_checkpoint", "latest_checkpoint", "plan", "preflight", "recommend_snn_distributed_strategy",
+    "ACTIVATION_CHECKPOINTING", "BACKENDS", "CheckpointError", "MODES", "SNN_DISTRIBUTED_PREFERENCES", "TP_STYLES",
+    "DistributedFeatureSet", "LinearShape", "SNNDistributedAnalysis", "SNNDistributedPlan", "SNNDistributedRuntime",
+    "SNNDistributedTopology", "StrategyRecommendation", "analyze", "apply", "check_checkpoint",
+    "find_time_step_module", "latest_checkpoint", "plan", "preflight", "recommend_snn_distributed_strategy",
     "register_stateful", "unregister_stateful",
 ]

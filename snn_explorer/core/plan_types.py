@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Tuple
 
+from .memory_levers import check_memory_levers, lever_label
 from .modes import Mode, mode_of, names_text
 from .pipeline_plan import check_pp_fields
 from .recommend import BACKENDS, SNN_DISTRIBUTED_PREFERENCES, check_batch_size
@@ -27,9 +28,11 @@ class DistributedFeatureSet:
     allow_experimental_conv_tp: bool = False
     allow_experimental_spikformer_tp: bool = False
     allow_zero_optimizer: bool = True
+    allow_activation_checkpointing: bool = False
+    allow_cpu_offload: bool = False
 
     def __post_init__(self):
-        for name in ("allow_experimental_conv_tp", "allow_experimental_spikformer_tp", "allow_zero_optimizer"):
+        for name in (f.name for f in dataclasses.fields(self)):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"DistributedFeatureSet.{name} must be a bool, got {value!r}")
@@ -90,6 +93,11 @@ class SNNDistributedPlan:
     pp_microbatches: Optional[int] = None
     pp_virtual_stages: int = 1
     pp_layout: str = ""
+    #: memory levers (see core.memory_levers): recomputation granularity, its k, FSDP2 CPU offload
+    activation_checkpointing: str = "none"
+    checkpoint_every: int = 1
+    cpu_offload: bool = False
+    time_step_module: Optional[str] = None
 
     def __post_init__(self):
         mode = mode_of(self.mode)
@@ -128,6 +136,7 @@ class SNNDistributedPlan:
             object.__setattr__(self, name, value)
         if not isinstance(self.model_family, str):
             raise TypeError(f"SNNDistributedPlan.model_family must be a string, got {reprlib.repr(self.model_family)}")
+        check_memory_levers(self)
 
     # What the mode does, as named facts (see core.modes).
     @property
@@ -268,3 +277,5 @@ class SNNDistributedPlan:
         if self.uses_pp:
             extra = f" {self.pp_schedule} x{self.pp_microbatches}"
         return f"SNNDistributedPlan({self.mode}{extra} on {dims}, objective={self.objective}, batch={self.batch_size})"
+        zero = "+zero" if self.uses_zero else ""
+        return f"SNNDistributedPlan({self.mode}{zero}{lever_label(self)} on {dims}, objective={self.objective}, batch={self.batch_size})"

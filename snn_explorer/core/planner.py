@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, List, Mapping, Optional, Tuple, Union
 
 from .analysis import SNNDistributedAnalysis
+from .memory_levers import check_time_step_module, lever_fields, lever_notes
 from .modes import MODE_TABLE, MODES, Mode, mode_of, names_text
 from .pipeline_plan import (check_pp_model, default_schedule, layout_text, microbatches_for, recommend_pipeline,
                             resolve_layout, units_problem)
@@ -84,7 +85,9 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
          features: Optional[DistributedFeatureSet] = None,
          tensor_parallel_plan: Optional[Mapping[str, str]] = None, backend: Any = UNSET,
          pp_schedule: Optional[str] = None, pp_microbatches: Optional[int] = None,
-         pp_virtual_stages: Optional[int] = None, pp_layout: Any = None) -> SNNDistributedPlan:
+         pp_virtual_stages: Optional[int] = None, pp_layout: Any = None,
+         activation_checkpointing: Optional[str] = None, checkpoint_every: int = 1, cpu_offload: bool = False,
+         time_step_module: Optional[str] = None) -> SNNDistributedPlan:
     """Choose a mode for ``objective`` on ``topology`` and return a plan that ``apply`` accepts.
 
     ``batch_size`` is the global batch of one optimizer step; the ``dp`` ranks split it. An
@@ -94,6 +97,9 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     Mode ``pp`` (a topology with a ``pp`` dim) takes ``pp_schedule``, ``pp_microbatches``,
     ``pp_virtual_stages`` and ``pp_layout`` (``"3|4"`` or the unit paths where stages 2.. begin);
     those left None follow :func:`~snn_explorer.core.pipeline_plan.recommend_pipeline`.
+    ``activation_checkpointing``, ``checkpoint_every``, ``cpu_offload`` and ``time_step_module`` are the
+    memory levers (see ``core.memory_levers``), each behind its ``features`` gate; with the gate on and
+    ``activation_checkpointing=None`` the ``memory`` and ``capacity`` objectives checkpoint, ``speed`` does not.
     """
     if not isinstance(analysis, SNNDistributedAnalysis):
         raise TypeError(f"analysis must come from analyze(), got {type(analysis).__name__}")
@@ -105,7 +111,10 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     if not isinstance(features, DistributedFeatureSet):
         raise TypeError(f"features must be a DistributedFeatureSet, got {features!r}")
     mode = check_mode(mode)
-    notes: List[str] = list(analysis.notes)
+    levers = lever_fields(activation_checkpointing, checkpoint_every, cpu_offload, time_step_module,
+                          objective=objective, features=features, analysis=analysis)
+    check_time_step_module(analysis, time_step_module)
+    notes: List[str] = list(analysis.notes) + lever_notes(levers)
     family = analysis.model_family
     if model_family is not None:
         family, family_note = resolve_family(None, model_family)
@@ -130,6 +139,8 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
         order = [rec.mode] + [m for m in _order(objective) if m != rec.mode]
         if tensor_parallel_plan is not None:
             order = [m for m in order if mode_of(m).tp]
+        if cpu_offload:  # offload moves FSDP2's shards: only FSDP2 modes can take it
+            order = [m for m in order if mode_of(m).fsdp]
         elif topology.world_size == 1:
             order = ["none"] + [m for m in order if m != "none"]
         reasons = []
@@ -163,6 +174,8 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
                      "batch in training mode (convert to SyncBatchNorm on CUDA for global statistics).")
     pipeline = _pipeline_fields(analysis, topology, batch_size, notes, pp_schedule, pp_microbatches,
                                 pp_virtual_stages, pp_layout) if spec.pp else {}
+    if spec.pp and activation_checkpointing is None:  # the objective's choice; pipelines take none yet
+        levers.update(activation_checkpointing="none", time_step_module=None)
     plan_ = SNNDistributedPlan(
         mode=chosen, objective=objective, topology=topology, model_family=family,
         neuron_backend=neuron_backend, batch_size=batch_size, optimizer_strategy="zero" if zero else "none",
@@ -170,7 +183,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
         rationale=(_rationale(objective, chosen, topology, zero, explicit=mode is not None, recommended=rec.mode),),
         notes=tuple(notes), tensor_parallel_roots=analysis.tensor_parallel_roots,
         tensor_parallel_plan=tp_plan, fsdp_units=analysis.fsdp_unit_names if spec.fsdp else (),
-        experimental_features=features, **pipeline,
+        experimental_features=features, **pipeline, **levers,
     )
     if spec.pp:
         check_pp_model(plan_, analysis.pipeline_units, analysis.pipeline_problem,

@@ -5,6 +5,7 @@ import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 from ..core import DistributedFeatureSet, SNNDistributedAnalysis, SNNDistributedPlan, plan
+from ..core.memory_levers import checkpointing_variants
 from ..core.modes import MODE_TABLE
 from ..core.recommend import UNSET, neuron_backend_arg
 from ..core.topology import MAX_WORLD_SIZE, dp_tp_splits
@@ -41,7 +42,7 @@ def _label(mode: str, topology: Dict[str, int], zero: bool) -> str:
 
 def enumerate_plans(analysis: SNNDistributedAnalysis, *, world_size: int, batch_size: int,
                     neuron_backend: str = "torch", features: Optional[DistributedFeatureSet] = None,
-                    objective: str = "speed", backend=UNSET) -> PlanList:
+                    objective: str = "speed", backend=UNSET, time_step_module: Optional[str] = None) -> PlanList:
     """Every feasible plan for ``world_size`` ranks: each mode x each dp x tp factorisation x ZeRO on/off,
     and mode ``pp`` on each pp x dp factorisation (its schedule and micro-batches as ``plan`` picks them).
 
@@ -51,6 +52,8 @@ def enumerate_plans(analysis: SNNDistributedAnalysis, *, world_size: int, batch_
     ``apply`` accepts; a candidate the core refuses is left out and ``result.infeasible[label]``
     says why (e.g. ``"tp=4 does not divide head.out_features=10 ..."``). ZeRO is tried only for
     ``dp`` and only when ``features`` allows it. ``backend`` is the deprecated name of ``neuron_backend``.
+    With ``features.allow_activation_checkpointing`` each plan also comes with ``blocks`` checkpointing, and
+    with ``time_chunks`` when ``time_step_module`` names the module the model steps once per time step.
     """
     neuron_backend = neuron_backend_arg(neuron_backend, backend)
     world_size = positive_int("world_size", world_size, maximum=MAX_WORLD_SIZE, what="the number of ranks")
@@ -68,7 +71,9 @@ def enumerate_plans(analysis: SNNDistributedAnalysis, *, world_size: int, batch_
             plans.append(plan(analysis=analysis, objective=objective, topology=topology,
                               neuron_backend=neuron_backend,
                               batch_size=batch_size, mode=mode,
-                              features=dataclasses.replace(features, allow_zero_optimizer=zero)))
+                              features=dataclasses.replace(features, allow_zero_optimizer=zero),
+                              activation_checkpointing="none"))
+            plans.extend(checkpointing_variants(plans[-1], time_step_module))
         except (ValueError, NotImplementedError) as exc:
             infeasible[label] = str(exc)
     return PlanList(plans, infeasible)

@@ -27,6 +27,7 @@ from ..core import SNNDistributedPlan
 from ..core.validate import positive_int, positive_number
 from ._step import check_inputs, check_optimizer
 from .isolation import as_found
+from .checkpoint_profile import levered_profile, recompute_fraction
 from .comms import step_collectives
 from .fsdp_timeline import FsdpTimeline
 from .pipeline_estimate import pipeline_rows
@@ -67,6 +68,8 @@ class PlanEstimate:
     def bubble_fraction(self) -> float:
         """The share of a step each rank idles in the pipeline's fill and drain (0 without pipelining)."""
         return float(self.pipeline["bubble_fraction"].iloc[0]) if self.pipeline is not None else 0.0
+    #: FLOPs activation checkpointing recomputes per step, as a fraction of one forward (0.0 without it)
+    recompute_forward_fraction: float = 0.0
 
     @property
     def batch_per_rank(self) -> int:
@@ -145,7 +148,7 @@ def _per_rank(rows, roles, plan: SNNDistributedPlan) -> pd.DataFrame:
 
 
 def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_budget, profile, hardware):
-    profile = profile or model_profile(model, example_input, labels, dtype)
+    profile = levered_profile(profile or model_profile(model, example_input, labels, dtype), plan)
     n = plan.per_rank_batch
     check_run_size(profile, n, t)
     itemsize = torch.empty((), dtype=profile.dtype).element_size()
@@ -197,7 +200,7 @@ def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profil
     time = plan_time(plan, profile, collectives, per_rank, hardware, t, optimizer)
     return PlanEstimate(plan=plan, per_rank=per_rank, collectives=collectives, verdict=verdict, time_steps=t,
                         optimizer=optimizer, memory_budget=memory_budget, time=time, hardware=hardware,
-                        pipeline=pipeline)
+                        pipeline=pipeline, recompute_forward_fraction=recompute_fraction(profile, plan, t))
 
 
 def estimate_all(model: nn.Module, plans, *, example_input: torch.Tensor, **kwargs) -> pd.DataFrame:

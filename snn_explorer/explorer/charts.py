@@ -188,3 +188,16 @@ def _cell(x: int, y: int, color: str):
     from matplotlib.patches import Rectangle
 
     return Rectangle((x + 0.03, y + 0.03), 0.94, 0.94, facecolor=color, alpha=0.35, edgecolor="black")
+
+
+def activation_curve_chart(curve: pd.DataFrame, title: str = "") -> Figure:
+    """Activation memory of one rank against time steps, a line per checkpointing granularity
+    (a table from :func:`~snn_explorer.estimator.activation_curve.activation_curve`)."""
+    fig, ax = _figure()
+    for name, rows in curve.groupby("plan", sort=False):
+        ax.plot(rows["time_steps"], rows["activations_bytes"] / MIB, marker="o", label=f"checkpointing: {name}")
+    ax.set_xlabel("time steps T")
+    ax.set_ylabel("MiB per rank")
+    ax.set_title(title or "activation memory against time steps")
+    ax.legend()
+    return fig

@@ -5,6 +5,7 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
+from ..core.memory_levers import lever_label
 from ..core import SNNDistributedPlan
 from ..estimator import PlanEstimate
 
@@ -28,7 +29,7 @@ def mesh_text(plan: SNNDistributedPlan) -> str:
 def plan_label(plan: SNNDistributedPlan) -> str:
     """``dp+zero dp=4``: mode, ZeRO and mesh; the objective follows when it is not the default."""
     zero = "+zero" if plan.uses_zero else ""
-    return f"{plan.mode}{zero} {mesh_text(plan)}"
+    return f"{plan.mode}{zero}{lever_label(plan)} {mesh_text(plan)}"
 
 
 def unique_labels(plans: Sequence[SNNDistributedPlan]) -> list:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze, apply, plan as core_plan
+from ..core.memory_levers import find_time_step_module
 from ..core.recommend import UNSET, check_backend, neuron_backend_arg
 from ..core.styles import STYLES
 from ..core.tp_plan import default_tp_plan
@@ -138,12 +139,39 @@ class Explorer:
 
     def make_plan(self, *, objective: str = "speed", topology: Any = None, batch_size: Optional[int] = None,
                   features: FeaturesLike = None, mode: Optional[str] = None,
-                  tensor_parallel_plan: Optional[Mapping[str, str]] = None) -> SNNDistributedPlan:
-        """The plan :func:`snn_explorer.plan` gives for these choices, without adding it."""
+                  tensor_parallel_plan: Optional[Mapping[str, str]] = None,
+                  activation_checkpointing: Optional[str] = None, checkpoint_every: int = 1,
+                  cpu_offload: bool = False) -> SNNDistributedPlan:
+        """The plan :func:`snn_explorer.plan` gives for these choices, without adding it (``time_chunks``
+        checkpointing, and the objective's own choice for a model stepped per time step, steps
+        :attr:`time_step_module`)."""
+        chunks = activation_checkpointing == "time_chunks" or (activation_checkpointing is None and
+                                                                 self.example_input is not None)
+        step_module = self.time_step_module if chunks else None
         return core_plan(analysis=self.analysis, objective=objective, topology=topology if topology is not None else 1,
                          neuron_backend=self.neuron_backend,
                          batch_size=batch_size if batch_size is not None else self.batch_size,
-                         mode=mode, features=as_features(features), tensor_parallel_plan=tensor_parallel_plan)
+                         mode=mode, features=as_features(features), tensor_parallel_plan=tensor_parallel_plan,
+                         activation_checkpointing=activation_checkpointing, checkpoint_every=checkpoint_every,
+                         cpu_offload=cpu_offload, time_step_module=step_module)
+
+    @property
+    def time_step_module(self) -> Optional[str]:
+        """The module the model's forward calls once per time step (None: it runs all steps in one call)."""
+        if "_step_module" not in self.__dict__:
+            if self.example_input is None:
+                raise ValueError("finding the module stepped per time step needs an example input")
+            self._step_module = find_time_step_module(self.model, self.example_input)
+        return self._step_module
+
+    def activation_chart(self, plan: SNNDistributedPlan, time_steps: Sequence[int] = (4, 8, 16, 32)):
+        """Activation memory of one rank of ``plan`` against ``time_steps``, with and without checkpointing."""
+        from ..estimator.activation_curve import activation_curve
+        from .charts import activation_curve_chart
+
+        self.estimate(plan)  # the profile, measured once
+        step_module = self.time_step_module if self.example_input is not None else None
+        return activation_curve_chart(activation_curve(self._profile, plan, time_steps, step_module))
 
     def add_plan(self, **choices) -> SNNDistributedPlan:
         """:meth:`make_plan` and add the plan to :attr:`plans`; returns it."""

@@ -21,8 +21,10 @@ from .modules import candidates_table
 from .render import figure_data, message_data, message_html, show, styler_data, table_data
 
 TABS = ("Modules", "Candidates", "Compare", "Charts", "Launch")
-CHARTS = ("memory", "communication", "step time", "pareto", "mesh")
-GATES = ("allow_experimental_conv_tp", "allow_experimental_spikformer_tp", "allow_zero_optimizer")
+CHARTS = ("memory", "communication", "step time", "pareto", "mesh", "activations vs T")
+GATES = ("allow_experimental_conv_tp", "allow_experimental_spikformer_tp", "allow_zero_optimizer",
+         "allow_activation_checkpointing", "allow_cpu_offload")
+CHECKPOINTING = ("auto", "none", "blocks", "time_chunks")
 MAX_WORLD = 1024
 #: The hardware choice that means this machine's calibration (``Explorer.hardware = None``).
 THIS_MACHINE = "this machine (calibrated)"
@@ -62,6 +64,10 @@ class ExplorerUI:
         self.tp = w.SelectionSlider(options=divisors(world), value=1, description="tp", style=style)
         self.mode = w.Dropdown(options=("auto",) + tuple(MODES), value="auto", description="mode", style=style)
         self.gates = {g: w.Checkbox(value=g == "allow_zero_optimizer", description=g, indent=False) for g in GATES}
+        self.checkpointing = w.Dropdown(options=CHECKPOINTING, value="auto", description="checkpointing",
+                                        style=style)
+        self.checkpoint_every = w.BoundedIntText(value=1, min=1, max=1024, description="checkpoint every",
+                                                 style=style)
         self.batch_size = w.BoundedIntText(value=self.ex.batch_size, min=1, max=2 ** 24, description="batch size",
                                            style=style)
         self.time_steps = w.BoundedIntText(value=self.ex.time_steps, min=1, max=100_000, description="time steps",
@@ -82,7 +88,8 @@ class ExplorerUI:
                                     w.VBox([w.HBox([self.chart, self.chart_module]), self.outputs[n]])
                                     for n in TABS], titles=TABS, selected_index=TABS.index("Compare"))
         controls = w.VBox([self.objective, self.world_size, self.dp, self.tp, self.mode, self.batch_size,
-                           self.time_steps, self.memory_budget, self.hardware])
+                           self.time_steps, self.memory_budget, self.hardware, self.checkpointing,
+                           self.checkpoint_every])
         gates = w.VBox([w.HTML("<b>feature gates</b>"), *self.gates.values(),
                         w.HBox([self.pin_button, self.clear_button])])
         self.widget = w.VBox([w.HBox([controls, gates]), self.message, self.plan_list, self.tabs])
@@ -92,7 +99,7 @@ class ExplorerUI:
         for control in (self.batch_size, self.time_steps):  # new work: measure it before re-rendering
             control.observe(self._prepare, "value")
         for control in (self.objective, self.mode, self.batch_size, self.time_steps, self.memory_budget,
-                        *self.gates.values()):
+                        self.checkpointing, self.checkpoint_every, *self.gates.values()):
             control.observe(self.refresh, "value")
         self.hardware.observe(self._on_hardware, "value")
         self.chart.observe(lambda _: self._render_tab("Charts"), "value")
@@ -163,7 +170,10 @@ class ExplorerUI:
         """The keyword arguments of :meth:`Explorer.make_plan` the controls describe."""
         return dict(objective=self.objective.value, topology=self.topology, batch_size=self.batch_size.value,
                     features={g: c.value for g, c in self.gates.items()},
-                    mode=None if self.mode.value == "auto" else self.mode.value)
+                    mode=None if self.mode.value == "auto" else self.mode.value,
+                    activation_checkpointing=None if self.checkpointing.value == "auto" else self.checkpointing.value,
+                    checkpoint_every=self.checkpoint_every.value,
+                    cpu_offload=self.gates["allow_cpu_offload"].value)
 
     @property
     def budget_bytes(self) -> Optional[int]:
@@ -267,6 +277,12 @@ class ExplorerUI:
             if self.current is None:
                 raise ValueError(self.error or "no plan")
             return self.ex.mesh_chart(self.current, self.chart_module.value or None)
+        if kind == "activations vs T":
+            if self.current is None:
+                raise ValueError(self.error or "no plan")
+            steps = self.time_steps.value
+            return self.ex.activation_chart(self.current, sorted({max(1, steps // 4), max(1, steps // 2), steps,
+                                                                  2 * steps}))
         labels, ests = self._estimates()
         make = {"memory": charts.memory_chart, "communication": charts.comm_chart, "pareto": charts.pareto_chart,
                 "step time": charts.step_time_chart}

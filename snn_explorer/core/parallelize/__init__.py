@@ -11,6 +11,8 @@ from ..plan_types import SNNDistributedPlan
 from ..pipeline_plan import check_pp_model
 from ..plans.families import CONTAINERS
 from ..tp_plan import check_tied_parameters, check_tp_plan
+from ..memory_levers import check_cpu_offload_device
+from .checkpointing import apply_activation_checkpointing
 from .dp import apply_ddp
 from .fsdp import apply_fsdp2
 from .pipeline import apply_pp
@@ -95,6 +97,7 @@ def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: Optional[s
     _check_not_applied(model)
     analysis = preflight(model, plan)
     device_type = check_device_type(device_type)
+    check_cpu_offload_device(plan, device_type)
     check_process_group(plan)
     device = local_device(device_type)
     mesh = build_mesh(plan, device_type, device_mesh)
@@ -103,8 +106,10 @@ def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: Optional[s
     _set_neuron_backend(model, plan.neuron_backend)
     if plan.uses_tp:
         apply_tp(model, mesh["tp"], plan.tensor_parallel_plan)
+    apply_activation_checkpointing(model, plan, analysis.fsdp_unit_names)  # TP, then AC, then FSDP2 / DDP
     if plan.uses_fsdp:
-        apply_fsdp2(model, mesh["dp"], plan.fsdp_units, reshard_after_forward=plan.reshard_after_forward)
+        apply_fsdp2(model, mesh["dp"], plan.fsdp_units, reshard_after_forward=plan.reshard_after_forward,
+                    cpu_offload=plan.cpu_offload)
     wrapped = apply_ddp(model, mesh["dp"], device) if plan.uses_ddp else model
     if plan.uses_pp:
         wrapped = apply_pp(model, plan, analysis.pipeline_units, mesh, device)

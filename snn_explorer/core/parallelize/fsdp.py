@@ -7,15 +7,19 @@ from typing import Sequence
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 
-def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, units: Sequence[str], reshard_after_forward: bool) -> None:
-    """Shard parameters, gradients and optimizer state of each unit (and the root) over ``dp_mesh``."""
+def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, units: Sequence[str], reshard_after_forward: bool,
+                cpu_offload: bool = False) -> None:
+    """Shard parameters, gradients and optimizer state of each unit (and the root) over ``dp_mesh``;
+    ``cpu_offload`` keeps the shards in CPU memory (``CPUOffloadPolicy``)."""
     _quiet_view_warning(model, units)
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     for path in units:
-        fully_shard(model.get_submodule(path), mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(model.get_submodule(path), mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                    offload_policy=offload)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
 
 
 def _quiet_view_warning(model: nn.Module, units: Sequence[str]) -> None:

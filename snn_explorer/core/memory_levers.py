@@ -1,0 +1,199 @@
+"""Memory levers of a plan: activation checkpointing and FSDP2 CPU offload, checked at plan time.
+
+``activation_checkpointing`` names the granularity of recomputation:
+
+- ``"none"``: every layer keeps what its backward needs (the default);
+- ``"blocks"``: the model's blocks (the FSDP2 units, each with the parameter-free modules that
+  follow it in its ``nn.Sequential``: its neurons, dropout) keep only their inputs and a copy of
+  their neurons' entry state, and run their forward again in backward; ``checkpoint_every=k``
+  checkpoints every k-th block (the first, the (k+1)-th, ...);
+- ``"time_chunks"``: for a model whose ``forward`` calls one module once per time step
+  (``time_step_module``), each step keeps its input, each chunk of ``checkpoint_every`` steps a
+  copy of the neuron state at its start, and backward recomputes the steps.
+
+``cpu_offload`` keeps FSDP2's sharded parameters, gradients and optimizer state in CPU memory
+(``torch.distributed.fsdp.CPUOffloadPolicy``); it needs a mode that uses FSDP2 and CUDA ranks.
+All of it is gated by :class:`~snn_explorer.core.plan_types.DistributedFeatureSet`.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import neurons
+
+#: The granularities of ``SNNDistributedPlan.activation_checkpointing``.
+ACTIVATION_CHECKPOINTING = ("none", "blocks", "time_chunks")
+
+
+def check_memory_levers(plan: Any) -> None:
+    """Raise ValueError / TypeError for memory-lever fields of ``plan`` that do not go together."""
+    granularity, every = plan.activation_checkpointing, plan.checkpoint_every
+    features = plan.experimental_features
+    if granularity not in ACTIVATION_CHECKPOINTING:
+        raise ValueError(f"activation_checkpointing={granularity!r}; expected one of {ACTIVATION_CHECKPOINTING}")
+    if type(every) is not int or every < 1:
+        raise ValueError(f"checkpoint_every={every!r} must be an int >= 1 (checkpoint every k-th block or "
+                         "chunk k time steps)")
+    if granularity == "none" and every != 1:
+        raise ValueError(f"checkpoint_every={every} has no effect with activation_checkpointing='none'; "
+                         "pick 'blocks' or 'time_chunks', or leave checkpoint_every=1")
+    if granularity != "none" and not features.allow_activation_checkpointing:
+        raise ValueError(f"activation_checkpointing={granularity!r} needs "
+                         "DistributedFeatureSet(allow_activation_checkpointing=True)")
+    if granularity != "none" and plan.uses_pp:
+        raise ValueError(f"activation_checkpointing={granularity!r} is not combined with pipeline stages "
+                         "(mode 'pp') yet (it may come later; its equivalence is untested); use "
+                         "activation_checkpointing='none' with pp, or a dp / tp / fsdp2 / fsdp2_tp plan")
+    step_module = plan.time_step_module
+    if step_module is not None and (not isinstance(step_module, str) or not step_module):
+        raise ValueError(f"time_step_module={step_module!r} must be a module path (a non-empty string) or None")
+    if granularity == "time_chunks" and step_module is None:
+        raise ValueError("activation_checkpointing='time_chunks' needs time_step_module, the module the model "
+                         "calls once per time step (find_time_step_module(model, example_input) finds it); a "
+                         "model that runs all time steps in one call takes activation_checkpointing='blocks'")
+    if granularity != "time_chunks" and step_module is not None:
+        raise ValueError(f"time_step_module={step_module!r} is only used by activation_checkpointing="
+                         f"'time_chunks', not {granularity!r}")
+    if type(plan.cpu_offload) is not bool:
+        raise TypeError(f"cpu_offload must be a bool, got {plan.cpu_offload!r}")
+    if plan.cpu_offload:
+        _check_cpu_offload(plan)
+
+
+def _check_cpu_offload(plan: Any) -> None:
+    from .modes import names_text
+
+    if not plan.experimental_features.allow_cpu_offload:
+        raise ValueError("cpu_offload=True needs DistributedFeatureSet(allow_cpu_offload=True)")
+    if not plan.uses_fsdp:
+        raise ValueError(f"cpu_offload=True offloads FSDP2's shards (CPUOffloadPolicy), so it needs "
+                         f"{names_text(lambda m: m.fsdp)}, not mode={plan.mode!r}")
+
+
+def check_time_step_module(analysis: Any, path: Optional[str]) -> None:
+    """The plan-time check of ``time_step_module`` against the model's analysis: it must hold neuron state."""
+    if path is None:
+        return
+    inside = [n for n in analysis.memory_module_names if path == "" or n == path or n.startswith(path + ".")]
+    if not inside:
+        raise ValueError(f"time_step_module={path!r} holds none of the model's stateful neurons "
+                         f"{list(analysis.memory_module_names)[:4]}; name the module the model's forward "
+                         "calls once per time step (find_time_step_module(model, example_input) finds it)")
+
+
+def check_cpu_offload_device(plan: Any, device_type: str) -> None:
+    """CPU offload moves FSDP2's shards between CPU and an accelerator: refuse it on CPU ranks."""
+    if plan.cpu_offload and device_type != "cuda":
+        raise ValueError(f"cpu_offload=True keeps FSDP2's shards in CPU memory and copies them to the GPU for "
+                         f"each unit; on device_type={device_type!r} the parameters are in CPU memory already, "
+                         "so there is nothing to offload (torch's CPUOffloadPolicy() pins memory and fails with 'Cannot "
+                         "access accelerator device' without a GPU): use cuda ranks (NCCL) or cpu_offload=False")
+
+
+def find_time_step_module(model: nn.Module, example_input: torch.Tensor) -> Optional[str]:
+    """The module ``model``'s forward calls once per time step, or None for a model that runs all steps in
+    one call.
+
+    Runs one forward (on a copy, without gradients) and returns the outermost module that was called more
+    than once and holds both parameters and stateful neurons (``"net"`` for the zoo's ``mlp``).
+    """
+    probe = neurons.detached_copy(model)
+    calls: Counter = Counter()
+    handles = [m.register_forward_pre_hook(lambda mod, _args, name=n: calls.update([name]))
+               for n, m in probe.named_modules() if n]
+    try:
+        with torch.no_grad():
+            probe(example_input)
+    finally:
+        for handle in handles:
+            handle.remove()
+    modules = dict(probe.named_modules())
+    stepped = [n for n, c in calls.items() if c > 1 and _holds_params_and_state(modules[n])]
+    outermost = [n for n in stepped if not any(n.startswith(o + ".") for o in stepped)]
+    return min(outermost, key=lambda n: n.count(".")) if outermost else None
+
+
+def _holds_params_and_state(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) and any(neurons.is_stateful(m) for m in module.modules())
+
+
+def lever_label(plan: Any) -> str:
+    """A short label of the plan's memory levers ('' when it uses none): ``+ac:blocks/2``, ``+offload``."""
+    parts = []
+    if plan.activation_checkpointing != "none":
+        every = f"/{plan.checkpoint_every}" if plan.checkpoint_every > 1 else ""
+        parts.append(f"+ac:{plan.activation_checkpointing}{every}")
+    if plan.cpu_offload:
+        parts.append("+offload")
+    return "".join(parts)
+
+
+def lever_fields(activation_checkpointing: Optional[str] = "none", checkpoint_every: int = 1,
+                 cpu_offload: bool = False, time_step_module: Optional[str] = None, *, objective: str = "speed",
+                 features: Any = None, analysis: Any = None) -> dict:
+    """The plan fields of the memory levers, as ``plan(...)`` passes them on (checked by the plan itself).
+
+    ``activation_checkpointing=None`` lets the objective choose: with the gate on, the ``memory`` and
+    ``capacity`` objectives checkpoint ``time_chunks`` when ``time_step_module`` is given, else ``blocks``
+    when the model has blocks; ``speed`` (and a closed gate) ``none``, and then ignore ``time_step_module``.
+    (A model stepped per time step wants ``time_chunks``: its blocks run once per step, and checkpointing
+    them keeps their inputs and an entry-state copy for every step.)
+    """
+    if activation_checkpointing is None:
+        activation_checkpointing = _chosen_granularity(objective, features, analysis, time_step_module)
+        time_step_module = time_step_module if activation_checkpointing == "time_chunks" else None
+    return dict(activation_checkpointing=activation_checkpointing, checkpoint_every=checkpoint_every,
+                cpu_offload=cpu_offload, time_step_module=time_step_module)
+
+
+def _chosen_granularity(objective: str, features: Any, analysis: Any, time_step_module: Optional[str]) -> str:
+    if objective == "speed" or features is None or not features.allow_activation_checkpointing:
+        return "none"
+    if time_step_module is not None:
+        return "time_chunks"
+    return "blocks" if analysis is not None and analysis.fsdp_unit_names else "none"
+
+
+def checkpointing_variants(plan: Any, time_step_module: Optional[str] = None) -> List[Any]:
+    """``plan`` with each checkpointing granularity its gate allows: ``blocks``, and ``time_chunks`` (k=1)
+    when ``time_step_module`` names the module stepped once per time step ([] with the gate closed, and for
+    pipeline plans, which do not take checkpointing yet)."""
+    import dataclasses
+
+    if (not plan.experimental_features.allow_activation_checkpointing or plan.activation_checkpointing != "none"
+            or plan.uses_pp):
+        return []
+    variants = [dataclasses.replace(plan, activation_checkpointing="blocks")]
+    if time_step_module is not None:
+        variants.append(dataclasses.replace(plan, activation_checkpointing="time_chunks",
+                                            time_step_module=time_step_module))
+    return variants
+
+
+def lever_notes(levers: dict) -> List[str]:
+    """What a plan with these memory levers should know before it runs (for ``plan.notes``)."""
+    notes = []
+    if levers["cpu_offload"]:
+        notes.append("cpu_offload=True needs CUDA ranks: it keeps FSDP2's shards in CPU memory and copies each "
+                     "unit's to the GPU when it runs (apply refuses CPU ranks, whose parameters are in CPU memory "
+                     "already).")
+    if levers["activation_checkpointing"] != "none":
+        notes.append(f"activation_checkpointing={levers['activation_checkpointing']!r} recomputes forward work "
+                     "in backward: less activation memory for more compute per step.")
+    return notes
+
+
+def copy_without_levers(plan: Any) -> Any:
+    """``plan`` with activation checkpointing and CPU offload off (the same layout otherwise)."""
+    import dataclasses
+
+    return dataclasses.replace(plan, **lever_fields())
+
+
+__all__: Tuple[str, ...] = ("ACTIVATION_CHECKPOINTING", "check_memory_levers", "check_time_step_module",
+                            "check_cpu_offload_device", "find_time_step_module", "lever_label", "lever_fields", "lever_notes", "checkpointing_variants",
+                            "copy_without_levers")

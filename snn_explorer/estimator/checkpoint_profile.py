@@ -1,0 +1,121 @@
+"""The profile of a plan with activation checkpointing: the one-off profile's model, checkpointed as the plan says.
+
+A checkpointed block keeps only its inputs and a copy of its neurons' entry state, and its backward
+runs the forward again first, which adds that block's activations to the backward for a while. Both
+are measured like everything else the profile measures: on the model as one rank runs it (the private
+copy, or its TP replica), here with :mod:`~snn_explorer.core.parallelize.checkpointing` applied to a
+copy, once per size and layout. The FLOPs torch's ``FlopCounterMode`` counts for a forward and backward
+with and without checkpointing give the recompute cost as a fraction of one forward.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..core.neurons import detached_copy, stateful_modules
+from ..core.parallelize.checkpointing import apply_activation_checkpointing
+from ._step import batch_slice, forward_loss
+from .meter import StorageMeter
+from .profile import ModelProfile, _state_tensors, _storages
+from .sharding import state_tensor_ids
+
+
+@dataclass
+class CheckpointedProfile(ModelProfile):
+    """A :class:`ModelProfile` whose rank models are checkpointed as ``plan`` says (``plan``: any plan with
+    activation checkpointing; only its granularity, k and time-step module are read)."""
+
+    plan: object = None
+    checkpointed: Dict[tuple, nn.Module] = field(default_factory=dict, repr=False)
+    flops: Dict[tuple, float] = field(default_factory=dict, repr=False)
+
+    def _rank_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Tuple[tuple, nn.Module]:
+        key, model = super()._rank_model(tp_plan, tp)
+        if key not in self.checkpointed:
+            copy_ = detached_copy(model)
+            apply_activation_checkpointing(copy_, self.plan, self.fsdp_units)
+            self.checkpointed[key] = copy_
+        return key, self.checkpointed[key]
+
+    def saved_and_state(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]] = None,
+                        tp: int = 1) -> Tuple[float, float]:
+        """Bytes a forward leaves for the backward (the checkpointed blocks' inputs and entry-state copies,
+        what runs outside them) and of neuron state: measured on the checkpointed model, once per size."""
+        key = (n, t) + self._rank_model(tp_plan, tp)[0]
+        if key not in self.saved_state:
+            x, y = batch_slice(self.example_input, self.labels, n, t)
+            self.saved_state[key] = _held_after_forward(self._rank_model(tp_plan, tp)[1], x.to(self.dtype), y)
+        return self.saved_state[key]
+
+    def recompute_fraction(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]] = None, tp: int = 1) -> float:
+        """The FLOPs the recompute adds to a step, as a fraction of one forward's (``FlopCounterMode``'s count:
+        matrix products and convolutions; 0.0 for a model without them)."""
+        key = (n, t) + self._rank_model(tp_plan, tp)[0]
+        if key not in self.flops:
+            x, y = batch_slice(self.example_input, self.labels, n, t)
+            x = x.to(self.dtype)
+            plain = super()._rank_model(tp_plan, tp)[1]
+            forward, plain_step = _flops(plain, x, y)
+            _, checkpointed_step = _flops(self._rank_model(tp_plan, tp)[1], x, y)
+            self.flops[key] = (checkpointed_step - plain_step) / forward if forward else 0.0
+        return self.flops[key]
+
+
+def _held_after_forward(model: nn.Module, x: torch.Tensor, labels) -> Tuple[float, float]:
+    """(bytes the forward leaves alive besides neuron state, neuron-state bytes), then the backward runs."""
+    forward_loss(model, x, labels).backward()  # warm-up: state tensors take this size
+    model.zero_grad(set_to_none=True)
+    state_ids = state_tensor_ids(model)
+    meter = StorageMeter()
+    meter.track([t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in state_ids] + [x])
+    with meter:
+        entry = meter.current
+        loss = forward_loss(model, x, labels)
+        gc.collect()
+        held = meter.current - entry
+    state = sum(sum(_storages(_state_tensors(m)).values()) for _, m in stateful_modules(model))
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return float(max(0, held - state)), float(state)
+
+
+def _flops(model: nn.Module, x: torch.Tensor, labels) -> Tuple[float, float]:
+    """(FLOPs of the forward, of forward and backward) of one step, as ``FlopCounterMode`` counts them."""
+    counter = FlopCounterMode(display=False)
+    with counter:
+        loss = forward_loss(model, x, labels)
+        forward = counter.get_total_flops()
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return float(forward), float(counter.get_total_flops())
+
+
+def levered_profile(profile: ModelProfile, plan) -> ModelProfile:
+    """The profile to estimate ``plan`` from: ``profile`` itself without checkpointing, else its
+    :class:`CheckpointedProfile` for the plan's checkpointing (cached on ``profile``)."""
+    if plan.activation_checkpointing == "none":
+        return profile
+    key = (plan.activation_checkpointing, plan.checkpoint_every, plan.time_step_module)
+    cache = profile.__dict__.setdefault("_checkpointed_profiles", {})
+    if key not in cache:
+        base = {f.name: getattr(profile, f.name) for f in dataclasses.fields(ModelProfile)}
+        base.update(peaks={}, logs={}, replicas={}, saved_state={})
+        cache[key] = CheckpointedProfile(**base, plan=plan)
+    return cache[key]
+
+
+def recompute_fraction(profile: ModelProfile, plan, t: int) -> float:
+    """Extra forward work of ``plan``'s checkpointing per step of ``t`` time steps, as a fraction of one
+    forward (0.0 without checkpointing)."""
+    if not isinstance(profile, CheckpointedProfile):
+        return 0.0
+    return profile.recompute_fraction(plan.per_rank_batch, t, plan.tensor_parallel_plan, plan.tp_size)
+
+
+__all__ = ["CheckpointedProfile", "levered_profile", "recompute_fraction"]
