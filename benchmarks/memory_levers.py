@@ -29,7 +29,8 @@ def main() -> None:
         zoo = build(name, time_steps=args.time_steps)
         analysis = se.analyze(zoo.model)
         plans = [se.plan(analysis=analysis, objective="memory", topology=topology, batch_size=zoo.batch_size,
-                         mode=mode, features=GATES, **lv) for mode, topology in MODES for lv in ({}, levers)]
+                         mode=mode, features=GATES, **lv) for mode, topology in MODES
+                 for lv in (dict(activation_checkpointing="none"), levers)]
         measured = measure_many(zoo.model, plans, example_input=zoo.example_input, labels=zoo.labels)
         for plan, got in zip(plans, measured):
             est = estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels)

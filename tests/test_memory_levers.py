@@ -19,6 +19,8 @@ from snn_explorer.core.plan_types import SNNDistributedPlan
 from snn_explorer.zoo import build, reset_state
 
 STEPS = 3
+#: the run without checkpointing (the memory objective would checkpoint with the gate on)
+PLAIN = dict(activation_checkpointing="none")
 TOL = 1e-5
 GATES = se.DistributedFeatureSet(allow_activation_checkpointing=True, allow_cpu_offload=True)
 #: (zoo model, granularity, k, time_step_module): per-step mlp in chunks of 3 of its 8 steps (state carried
@@ -185,7 +187,7 @@ def _memory_plans(case):
     zoo = build(zoo_name, time_steps=MEMORY_T)
     analysis = se.analyze(zoo.model)
     plans = [se.plan(analysis=analysis, objective="memory", topology=topology, batch_size=zoo.batch_size,
-                     mode=mode, features=GATES, **lv) for lv in ({}, levers)]
+                     mode=mode, features=GATES, **lv) for lv in (PLAIN, levers)]
     return zoo, plans
 
 
@@ -212,7 +214,7 @@ def _rank_group(cases, memory_cases=()):
                 zoo = build(zoo_name)
                 model = zoo.model.double()
                 levers = dict(activation_checkpointing=granularity, checkpoint_every=every,
-                              time_step_module=step_module) if checkpointing else {}
+                              time_step_module=step_module) if checkpointing else PLAIN
                 plan = se.plan(analysis=se.analyze(model), objective="memory", topology=topology,
                                batch_size=zoo.batch_size, mode=mode, features=GATES, **levers)
                 runtime = se.apply(model=model, plan=plan, device_type="cpu")

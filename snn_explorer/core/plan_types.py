@@ -276,6 +276,5 @@ class SNNDistributedPlan:
         extra = "+zero" if self.uses_zero else ""
         if self.uses_pp:
             extra = f" {self.pp_schedule} x{self.pp_microbatches}"
-        return f"SNNDistributedPlan({self.mode}{extra} on {dims}, objective={self.objective}, batch={self.batch_size})"
-        zero = "+zero" if self.uses_zero else ""
-        return f"SNNDistributedPlan({self.mode}{zero}{lever_label(self)} on {dims}, objective={self.objective}, batch={self.batch_size})"
+        return (f"SNNDistributedPlan({self.mode}{extra}{lever_label(self)} on {dims}, objective={self.objective}, "
+                f"batch={self.batch_size})")

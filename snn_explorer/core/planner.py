@@ -111,10 +111,8 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     if not isinstance(features, DistributedFeatureSet):
         raise TypeError(f"features must be a DistributedFeatureSet, got {features!r}")
     mode = check_mode(mode)
-    levers = lever_fields(activation_checkpointing, checkpoint_every, cpu_offload, time_step_module,
-                          objective=objective, features=features, analysis=analysis)
     check_time_step_module(analysis, time_step_module)
-    notes: List[str] = list(analysis.notes) + lever_notes(levers)
+    notes: List[str] = list(analysis.notes)
     family = analysis.model_family
     if model_family is not None:
         family, family_note = resolve_family(None, model_family)
@@ -139,10 +137,10 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
         order = [rec.mode] + [m for m in _order(objective) if m != rec.mode]
         if tensor_parallel_plan is not None:
             order = [m for m in order if mode_of(m).tp]
-        if cpu_offload:  # offload moves FSDP2's shards: only FSDP2 modes can take it
-            order = [m for m in order if mode_of(m).fsdp]
         elif topology.world_size == 1:
             order = ["none"] + [m for m in order if m != "none"]
+        if cpu_offload:  # offload moves FSDP2's shards: only FSDP2 modes can take it
+            order = [m for m in order if mode_of(m).fsdp]
         reasons = []
         for chosen in order:
             tp_plan, problem = _problem(chosen, analysis, topology, tensor_parallel_plan, features)
@@ -175,7 +173,10 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     pipeline = _pipeline_fields(analysis, topology, batch_size, notes, pp_schedule, pp_microbatches,
                                 pp_virtual_stages, pp_layout) if spec.pp else {}
     if spec.pp and activation_checkpointing is None:  # the objective's choice; pipelines take none yet
-        levers.update(activation_checkpointing="none", time_step_module=None)
+        activation_checkpointing, time_step_module = "none", None
+    levers = lever_fields(activation_checkpointing, checkpoint_every, cpu_offload, time_step_module,
+                          objective=objective, features=features, analysis=analysis)
+    notes.extend(lever_notes(levers))
     plan_ = SNNDistributedPlan(
         mode=chosen, objective=objective, topology=topology, model_family=family,
         neuron_backend=neuron_backend, batch_size=batch_size, optimizer_strategy="zero" if zero else "none",
