@@ -222,6 +222,14 @@ def neurons_holding_state(module: nn.Module) -> List[str]:
     return busy
 
 
+def check_plan_checkpointable(plan: SNNDistributedPlan) -> None:
+    """CheckpointError for a plan whose runtime cannot be saved or loaded yet (pipeline stages)."""
+    if plan.uses_pp:
+        raise CheckpointError("checkpoints of pipeline plans (mode 'pp') are not supported yet: each rank holds "
+                              "only its stages (the rest of the model is on the meta device); save under a "
+                              "dp / tp / fsdp2 / fsdp2_tp plan")
+
+
 def _check_target(path: Path, overwrite: bool) -> None:
     if path.exists() and not overwrite:
         raise CheckpointError(f"{path} already exists; pass overwrite=True to replace it (or choose another path)")
@@ -232,6 +240,7 @@ def _check_target(path: Path, overwrite: bool) -> None:
 
 
 def _check_save_inputs(runtime, path: Path, step: int, extra: Any, overwrite: bool, allow_mid_sequence: bool) -> None:
+    check_plan_checkpointable(runtime.plan)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"step={step!r}; expected a non-negative int")
     try:
@@ -439,6 +448,7 @@ def _optimizer_destinations(module, optimizer, saved) -> Dict[str, Tuple[torch.T
 
 
 def _check_load(runtime, path: Path, optimizer) -> Tuple[dict, Dict[str, TensorStorageMetadata]]:
+    check_plan_checkpointable(runtime.plan)
     manifest = read_manifest(path)
     problem = model_mismatch(manifest, model_tensor_shapes(runtime.module))
     if problem:

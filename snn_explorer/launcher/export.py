@@ -125,6 +125,10 @@ def export_job(plan, train_script_or_fn: Union[str, os.PathLike, Callable], path
     port = _port(port)
     max_restarts = non_negative_int("max_restarts", max_restarts)
     checkpoints = checkpoint_settings(checkpoint_dir, checkpoint_every)
+    if checkpoints is not None:
+        from ..core.checkpoint import check_plan_checkpointable
+
+        check_plan_checkpointable(plan)
     if checkpoints is not None and not callable(train_script_or_fn):
         raise ValueError("checkpoint_dir / checkpoint_every need a step function; a training script saves its own "
                          "checkpoints (runtime.save_checkpoint)")

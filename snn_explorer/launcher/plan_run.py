@@ -104,11 +104,12 @@ def _checkpoint_spec(model, plan, checkpoint_dir, checkpoint_every) -> Optional[
     checked against the model and plan before any rank starts."""
     import os
 
-    from ..core.checkpoint import check_checkpoint, latest_checkpoint
+    from ..core.checkpoint import check_checkpoint, check_plan_checkpointable, latest_checkpoint
 
     settings = checkpoint_settings(checkpoint_dir, checkpoint_every)
     if settings is None:
         return None
+    check_plan_checkpointable(plan)
     settings["dir"] = os.path.abspath(settings["dir"])
     os.makedirs(settings["dir"], exist_ok=True)
     latest = latest_checkpoint(settings["dir"])
