@@ -9,6 +9,7 @@ in order, are the model's *pipeline units*; a stage is a run of consecutive unit
 from __future__ import annotations
 
 import numbers
+from contextlib import contextmanager
 from typing import Any, Optional, Sequence, Tuple
 
 import torch
@@ -33,12 +34,30 @@ def _is_plain_sequential(module: nn.Module) -> bool:
     return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
 
 
+@contextmanager
+def _state_kept(model: nn.Module):
+    """Leaves every module's attributes, buffers and parameters as found: tracing runs the root's
+    forward for real, and calls it makes on its children (a tutorial-style ``lif.init_leaky()``)
+    may replace their state."""
+    saved = [(m, dict(m.__dict__), dict(m._buffers), dict(m._parameters)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for module, attributes, buffers, parameters in saved:
+            module.__dict__.clear()
+            module.__dict__.update(attributes)
+            for table, kept in ((module._buffers, buffers), (module._parameters, parameters)):
+                table.clear()
+                table.update(kept)
+
+
 def _chain_of(model: nn.Module) -> Tuple[Tuple[str, ...], str]:
     """The top-level modules ``model.forward`` chains, in call order, and why not ('' when it does)."""
     if _is_plain_sequential(model):
         return tuple(name for name, _ in model.named_children()), ""
     try:
-        graph = _ChildrenAreLeaves().trace(model)
+        with _state_kept(model):
+            graph = _ChildrenAreLeaves().trace(model)
     except Exception as exc:  # fx cannot follow data-dependent control flow, loops over tensors, ...
         return (), f"torch.fx cannot trace its forward ({type(exc).__name__}: {str(exc).split('. ')[0][:160]})"
     previous, chain = None, []
