@@ -264,3 +264,32 @@ def mem_tracker_skip_grad_hooks(tracker: Any, params: Iterable[Any]) -> None:
                      "it is missing or no longer a mapping")
     for p in params:
         handles[p] = (_NoHook(), _NoHook())
+
+
+def pipeline_recv_buffers(stage: Any) -> list:
+    """The receive buffers a ``torch.distributed.pipelining`` stage keeps between steps: one per
+    micro-batch and received activation (``args_recv_info``) and output gradient (``grad_recv_info``)."""
+    out = []
+    for infos in (getattr(stage, "args_recv_info", {}), getattr(stage, "grad_recv_info", {})):
+        _check("PipelineStage recv info", isinstance(infos, dict), "args_recv_info / grad_recv_info are no dicts")
+        out += [i.buffer for chunk in infos.values() for i in chunk
+                if not getattr(i, "is_root_arg", False) and isinstance(getattr(i, "buffer", None), torch.Tensor)]
+    return out
+
+
+def label_pipeline_p2p(stage: Any, labels: dict) -> None:
+    """Wrap ``stage``'s ``get_{fwd,bwd}_{send,recv}_ops`` (which torch's schedules call for every
+    micro-batch) so that ``labels[data_ptr]`` names the stage boundary of each op's tensor."""
+    s = stage.stage_index
+    phases = {"get_fwd_send_ops": f"forward {s}->{s + 1}", "get_fwd_recv_ops": f"forward {s - 1}->{s}",
+              "get_bwd_send_ops": f"backward {s}->{s - 1}", "get_bwd_recv_ops": f"backward {s + 1}->{s}"}
+    for name, phase in phases.items():
+        original = getattr(stage, name, None)
+        _check(f"PipelineStage.{name}", callable(original), "the schedules' p2p op builder is missing")
+
+        def labelled(chunk, _original=original, _phase=phase):
+            ops = _original(chunk)
+            for op in ops:
+                labels[op.tensor.data_ptr()] = _phase
+            return ops
+        setattr(stage, name, labelled)

@@ -31,6 +31,7 @@ from ..ranks.progress import heartbeat
 from ._step import OPTIMIZERS, batch_slice, check_inputs, check_optimizer, forward_loss, run_dtypes
 from .isolation import as_found
 from .plan_estimate import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
+from .pipeline_measurement import measure_pp_plan, pp_collectives
 from .recorder import CollectiveRecorder
 from .step_time import TIME_COLUMNS
 from .sharding import state_tensor_ids
@@ -47,7 +48,10 @@ class PlanMeasurement:
     CommDebugMode fails on modules called more than once per forward, as per-step SNNs do).
     ``time`` lines up with the estimate's: ``step_s`` is the mean timed step; ``exposed_comm_s``
     the time the recorded step spent blocked in collectives, where the recorder sees all of it
-    (plans without DDP or FSDP2, whose waits happen outside it; else NaN); ``compute_s`` the rest.
+    (plans without DDP, FSDP2 or pipelining, whose waits happen outside it; else NaN);
+    ``compute_s`` the rest; ``bubble_s`` NaN for pipelines (idle time is not observed).
+    Pipeline plans: see :mod:`.pipeline_measurement` (peak by ``StorageMeter``; the collectives
+    list one pipeline's sends per stage boundary, as the estimate does).
     """
 
     plan: SNNDistributedPlan
@@ -170,6 +174,8 @@ def _measure_plan(model, plan, run: _Settings) -> dict:
     model = copy.deepcopy(model)
     if run.cast is not None:
         model.to(run.cast)
+    if plan.uses_pp:
+        return measure_pp_plan(model, plan, run)
     runtime = apply(model=model, plan=plan, device_type=run.device)
     x, y = batch_slice(run.example_input, run.labels, plan.per_rank_batch, run.example_input.shape[0],
                        start=runtime.dp_rank * plan.per_rank_batch)
@@ -269,17 +275,22 @@ def _kind_counts(rows) -> Dict[str, int]:
 
 def _time_table(plan: SNNDistributedPlan, results: Sequence[dict], times: Sequence[float]) -> pd.DataFrame:
     """The measured counterpart of :attr:`PlanEstimate.time` (see :class:`PlanMeasurement`)."""
-    seen = not (plan.uses_ddp or plan.uses_fsdp)
+    seen = not (plan.uses_ddp or plan.uses_fsdp or plan.uses_pp)
     comm = [min(r["blocked_s"], t) if seen else float("nan") for r, t in zip(results, times)]
     return pd.DataFrame(dict(rank=range(len(times)), compute_s=[t - c for t, c in zip(times, comm)],
-                             exposed_comm_s=comm, bubble_s=0.0, step_s=times), columns=list(TIME_COLUMNS))
+                             exposed_comm_s=comm, bubble_s=float("nan") if plan.uses_pp else 0.0, step_s=times),
+                        columns=list(TIME_COLUMNS))
 
 
 def _assemble(plan: SNNDistributedPlan, results: Sequence[dict], steps: int) -> PlanMeasurement:
     per_rank = pd.DataFrame([r["row"] for r in results], columns=PER_RANK_COLUMNS).sort_values("rank")
     key = lambda rows: sorted((r["mesh_dim"], r["kind"], r["phase"], r["count"], r["bytes"]) for r in rows)
-    agree = all(key(r["collectives"]) == key(results[0]["collectives"]) for r in results)
-    collectives = pd.DataFrame(results[0]["collectives"], columns=COLLECTIVE_COLUMNS)
+    if plan.uses_pp:
+        rows, agree = pp_collectives(plan, results)
+    else:
+        rows, agree = results[0]["collectives"], all(key(r["collectives"]) == key(results[0]["collectives"])
+                                                     for r in results)
+    collectives = pd.DataFrame(rows, columns=COLLECTIVE_COLUMNS)
     times = [sum(r["times"]) / len(r["times"]) for r in results]
     return PlanMeasurement(plan=plan, per_rank=per_rank.reset_index(drop=True), collectives=collectives,
                            step_time_s=times, samples_per_s=plan.batch_size / max(times), collectives_agree=agree,
@@ -291,10 +302,9 @@ def _settings(model, plans, example_input, labels, steps, optimizer, dtype, lr, 
     optimizer = check_optimizer(optimizer)
     for p in plans:
         check_inputs(model, example_input, labels, dtype, p)
-        if p.uses_pp:
-            raise NotImplementedError(f"measure() of a pipeline plan ({p!r}) may come later: torch's MemTracker "
-                                      "refuses a module called more than once per step, and every stage is called "
-                                      "once per micro-batch; train it with launch_plan and runtime.train_step")
+        if p.uses_pp and labels is None:
+            raise ValueError(f"measure() of a pipeline plan ({p!r}) needs labels: its schedule computes a "
+                             "cross-entropy loss per micro-batch on the last stage (runtime.train_step)")
     steps = positive_int("steps", steps, what="timed training steps before the measured one")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}; expected 'cpu' (gloo ranks) or 'cuda' (NCCL, one GPU per rank)")

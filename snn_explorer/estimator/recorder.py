@@ -54,6 +54,8 @@ _OPS = {
     _c10d.reduce_scatter_tensor_coalesced_: ("reduce_scatter", 2, 1),
     _c10d.alltoall_base_: ("all_to_all", 2, 1),
     _c10d.alltoall_: ("all_to_all", 2, 1),
+    _c10d.send: ("send", 1, 0),
+    _c10d.recv_: ("recv", 1, 0),
     _fn.all_reduce: ("all_reduce", 2, 0),
     _fn.all_reduce_coalesced: ("all_reduce", 2, 0),
     _fn.broadcast: ("broadcast", 2, 0),
@@ -68,13 +70,15 @@ _GATHERS = {_fn.all_gather_into_tensor: 2, _fn.all_gather_into_tensor_coalesced:
 @dataclass
 class CollectiveRecorder(TorchDispatchMode):
     """Record collectives as ``(group_name, ranks, kind, phase, bytes)`` (``ranks`` None where the op
-    names its group only); set ``phase`` as the step runs. ``blocked_s`` sums the time spent in the
+    names its group only); set ``phase`` as the step runs. Point-to-point sends and receives take
+    their phase from ``labels`` (by tensor ``data_ptr``) where it names them. ``blocked_s`` sums the time spent in the
     collective calls and functional-collective waits it sees (waits on c10d ``Work`` objects, as
     DDP and FSDP2 make, happen outside the dispatcher and are not in it)."""
 
     phase: str = "forward"
     events: List[tuple] = field(default_factory=list)
     blocked_s: float = 0.0  # seconds inside collective calls and functional-collective waits
+    labels: Dict[int, str] = field(default_factory=dict)  # a send / recv tensor's data_ptr -> its phase
 
     def __post_init__(self):
         super().__init__()
@@ -89,7 +93,8 @@ class CollectiveRecorder(TorchDispatchMode):
             self.blocked_s += time.perf_counter() - start
         if packet in _OPS:
             kind, g, b = _OPS[packet]
-            self.events.append((*_group(args[g]), kind, self.phase, _nbytes(args[b])))
+            phase = self.labels.get(args[0][0].data_ptr(), self.phase) if kind in ("send", "recv") else self.phase
+            self.events.append((*_group(args[g]), kind, phase, _nbytes(args[b])))
         elif packet in _GATHERS:
             self.events.append((*_group(args[_GATHERS[packet]]), "all_gather", self.phase,
                                 _nbytes(args[0]) * int(args[1])))

@@ -94,6 +94,7 @@ class PipelinedModel(nn.Module):
             for s in self.stage_ids)
         self.last_outputs: Optional[torch.Tensor] = None
         self._schedule, self._schedule_key, self._loss_fn, self._loss_dtype = None, None, None, None
+        self.pipeline_stages: list = []  # torch's PipelineStage objects of the rank's stages, once a step built them
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipelined model (mode 'pp') holds only this rank's stages and runs a step through "
@@ -133,6 +134,7 @@ class PipelinedModel(nn.Module):
                                 input_args=examples[module.index][0], output_args=examples[module.index][1],
                                 group=self.pp_group)
                   for module in self.stages]
+        self.pipeline_stages = stages
         cls = getattr(pipelining, SCHEDULES[plan.pp_schedule])
         kw = dict(n_microbatches=plan.pp_microbatches, loss_fn=self._micro_loss,
                   args_chunk_spec=(TensorChunkSpec(BATCH_DIM),), output_merge_spec=TensorChunkSpec(BATCH_DIM),

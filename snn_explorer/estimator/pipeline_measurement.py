@@ -1,0 +1,124 @@
+"""measure() of a pipeline plan (mode ``pp``): one rank's stages under torch's schedule.
+
+torch's MemTracker refuses a module called more than once per step, and every stage runs once
+per micro-batch, so the peak here is a :class:`StorageMeter`'s over the measured step (the
+rank's parameters, optimizer state, buffers, input and the schedule's receive buffers tracked
+from its start). Activations are the most bytes saved for backward alive at once (parameters,
+the input and receive buffers left out); neuron state is NaN (each stage replaces it per
+micro-batch, so no one moment shows "the" state). The sends and receives are recorded as the
+schedule issues them, each named by the stage boundary it crosses.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Dict, List, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import compat
+from ..core.pipeline_plan import rank_stages
+from ..ranks.progress import heartbeat
+from ._step import OPTIMIZERS, batch_slice
+from .meter import StorageMeter
+from .recorder import CollectiveRecorder
+
+_NAN = float("nan")
+
+
+class _LiveSaved:
+    """saved_tensors_hooks counting the bytes of the saved storages alive at once (peak in ``peak``)."""
+
+    def __init__(self, skip: set):
+        self.skip, self.live, self.current, self.peak = skip, {}, 0, 0
+
+    def pack(self, t):
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key not in self.skip and key not in self.live:
+            self.live[key] = st.nbytes()
+            self.current += st.nbytes()
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(st, self._free, key)
+        return t
+
+    def _free(self, key):
+        self.current -= self.live.pop(key, 0)
+
+
+def _bytes(tensors) -> int:
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if isinstance(t, torch.Tensor)}.values())
+
+
+def measure_pp_plan(model, plan, run) -> dict:
+    """One rank's measurement of pipeline ``plan`` (``run``: measurement's ``_Settings``)."""
+    from ..core import apply
+
+    runtime = apply(model=model, plan=plan, device_type=run.device)
+    x, y = batch_slice(run.example_input, run.labels, plan.per_rank_batch, run.example_input.shape[0],
+                       start=runtime.dp_rank * plan.per_rank_batch)
+    x = x.to(run.dtype)
+    cls, kw = OPTIMIZERS[run.optimizer]
+    opt = runtime.build_optimizer(cls, lr=run.lr, **kw)
+    pipe, criterion = runtime.model, torch.nn.functional.cross_entropy
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        runtime.train_step(criterion, x, y)
+        opt.step()
+
+    times = []
+    for i in range(run.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        heartbeat(step=i + 1, total=run.steps + 1, message=f"{plan.mode}: timed step")
+    times = times[1:] if len(times) > 1 else times
+
+    labels: Dict[int, str] = {}
+    for stage in pipe.pipeline_stages:
+        compat.label_pipeline_p2p(stage, labels)
+    recv = [b for stage in pipe.pipeline_stages for b in compat.pipeline_recv_buffers(stage)]
+    params = list(pipe.parameters())
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    inputs = [x] if pipe.holds_first else []
+    opt.zero_grad(set_to_none=True)
+    meter, recorder = StorageMeter(), CollectiveRecorder(phase="step", labels=labels)
+    meter.track(params + state + list(pipe.buffers()) + recv + [x, y])
+    saved = _LiveSaved({t.untyped_storage().data_ptr() for t in params + recv + [x]})
+    with meter, recorder, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        runtime.train_step(criterion, x, y)
+        opt.step()
+    heartbeat(step=run.steps + 1, total=run.steps + 1, message=f"{plan.mode}: measured step")
+    groups = {d: runtime.mesh.get_group(d) for d in plan.mesh_dim_names}
+    stages = ",".join(map(str, rank_stages(pipe.pp_rank, plan.pp_size, plan.pp_virtual_stages)))
+    rows = [dict(r, phase={"all_reduce": f"after backward (stages {stages})", "broadcast": "loss"}.get(r["kind"],
+                                                                                                     r["phase"]))
+            for r in recorder.table(groups)]
+    row = dict(rank=dist.get_rank(), params_bytes=_bytes(params), grads_bytes=_bytes(p.grad for p in params),
+               optimizer_bytes=_bytes(state), buffers_bytes=_bytes(pipe.buffers()), activations_bytes=saved.peak,
+               neuron_state_bytes=_NAN, transient_bytes=_bytes(recv + inputs), peak_bytes=meter.peak)
+    return dict(row=row, collectives=rows, times=times, blocked_s=_NAN, debug=None, pp_rank=pipe.pp_rank)
+
+
+def pp_collectives(plan, results: Sequence[dict]):
+    """``(rows, agree)``: the sends per stage boundary of one pipeline (dp replica 0) summed over its
+    ranks, each pp rank's gradient all-reduce, the loss broadcast; ``agree`` when every boundary's
+    receives equal its sends and every dp replica issued what replica 0 did."""
+    key = lambda rows: sorted((r["mesh_dim"], r["kind"], r["phase"], r["count"], r["bytes"]) for r in rows)
+    first = {r["pp_rank"]: r for r in results[::plan.dp_size]}
+    agree = all(key(r["collectives"]) == key(first[r["pp_rank"]]["collectives"]) for r in results)
+    sums: Dict[tuple, List[int]] = {}
+    for pp_rank, result in sorted(first.items()):
+        for r in result["collectives"]:
+            if r["kind"] == "broadcast" and pp_rank:
+                continue  # one broadcast, issued by all
+            acc = sums.setdefault((r["mesh_dim"], r["kind"], r["phase"]), [0, 0])
+            acc[0], acc[1] = acc[0] + r["count"], acc[1] + r["bytes"]
+    sends = {k[2]: v for k, v in sums.items() if k[1] == "send"}
+    recvs = {k[2]: v for k, v in sums.items() if k[1] == "recv"}
+    rows = [dict(mesh_dim=d, kind=k, phase=p, count=c, bytes=n) for (d, k, p), (c, n) in sums.items() if k != "recv"]
+    return rows, agree and sends == recvs
