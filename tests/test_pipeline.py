@@ -19,6 +19,7 @@ BATCH = 8
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 MODELS = ("mlp_all_steps", "vgg", "jelly")
 BACK_TO_BACK = 20
+MEASURED = {1: SCHEDULES, 2: ("1f1b",)}  # measure()d schedules by topology dims (pp; pp x dp)
 
 
 def jelly_mlp() -> nn.Module:
@@ -166,12 +167,34 @@ def back_to_back(runs):
     return done
 
 
+def measured_plan(topology, schedule):
+    import snn_explorer as se
+    from snn_explorer.zoo import build as zoo_build
+
+    zoo = zoo_build("mlp_all_steps", batch_size=BATCH)
+    plan = se.plan(analysis=se.analyze(zoo.model), objective="capacity", topology=topology, batch_size=BATCH,
+                   mode="pp", pp_schedule=schedule, pp_microbatches=4,
+                   pp_virtual_stages=2 if schedule == "interleaved" else 1)
+    return zoo, plan
+
+
+def measure_cases(topology):
+    """measure()'s rank-side run (2 timed steps, then the measured one) of mlp_all_steps per schedule."""
+    from snn_explorer.estimator.measurement import _measure_on_rank, _settings
+
+    schedules = MEASURED[len(topology)]
+    zoo = measured_plan(topology, schedules[0])[0]
+    plans = [measured_plan(topology, s)[1] for s in schedules]
+    run = _settings(zoo.model, plans, zoo.example_input, zoo.labels, 2, "adam", None, 1e-3, "cpu")
+    return _measure_on_rank(zoo.model, plans, run)
+
+
 def rank_group(topology, runs):
     """Every (model, schedule) on this rank group, the references on rank 0, then ``runs`` back-to-back runs."""
     results = {(name, schedule): pipelined(name, topology, schedule) for name in MODELS for schedule in SCHEDULES}
     dp = topology.get("dp", 1)  # BatchNorm (vgg) sees micro-batches of the dp shares
     refs = {name: reference(name, dp * 4 if name == "vgg" else 1) for name in MODELS} if dist.get_rank() == 0 else None
-    return dict(results=results, refs=refs, back_to_back=back_to_back(runs))
+    return dict(results=results, refs=refs, back_to_back=back_to_back(runs), measured=measure_cases(topology))
 
 
 @pytest.fixture(scope="module")
@@ -299,3 +322,31 @@ def test_launch_plan_and_export_job_run_a_pp_plan(tmp_path):
     job = se.export_job(plan, pp_train_fn, tmp_path / "job", model=model, steps=STEPS,
                         train_kwargs={"inputs": x, "labels": y})  # its run.py runs the same train_plan_rank
     assert json.load(open(job.plan_file)) == plan.to_dict() and "--nproc-per-node 2" in job.command
+
+
+@pytest.mark.parametrize("group,topology", [("two_ranks", {"pp": 2}), ("four_ranks", {"pp": 2, "dp": 2})])
+def test_measure_of_pp_plans_lines_up_with_the_estimate(group, topology, request):
+    """measure() on the rank groups: the sends recorded per stage boundary (and the loss broadcast,
+    the dp gradient all-reduce) equal the estimate's rows exactly, every boundary's receives equal
+    its sends; the stage's parameter, gradient, optimizer and receive-buffer bytes equal the estimate."""
+    import snn_explorer as se
+    from snn_explorer.estimator.measurement import _assemble
+
+    results = request.getfixturevalue(group)
+    for j, schedule in enumerate(MEASURED[len(topology)]):
+        zoo, plan = measured_plan(topology, schedule)
+        meas = _assemble(plan, [r["measured"][j] for r in results], 2)
+        est = se.estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels)
+        cmp = se.compare_estimate(est, meas)
+        assert meas.collectives_agree
+        comm = cmp["collectives"]
+        sends = comm[comm["kind"] == "send"]
+        assert len(sends) == 2 * (plan.pp_stages - 1) and (sends["count_meas"] == plan.pp_microbatches).all()
+        assert (comm["count_est"] == comm["count_meas"]).all() and (comm["bytes_est"] == comm["bytes_meas"]).all()
+        assert set(comm["kind"]) == ({"send", "broadcast", "all_reduce"} if plan.dp_size > 1 else {"send", "broadcast"})
+        per_rank = cmp["per_rank"]
+        assert len(per_rank) == plan.world_size and (per_rank["params_bytes_meas"] > 0).all()
+        for col in ("params_bytes", "grads_bytes", "optimizer_bytes", "transient_bytes"):
+            assert (per_rank[f"{col}_est"] == per_rank[f"{col}_meas"]).all(), (schedule, col)
+        assert (per_rank["peak_bytes_meas"] >= per_rank["params_bytes_meas"] + per_rank["optimizer_bytes_meas"]).all()
+        assert meas.time["step_s"].gt(0).all() and meas.time["bubble_s"].isna().all()

@@ -17,7 +17,7 @@ from typing import Dict, List, Sequence, Tuple
 import pandas as pd
 
 from ..core.pipeline_plan import check_pp_model, rank_stages, stage_units
-from .sharding import buffer_bytes, rank_bytes
+from .sharding import buffer_bytes, optimizer_temporaries, rank_bytes
 
 PIPELINE_COLUMNS = ("pp_rank", "stages", "units", "microbatches_in_flight", "bubble_fraction")
 
@@ -68,7 +68,8 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
     for pp_rank in range(plan.pp_size):
         own = rank_stages(pp_rank, plan.pp_size, plan.pp_virtual_stages)
         own_units = [u for s in own for u in stages[s]]
-        b = rank_bytes([p for p in params if _under(p.name, own_units)], plan, 0, optimizer)
+        mine = [p for p in params if _under(p.name, own_units)]
+        b = rank_bytes(mine, plan, 0, optimizer)
         buffers = buffer_bytes([b for b in profile.buffers if _under(b[0], own_units)], profile.dtype, plan)
         flying = in_flight(plan.pp_schedule, plan.pp_size, pp_rank, micro, plan.pp_virtual_stages)
         activations = flying * max(costs[s][0] for s in own)
@@ -76,7 +77,9 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
         recv = sum(micro * itemsize * ((costs[s][2] if s else 0) + (costs[s][3] if s < plan.pp_stages - 1 else 0))
                    for s in own)
         inputs = profile.input_bytes(plan.per_rank_batch, t) if 0 in own else 0
-        peak = sum(b.values()) + buffers + activations + state + recv + inputs
+        # the schedule (activations and state beside the gradients) or the optimizer step (its scratch)
+        peak = sum(b.values()) + buffers + recv + inputs + max(activations + state,
+                                                               optimizer_temporaries(mine, plan, 0, optimizer))
         rows[pp_rank] = dict(**b, buffers_bytes=buffers, activations_bytes=round(activations),
                              neuron_state_bytes=round(state), transient_bytes=round(recv + inputs),
                              peak_bytes=round(peak))
