@@ -3,8 +3,9 @@
 Per rank: the parameters, gradients and optimizer state of its own stages; the activations of the
 micro-batches its schedule holds at once (:func:`in_flight`), each from the profile's per-module
 bytes saved for backward at the micro-batch size; one micro-batch's neuron state; the step's
-input (first stage) and torch's receive buffers (one per micro-batch and stage input / output
-gradient). Traffic: per stage boundary, one activation send forward and one gradient send
+input (first stage) with the contiguous copy of each micro-batch in flight, torch's receive buffers
+(one per micro-batch and stage input / output gradient) and the last stage's outputs kept for the
+merge. Traffic: per stage boundary, one activation send forward and one gradient send
 backward per micro-batch (the boundary module's output at the micro-batch size), the loss
 broadcast from the last stage, and with dp one all-reduce of each rank's stage gradients.
 :func:`bubble_fraction` is the schedule's idle share, for a step-time model to use.
@@ -72,13 +73,17 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
         b = rank_bytes(mine, plan, 0, optimizer)
         buffers = buffer_bytes([b for b in profile.buffers if _under(b[0], own_units)], profile.dtype, plan)
         flying = in_flight(plan.pp_schedule, plan.pp_size, pp_rank, micro, plan.pp_virtual_stages)
-        activations = flying * max(costs[s][0] for s in own)
+        # the first stage's micro-batch (a strided slice of the batch) is copied contiguous and saved
+        copy = costs[0][2] * itemsize if 0 in own and micro > 1 and t > 1 else 0
+        activations = flying * max(costs[s][0] + (copy if s == 0 else 0) for s in own)
         state = max(costs[s][1] for s in own)
         recv = sum(micro * itemsize * ((costs[s][2] if s else 0) + (costs[s][3] if s < plan.pp_stages - 1 else 0))
                    for s in own)
         inputs = profile.input_bytes(plan.per_rank_batch, t) if 0 in own else 0
+        # the last stage keeps each micro-batch's output to merge them after the schedule
+        outputs = micro * costs[-1][3] * itemsize if plan.pp_stages - 1 in own else 0
         # the schedule (activations and state beside the gradients) or the optimizer step (its scratch)
-        peak = sum(b.values()) + buffers + recv + inputs + max(activations + state,
+        peak = sum(b.values()) + buffers + recv + inputs + outputs + max(activations + state,
                                                                optimizer_temporaries(mine, plan, 0, optimizer))
         rows[pp_rank] = dict(**b, buffers_bytes=buffers, activations_bytes=round(activations),
                              neuron_state_bytes=round(state), transient_bytes=round(recv + inputs),

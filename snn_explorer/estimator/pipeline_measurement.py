@@ -87,7 +87,7 @@ def measure_pp_plan(model, plan, run) -> dict:
     inputs = [x] if pipe.holds_first else []
     opt.zero_grad(set_to_none=True)
     meter, recorder = StorageMeter(), CollectiveRecorder(phase="step", labels=labels)
-    meter.track(params + state + list(pipe.buffers()) + recv + [x, y])
+    meter.track(params + state + list(pipe.buffers()) + recv + inputs + ([y] if pipe.holds_last else []))
     saved = _LiveSaved({t.untyped_storage().data_ptr() for t in params + recv + [x]})
     with meter, recorder, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
         runtime.train_step(criterion, x, y)

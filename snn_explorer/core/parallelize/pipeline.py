@@ -42,7 +42,8 @@ class PipelineStageModule(nn.Module):
     """One stage: consecutive units of the user's model (the same module objects), called in order.
 
     Every call is one micro-batch: the stage first resets all its stateful neurons (replacing their
-    state tensors) and counts it in ``resets``.
+    state tensors) and counts it in ``resets``. Its input is made contiguous, so every layer sees
+    (and saves) one micro-batch-sized copy however it treats strided inputs.
     """
 
     def __init__(self, index: int, paths: Sequence[str], units: Sequence[nn.Module]):
@@ -55,6 +56,7 @@ class PipelineStageModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         neurons.reset_all(self)
         self.resets += 1
+        x = x.contiguous()  # the first stage's micro-batch is a strided slice of the batch on dim 1
         for unit in self.units:
             x = unit(x)
         return x
