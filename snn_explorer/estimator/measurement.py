@@ -364,8 +364,9 @@ def measure(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch.
             device: str = "cpu", progress=False) -> PlanMeasurement:
     """Train ``plan`` on ``plan.world_size`` spawned ranks for ``steps`` steps and measure one more.
 
-    ``device``: ``"cpu"`` (gloo; the peak is MemTracker's) or ``"cuda"`` (NCCL, rank ``r`` on GPU
-    ``r``; the peak is the CUDA allocator's ``max_memory_allocated``).
+    ``device``: ``"cpu"`` (gloo; the peak is MemTracker's, a storage meter's for pipeline plans) or
+    ``"cuda"`` (NCCL, rank ``r`` on GPU ``r``; the peak is the CUDA allocator's
+    ``max_memory_allocated``, a storage meter's for pipeline plans). Pipeline plans need ``labels``.
     ``example_input`` ``[T, N, ...]`` is the global batch (``plan.batch_size`` samples): dp rank
     ``r`` trains on samples ``r * per_rank_batch`` onwards. ``labels`` select a cross-entropy loss
     (else the mean square output). The model is copied; it is not changed.

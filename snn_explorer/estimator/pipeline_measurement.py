@@ -47,15 +47,12 @@ class _LiveSaved:
         self.current -= self.live.pop(key, 0)
 
 
-def _bytes(tensors) -> int:
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in tensors if isinstance(t, torch.Tensor)}.values())
-
-
 def measure_pp_plan(model, plan, run) -> dict:
     """One rank's measurement of pipeline ``plan`` (``run``: measurement's ``_Settings``)."""
     from ..core import apply
+    from .measurement import _storage_bytes
 
+    _bytes = lambda tensors: sum(_storage_bytes(tensors).values())
     runtime = apply(model=model, plan=plan, device_type=run.device)
     x, y = batch_slice(run.example_input, run.labels, plan.per_rank_batch, run.example_input.shape[0],
                        start=runtime.dp_rank * plan.per_rank_batch)
