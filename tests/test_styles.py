@@ -7,7 +7,7 @@ from torch import nn
 
 import snn_explorer as se
 from distributed_harness import run_on_ranks
-from models import MLP, TimeLoop
+from models import MLP, SEWResNet, SpikeDrivenNet, TimeLoop
 from snn_explorer.zoo import lif
 from snn_explorer.core.styles import STYLES
 
@@ -70,6 +70,10 @@ def build(case: str) -> nn.Module:
     elif case == "conv":
         net = nn.Sequential(nn.Conv2d(2, 8, 3, padding=1), nn.BatchNorm2d(8), lif(0.8), nn.MaxPool2d(2),
                             nn.Conv2d(8, 4, 3, padding=1), lif(0.8), nn.Flatten(), nn.Linear(4 * 4 * 4, 6))
+    elif case == "sew":
+        return _strong(SEWResNet())
+    elif case == "spike_driven":
+        return _strong(SpikeDrivenNet())
     else:
         net = AttentionNet(conv=case == "attn_conv")
     return _strong(TimeLoop(net))
@@ -77,13 +81,15 @@ def build(case: str) -> nn.Module:
 
 def example(case: str):
     g = torch.Generator().manual_seed(1)
-    shape = {"linear": (8,), "conv": (2, 8, 8), "attn_conv": (8, 4), "attn_linear": (4, 8)}[case]
+    shape = {"linear": (8,), "conv": (2, 8, 8), "attn_conv": (8, 4), "attn_linear": (4, 8), "sew": (2, 4, 4),
+             "spike_driven": (8, 4)}[case]
     return torch.rand(T, N, *shape, generator=g, dtype=torch.float64) * 2, torch.arange(N) % 6
 
 
 FEATURES = {"linear": {}, "conv": dict(allow_experimental_conv_tp=True),
             "attn_conv": dict(allow_experimental_spikformer_tp=True),
-            "attn_linear": dict(allow_experimental_spikformer_tp=True)}
+            "attn_linear": dict(allow_experimental_spikformer_tp=True),
+            "sew": dict(allow_experimental_conv_tp=True), "spike_driven": dict(allow_experimental_spikformer_tp=True)}
 CASES = tuple(FEATURES)
 
 
@@ -95,10 +101,11 @@ def plan_for(case: str, model: nn.Module):
 def _rates(model: nn.Module, x, y):
     """Spike rate of every neuron in one forward/backward of the unsharded ``model``."""
     import snntorch
+    from spikingjelly.activation_based.neuron import BaseNode
 
     rates = {}
     for name, m in model.named_modules():
-        if isinstance(m, snntorch.SpikingNeuron):
+        if isinstance(m, (snntorch.SpikingNeuron, BaseNode)):
             m.register_forward_hook(lambda _m, _i, o, name=name: rates.setdefault(name, []).append(float(o.detach().mean())))
     se.core.neurons.reset_all(model)
     out = model(x)
