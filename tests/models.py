@@ -73,3 +73,82 @@ def dominant_classifier():
     torch.manual_seed(0)
     return _DominantClassifier(), torch.rand(2, 4, 2, 32, 32, generator=torch.Generator().manual_seed(1)), \
         torch.arange(4) % 10
+
+
+def _sj_lif():
+    from spikingjelly.activation_based import neuron
+
+    return neuron.LIFNode(tau=2.0, v_threshold=0.5, step_mode="m", detach_reset=True)
+
+
+class SpikeDrivenAttention(nn.Module):
+    """Spike-driven self-attention on ``[T, N, C, L]`` tokens: q/k/v branches of 1x1 Conv1d +
+    BatchNorm + LIF, heads, ``(q @ k^T) @ v`` scaled (no softmax), a LIF, a 1x1 conv + BN projection."""
+
+    def __init__(self, dim: int = 8, num_heads: int = 2):
+        from spikingjelly.activation_based import layer
+
+        super().__init__()
+        self.num_heads = num_heads
+        for role in ("q", "k", "v"):
+            setattr(self, f"{role}_conv", layer.Conv1d(dim, dim, 1, bias=False, step_mode="m"))
+            setattr(self, f"{role}_bn", layer.BatchNorm1d(dim, step_mode="m"))
+            setattr(self, f"{role}_lif", _sj_lif())
+        self.attn_lif = _sj_lif()
+        self.proj_conv = layer.Conv1d(dim, dim, 1, step_mode="m")
+        self.proj_bn = layer.BatchNorm1d(dim, step_mode="m")
+
+    def forward(self, x):
+        q, k, v = (getattr(self, f"{r}_lif")(getattr(self, f"{r}_bn")(getattr(self, f"{r}_conv")(x))) for r in "qkv")
+        t, n, c, length = q.shape  # c: this rank's channels (whole heads) under TP, read from q, not x
+        q, k, v = (y.reshape(t, n, self.num_heads, c // self.num_heads, length) for y in (q, k, v))
+        attn = (q.transpose(-2, -1) @ k) @ v.transpose(-2, -1) * 0.25  # [t, n, h, L, d]
+        out = self.attn_lif(attn.transpose(-2, -1).reshape(t, n, c, length))
+        return self.proj_bn(self.proj_conv(out))
+
+
+class SpikeDrivenNet(nn.Module):
+    """SpikeDrivenAttention with a residual add, then a Linear head on ``[T, N, C * L]``."""
+
+    def __init__(self, dim: int = 8, length: int = 4):
+        super().__init__()
+        self.attn = SpikeDrivenAttention(dim)
+        self.lif = _sj_lif()
+        self.head = nn.Linear(dim * length, 6)
+
+    def forward(self, x):
+        return self.head(self.lif(x + self.attn(x)).flatten(2))
+
+
+class SEWBlock(nn.Module):
+    """SEW-ResNet block: conv -> BN -> LIF -> conv -> BN -> LIF, added to the input."""
+
+    def __init__(self, channels: int, groups: int = 1):
+        from spikingjelly.activation_based import layer
+
+        super().__init__()
+        self.conv1 = layer.Conv2d(channels, channels, 3, padding=1, bias=False, step_mode="m")
+        self.bn1 = layer.BatchNorm2d(channels, step_mode="m")
+        self.sn1 = _sj_lif()
+        self.conv2 = layer.Conv2d(channels, channels, 3, padding=1, bias=False, groups=groups, step_mode="m")
+        self.bn2 = layer.BatchNorm2d(channels, step_mode="m")
+        self.sn2 = _sj_lif()
+
+    def forward(self, x):
+        return self.sn2(self.bn2(self.conv2(self.sn1(self.bn1(self.conv1(x)))))) + x
+
+
+class SEWResNet(nn.Module):
+    """A stem conv + two SEW blocks + a Linear head on ``[T, N, 2, 4, 4]`` frames."""
+
+    def __init__(self, channels: int = 8, groups: int = 1):
+        from spikingjelly.activation_based import layer
+
+        super().__init__()
+        self.stem = nn.Sequential(layer.Conv2d(2, channels, 3, padding=1, bias=False, step_mode="m"),
+                                  layer.BatchNorm2d(channels, step_mode="m"), _sj_lif())
+        self.blocks = nn.Sequential(SEWBlock(channels, groups), SEWBlock(channels, groups))
+        self.head = nn.Linear(channels * 16, 6)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)).flatten(2))

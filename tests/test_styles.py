@@ -7,7 +7,7 @@ from torch import nn
 
 import snn_explorer as se
 from distributed_harness import run_on_ranks
-from models import MLP, TimeLoop
+from models import MLP, SEWResNet, SpikeDrivenNet, TimeLoop
 from snn_explorer.zoo import lif
 from snn_explorer.core.styles import STYLES
 
@@ -70,6 +70,10 @@ def build(case: str) -> nn.Module:
     elif case == "conv":
         net = nn.Sequential(nn.Conv2d(2, 8, 3, padding=1), nn.BatchNorm2d(8), lif(0.8), nn.MaxPool2d(2),
                             nn.Conv2d(8, 4, 3, padding=1), lif(0.8), nn.Flatten(), nn.Linear(4 * 4 * 4, 6))
+    elif case == "sew":
+        return _strong(SEWResNet())
+    elif case == "spike_driven":
+        return _strong(SpikeDrivenNet())
     else:
         net = AttentionNet(conv=case == "attn_conv")
     return _strong(TimeLoop(net))
@@ -77,13 +81,15 @@ def build(case: str) -> nn.Module:
 
 def example(case: str):
     g = torch.Generator().manual_seed(1)
-    shape = {"linear": (8,), "conv": (2, 8, 8), "attn_conv": (8, 4), "attn_linear": (4, 8)}[case]
+    shape = {"linear": (8,), "conv": (2, 8, 8), "attn_conv": (8, 4), "attn_linear": (4, 8), "sew": (2, 4, 4),
+             "spike_driven": (8, 4)}[case]
     return torch.rand(T, N, *shape, generator=g, dtype=torch.float64) * 2, torch.arange(N) % 6
 
 
 FEATURES = {"linear": {}, "conv": dict(allow_experimental_conv_tp=True),
             "attn_conv": dict(allow_experimental_spikformer_tp=True),
-            "attn_linear": dict(allow_experimental_spikformer_tp=True)}
+            "attn_linear": dict(allow_experimental_spikformer_tp=True),
+            "sew": dict(allow_experimental_conv_tp=True), "spike_driven": dict(allow_experimental_spikformer_tp=True)}
 CASES = tuple(FEATURES)
 
 
@@ -95,10 +101,11 @@ def plan_for(case: str, model: nn.Module):
 def _rates(model: nn.Module, x, y):
     """Spike rate of every neuron in one forward/backward of the unsharded ``model``."""
     import snntorch
+    from spikingjelly.activation_based.neuron import BaseNode
 
     rates = {}
     for name, m in model.named_modules():
-        if isinstance(m, snntorch.SpikingNeuron):
+        if isinstance(m, (snntorch.SpikingNeuron, BaseNode)):
             m.register_forward_hook(lambda _m, _i, o, name=name: rates.setdefault(name, []).append(float(o.detach().mean())))
     se.core.neurons.reset_all(model)
     out = model(x)
@@ -316,3 +323,48 @@ def test_apply_refuses_a_hand_made_plan_that_splits_tied_weights():
 
     with pytest.raises(ValueError, match="tied parameter"):
         preflight(Tied(), plan)
+
+
+def _plan_styles(model, **features):
+    from snn_explorer.core.tp_plan import default_tp_plan
+
+    return default_tp_plan(se.analyze(model), se.DistributedFeatureSet(**features))
+
+
+def test_planner_shards_sew_blocks_and_spike_driven_heads():
+    sew = _plan_styles(SEWResNet(), allow_experimental_conv_tp=True)
+    assert {p: s for p, s in sew.items() if p.startswith("blocks.")} == {
+        f"blocks.{i}.{leaf}": style for i in (0, 1) for leaf, style in
+        (("conv1", "conv_colwise"), ("bn1", "norm_local"), ("sn1", "local"), ("conv2", "conv_rowwise"))}
+    attn = _plan_styles(SpikeDrivenNet(), allow_experimental_spikformer_tp=True)
+    assert sorted(p for p, s in attn.items() if s in ("conv_colwise", "conv_rowwise")) == \
+        ["attn.k_conv", "attn.proj_conv", "attn.q_conv", "attn.v_conv"]
+    assert attn["attn"] == "heads_local" and attn["attn.attn_lif"] == "local"
+    assert "attn.proj_bn" not in attn  # after the row-wise projection the stream is whole again
+    # without the gates only the head is sharded
+    assert set(_plan_styles(SEWResNet())) == set(_plan_styles(SpikeDrivenNet())) == {"head"}
+
+
+def test_recognisers_refuse_near_misses():
+    grouped = se.analyze(SEWResNet(groups=2))
+    assert grouped.block_conv_chains == ()  # a grouped second conv cannot take channel shards
+    assert "blocks.0.conv2" not in _plan_styles(SEWResNet(groups=2), allow_experimental_conv_tp=True)
+    softmax = SpikeDrivenNet()
+    softmax.attn.mix = nn.Softmax(dim=2)  # a child the recogniser cannot see through: not split by heads
+    assert se.analyze(softmax).branch_attention_blocks == ()
+    odd = SpikeDrivenNet()
+    odd.attn.num_heads = 3  # 8 channels do not split into 3 heads
+    assert se.analyze(odd).branch_attention_blocks == ()
+
+
+def test_branch_attention_split_all_or_nothing():
+    from snn_explorer.core.tp_plan import check_tp_plan
+
+    model = SpikeDrivenNet()
+    analysis = se.analyze(model)
+    plan = _plan_styles(model, allow_experimental_spikformer_tp=True)
+    check_tp_plan(analysis, plan, TP)
+    plan.pop("attn")
+    with pytest.raises(ValueError, match="split by heads only"):
+        check_tp_plan(analysis, plan, TP)
+    assert se.core.analysis.SNNDistributedAnalysis.from_dict(analysis.to_dict()) == analysis

@@ -10,8 +10,9 @@ from torch import nn
 
 from ..compat import non_persistent_buffer_names
 from . import neurons
-from .attention import AttentionBlock, FusedAttentionBlock, attention_blocks, fused_attention_blocks, pointwise_chains
-from .structure import CONV_TYPES, NORM_TYPES, chains, under
+from .attention import (AttentionBlock, BranchAttentionBlock, FusedAttentionBlock, attention_blocks,
+                        branch_attention_blocks, fused_attention_blocks, pointwise_chains)
+from .structure import CONV_TYPES, NORM_TYPES, block_conv_chains, chains, under
 from .pipeline_plan import pipeline_units
 from .plans.families import fsdp_units, resolve_family
 from .serialize import check_keys, check_kind, dataclass_dict, string_tuple, tuplify
@@ -19,7 +20,7 @@ from .serialize import check_keys, check_kind, dataclass_dict, string_tuple, tup
 #: Analysis fields that hold module paths, and those that hold tuples of them (chains, (path, library)).
 _PATHS = ("memory_module_names", "tensor_parallel_candidate_names", "unsupported_tensor_parallel_names", "notes",
           "fsdp_unit_names", "per_feature_neuron_names", "batchnorm_names", "pipeline_units")
-_PATH_TUPLES = ("snn_libraries", "tp_chains", "conv_chains", "pointwise_chains", "state_kinds")
+_PATH_TUPLES = ("snn_libraries", "tp_chains", "conv_chains", "pointwise_chains", "block_conv_chains", "state_kinds")
 
 
 
@@ -76,6 +77,9 @@ class SNNDistributedAnalysis:
     conv_chains: Tuple[Tuple[str, ...], ...] = ()
     fused_attention_blocks: Tuple[FusedAttentionBlock, ...] = ()
     pointwise_chains: Tuple[Tuple[str, ...], ...] = ()
+    #: conv -> BN -> neuron -> conv runs inside residual blocks (registration order; the conv gate trusts it)
+    block_conv_chains: Tuple[Tuple[str, ...], ...] = ()
+    branch_attention_blocks: Tuple[BranchAttentionBlock, ...] = ()
     shared_parameter_groups: Tuple[Tuple[str, ...], ...] = ()
     trainable_parameters: Optional[int] = None  # elements of the parameters that require grad (None: unknown)
     #: snntorch neurons whose membrane the model's forward passes explicitly (init_hidden=False)
@@ -144,6 +148,9 @@ class SNNDistributedAnalysis:
             "conv_shapes": tuple(ConvShape(**check_kind(c, "conv")) for c in data.pop("conv_shapes", ())),
             "fused_attention_blocks": tuple(FusedAttentionBlock(**check_kind(b, "fused_attention"))
                                             for b in data.pop("fused_attention_blocks", ())),
+            "branch_attention_blocks": tuple(
+                BranchAttentionBlock(**{k: tuplify(v) for k, v in check_kind(b, "branch_attention").items()})
+                for b in data.pop("branch_attention_blocks", ())),
         }
         return cls(**{k: tuplify(v) for k, v in data.items()}, **objects)
 
@@ -248,6 +255,8 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
         conv_chains=tuple(c for c in chains(model, roots, "conv") if len(c) > 1),
         fused_attention_blocks=fused_attention_blocks(model, roots, memory),
         pointwise_chains=tuple(c for c in pointwise_chains(model, roots) if c not in linear_chains),
+        block_conv_chains=block_conv_chains(model, roots),
+        branch_attention_blocks=branch_attention_blocks(model, roots, memory),
         shared_parameter_groups=shared_parameters(model),
         trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         explicit_state_names=explicit,

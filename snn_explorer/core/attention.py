@@ -138,3 +138,75 @@ def pointwise_chains(model: nn.Module, roots) -> Tuple[Tuple[str, ...], ...]:
         found.extend(run for run in runs(sequence, "pointwise", layer)
                      if sum(1 for p in run if layer(p, "linear" if isinstance(modules[p], nn.Linear) else "conv")) > 1)
     return tuple(found)
+
+
+@dataclass(frozen=True)
+class BranchAttentionBlock:
+    """Spike-driven attention with one branch per q, k, v (a 1x1 conv, then an optional BatchNorm
+    and neuron, as children ``q_conv``, ``q_bn``, ``q_lif``) and a 1x1 conv projection ``proj``.
+
+    ``branches`` holds every module of the q, k and v branches in registration order; ``neurons``
+    the block's other children (neurons on the attention output, which holds this rank's heads). Any
+    other child (a Softmax, a Linear mixing heads) makes the block unrecognised.
+    """
+
+    path: str
+    num_heads: int
+    convs: Tuple[str, str, str]
+    branches: Tuple[str, ...]
+    proj: str
+    neurons: Tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return dataclass_dict(self, "branch_attention")
+
+
+def _is_one_by_one(module: nn.Module) -> bool:
+    """A Conv1d/2d with kernel 1, one group, stride 1, no padding: a per-position channel map."""
+    return (isinstance(module, (nn.Conv1d, nn.Conv2d)) and set(module.kernel_size) == {1} and module.groups == 1
+            and set(module.stride) == {1} and set(module.padding) == {0} and set(module.dilation) == {1})
+
+
+def _holds_state(path: str, memory: Sequence[str]) -> bool:
+    return any(m == path or m.startswith(path + ".") for m in memory)
+
+
+def _branch(path: str, children: dict, role: str, memory: Sequence[str]) -> Optional[Tuple[str, ...]]:
+    """The ``role_*`` children: a 1x1 conv first, then only BatchNorms over its channels and neurons."""
+    names = [n for n in children if n.startswith(role + "_")]
+    if not names or not _is_one_by_one(children[names[0]]):
+        return None
+    width = children[names[0]].out_channels
+    for name in names[1:]:
+        sub, full = children[name], f"{path}.{name}"
+        norm = isinstance(sub, NORM_TYPES) and sub.num_features == width
+        if not norm and not _holds_state(full, memory):
+            return None
+    return tuple(f"{path}.{n}" for n in names)
+
+
+def _branch_block(path: str, module: nn.Module, memory: Sequence[str]) -> Optional[BranchAttentionBlock]:
+    heads = _num_heads(module)
+    if heads is None:
+        return None
+    children = dict(module.named_children())
+    found = {role: _branch(path, children, role, memory) for role in ("q", "k", "v", "proj")}
+    if any(b is None for b in found.values()):
+        return None
+    convs = tuple(found[r][0] for r in ("q", "k", "v"))
+    widths = {children[c.rpartition(".")[2]].out_channels for c in convs}
+    proj = children[found["proj"][0].rpartition(".")[2]]
+    claimed = {p.rpartition(".")[2] for b in found.values() for p in b}
+    rest = [f"{path}.{n}" for n in children if n not in claimed]
+    if any(not _holds_state(p, memory) for p in rest):
+        return None
+    if len(widths) != 1 or proj.in_channels not in widths or widths.pop() % heads:
+        return None
+    branches = tuple(p for r in ("q", "k", "v") for p in found[r])
+    return BranchAttentionBlock(path, heads, convs, branches, found["proj"][0], tuple(rest))
+
+
+def branch_attention_blocks(model: nn.Module, roots, memory: Sequence[str]) -> Tuple[BranchAttentionBlock, ...]:
+    """Spike-driven attention with q/k/v branches of 1x1 conv + BatchNorm + neuron under ``roots``."""
+    found = (_branch_block(n, m, memory) for n, m in model.named_modules() if n and under(n, roots))
+    return tuple(b for b in found if b is not None)

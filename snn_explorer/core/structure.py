@@ -103,3 +103,38 @@ def chains(model: nn.Module, roots, layer: str, candidates: Sequence[str] = ()) 
     found.extend((c,) for c in candidates if c not in seen)
     order = {n: i for i, n in enumerate(modules)}
     return tuple(sorted(found, key=lambda c: order[c[0]]))
+
+
+#: The kinds of a residual block's channel run: conv -> BN -> neuron -> conv (-> BN (-> neuron)).
+_BLOCK_RUN = ("conv", "norm", "elementwise", "conv", "norm", "elementwise")
+
+
+def block_conv_chains(model: nn.Module, roots) -> Tuple[Tuple[str, ...], ...]:
+    """``conv -> BN -> neuron -> conv (-> BN (-> neuron))`` among the children of custom
+    (non-Sequential) modules, in registration order: the inside of SEW-ResNet-style residual blocks,
+    whose forward adds the run's output to the block input. Both convs must have one group and the
+    BN the first conv's channels; the run is cut after the second conv's BN and neuron."""
+    modules = dict(model.named_modules())
+    found = []
+    for name, module in modules.items():
+        if isinstance(module, nn.Sequential) or not module._modules or hasattr(module, "num_heads"):
+            continue
+        sequence = flatten(module, name + "." if name else "", roots)
+        start = 0
+        while start < len(sequence):
+            run = _block_run(modules, sequence[start:start + len(_BLOCK_RUN)])
+            found.extend([run] if run else [])
+            start += len(run) or 1
+    return tuple(found)
+
+
+def _block_run(modules: dict, window: Sequence[tuple]) -> Tuple[str, ...]:
+    kinds = [k for _, k in window]
+    length = next((n for n in range(len(kinds), 3, -1) if tuple(kinds[:n]) == _BLOCK_RUN[:n]), 0)
+    if not length:
+        return ()
+    first, norm, _, second = (modules[p] for p, _ in window[:4])
+    if first.groups != 1 or second.groups != 1 or norm.num_features != first.out_channels \
+            or second.in_channels != first.out_channels:
+        return ()
+    return tuple(p for p, _ in window[:length])

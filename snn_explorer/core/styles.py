@@ -20,7 +20,7 @@ KINDS = {
     "conv": "a convolution (Conv1d/2d/3d)",
     "batchnorm": "a BatchNorm",
     "neuron": "a stateful neuron module",
-    "attention": "a fused q/k/v attention module",
+    "attention": "an attention module (fused q/k/v, or q/k/v conv branches)",
     "qkv": "the fused q/k/v projection of an attention module",
     "qkv_norm": "the BatchNorm on a fused q/k/v projection",
 }
@@ -41,12 +41,16 @@ def layer_kinds(analysis, path: str) -> frozenset:
     for block in analysis.fused_attention_blocks:
         kinds.update(kind for kind, role in (("attention", block.path), ("qkv", block.qkv),
                                              ("qkv_norm", block.qkv_norm)) if role == path)
+    if any(b.path == path for b in analysis.branch_attention_blocks):
+        kinds.add("attention")
     return frozenset(kinds)
 
 
-def fused_block_of(analysis, path: str):
-    """The fused attention block that ``path`` is the module, projection or norm of (None if none)."""
-    return next((b for b in analysis.fused_attention_blocks if path in (b.path, b.qkv, b.qkv_norm)), None)
+def heads_block_of(analysis, path: str):
+    """The attention block that ``path`` is the module (fused or branch attention), fused projection or
+    norm of (None if none)."""
+    fused = (b for b in analysis.fused_attention_blocks if path in (b.path, b.qkv, b.qkv_norm))
+    return next(fused, None) or next((b for b in analysis.branch_attention_blocks if b.path == path), None)
 
 
 class TPStyle:
@@ -255,11 +259,11 @@ class _Heads(TPStyle):
     gates = (SPIKFORMER_GATE,)
 
     def sizes(self, analysis, path):
-        block = fused_block_of(analysis, path)
+        block = heads_block_of(analysis, path)
         return ((block.path, "num_heads", block.num_heads),)
 
     def check_sizes(self, analysis, path, tp_size):
-        block = fused_block_of(analysis, path)
+        block = heads_block_of(analysis, path)
         if block.num_heads % tp_size:
             raise ValueError(f"tp={tp_size} does not divide {block.path}.num_heads={block.num_heads}; "
                              "head-aligned attention TP gives each rank whole heads")

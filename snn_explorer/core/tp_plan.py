@@ -45,6 +45,18 @@ def head_aligned_tp_plan(analysis: SNNDistributedAnalysis) -> Dict[str, str]:
         plan.update({fused.neuron: "local"} if fused.neuron else {})
     for chain in analysis.pointwise_chains:
         plan.update(_pair(analysis, chain, [p for p in chain if p in linears or p in _conv_names(analysis)]))
+    for branch in analysis.branch_attention_blocks:
+        plan.update(branch_attention_plan(analysis, branch))
+    return plan
+
+
+def branch_attention_plan(analysis: SNNDistributedAnalysis, block) -> Dict[str, str]:
+    """A spike-driven attention block by heads: each q/k/v branch conv output-channel-sharded with its
+    BatchNorm and neuron local, the block computing its local heads, the projection input-sharded."""
+    plan = {block.path: "heads_local", block.proj: "conv_rowwise"}
+    plan.update({p: "conv_colwise" for p in block.convs})
+    plan.update({p: "norm_local" if p in analysis.batchnorm_names else "local"
+                 for p in block.branches + block.neurons if p not in block.convs})
     return plan
 
 
@@ -63,7 +75,7 @@ def default_tp_plan(analysis: SNNDistributedAnalysis, features) -> Dict[str, str
 
 def has_attention(analysis: SNNDistributedAnalysis) -> bool:
     """Whether the analysis found attention that head-aligned TP can split."""
-    return bool(analysis.attention_blocks or analysis.fused_attention_blocks)
+    return bool(analysis.attention_blocks or analysis.fused_attention_blocks or analysis.branch_attention_blocks)
 
 
 def _conv_names(analysis: SNNDistributedAnalysis) -> set:
@@ -89,14 +101,15 @@ def conv_tp_plan(analysis: SNNDistributedAnalysis) -> Dict[str, str]:
     stays whole. BatchNorms and neurons between a pair hold their channel shard."""
     plan: Dict[str, str] = {}
     convs = _conv_names(analysis)
-    for chain in analysis.conv_chains:
+    for chain in analysis.conv_chains + analysis.block_conv_chains:
         plan.update(_pair(analysis, chain, [p for p in chain if p in convs]))
     return plan
 
 
 def _runs(analysis: SNNDistributedAnalysis) -> list:
     """Every run of modules in known execution order (Linear, conv and pointwise chains)."""
-    return list(analysis.tp_chains) + list(analysis.conv_chains) + list(analysis.pointwise_chains)
+    return (list(analysis.tp_chains) + list(analysis.conv_chains) + list(analysis.pointwise_chains)
+            + list(analysis.block_conv_chains))
 
 
 def _is_layer(analysis: SNNDistributedAnalysis, path: str) -> bool:
@@ -144,6 +157,8 @@ def _attention_parts(analysis: SNNDistributedAnalysis) -> set:
         parts.update((b.q, b.k, b.v, b.proj) + b.neurons)
     for f in analysis.fused_attention_blocks:
         parts.update(p for p in (f.path, f.qkv, f.proj, f.qkv_norm, f.neuron) if p)
+    for b in analysis.branch_attention_blocks:
+        parts.update((b.path, b.proj) + b.branches + b.neurons)
     return parts
 
 
@@ -166,6 +181,11 @@ def _check_attention(analysis: SNNDistributedAnalysis, plan: Mapping[str, str], 
         got = {p: plan.get(p) for p in want}
         if any(got.values()) and got != want:
             raise ValueError(f"fused attention {f.path!r} is split by heads only with all of {want}; got {got}")
+    for b in analysis.branch_attention_blocks:
+        want = branch_attention_plan(analysis, b)
+        got = {p: plan.get(p) for p in want}
+        if any(got.values()) and got != want:
+            raise ValueError(f"attention {b.path!r} is split by heads only with all of {want}; got {got}")
 
 
 def _flow_runs(analysis: SNNDistributedAnalysis, plan: Mapping[str, str]) -> list:
