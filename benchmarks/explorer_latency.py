@@ -5,10 +5,10 @@ Run: ``MPLBACKEND=Agg python benchmarks/explorer_latency.py [--changes 50] [--sk
 For each model: ``analyze`` time (median of 5), ``first_estimate_s`` (a fresh copy of the model:
 the first ``Explorer.estimate`` of the plan the UI opens on, profile and step-time counting
 included; the machine's calibration comes from its disk cache), ``ui_open_s`` (building the
-widgets and the comparison they show: only the current plan is estimated, lazily), then 50 seeded random control changes on the UI (objective, dp x tp,
-mode, ZeRO gate, memory budget), each timed from setting ``.value`` to the comparison's widget
-state being rewritten; median and p95, and how many distinct plans were estimated; then the same
-changes again, every estimate cached (``cached_p95_ms``: the explorer's own re-plan and re-render).
+widgets and the comparison they show: only the current plan is estimated, lazily), then 50
+seeded random control changes on the UI (objective, dp x tp, mode, ZeRO gate, memory budget),
+each timed from setting ``.value`` to the comparison's widget state being rewritten; median and
+p95, and how many distinct plans were estimated; then the same changes again, every estimate cached (``cached_p95_ms``: the explorer's own re-plan and re-render).
 Layouts first reached by a change are measured then, so ``change_p95_ms`` includes model runs.
 Targets (issue 4): p95 <= 50 ms at ~120 modules, <= 200 ms at 10 000 modules; analyze of 10 000
 modules <= 0.5 s. Targets (issue 18): ``ui_open_s`` <= 5 s at 10 000 modules, ``first_estimate_s``

@@ -174,8 +174,7 @@ def test_fsdp2_replay_recovers_the_meters_peaks_and_frees_every_buffer():
 
 def test_work_counter_bytes_match_pytree_flattening_of_every_operator():
     """The step-time counter's own flattening counts the same bytes as torch's pytree on a real step."""
-    from torch.utils._pytree import tree_leaves
-
+    from snn_explorer.compat import tree_leaves
     from snn_explorer.estimator import compute_work
 
     seen = []
