@@ -170,3 +170,26 @@ def test_fsdp2_replay_recovers_the_meters_peaks_and_frees_every_buffer():
         assert held >= max(u.unsharded + u.flat for u in timeline.units)
         peaks[reshard] = f
     assert peaks[True] < peaks[False]
+
+
+def test_work_counter_bytes_match_pytree_flattening_of_every_operator():
+    """The step-time counter's own flattening counts the same bytes as torch's pytree on a real step."""
+    from snn_explorer.compat import tree_leaves
+    from snn_explorer.estimator import compute_work
+
+    seen = []
+
+    class Both(compute_work._Counter):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            mine = compute_work._nbytes((args, kwargs or {}, out))
+            ref = sum(v.numel() * v.element_size() for v in tree_leaves((args, kwargs or {}, out))
+                      if isinstance(v, torch.Tensor))
+            seen.append((func, mine, ref))
+            return out
+
+    zoo = build("spikformer")
+    with Both():
+        zoo.model(zoo.example_input).sum().backward()
+    assert len(seen) > 100 and sum(m for _, m, _ in seen) > 0
+    assert [(f, m) for f, m, r in seen if m != r] == []

@@ -143,13 +143,33 @@ def test_without_an_example_input_the_comparison_says_why():
     assert "cannot estimate" in _data(ex.ui)["text/plain"] and ex.ui.current is not None
 
 
+def test_opening_estimates_only_the_shown_comparison_and_matches_the_eager_path():
+    """Opening is lazy: only the current plan is estimated (one TP layout, no replica built); a plan
+    reached later is measured then, and gives the numbers Explorer.prepare's eager path gives."""
+    from snn_explorer.estimator import model_profile
+
+    lazy = Explorer.from_zoo(build("vgg"))
+    ui = lazy.ui
+    assert ui.error == "" and len(lazy._estimates) == 1
+    assert not model_profile(lazy.model, lazy.example_input, lazy.labels).replicas, "no TP layout measured on open"
+    ui.tp.value = 2
+    ui.gates["allow_experimental_conv_tp"].value = True  # a TP layout: its replica measured now
+    current = ui.current
+    eager = Explorer.from_zoo(build("vgg"))
+    assert eager.prepare(4) > len(lazy._estimates)
+    a, b = lazy.estimate(current), eager.estimate(current)
+    assert current.tp_size == 2 and a.peak_bytes > 0 and a.comm_bytes > 0
+    assert a.per_rank.equals(b.per_rank) and a.collectives.equals(b.collectives)  # step times: timed, not compared
+
+
 def test_controls_other_than_the_work_reestimate_without_running_the_model():
-    """Opening the UI prepares every plan of the world size; dp x tp, mode, objective, gates and budget
-    then never run the model (its profile copy or a TP replica)."""
+    """After Explorer.prepare, dp x tp, mode, objective, gates and budget never run the model (its
+    profile copy or a TP replica)."""
     from snn_explorer.estimator import model_profile
 
     ex = Explorer.from_zoo(build("vgg"))
     ui = ex.ui
+    ex.prepare(ui.world_size.value)
     profile = model_profile(ex.model, ex.example_input, ex.labels)
     assert profile.replicas, "TP layouts were prepared"
     runs = []
@@ -166,7 +186,7 @@ def test_controls_other_than_the_work_reestimate_without_running_the_model():
     ui.mode.value = "fsdp2"
     assert len(seen) > 5 and ui.error == ""  # the comparison really changed
     assert runs == []
-    ui.batch_size.value = ui.batch_size.value * 2  # new work: measured once, here
+    ui.batch_size.value = ui.batch_size.value * 2  # new work: measured when the comparison needs it
     assert runs
 
 

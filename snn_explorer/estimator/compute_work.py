@@ -24,7 +24,7 @@ from typing import Dict
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..compat import TorchDispatchMode, tree_leaves
+from ..compat import TorchDispatchMode
 from ._step import OPTIMIZERS, batch_slice, forward_loss
 from .hardware import HardwareProfile
 from .profile import SIZES, Fit, ModelProfile
@@ -34,7 +34,17 @@ _FLOP_FORMULAS = FlopCounterMode(display=False).flop_registry
 
 
 def _nbytes(values) -> int:
-    return sum(v.numel() * v.element_size() for v in tree_leaves(values) if isinstance(v, torch.Tensor))
+    """Bytes of the tensors in an operator's arguments or outputs (nested tuples, lists, dicts).
+
+    A plain recursion: aten operators take and return only these containers, and pytree's
+    generic flattening cost most of the counting time on deep models."""
+    if isinstance(values, torch.Tensor):
+        return values.numel() * values.element_size()
+    if isinstance(values, (tuple, list)):
+        return sum(_nbytes(v) for v in values)
+    if isinstance(values, dict):
+        return sum(_nbytes(v) for v in values.values())
+    return 0
 
 
 class _Counter(TorchDispatchMode):

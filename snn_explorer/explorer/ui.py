@@ -1,9 +1,9 @@
 """ExplorerUI: ipywidgets controls over an Explorer; every change re-plans, re-estimates, re-renders.
 
 Results are written as widget state (``Output.outputs``), never printed, so a headless test, nbval
-and a browser all see the same thing. The model runs only when the work changes (world size,
-batch size, time steps: :meth:`Explorer.prepare` measures what every plan of it needs); the other
-controls re-plan and re-estimate from those measurements.
+and a browser all see the same thing. Opening estimates only what the shown comparison needs;
+a layout not estimated before is measured when the controls first reach it, and cached after
+(:meth:`Explorer.prepare` measures every plan of a world size up front, for who wants that).
 """
 from __future__ import annotations
 
@@ -51,7 +51,6 @@ class ExplorerUI:
         self._syncing = False
         self._dirty = set(TABS)
         self._build(world_size)
-        self._prepare()
         self.refresh()
 
     # ---- widgets
@@ -96,8 +95,6 @@ class ExplorerUI:
         self.world_size.observe(self._on_world, "value")
         self.dp.observe(lambda c: self._link(tp=self.world_size.value // c["new"]), "value")
         self.tp.observe(lambda c: self._link(dp=self.world_size.value // c["new"]), "value")
-        for control in (self.batch_size, self.time_steps):  # new work: measure it before re-rendering
-            control.observe(self._prepare, "value")
         for control in (self.objective, self.mode, self.batch_size, self.time_steps, self.memory_budget,
                         self.checkpointing, self.checkpoint_every, *self.gates.values()):
             control.observe(self.refresh, "value")
@@ -127,16 +124,7 @@ class ExplorerUI:
                             else new)
         self.refresh()
 
-    def _prepare(self, *_) -> None:
-        """Measure what every plan of this world size, batch and T needs (``Explorer.prepare``), so
-        that the other controls re-estimate without running the model; errors show on refresh."""
-        try:
-            self.ex.prepare(self.world_size.value, batch_size=self.batch_size.value, time_steps=self.time_steps.value)
-        except ERRORS:
-            pass
-
     def _on_world(self, change) -> None:
-        self._prepare()
         world, tp = change["new"], self.tp.value
         tp = tp if world % tp == 0 else 1
         self._syncing = True
