@@ -293,3 +293,67 @@ def label_pipeline_p2p(stage: Any, labels: dict) -> None:
                 labels[op.tensor.data_ptr()] = _phase
             return ops
         setattr(stage, name, labelled)
+
+
+_IS_VIEW = _require("torch", "Tensor._is_view")
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` shares another tensor's storage as a view (``Tensor._is_view``)."""
+    return bool(_IS_VIEW(tensor))
+
+
+class _OrderStage:
+    """A stand-in for a ``PipelineStage`` that torch's schedules can be built on without a process
+    group: it holds the facts a schedule reads (stage index, stage count, group size and rank) and
+    records the compute its single-stage step runs."""
+
+    def __init__(self, index: int, stages: int, pp: int, rank: int, done: list):
+        self.stage_index, self.num_stages, self.group_size, self.group_rank = index, stages, pp, rank
+        self.is_first, self.is_last, self.submod, self.done = index == 0, index == stages - 1, None, done
+        self.stage_index_to_group_rank: dict = {}
+
+    def forward_one_chunk(self, chunk, *args, **kwargs):
+        self.done.append(("F", self.stage_index, chunk))
+
+    def backward_one_chunk(self, chunk, *args, **kwargs):
+        self.done.append(("B", self.stage_index, chunk))
+
+    def __getattr__(self, name):  # p2p op builders (none: no peers), per-step bookkeeping
+        if name.startswith(("get_fwd_", "get_bwd_")):
+            return lambda chunk: []
+        if name in ("clear_runtime_states", "perform_reduce_grad"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+
+#: torch's compute action names (``_ComputationType`` values) -> the timeline's kinds.
+_COMPUTE = {"F": "F", "B": "B", "I": "I", "W": "W"}
+
+
+def pipeline_compute_order(cls: type, pp: int, micro: int, rank_stages) -> dict:
+    """``{rank: [(kind, stage, micro-batch), ...]}``: the forwards (F), backwards (B) and, for
+    zero-bubble schedules, input (I) and weight (W) backwards each rank runs under torch's schedule
+    class ``cls``, in its order. Multi-stage schedules are built on stand-in stages and report their
+    ``pipeline_order`` (the program their runtime executes); single-stage ones run their private
+    ``_step_microbatches`` on recording stand-ins (their ``pipeline_order`` is only a sketch)."""
+    pipelining = importlib.import_module("torch.distributed.pipelining")
+    multi = issubclass(cls, pipelining.schedules.PipelineScheduleMulti)
+    stages = sum(len(rank_stages(r)) for r in range(pp))
+    out = {}
+    for rank in range(pp if not multi else 1):
+        done: list = []
+        stubs = [_OrderStage(s, stages, pp, rank, done) for s in rank_stages(rank)]
+        schedule = cls(stubs if multi else stubs[0], n_microbatches=micro)
+        if multi:
+            order = schedule.pipeline_order
+            _check(f"{cls.__name__}.pipeline_order", isinstance(order, dict) and len(order) == pp,
+                   "it is no longer a mapping of every rank to its actions")
+            return {r: [(_COMPUTE[a.computation_type.value], a.stage_index, a.microbatch_index) for a in acts
+                        if a is not None and a.computation_type.value in _COMPUTE] for r, acts in order.items()}
+        step = getattr(schedule, "_step_microbatches", None)
+        _check(f"{cls.__name__}._step_microbatches", callable(step), "the single-stage step is missing")
+        schedule._initialize_stage = lambda *args, **kwargs: None  # no shapes to exchange: nothing runs
+        step()
+        out[rank] = done
+    return out

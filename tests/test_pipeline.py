@@ -39,6 +39,12 @@ def jelly_mlp() -> nn.Module:
     return net
 
 
+def virtual_stages(schedule):
+    from snn_explorer.core.pipeline_schedules import schedule_of
+
+    return 2 if schedule_of(schedule).multi_stage else 1
+
+
 def build(name):
     """(model, inputs [T, N, ...], labels [N]) in float64, the same on every rank."""
     if name == "jelly":
@@ -106,7 +112,7 @@ def pipelined(name, topology, schedule):
     model, x, y = build(name)
     analysis = se.analyze(model)
     plan = se.plan(analysis=analysis, objective="capacity", topology=topology, batch_size=BATCH, mode="pp",
-                   pp_schedule=schedule, pp_virtual_stages=2 if schedule == "interleaved" else 1,
+                   pp_schedule=schedule, pp_virtual_stages=virtual_stages(schedule),
                    pp_microbatches=4)
     runtime = se.apply(model=model, plan=plan, device_type="cpu")
     share = plan.per_rank_batch
@@ -161,7 +167,7 @@ def back_to_back(runs):
         model, x, y = build("mlp_all_steps")
         schedule = SCHEDULES[i % len(SCHEDULES)]
         plan = se.plan(analysis=se.analyze(model), objective="capacity", topology={"pp": 2}, batch_size=BATCH,
-                       mode="pp", pp_schedule=schedule, pp_virtual_stages=2 if schedule == "interleaved" else 1)
+                       mode="pp", pp_schedule=schedule, pp_virtual_stages=virtual_stages(schedule))
         runtime = se.apply(model=model, plan=plan, device_type="cpu")
         done.append(float(runtime.train_step(nn.CrossEntropyLoss(), x, y)))
     return done
@@ -174,7 +180,7 @@ def measured_plan(topology, schedule):
     zoo = zoo_build("mlp_all_steps", batch_size=BATCH)
     plan = se.plan(analysis=se.analyze(zoo.model), objective="capacity", topology=topology, batch_size=BATCH,
                    mode="pp", pp_schedule=schedule, pp_microbatches=4,
-                   pp_virtual_stages=2 if schedule == "interleaved" else 1)
+                   pp_virtual_stages=virtual_stages(schedule))
     return zoo, plan
 
 

@@ -4,6 +4,7 @@ import torch
 
 import snn_explorer as se
 from snn_explorer.core.neurons import reset_all
+from snn_explorer.core.pipeline_schedules import SCHEDULES
 from snn_explorer.estimator.pipeline_estimate import in_flight
 from snn_explorer.zoo import build
 
@@ -20,6 +21,9 @@ def _plan(zoo, topology, schedule, virtual=1, micro=4, layout=None):
 
 @pytest.mark.parametrize("schedule,pp,micro,virtual,want", [
     ("gpipe", 2, 4, 1, 1 / 5), ("1f1b", 4, 8, 1, 3 / 11), ("interleaved", 2, 4, 2, 1 / 9),
+    # zero bubble: 24 busy units a rank (2 stages x 4 x F, I, W); rank 1 waits 1 for the first forward,
+    # rank 0 1 for the last weight backward: a makespan of 25
+    ("interleaved_zb", 2, 4, 2, 1 / 25), ("zbv", 2, 4, 2, 1 / 25),
 ])
 def test_bubble_fraction(schedule, pp, micro, virtual, want):
     assert se.bubble_fraction(schedule, pp, micro, virtual) == pytest.approx(want)
@@ -31,6 +35,8 @@ def test_micro_batches_in_flight_follow_the_schedule():
     assert [in_flight("1f1b", 4, r, 2) for r in range(4)] == [2, 2, 2, 1]
     # interleaved, 2 stages per rank, 4 micro-batches on 2 ranks (2 rounds of 2): warm-up 2 + 2 and 2, plus one
     assert [in_flight("interleaved", 2, r, 4, 2) for r in range(2)] == [5, 3]
+    # zero bubble: a forward's activations stay until its weight backward
+    assert [in_flight("zbv", 2, r, 4, 2) for r in range(2)] == [4, 4]
 
 
 def test_pp_estimate_splits_parameters_and_counts_sends(vgg):
@@ -79,20 +85,55 @@ def test_measure_of_a_pipeline_plan_needs_labels_before_starting_ranks(vgg):
         se.measure(vgg.model, plan, example_input=vgg.example_input)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("pp,micro", [(2, 4), (4, 8), (4, 4)])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("pp,micro", [(2, 4), (4, 8), (4, 4), (2, 8)])
 def test_replayed_timeline_idles_as_the_bubble_fraction(schedule, pp, micro):
     """The chart's replay of torch's action order (dependencies, backward = 2 forwards) idles
-    exactly the estimator's bubble fraction; 1F1B never holds more forwards than in_flight says."""
-    from snn_explorer.explorer.pipeline_view import idle_fraction, timeline
+    exactly the estimator's bubble fraction; no rank holds more forwards than in_flight says."""
+    from snn_explorer.core.pipeline_schedules import idle_fraction
+    from snn_explorer.explorer.pipeline_view import timeline
 
-    assert idle_fraction(schedule, pp, micro) == pytest.approx(se.bubble_fraction(schedule, pp, micro))
-    for rank, acts in timeline(schedule, pp, micro).items():
+    virtual = 2 if SCHEDULES[schedule].multi_stage else 1
+    lines = timeline(schedule, pp, micro, virtual)
+    assert idle_fraction(lines) == pytest.approx(se.bubble_fraction(schedule, pp, micro, virtual))
+    for rank, acts in lines.items():
         held = peak = 0
         for kind, *_ in acts:
-            held += 1 if kind == "F" else -1
+            held += {"F": 1, "B": -1, "W": -1}.get(kind, 0)
             peak = max(peak, held)
-        assert peak == in_flight(schedule, pp, rank, micro)
+        assert peak == in_flight(schedule, pp, rank, micro, virtual)
+        assert sorted((k, s, i) for k, s, i, *_ in acts if k == "F") == [
+            ("F", s, i) for s in SCHEDULES[schedule].rank_stages(rank, pp, virtual) for i in range(micro)]
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_gpipe_idles_the_fill_and_drain(pp):
+    from snn_explorer.core.pipeline_schedules import idle_fraction
+    from snn_explorer.explorer.pipeline_view import timeline
+
+    for micro in (pp, 2 * pp, 8):
+        assert idle_fraction(timeline("gpipe", pp, micro)) == pytest.approx((pp - 1) / (micro + pp - 1))
+
+
+def _order(schedule, pp, micro, virtual=1):
+    from snn_explorer.explorer.pipeline_view import timeline
+
+    return {r: " ".join(f"{k}{s}.{i}" for k, s, i, *_ in acts)
+            for r, acts in timeline(schedule, pp, micro, virtual).items()}
+
+
+def test_timeline_order_is_torchs():
+    """The chart's per-rank order, written out from torch's Schedule1F1B step (warm-up of
+    ``pp - stage`` forwards, then backward / forward in turn) and ScheduleInterleaved1F1B's
+    ``pipeline_order`` (torch 2.13, pp=2, 4 micro-batches, 2 stages per rank)."""
+    assert _order("1f1b", 2, 4) == {0: "F0.0 F0.1 B0.0 F0.2 B0.1 F0.3 B0.2 B0.3",
+                                    1: "F1.0 B1.0 F1.1 B1.1 F1.2 B1.2 F1.3 B1.3"}
+    assert _order("1f1b", 4, 4)[1] == "F1.0 F1.1 F1.2 B1.0 F1.3 B1.1 B1.2 B1.3"
+    assert _order("interleaved", 2, 4, 2) == {
+        0: "F0.0 F0.1 F2.0 F2.1 F0.2 B2.0 F0.3 B2.1 F2.2 B0.0 F2.3 B0.1 B2.2 B2.3 B0.2 B0.3",
+        1: "F1.0 F1.1 F3.0 B3.0 F3.1 B3.1 F1.2 B1.0 F1.3 B1.1 F3.2 B3.2 F3.3 B3.3 B1.2 B1.3"}
+    assert _order("interleaved", 4, 8, 2)[3].startswith("F3.0 F3.1 F3.2 F3.3 F7.0 B7.0 F7.1 B7.1")
+    assert _order("zbv", 2, 4, 2)[1].startswith("F1.0 F2.0 F1.1 F2.1 I2.0 W2.0")
 
 
 def test_pipeline_chart_draws_ranks_and_stages(vgg):
@@ -103,8 +144,13 @@ def test_pipeline_chart_draws_ranks_and_stages(vgg):
     top, bottom = fig.axes
     assert len(top.patches) == 2 * 2 * 4 and len(bottom.patches) == 2
     assert "idle 20%" in top.get_title()
-    with pytest.raises(NotImplementedError, match="may come later"):
-        pipeline_chart(_plan(vgg, {"pp": 2}, "interleaved", virtual=2), se.analyze(vgg.model).pipeline_units)
+    fig = pipeline_chart(_plan(vgg, {"pp": 2}, "interleaved", virtual=2), se.analyze(vgg.model).pipeline_units)
+    top, bottom = fig.axes
+    assert len(top.patches) == 2 * 2 * 2 * 4 and len(bottom.patches) == 4
+    assert "idle 11%" in top.get_title() and [t.get_text() for t in bottom.texts][3] == "stage 3 (rank 1)"
+    fig = pipeline_chart(_plan(vgg, {"pp": 2}, "zbv", virtual=2), se.analyze(vgg.model).pipeline_units)
+    assert [t.get_text() for t in fig.axes[1].texts][3] == "stage 3 (rank 0)"
+    assert len(fig.axes[0].patches) == 2 * 2 * 3 * 4  # F, I and W of 4 micro-batches on 2 stages per rank
 
 
 def test_pp_step_time_has_the_schedules_bubble(vgg):

@@ -3,8 +3,9 @@
 A model can be cut into pipeline stages when its ``forward`` calls its top-level modules one after
 the other, each on the previous one's output (an ``nn.Sequential``, or a module whose forward is
 ``self.c(self.b(self.a(x)))``); nested ``nn.Sequential`` children are cut further. Those modules,
-in order, are the model's *pipeline units*; a stage is a run of consecutive units. Stage ``s`` of
-``pp * V`` lives on pp rank ``s % pp`` (the loop layout of torch's interleaved schedules).
+in order, are the model's *pipeline units*; a stage is a run of consecutive units. Which pp rank
+holds which of the ``pp * V`` stages, and every other fact of a schedule, is the schedule object's
+(``core.pipeline_schedules``).
 """
 from __future__ import annotations
 
@@ -15,10 +16,7 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-#: Pipeline schedules, each one of torch.distributed.pipelining's.
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
-#: Schedules that hold several (virtual) stages per rank.
-MULTI_STAGE_SCHEDULES = ("interleaved",)
+from .pipeline_schedules import schedule_of
 
 
 # ---- the model's sequence of units ---------------------------------------------------------------
@@ -180,11 +178,6 @@ def stage_units(units: Sequence[str], counts: Sequence[int]) -> Tuple[Tuple[str,
     return tuple(out)
 
 
-def rank_stages(pp_rank: int, pp: int, virtual: int) -> Tuple[int, ...]:
-    """The stage indices pp rank ``pp_rank`` holds (loop layout: ``pp_rank + k * pp``)."""
-    return tuple(pp_rank + k * pp for k in range(virtual))
-
-
 # ---- checks -----------------------------------------------------------------------------------------
 
 def _count(name: str, value: Any) -> int:
@@ -206,27 +199,16 @@ def check_pp_fields(plan) -> dict:
             raise ValueError(f"pipeline fields {set_} are only used by mode 'pp'; leave them unset for "
                              f"mode {plan.mode!r}")
         return fields
-    schedule, pp = plan.pp_schedule, plan.pp_size
-    if schedule not in PP_SCHEDULES:
-        raise ValueError(f"pp_schedule={schedule!r}; expected one of {PP_SCHEDULES}")
+    pp, schedule = plan.pp_size, schedule_of(plan.pp_schedule)
     m = _count("pp_microbatches", plan.pp_microbatches)
     v = _count("pp_virtual_stages", plan.pp_virtual_stages)
-    if schedule not in MULTI_STAGE_SCHEDULES and v != 1:
-        raise ValueError(f"pp_schedule={schedule!r} runs one stage per rank, but pp_virtual_stages={v}; use "
-                         f"pp_schedule='interleaved' for several stages per rank")
-    if schedule in MULTI_STAGE_SCHEDULES and v < 2:
-        raise ValueError(f"pp_schedule={schedule!r} needs pp_virtual_stages >= 2 (got {v}); use '1f1b' for one "
-                         "stage per rank")
     if plan.per_rank_batch % m:
         raise ValueError(f"pp_microbatches={m} does not divide the per-rank batch {plan.per_rank_batch} "
                          f"(batch_size={plan.batch_size} / dp={plan.dp_size}); use a divisor of it")
     if m < pp * v:
         raise ValueError(f"pp_microbatches={m} is fewer than pp * virtual stages = {pp} * {v} = {pp * v}: some "
                          f"stage would have no micro-batch to run; use at least {pp * v}")
-    rounds = max(1, m // pp)
-    if schedule == "interleaved" and m % rounds:
-        raise ValueError(f"pp_schedule='interleaved' runs micro-batches in rounds of pp={pp}: "
-                         f"pp_microbatches={m} must be a multiple of {rounds} (= {m} // {pp})")
+    schedule.check(pp, m, v)
     layout = plan.pp_layout
     if not isinstance(layout, str):
         raise TypeError(f"pp_layout must be a string such as '3|4' (or '' for an even split), got {layout!r}")
@@ -283,8 +265,3 @@ def recommend_pipeline(batch_size: int, world_size: int) -> Optional[Tuple[int, 
 def microbatches_for(batch_size: int, stages: int) -> Optional[int]:
     """The largest divisor of ``batch_size`` in ``[stages, min(batch_size, 4 * stages)]``, or None."""
     return next((m for m in range(min(batch_size, 4 * stages), stages - 1, -1) if batch_size % m == 0), None)
-
-
-def default_schedule(virtual: int) -> str:
-    """``interleaved`` for several stages per rank, else ``1f1b``."""
-    return "interleaved" if virtual > 1 else "1f1b"

@@ -12,6 +12,7 @@ from typing import Any, Mapping, Optional, Tuple
 from .memory_levers import check_memory_levers, lever_label
 from .modes import Mode, mode_of, names_text
 from .pipeline_plan import check_pp_fields
+from .pipeline_schedules import schedule_of
 from .recommend import BACKENDS, SNN_DISTRIBUTED_PREFERENCES, check_batch_size
 from .serialize import check_keys, check_kind, dataclass_dict, string_tuple
 from .topology import SNNDistributedTopology
@@ -70,7 +71,7 @@ class SNNDistributedPlan:
 
     ``batch_size`` is the global batch of one optimizer step; the ``dp`` ranks split it.
     ``tensor_parallel_plan`` maps module paths to TP styles (see ``core.tp_plan.TP_STYLES``).
-    Mode ``pp`` reads ``pp_schedule`` (``core.pipeline_plan.PP_SCHEDULES``), ``pp_microbatches`` (per
+    Mode ``pp`` reads ``pp_schedule`` (a name of ``core.pipeline_schedules.SCHEDULES``), ``pp_microbatches`` (per
     step, of each dp replica's batch), ``pp_virtual_stages`` (stages per rank) and ``pp_layout``
     (pipeline units per stage, ``"3|4"``; ``""``: an even split); other modes leave them unset.
     """
@@ -164,6 +165,12 @@ class SNNDistributedPlan:
     @property
     def uses_pp(self) -> bool:
         return self.mode_spec.pp
+
+    @property
+    def pp_schedule_spec(self):
+        """The :class:`~snn_explorer.core.pipeline_schedules.PipelineSchedule` of ``pp_schedule`` (None
+        without pipelining)."""
+        return schedule_of(self.pp_schedule) if self.uses_pp else None
 
     @property
     def uses_zero(self) -> bool:

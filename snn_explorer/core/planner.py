@@ -6,8 +6,9 @@ from typing import Any, List, Mapping, Optional, Tuple, Union
 from .analysis import SNNDistributedAnalysis
 from .memory_levers import check_time_step_module, lever_fields, lever_notes
 from .modes import MODE_TABLE, MODES, Mode, mode_of, names_text
-from .pipeline_plan import (check_pp_model, default_schedule, layout_text, microbatches_for, recommend_pipeline,
-                            resolve_layout, units_problem)
+from .pipeline_plan import (check_pp_model, layout_text, microbatches_for, recommend_pipeline, resolve_layout,
+                            units_problem)
+from .pipeline_schedules import default_schedule, schedule_of
 from .plan_types import DistributedFeatureSet, SNNDistributedPlan
 from .plans.families import resolve_family
 from .recommend import (UNSET, check_backend, check_batch_size, check_objective, neuron_backend_arg,
@@ -199,7 +200,7 @@ def _pipeline_fields(analysis: SNNDistributedAnalysis, topology: SNNDistributedT
     pp, per_replica, units = topology.size("pp"), batch_size // topology.size("dp"), analysis.pipeline_units
     picked = recommend_pipeline(per_replica, pp) or (1, per_replica)
     if virtual is None:
-        virtual = {None: picked[0], "interleaved": max(2, picked[0])}.get(schedule, 1)
+        virtual = picked[0] if schedule is None else _stages_per_rank(schedule_of(schedule), picked[0])
         if virtual * pp > len(units):
             notes.append(f"{virtual} virtual stages per rank need {virtual * pp} pipeline units; the model has "
                          f"{len(units)}, so one stage per rank.")
@@ -213,6 +214,13 @@ def _pipeline_fields(analysis: SNNDistributedAnalysis, topology: SNNDistributedT
     counts = resolve_layout(layout, units, stages) if stages <= len(units) else ()
     return dict(pp_schedule=default_schedule(virtual) if schedule is None else schedule, pp_microbatches=micro,
                 pp_virtual_stages=virtual, pp_layout=layout_text(counts))
+
+
+def _stages_per_rank(schedule, recommended: int) -> int:
+    """The stages per rank ``schedule`` runs when the caller left them unset."""
+    if not schedule.multi_stage:
+        return 1
+    return schedule.virtual_stages or max(2, recommended)
 
 
 def _rationale(objective: str, chosen: str, topology: SNNDistributedTopology, zero: bool, *, explicit: bool,

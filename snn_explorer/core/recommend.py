@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-from .pipeline_plan import default_schedule, recommend_pipeline
+from .pipeline_plan import recommend_pipeline
+from .pipeline_schedules import default_schedule
 from .plans.families import VGG, resolve_family
 from .validate import UNSET, positive_int, renamed_keyword
 

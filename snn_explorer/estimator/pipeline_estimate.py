@@ -17,30 +17,23 @@ from typing import Dict, List, Sequence, Tuple
 
 import pandas as pd
 
-from ..core.pipeline_plan import check_pp_model, rank_stages, stage_units
+from ..core.pipeline_plan import check_pp_model, stage_units
+from ..core.pipeline_schedules import schedule_of
 from .sharding import buffer_bytes, optimizer_temporaries, rank_bytes
 
 PIPELINE_COLUMNS = ("pp_rank", "stages", "units", "microbatches_in_flight", "bubble_fraction")
 
 
 def bubble_fraction(schedule: str, pp: int, micro: int, virtual: int = 1) -> float:
-    """The share of a step each rank idles, stages costing alike: ``(pp - 1) / (virtual * micro + pp - 1)``
-    (GPipe and 1F1B fill and drain the pipe once over ``micro`` micro-batches; interleaving cuts each
-    rank's work in ``virtual`` stages, so the fill and drain cost ``1 / virtual`` as much)."""
-    return (pp - 1) / (virtual * micro + pp - 1)
+    """The share of a step each rank idles under ``schedule`` (a ``pp_schedule`` name), stages costing
+    alike (see ``core.pipeline_schedules``)."""
+    return schedule_of(schedule).bubble_fraction(pp, micro, virtual)
 
 
 def in_flight(schedule: str, pp: int, pp_rank: int, micro: int, virtual: int = 1) -> int:
-    """Stage forwards whose activations rank ``pp_rank`` holds at once under torch's schedule:
-    GPipe all ``micro``; 1F1B its warm-up ``pp - pp_rank`` (at most ``micro``); interleaved 1F1B its
-    warm-up ``(virtual - 1) * micro_per_round + 2 * (pp - 1 - pp_rank)`` plus the one in flight
-    (at most ``virtual * micro``)."""
-    if schedule == "gpipe":
-        return micro
-    if schedule == "1f1b":
-        return min(micro, pp - pp_rank)
-    per_round = micro // max(1, micro // pp)
-    return min((virtual - 1) * per_round + 2 * (pp - 1 - pp_rank) + 1, virtual * micro)
+    """Stage forwards whose activations rank ``pp_rank`` holds at once under ``schedule`` (a
+    ``pp_schedule`` name; see ``core.pipeline_schedules``)."""
+    return schedule_of(schedule).in_flight(pp, pp_rank, micro, virtual)
 
 
 def _under(name: str, units: Sequence[str]) -> bool:
@@ -67,7 +60,7 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
     rows: Dict[int, dict] = {}
     table, collectives = [], []
     for pp_rank in range(plan.pp_size):
-        own = rank_stages(pp_rank, plan.pp_size, plan.pp_virtual_stages)
+        own = plan.pp_schedule_spec.rank_stages(pp_rank, plan.pp_size, plan.pp_virtual_stages)
         own_units = [u for s in own for u in stages[s]]
         mine = [p for p in params if _under(p.name, own_units)]
         b = rank_bytes(mine, plan, 0, optimizer)

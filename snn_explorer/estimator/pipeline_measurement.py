@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from .. import compat
-from ..core.pipeline_plan import rank_stages
 from ..ranks.progress import heartbeat
 from ._step import OPTIMIZERS, batch_slice
 from .meter import StorageMeter
@@ -91,7 +90,7 @@ def measure_pp_plan(model, plan, run) -> dict:
         opt.step()
     heartbeat(step=run.steps + 1, total=run.steps + 1, message=f"{plan.mode}: measured step")
     groups = {d: runtime.mesh.get_group(d) for d in plan.mesh_dim_names}
-    stages = ",".join(map(str, rank_stages(pipe.pp_rank, plan.pp_size, plan.pp_virtual_stages)))
+    stages = ",".join(map(str, pipe.stage_ids))
     rows = [dict(r, phase={"all_reduce": f"after backward (stages {stages})", "broadcast": "loss"}.get(r["kind"],
                                                                                                      r["phase"]))
             for r in recorder.table(groups)]

@@ -1,7 +1,7 @@
 """Pipeline parallelism: the model's units cut into stages, run by torch.distributed.pipelining.
 
 Each rank keeps only its own stages on its device (the other units of its copy of the model go to
-the ``meta`` device, which holds no data). torch's schedules (:data:`SCHEDULES`) split every
+the ``meta`` device, which holds no data). torch's schedules (``core.pipeline_schedules``) split every
 step's batch into micro-batches **on the batch dim** (dim 1 of ``[T, N, ...]``), run them through
 the stages, and merge the last stage's outputs on that dim again.
 
@@ -27,13 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...compat import is_view
 from .. import neurons
-from ..pipeline_plan import rank_stages, resolve_layout, stage_units
-
-#: The torch.distributed.pipelining schedule class of each ``pp_schedule`` (imported when a pipeline
-#: is built: importing torch.distributed.pipelining loads torch's compiler, which sets
-#: TORCHINDUCTOR_CACHE_DIR and makes a temporary folder).
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+from ..pipeline_plan import resolve_layout, stage_units
 #: The batch dim of SNN tensors ``[T, N, ...]``: micro-batches are cut and merged along it.
 BATCH_DIM = 1
 
@@ -43,14 +39,18 @@ class PipelineStageModule(nn.Module):
 
     Every call is one micro-batch: the stage first resets all its stateful neurons (replacing their
     state tensors) and counts it in ``resets``. Its input is made contiguous, so every layer sees
-    (and saves) one micro-batch-sized copy however it treats strided inputs.
+    (and saves) one micro-batch-sized copy however it treats strided inputs. With ``own_output``
+    (zero-bubble schedules) an output that is a view (a Linear over ``[T, N, F]`` reshapes its
+    result) is copied: torch's input backward detaches each stage output in place, which a view
+    refuses ("Can't detach views in-place").
     """
 
-    def __init__(self, index: int, paths: Sequence[str], units: Sequence[nn.Module]):
+    def __init__(self, index: int, paths: Sequence[str], units: Sequence[nn.Module], own_output: bool = False):
         super().__init__()
         self.index = index
         self.paths = tuple(paths)
         self.units = nn.ModuleList(units)
+        self.own_output = own_output
         self.resets = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,7 +59,7 @@ class PipelineStageModule(nn.Module):
         x = x.contiguous()  # the first stage's micro-batch is a strided slice of the batch on dim 1
         for unit in self.units:
             x = unit(x)
-        return x
+        return x.clone() if self.own_output and is_view(x) else x
 
 
 def _to_meta(module: nn.Module) -> nn.Module:
@@ -82,9 +82,10 @@ class PipelinedModel(nn.Module):
         self.pp_group = mesh.get_group("pp")
         self.dp_group = mesh.get_group("dp") if plan.dp_size > 1 else None
         self.pp_rank = mesh.get_local_rank("pp")
+        self.schedule = plan.pp_schedule_spec
         counts = resolve_layout(plan.pp_layout, units, plan.pp_stages)
         self.stage_paths = stage_units(units, counts)
-        self.stage_ids = rank_stages(self.pp_rank, plan.pp_size, plan.pp_virtual_stages)
+        self.stage_ids = self.schedule.rank_stages(self.pp_rank, plan.pp_size, plan.pp_virtual_stages)
         own = {p for s in self.stage_ids for p in self.stage_paths[s]}
         # shapes only: every stage on the meta device, the rank's own ones as detached copies
         self._meta_stages = [nn.Sequential(*[_to_meta(neurons.detached_copy(model.get_submodule(p)))
@@ -92,7 +93,7 @@ class PipelinedModel(nn.Module):
                              for paths in self.stage_paths]
         self.stages = nn.ModuleList(
             PipelineStageModule(s, self.stage_paths[s], [model.get_submodule(p).to(device)
-                                                         for p in self.stage_paths[s]])
+                                                         for p in self.stage_paths[s]], self.schedule.splits_backward)
             for s in self.stage_ids)
         self.last_outputs: Optional[torch.Tensor] = None
         self._schedule, self._schedule_key, self._loss_fn, self._loss_dtype = None, None, None, None
@@ -137,11 +138,9 @@ class PipelinedModel(nn.Module):
                                 group=self.pp_group)
                   for module in self.stages]
         self.pipeline_stages = stages
-        cls = getattr(pipelining, SCHEDULES[plan.pp_schedule])
-        kw = dict(n_microbatches=plan.pp_microbatches, loss_fn=self._micro_loss,
-                  args_chunk_spec=(TensorChunkSpec(BATCH_DIM),), output_merge_spec=TensorChunkSpec(BATCH_DIM),
-                  scale_grads=True)
-        return cls(stages, **kw) if plan.pp_virtual_stages > 1 else cls(stages[0], **kw)
+        return self.schedule.build(stages, n_microbatches=plan.pp_microbatches, loss_fn=self._micro_loss,
+                                   args_chunk_spec=(TensorChunkSpec(BATCH_DIM),),
+                                   output_merge_spec=TensorChunkSpec(BATCH_DIM), scale_grads=True)
 
     def _micro_loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self._loss_fn(outputs, labels)
@@ -188,7 +187,9 @@ class PipelinedModel(nn.Module):
             loss = torch.stack([l.detach() for l in losses]).mean()
         else:
             loss = torch.zeros((), dtype=self._loss_dtype, device=self.device)
-        last = dist.get_global_rank(self.pp_group, self.plan.pp_size - 1)
+        plan = self.plan
+        last = dist.get_global_rank(self.pp_group, self.schedule.rank_of(plan.pp_stages - 1, plan.pp_size,
+                                                                         plan.pp_virtual_stages))
         loss = loss.to(self.device, self._loss_dtype).contiguous()
         dist.broadcast(loss, src=last, group=self.pp_group)
         return loss
@@ -207,8 +208,9 @@ class PipelinedModel(nn.Module):
         parts: List[Optional[dict]] = [None] * self.plan.pp_size
         dist.all_gather_object(parts, local, group=self.pp_group)
         out = {}
-        for s in range(self.plan.pp_stages):
-            for name, tensor in parts[s % self.plan.pp_size][s].items():
+        plan = self.plan
+        for s in range(plan.pp_stages):
+            for name, tensor in parts[self.schedule.rank_of(s, plan.pp_size, plan.pp_virtual_stages)][s].items():
                 out[name] = None if tensor is None else tensor.to(self.device)
         return out
 
