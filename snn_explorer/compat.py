@@ -327,33 +327,37 @@ class _OrderStage:
         raise AttributeError(name)
 
 
-#: torch's compute action names (``_ComputationType`` values) -> the timeline's kinds.
-_COMPUTE = {"F": "F", "B": "B", "I": "I", "W": "W"}
+#: torch's compute action kinds (``_ComputationType`` values) the timeline shows.
+_COMPUTE = frozenset("FBIW")
 
 
 def pipeline_compute_order(cls: type, pp: int, micro: int, rank_stages) -> dict:
     """``{rank: [(kind, stage, micro-batch), ...]}``: the forwards (F), backwards (B) and, for
     zero-bubble schedules, input (I) and weight (W) backwards each rank runs under torch's schedule
-    class ``cls``, in its order. Multi-stage schedules are built on stand-in stages and report their
-    ``pipeline_order`` (the program their runtime executes); single-stage ones run their private
-    ``_step_microbatches`` on recording stand-ins (their ``pipeline_order`` is only a sketch)."""
+    class ``cls`` (``rank_stages(rank)``: the stages a rank holds), in its order."""
     pipelining = importlib.import_module("torch.distributed.pipelining")
-    multi = issubclass(cls, pipelining.schedules.PipelineScheduleMulti)
     stages = sum(len(rank_stages(r)) for r in range(pp))
-    out = {}
-    for rank in range(pp if not multi else 1):
-        done: list = []
-        stubs = [_OrderStage(s, stages, pp, rank, done) for s in rank_stages(rank)]
-        schedule = cls(stubs if multi else stubs[0], n_microbatches=micro)
-        if multi:
-            order = schedule.pipeline_order
-            _check(f"{cls.__name__}.pipeline_order", isinstance(order, dict) and len(order) == pp,
-                   "it is no longer a mapping of every rank to its actions")
-            return {r: [(_COMPUTE[a.computation_type.value], a.stage_index, a.microbatch_index) for a in acts
-                        if a is not None and a.computation_type.value in _COMPUTE] for r, acts in order.items()}
-        step = getattr(schedule, "_step_microbatches", None)
-        _check(f"{cls.__name__}._step_microbatches", callable(step), "the single-stage step is missing")
-        schedule._initialize_stage = lambda *args, **kwargs: None  # no shapes to exchange: nothing runs
-        step()
-        out[rank] = done
-    return out
+    if issubclass(cls, pipelining.schedules.PipelineScheduleMulti):
+        return _multi_stage_order(cls, pp, micro, [_OrderStage(s, stages, pp, 0, []) for s in rank_stages(0)])
+    return {r: _single_stage_order(cls, micro, _OrderStage(r, stages, pp, r, [])) for r in range(pp)}
+
+
+def _multi_stage_order(cls: type, pp: int, micro: int, stubs: list) -> dict:
+    """A multi-stage schedule built on stand-ins reports every rank's ``pipeline_order``: the program
+    its runtime executes (with sends and receives added)."""
+    order = cls(stubs, n_microbatches=micro).pipeline_order
+    _check(f"{cls.__name__}.pipeline_order", isinstance(order, dict) and len(order) == pp,
+           "it is no longer a mapping of every rank to its actions")
+    return {r: [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in acts
+                if a is not None and a.computation_type.value in _COMPUTE] for r, acts in order.items()}
+
+
+def _single_stage_order(cls: type, micro: int, stub: _OrderStage) -> list:
+    """A single-stage schedule's ``pipeline_order`` is only a sketch (1F1B's names micro-batches it
+    never runs): its private ``_step_microbatches`` runs on a recording stand-in instead."""
+    schedule = cls(stub, n_microbatches=micro)
+    step = getattr(schedule, "_step_microbatches", None)
+    _check(f"{cls.__name__}._step_microbatches", callable(step), "the single-stage step is missing")
+    schedule._initialize_stage = lambda *args, **kwargs: None  # no shapes to exchange: nothing runs
+    step()
+    return stub.done

@@ -16,10 +16,10 @@ from distributed_harness import run_on_ranks
 STEPS = 3
 TOL = 1e-5
 BATCH = 8
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved_zb", "zbv")
 MODELS = ("mlp_all_steps", "vgg", "jelly")
 BACK_TO_BACK = 20
-MEASURED = {1: SCHEDULES, 2: ("1f1b",)}  # measure()d schedules by topology dims (pp; pp x dp)
+MEASURED = {1: ("gpipe", "1f1b", "interleaved", "zbv"), 2: ("1f1b",)}  # measure()d schedules by topology dims (pp; pp x dp)
 
 
 def jelly_mlp() -> nn.Module:
@@ -119,6 +119,8 @@ def pipelined(name, topology, schedule):
     x, y = x[:, runtime.dp_rank * share:(runtime.dp_rank + 1) * share], y[runtime.dp_rank * share:][:share]
     optimizer = runtime.build_optimizer(torch.optim.Adam, lr=1e-2)
     criterion = nn.CrossEntropyLoss()
+    forwards = []  # the stage of each forward this rank runs, in order
+    hooks = [s.register_forward_pre_hook(lambda m, _a: forwards.append(m.index)) for s in runtime.model.stages]
     outs, losses, grads = [], [], None
     for step in range(STEPS):
         optimizer.zero_grad()
@@ -134,6 +136,8 @@ def pipelined(name, topology, schedule):
         if runtime.model.holds_last:
             outs = [_dp_cat(out, group, plan.dp_size) for out in outs]
     resets = {s.index: s.resets for s in runtime.model.stages}
+    for h in hooks:
+        h.remove()
     try:
         runtime.forward_loss(criterion, x, y)
         forward_loss_error = None
@@ -143,7 +147,8 @@ def pipelined(name, topology, schedule):
     on_meta = sum(p.numel() for p in model.parameters() if p.is_meta)
     return dict(outs=outs if runtime.model.holds_last else None, losses=losses, grads=grads,
                 params=runtime.full_parameters(), resets=resets, plan=plan.to_dict(),
-                local_params=local_params, on_meta=on_meta, forward_loss_error=forward_loss_error)
+                local_params=local_params, on_meta=on_meta, forward_loss_error=forward_loss_error,
+                forwards=forwards, pp_rank=runtime.model.pp_rank)
 
 
 def _dp_mean(loss, group, size):
@@ -261,6 +266,17 @@ def test_each_rank_holds_only_its_stages(two_ranks):
         assert [m + n for m, n in zip(meta, local)] == [total, total]
 
 
+def test_each_rank_runs_its_forwards_in_the_timelines_order(two_ranks, four_ranks):
+    """The stages each rank ran forwards on, in order, are those of the chart's timeline (torch's order)."""
+    from snn_explorer.explorer.pipeline_view import timeline
+
+    for res in two_ranks + four_ranks:
+        for (name, schedule), got in res["results"].items():
+            plan = got["plan"]
+            acts = timeline(schedule, 2, plan["pp_microbatches"], plan["pp_virtual_stages"])[got["pp_rank"]]
+            assert got["forwards"] == [s for kind, s, *_ in acts if kind == "F"] * STEPS, (name, schedule)
+
+
 def test_every_stage_resets_before_each_micro_batch(two_ranks):
     for res in two_ranks:
         for (name, schedule), got in res["results"].items():
@@ -347,7 +363,9 @@ def test_measure_of_pp_plans_lines_up_with_the_estimate(group, topology, request
         assert meas.collectives_agree
         comm = cmp["collectives"]
         sends = comm[comm["kind"] == "send"]
-        assert len(sends) == 2 * (plan.pp_stages - 1) and (sends["count_meas"] == plan.pp_microbatches).all()
+        ranks = [plan.pp_schedule_spec.rank_of(s, plan.pp_size, plan.pp_virtual_stages) for s in range(plan.pp_stages)]
+        crossing = sum(a != b for a, b in zip(ranks, ranks[1:]))  # a V places one boundary on one rank
+        assert len(sends) == 2 * crossing and (sends["count_meas"] == plan.pp_microbatches).all()
         assert (comm["count_est"] == comm["count_meas"]).all() and (comm["bytes_est"] == comm["bytes_meas"]).all()
         assert set(comm["kind"]) == ({"send", "broadcast", "all_reduce"} if plan.dp_size > 1 else {"send", "broadcast"})
         per_rank = cmp["per_rank"]
@@ -356,3 +374,19 @@ def test_measure_of_pp_plans_lines_up_with_the_estimate(group, topology, request
             assert (per_rank[f"{col}_est"] == per_rank[f"{col}_meas"]).all(), (schedule, col)
         assert (per_rank["peak_bytes_meas"] >= per_rank["params_bytes_meas"] + per_rank["optimizer_bytes_meas"]).all()
         assert meas.time["step_s"].gt(0).all() and meas.time["bubble_s"].isna().all()
+
+
+def test_zero_bubble_stages_hand_on_no_view():
+    """A Linear over [T, N, F] returns a view, which torch's zero-bubble input backward cannot detach
+    in place; a stage under a zero-bubble schedule hands on a copy instead, with the same values."""
+    from snn_explorer.compat import is_view
+    from snn_explorer.core.parallelize.pipeline import PipelineStageModule
+
+    x = torch.rand(3, 4, 5, requires_grad=True)
+    plain, owning = (PipelineStageModule(0, ["fc"], [nn.Linear(5, 2)], own_output=own) for own in (False, True))
+    owning.load_state_dict(plain.state_dict())
+    seen, handed = plain(x), owning(x)
+    assert is_view(seen) and not is_view(handed) and torch.equal(seen, handed)
+    with pytest.raises(RuntimeError, match="Can't detach views in-place"):
+        seen.detach_()
+    handed.detach_()

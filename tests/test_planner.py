@@ -797,3 +797,35 @@ def test_no_mode_name_tests_outside_the_mode_table():
             for path in root.rglob("*.py") if path.name != "modes.py"
             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert not hits, hits
+
+
+def test_no_schedule_name_tests_outside_the_schedule_registry():
+    """Code asks a plan's schedule object (plan.pp_schedule_spec), never compares schedule names."""
+    import pathlib
+    import re
+
+    from snn_explorer.core.pipeline_schedules import SCHEDULES
+
+    root = pathlib.Path(se.__file__).parent
+    names = "|".join(re.escape(n) for n in SCHEDULES)
+    pattern = re.compile(rf"""\bschedule\w*\s*(==|!=|\bin\b|\bnot in\b)|["']({names})["']\s*[:,)\]]""")
+    hits = [f"{path.relative_to(root)}:{n}: {line.strip()}"
+            for path in root.rglob("*.py") if path.name != "pipeline_schedules.py"
+            for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not hits, hits
+
+
+def test_plan_picks_the_stages_per_rank_a_schedule_needs():
+    """Unset virtual stages follow the schedule: 1 for single-stage ones, exactly 2 for zbv."""
+    from snn_explorer.zoo import build
+
+    zoo = build("vgg", batch_size=8)
+    analysis = se.analyze(zoo.model)
+    for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved_zb", 2), ("zbv", 2)):
+        p = se.plan(analysis=analysis, objective="capacity", topology={"pp": 2}, batch_size=8, mode="pp",
+                    pp_schedule=schedule)
+        assert (p.pp_virtual_stages, p.pp_schedule_spec.name) == (virtual, schedule)
+        assert p.to_dict()["pp_schedule"] == schedule
+    zbv = se.plan(analysis=analysis, objective="capacity", topology={"pp": 2}, batch_size=8, mode="pp",
+                  pp_schedule="zbv")
+    assert [zbv.pp_schedule_spec.rank_stages(r, 2, 2) for r in (0, 1)] == [(0, 3), (1, 2)]

@@ -202,13 +202,14 @@ def check_pp_fields(plan) -> dict:
     pp, schedule = plan.pp_size, schedule_of(plan.pp_schedule)
     m = _count("pp_microbatches", plan.pp_microbatches)
     v = _count("pp_virtual_stages", plan.pp_virtual_stages)
+    schedule.check_stages(v)
     if plan.per_rank_batch % m:
         raise ValueError(f"pp_microbatches={m} does not divide the per-rank batch {plan.per_rank_batch} "
                          f"(batch_size={plan.batch_size} / dp={plan.dp_size}); use a divisor of it")
     if m < pp * v:
         raise ValueError(f"pp_microbatches={m} is fewer than pp * virtual stages = {pp} * {v} = {pp * v}: some "
                          f"stage would have no micro-batch to run; use at least {pp * v}")
-    schedule.check(pp, m, v)
+    schedule.check_micro(pp, m)
     layout = plan.pp_layout
     if not isinstance(layout, str):
         raise TypeError(f"pp_layout must be a string such as '3|4' (or '' for an even split), got {layout!r}")

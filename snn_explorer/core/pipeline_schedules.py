@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Tuple
 COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 Action = Tuple[str, int, int]  #: (kind, stage, micro-batch)
+Span = Tuple[str, int, int, float, float]  #: (kind, stage, micro-batch, start, end)
 
 
 class PipelineSchedule:
@@ -50,6 +51,14 @@ class PipelineSchedule:
     # ---- plan time
     def check(self, pp: int, micro: int, virtual: int) -> None:
         """Raise ValueError unless the schedule runs ``micro`` micro-batches with ``virtual`` stages per rank."""
+        self.check_stages(virtual)
+        self.check_micro(pp, micro)
+
+    def check_micro(self, pp: int, micro: int) -> None:
+        """Raise ValueError unless the schedule runs ``micro`` micro-batches on ``pp`` ranks (any, here)."""
+
+    def check_stages(self, virtual: int) -> None:
+        """Raise ValueError unless the schedule runs ``virtual`` stages per rank."""
         if not self.multi_stage and virtual != 1:
             raise ValueError(f"pp_schedule={self.name!r} runs one stage per rank, but pp_virtual_stages={virtual}; "
                              f"use one of {names_text(lambda s: s.multi_stage)} for several stages per rank")
@@ -72,7 +81,8 @@ class PipelineSchedule:
     # ---- what a step does
     def rank_actions(self, pp: int, micro: int, virtual: int = 1) -> Dict[int, List[Action]]:
         """``{pp rank: [(kind, stage, micro-batch), ...]}`` in the order torch's schedule runs them."""
-        return _torch_order(self, pp, micro, virtual)
+        self.check(pp, micro, virtual)
+        return {r: list(acts) for r, acts in _torch_order(self, pp, micro, virtual).items()}
 
     def in_flight(self, pp: int, pp_rank: int, micro: int, virtual: int = 1) -> int:
         """Stage forwards whose activations rank ``pp_rank`` holds at once (until their backward, or
@@ -113,8 +123,7 @@ class Interleaved(PipelineSchedule):
     name, torch_name, multi_stage = "interleaved", "ScheduleInterleaved1F1B", True
     summary = "1F1B over several stages per rank, in rounds of pp micro-batches"
 
-    def check(self, pp: int, micro: int, virtual: int) -> None:
-        super().check(pp, micro, virtual)
+    def check_micro(self, pp: int, micro: int) -> None:
         rounds = max(1, micro // pp)
         if micro % rounds:
             raise ValueError(f"pp_schedule={self.name!r} runs micro-batches in rounds of pp={pp}: "
@@ -152,7 +161,8 @@ SCHEDULES: Dict[str, PipelineSchedule] = {s.name: s for s in (GPipe(), OneFOneB(
                                                                InterleavedZeroBubble(), ZeroBubbleV())}
 
 
-def names_text(which=lambda s: True) -> str:
+def names_text(which) -> str:
+    """The names of the schedules ``which(schedule)`` accepts, quoted, for an error message."""
     return ", ".join(repr(n) for n, s in SCHEDULES.items() if which(s))
 
 
@@ -170,7 +180,7 @@ def default_schedule(virtual: int) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_order(schedule: PipelineSchedule, pp: int, micro: int, virtual: int) -> Dict[int, Tuple[Action, ...]]:
+def _torch_order(schedule: PipelineSchedule, pp: int, micro: int, virtual: int) -> Dict[int, Tuple[Action, ...]]:
     from ..compat import pipeline_compute_order
 
     order = pipeline_compute_order(schedule.torch_class(), pp, micro,
@@ -178,14 +188,9 @@ def _cached_order(schedule: PipelineSchedule, pp: int, micro: int, virtual: int)
     return {r: tuple(acts) for r, acts in order.items()}
 
 
-def _torch_order(schedule: PipelineSchedule, pp: int, micro: int, virtual: int) -> Dict[int, List[Action]]:
-    schedule.check(pp, micro, virtual)
-    return {r: list(acts) for r, acts in _cached_order(schedule, pp, micro, virtual).items()}
-
-
 # ---- the timeline -----------------------------------------------------------------------------------
 
-def replay(orders: Dict[int, List[Action]], stages: int) -> Dict[int, List[Tuple[str, int, int, float, float]]]:
+def replay(orders: Dict[int, List[Action]], stages: int) -> Dict[int, List[Span]]:
     """Per rank ``(kind, stage, micro-batch, start, end)`` of every action of ``orders`` (rank ->
     its actions in order), each costing :data:`COST` and waiting for the action it needs: a
     forward for the previous stage's forward of that micro-batch, a backward (whole or input)
@@ -214,7 +219,7 @@ def replay(orders: Dict[int, List[Action]], stages: int) -> Dict[int, List[Tuple
     return out
 
 
-def idle_fraction(lines: Dict[int, list]) -> float:
+def idle_fraction(lines: Dict[int, List[Span]]) -> float:
     """The idle share of all ranks' time up to the last action of a :func:`replay`."""
     end = max(a[-1] for acts in lines.values() for a in acts)
     busy = sum(a[-1] - a[-2] for acts in lines.values() for a in acts)

@@ -5,7 +5,7 @@ micro-batches its schedule holds at once (:func:`in_flight`), each from the prof
 bytes saved for backward at the micro-batch size; one micro-batch's neuron state; the step's
 input (first stage) with the contiguous copy of each micro-batch in flight, torch's receive buffers
 (one per micro-batch and stage input / output gradient) and the last stage's outputs kept for the
-merge. Traffic: per stage boundary, one activation send forward and one gradient send
+merge. Traffic: per stage boundary between two ranks, one activation send forward and one gradient send
 backward per micro-batch (the boundary module's output at the micro-batch size), the loss
 broadcast from the last stage, and with dp one all-reduce of each rank's stage gradients.
 :func:`bubble_fraction` is the schedule's idle share, for a step-time model to use.
@@ -88,7 +88,8 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
         if plan.dp_size > 1:
             collectives.append(dict(mesh_dim="dp", kind="all_reduce", count=1, bytes=b["grads_bytes"],
                                     phase=f"after backward (stages {table[-1]['stages']})"))
-    for s in range(plan.pp_stages - 1):
+    rank_of = lambda s: plan.pp_schedule_spec.rank_of(s, plan.pp_size, plan.pp_virtual_stages)
+    for s in (s for s in range(plan.pp_stages - 1) if rank_of(s) != rank_of(s + 1)):  # V: one boundary is local
         nbytes = round(costs[s][3] * itemsize)
         for kind, phase in (("send", f"forward {s}->{s + 1}"), ("send", f"backward {s + 1}->{s}")):
             collectives.append(dict(mesh_dim="pp", kind=kind, phase=phase, count=micro, bytes=micro * nbytes))

@@ -7,18 +7,18 @@ one it needs: the gaps are the bubbles.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence
 
 from matplotlib.figure import Figure
 
 from ..core.pipeline_plan import even_layout, layout_counts, stage_units
-from ..core.pipeline_schedules import idle_fraction, replay, schedule_of
+from ..core.pipeline_schedules import Span, idle_fraction, replay, schedule_of
 
 #: Colour of each action kind.
 COLOURS = {"F": "C0", "B": "C1", "I": "C1", "W": "C3"}
 
 
-def timeline(schedule: str, pp: int, micro: int, virtual: int = 1) -> Dict[int, List[Tuple[str, int, int, float, float]]]:
+def timeline(schedule: str, pp: int, micro: int, virtual: int = 1) -> Dict[int, List[Span]]:
     """Per rank ``(kind, stage, micro-batch, start, end)`` of every action of ``schedule`` (a
     ``pp_schedule`` name) on ``pp`` ranks with ``virtual`` stages each."""
     return replay(schedule_of(schedule).rank_actions(pp, micro, virtual), pp * virtual)
