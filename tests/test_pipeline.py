@@ -19,7 +19,8 @@ BATCH = 8
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved_zb", "zbv")
 MODELS = ("mlp_all_steps", "vgg", "jelly")
 BACK_TO_BACK = 20
-MEASURED = {1: ("gpipe", "1f1b", "interleaved", "zbv"), 2: ("1f1b",)}  # measure()d schedules by topology dims (pp; pp x dp)
+#: measure()d schedules by topology dims (pp; pp x dp); zbv: a V places one stage boundary inside a rank
+MEASURED = {1: ("gpipe", "1f1b", "interleaved", "zbv"), 2: ("1f1b",)}
 
 
 def jelly_mlp() -> nn.Module:

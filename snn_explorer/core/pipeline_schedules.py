@@ -32,7 +32,6 @@ class PipelineSchedule:
     multi_stage = False  #: several (virtual) stages per rank
     virtual_stages: Optional[int] = None  #: the exact stages per rank it needs (None: any allowed count)
     splits_backward = False  #: input and weight backwards run apart (zero-bubble)
-    summary = ""
 
     def __repr__(self) -> str:
         return f"<pipeline schedule {self.name!r} (torch {self.torch_name})>"
@@ -100,7 +99,6 @@ class PipelineSchedule:
 
 class GPipe(PipelineSchedule):
     name, torch_name = "gpipe", "ScheduleGPipe"
-    summary = "every forward, then every backward: holds all micro-batches"
 
     def in_flight(self, pp: int, pp_rank: int, micro: int, virtual: int = 1) -> int:
         return micro
@@ -112,7 +110,6 @@ class GPipe(PipelineSchedule):
 
 class OneFOneB(GPipe):
     name, torch_name = "1f1b", "Schedule1F1B"
-    summary = "a warm-up of forwards, then one forward and one backward in turn"
 
     def in_flight(self, pp: int, pp_rank: int, micro: int, virtual: int = 1) -> int:
         """Its warm-up: ``pp - pp_rank`` forwards (at most ``micro``)."""
@@ -121,7 +118,6 @@ class OneFOneB(GPipe):
 
 class Interleaved(PipelineSchedule):
     name, torch_name, multi_stage = "interleaved", "ScheduleInterleaved1F1B", True
-    summary = "1F1B over several stages per rank, in rounds of pp micro-batches"
 
     def check_micro(self, pp: int, micro: int) -> None:
         rounds = max(1, micro // pp)
@@ -142,7 +138,6 @@ class Interleaved(PipelineSchedule):
 
 class InterleavedZeroBubble(Interleaved):
     name, torch_name, splits_backward = "interleaved_zb", "ScheduleInterleavedZeroBubble", True
-    summary = "interleaved 1F1B whose weight backwards fill the bubbles (ZB-1P)"
     in_flight = PipelineSchedule.in_flight
     bubble_fraction = PipelineSchedule.bubble_fraction
 
@@ -150,7 +145,6 @@ class InterleavedZeroBubble(Interleaved):
 class ZeroBubbleV(PipelineSchedule):
     name, torch_name, multi_stage, virtual_stages = "zbv", "ScheduleZBVZeroBubble", True, 2
     splits_backward = True
-    summary = "zero bubble over two stages per rank placed in a V (rank r: stages r and 2 pp - 1 - r)"
 
     def rank_stages(self, pp_rank: int, pp: int, virtual: int) -> Tuple[int, ...]:
         return pp_rank, 2 * pp - 1 - pp_rank
