@@ -13,8 +13,7 @@ from ..estimator import PlanEstimate
 MEMORY_ROWS = ("params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes", "activations_bytes",
                "neuron_state_bytes", "transient_bytes")
 #: Numeric rows where the smallest value is best (highlighted).
-BEST_LOW = MEMORY_ROWS + ("peak_bytes_max", "comm_bytes_per_step", "collectives_per_step", "step_time_s",
-                         "bubble_fraction")
+BEST_LOW = MEMORY_ROWS + ("peak_bytes_max", "comm_bytes_per_step", "collectives_per_step", "step_time_s")
 TEXT_ROWS = ("objective", "mode", "mesh", "optimizer_strategy", "memopt_level", "batch", "batch_per_rank",
              "time_steps", "rationale", "notes", "verdict", "hardware")
 COMPARE_ROWS = TEXT_ROWS + MEMORY_ROWS + ("peak_bytes_max", "comm_bytes_per_step", "collectives_per_step",
