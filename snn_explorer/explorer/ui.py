@@ -111,10 +111,11 @@ class ExplorerUI:
         self.tabs = w.Tab(children=[self.outputs[n] if n != "Charts" else
                                     w.VBox([w.HBox([self.chart, self.chart_module]), self.outputs[n]])
                                     for n in TABS], titles=TABS, selected_index=TABS.index("Compare"))
-        controls = w.VBox([self.objective, self.world_size, self.dp, self.tp, self.pp, self.mode, self.batch_size,
-                           self.time_steps, self.memory_budget, self.hardware, self.checkpointing,
-                           self.checkpoint_every, self.pp_schedule, self.pp_microbatches, self.pp_virtual_stages,
-                           w.HTML("<small>micro-batches, virtual stages: 0 = the planner's choice</small>")])
+        controls = w.VBox([self.objective, self.world_size, self.dp, self.tp, self.pp, self.pp_schedule,
+                           self.pp_microbatches, self.pp_virtual_stages,
+                           w.HTML("<small>micro-batches, virtual stages: 0 = the planner's choice</small>"),
+                           self.mode, self.batch_size, self.time_steps, self.memory_budget, self.hardware,
+                           self.checkpointing, self.checkpoint_every])
         gates = w.VBox([w.HTML("<b>feature gates</b>"), *self.gates.values(),
                         w.HBox([self.pin_button, self.clear_button])])
         self.widget = w.VBox([w.HBox([controls, gates]), self.message, self.plan_list, self.tabs])
@@ -306,7 +307,7 @@ class ExplorerUI:
         if kind == "activations vs T":
             steps = self.time_steps.value
             return self.ex.activation_chart(self._plan(), sorted({max(1, steps // 4), max(1, steps // 2), steps,
-                                                                  2 * steps}))
+                                                                   2 * steps}))
         if kind == "pipeline":
             return self.ex.pipeline_chart(self._plan())
         labels, ests = self._estimates()
