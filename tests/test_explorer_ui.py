@@ -7,7 +7,7 @@ import ipywidgets as w
 import pytest
 
 from snn_explorer.explorer import Explorer
-from snn_explorer.explorer.ui import TABS, ExplorerUI
+from snn_explorer.explorer.ui import TABS, ExplorerUI, fit_sizes
 from snn_explorer.zoo import SpikingMLP, build
 
 
@@ -214,3 +214,94 @@ def test_hardware_choice_re_predicts_step_time_and_world_size_reaches_1024(ui):
     ui.chart.value = "step time"
     ui.tabs.selected_index = TABS.index("Charts")
     assert "image/png" in _data(ui, "Charts")
+
+
+@pytest.fixture(scope="module")
+def pipelined():
+    """An Explorer of a model the analysis cuts into 5 pipeline units (8 samples: 4 per dp replica on 4 ranks)."""
+    ex = Explorer.from_zoo(build("mlp_all_steps"))
+    assert len(ex.analysis.pipeline_units) == 5 and ex.batch_size == 8
+    return ex
+
+
+@pytest.fixture()
+def pp_ui(pipelined):
+    pipelined.clear()
+    return ExplorerUI(pipelined)
+
+
+def test_fit_sizes_keeps_the_moved_slider_then_pp_then_tp():
+    """The moved size stays; pp, then tp keep what of theirs divides the ranks left; the last one takes the rest."""
+    assert fit_sizes(8, {"pp": 2, "dp": 4, "tp": 4}, "tp") == {"pp": 2, "dp": 1, "tp": 4}
+    assert fit_sizes(8, {"pp": 2, "dp": 8, "tp": 1}, "dp") == {"pp": 1, "dp": 8, "tp": 1}
+    assert fit_sizes(8, {"pp": 2, "dp": 2, "tp": 1}, "dp") == {"pp": 2, "dp": 2, "tp": 2}  # tp takes the rest
+    assert fit_sizes(8, {"pp": 4, "dp": 4, "tp": 2}, "pp") == {"pp": 4, "dp": 1, "tp": 2}
+    assert fit_sizes(6, {"pp": 4, "dp": 1, "tp": 1}) == {"pp": 2, "dp": 3, "tp": 1}  # a new world size
+
+
+def test_pp_slider_gives_a_pipeline_plan_with_its_row_in_the_comparison(pp_ui):
+    ui = pp_ui
+    assert ui.current.mode == "dp" and all(c.disabled for c in (ui.pp_schedule, ui.pp_microbatches,
+                                                                 ui.pp_virtual_stages))
+    assert "pipeline" not in ui.compare_table.index  # rows for pipelines only when one is compared
+    ui.pp.value = 2
+    assert (ui.pp.value, ui.dp.value, ui.tp.value) == (2, 2, 1) and ui.error == ""
+    assert ui.current.uses_pp and ui.current.topology.dims == {"pp": 2, "dp": 2}
+    assert not ui.pp_schedule.disabled
+    # the planner's choice for 4 samples per replica on pp=2: 2 virtual stages, 4 micro-batches (issue 13's rule)
+    assert _columns(ui) == ["current pp pp=2 x dp=2 interleaved m=4 v=2"]
+    assert ui.compare_table.loc["pipeline"].tolist() == ["interleaved m=4 v=2 stages 2|1|1|1"]
+    assert ui.compare_table.loc["bubble_fraction"].tolist() == [pytest.approx(1 / (2 * 4 + 1))]  # (pp-1)/(Vm+pp-1)
+    assert "11.1%" in _data(ui)["text/plain"]
+    ui.tp.value = 2  # dp gives way, pp stays; pipelines with TP are refused at plan time
+    assert (ui.pp.value, ui.dp.value) == (2, 1) and ui.current is None
+    assert "does not combine pipeline stages with tensor parallelism (tp=2)" in ui.message.value
+    assert "invalid choice" in ui.message.value and "Traceback" not in ui.message.value
+    ui.dp.value = 4
+    assert (ui.pp.value, ui.tp.value) == (1, 1) and ui.current.mode == "dp"
+    ui.mode.value = "pp"
+    assert ui.current is None and "mode 'pp' needs the dim(s) ['pp']" in ui.error
+    ui.pp.value = 4
+    assert ui.dp.value == 1 and ui.current.topology.dims == {"pp": 4}
+    ui.world_size.value = 8
+    assert list(ui.pp.options) == [1, 2, 4, 8] and (ui.pp.value, ui.dp.value, ui.tp.value) == (4, 2, 1)
+
+
+def test_pp_schedule_micro_batches_and_virtual_stages_reach_the_plan(pp_ui):
+    ui = pp_ui
+    ui.pp.value = 2
+    ui.pp_schedule.value = "1f1b"
+    assert (ui.current.pp_schedule, ui.current.pp_virtual_stages, ui.current.pp_microbatches) == ("1f1b", 1, 4)
+    ui.pp_microbatches.value = 2
+    assert ui.current.pp_microbatches == 2 and _columns(ui) == ["current pp pp=2 x dp=2 1f1b m=2"]
+    ui.pp_microbatches.value = 3
+    assert ui.current is None and "invalid choice: pp_microbatches=3 does not divide the per-rank batch 4" \
+        in ui.message.value
+    ui.pp_microbatches.value = 4
+    ui.pp_schedule.value = "gpipe"
+    assert (ui.current.pp_schedule, ui.current.pp_microbatches) == ("gpipe", 4)
+    ui.pp_schedule.value = "interleaved"
+    ui.pp_virtual_stages.value = 2
+    assert (ui.current.pp_schedule, ui.current.pp_virtual_stages, ui.current.pp_stages) == ("interleaved", 2, 4)
+    ui.pp_virtual_stages.value = 3
+    assert ui.current is None and "pp_microbatches=4 is fewer than pp * virtual stages = 2 * 3 = 6" in ui.error
+    ui.pp_schedule.value, ui.pp_virtual_stages.value, ui.pp_microbatches.value = "1f1b", 0, 0
+    pinned = ui.pin()
+    ui.pp.value = 1  # the pinned pipeline stays; the other controls are off again and ignored
+    assert ui.pp_microbatches.disabled and ui.choices()["pp_schedule"] is None and ui.current.mode == "dp"
+    assert ui.ex.plans == [pinned] and _columns(ui) == ["#1 pp pp=2 x dp=2 1f1b m=4", "current dp+zero dp=4"]
+    assert ui.compare_table.loc["bubble_fraction"].tolist() == [pytest.approx(1 / 5), 0.0]
+    assert ui.compare_table.loc["pipeline"].tolist() == ["1f1b m=4 stages 3|2", ""]
+
+
+def test_pipeline_chart_draws_a_pipeline_plan_and_says_when_there_is_none(pp_ui):
+    ui = pp_ui
+    ui.tabs.selected_index = TABS.index("Charts")
+    ui.chart.value = "pipeline"
+    assert "the plan has no pipeline: pp=1 (mode 'dp')" in _data(ui, "Charts")["text/plain"]
+    ui.pp.value = 2
+    ui.pp_schedule.value = "1f1b"  # re-renders the visible tab
+    data = _data(ui, "Charts")
+    assert "image/png" in data and "1f1b: 4 micro-batches on pp=2" in data["text/plain"]
+    ui.chart.value = "mesh"  # a dp x tp grid does not describe stages: said, not drawn wrong
+    assert "cannot show Charts: the shard layout covers dp x tp meshes" in _data(ui, "Charts")["text/plain"]

@@ -18,6 +18,8 @@ TEXT_ROWS = ("objective", "mode", "mesh", "optimizer_strategy", "memopt_level", 
              "time_steps", "rationale", "notes", "verdict", "hardware")
 COMPARE_ROWS = TEXT_ROWS + MEMORY_ROWS + ("peak_bytes_max", "comm_bytes_per_step", "collectives_per_step",
                                           "step_time_s", "samples_per_s", "fits_budget")
+#: Rows added after :data:`COMPARE_ROWS` when a compared plan is a pipeline (a plan without one: "" and 0).
+PIPELINE_ROWS = ("pipeline", "bubble_fraction")
 #: The Styler's table id, fixed so that rendered HTML is the same on every run.
 STYLER_UUID = "snn-compare"
 
@@ -26,10 +28,18 @@ def mesh_text(plan: SNNDistributedPlan) -> str:
     return " x ".join(f"{n}={s}" for n, s in zip(plan.mesh_dim_names, plan.mesh_shape))
 
 
+def pipeline_text(plan: SNNDistributedPlan) -> str:
+    """``1f1b m=8`` (``interleaved m=8 v=2``): a pipeline's schedule, micro-batches and virtual stages."""
+    if not plan.uses_pp:
+        return ""
+    virtual = f" v={plan.pp_virtual_stages}" if plan.pp_virtual_stages > 1 else ""
+    return f"{plan.pp_schedule} m={plan.pp_microbatches}{virtual}"
+
+
 def plan_label(plan: SNNDistributedPlan) -> str:
-    """``dp+zero dp=4``: mode, ZeRO and mesh; the objective follows when it is not the default."""
+    """``dp+zero dp=4``, ``pp pp=2 x dp=2 1f1b m=8``: mode, ZeRO, levers, mesh and the pipeline's schedule."""
     zero = "+zero" if plan.uses_zero else ""
-    return f"{plan.mode}{zero}{lever_label(plan)} {mesh_text(plan)}"
+    return " ".join(filter(None, (f"{plan.mode}{zero}{lever_label(plan)}", mesh_text(plan), pipeline_text(plan))))
 
 
 def unique_labels(plans: Sequence[SNNDistributedPlan]) -> list:
@@ -47,18 +57,22 @@ def _column(est: PlanEstimate, budget: Optional[int]) -> dict:
     col.update(peak_bytes_max=est.peak_bytes, comm_bytes_per_step=est.comm_bytes,
                collectives_per_step=int(est.collectives["count"].sum()) if len(est.collectives) else 0,
                step_time_s=est.step_time_s, samples_per_s=est.samples_per_s,
-               fits_budget="" if budget is None else ("yes" if est.peak_bytes <= budget else "no"))
+               fits_budget="" if budget is None else ("yes" if est.peak_bytes <= budget else "no"),
+               pipeline=pipeline_text(p) + (f" stages {p.pp_layout}" if p.pp_layout else ""),
+               bubble_fraction=est.bubble_fraction)
     return col
 
 
 def compare_table(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[str]] = None,
                   memory_budget: Optional[int] = None) -> pd.DataFrame:
-    """Rows :data:`COMPARE_ROWS`, one column per estimate (labelled ``labels`` or ``#i mode mesh``)."""
+    """Rows :data:`COMPARE_ROWS` (and :data:`PIPELINE_ROWS` when a plan is a pipeline), one column per
+    estimate (labelled ``labels`` or ``#i mode mesh``)."""
     labels = list(labels) if labels is not None else unique_labels([e.plan for e in estimates])
     if len(labels) != len(estimates) or len(set(labels)) != len(labels):
         raise ValueError(f"need one distinct label per estimate, got {labels!r} for {len(estimates)} estimates")
     data = {label: _column(e, memory_budget) for label, e in zip(labels, estimates)}
-    return pd.DataFrame(data, index=list(COMPARE_ROWS), columns=labels, dtype=object)
+    rows = COMPARE_ROWS + (PIPELINE_ROWS if any(e.plan.uses_pp for e in estimates) else ())
+    return pd.DataFrame(data, index=list(rows), columns=labels, dtype=object)
 
 
 def best_columns(table: pd.DataFrame, row: str) -> list:
@@ -95,6 +109,8 @@ def readable(table: pd.DataFrame, max_text: int = 0) -> pd.DataFrame:
             out.loc[row] = [format_bytes(v) for v in table.loc[row]]
         elif row == "step_time_s":
             out.loc[row] = [format_seconds(v) for v in table.loc[row]]
+        elif row == "bubble_fraction":
+            out.loc[row] = [f"{v:.1%}" if isinstance(v, (int, float)) else str(v) for v in table.loc[row]]
         elif row == "samples_per_s":
             out.loc[row] = [f"{v:.4g}" if isinstance(v, (int, float)) else str(v) for v in table.loc[row]]
         elif max_text and row in ("rationale", "notes", "verdict"):

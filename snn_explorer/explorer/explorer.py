@@ -141,10 +141,12 @@ class Explorer:
                   features: FeaturesLike = None, mode: Optional[str] = None,
                   tensor_parallel_plan: Optional[Mapping[str, str]] = None,
                   activation_checkpointing: Optional[str] = None, checkpoint_every: int = 1,
-                  cpu_offload: bool = False) -> SNNDistributedPlan:
+                  cpu_offload: bool = False, pp_schedule: Optional[str] = None,
+                  pp_microbatches: Optional[int] = None, pp_virtual_stages: Optional[int] = None,
+                  pp_layout: Any = None) -> SNNDistributedPlan:
         """The plan :func:`snn_explorer.plan` gives for these choices, without adding it (``time_chunks``
         checkpointing, and the objective's own choice for a model stepped per time step, steps
-        :attr:`time_step_module`)."""
+        :attr:`time_step_module`; the ``pp_*`` fields left None are the planner's choice)."""
         chunks = activation_checkpointing == "time_chunks" or (activation_checkpointing is None and
                                                                  self.example_input is not None)
         step_module = self.time_step_module if chunks else None
@@ -153,7 +155,8 @@ class Explorer:
                          batch_size=batch_size if batch_size is not None else self.batch_size,
                          mode=mode, features=as_features(features), tensor_parallel_plan=tensor_parallel_plan,
                          activation_checkpointing=activation_checkpointing, checkpoint_every=checkpoint_every,
-                         cpu_offload=cpu_offload, time_step_module=step_module)
+                         cpu_offload=cpu_offload, time_step_module=step_module, pp_schedule=pp_schedule,
+                         pp_microbatches=pp_microbatches, pp_virtual_stages=pp_virtual_stages, pp_layout=pp_layout)
 
     @property
     def time_step_module(self) -> Optional[str]:
@@ -317,6 +320,17 @@ class Explorer:
 
         module = module or self.default_module(plan)
         return mesh_chart(self.layout(plan, module), plan, module)
+
+    def pipeline_chart(self, plan: SNNDistributedPlan):
+        """Each rank's forwards, backwards and bubbles under ``plan``'s schedule, above its stage layout
+        over the model's pipeline units (a Figure); ValueError for a plan without a pipeline."""
+        from ..core.modes import names_text
+        from .pipeline_view import pipeline_chart
+
+        if not plan.uses_pp:
+            raise ValueError(f"the plan has no pipeline: pp={plan.pp_size} (mode {plan.mode!r}); a pipeline chart "
+                             f"needs {names_text(lambda m: m.pp)} on a topology with pp > 1")
+        return pipeline_chart(plan, self.analysis.pipeline_units)
 
     # ---- running
     def apply(self, plan: SNNDistributedPlan, *, device_type: Optional[str] = None, device_mesh=None):

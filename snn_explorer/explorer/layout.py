@@ -36,6 +36,9 @@ def shard_layout(model: nn.Module, plan: SNNDistributedPlan, module: str) -> pd.
     TP splits a dim by the module's style (head-aligned rows for fused q/k/v); FSDP2 then splits dim 0 of each TP-local tensor over
     the dp ranks (padded chunks, as ``fully_shard`` does); DDP and ZeRO keep whole parameters.
     """
+    if plan.uses_pp:
+        raise ValueError(f"the shard layout covers dp x tp meshes, but the plan cuts the model into pipeline stages "
+                         f"(pp={plan.pp_size}); the pipeline chart shows which stage and rank hold each module")
     modules = dict(model.named_modules())
     if module not in modules:
         raise KeyError(f"{module!r} is not a module of the model")

@@ -9,22 +9,27 @@ from __future__ import annotations
 
 import html
 import json
-from typing import List, Optional
+from math import gcd
+from typing import Dict, List, Optional
 
 import ipywidgets as w
 
 from ..core import MODES, SNN_DISTRIBUTED_PREFERENCES, SNNDistributedPlan
-from ..core.topology import dp_tp_splits
+from ..core.pipeline_schedules import SCHEDULES
+from ..core.topology import LEADING_DIMS, dp_tp_splits
 from . import charts
 from .compare import compare_table, plan_label, readable, style_compare
 from .modules import candidates_table
 from .render import figure_data, message_data, message_html, show, styler_data, table_data
 
 TABS = ("Modules", "Candidates", "Compare", "Charts", "Launch")
-CHARTS = ("memory", "communication", "step time", "pareto", "mesh", "activations vs T")
+CHARTS = ("memory", "communication", "step time", "pareto", "mesh", "activations vs T", "pipeline")
 GATES = ("allow_experimental_conv_tp", "allow_experimental_spikformer_tp", "allow_zero_optimizer",
          "allow_activation_checkpointing", "allow_cpu_offload")
 CHECKPOINTING = ("auto", "none", "blocks", "time_chunks")
+PP_SCHEDULE_CHOICES = ("auto",) + tuple(SCHEDULES)
+#: The mesh sliders in the order they keep their sizes when another one moves (dp takes what is left).
+KEEP = ("pp", "tp", "dp")
 MAX_WORLD = 1024
 #: The hardware choice that means this machine's calibration (``Explorer.hardware = None``).
 THIS_MACHINE = "this machine (calibrated)"
@@ -32,8 +37,20 @@ ERRORS = (ValueError, TypeError, KeyError, NotImplementedError)
 
 
 def divisors(n: int) -> List[int]:
-    """The tp sizes of the dp x tp splits of ``n`` ranks (every divisor, ascending)."""
+    """Every divisor of ``n``, ascending (the sizes a mesh slider offers on ``n`` ranks)."""
     return [split.get("tp", 1) for split in dp_tp_splits(n)]
+
+
+def fit_sizes(world: int, sizes: Dict[str, int], moved: Optional[str] = None) -> Dict[str, int]:
+    """pp, tp and dp sizes whose product is ``world``: ``moved`` keeps its size, the others in
+    :data:`KEEP` order keep what of theirs divides the ranks left (the gcd), and the last takes the rest."""
+    order = [moved] * (moved is not None) + [d for d in KEEP if d != moved]
+    out, rest = {}, world
+    for dim in order[:-1]:
+        out[dim] = gcd(sizes[dim], rest)
+        rest //= out[dim]
+    out[order[-1]] = rest
+    return out
 
 
 class ExplorerUI:
@@ -61,6 +78,14 @@ class ExplorerUI:
         self.world_size = w.IntSlider(value=world, min=1, max=MAX_WORLD, description="world size", style=style)
         self.dp = w.SelectionSlider(options=divisors(world), value=world, description="dp", style=style)
         self.tp = w.SelectionSlider(options=divisors(world), value=1, description="tp", style=style)
+        self.pp = w.SelectionSlider(options=divisors(world), value=1, description="pp", style=style)
+        self.mesh = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+        self.pp_schedule = w.Dropdown(options=PP_SCHEDULE_CHOICES, value="auto", description="pp schedule",
+                                      style=style)
+        self.pp_microbatches = w.BoundedIntText(value=0, min=0, max=2 ** 24, description="micro-batches",
+                                                tooltip="0: the planner's choice", style=style)
+        self.pp_virtual_stages = w.BoundedIntText(value=0, min=0, max=1024, description="virtual stages",
+                                                  tooltip="0: the planner's choice", style=style)
         self.mode = w.Dropdown(options=("auto",) + tuple(MODES), value="auto", description="mode", style=style)
         self.gates = {g: w.Checkbox(value=g == "allow_zero_optimizer", description=g, indent=False) for g in GATES}
         self.checkpointing = w.Dropdown(options=CHECKPOINTING, value="auto", description="checkpointing",
@@ -86,17 +111,20 @@ class ExplorerUI:
         self.tabs = w.Tab(children=[self.outputs[n] if n != "Charts" else
                                     w.VBox([w.HBox([self.chart, self.chart_module]), self.outputs[n]])
                                     for n in TABS], titles=TABS, selected_index=TABS.index("Compare"))
-        controls = w.VBox([self.objective, self.world_size, self.dp, self.tp, self.mode, self.batch_size,
-                           self.time_steps, self.memory_budget, self.hardware, self.checkpointing,
-                           self.checkpoint_every])
+        controls = w.VBox([self.objective, self.world_size, self.dp, self.tp, self.pp, self.pp_schedule,
+                           self.pp_microbatches, self.pp_virtual_stages,
+                           w.HTML("<small>micro-batches, virtual stages: 0 = the planner's choice</small>"),
+                           self.mode, self.batch_size, self.time_steps, self.memory_budget, self.hardware,
+                           self.checkpointing, self.checkpoint_every])
         gates = w.VBox([w.HTML("<b>feature gates</b>"), *self.gates.values(),
                         w.HBox([self.pin_button, self.clear_button])])
         self.widget = w.VBox([w.HBox([controls, gates]), self.message, self.plan_list, self.tabs])
         self.world_size.observe(self._on_world, "value")
-        self.dp.observe(lambda c: self._link(tp=self.world_size.value // c["new"]), "value")
-        self.tp.observe(lambda c: self._link(dp=self.world_size.value // c["new"]), "value")
+        for name, slider in self.mesh.items():
+            slider.observe(lambda _, moved=name: self._link(moved), "value")
         for control in (self.objective, self.mode, self.batch_size, self.time_steps, self.memory_budget,
-                        self.checkpointing, self.checkpoint_every, *self.gates.values()):
+                        self.checkpointing, self.checkpoint_every, self.pp_schedule, self.pp_microbatches,
+                        self.pp_virtual_stages, *self.gates.values()):
             control.observe(self.refresh, "value")
         self.hardware.observe(self._on_hardware, "value")
         self.chart.observe(lambda _: self._render_tab("Charts"), "value")
@@ -125,25 +153,24 @@ class ExplorerUI:
         self.refresh()
 
     def _on_world(self, change) -> None:
-        world, tp = change["new"], self.tp.value
-        tp = tp if world % tp == 0 else 1
-        self._syncing = True
-        try:
-            options = divisors(world)
-            self.tp.options, self.dp.options = options, options
-            self.tp.value, self.dp.value = tp, world // tp
-        finally:
-            self._syncing = False
-        self.refresh()
+        self._set_mesh(fit_sizes(change["new"], self._sizes()), divisors(change["new"]))
 
-    def _link(self, **value) -> None:
-        """Keep dp x tp equal to the world size: set the other slider, then refresh once."""
-        if self._syncing:
-            return
+    def _link(self, moved: str) -> None:
+        """Keep pp x dp x tp equal to the world size after the ``moved`` slider changed."""
+        if not self._syncing:
+            self._set_mesh(fit_sizes(self.world_size.value, self._sizes(), moved))
+
+    def _sizes(self) -> Dict[str, int]:
+        return {name: slider.value for name, slider in self.mesh.items()}
+
+    def _set_mesh(self, sizes: Dict[str, int], options: Optional[List[int]] = None) -> None:
+        """Set the mesh sliders (and their ``options``) without re-planning in between, then refresh once."""
         self._syncing = True
         try:
-            for name, v in value.items():
-                getattr(self, name).value = v
+            for name, slider in self.mesh.items():
+                if options is not None:
+                    slider.options = options
+                slider.value = sizes[name]
         finally:
             self._syncing = False
         self.refresh()
@@ -151,7 +178,7 @@ class ExplorerUI:
     # ---- state
     @property
     def topology(self) -> dict:
-        dims = {n: s for n, s in (("dp", self.dp.value), ("tp", self.tp.value)) if s > 1}
+        dims = {n: self.mesh[n].value for n in LEADING_DIMS if self.mesh[n].value > 1}
         return dims or {"dp": 1}
 
     def choices(self) -> dict:
@@ -161,7 +188,13 @@ class ExplorerUI:
                     mode=None if self.mode.value == "auto" else self.mode.value,
                     activation_checkpointing=None if self.checkpointing.value == "auto" else self.checkpointing.value,
                     checkpoint_every=self.checkpoint_every.value,
-                    cpu_offload=self.gates["allow_cpu_offload"].value)
+                    cpu_offload=self.gates["allow_cpu_offload"].value, **self._pipeline_choices())
+
+    def _pipeline_choices(self) -> dict:
+        """The ``pp_*`` choices: None (the planner's) for "auto" / 0, and for all when pp is 1."""
+        given = dict(pp_schedule=self.pp_schedule.value, pp_microbatches=self.pp_microbatches.value,
+                     pp_virtual_stages=self.pp_virtual_stages.value)
+        return {k: None if self.pp.value == 1 or v in ("auto", 0) else v for k, v in given.items()}
 
     @property
     def budget_bytes(self) -> Optional[int]:
@@ -193,6 +226,8 @@ class ExplorerUI:
         """Re-plan from the controls, re-estimate (cached), re-render the comparison and the visible tab."""
         if self._syncing:
             return
+        for control in (self.pp_schedule, self.pp_microbatches, self.pp_virtual_stages):
+            control.disabled = self.pp.value == 1  # used by pipelines only
         try:
             self.current, self.error = self.ex.make_plan(**self.choices()), ""
         except ERRORS as exc:
@@ -258,19 +293,23 @@ class ExplorerUI:
             return {"text/html": f"<pre>{html.escape(text)}</pre>", "text/plain": text}
         return figure_data(self.figure())
 
+    def _plan(self) -> SNNDistributedPlan:
+        """The current plan; ValueError saying why there is none."""
+        if self.current is None:
+            raise ValueError(self.error or "no plan")
+        return self.current
+
     def figure(self):
         """The chart the Charts tab shows for the current choices."""
         kind = self.chart.value
         if kind == "mesh":
-            if self.current is None:
-                raise ValueError(self.error or "no plan")
-            return self.ex.mesh_chart(self.current, self.chart_module.value or None)
+            return self.ex.mesh_chart(self._plan(), self.chart_module.value or None)
         if kind == "activations vs T":
-            if self.current is None:
-                raise ValueError(self.error or "no plan")
             steps = self.time_steps.value
-            return self.ex.activation_chart(self.current, sorted({max(1, steps // 4), max(1, steps // 2), steps,
-                                                                  2 * steps}))
+            return self.ex.activation_chart(self._plan(), sorted({max(1, steps // 4), max(1, steps // 2), steps,
+                                                                   2 * steps}))
+        if kind == "pipeline":
+            return self.ex.pipeline_chart(self._plan())
         labels, ests = self._estimates()
         make = {"memory": charts.memory_chart, "communication": charts.comm_chart, "pareto": charts.pareto_chart,
                 "step time": charts.step_time_chart}
