@@ -277,6 +277,31 @@ def pipeline_recv_buffers(stage: Any) -> list:
     return out
 
 
+def interleaved_1f1b_order(pp: int, virtual: int, micro: int, rank: int) -> list:
+    """``("F" | "B", stage, micro-batch)`` of each compute action torch's ``ScheduleInterleaved1F1B``
+    runs on ``rank``, in its order: the class's private ``_calculate_single_rank_operations``, called on
+    a stand-in holding the four attributes it reads (as its ``__init__`` sets them)."""
+    import types
+
+    from torch.distributed.pipelining import schedules
+
+    where = "torch.distributed.pipelining.schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations"
+    order = getattr(schedules.ScheduleInterleaved1F1B, "_calculate_single_rank_operations", None)
+    _check(where, callable(order), "it is missing")
+    per_round = micro // max(1, micro // pp)
+    stand_in = types.SimpleNamespace(n_local_stages=virtual, microbatches_per_round=per_round, pp_group_size=pp,
+                                     _n_microbatches=micro)
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B"}
+    out = []
+    for action in order(stand_in, rank):
+        if action is None:
+            continue
+        kind = kinds.get(getattr(action.computation_type, "name", None))
+        _check(where, kind is not None, f"it gave an action {action} other than a forward or full backward")
+        out.append((kind, action.stage_index, action.microbatch_index))
+    return out
+
+
 def label_pipeline_p2p(stage: Any, labels: dict) -> None:
     """Wrap ``stage``'s ``get_{fwd,bwd}_{send,recv}_ops`` (which torch's schedules call for every
     micro-batch) so that ``labels[data_ptr]`` names the stage boundary of each op's tensor."""

@@ -18,7 +18,9 @@ from typing import Dict, List, Sequence, Tuple
 import pandas as pd
 
 from ..core.pipeline_plan import check_pp_model, rank_stages, stage_units
+from .. import compat
 from .sharding import buffer_bytes, optimizer_temporaries, rank_bytes
+from .stage_memory import measure_stages
 
 PIPELINE_COLUMNS = ("pp_rank", "stages", "units", "microbatches_in_flight", "bubble_fraction")
 
@@ -30,17 +32,80 @@ def bubble_fraction(schedule: str, pp: int, micro: int, virtual: int = 1) -> flo
     return (pp - 1) / (virtual * micro + pp - 1)
 
 
-def in_flight(schedule: str, pp: int, pp_rank: int, micro: int, virtual: int = 1) -> int:
-    """Stage forwards whose activations rank ``pp_rank`` holds at once under torch's schedule:
-    GPipe all ``micro``; 1F1B its warm-up ``pp - pp_rank`` (at most ``micro``); interleaved 1F1B its
-    warm-up ``(virtual - 1) * micro_per_round + 2 * (pp - 1 - pp_rank)`` plus the one in flight
-    (at most ``virtual * micro``)."""
+def rank_order(schedule: str, pp: int, pp_rank: int, micro: int, virtual: int = 1) -> List[Tuple[str, int, int]]:
+    """``("F" | "B", stage, micro-batch)`` of rank ``pp_rank``'s forwards and backwards in the order
+    torch's schedule runs them: GPipe all forwards then all backwards; 1F1B ``min(micro, pp - pp_rank)``
+    warm-up forwards, then a backward and a forward in turn, then the remaining backwards
+    (``Schedule1F1B._step_microbatches``); interleaved 1F1B the order torch computes itself."""
     if schedule == "gpipe":
-        return micro
+        return [("F", pp_rank, i) for i in range(micro)] + [("B", pp_rank, i) for i in range(micro)]
     if schedule == "1f1b":
-        return min(micro, pp - pp_rank)
-    per_round = micro // max(1, micro // pp)
-    return min((virtual - 1) * per_round + 2 * (pp - 1 - pp_rank) + 1, virtual * micro)
+        warm = min(micro, pp - pp_rank)
+        order = [("F", pp_rank, i) for i in range(warm)]
+        for b in range(micro):
+            order += [("B", pp_rank, b)] + ([("F", pp_rank, warm + b)] if warm + b < micro else [])
+        return order
+    return compat.interleaved_1f1b_order(pp, virtual, micro, pp_rank)
+
+
+def in_flight(schedule: str, pp: int, pp_rank: int, micro: int, virtual: int = 1) -> int:
+    """Stage forwards whose activations rank ``pp_rank`` holds at once under torch's schedule (the
+    most forwards not yet backwarded along :func:`rank_order`): GPipe all ``micro``; 1F1B its
+    warm-up ``pp - pp_rank`` (at most ``micro``); interleaved 1F1B its warm-up and the forward of
+    its first steady-state pair."""
+    most = held = 0
+    for kind, _, _ in rank_order(schedule, pp, pp_rank, micro, virtual):
+        held += 1 if kind == "F" else -1
+        most = max(most, held)
+    return most
+
+
+def _walk(schedule: str, order, runs, saved, last_stage: int, micro: int) -> Tuple[int, int, int]:
+    """(peak, bytes left at the end, most bytes saved for backward at once) that the schedule adds to a
+    rank's static bytes, walking its actions in torch's order (``runs``: :class:`~.stage_memory.StageMemory`
+    by stage; ``saved``: bytes saved for backward per micro-batch by stage).
+
+    A forward adds its stage's ``kept`` bytes (and, the first time, the neuron state the stage then
+    keeps); a backward frees them, peaking at its measured backward peak, and the stage's first one
+    allocates its gradients. What torch's schedule still references after a backward stays: the last
+    stage's outputs (``output_chunks``, merged after the schedule into one more copy); under GPipe
+    and interleaved 1F1B every tensor sent, until the step ends (``fwd_sends_to_wait`` /
+    ``bwd_sends_to_wait``, ``send_ops``: the gloo work objects hold their tensors); under 1F1B the first
+    micro-batch's output until the cool-down (``send_work``) and each input gradient until the next
+    backward has ended (``bwd_sends``).
+    """
+    cur = peak = act = most_act = 0
+    started, with_grads = set(), set()
+    until_end = gin_before = first_out = 0
+    backwards, warm = 0, sum(1 for k, _, _ in order[:order.index(next(a for a in order if a[0] == "B"))])
+    for kind, s, mb in order:
+        r = runs[s]
+        if kind == "F":
+            cur += 0 if s in started else r.held
+            started.add(s)
+            peak = max(peak, cur + r.forward)
+            cur, act = cur + r.kept, act + saved[s]
+            most_act = max(most_act, act)
+            continue
+        peak = max(peak, cur - r.kept + (r.backward_next if s in with_grads else r.backward_first))
+        cur, act = cur - r.kept + (0 if s in with_grads else r.grads), act - saved[s]
+        with_grads.add(s)
+        backwards += 1
+        out = r.output if s == last_stage or schedule != "1f1b" else 0
+        gin = r.grad_input if schedule != "1f1b" else 0
+        cur, until_end = cur + out + gin, until_end + out + gin
+        if schedule == "1f1b":
+            cur, gin_before = cur - gin_before + r.grad_input, r.grad_input
+            if mb == 0 and warm > 1 and s != last_stage:
+                cur, first_out = cur + r.output, r.output
+            if backwards == micro - warm + 1:
+                cur, first_out = cur - first_out, 0
+    outputs = micro * runs[last_stage].output if last_stage in started else 0
+    left = cur - (until_end - outputs) - gin_before - first_out
+    if last_stage in started:  # the merge of the last stage's outputs
+        merged = micro * runs[last_stage].output
+        peak, left = max(peak, left + merged), left + merged
+    return peak, left, most_act
 
 
 def _under(name: str, units: Sequence[str]) -> bool:
@@ -64,6 +129,9 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
     stages = stage_units(units, counts)
     micro, n_micro = plan.pp_microbatches, plan.per_rank_batch // plan.pp_microbatches
     costs = _stage_costs(profile, stages, n_micro, t)
+    runs = measure_stages(profile, stages, n_micro, t, strided=micro > 1 and t > 1)
+    # bytes saved for backward per micro-batch; the first stage's strided micro-batch is copied contiguous
+    saved = [c[0] + (c[2] * itemsize if s == 0 and micro > 1 and t > 1 else 0) for s, c in enumerate(costs)]
     rows: Dict[int, dict] = {}
     table, collectives = [], []
     for pp_rank in range(plan.pp_size):
@@ -73,18 +141,16 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
         b = rank_bytes(mine, plan, 0, optimizer)
         buffers = buffer_bytes([b for b in profile.buffers if _under(b[0], own_units)], profile.dtype, plan)
         flying = in_flight(plan.pp_schedule, plan.pp_size, pp_rank, micro, plan.pp_virtual_stages)
-        # the first stage's micro-batch (a strided slice of the batch) is copied contiguous and saved
-        copy = costs[0][2] * itemsize if 0 in own and micro > 1 and t > 1 else 0
-        activations = flying * max(costs[s][0] + (copy if s == 0 else 0) for s in own)
-        state = max(costs[s][1] for s in own)
+        order = rank_order(plan.pp_schedule, plan.pp_size, pp_rank, micro, plan.pp_virtual_stages)
+        schedule_peak, left, activations = _walk(plan.pp_schedule, order, runs, saved, plan.pp_stages - 1, micro)
+        state = sum(runs[s].held for s in own)
         recv = sum(micro * itemsize * ((costs[s][2] if s else 0) + (costs[s][3] if s < plan.pp_stages - 1 else 0))
                    for s in own)
         inputs = profile.input_bytes(plan.per_rank_batch, t) if 0 in own else 0
-        # the last stage keeps each micro-batch's output to merge them after the schedule
-        outputs = micro * costs[-1][3] * itemsize if plan.pp_stages - 1 in own else 0
-        # the schedule (activations and state beside the gradients) or the optimizer step (its scratch)
-        peak = sum(b.values()) + buffers + recv + inputs + outputs + max(activations + state,
-                                                               optimizer_temporaries(mine, plan, 0, optimizer))
+        # after the schedule: dp's flat copy of the gradients, then the optimizer step's scratch
+        after = left + max(b["grads_bytes"] if plan.dp_size > 1 else 0, optimizer_temporaries(mine, plan, 0, optimizer))
+        static = b["params_bytes"] + b["optimizer_bytes"] + buffers + recv + inputs
+        peak = static + max(schedule_peak, after)
         rows[pp_rank] = dict(**b, buffers_bytes=buffers, activations_bytes=round(activations),
                              neuron_state_bytes=round(state), transient_bytes=round(recv + inputs),
                              peak_bytes=round(peak))
