@@ -132,6 +132,7 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
     runs = measure_stages(profile, stages, n_micro, t, strided=micro > 1 and t > 1)
     # bytes saved for backward per micro-batch; the first stage's strided micro-batch is copied contiguous
     saved = [c[0] + (c[2] * itemsize if s == 0 and micro > 1 and t > 1 else 0) for s, c in enumerate(costs)]
+    last, has_labels = plan.pp_stages - 1, profile.labels is not None
     rows: Dict[int, dict] = {}
     table, collectives = [], []
     for pp_rank in range(plan.pp_size):
@@ -142,14 +143,15 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
         buffers = buffer_bytes([b for b in profile.buffers if _under(b[0], own_units)], profile.dtype, plan)
         flying = in_flight(plan.pp_schedule, plan.pp_size, pp_rank, micro, plan.pp_virtual_stages)
         order = rank_order(plan.pp_schedule, plan.pp_size, pp_rank, micro, plan.pp_virtual_stages)
-        schedule_peak, left, activations = _walk(plan.pp_schedule, order, runs, saved, plan.pp_stages - 1, micro)
+        schedule_peak, left, activations = _walk(plan.pp_schedule, order, runs, saved, last, micro)
         state = sum(runs[s].held for s in own)
         recv = sum(micro * itemsize * ((costs[s][2] if s else 0) + (costs[s][3] if s < plan.pp_stages - 1 else 0))
                    for s in own)
         inputs = profile.input_bytes(plan.per_rank_batch, t) if 0 in own else 0
         # after the schedule: dp's flat copy of the gradients, then the optimizer step's scratch
         after = left + max(b["grads_bytes"] if plan.dp_size > 1 else 0, optimizer_temporaries(mine, plan, 0, optimizer))
-        static = b["params_bytes"] + b["optimizer_bytes"] + buffers + recv + inputs
+        labels = plan.per_rank_batch * profile.labels.element_size() if last in own and has_labels else 0
+        static = b["params_bytes"] + b["optimizer_bytes"] + buffers + recv + inputs + labels
         peak = static + max(schedule_peak, after)
         rows[pp_rank] = dict(**b, buffers_bytes=buffers, activations_bytes=round(activations),
                              neuron_state_bytes=round(state), transient_bytes=round(recv + inputs),

@@ -59,12 +59,10 @@ def _held(stage: nn.Module) -> List[torch.Tensor]:
     return out
 
 
-def _micro(stage, inp, labels, grad_out) -> tuple:
+def _micro(meter: StorageMeter, stage, inp, labels, grad_out) -> tuple:
     """(kept, forward peak, backward peak, output) of one micro-batch's forward and backward."""
-    grads = [p.grad for p in stage.parameters()]
-    meter = StorageMeter()
-    meter.track([inp, grad_out] + list(stage.parameters()) + grads + list(stage.buffers()) + _held(stage))
     with meter:
+        meter.restart_peak()
         base = meter.current
         out = stage(inp)
         loss = loss_of(out, labels) if grad_out is None else None
@@ -98,14 +96,18 @@ def measure_stages(profile, stages: Sequence[Sequence[str]], n: int, t: int, str
             with torch.no_grad():
                 grad_out = torch.ones_like(stage(inp))
         params = [p for p in stage.parameters() if p.requires_grad]
-        _micro(stage, inp, y, grad_out)  # warm-up
+        # one meter over all three micro-batches: what one leaves and the next frees is counted off
+        meter = StorageMeter()
+        meter.track([inp, grad_out] + list(stage.parameters()) + [p.grad for p in params] + list(stage.buffers())
+                    + _held(stage))
+        _micro(meter, stage, inp, y, grad_out)  # warm-up
         for p in params:
             p.grad = None
         inp.grad = None
-        kept, forward, first, _ = _micro(stage, inp, y, grad_out)
+        kept, forward, first, _ = _micro(meter, stage, inp, y, grad_out)
         grad_input = _bytes([inp.grad])
         inp.grad = None
-        _, _, after, x = _micro(stage, inp, y, grad_out)
+        _, _, after, x = _micro(meter, stage, inp, y, grad_out)
         grads = _bytes(p.grad for p in params)
         out.append(StageMemory(kept=kept, output=_bytes([x]), grad_input=grad_input, held=_bytes(_held(stage)),
                                forward=forward, backward_first=first, backward_next=after, grads=grads))
