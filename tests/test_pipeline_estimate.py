@@ -33,6 +33,20 @@ def test_micro_batches_in_flight_follow_the_schedule():
     assert [in_flight("interleaved", 2, r, 4, 2) for r in range(2)] == [5, 3]
 
 
+def test_interleaved_order_is_torchs_and_a_changed_torch_is_named(monkeypatch):
+    """The interleaved order comes from torch's own schedule code; without it, the error names it."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    from snn_explorer.compat import TorchCompatError
+    from snn_explorer.estimator.pipeline_estimate import rank_order
+
+    order = rank_order("interleaved", 2, 1, 4, 2)
+    assert order[:4] == [("F", 1, 0), ("F", 1, 1), ("F", 3, 0), ("B", 3, 0)] and len(order) == 16
+    monkeypatch.delattr(ScheduleInterleaved1F1B, "_calculate_single_rank_operations")
+    with pytest.raises(TorchCompatError, match="_calculate_single_rank_operations"):
+        in_flight("interleaved", 2, 0, 4, 2)
+
+
 def test_pp_estimate_splits_parameters_and_counts_sends(vgg):
     plan = _plan(vgg, {"pp": 2}, "1f1b", layout=["features.4.conv"])
     est = se.estimate(vgg.model, plan, example_input=vgg.example_input, labels=vgg.labels)

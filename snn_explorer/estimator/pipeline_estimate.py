@@ -1,13 +1,18 @@
 """Estimates of a pipeline plan (mode ``pp``) from the model's profile.
 
-Per rank: the parameters, gradients and optimizer state of its own stages; the activations of the
-micro-batches its schedule holds at once (:func:`in_flight`), each from the profile's per-module
-bytes saved for backward at the micro-batch size; one micro-batch's neuron state; the step's
-input (first stage) with the contiguous copy of each micro-batch in flight, torch's receive buffers
-(one per micro-batch and stage input / output gradient) and the last stage's outputs kept for the
-merge. Traffic: per stage boundary, one activation send forward and one gradient send
-backward per micro-batch (the boundary module's output at the micro-batch size), the loss
-broadcast from the last stage, and with dp one all-reduce of each rank's stage gradients.
+Per rank: the parameters, gradients and optimizer state of its own stages; the step's input (first
+stage) and labels (last stage); torch's receive buffers (one per micro-batch and stage input /
+output gradient). The rest of the peak comes from walking the rank's forwards and backwards in the
+order torch's schedule runs them (:func:`rank_order`) over what one micro-batch of each stage
+allocates, measured on the profile's model copy (:mod:`.stage_memory`: bytes its forward leaves
+for backward and its output, its backward's peak with and without gradients allocated, its input
+gradient, its neuron state), keeping what torch's schedule code still references (:func:`_walk`);
+after the schedule, the merge of the last stage's outputs, dp's flat gradient copy and the
+optimizer step's scratch. ``activations_bytes`` is the most bytes saved for backward at once (the
+profile's per-module fits at the micro-batch size, with the first stage's contiguous copy of its
+strided micro-batch) over that walk. Traffic: per stage boundary, one activation send forward and
+one gradient send backward per micro-batch (the boundary module's output at the micro-batch size),
+the loss broadcast from the last stage, and with dp one all-reduce of each rank's stage gradients.
 :func:`bubble_fraction` is the schedule's idle share, for a step-time model to use.
 """
 from __future__ import annotations
@@ -17,8 +22,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import pandas as pd
 
-from ..core.pipeline_plan import check_pp_model, rank_stages, stage_units
 from .. import compat
+from ..core.pipeline_plan import check_pp_model, rank_stages, stage_units
 from .sharding import buffer_bytes, optimizer_temporaries, rank_bytes
 from .stage_memory import measure_stages
 
@@ -77,7 +82,7 @@ def _walk(schedule: str, order, runs, saved, last_stage: int, micro: int) -> Tup
     cur = peak = act = most_act = 0
     started, with_grads = set(), set()
     until_end = gin_before = first_out = 0
-    backwards, warm = 0, sum(1 for k, _, _ in order[:order.index(next(a for a in order if a[0] == "B"))])
+    backwards, warm = 0, next(i for i, action in enumerate(order) if action[0] == "B")
     for kind, s, mb in order:
         r = runs[s]
         if kind == "F":
@@ -112,14 +117,12 @@ def _under(name: str, units: Sequence[str]) -> bool:
     return any(name == u or name.startswith(u + ".") for u in units)
 
 
-def _stage_costs(profile, stages, n: int, t: int) -> List[Tuple[float, float, float, float]]:
-    """(saved, state, input elements, output elements) of each stage for ``n`` samples, ``t`` steps."""
+def _stage_costs(profile, stages, n: int, t: int) -> List[Tuple[float, float, float]]:
+    """(saved, input elements, output elements) of each stage for ``n`` samples, ``t`` steps."""
     out = []
     for units in stages:
-        mods = [m for name, m in profile.modules.items() if name and _under(name, units)]
-        saved = sum(m.saved(n, t) for m in mods)
-        state = sum(m.state(n, t) for m in mods)
-        out.append((saved, state, profile.modules[units[0]].in_elems(n, t), profile.modules[units[-1]].out_elems(n, t)))
+        saved = sum(m.saved(n, t) for name, m in profile.modules.items() if name and _under(name, units))
+        out.append((saved, profile.modules[units[0]].in_elems(n, t), profile.modules[units[-1]].out_elems(n, t)))
     return out
 
 
@@ -131,7 +134,7 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
     costs = _stage_costs(profile, stages, n_micro, t)
     runs = measure_stages(profile, stages, n_micro, t, strided=micro > 1 and t > 1)
     # bytes saved for backward per micro-batch; the first stage's strided micro-batch is copied contiguous
-    saved = [c[0] + (c[2] * itemsize if s == 0 and micro > 1 and t > 1 else 0) for s, c in enumerate(costs)]
+    saved = [c[0] + (c[1] * itemsize if s == 0 and micro > 1 and t > 1 else 0) for s, c in enumerate(costs)]
     last, has_labels = plan.pp_stages - 1, profile.labels is not None
     rows: Dict[int, dict] = {}
     table, collectives = [], []
@@ -145,7 +148,7 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
         order = rank_order(plan.pp_schedule, plan.pp_size, pp_rank, micro, plan.pp_virtual_stages)
         schedule_peak, left, activations = _walk(plan.pp_schedule, order, runs, saved, last, micro)
         state = sum(runs[s].held for s in own)
-        recv = sum(micro * itemsize * ((costs[s][2] if s else 0) + (costs[s][3] if s < plan.pp_stages - 1 else 0))
+        recv = sum(micro * itemsize * ((costs[s][1] if s else 0) + (costs[s][2] if s < last else 0))
                    for s in own)
         inputs = profile.input_bytes(plan.per_rank_batch, t) if 0 in own else 0
         # after the schedule: dp's flat copy of the gradients, then the optimizer step's scratch
@@ -164,7 +167,7 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
             collectives.append(dict(mesh_dim="dp", kind="all_reduce", count=1, bytes=b["grads_bytes"],
                                     phase=f"after backward (stages {table[-1]['stages']})"))
     for s in range(plan.pp_stages - 1):
-        nbytes = round(costs[s][3] * itemsize)
+        nbytes = round(costs[s][2] * itemsize)
         for kind, phase in (("send", f"forward {s}->{s + 1}"), ("send", f"backward {s + 1}->{s}")):
             collectives.append(dict(mesh_dim="pp", kind=kind, phase=phase, count=micro, bytes=micro * nbytes))
     collectives.append(dict(mesh_dim="pp", kind="broadcast", phase="loss", count=1, bytes=itemsize))
