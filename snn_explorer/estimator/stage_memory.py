@@ -1,14 +1,15 @@
 """What one micro-batch of each pipeline stage allocates, measured on the profile's private model copy.
 
 Each stage runs as mode ``pp`` runs it (:class:`~..core.parallelize.pipeline.PipelineStageModule`:
-reset, contiguous input, its units; the loss on the last stage) at the micro-batch size, under a
-:class:`~.meter.StorageMeter`: a warm-up micro-batch (neuron state at this size, gradients
-allocated), then one with the gradients dropped (a rank's first backward of the stage creates
-them) and one with them kept (later backwards: autograd computes each new gradient beside the
-accumulated one). Its input is a received activation that requires grad (the stage backward
-accumulates its gradient into it, as torch's ``stage_backward`` does) and the gradient of its
-output a buffer allocated before (torch's receive buffer); the first stage's input is a strided
-slice when the schedule cuts one (more than one micro-batch and time step), as torch's split is.
+reset, contiguous input, its units; the loss on the last stage) at the micro-batch size, two
+micro-batches under one :class:`~.meter.StorageMeter`: the first without gradients (a rank's first
+backward of the stage allocates them; what it leaves besides them is the neuron state the stage
+keeps), the second with them (later backwards: autograd computes each new gradient beside the
+accumulated one; the meter counts off the state the first left when the reset replaces it). Its
+input is a received activation that requires grad (the backward accumulates its gradient into it,
+as torch's ``stage_backward`` does) and the gradient of its output a buffer allocated before
+(torch's receive buffer); the first stage's input is a strided slice when the schedule cuts one
+(more than one micro-batch and time step), as torch's split is.
 """
 from __future__ import annotations
 
@@ -16,11 +17,10 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import torch
-from torch import nn
 
-from ..compat import non_persistent_buffer_names
 from ._step import batch_slice, loss_of
 from .meter import StorageMeter
+from .sharding import state_tensor_ids
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class StageMemory:
     kept: int  # alive after its forward, above before it: saved for backward, the output (+ loss graph)
     output: int  # the stage's output
     grad_input: int  # the gradient of its input (0 on the first stage)
-    held: int  # what its modules keep between micro-batches: neuron state and such tensor attributes
+    held: int  # what the stage keeps between micro-batches (neuron state)
     forward: int  # the forward's peak above the bytes before it
     backward_first: int  # the backward's peak above the bytes before the forward, no gradients yet
     backward_next: int  # the same with the stage's gradients allocated before it
@@ -44,19 +44,6 @@ def _bytes(tensors) -> int:
             st = t.untyped_storage()
             seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
-
-
-def _held(stage: nn.Module) -> List[torch.Tensor]:
-    """Tensors the stage's modules hold besides parameters and persistent buffers (neuron state:
-    non-persistent buffers, spikingjelly's ``_memories``, plain tensor attributes such as snntorch's ``reset``)."""
-    out = []
-    for m in stage.modules():
-        out += [b for n, b in m.named_buffers(recurse=False) if n in non_persistent_buffer_names(m)]
-        out += [v for v in vars(m).values() if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)]
-        memories = getattr(m, "_memories", None)
-        if isinstance(memories, dict):
-            out += [v for v in memories.values() if isinstance(v, torch.Tensor)]
-    return out
 
 
 def _micro(meter: StorageMeter, stage, inp, labels, grad_out) -> tuple:
@@ -96,21 +83,22 @@ def measure_stages(profile, stages: Sequence[Sequence[str]], n: int, t: int, str
             with torch.no_grad():
                 grad_out = torch.ones_like(stage(inp))
         params = [p for p in stage.parameters() if p.requires_grad]
-        # one meter over all three micro-batches: what one leaves and the next frees is counted off
-        meter = StorageMeter()
-        meter.track([inp, grad_out] + list(stage.parameters()) + [p.grad for p in params] + list(stage.buffers())
-                    + _held(stage))
-        _micro(meter, stage, inp, y, grad_out)  # warm-up
         for p in params:
             p.grad = None
         inp.grad = None
-        kept, forward, first, _ = _micro(meter, stage, inp, y, grad_out)
-        grad_input = _bytes([inp.grad])
+        # one meter over both micro-batches: what the first leaves (its neuron state) the second frees
+        meter = StorageMeter()
+        state = state_tensor_ids(stage)  # left untracked, as measure() leaves it: its replacement is not counted off
+        meter.track([inp, grad_out] + list(stage.parameters()) + [b for b in stage.buffers() if id(b) not in state])
+        base = meter.current
+        first = _micro(meter, stage, inp, y, grad_out)[2]
+        grad_input, grads = _bytes([inp.grad]), _bytes(p.grad for p in params)
         inp.grad = None
-        _, _, after, x = _micro(meter, stage, inp, y, grad_out)
-        grads = _bytes(p.grad for p in params)
-        out.append(StageMemory(kept=kept, output=_bytes([x]), grad_input=grad_input, held=_bytes(_held(stage)),
-                               forward=forward, backward_first=first, backward_next=after, grads=grads))
+        held = meter.current - base - grads
+        kept, forward, after, x = _micro(meter, stage, inp, y, grad_out)
+        # the first micro-batch's peak includes the state it creates, which the walk counts apart
+        out.append(StageMemory(kept=kept, output=_bytes([x]), grad_input=grad_input, held=held,
+                               forward=forward, backward_first=first - held, backward_next=after, grads=grads))
         for p in params:
             p.grad = None
     profile.stage_memory[key] = out
