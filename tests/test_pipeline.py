@@ -352,5 +352,5 @@ def test_measure_of_pp_plans_lines_up_with_the_estimate(group, topology, request
         assert (per_rank["peak_bytes_meas"] >= per_rank["params_bytes_meas"] + per_rank["optimizer_bytes_meas"]).all()
         # the peak of each rank: its stages' activations, gradients and what torch's schedule keeps referenced
         off = (per_rank["peak_bytes_est"] / per_rank["peak_bytes_meas"] - 1).abs()
-        assert (off <= 0.10).all(), (schedule, per_rank[["rank", "peak_bytes_est", "peak_bytes_meas"]].to_dict("records"))
+        assert (off <= 0.10).all(), (schedule, per_rank[["rank", "peak_bytes_est", "peak_bytes_meas"]].to_dict("list"))
         assert meas.time["step_s"].gt(0).all() and meas.time["bubble_s"].isna().all()

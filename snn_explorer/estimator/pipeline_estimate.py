@@ -79,9 +79,8 @@ def _walk(schedule: str, order, runs, saved, last_stage: int, micro: int) -> Tup
     micro-batch's output until the cool-down (``send_work``) and each input gradient until the next
     backward has ended (``bwd_sends``).
     """
-    cur = peak = act = most_act = 0
+    cur = peak = act = most_act = sent = gin_before = first_out = 0
     started, with_grads = set(), set()
-    until_end = gin_before = first_out = 0
     backwards, warm = 0, next(i for i, action in enumerate(order) if action[0] == "B")
     for kind, s, mb in order:
         r = runs[s]
@@ -96,17 +95,17 @@ def _walk(schedule: str, order, runs, saved, last_stage: int, micro: int) -> Tup
         cur, act = cur - r.kept + (0 if s in with_grads else r.grads), act - saved[s]
         with_grads.add(s)
         backwards += 1
-        out = r.output if s == last_stage or schedule != "1f1b" else 0
-        gin = r.grad_input if schedule != "1f1b" else 0
-        cur, until_end = cur + out + gin, until_end + out + gin
-        if schedule == "1f1b":
-            cur, gin_before = cur - gin_before + r.grad_input, r.grad_input
-            if mb == 0 and warm > 1 and s != last_stage:
-                cur, first_out = cur + r.output, r.output
-            if backwards == micro - warm + 1:
-                cur, first_out = cur - first_out, 0
-    outputs = micro * runs[last_stage].output if last_stage in started else 0
-    left = cur - (until_end - outputs) - gin_before - first_out
+        cur += r.output if s == last_stage else 0
+        if schedule != "1f1b":
+            held = (0 if s == last_stage else r.output) + r.grad_input
+            cur, sent = cur + held, sent + held
+            continue
+        cur, gin_before = cur - gin_before + r.grad_input, r.grad_input
+        if mb == 0 and warm > 1 and s != last_stage:
+            cur, first_out = cur + r.output, r.output
+        if backwards == micro - warm + 1:
+            cur, first_out = cur - first_out, 0
+    left = cur - sent - gin_before - first_out
     if last_stage in started:  # the merge of the last stage's outputs
         merged = micro * runs[last_stage].output
         peak, left = max(peak, left + merged), left + merged
@@ -132,9 +131,10 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
     stages = stage_units(units, counts)
     micro, n_micro = plan.pp_microbatches, plan.per_rank_batch // plan.pp_microbatches
     costs = _stage_costs(profile, stages, n_micro, t)
-    runs = measure_stages(profile, stages, n_micro, t, strided=micro > 1 and t > 1)
-    # bytes saved for backward per micro-batch; the first stage's strided micro-batch is copied contiguous
-    saved = [c[0] + (c[1] * itemsize if s == 0 and micro > 1 and t > 1 else 0) for s, c in enumerate(costs)]
+    strided = micro > 1 and t > 1  # torch's split of [T, N, ...] on dim 1 gives the first stage strided views
+    runs = measure_stages(profile, stages, n_micro, t, strided)
+    # bytes saved for backward per micro-batch; the first stage copies its strided micro-batch contiguous
+    saved = [c[0] + (c[1] * itemsize if s == 0 and strided else 0) for s, c in enumerate(costs)]
     last, has_labels = plan.pp_stages - 1, profile.labels is not None
     rows: Dict[int, dict] = {}
     table, collectives = [], []
