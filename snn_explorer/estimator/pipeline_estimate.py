@@ -8,9 +8,8 @@ allocates, measured on the profile's model copy (:mod:`.stage_memory`: bytes its
 for backward and its output, its backward's peak with and without gradients allocated, its input
 gradient, its neuron state), keeping what torch's schedule code still references (:func:`_walk`);
 after the schedule, the merge of the last stage's outputs, dp's flat gradient copy and the
-optimizer step's scratch. ``activations_bytes`` is the most bytes saved for backward at once (the
-profile's per-module fits at the micro-batch size, with the first stage's contiguous copy of its
-strided micro-batch) over that walk. Traffic: per stage boundary, one activation send forward and
+optimizer step's scratch. ``activations_bytes`` is the most bytes saved for backward at once over
+that walk (a received input and the parameters left out, as measure() leaves them out). Traffic: per stage boundary, one activation send forward and
 one gradient send backward per micro-batch (the boundary module's output at the micro-batch size),
 the loss broadcast from the last stage, and with dp one all-reduce of each rank's stage gradients.
 :func:`bubble_fraction` is the schedule's idle share, for a step-time model to use.
@@ -65,10 +64,10 @@ def in_flight(schedule: str, pp: int, pp_rank: int, micro: int, virtual: int = 1
     return most
 
 
-def _walk(schedule: str, order, runs, saved, last_stage: int, micro: int) -> Tuple[int, int, int]:
+def _walk(schedule: str, order, runs, last_stage: int, micro: int) -> Tuple[int, int, int]:
     """(peak, bytes left at the end, most bytes saved for backward at once) that the schedule adds to a
     rank's static bytes, walking its actions in torch's order (``runs``: :class:`~.stage_memory.StageMemory`
-    by stage; ``saved``: bytes saved for backward per micro-batch by stage).
+    by stage).
 
     A forward adds its stage's ``kept`` bytes (and, the first time, the neuron state the stage then
     keeps); a backward frees them, peaking at its measured backward peak, and the stage's first one
@@ -88,11 +87,11 @@ def _walk(schedule: str, order, runs, saved, last_stage: int, micro: int) -> Tup
             cur += 0 if s in started else r.held
             started.add(s)
             peak = max(peak, cur + r.forward)
-            cur, act = cur + r.kept, act + saved[s]
+            cur, act = cur + r.kept, act + r.saved
             most_act = max(most_act, act)
             continue
         peak = max(peak, cur - r.kept + (r.backward_next if s in with_grads else r.backward_first))
-        cur, act = cur - r.kept + (0 if s in with_grads else r.grads), act - saved[s]
+        cur, act = cur - r.kept + (0 if s in with_grads else r.grads), act - r.saved
         with_grads.add(s)
         backwards += 1
         cur += r.output if s == last_stage else 0
@@ -116,13 +115,9 @@ def _under(name: str, units: Sequence[str]) -> bool:
     return any(name == u or name.startswith(u + ".") for u in units)
 
 
-def _stage_costs(profile, stages, n: int, t: int) -> List[Tuple[float, float, float]]:
-    """(saved, input elements, output elements) of each stage for ``n`` samples, ``t`` steps."""
-    out = []
-    for units in stages:
-        saved = sum(m.saved(n, t) for name, m in profile.modules.items() if name and _under(name, units))
-        out.append((saved, profile.modules[units[0]].in_elems(n, t), profile.modules[units[-1]].out_elems(n, t)))
-    return out
+def _stage_costs(profile, stages, n: int, t: int) -> List[Tuple[float, float]]:
+    """(input elements, output elements) of each stage for ``n`` samples, ``t`` steps."""
+    return [(profile.modules[units[0]].in_elems(n, t), profile.modules[units[-1]].out_elems(n, t)) for units in stages]
 
 
 def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize: int, optimizer: str):
@@ -133,8 +128,6 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
     costs = _stage_costs(profile, stages, n_micro, t)
     strided = micro > 1 and t > 1  # torch's split of [T, N, ...] on dim 1 gives the first stage strided views
     runs = measure_stages(profile, stages, n_micro, t, strided)
-    # bytes saved for backward per micro-batch; the first stage copies its strided micro-batch contiguous
-    saved = [c[0] + (c[1] * itemsize if s == 0 and strided else 0) for s, c in enumerate(costs)]
     last, has_labels = plan.pp_stages - 1, profile.labels is not None
     rows: Dict[int, dict] = {}
     table, collectives = [], []
@@ -146,9 +139,9 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
         buffers = buffer_bytes([b for b in profile.buffers if _under(b[0], own_units)], profile.dtype, plan)
         flying = in_flight(plan.pp_schedule, plan.pp_size, pp_rank, micro, plan.pp_virtual_stages)
         order = rank_order(plan.pp_schedule, plan.pp_size, pp_rank, micro, plan.pp_virtual_stages)
-        schedule_peak, left, activations = _walk(plan.pp_schedule, order, runs, saved, last, micro)
+        schedule_peak, left, activations = _walk(plan.pp_schedule, order, runs, last, micro)
         state = sum(runs[s].held for s in own)
-        recv = sum(micro * itemsize * ((costs[s][1] if s else 0) + (costs[s][2] if s < last else 0))
+        recv = sum(micro * itemsize * ((costs[s][0] if s else 0) + (costs[s][1] if s < last else 0))
                    for s in own)
         inputs = profile.input_bytes(plan.per_rank_batch, t) if 0 in own else 0
         # after the schedule: dp's flat copy of the gradients, then the optimizer step's scratch
@@ -167,7 +160,7 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
             collectives.append(dict(mesh_dim="dp", kind="all_reduce", count=1, bytes=b["grads_bytes"],
                                     phase=f"after backward (stages {table[-1]['stages']})"))
     for s in range(plan.pp_stages - 1):
-        nbytes = round(costs[s][2] * itemsize)
+        nbytes = round(costs[s][1] * itemsize)
         for kind, phase in (("send", f"forward {s}->{s + 1}"), ("send", f"backward {s + 1}->{s}")):
             collectives.append(dict(mesh_dim="pp", kind=kind, phase=phase, count=micro, bytes=micro * nbytes))
     collectives.append(dict(mesh_dim="pp", kind="broadcast", phase="loss", count=1, bytes=itemsize))

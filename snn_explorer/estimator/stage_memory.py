@@ -9,10 +9,13 @@ accumulated one; the meter counts off the state the first left when the reset re
 input is a received activation that requires grad (the backward accumulates its gradient into it,
 as torch's ``stage_backward`` does) and the gradient of its output a buffer allocated before
 (torch's receive buffer); the first stage's input is a strided slice when the schedule cuts one
-(more than one micro-batch and time step), as torch's split is.
+(more than one micro-batch and time step), as torch's split is. The forward runs under the
+saved-tensor hooks measure() counts activations with (:class:`LiveSaved`), so both see the same
+tensors kept for backward.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
@@ -28,6 +31,7 @@ class StageMemory:
     """Bytes of one micro-batch of one stage."""
 
     kept: int  # alive after its forward, above before it: saved for backward, the output (+ loss graph)
+    saved: int  # saved for backward (its input, a received buffer, and the parameters left out)
     output: int  # the stage's output
     grad_input: int  # the gradient of its input (0 on the first stage)
     held: int  # what the stage keeps between micro-batches (neuron state)
@@ -35,6 +39,26 @@ class StageMemory:
     backward_first: int  # the backward's peak above the bytes before the forward, no gradients yet
     backward_next: int  # the same with the stage's gradients allocated before it
     grads: int  # the stage's gradients
+
+
+class LiveSaved:
+    """saved_tensors_hooks counting the bytes of the saved storages alive at once (peak in ``peak``)."""
+
+    def __init__(self, skip: set):
+        self.skip, self.live, self.current, self.peak = skip, {}, 0, 0
+
+    def pack(self, t):
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key not in self.skip and key not in self.live:
+            self.live[key] = st.nbytes()
+            self.current += st.nbytes()
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(st, self._free, key)
+        return t
+
+    def _free(self, key):
+        self.current -= self.live.pop(key, 0)
 
 
 def _bytes(tensors) -> int:
@@ -47,20 +71,23 @@ def _bytes(tensors) -> int:
 
 
 def _micro(meter: StorageMeter, stage, inp, labels, grad_out) -> tuple:
-    """(kept, forward peak, backward peak, output) of one micro-batch's forward and backward."""
+    """(kept, saved for backward, forward peak, backward peak, output) of one micro-batch's forward
+    and backward (saved: the storages packed for backward, its input and the parameters left out)."""
+    saved = LiveSaved({t.untyped_storage().data_ptr() for t in [inp] + list(stage.parameters())})
     with meter:
         meter.restart_peak()
         base = meter.current
-        out = stage(inp)
-        loss = loss_of(out, labels) if grad_out is None else None
-        kept, forward = meter.current - base, meter.peak - base
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            out = stage(inp)
+            loss = loss_of(out, labels) if grad_out is None else None
+        kept, forward, packed = meter.current - base, meter.peak - base, saved.current
         meter.restart_peak()
         if loss is None:
             torch.autograd.backward([out], [grad_out])
         else:
             loss.backward()
         backward = meter.peak - base
-    return kept, forward, backward, out.detach()
+    return kept, packed, forward, backward, out.detach()
 
 
 def measure_stages(profile, stages: Sequence[Sequence[str]], n: int, t: int, strided: bool) -> List[StageMemory]:
@@ -91,13 +118,13 @@ def measure_stages(profile, stages: Sequence[Sequence[str]], n: int, t: int, str
         state = state_tensor_ids(stage)  # left untracked, as measure() leaves it: its replacement is not counted off
         meter.track([inp, grad_out] + list(stage.parameters()) + [b for b in stage.buffers() if id(b) not in state])
         base = meter.current
-        first = _micro(meter, stage, inp, y, grad_out)[2]
+        first = _micro(meter, stage, inp, y, grad_out)[3]
         grad_input, grads = _bytes([inp.grad]), _bytes(p.grad for p in params)
         inp.grad = None
         held = meter.current - base - grads
-        kept, forward, after, x = _micro(meter, stage, inp, y, grad_out)
+        kept, saved, forward, after, x = _micro(meter, stage, inp, y, grad_out)
         # the first micro-batch's peak includes the state it creates, which the walk counts apart
-        out.append(StageMemory(kept=kept, output=_bytes([x]), grad_input=grad_input, held=held,
+        out.append(StageMemory(kept=kept, saved=saved, output=_bytes([x]), grad_input=grad_input, held=held,
                                forward=forward, backward_first=first - held, backward_next=after, grads=grads))
         for p in params:
             p.grad = None
