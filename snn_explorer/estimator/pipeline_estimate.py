@@ -126,8 +126,7 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
     stages = stage_units(units, counts)
     micro, n_micro = plan.pp_microbatches, plan.per_rank_batch // plan.pp_microbatches
     costs = _stage_costs(profile, stages, n_micro, t)
-    strided = micro > 1 and t > 1  # torch's split of [T, N, ...] on dim 1 gives the first stage strided views
-    runs = measure_stages(profile, stages, n_micro, t, strided)
+    runs = measure_stages(profile, stages, n_micro, t, micro)
     last, has_labels = plan.pp_stages - 1, profile.labels is not None
     rows: Dict[int, dict] = {}
     table, collectives = [], []

@@ -8,8 +8,9 @@ keeps), the second with them (later backwards: autograd computes each new gradie
 accumulated one; the meter counts off the state the first left when the reset replaces it). Its
 input is a received activation that requires grad (the backward accumulates its gradient into it,
 as torch's ``stage_backward`` does) and the gradient of its output a buffer allocated before
-(torch's receive buffer); the first stage's input is a strided slice when the schedule cuts one
-(more than one micro-batch and time step), as torch's split is. The forward runs under the
+(torch's receive buffer); the first stage's input and the labels are views of the rank's batch,
+as torch's split gives them (a strided slice when there are several micro-batches and time steps).
+The forward runs under the
 saved-tensor hooks measure() counts activations with (:class:`LiveSaved`), so both see the same
 tensors kept for backward.
 """
@@ -90,17 +91,17 @@ def _micro(meter: StorageMeter, stage, inp, labels, grad_out) -> tuple:
     return kept, packed, forward, backward, out.detach()
 
 
-def measure_stages(profile, stages: Sequence[Sequence[str]], n: int, t: int, strided: bool) -> List[StageMemory]:
-    """:class:`StageMemory` of every stage (``stages``: unit paths) at ``n`` samples, ``t`` steps."""
+def measure_stages(profile, stages: Sequence[Sequence[str]], n: int, t: int, micro: int) -> List[StageMemory]:
+    """:class:`StageMemory` of every stage (``stages``: unit paths) at ``n`` samples, ``t`` steps, the
+    micro-batch cut out of a batch of ``micro`` of them."""
     from ..core.parallelize.pipeline import PipelineStageModule
 
-    key = (tuple(map(tuple, stages)), n, t, strided)
+    key = (tuple(map(tuple, stages)), n, t, micro)
     if key in profile.stage_memory:
         return profile.stage_memory[key]
-    x, y = batch_slice(profile.example_input, profile.labels, n, t)
-    x = x.to(profile.dtype)
-    if strided:  # a slice of a larger batch on dim 1, as torch's split gives the first stage
-        x = torch.cat([x, x], dim=1)[:, :n]
+    x, y = batch_slice(profile.example_input, profile.labels, n * micro, t)
+    # views of the batch on dim 1, as torch's split gives the first stage and the loss
+    x, y = x.to(profile.dtype)[:, :n], None if y is None else y[:n]
     out: List[StageMemory] = []
     for i, paths in enumerate(stages):
         stage = PipelineStageModule(i, paths, [profile.model.get_submodule(p) for p in paths])
