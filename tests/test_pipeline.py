@@ -20,7 +20,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 MODELS = ("mlp_all_steps", "vgg", "jelly")
 BACK_TO_BACK = 20
 #: measure()d (model, schedule) cases by topology dims (pp; pp x dp)
-MEASURED = {1: tuple(("mlp_all_steps", s) for s in SCHEDULES) + (("vgg", "gpipe"),), 2: (("mlp_all_steps", "1f1b"),)}
+MEASURED = {1: tuple(("mlp_all_steps", s) for s in SCHEDULES) + (("jelly", "gpipe"),), 2: (("mlp_all_steps", "1f1b"),)}
 
 
 def jelly_mlp() -> nn.Module:
@@ -169,14 +169,19 @@ def back_to_back(runs):
 
 
 def measured_plan(topology, name, schedule):
+    """((model, inputs, labels), plan) of a measured case: the zoo's float32 model, or the float64 jelly."""
     import snn_explorer as se
     from snn_explorer.zoo import build as zoo_build
 
-    zoo = zoo_build(name, batch_size=BATCH)
-    plan = se.plan(analysis=se.analyze(zoo.model), objective="capacity", topology=topology, batch_size=BATCH,
+    if name == "jelly":
+        case = build(name)
+    else:
+        zoo = zoo_build(name, batch_size=BATCH)
+        case = (zoo.model, zoo.example_input, zoo.labels)
+    plan = se.plan(analysis=se.analyze(case[0]), objective="capacity", topology=topology, batch_size=BATCH,
                    mode="pp", pp_schedule=schedule, pp_microbatches=4,
                    pp_virtual_stages=2 if schedule == "interleaved" else 1)
-    return zoo, plan
+    return case, plan
 
 
 def measure_cases(topology):
@@ -185,10 +190,9 @@ def measure_cases(topology):
 
     out = []
     for name in dict.fromkeys(n for n, _ in MEASURED[len(topology)]):
-        zoo = measured_plan(topology, name, "gpipe")[0]
+        model, x, y = measured_plan(topology, name, "gpipe")[0]
         plans = [measured_plan(topology, n, s)[1] for n, s in MEASURED[len(topology)] if n == name]
-        run = _settings(zoo.model, plans, zoo.example_input, zoo.labels, 2, "adam", None, 1e-3, "cpu")
-        out += _measure_on_rank(zoo.model, plans, run)
+        out += _measure_on_rank(model, plans, _settings(model, plans, x, y, 2, "adam", None, 1e-3, "cpu"))
     return out
 
 
@@ -333,15 +337,15 @@ def test_measure_of_pp_plans_lines_up_with_the_estimate(group, topology, request
     the dp gradient all-reduce) equal the estimate's rows exactly, every boundary's receives equal
     its sends; the stage's parameter, gradient, optimizer and receive-buffer bytes equal the estimate;
     every rank's peak and activations are within 10 % of the estimate's (mlp_all_steps under each
-    schedule, and the zoo VGG under GPipe, on pp=2; mlp_all_steps under 1F1B on pp=2 x dp=2)."""
+    schedule, and the spikingjelly MLP under GPipe, on pp=2; mlp_all_steps under 1F1B on pp=2 x dp=2)."""
     import snn_explorer as se
     from snn_explorer.estimator.measurement import _assemble
 
     results = request.getfixturevalue(group)
     for j, (name, schedule) in enumerate(MEASURED[len(topology)]):
-        zoo, plan = measured_plan(topology, name, schedule)
+        (model, x, y), plan = measured_plan(topology, name, schedule)
         meas = _assemble(plan, [r["measured"][j] for r in results], 2)
-        est = se.estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels)
+        est = se.estimate(model, plan, example_input=x, labels=y)
         cmp = se.compare_estimate(est, meas)
         assert meas.collectives_agree
         comm = cmp["collectives"]
