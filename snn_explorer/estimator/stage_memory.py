@@ -83,10 +83,10 @@ def _micro(meter: StorageMeter, stage, inp, labels, grad_out) -> tuple:
             loss = loss_of(out, labels) if grad_out is None else None
         kept, forward, packed = meter.current - base, meter.peak - base, saved.current
         meter.restart_peak()
-        if loss is None:
-            torch.autograd.backward([out], [grad_out])
-        else:
+        if loss is not None:
             loss.backward()
+        elif out.requires_grad:  # a first stage with every parameter frozen has no backward (nor has torch's)
+            torch.autograd.backward([out], [grad_out])
         backward = meter.peak - base
     return kept, packed, forward, backward, out.detach()
 
