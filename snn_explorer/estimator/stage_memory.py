@@ -10,9 +10,8 @@ input is a received activation that requires grad (the backward accumulates its 
 as torch's ``stage_backward`` does) and the gradient of its output a buffer allocated before
 (torch's receive buffer); the first stage's input and the labels are views of the rank's batch,
 as torch's split gives them (a strided slice when there are several micro-batches and time steps).
-The forward runs under the
-saved-tensor hooks measure() counts activations with (:class:`LiveSaved`), so both see the same
-tensors kept for backward.
+The forward runs under the saved-tensor hooks measure() counts activations with (:class:`LiveSaved`),
+so both see the same tensors kept for backward.
 """
 from __future__ import annotations
 
