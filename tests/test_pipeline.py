@@ -19,8 +19,9 @@ BATCH = 8
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved_zb", "zbv")
 MODELS = ("mlp_all_steps", "vgg", "jelly")
 BACK_TO_BACK = 20
-#: measure()d schedules by topology dims (pp; pp x dp); zbv: a V places one stage boundary inside a rank
-MEASURED = {1: ("gpipe", "1f1b", "interleaved", "zbv"), 2: ("1f1b",)}
+#: measure()d (model, schedule) cases by topology dims (pp; pp x dp); zbv: a V places one stage boundary
+#: inside a rank
+MEASURED = {1: tuple(("mlp_all_steps", s) for s in SCHEDULES) + (("jelly", "gpipe"),), 2: (("mlp_all_steps", "1f1b"),)}
 
 
 def jelly_mlp() -> nn.Module:
@@ -179,26 +180,32 @@ def back_to_back(runs):
     return done
 
 
-def measured_plan(topology, schedule):
+def measured_plan(topology, name, schedule):
+    """((model, inputs, labels), plan) of a measured case: the zoo's float32 model, or the float64 jelly."""
     import snn_explorer as se
     from snn_explorer.zoo import build as zoo_build
 
-    zoo = zoo_build("mlp_all_steps", batch_size=BATCH)
-    plan = se.plan(analysis=se.analyze(zoo.model), objective="capacity", topology=topology, batch_size=BATCH,
+    if name == "jelly":
+        case = build(name)
+    else:
+        zoo = zoo_build(name, batch_size=BATCH)
+        case = (zoo.model, zoo.example_input, zoo.labels)
+    plan = se.plan(analysis=se.analyze(case[0]), objective="capacity", topology=topology, batch_size=BATCH,
                    mode="pp", pp_schedule=schedule, pp_microbatches=4,
                    pp_virtual_stages=virtual_stages(schedule))
-    return zoo, plan
+    return case, plan
 
 
 def measure_cases(topology):
-    """measure()'s rank-side run (2 timed steps, then the measured one) of mlp_all_steps per schedule."""
+    """measure()'s rank-side run (2 timed steps, then the measured one) of each MEASURED case, in order."""
     from snn_explorer.estimator.measurement import _measure_on_rank, _settings
 
-    schedules = MEASURED[len(topology)]
-    zoo = measured_plan(topology, schedules[0])[0]
-    plans = [measured_plan(topology, s)[1] for s in schedules]
-    run = _settings(zoo.model, plans, zoo.example_input, zoo.labels, 2, "adam", None, 1e-3, "cpu")
-    return _measure_on_rank(zoo.model, plans, run)
+    out = []
+    for name in dict.fromkeys(n for n, _ in MEASURED[len(topology)]):
+        model, x, y = measured_plan(topology, name, "gpipe")[0]
+        plans = [measured_plan(topology, n, s)[1] for n, s in MEASURED[len(topology)] if n == name]
+        out += _measure_on_rank(model, plans, _settings(model, plans, x, y, 2, "adam", None, 1e-3, "cpu"))
+    return out
 
 
 def rank_group(topology, runs):
@@ -351,15 +358,17 @@ def test_launch_plan_and_export_job_run_a_pp_plan(tmp_path):
 def test_measure_of_pp_plans_lines_up_with_the_estimate(group, topology, request):
     """measure() on the rank groups: the sends recorded per stage boundary (and the loss broadcast,
     the dp gradient all-reduce) equal the estimate's rows exactly, every boundary's receives equal
-    its sends; the stage's parameter, gradient, optimizer and receive-buffer bytes equal the estimate."""
+    its sends; the stage's parameter, gradient, optimizer and receive-buffer bytes equal the estimate;
+    every rank's peak and activations are within 10 % of the estimate's (mlp_all_steps under each
+    schedule, and the spikingjelly MLP under GPipe, on pp=2; mlp_all_steps under 1F1B on pp=2 x dp=2)."""
     import snn_explorer as se
     from snn_explorer.estimator.measurement import _assemble
 
     results = request.getfixturevalue(group)
-    for j, schedule in enumerate(MEASURED[len(topology)]):
-        zoo, plan = measured_plan(topology, schedule)
+    for j, (name, schedule) in enumerate(MEASURED[len(topology)]):
+        (model, x, y), plan = measured_plan(topology, name, schedule)
         meas = _assemble(plan, [r["measured"][j] for r in results], 2)
-        est = se.estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels)
+        est = se.estimate(model, plan, example_input=x, labels=y)
         cmp = se.compare_estimate(est, meas)
         assert meas.collectives_agree
         comm = cmp["collectives"]
@@ -374,6 +383,11 @@ def test_measure_of_pp_plans_lines_up_with_the_estimate(group, topology, request
         for col in ("params_bytes", "grads_bytes", "optimizer_bytes", "transient_bytes"):
             assert (per_rank[f"{col}_est"] == per_rank[f"{col}_meas"]).all(), (schedule, col)
         assert (per_rank["peak_bytes_meas"] >= per_rank["params_bytes_meas"] + per_rank["optimizer_bytes_meas"]).all()
+        # each rank's peak (its stages' activations, gradients and what torch's schedule keeps referenced)
+        # and the most bytes it saved for backward at once
+        for col in ("peak_bytes", "activations_bytes"):
+            off = (per_rank[f"{col}_est"] / per_rank[f"{col}_meas"] - 1).abs()
+            assert (off <= 0.10).all(), (name, schedule, per_rank[[f"{col}_est", f"{col}_meas"]].to_dict("list"))
         assert meas.time["step_s"].gt(0).all() and meas.time["bubble_s"].isna().all()
 
 

@@ -32,6 +32,8 @@ class PipelineSchedule:
     multi_stage = False  #: several (virtual) stages per rank
     virtual_stages: Optional[int] = None  #: the exact stages per rank it needs (None: any allowed count)
     splits_backward = False  #: input and weight backwards run apart (zero-bubble)
+    #: torch's step keeps every tensor it sent referenced until the step ends (its send works hold them)
+    keeps_sent_tensors = True
 
     def __repr__(self) -> str:
         return f"<pipeline schedule {self.name!r} (torch {self.torch_name})>"
@@ -109,7 +111,7 @@ class GPipe(PipelineSchedule):
 
 
 class OneFOneB(GPipe):
-    name, torch_name = "1f1b", "Schedule1F1B"
+    name, torch_name, keeps_sent_tensors = "1f1b", "Schedule1F1B", False
 
     def in_flight(self, pp: int, pp_rank: int, micro: int, virtual: int = 1) -> int:
         """Its warm-up: ``pp - pp_rank`` forwards (at most ``micro``)."""

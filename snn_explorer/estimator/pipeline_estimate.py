@@ -1,13 +1,17 @@
 """Estimates of a pipeline plan (mode ``pp``) from the model's profile.
 
-Per rank: the parameters, gradients and optimizer state of its own stages; the activations of the
-micro-batches its schedule holds at once (:func:`in_flight`), each from the profile's per-module
-bytes saved for backward at the micro-batch size; one micro-batch's neuron state; the step's
-input (first stage) with the contiguous copy of each micro-batch in flight, torch's receive buffers
-(one per micro-batch and stage input / output gradient) and the last stage's outputs kept for the
-merge. Traffic: per stage boundary between two ranks, one activation send forward and one gradient send
-backward per micro-batch (the boundary module's output at the micro-batch size), the loss
-broadcast from the last stage, and with dp one all-reduce of each rank's stage gradients.
+Per rank: the parameters, gradients and optimizer state of its own stages; the step's input (first
+stage) and labels (last stage); torch's receive buffers (one per micro-batch and stage input /
+output gradient). The rest of the peak comes from walking the rank's forwards and backwards in the
+order torch's schedule runs them (:func:`rank_order`) over what one micro-batch of each stage
+allocates, measured on the profile's model copy (:mod:`.stage_memory`: bytes its forward leaves
+for backward and its output, its backward's peak with and without gradients allocated, its input
+gradient, its neuron state), keeping what torch's schedule code still references (:func:`_walk`);
+after the schedule, the merge of the last stage's outputs, dp's flat gradient copy and the
+optimizer step's scratch. ``activations_bytes`` is the most bytes saved for backward at once over
+that walk (a received input and the parameters left out, as measure() leaves them out). Traffic: per stage boundary, one activation send forward and
+one gradient send backward per micro-batch (the boundary module's output at the micro-batch size),
+the loss broadcast from the last stage, and with dp one all-reduce of each rank's stage gradients.
 :func:`bubble_fraction` is the schedule's idle share, for a step-time model to use.
 """
 from __future__ import annotations
@@ -20,6 +24,7 @@ import pandas as pd
 from ..core.pipeline_plan import check_pp_model, stage_units
 from ..core.pipeline_schedules import schedule_of
 from .sharding import buffer_bytes, optimizer_temporaries, rank_bytes
+from .stage_memory import measure_stages
 
 PIPELINE_COLUMNS = ("pp_rank", "stages", "units", "microbatches_in_flight", "bubble_fraction")
 
@@ -36,19 +41,75 @@ def in_flight(schedule: str, pp: int, pp_rank: int, micro: int, virtual: int = 1
     return schedule_of(schedule).in_flight(pp, pp_rank, micro, virtual)
 
 
+def rank_order(schedule: str, pp: int, pp_rank: int, micro: int, virtual: int = 1) -> List[Tuple[str, int, int]]:
+    """``(kind, stage, micro-batch)`` of rank ``pp_rank``'s compute actions in the order torch's
+    schedule runs them (``F`` forward, ``B`` backward; zero-bubble: ``I`` input and ``W`` weight backward)."""
+    return schedule_of(schedule).rank_actions(pp, micro, virtual)[pp_rank]
+
+
+def _walk(schedule: str, order, runs, last_stage: int, micro: int) -> Tuple[int, int, int]:
+    """(peak, bytes left at the end, most bytes saved for backward at once) that the schedule adds to a
+    rank's static bytes, walking its actions in torch's order (``runs``: :class:`~.stage_memory.StageMemory`
+    by stage).
+
+    A forward adds its stage's ``kept`` bytes (and, the first time, the neuron state the stage then
+    keeps); a backward frees them, peaking at its measured backward peak, and the stage's first one
+    allocates its gradients; a zero-bubble input backward (``I``) peaks likewise but frees nothing,
+    its weight backward (``W``) frees the micro-batch's bytes and allocates the gradients. What
+    torch's schedule still references after a backward stays: the last stage's outputs
+    (``output_chunks``, merged after the schedule into one more copy); under GPipe and the
+    multi-stage schedules every tensor sent, until the step ends (``fwd_sends_to_wait`` /
+    ``bwd_sends_to_wait``, ``send_ops``: the gloo work objects hold their tensors); under 1F1B the
+    first micro-batch's output until the cool-down (``send_work``) and each input gradient until
+    the next backward has ended (``bwd_sends``).
+    """
+    keeps_sends = schedule_of(schedule).keeps_sent_tensors
+    cur = peak = act = most_act = sent = gin_before = first_out = 0
+    started, with_grads = set(), set()
+    backwards, warm = 0, next(i for i, action in enumerate(order) if action[0] in "BI")
+    for kind, s, mb in order:
+        r = runs[s]
+        if kind == "F":
+            cur += 0 if s in started else r.held
+            started.add(s)
+            peak = max(peak, cur + r.forward)
+            cur, act = cur + r.kept, act + r.saved
+            most_act = max(most_act, act)
+            continue
+        if kind == "W":
+            peak = max(peak, cur + (0 if s in with_grads else r.grads))
+            cur, act = cur - r.kept + (0 if s in with_grads else r.grads), act - r.saved
+            with_grads.add(s)
+            continue
+        peak = max(peak, cur - r.kept + (r.backward_next if s in with_grads else r.backward_first))
+        if kind == "B":
+            cur, act = cur - r.kept + (0 if s in with_grads else r.grads), act - r.saved
+            with_grads.add(s)
+        backwards += 1
+        cur += r.output if s == last_stage else 0
+        if keeps_sends:
+            held = (0 if s == last_stage else r.output) + r.grad_input
+            cur, sent = cur + held, sent + held
+            continue
+        cur, gin_before = cur - gin_before + r.grad_input, r.grad_input
+        if mb == 0 and warm > 1 and s != last_stage:
+            cur, first_out = cur + r.output, r.output
+        if backwards == micro - warm + 1:
+            cur, first_out = cur - first_out, 0
+    left = cur - sent - gin_before - first_out
+    if last_stage in started:  # the merge of the last stage's outputs
+        merged = micro * runs[last_stage].output
+        peak, left = max(peak, left + merged), left + merged
+    return peak, left, most_act
+
+
 def _under(name: str, units: Sequence[str]) -> bool:
     return any(name == u or name.startswith(u + ".") for u in units)
 
 
-def _stage_costs(profile, stages, n: int, t: int) -> List[Tuple[float, float, float, float]]:
-    """(saved, state, input elements, output elements) of each stage for ``n`` samples, ``t`` steps."""
-    out = []
-    for units in stages:
-        mods = [m for name, m in profile.modules.items() if name and _under(name, units)]
-        saved = sum(m.saved(n, t) for m in mods)
-        state = sum(m.state(n, t) for m in mods)
-        out.append((saved, state, profile.modules[units[0]].in_elems(n, t), profile.modules[units[-1]].out_elems(n, t)))
-    return out
+def _stage_costs(profile, stages, n: int, t: int) -> List[Tuple[float, float]]:
+    """(input elements, output elements) of each stage for ``n`` samples, ``t`` steps."""
+    return [(profile.modules[units[0]].in_elems(n, t), profile.modules[units[-1]].out_elems(n, t)) for units in stages]
 
 
 def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize: int, optimizer: str):
@@ -57,6 +118,8 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
     stages = stage_units(units, counts)
     micro, n_micro = plan.pp_microbatches, plan.per_rank_batch // plan.pp_microbatches
     costs = _stage_costs(profile, stages, n_micro, t)
+    runs = measure_stages(profile, stages, n_micro, t, micro)
+    last, has_labels = plan.pp_stages - 1, profile.labels is not None
     rows: Dict[int, dict] = {}
     table, collectives = [], []
     for pp_rank in range(plan.pp_size):
@@ -66,18 +129,17 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
         b = rank_bytes(mine, plan, 0, optimizer)
         buffers = buffer_bytes([b for b in profile.buffers if _under(b[0], own_units)], profile.dtype, plan)
         flying = in_flight(plan.pp_schedule, plan.pp_size, pp_rank, micro, plan.pp_virtual_stages)
-        # the first stage's micro-batch (a strided slice of the batch) is copied contiguous and saved
-        copy = costs[0][2] * itemsize if 0 in own and micro > 1 and t > 1 else 0
-        activations = flying * max(costs[s][0] + (copy if s == 0 else 0) for s in own)
-        state = max(costs[s][1] for s in own)
-        recv = sum(micro * itemsize * ((costs[s][2] if s else 0) + (costs[s][3] if s < plan.pp_stages - 1 else 0))
+        order = rank_order(plan.pp_schedule, plan.pp_size, pp_rank, micro, plan.pp_virtual_stages)
+        schedule_peak, left, activations = _walk(plan.pp_schedule, order, runs, last, micro)
+        state = sum(runs[s].held for s in own)
+        recv = sum(micro * itemsize * ((costs[s][0] if s else 0) + (costs[s][1] if s < last else 0))
                    for s in own)
         inputs = profile.input_bytes(plan.per_rank_batch, t) if 0 in own else 0
-        # the last stage keeps each micro-batch's output to merge them after the schedule
-        outputs = micro * costs[-1][3] * itemsize if plan.pp_stages - 1 in own else 0
-        # the schedule (activations and state beside the gradients) or the optimizer step (its scratch)
-        peak = sum(b.values()) + buffers + recv + inputs + outputs + max(activations + state,
-                                                               optimizer_temporaries(mine, plan, 0, optimizer))
+        # after the schedule: dp's flat copy of the gradients, then the optimizer step's scratch
+        after = left + max(b["grads_bytes"] if plan.dp_size > 1 else 0, optimizer_temporaries(mine, plan, 0, optimizer))
+        labels = plan.per_rank_batch * profile.labels.element_size() if last in own and has_labels else 0
+        static = b["params_bytes"] + b["optimizer_bytes"] + buffers + recv + inputs + labels
+        peak = static + max(schedule_peak, after)
         rows[pp_rank] = dict(**b, buffers_bytes=buffers, activations_bytes=round(activations),
                              neuron_state_bytes=round(state), transient_bytes=round(recv + inputs),
                              peak_bytes=round(peak))
@@ -90,7 +152,7 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
                                     phase=f"after backward (stages {table[-1]['stages']})"))
     rank_of = lambda s: plan.pp_schedule_spec.rank_of(s, plan.pp_size, plan.pp_virtual_stages)
     for s in (s for s in range(plan.pp_stages - 1) if rank_of(s) != rank_of(s + 1)):  # V: one boundary is local
-        nbytes = round(costs[s][3] * itemsize)
+        nbytes = round(costs[s][1] * itemsize)
         for kind, phase in (("send", f"forward {s}->{s + 1}"), ("send", f"backward {s + 1}->{s}")):
             collectives.append(dict(mesh_dim="pp", kind=kind, phase=phase, count=micro, bytes=micro * nbytes))
     collectives.append(dict(mesh_dim="pp", kind="broadcast", phase="loss", count=1, bytes=itemsize))

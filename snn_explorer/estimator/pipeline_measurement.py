@@ -11,7 +11,6 @@ schedule issues them, each named by the stage boundary it crosses.
 from __future__ import annotations
 
 import time
-import weakref
 from typing import Dict, List, Sequence
 
 import torch
@@ -22,28 +21,9 @@ from ..ranks.progress import heartbeat
 from ._step import OPTIMIZERS, batch_slice
 from .meter import StorageMeter
 from .recorder import CollectiveRecorder
+from .stage_memory import LiveSaved
 
 _NAN = float("nan")
-
-
-class _LiveSaved:
-    """saved_tensors_hooks counting the bytes of the saved storages alive at once (peak in ``peak``)."""
-
-    def __init__(self, skip: set):
-        self.skip, self.live, self.current, self.peak = skip, {}, 0, 0
-
-    def pack(self, t):
-        st = t.untyped_storage()
-        key = st.data_ptr()
-        if key not in self.skip and key not in self.live:
-            self.live[key] = st.nbytes()
-            self.current += st.nbytes()
-            self.peak = max(self.peak, self.current)
-            weakref.finalize(st, self._free, key)
-        return t
-
-    def _free(self, key):
-        self.current -= self.live.pop(key, 0)
 
 
 def measure_pp_plan(model, plan, run) -> dict:
@@ -84,7 +64,7 @@ def measure_pp_plan(model, plan, run) -> dict:
     opt.zero_grad(set_to_none=True)
     meter, recorder = StorageMeter(), CollectiveRecorder(phase="step", labels=labels)
     meter.track(params + state + list(pipe.buffers()) + recv + inputs + ([y] if pipe.holds_last else []))
-    saved = _LiveSaved({t.untyped_storage().data_ptr() for t in params + recv + [x]})
+    saved = LiveSaved({t.untyped_storage().data_ptr() for t in params + recv + [x]})
     with meter, recorder, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
         runtime.train_step(criterion, x, y)
         opt.step()

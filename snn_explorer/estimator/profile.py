@@ -101,6 +101,7 @@ class ModelProfile:
     logs: Dict[tuple, dict] = field(default_factory=dict, repr=False)  # per size and layout: one logged run
     replicas: Dict[tuple, nn.Module] = field(default_factory=dict, repr=False)
     saved_state: Dict[tuple, Tuple[float, float]] = field(default_factory=dict, repr=False)
+    stage_memory: Dict[tuple, list] = field(default_factory=dict, repr=False)  # :func:`.stage_memory.measure_stages`
 
     def _rank_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Tuple[tuple, nn.Module]:
         """The model one rank runs: the private copy, or its TP replica for ``tp_plan``."""

@@ -1,0 +1,132 @@
+"""What one micro-batch of each pipeline stage allocates, measured on the profile's private model copy.
+
+Each stage runs as mode ``pp`` runs it (:class:`~..core.parallelize.pipeline.PipelineStageModule`:
+reset, contiguous input, its units; the loss on the last stage) at the micro-batch size, two
+micro-batches under one :class:`~.meter.StorageMeter`: the first without gradients (a rank's first
+backward of the stage allocates them; what it leaves besides them is the neuron state the stage
+keeps), the second with them (later backwards: autograd computes each new gradient beside the
+accumulated one; the meter counts off the state the first left when the reset replaces it). Its
+input is a received activation that requires grad (the backward accumulates its gradient into it,
+as torch's ``stage_backward`` does) and the gradient of its output a buffer allocated before
+(torch's receive buffer); the first stage's input and the labels are views of the rank's batch,
+as torch's split gives them (a strided slice when there are several micro-batches and time steps).
+The forward runs under the saved-tensor hooks measure() counts activations with (:class:`LiveSaved`),
+so both see the same tensors kept for backward.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from ._step import batch_slice, loss_of
+from .meter import StorageMeter
+from .sharding import state_tensor_ids
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes of one micro-batch of one stage."""
+
+    kept: int  # alive after its forward, above before it: saved for backward, the output (+ loss graph)
+    saved: int  # saved for backward (its input, a received buffer, and the parameters left out)
+    output: int  # the stage's output
+    grad_input: int  # the gradient of its input (0 on the first stage)
+    held: int  # what the stage keeps between micro-batches (neuron state)
+    forward: int  # the forward's peak above the bytes before it
+    backward_first: int  # the backward's peak above the bytes before the forward, no gradients yet
+    backward_next: int  # the same with the stage's gradients allocated before it
+    grads: int  # the stage's gradients
+
+
+class LiveSaved:
+    """saved_tensors_hooks counting the bytes of the saved storages alive at once (peak in ``peak``)."""
+
+    def __init__(self, skip: set):
+        self.skip, self.live, self.current, self.peak = skip, {}, 0, 0
+
+    def pack(self, t):
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key not in self.skip and key not in self.live:
+            self.live[key] = st.nbytes()
+            self.current += st.nbytes()
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(st, self._free, key)
+        return t
+
+    def _free(self, key):
+        self.current -= self.live.pop(key, 0)
+
+
+def _bytes(tensors) -> int:
+    seen: Dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def _micro(meter: StorageMeter, stage, inp, labels, grad_out) -> tuple:
+    """(kept, saved for backward, forward peak, backward peak, output) of one micro-batch's forward
+    and backward (saved: the storages packed for backward, its input and the parameters left out)."""
+    saved = LiveSaved({t.untyped_storage().data_ptr() for t in [inp] + list(stage.parameters())})
+    with meter:
+        meter.restart_peak()
+        base = meter.current
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            out = stage(inp)
+            loss = loss_of(out, labels) if grad_out is None else None
+        kept, forward, packed = meter.current - base, meter.peak - base, saved.current
+        meter.restart_peak()
+        if loss is not None:
+            loss.backward()
+        elif out.requires_grad:  # a first stage with every parameter frozen has no backward (nor has torch's)
+            torch.autograd.backward([out], [grad_out])
+        backward = meter.peak - base
+    return kept, packed, forward, backward, out.detach()
+
+
+def measure_stages(profile, stages: Sequence[Sequence[str]], n: int, t: int, micro: int) -> List[StageMemory]:
+    """:class:`StageMemory` of every stage (``stages``: unit paths) at ``n`` samples, ``t`` steps, the
+    micro-batch cut out of a batch of ``micro`` of them."""
+    from ..core.parallelize.pipeline import PipelineStageModule
+
+    key = (tuple(map(tuple, stages)), n, t, micro)
+    if key in profile.stage_memory:
+        return profile.stage_memory[key]
+    x, y = batch_slice(profile.example_input, profile.labels, n * micro, t)
+    # views of the batch on dim 1, as torch's split gives the first stage and the loss
+    x, y = x.to(profile.dtype)[:, :n], None if y is None else y[:n]
+    out: List[StageMemory] = []
+    for i, paths in enumerate(stages):
+        stage = PipelineStageModule(i, paths, [profile.model.get_submodule(p) for p in paths])
+        inp = x if i == 0 else x.detach().requires_grad_()
+        grad_out: Optional[torch.Tensor] = None
+        if i < len(stages) - 1:
+            with torch.no_grad():
+                grad_out = torch.ones_like(stage(inp))
+        params = [p for p in stage.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = None
+        inp.grad = None
+        # one meter over both micro-batches: what the first leaves (its neuron state) the second frees
+        meter = StorageMeter()
+        state = state_tensor_ids(stage)  # left untracked, as measure() leaves it: its replacement is not counted off
+        meter.track([inp, grad_out] + list(stage.parameters()) + [b for b in stage.buffers() if id(b) not in state])
+        base = meter.current
+        first = _micro(meter, stage, inp, y, grad_out)[3]
+        grad_input, grads = _bytes([inp.grad]), _bytes(p.grad for p in params)
+        inp.grad = None
+        held = meter.current - base - grads
+        kept, saved, forward, after, x = _micro(meter, stage, inp, y, grad_out)
+        # the first micro-batch's peak includes the state it creates, which the walk counts apart
+        out.append(StageMemory(kept=kept, saved=saved, output=_bytes([x]), grad_input=grad_input, held=held,
+                               forward=forward, backward_first=first - held, backward_next=after, grads=grads))
+        for p in params:
+            p.grad = None
+    profile.stage_memory[key] = out
+    return out
