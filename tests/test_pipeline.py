@@ -385,9 +385,11 @@ def test_measure_of_pp_plans_lines_up_with_the_estimate(group, topology, request
         assert (per_rank["peak_bytes_meas"] >= per_rank["params_bytes_meas"] + per_rank["optimizer_bytes_meas"]).all()
         # each rank's peak (its stages' activations, gradients and what torch's schedule keeps referenced)
         # and the most bytes it saved for backward at once
-        for col in ("peak_bytes", "activations_bytes"):
-            off = (per_rank[f"{col}_est"] / per_rank[f"{col}_meas"] - 1).abs()
-            assert (off <= 0.10).all(), (name, schedule, per_rank[[f"{col}_est", f"{col}_meas"]].to_dict("list"))
+        # (activations within 10 % or 8 float64 scalars: a stage of a few hundred bytes is off by a loss scalar's bytes)
+        for col, slack in (("peak_bytes", 0), ("activations_bytes", 64)):
+            est_b, meas_b = per_rank[f"{col}_est"], per_rank[f"{col}_meas"]
+            assert ((est_b - meas_b).abs() <= 0.10 * meas_b + slack).all(), (name, schedule, col, est_b.tolist(),
+                                                                           meas_b.tolist())
         assert meas.time["step_s"].gt(0).all() and meas.time["bubble_s"].isna().all()
 
 
