@@ -1,0 +1,49 @@
+"""Count the operators of a piece of a training step: FLOPs, bytes moved and operator launches.
+
+:class:`OpCounter` is a dispatch mode that adds up, per ``aten`` operator, its FLOPs by the
+formulas of torch's ``FlopCounterMode``, the bytes of its tensor inputs and outputs (split into
+operators with and without FLOPs) and one launch. :mod:`.compute_work` fits these counts.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..compat import TorchDispatchMode
+
+_FLOP_FORMULAS = FlopCounterMode(display=False).flop_registry
+
+
+def tensor_bytes(values) -> int:
+    """Bytes of the tensors in an operator's arguments or outputs (nested tuples, lists, dicts).
+
+    A plain recursion: aten operators take and return only these containers, and pytree's
+    generic flattening cost most of the counting time on deep models."""
+    if isinstance(values, torch.Tensor):
+        return values.numel() * values.element_size()
+    if isinstance(values, (tuple, list)):
+        return sum(tensor_bytes(v) for v in values)
+    if isinstance(values, dict):
+        return sum(tensor_bytes(v) for v in values.values())
+    return 0
+
+
+class OpCounter(TorchDispatchMode):
+    """Per operator: FLOPs (torch's formulas), bytes of its tensors, and one operator."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = [0.0, 0.0, 0.0, 0.0]  # flops, bytes of ops with FLOPs, other bytes, ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = _FLOP_FORMULAS.get(func.overloadpacket)
+        moved = tensor_bytes((args, kwargs, out))
+        if formula is not None:
+            self.counts[0] += formula(*args, **kwargs, out_val=out)
+            self.counts[1] += moved
+        else:
+            self.counts[2] += moved
+        self.counts[3] += 1
+        return out
