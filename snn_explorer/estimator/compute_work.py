@@ -15,16 +15,18 @@ the ratio of measured to modelled time per phase, which the step-time model appl
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Iterator
 
 import torch
 
 from ._step import OPTIMIZERS, batch_slice, forward_loss
 from .hardware import HardwareProfile
+from .isolation import one_thread
 from .op_counter import OpCounter
 from .profile import SIZES, Fit, ModelProfile
 
@@ -62,13 +64,27 @@ class Work:
         return getattr(self, name)
 
 
+@contextlib.contextmanager
+def restored(params) -> Iterator[None]:
+    """Run the body (optimizer steps), then put the values of ``params`` back."""
+    with torch.no_grad():
+        saved = [p.detach().clone() for p in params]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, s in zip(params, saved):
+                p.copy_(s)
+
+
 def counted_pass(model: torch.nn.Module, x: torch.Tensor, labels) -> list:
     """Counts of the forward (with the loss) and of the backward of one step of ``model``.
 
-    Counted in the state of a training step: after a step at the same size (the neuron state
-    has the size of this batch) and with the gradients set to None, so the count does not depend
-    on what ran before."""
-    forward_loss(model, x, labels).backward()
+    Counted in the state of a training step: after a forward at the same size (the neuron state
+    has the size of this batch; without autograd, as only sizes matter here) and with the gradients
+    set to None, so the count does not depend on what ran before."""
+    with torch.no_grad():
+        forward_loss(model, x, labels)
     model.zero_grad(set_to_none=True)
     with OpCounter() as forward:
         loss = forward_loss(model, x, labels)
@@ -85,20 +101,14 @@ def optimizer_work(model: torch.nn.Module, grad_params, optimizer: str) -> "Phas
     cls, kw = OPTIMIZERS[optimizer]
     named = dict(model.named_parameters())
     params = [p for p in named.values() if p.requires_grad]
-    with torch.no_grad():
-        saved = [p.detach().clone() for p in params]
     opt = cls(params, lr=1e-6, **kw)
-    try:
+    with restored(params):
         for name in grad_params:
             named[name].grad = torch.zeros_like(named[name])
         opt.step()
         with OpCounter() as step:
             opt.step()
-    finally:
-        model.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for p, s in zip(params, saved):
-                p.copy_(s)
+    model.zero_grad(set_to_none=True)
     return PhaseWork(*(Fit(c0=v) for v in step.counts))
 
 
@@ -147,13 +157,9 @@ def local_correction(profile: ModelProfile, work: Work, hw: HardwareProfile, opt
     x = x.to(profile.dtype)
     cls, kw = OPTIMIZERS[optimizer]
     params = [p for p in model.parameters() if p.requires_grad]
-    with torch.no_grad():
-        saved = [p.detach().clone() for p in params]
     opt = cls(params, lr=1e-6, **kw)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     times = {p: [] for p in PHASES}
-    try:
+    with restored(params), one_thread():
         for _ in range(3):
             start = time.perf_counter()
             loss = forward_loss(model, x, y)
@@ -165,11 +171,6 @@ def local_correction(profile: ModelProfile, work: Work, hw: HardwareProfile, opt
             times["forward"].append(mid - start)
             times["backward"].append(end - mid)
             opt.zero_grad(set_to_none=True)
-    finally:
-        torch.set_num_threads(threads)
-        with torch.no_grad():
-            for p, s in zip(params, saved):
-                p.copy_(s)
     itemsize = torch.empty((), dtype=profile.dtype).element_size()
     cache[key] = {p: statistics.median(times[p][1:]) / max(work.phase(p).seconds(hw, n, t, itemsize), 1e-9)
                   for p in PHASES}

@@ -35,7 +35,7 @@ from ..core.neurons import detached_copy, stateful_modules
 from ..core.plans.families import fsdp_units
 from ._step import batch_slice, check_inputs, forward_loss, run_dtypes
 from .fsdp_timeline import FsdpTimeline, record, replay
-from .isolation import as_found
+from .isolation import as_found, one_thread
 from .meter import StorageMeter
 from .sharding import plain_buffers, state_tensor_ids, trainable_shapes
 from .tp_replica import tp_replica
@@ -193,6 +193,8 @@ def _numel(obj) -> int:
 
 
 def _requires_grad(args) -> bool:
+    if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):  # most calls: no flattening
+        return True
     flat = tree_leaves(args)
     return any(isinstance(a, torch.Tensor) and a.requires_grad for a in flat)
 
@@ -344,6 +346,6 @@ def model_profile(model: nn.Module, example_input: torch.Tensor, labels: Optiona
     per_model = _CACHE.setdefault(model, {})
     key = _key(model, example_input, labels, dtype)
     if key not in per_model:
-        with as_found():  # the runs draw random numbers (dropout) and may import torch's compiler
+        with as_found(), one_thread():  # the runs draw random numbers (dropout) and may import torch's compiler
             per_model[key] = measure_profile(model, example_input, labels, dtype)
     return per_model[key]
