@@ -1,8 +1,9 @@
 """The compute work of one training step as a rank runs it: FLOPs, bytes moved and operators.
 
-A dispatch mode (:class:`~.op_counter.OpCounter`) counts every operator of the forward (with the loss), the backward and the
-optimizer step of the model one rank runs (the unsharded model, or its TP replica with each
-rank's local layer shapes), at the profile's four sizes ``(N, T)``: FLOPs by the formulas of
+A dispatch mode (:class:`~.op_counter.OpCounter`) counts every operator of the forward (with the
+loss), the backward and the optimizer step of the model one rank runs (the unsharded model, or
+its TP replica with each rank's local layer shapes), at the profile's four sizes ``(N, T)``
+(:func:`counted_pass`; the optimizer's once, :func:`optimizer_work`): FLOPs by the formulas of
 torch's ``FlopCounterMode``, bytes as the sizes of each operator's tensor inputs and outputs,
 and the operator count. Each is fitted bilinearly in ``N`` and ``T`` (the profile's :class:`Fit`)
 and so scales to a plan's per-rank batch and time steps. :meth:`Work.seconds` turns a phase into
@@ -93,7 +94,7 @@ def counted_pass(model: torch.nn.Module, x: torch.Tensor, labels) -> list:
     return [forward.counts, backward.counts]
 
 
-def optimizer_work(model: torch.nn.Module, grad_params, optimizer: str) -> "PhaseWork":
+def optimizer_work(model: torch.nn.Module, grad_params, optimizer: str) -> PhaseWork:
     """Counts of ``optimizer``'s step over ``model``'s parameters named in ``grad_params`` (those a
     backward gives a gradient): the second step, the first creating its state. The step's
     operators and bytes depend on the shapes of parameters and gradients, not on their values or on
