@@ -21,11 +21,14 @@ def tensor_bytes(values) -> int:
     generic flattening cost most of the counting time on deep models."""
     if isinstance(values, torch.Tensor):
         return values.numel() * values.element_size()
-    if isinstance(values, (tuple, list)):
-        return sum(tensor_bytes(v) for v in values)
     if isinstance(values, dict):
-        return sum(tensor_bytes(v) for v in values.values())
-    return 0
+        values = values.values()
+    elif not isinstance(values, (tuple, list)):
+        return 0
+    total = 0
+    for v in values:
+        total += v.numel() * v.element_size() if isinstance(v, torch.Tensor) else tensor_bytes(v)
+    return total
 
 
 class OpCounter(TorchDispatchMode):
