@@ -183,11 +183,12 @@ def test_every_plan_of_1024_ranks_is_valid_and_timed():
         assert (est.time["step_s"] >= est.time["compute_s"]).all()
 
 
-def test_work_count_does_not_depend_on_what_ran_before():
-    """The step's operator count is taken as in training (after a step at the same size, gradients
-    None): a run at another batch size that leaves gradients and neuron state behind changes nothing."""
+def test_work_count_does_not_depend_on_what_ran_before_and_the_profile_runs_count_the_same():
+    """The step's operator count is taken in the state of a training step (neuron state of this
+    batch size, gradients None): a run at another batch size that leaves gradients and neuron state
+    behind changes nothing, and the count the profile runs took equals a count of its own."""
     from snn_explorer.estimator import model_profile
-    from snn_explorer.estimator.compute_work import count_work
+    from snn_explorer.estimator.compute_work import count_work, rank_work
     from snn_explorer.estimator.isolation import one_thread
 
     zoo = build("spikformer")
@@ -198,6 +199,7 @@ def test_work_count_does_not_depend_on_what_ran_before():
         forward_loss(profile.model, *batch_slice(zoo.example_input, zoo.labels, 1, 4)).backward()  # state, grads
         assert any(p.grad is not None for p in profile.model.parameters())
         assert count_work(profile.model, profile, "adam") == first
+        assert len(profile.step_counts) == 4 and rank_work(profile, None, 1, "adam") == first
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd_momentum"])

@@ -28,7 +28,7 @@ import torch
 from ._step import OPTIMIZERS, batch_slice, forward_loss
 from .hardware import HardwareProfile
 from .isolation import one_thread
-from .op_counter import OpCounter
+from .op_counter import OpCounter, count_step
 from .profile import SIZES, Fit, ModelProfile
 
 PHASES = ("forward", "backward", "optimizer")
@@ -87,11 +87,7 @@ def counted_pass(model: torch.nn.Module, x: torch.Tensor, labels) -> list:
     with torch.no_grad():
         forward_loss(model, x, labels)
     model.zero_grad(set_to_none=True)
-    with OpCounter() as forward:
-        loss = forward_loss(model, x, labels)
-    with OpCounter() as backward:
-        loss.backward()
-    return [forward.counts, backward.counts]
+    return count_step(model, x, labels)
 
 
 def optimizer_work(model: torch.nn.Module, grad_params, optimizer: str) -> PhaseWork:
@@ -137,12 +133,17 @@ def count_work(model: torch.nn.Module, profile: ModelProfile, optimizer: str) ->
 
 
 def rank_work(profile: ModelProfile, tp_plan, tp: int, optimizer: str) -> Work:
-    """:func:`count_work` of the model one rank of a plan runs, cached on the profile per TP layout."""
+    """The :class:`Work` of the model one rank of a plan runs, cached on the profile per TP layout: the
+    unsharded model's from the counts its profile runs took (``ModelProfile.step_counts``, taken in
+    the state :func:`counted_pass` sets), any other's by :func:`count_work`."""
     cache = profile.__dict__.setdefault("_step_work", {})
     layout, model = profile._rank_model(tp_plan, tp)
     key = (layout, optimizer)
     if key not in cache:
-        cache[key] = count_work(model, profile, optimizer)
+        if tp <= 1 and profile.step_counts:
+            cache[key] = fitted_work(profile.step_counts, optimizer_work(model, profile.grad_params, optimizer), model)
+        else:
+            cache[key] = count_work(model, profile, optimizer)
     return cache[key]
 
 

@@ -2,7 +2,8 @@
 
 :class:`OpCounter` is a dispatch mode that adds up, per ``aten`` operator, its FLOPs by the
 formulas of torch's ``FlopCounterMode``, the bytes of its tensor inputs and outputs (split into
-operators with and without FLOPs) and one launch. :mod:`.compute_work` fits these counts.
+operators with and without FLOPs) and one launch. :func:`count_step` counts one forward and
+backward; :mod:`.compute_work` fits these counts.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..compat import TorchDispatchMode
+from ._step import forward_loss
 
 _FLOP_FORMULAS = FlopCounterMode(display=False).flop_registry
 
@@ -50,3 +52,12 @@ class OpCounter(TorchDispatchMode):
             self.counts[2] += moved
         self.counts[3] += 1
         return out
+
+
+def count_step(model: torch.nn.Module, x: torch.Tensor, labels) -> list:
+    """The counts of the forward (with the loss) and of the backward of one step of ``model``."""
+    with OpCounter() as forward:
+        loss = forward_loss(model, x, labels)
+    with OpCounter() as backward:
+        loss.backward()
+    return [forward.counts, backward.counts]
