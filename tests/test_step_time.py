@@ -207,8 +207,8 @@ def test_optimizer_count_on_zero_gradients_is_that_of_a_step_after_a_real_backwa
     """The optimizer's second step counted on zero gradients of the parameters a backward reaches
     equals the second step counted after real backwards (operators and bytes follow shapes only)."""
     from snn_explorer.estimator._step import OPTIMIZERS
-    from snn_explorer.estimator.compute_work import grad_names, optimizer_work
-    from snn_explorer.estimator.op_counter import OpCounter
+    from snn_explorer.estimator.compute_work import optimizer_work
+    from snn_explorer.estimator.op_counter import OpCounter, grad_names
 
     zoo = build("mlp")
     model = zoo.model

@@ -28,7 +28,7 @@ import torch
 from ._step import OPTIMIZERS, batch_slice, forward_loss
 from .hardware import HardwareProfile
 from .isolation import one_thread
-from .op_counter import OpCounter, count_step
+from .op_counter import OpCounter, count_step, grad_names
 from .profile import SIZES, Fit, ModelProfile
 
 PHASES = ("forward", "backward", "optimizer")
@@ -107,11 +107,6 @@ def optimizer_work(model: torch.nn.Module, grad_params, optimizer: str) -> Phase
             opt.step()
     model.zero_grad(set_to_none=True)
     return PhaseWork(*(Fit(c0=v) for v in step.counts))
-
-
-def grad_names(model: torch.nn.Module) -> tuple:
-    """The parameters of ``model`` that hold a gradient now."""
-    return tuple(n for n, p in model.named_parameters() if p.grad is not None)
 
 
 def fitted_work(points, optimizer: PhaseWork, model: torch.nn.Module) -> Work:

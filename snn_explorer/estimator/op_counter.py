@@ -61,3 +61,8 @@ def count_step(model: torch.nn.Module, x: torch.Tensor, labels) -> list:
     with OpCounter() as backward:
         loss.backward()
     return [forward.counts, backward.counts]
+
+
+def grad_names(model: torch.nn.Module) -> tuple:
+    """The parameters of ``model`` that hold a gradient now."""
+    return tuple(n for n, p in model.named_parameters() if p.grad is not None)

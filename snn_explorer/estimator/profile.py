@@ -37,7 +37,7 @@ from ._step import batch_slice, check_inputs, forward_loss, run_dtypes
 from .fsdp_timeline import FsdpTimeline, record, replay
 from .isolation import as_found, one_thread
 from .meter import StorageMeter
-from .op_counter import count_step
+from .op_counter import count_step, grad_names
 from .sharding import plain_buffers, state_tensor_ids, trainable_shapes
 from .tp_replica import tp_replica
 
@@ -243,7 +243,7 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
             forward_loss(model, x, labels)
         model.zero_grad(set_to_none=True)
         counts = count_step(model, x, labels) if count else None
-        with_grad = tuple(n for n, p in model.named_parameters() if p.grad is not None) if count else ()
+        with_grad = grad_names(model) if count else ()
         model.zero_grad(set_to_none=True)
         order.clear()
         saved.clear()
