@@ -4,8 +4,11 @@ Run: ``MPLBACKEND=Agg python benchmarks/explorer_latency.py [--changes 50] [--sk
 
 For each model: ``analyze`` time (median of 5), ``first_estimate_s`` (a fresh copy of the model:
 the first ``Explorer.estimate`` of the plan the UI opens on, profile and step-time counting
-included; the machine's calibration comes from its disk cache), ``ui_open_s`` (building the
-widgets and the comparison they show: only the current plan is estimated, lazily), then 50
+included; the machine's calibration comes from its disk cache, so the three timed steps that
+correct the step-time model on this machine are included too) and ``first_estimate_cpu_s``
+(the CPU seconds of that estimate: what it costs, whatever other processes load the machine),
+``ui_open_s`` (building the widgets and the comparison they show: only the current plan is
+estimated, lazily), then 50
 seeded random control changes on the UI (objective, dp x tp, mode, ZeRO gate, memory budget),
 each timed from setting ``.value`` to the comparison's widget state being rewritten; median and
 p95, and how many distinct plans were estimated; then the same changes again, every estimate cached (``cached_p95_ms``: the explorer's own re-plan and re-render).
@@ -95,13 +98,13 @@ def _p95(values: list) -> float:
     return sorted(values)[max(0, -(-95 * len(values) // 100) - 1)]
 
 
-def _first_estimate(model, x, labels, family) -> float:
-    """Seconds of a fresh Explorer's first estimate of the plan the UI opens on (4 ranks, speed)."""
+def _first_estimate(model, x, labels, family) -> tuple:
+    """Wall and CPU seconds of a fresh Explorer's first estimate of the plan the UI opens on (4 ranks, speed)."""
     ex = Explorer(model, example_input=x, labels=labels, model_family=family, batch_size=x.shape[1])
     plan = ex.make_plan(objective="speed", topology=4)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     ex.estimate(plan)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def _machine() -> str:
@@ -118,7 +121,7 @@ def run(name, model, x, labels, family, changes: int, estimate_max: int) -> dict
         analyze(model, model_family=family)
         timings.append(time.perf_counter() - start)
     estimated = count <= estimate_max
-    first_s = _first_estimate(copy.deepcopy(model), x, labels, family) if estimated else None
+    first_s, first_cpu = _first_estimate(copy.deepcopy(model), x, labels, family) if estimated else (None, None)
     ex = Explorer(model, example_input=x if estimated else None, labels=labels, model_family=family,
                   batch_size=x.shape[1])
     start = time.perf_counter()
@@ -133,6 +136,7 @@ def run(name, model, x, labels, family, changes: int, estimate_max: int) -> dict
     cached = _latencies(ui, changes)
     return {"model": name, "modules": count, "analyze_ms": round(statistics.median(timings) * 1e3, 1),
             "ui_open_s": round(open_s, 2), "first_estimate_s": None if first_s is None else round(first_s, 2),
+            "first_estimate_cpu_s": None if first_cpu is None else round(first_cpu, 2),
             "change_median_ms": round(statistics.median(lat) * 1e3, 1),
             "change_p95_ms": round(_p95(lat) * 1e3, 1),
             "cached_p95_ms": round(_p95(cached) * 1e3, 1), "estimates": misses,

@@ -175,14 +175,14 @@ def test_fsdp2_replay_recovers_the_meters_peaks_and_frees_every_buffer():
 def test_work_counter_bytes_match_pytree_flattening_of_every_operator():
     """The step-time counter's own flattening counts the same bytes as torch's pytree on a real step."""
     from snn_explorer.compat import tree_leaves
-    from snn_explorer.estimator import compute_work
+    from snn_explorer.estimator import op_counter
 
     seen = []
 
-    class Both(compute_work._Counter):
+    class Both(op_counter.OpCounter):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            mine = compute_work._nbytes((args, kwargs or {}, out))
+            mine = op_counter.tensor_bytes((args, kwargs or {}, out))
             ref = sum(v.numel() * v.element_size() for v in tree_leaves((args, kwargs or {}, out))
                       if isinstance(v, torch.Tensor))
             seen.append((func, mine, ref))

@@ -514,6 +514,7 @@ SIDE_EFFECTS = textwrap.dedent('''
     torch.manual_seed(1234)
     before = torch.get_rng_state()
     env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    threads = torch.get_num_threads()  # the estimator runs on one thread, then restores the caller's
     a = analyze(model)
     model_profile(model, x[:, :2])
     Explorer(model, example_input=x).estimate(plan(analysis=a, objective="memory", topology={"dp": 2},
@@ -527,7 +528,7 @@ SIDE_EFFECTS = textwrap.dedent('''
                 example_input=x, steps=1, timeout=120)
     print(json.dumps(dict(rng=torch.equal(before, torch.get_rng_state()), env=os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
                           env_before=env, tmp=sorted(os.listdir(tempfile.gettempdir())),
-                          dynamo="torch._dynamo" in sys.modules)))
+                          dynamo="torch._dynamo" in sys.modules, threads=torch.get_num_threads() == threads)))
 ''')
 
 
@@ -543,5 +544,5 @@ def test_estimate_and_measure_leave_the_process_as_found(tmp_path, where):
     assert done.returncode == 0, done.stderr[-3000:]
     state = json.loads(done.stdout.strip().splitlines()[-1])
     assert state["dynamo"]  # the runs did import torch's compiler, which sets the variable and the folder
-    assert state == dict(rng=True, env=None, env_before=None, tmp=[], dynamo=True)
+    assert state == dict(rng=True, env=None, env_before=None, tmp=[], dynamo=True, threads=True)
     assert os.listdir(tmp) == []

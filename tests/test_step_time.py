@@ -181,3 +181,49 @@ def test_every_plan_of_1024_ranks_is_valid_and_timed():
         est = estimate(model, plan, example_input=x, hardware=hw)
         assert len(est.time) == 1024 and math.isfinite(est.step_time_s)
         assert (est.time["step_s"] >= est.time["compute_s"]).all()
+
+
+def test_work_count_does_not_depend_on_what_ran_before_and_the_profile_runs_count_the_same():
+    """The step's operator count is taken in the state of a training step (neuron state of this
+    batch size, gradients None): a run at another batch size that leaves gradients and neuron state
+    behind changes nothing, and the count the profile runs took equals a count of its own."""
+    from snn_explorer.estimator import model_profile
+    from snn_explorer.estimator.compute_work import count_work, rank_work
+    from snn_explorer.estimator.isolation import one_thread
+
+    zoo = build("spikformer")
+    profile = model_profile(zoo.model, zoo.example_input, zoo.labels)
+    with one_thread():  # as estimate() counts
+        first = count_work(profile.model, profile, "adam")
+        assert first.forward.ops(1, 4) > 100 and first.backward.flops(1, 4) > 0 and first.optimizer.ops(1, 1) > 0
+        forward_loss(profile.model, *batch_slice(zoo.example_input, zoo.labels, 1, 4)).backward()  # state, grads
+        assert any(p.grad is not None for p in profile.model.parameters())
+        assert count_work(profile.model, profile, "adam") == first
+        assert len(profile.step_counts) == 4 and rank_work(profile, None, 1, "adam") == first
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd_momentum"])
+def test_optimizer_count_on_zero_gradients_is_that_of_a_step_after_a_real_backward(optimizer):
+    """The optimizer's second step counted on zero gradients of the parameters a backward reaches
+    equals the second step counted after real backwards (operators and bytes follow shapes only)."""
+    from snn_explorer.estimator._step import OPTIMIZERS
+    from snn_explorer.estimator.compute_work import optimizer_work
+    from snn_explorer.estimator.op_counter import OpCounter, grad_names
+
+    zoo = build("mlp")
+    model = zoo.model
+    model.net[4].weight.requires_grad_(False)  # a frozen parameter: no gradient, not stepped
+    cls, kw = OPTIMIZERS[optimizer]
+    opt = cls([p for p in model.parameters() if p.requires_grad], lr=1e-6, **kw)
+    for _ in range(2):
+        forward_loss(model, zoo.example_input, zoo.labels).backward()
+        if _ == 0:
+            opt.step()
+    with OpCounter() as real:
+        opt.step()
+    names = grad_names(model)
+    assert "net.4.weight" not in names and len(names) == sum(p.requires_grad for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    counted = optimizer_work(model, names, optimizer)
+    assert real.counts[3] > 10 and [f.c0 for f in (counted.flops, counted.flop_bytes, counted.other_bytes,
+                                                   counted.ops)] == real.counts

@@ -105,7 +105,7 @@ def levered_profile(profile: ModelProfile, plan) -> ModelProfile:
     cache = profile.__dict__.setdefault("_checkpointed_profiles", {})
     if key not in cache:
         base = {f.name: getattr(profile, f.name) for f in dataclasses.fields(ModelProfile)}
-        base.update(peaks={}, logs={}, replicas={}, saved_state={})
+        base.update(peaks={}, logs={}, replicas={}, saved_state={}, step_counts=())  # counted on its own models
         cache[key] = CheckpointedProfile(**base, plan=plan)
     return cache[key]
 

@@ -1,8 +1,9 @@
 """The compute work of one training step as a rank runs it: FLOPs, bytes moved and operators.
 
-A dispatch mode counts every operator of the forward (with the loss), the backward and the
-optimizer step of the model one rank runs (the unsharded model, or its TP replica with each
-rank's local layer shapes), at the profile's four sizes ``(N, T)``: FLOPs by the formulas of
+A dispatch mode (:class:`~.op_counter.OpCounter`) counts every operator of the forward (with the
+loss), the backward and the optimizer step of the model one rank runs (the unsharded model, or
+its TP replica with each rank's local layer shapes), at the profile's four sizes ``(N, T)``
+(:func:`counted_pass`; the optimizer's once, :func:`optimizer_work`): FLOPs by the formulas of
 torch's ``FlopCounterMode``, bytes as the sizes of each operator's tensor inputs and outputs,
 and the operator count. Each is fitted bilinearly in ``N`` and ``T`` (the profile's :class:`Fit`)
 and so scales to a plan's per-rank batch and time steps. :meth:`Work.seconds` turns a phase into
@@ -15,57 +16,22 @@ the ratio of measured to modelled time per phase, which the step-time model appl
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Iterator
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
-from ..compat import TorchDispatchMode
 from ._step import OPTIMIZERS, batch_slice, forward_loss
 from .hardware import HardwareProfile
+from .isolation import one_thread
+from .op_counter import OpCounter, count_step, grad_names
 from .profile import SIZES, Fit, ModelProfile
 
 PHASES = ("forward", "backward", "optimizer")
-_FLOP_FORMULAS = FlopCounterMode(display=False).flop_registry
-
-
-def _nbytes(values) -> int:
-    """Bytes of the tensors in an operator's arguments or outputs (nested tuples, lists, dicts).
-
-    A plain recursion: aten operators take and return only these containers, and pytree's
-    generic flattening cost most of the counting time on deep models."""
-    if isinstance(values, torch.Tensor):
-        return values.numel() * values.element_size()
-    if isinstance(values, (tuple, list)):
-        return sum(_nbytes(v) for v in values)
-    if isinstance(values, dict):
-        return sum(_nbytes(v) for v in values.values())
-    return 0
-
-
-class _Counter(TorchDispatchMode):
-    """Per operator: FLOPs (torch's formulas), bytes of its tensors, and one operator."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = [0.0, 0.0, 0.0, 0.0]  # flops, bytes of ops with FLOPs, other bytes, ops
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        formula = _FLOP_FORMULAS.get(func.overloadpacket)
-        moved = _nbytes((args, kwargs, out))
-        if formula is not None:
-            self.counts[0] += formula(*args, **kwargs, out_val=out)
-            self.counts[1] += moved
-        else:
-            self.counts[2] += moved
-        self.counts[3] += 1
-        return out
 
 
 @dataclass(frozen=True)
@@ -99,53 +65,80 @@ class Work:
         return getattr(self, name)
 
 
-def _count_step(model, x, y, opt=None) -> list:
-    """Counts of the forward and the backward (and of ``opt``'s step when given)."""
-    out = []
-    with _Counter() as c:
-        loss = forward_loss(model, x, y)
-    out.append(c.counts)
-    with _Counter() as c:
-        loss.backward()
-    out.append(c.counts)
-    if opt is not None:
-        with _Counter() as c:
-            opt.step()
-        out.append(c.counts)
-    model.zero_grad(set_to_none=True)
-    return out
-
-
-def count_work(model: torch.nn.Module, profile: ModelProfile, optimizer: str) -> Work:
-    """Count the step of ``model`` (the model one rank runs) at the profile's :data:`SIZES` and fit it."""
-    cls, kw = OPTIMIZERS[optimizer]
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = cls(params, lr=1e-6, **kw)
-    points = []
+@contextlib.contextmanager
+def restored(params) -> Iterator[None]:
+    """Run the body (optimizer steps), then put the values of ``params`` back."""
     with torch.no_grad():
         saved = [p.detach().clone() for p in params]
     try:
-        for n, t in SIZES:
-            x, y = batch_slice(profile.example_input, profile.labels, n, t)
-            points.append(_count_step(model, x.to(profile.dtype), y))
-        forward_loss(model, x.to(profile.dtype), y).backward()
-        opt.step()  # the optimizer creates its state here; its work does not depend on N or T
-        step = _count_step(model, x.to(profile.dtype), y, opt)[2]
+        yield
     finally:
         with torch.no_grad():
             for p, s in zip(params, saved):
                 p.copy_(s)
+
+
+def counted_pass(model: torch.nn.Module, x: torch.Tensor, labels) -> list:
+    """Counts of the forward (with the loss) and of the backward of one step of ``model``.
+
+    Counted in the state of a training step: after a forward at the same size (the neuron state
+    has the size of this batch; without autograd, as only sizes matter here) and with the gradients
+    set to None, so the count does not depend on what ran before."""
+    with torch.no_grad():
+        forward_loss(model, x, labels)
+    model.zero_grad(set_to_none=True)
+    return count_step(model, x, labels)
+
+
+def optimizer_work(model: torch.nn.Module, grad_params, optimizer: str) -> PhaseWork:
+    """Counts of ``optimizer``'s step over ``model``'s parameters named in ``grad_params`` (those a
+    backward gives a gradient): the second step, the first creating its state. The step's
+    operators and bytes depend on the shapes of parameters and gradients, not on their values or on
+    ``N`` and ``T``, so zero gradients stand in for real ones; the parameters are restored."""
+    cls, kw = OPTIMIZERS[optimizer]
+    named = dict(model.named_parameters())
+    params = [p for p in named.values() if p.requires_grad]
+    opt = cls(params, lr=1e-6, **kw)
+    with restored(params):
+        for name in grad_params:
+            named[name].grad = torch.zeros_like(named[name])
+        opt.step()
+        with OpCounter() as step:
+            opt.step()
+    model.zero_grad(set_to_none=True)
+    return PhaseWork(*(Fit(c0=v) for v in step.counts))
+
+
+def fitted_work(points, optimizer: PhaseWork, model: torch.nn.Module) -> Work:
+    """The :class:`Work` of ``model`` from :func:`counted_pass` counts at the :data:`SIZES` and its optimizer's."""
     phases = [PhaseWork(*(Fit.of(*(pt[i][k] for pt in points)) for k in range(4))) for i in range(2)]
-    return Work(*phases, PhaseWork(*(Fit(c0=v) for v in step)), param_bytes=sum(p.numel() * p.element_size() for p in params))
+    params = [p for p in model.parameters() if p.requires_grad]
+    return Work(*phases, optimizer, param_bytes=sum(p.numel() * p.element_size() for p in params))
+
+
+def count_work(model: torch.nn.Module, profile: ModelProfile, optimizer: str) -> Work:
+    """Count the step of ``model`` (the model one rank runs) at the profile's :data:`SIZES` and fit it."""
+    points = []
+    for n, t in SIZES:
+        x, y = batch_slice(profile.example_input, profile.labels, n, t)
+        points.append(counted_pass(model, x.to(profile.dtype), y))
+    grads = grad_names(model)
+    model.zero_grad(set_to_none=True)
+    return fitted_work(points, optimizer_work(model, grads, optimizer), model)
 
 
 def rank_work(profile: ModelProfile, tp_plan, tp: int, optimizer: str) -> Work:
-    """:func:`count_work` of the model one rank of a plan runs, cached on the profile per TP layout."""
+    """The :class:`Work` of the model one rank of a plan runs, cached on the profile per TP layout: the
+    unsharded model's from the counts its profile runs took (``ModelProfile.step_counts``, taken in
+    the state :func:`counted_pass` sets), any other's by :func:`count_work`."""
     cache = profile.__dict__.setdefault("_step_work", {})
     layout, model = profile._rank_model(tp_plan, tp)
     key = (layout, optimizer)
     if key not in cache:
-        cache[key] = count_work(model, profile, optimizer)
+        if tp <= 1 and profile.step_counts:
+            cache[key] = fitted_work(profile.step_counts, optimizer_work(model, profile.grad_params, optimizer), model)
+        else:
+            cache[key] = count_work(model, profile, optimizer)
     return cache[key]
 
 
@@ -161,13 +154,9 @@ def local_correction(profile: ModelProfile, work: Work, hw: HardwareProfile, opt
     x = x.to(profile.dtype)
     cls, kw = OPTIMIZERS[optimizer]
     params = [p for p in model.parameters() if p.requires_grad]
-    with torch.no_grad():
-        saved = [p.detach().clone() for p in params]
     opt = cls(params, lr=1e-6, **kw)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     times = {p: [] for p in PHASES}
-    try:
+    with restored(params), one_thread():
         for _ in range(3):
             start = time.perf_counter()
             loss = forward_loss(model, x, y)
@@ -179,11 +168,6 @@ def local_correction(profile: ModelProfile, work: Work, hw: HardwareProfile, opt
             times["forward"].append(mid - start)
             times["backward"].append(end - mid)
             opt.zero_grad(set_to_none=True)
-    finally:
-        torch.set_num_threads(threads)
-        with torch.no_grad():
-            for p, s in zip(params, saved):
-                p.copy_(s)
     itemsize = torch.empty((), dtype=profile.dtype).element_size()
     cache[key] = {p: statistics.median(times[p][1:]) / max(work.phase(p).seconds(hw, n, t, itemsize), 1e-9)
                   for p in PHASES}

@@ -1,9 +1,16 @@
-"""Leave the caller's process as it was found: its RNG, its environment, its temporary directory.
+"""Leave the caller's process as it was found: its RNG, its environment, its temporary directory,
+its number of threads.
 
 Running a model to measure it draws random numbers (dropout) and can import ``torch._dynamo``,
 which sets ``TORCHINDUCTOR_CACHE_DIR`` in ``os.environ`` and creates ``torchinductor_<user>`` in the
 temporary directory. :func:`as_found` undoes all three; the ranks ``measure`` starts run with a
 temporary directory of their own (``snn_explorer.ranks`` sets ``TMPDIR`` to its run directory).
+
+:func:`one_thread` runs the estimator's own model runs on one intra-op thread, as each rank runs:
+they are small (a few samples and time steps), and on a busy machine torch's threads wait for each
+other at every operator (about 2 ms per small operator with 2 threads on 2 loaded cores, 40 us
+with one), which made a first estimate 10-60 times slower. Sizes, operator counts and so every
+number of an estimate do not depend on it.
 """
 from __future__ import annotations
 
@@ -41,6 +48,17 @@ def _remove_empty_tree(path: str) -> None:
                 os.rmdir(os.path.join(root, d))
     with contextlib.suppress(OSError):
         os.rmdir(path)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the body with ``torch.set_num_threads(1)``, then restore the caller's thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager

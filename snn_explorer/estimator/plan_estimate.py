@@ -26,7 +26,7 @@ from torch import nn
 from ..core import SNNDistributedPlan
 from ..core.validate import positive_int, positive_number
 from ._step import check_inputs, check_optimizer
-from .isolation import as_found
+from .isolation import as_found, one_thread
 from .checkpoint_profile import levered_profile, recompute_fraction
 from .comms import step_collectives
 from .fsdp_timeline import FsdpTimeline
@@ -121,7 +121,8 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     the model's; a model that mixes dtypes is run as it is) is the parameter and activation dtype. ``memory_budget`` (bytes per device)
     turns the verdict into fits / does not fit. Every argument is checked before anything runs,
     and a ``time_steps`` whose run cannot fit in this machine's memory is refused. The caller's
-    RNG, environment and temporary directory are left as they were.
+    RNG, environment, temporary directory and thread count are left as they were (the model runs
+    on one thread: :func:`~.isolation.one_thread`).
 
     ``hardware`` (a :class:`HardwareProfile`, a built-in profile's name, or None for this
     machine's calibration: the first call calibrates, a few seconds on spawned ranks, and keeps it
@@ -134,7 +135,7 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     if profile is not None and not isinstance(profile, ModelProfile):
         raise TypeError(f"profile must be a ModelProfile (from model_profile) or None, got {type(profile).__name__}")
     hardware = resolve_hardware(hardware)
-    with as_found():  # the runs below draw random numbers and may import torch's compiler
+    with as_found(), one_thread():  # the runs below draw random numbers and may import torch's compiler
         return _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_budget, profile, hardware)
 
 

@@ -35,8 +35,9 @@ from ..core.neurons import detached_copy, stateful_modules
 from ..core.plans.families import fsdp_units
 from ._step import batch_slice, check_inputs, forward_loss, run_dtypes
 from .fsdp_timeline import FsdpTimeline, record, replay
-from .isolation import as_found
+from .isolation import as_found, one_thread
 from .meter import StorageMeter
+from .op_counter import count_step, grad_names
 from .sharding import plain_buffers, state_tensor_ids, trainable_shapes
 from .tp_replica import tp_replica
 
@@ -102,6 +103,10 @@ class ModelProfile:
     replicas: Dict[tuple, nn.Module] = field(default_factory=dict, repr=False)
     saved_state: Dict[tuple, Tuple[float, float]] = field(default_factory=dict, repr=False)
     stage_memory: Dict[tuple, list] = field(default_factory=dict, repr=False)  # :func:`.stage_memory.measure_stages`
+    #: per size of :data:`SIZES`, the operator counts of a forward and backward of ``model``
+    #: (:func:`~.op_counter.count_step`, taken by the profile runs); () where not counted
+    step_counts: tuple = field(default=(), repr=False)
+    grad_params: Tuple[str, ...] = ()  # the parameters a backward gives a gradient
 
     def _rank_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Tuple[tuple, nn.Module]:
         """The model one rank runs: the private copy, or its TP replica for ``tp_plan``."""
@@ -194,13 +199,17 @@ def _numel(obj) -> int:
 
 
 def _requires_grad(args) -> bool:
+    if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):  # most calls: no flattening
+        return True
     flat = tree_leaves(args)
     return any(isinstance(a, torch.Tensor) and a.requires_grad for a in flat)
 
 
 def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor], saved_only: bool = True,
-               units: Sequence[str] = ()) -> dict:
-    """One forward + backward; per-module raw numbers and the dynamic peak above the entry memory."""
+               units: Sequence[str] = (), count: bool = False) -> dict:
+    """One forward + backward; per-module raw numbers and the dynamic peak above the entry memory.
+    With ``count``, a step counted (:func:`~.op_counter.count_step`) comes first, after the warm-up:
+    ``counts``, and ``with_grad`` the parameters it gave a gradient."""
     names = {m: n for n, m in model.named_modules()}
     stack, calls, ins, outs, rg = [], {}, {}, {}, {}
     saved: Dict[int, tuple] = {}  # data_ptr -> (module, nbytes, the saved tensors)
@@ -231,7 +240,11 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
     hooks += [p.register_post_accumulate_grad_hook(lambda p, n=n: order.append(n))
               for n, p in model.named_parameters() if p.requires_grad]
     try:
-        forward_loss(model, x, labels).backward()  # warm-up: state tensors take this size
+        with torch.no_grad():  # warm-up: state tensors take this size (a forward sets them, autograd does not)
+            forward_loss(model, x, labels)
+        model.zero_grad(set_to_none=True)
+        counts = count_step(model, x, labels) if count else None
+        with_grad = grad_names(model) if count else ()
         model.zero_grad(set_to_none=True)
         order.clear()
         saved.clear()
@@ -285,7 +298,7 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
     grads = sum(_storages([p.grad for p in model.parameters()]).values())
     return dict(saved=per_saved, state={n: sum(s.values()) for n, s in state.items()}, calls=calls, ins=ins,
                 outs=outs, rg=rg, log=log, entry=entry, grads=grads, order=tuple(order),
-                input=x.numel() * x.element_size())
+                input=x.numel() * x.element_size(), counts=counts, with_grad=with_grad)
 
 
 def _fit(points, get) -> Fit:
@@ -304,7 +317,7 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
     for n, t in SIZES:
         x, y = batch_slice(example_input, labels, n, t)
         try:
-            points.append(_run_point(model, x.to(dtype), y))
+            points.append(_run_point(model, x.to(dtype), y, count=True))
         except RuntimeError as exc:
             if points:
                 raise
@@ -326,7 +339,8 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
                         grad_ready_order=points[-1]["order"], dtype=dtype,
                         params=trainable_shapes(model), buffers=plain_buffers(model), fsdp_units=fsdp_units(model),
                         param_itemsizes={n: p.element_size() for n, p in model.named_parameters()},
-                        model=model, example_input=example_input, labels=labels)
+                        model=model, example_input=example_input, labels=labels,
+                        step_counts=tuple(p["counts"] for p in points), grad_params=points[-1]["with_grad"])
 
 
 #: Profiles per live model object (a weak key: a freed model's id can be reused by a new one).
@@ -345,6 +359,6 @@ def model_profile(model: nn.Module, example_input: torch.Tensor, labels: Optiona
     per_model = _CACHE.setdefault(model, {})
     key = _key(model, example_input, labels, dtype)
     if key not in per_model:
-        with as_found():  # the runs draw random numbers (dropout) and may import torch's compiler
+        with as_found(), one_thread():  # the runs draw random numbers (dropout) and may import torch's compiler
             per_model[key] = measure_profile(model, example_input, labels, dtype)
     return per_model[key]

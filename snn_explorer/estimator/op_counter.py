@@ -1,0 +1,68 @@
+"""Count the operators of a piece of a training step: FLOPs, bytes moved and operator launches.
+
+:class:`OpCounter` is a dispatch mode that adds up, per ``aten`` operator, its FLOPs by the
+formulas of torch's ``FlopCounterMode``, the bytes of its tensor inputs and outputs (split into
+operators with and without FLOPs) and one launch. :func:`count_step` counts one forward and
+backward; :mod:`.compute_work` fits these counts.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..compat import TorchDispatchMode
+from ._step import forward_loss
+
+_FLOP_FORMULAS = FlopCounterMode(display=False).flop_registry
+
+
+def tensor_bytes(values) -> int:
+    """Bytes of the tensors in an operator's arguments or outputs (nested tuples, lists, dicts).
+
+    A plain recursion: aten operators take and return only these containers, and pytree's
+    generic flattening cost most of the counting time on deep models."""
+    if isinstance(values, torch.Tensor):
+        return values.numel() * values.element_size()
+    if isinstance(values, dict):
+        values = values.values()
+    elif not isinstance(values, (tuple, list)):
+        return 0
+    total = 0
+    for v in values:
+        total += v.numel() * v.element_size() if isinstance(v, torch.Tensor) else tensor_bytes(v)
+    return total
+
+
+class OpCounter(TorchDispatchMode):
+    """Per operator: FLOPs (torch's formulas), bytes of its tensors, and one operator."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = [0.0, 0.0, 0.0, 0.0]  # flops, bytes of ops with FLOPs, other bytes, ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = _FLOP_FORMULAS.get(func.overloadpacket)
+        moved = tensor_bytes((args, kwargs, out))
+        if formula is not None:
+            self.counts[0] += formula(*args, **kwargs, out_val=out)
+            self.counts[1] += moved
+        else:
+            self.counts[2] += moved
+        self.counts[3] += 1
+        return out
+
+
+def count_step(model: torch.nn.Module, x: torch.Tensor, labels) -> list:
+    """The counts of the forward (with the loss) and of the backward of one step of ``model``."""
+    with OpCounter() as forward:
+        loss = forward_loss(model, x, labels)
+    with OpCounter() as backward:
+        loss.backward()
+    return [forward.counts, backward.counts]
+
+
+def grad_names(model: torch.nn.Module) -> tuple:
+    """The parameters of ``model`` that hold a gradient now."""
+    return tuple(n for n, p in model.named_parameters() if p.grad is not None)
