@@ -28,7 +28,7 @@ from ..core import SNNDistributedPlan
 from ..core.parallelize.mesh import comm_backend_for
 from ..core.validate import positive_int, positive_number
 from ..ranks.progress import heartbeat
-from ._step import OPTIMIZERS, batch_slice, check_inputs, check_optimizer, forward_loss, run_dtypes
+from ._step import OPTIMIZERS, batch_slice, check_inputs, check_optimizer, forward_loss, run_dtypes, timed_steps
 from .isolation import as_found
 from .plan_estimate import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
 from .pipeline_measurement import measure_pp_plan, pp_collectives
@@ -203,14 +203,7 @@ def _measure_plan(model, plan, run: _Settings) -> dict:
         opt.step()
 
     repeated = _called_twice(module, step)
-    times = []
-    for i in range(run.steps):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-        heartbeat(step=i + 1, total=run.steps + 1, message=f"{plan.mode}: timed step")
-    times = times[1:] if len(times) > 1 else times
+    times = timed_steps(step, run.steps, plan.mode)
 
     recorder, saved, seen = CollectiveRecorder(), _Saved(), {}
     static = _storage_bytes(list(module.parameters()) + list(module.buffers()))

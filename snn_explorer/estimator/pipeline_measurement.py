@@ -10,7 +10,6 @@ schedule issues them, each named by the stage boundary it crosses.
 """
 from __future__ import annotations
 
-import time
 from typing import Dict, List, Sequence
 
 import torch
@@ -18,7 +17,7 @@ import torch.distributed as dist
 
 from .. import compat
 from ..ranks.progress import heartbeat
-from ._step import OPTIMIZERS, batch_slice
+from ._step import OPTIMIZERS, batch_slice, timed_steps
 from .meter import StorageMeter
 from .recorder import CollectiveRecorder
 from .stage_memory import LiveSaved
@@ -45,14 +44,7 @@ def measure_pp_plan(model, plan, run) -> dict:
         runtime.train_step(criterion, x, y)
         opt.step()
 
-    times = []
-    for i in range(run.steps):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-        heartbeat(step=i + 1, total=run.steps + 1, message=f"{plan.mode}: timed step")
-    times = times[1:] if len(times) > 1 else times
+    times = timed_steps(step, run.steps, plan.mode)
 
     labels: Dict[int, str] = {}
     for stage in pipe.pipeline_stages:
