@@ -79,6 +79,23 @@ def test_balanced_layout_follows_the_profile(vgg):
     assert spread(est(balanced)) < spread(est(plan))
 
 
+def test_explorer_pipelines_are_balanced_by_default_and_a_chosen_layout_stays(vgg):
+    """The Explorer's pp plans (made, and enumerated) get the profile-balanced layout, whose most
+    loaded rank peaks lower than core's even cut; a layout the user chose is kept."""
+    ex = se.Explorer(vgg.model, example_input=vgg.example_input, labels=vgg.labels)
+    even = _plan(vgg, {"pp": 2}, "1f1b")
+    made = ex.make_plan(objective="capacity", topology={"pp": 2}, mode="pp", pp_schedule="1f1b", pp_microbatches=4)
+    assert made.pp_layout == se.balanced_pp_plan(vgg.model, even, vgg.example_input, vgg.labels).pp_layout
+    assert made.pp_layout != even.pp_layout
+    assert ex.estimate(made).per_rank["peak_bytes"].max() < ex.estimate(even).per_rank["peak_bytes"].max()
+    chosen = ex.make_plan(objective="capacity", topology={"pp": 2}, mode="pp", pp_schedule="1f1b", pp_microbatches=4,
+                          pp_layout=even.pp_layout)
+    assert chosen.pp_layout == even.pp_layout
+    listed = [p for p in ex.enumerate(2, objective="capacity") if p.uses_pp]
+    assert listed and all(p.pp_layout == se.balanced_pp_plan(vgg.model, p, vgg.example_input, vgg.labels).pp_layout
+                          for p in listed)
+
+
 def test_measure_of_a_pipeline_plan_needs_labels_before_starting_ranks(vgg):
     plan = _plan(vgg, {"pp": 2}, "gpipe")
     with pytest.raises(ValueError, match="measure\\(\\) of a pipeline plan .* needs labels"):

@@ -146,17 +146,29 @@ class Explorer:
                   pp_layout: Any = None) -> SNNDistributedPlan:
         """The plan :func:`snn_explorer.plan` gives for these choices, without adding it (``time_chunks``
         checkpointing, and the objective's own choice for a model stepped per time step, steps
-        :attr:`time_step_module`; the ``pp_*`` fields left None are the planner's choice)."""
+        :attr:`time_step_module`; the ``pp_*`` fields left None are the planner's choice, and a pipeline's
+        stages are balanced by the profile unless ``pp_layout`` is given)."""
         chunks = activation_checkpointing == "time_chunks" or (activation_checkpointing is None and
                                                                  self.example_input is not None)
         step_module = self.time_step_module if chunks else None
-        return core_plan(analysis=self.analysis, objective=objective, topology=topology if topology is not None else 1,
-                         neuron_backend=self.neuron_backend,
-                         batch_size=batch_size if batch_size is not None else self.batch_size,
-                         mode=mode, features=as_features(features), tensor_parallel_plan=tensor_parallel_plan,
-                         activation_checkpointing=activation_checkpointing, checkpoint_every=checkpoint_every,
-                         cpu_offload=cpu_offload, time_step_module=step_module, pp_schedule=pp_schedule,
-                         pp_microbatches=pp_microbatches, pp_virtual_stages=pp_virtual_stages, pp_layout=pp_layout)
+        planned = core_plan(analysis=self.analysis, objective=objective,
+                            topology=topology if topology is not None else 1, neuron_backend=self.neuron_backend,
+                            batch_size=batch_size if batch_size is not None else self.batch_size,
+                            mode=mode, features=as_features(features), tensor_parallel_plan=tensor_parallel_plan,
+                            activation_checkpointing=activation_checkpointing, checkpoint_every=checkpoint_every,
+                            cpu_offload=cpu_offload, time_step_module=step_module, pp_schedule=pp_schedule,
+                            pp_microbatches=pp_microbatches, pp_virtual_stages=pp_virtual_stages, pp_layout=pp_layout)
+        return planned if pp_layout is not None else self._balanced(planned)
+
+    def _balanced(self, plan: SNNDistributedPlan) -> SNNDistributedPlan:
+        """``plan`` (made without a chosen ``pp_layout``), a pipeline getting its stages balanced by
+        the estimator's profile of each unit (:func:`snn_explorer.balanced_pp_plan`; core's ``plan()``
+        alone cuts by unit count). Plans without a pipeline, or without an example input, as they are."""
+        if not plan.uses_pp or self.example_input is None:
+            return plan
+        from ..estimator import balanced_pp_plan
+
+        return balanced_pp_plan(self.model, plan, self.example_input, self.labels)
 
     @property
     def time_step_module(self) -> Optional[str]:
@@ -198,6 +210,7 @@ class Explorer:
         plans = enumerate_plans(self.analysis, world_size=world_size,
                                 batch_size=batch_size if batch_size is not None else self.batch_size,
                                 neuron_backend=self.neuron_backend, features=as_features(features), objective=objective)
+        plans = PlanList([self._balanced(p) for p in plans], plans.infeasible)
         if objective == "speed" and self.example_input is not None:
             ranked = fastest_first([self.estimate(p) for p in plans], memory_budget)
             plans = PlanList([e.plan for e in ranked], plans.infeasible)
@@ -241,6 +254,7 @@ class Explorer:
                     for p in enumerate_plans(self.analysis, world_size=world_size, batch_size=batch,
                                              neuron_backend=self.neuron_backend, features=features,
                                              objective=objective):
+                        p = self._balanced(p)
                         plans.setdefault((p.tp_size, p.per_rank_batch, tuple(sorted(p.tensor_parallel_plan.items()))), p)
         for p in plans.values():
             self.estimate(p, time_steps)
