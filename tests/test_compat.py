@@ -263,12 +263,12 @@ def _plain():
 
 def test_measure_on_two_ranks_matches_the_estimate_in_every_two_rank_mode():
     """measure(): MemTracker and its restarted peak, DDP's logging data, DTensor's local tensors,
-    FSDP2's base all-gather / reduce-scatter ops and the mesh's group names, all on real ranks."""
+    FSDP2's base all-gather / reduce-scatter ops, the mesh's group names, and a pipeline stage's p2p
+    op builders and receive buffers, all on real ranks."""
     model, x, y = _plain()
     analysis = se.analyze(model)
-    plans = [p for p in se.enumerate_plans(analysis, world_size=2, batch_size=4)  # measure() refuses pp plans
-             if p.optimizer_strategy == "none" and not p.uses_pp]
-    assert {p.mode for p in plans} == {"dp", "fsdp2", "tp"}
+    plans = [p for p in se.enumerate_plans(analysis, world_size=2, batch_size=4) if p.optimizer_strategy == "none"]
+    assert {p.mode for p in plans} == {"dp", "fsdp2", "tp", "pp"}
     measured = measure_many(model, plans, example_input=x, labels=y, steps=2, optimizer="adam", timeout=240)
     for plan, meas in zip(plans, measured):
         est = estimate(model, plan, example_input=x, labels=y, optimizer="adam")
@@ -279,6 +279,30 @@ def test_measure_on_two_ranks_matches_the_estimate_in_every_two_rank_mode():
         assert meas.peak_bytes > 0
         if plan.mode == "dp":
             assert meas.per_rank["transient_bytes"].iloc[0] == est.collectives["bytes"].sum()
+
+
+def test_pipeline_compute_order_is_torchs_for_every_schedule():
+    """Each schedule's per-rank order, read from torch: every rank runs a forward and a backward (or
+    input and weight backwards) of each of its stages for every micro-batch, 1F1B in its known order."""
+    from snn_explorer.core.pipeline_schedules import SCHEDULES
+
+    for name, schedule in SCHEDULES.items():
+        virtual = 2 if schedule.multi_stage else 1
+        orders = schedule.rank_actions(2, 4, virtual)
+        for rank, actions in orders.items():
+            kinds = ("F", "I", "W") if schedule.splits_backward else ("F", "B")
+            want = sorted((k, s, m) for k in kinds for s in schedule.rank_stages(rank, 2, virtual) for m in range(4))
+            assert sorted(actions) == want, (name, rank)
+    one = SCHEDULES["1f1b"].rank_actions(2, 4)
+    assert one[1] == [("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1), ("F", 1, 2), ("B", 1, 2), ("F", 1, 3),
+                      ("B", 1, 3)]
+
+
+def test_is_view_tells_a_view_from_its_copy():
+    from snn_explorer import compat
+
+    out = nn.Linear(5, 2)(torch.rand(3, 4, 5))  # a Linear over [T, N, F] returns a view of a 2-D result
+    assert compat.is_view(out) and not compat.is_view(out.clone()) and not compat.is_view(torch.rand(2))
 
 
 def test_uncompiled_returns_the_module_inside_torch_compile():
