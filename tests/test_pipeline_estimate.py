@@ -193,3 +193,34 @@ def test_pp_step_time_has_the_schedules_bubble(vgg):
     assert ratios[1] < ratios[0]
     # the optimizer's share of compute_s keeps the ratio under f / (1 - f)
     assert ratios[0] <= f2 / (1 - f2) + 1e-12 and ratios[1] <= f8 / (1 - f8) + 1e-12
+
+
+def test_a_rank_without_trainable_parameters_is_refused_at_plan_time():
+    """mlp_all_steps has 5 units, 3 with weights (net.0, net.2, net.4): 4 stages leave one rank only a
+    neuron, whose optimizer would get no parameters; plan() names it, enumerate_plans lists why."""
+    zoo = build("mlp_all_steps", batch_size=8)
+    analysis = se.analyze(zoo.model)
+    assert analysis.trainable_units == ("net.0", "net.2", "net.4")
+    with pytest.raises(ValueError, match=r"pp_layout '2\|1\|1\|1' leaves pp rank 2 .*'net.3'.* without a trainable"):
+        se.plan(analysis=analysis, objective="capacity", topology={"pp": 4}, batch_size=8, mode="pp")
+    listed = se.enumerate_plans(analysis, world_size=4, batch_size=8)
+    assert "without a trainable parameter" in listed.infeasible["pp pp=4"]
+    assert [p.pp_layout for p in listed if p.uses_pp] == ["2|1|1|1"] and listed[-1].dp_size == 2  # pp=2 x dp=2
+
+
+def test_balanced_layout_gives_every_stage_an_eligible_unit():
+    from snn_explorer.core.pipeline_plan import balanced_layout
+
+    assert balanced_layout([1, 1, 1, 1], 2) == (2, 2)
+    assert balanced_layout([1, 1, 1, 1], 2, [True, True, False, False]) == (1, 3)
+    with pytest.raises(ValueError, match="1 of them eligible, cannot be cut into 2 stages"):
+        balanced_layout([1, 1, 1, 1], 2, [True, False, False, False])
+
+
+def test_trainable_units_survive_json_and_an_older_analysis_reads_as_unknown():
+    zoo = build("mlp_all_steps", batch_size=8)
+    analysis = se.analyze(zoo.model)
+    data = analysis.to_dict()
+    assert type(analysis).from_dict(data).trainable_units == analysis.trainable_units
+    data.pop("trainable_units")
+    assert type(analysis).from_dict(data).trainable_units is None

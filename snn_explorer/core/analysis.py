@@ -13,13 +13,15 @@ from . import neurons
 from .attention import (AttentionBlock, BranchAttentionBlock, FusedAttentionBlock, attention_blocks,
                         branch_attention_blocks, fused_attention_blocks, pointwise_chains)
 from .structure import CONV_TYPES, NORM_TYPES, block_conv_chains, chains, under
-from .pipeline_plan import pipeline_units
+from .pipeline_plan import pipeline_units, trainable_units
 from .plans.families import fsdp_units, resolve_family
 from .serialize import check_keys, check_kind, dataclass_dict, string_tuple, tuplify
 
 #: Analysis fields that hold module paths, and those that hold tuples of them (chains, (path, library)).
 _PATHS = ("memory_module_names", "tensor_parallel_candidate_names", "unsupported_tensor_parallel_names", "notes",
           "fsdp_unit_names", "per_feature_neuron_names", "batchnorm_names", "pipeline_units")
+#: Path fields that may be None (unknown: an analysis saved before the field existed, or no roots given).
+_OPTIONAL_PATHS = ("tensor_parallel_roots", "trainable_units")
 _PATH_TUPLES = ("snn_libraries", "tp_chains", "conv_chains", "pointwise_chains", "block_conv_chains", "state_kinds")
 
 
@@ -88,6 +90,8 @@ class SNNDistributedAnalysis:
     #: and why there are none ('' when there are)
     pipeline_units: Tuple[str, ...] = ()
     pipeline_problem: str = ""
+    #: the pipeline units holding parameters that require grad (None: unknown, an older analysis)
+    trainable_units: Optional[Tuple[str, ...]] = None
     #: (path, kind) of each stateful module: "neuron" or "dropout mask" (an old analysis without it: all neurons)
     state_kinds: Tuple[Tuple[str, str], ...] = ()
 
@@ -131,9 +135,9 @@ class SNNDistributedAnalysis:
     def from_dict(cls, data: Mapping[str, Any]) -> "SNNDistributedAnalysis":
         data = check_kind(data, "analysis")
         check_keys(data, "analysis", _PATHS[:3], tuple(f.name for f in dataclasses.fields(cls)))
-        for name in _PATHS + ("tensor_parallel_roots",):
+        for name in _PATHS + _OPTIONAL_PATHS:
             if name in data:
-                data[name] = string_tuple("analysis", name, data[name], optional=name == "tensor_parallel_roots")
+                data[name] = string_tuple("analysis", name, data[name], optional=name in _OPTIONAL_PATHS)
         count = data.get("trainable_parameters")
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
             raise TypeError(f"analysis.trainable_parameters must be a non-negative int or None, got {count!r}")
@@ -263,4 +267,5 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
         state_kinds=tuple(kinds),
         pipeline_units=units,
         pipeline_problem=unit_problem,
+        trainable_units=trainable_units(model, units),
     )

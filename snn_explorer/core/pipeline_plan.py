@@ -117,15 +117,17 @@ def even_layout(units: int, stages: int) -> Tuple[int, ...]:
     return tuple(units // stages + (1 if s < units % stages else 0) for s in range(stages))
 
 
-def balanced_layout(costs: Sequence[float], stages: int) -> Tuple[int, ...]:
+def balanced_layout(costs: Sequence[float], stages: int, eligible: Optional[Sequence[bool]] = None) -> Tuple[int, ...]:
     """Consecutive runs of ``costs`` (one per unit) in ``stages`` stages minimising the largest stage's
-    total cost (exact, by dynamic programming over cut points); ties keep stages even in count."""
+    total cost (exact, by dynamic programming over cut points); ties keep stages even in count. With
+    ``eligible`` (one flag per unit) every stage holds an eligible unit; ValueError when none can."""
     n = len(costs)
     if stages > n:
         raise ValueError(f"{n} pipeline unit(s) cannot fill {stages} stages")
-    prefix = [0.0]
-    for c in costs:
+    prefix, marks = [0.0], [0]
+    for c, ok in zip(costs, eligible if eligible is not None else [True] * n):
         prefix.append(prefix[-1] + float(c))
+        marks.append(marks[-1] + bool(ok))
     inf = float("inf")
     # best[s][i]: (least largest stage cost of the first i units in s stages, its last cut j)
     best = [[(inf, 0)] * (n + 1) for _ in range(stages + 1)]
@@ -133,9 +135,13 @@ def balanced_layout(costs: Sequence[float], stages: int) -> Tuple[int, ...]:
     for s in range(1, stages + 1):
         for i in range(s, n - (stages - s) + 1):
             options = [(max(best[s - 1][j][0], prefix[i] - prefix[j]), abs(i - j - n / stages), j)
-                       for j in range(s - 1, i) if best[s - 1][j][0] < inf]
-            cost, _, cut = min(options)
-            best[s][i] = (cost, cut)
+                       for j in range(s - 1, i) if best[s - 1][j][0] < inf and marks[i] > marks[j]]
+            if options:
+                cost, _, cut = min(options)
+                best[s][i] = (cost, cut)
+    if best[stages][n][0] == inf:
+        raise ValueError(f"{n} pipeline unit(s), {marks[-1]} of them eligible, cannot be cut into {stages} stages "
+                         "that each hold an eligible one")
     counts, i = [], n
     for s in range(stages, 0, -1):
         cut = best[s][i][1]
@@ -231,15 +237,37 @@ def units_problem(units: Sequence[str], problem: str, stages: int, what: str) ->
     return None
 
 
-def check_pp_model(plan, units: Sequence[str], problem: str = "", shared: Sequence[Sequence[str]] = ()
-                   ) -> Tuple[int, ...]:
+def trainable_units(model: nn.Module, units: Sequence[str]) -> Tuple[str, ...]:
+    """The ``units`` (module paths) that hold a parameter requiring grad."""
+    return tuple(u for u in units if any(p.requires_grad for p in model.get_submodule(u).parameters()))
+
+
+def _check_ranks_train(plan, units: Sequence[str], counts: Sequence[int], trainable: Sequence[str]) -> None:
+    """ValueError when a pp rank's stages hold no trainable parameter (its optimizer would have none)."""
+    runs = stage_units(units, counts)
+    spec = plan.pp_schedule_spec
+    for rank in range(plan.pp_size):
+        own = spec.rank_stages(rank, plan.pp_size, plan.pp_virtual_stages)
+        held = [u for s in own for u in runs[s]]
+        if not any(u in trainable for u in held):
+            raise ValueError(f"pp_layout {layout_text(counts)!r} leaves pp rank {rank} (stage(s) {list(own)}: {held}) "
+                             f"without a trainable parameter, so it would have nothing to train; the units "
+                             f"holding parameters are {list(trainable)}: use fewer stages or a layout that "
+                             "gives every rank one of them")
+
+
+def check_pp_model(plan, units: Sequence[str], problem: str = "", shared: Sequence[Sequence[str]] = (),
+                   trainable: Optional[Sequence[str]] = None) -> Tuple[int, ...]:
     """The plan's stage layout as unit counts; ValueError when the model cannot be cut as it asks,
-    or when a tied parameter (``shared``: groups of parameter paths) would be split over stages."""
+    when a tied parameter (``shared``: groups of parameter paths) would be split over stages, or when
+    a rank's stages hold none of the ``trainable`` units (None: not checked)."""
     stages = plan.pp_stages
     why = units_problem(units, problem, stages, f"pp={plan.pp_size} x virtual stages {plan.pp_virtual_stages}")
     if why:
         raise ValueError(why)
     counts = resolve_layout(plan.pp_layout, units, stages)
+    if trainable is not None:
+        _check_ranks_train(plan, units, counts, trainable)
     stage_of = {u: s for s, run in enumerate(stage_units(units, counts)) for u in run}
     for group in shared:
         owners = {s for path in group for u, s in stage_of.items() if path.startswith(u + ".")}

@@ -189,7 +189,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     )
     if spec.pp:
         check_pp_model(plan_, analysis.pipeline_units, analysis.pipeline_problem,
-                       analysis.shared_parameter_groups)
+                       analysis.shared_parameter_groups, analysis.trainable_units)
     return plan_
 
 

@@ -163,12 +163,16 @@ class Explorer:
     def _balanced(self, plan: SNNDistributedPlan) -> SNNDistributedPlan:
         """``plan`` (made without a chosen ``pp_layout``), a pipeline getting its stages balanced by
         the estimator's profile of each unit (:func:`snn_explorer.balanced_pp_plan`; core's ``plan()``
-        alone cuts by unit count). Plans without a pipeline, or without an example input, as they are."""
+        alone cuts by unit count). Plans without a pipeline, or without an example input, as they are;
+        so is a pipeline no balanced layout gives every stage a trainable unit (core's layout gives every rank one)."""
         if not plan.uses_pp or self.example_input is None:
             return plan
         from ..estimator import balanced_pp_plan
 
-        return balanced_pp_plan(self.model, plan, self.example_input, self.labels)
+        try:
+            return balanced_pp_plan(self.model, plan, self.example_input, self.labels)
+        except ValueError:
+            return plan
 
     @property
     def time_step_module(self) -> Optional[str]:

@@ -45,7 +45,8 @@ def preflight(model: nn.Module, plan: SNNDistributedPlan) -> SNNDistributedAnaly
         check_tp_plan(analysis, plan.tensor_parallel_plan, plan.tp_size, plan.experimental_features)
     check_tied_parameters(analysis, plan.tensor_parallel_plan, plan.fsdp_units)
     if plan.uses_pp:
-        check_pp_model(plan, analysis.pipeline_units, analysis.pipeline_problem, analysis.shared_parameter_groups)
+        check_pp_model(plan, analysis.pipeline_units, analysis.pipeline_problem, analysis.shared_parameter_groups,
+                       analysis.trainable_units)
         if plan.neuron_backend == "inductor":
             raise ValueError("neuron_backend='inductor' (torch.compile) with mode 'pp' may come later; use "
                              "neuron_backend='torch'")
