@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -62,12 +62,10 @@ class LiveSaved:
 
 
 def _bytes(tensors) -> int:
-    seen: Dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
+    """Bytes of the distinct storages of ``tensors`` (meta tensors hold none)."""
+    from .measurement import _storage_bytes  # measurement imports this module's users
+
+    return sum(_storage_bytes(t for t in tensors if isinstance(t, torch.Tensor) and t.device.type != "meta").values())
 
 
 def _micro(meter: StorageMeter, stage, inp, labels, grad_out) -> tuple:

@@ -11,7 +11,7 @@ from typing import Dict, List, Sequence
 
 from matplotlib.figure import Figure
 
-from ..core.pipeline_plan import even_layout, layout_counts, stage_units
+from ..core.pipeline_plan import resolve_layout, stage_units
 from ..core.pipeline_schedules import Span, idle_fraction, replay, schedule_of
 
 #: Colour of each action kind.
@@ -44,7 +44,7 @@ def pipeline_chart(plan, units: Sequence[str]) -> Figure:
     top.set_title(f"{plan.pp_schedule}: {plan.pp_microbatches} micro-batches on pp={plan.pp_size}{stages}, idle "
                   f"{idle_fraction(lines):.0%}")
     rank_of = lambda s: plan.pp_schedule_spec.rank_of(s, plan.pp_size, plan.pp_virtual_stages)
-    counts = layout_counts(plan.pp_layout) if plan.pp_layout else even_layout(len(units), plan.pp_stages)
+    counts = resolve_layout(plan.pp_layout, units, plan.pp_stages)
     start = 0
     for s, stage in enumerate(stage_units(units, counts)):
         bottom.barh(0, len(stage), left=start, color=f"C{2 + s % 8}", edgecolor="white")
