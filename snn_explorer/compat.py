@@ -90,6 +90,17 @@ _check("torch.utils._python_dispatch.TorchDispatchMode",
 _check("torch.utils._python_dispatch.is_traceable_wrapper_subclass_type",
        is_traceable_wrapper_subclass_type(torch.Tensor) is False, "it no longer answers False for torch.Tensor")
 
+
+class DispatchMode(TorchDispatchMode):
+    """A TorchDispatchMode whose ``__torch_dispatch__`` torch leaves unwrapped. By default torch wraps
+    it in ``torch._dynamo.disable``: the first operator then imports dynamo (about 1 s) and every
+    operator pays one more call. Nothing is compiled under the estimator's modes, so the wrapper
+    guards nothing there (``_should_skip_dynamo`` is the switch torch's own docstring shows)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
 #: ``queue_callback(fn)``: run ``fn`` when the running backward ends (as FSDP2's root does).
 queue_callback = _require("torch.autograd", "Variable._execution_engine.queue_callback")
 

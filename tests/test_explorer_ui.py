@@ -307,3 +307,39 @@ def test_pipeline_chart_draws_a_pipeline_plan_and_says_when_there_is_none(pp_ui)
     assert "image/png" in data and "1f1b: 4 micro-batches on pp=2" in data["text/plain"]
     ui.chart.value = "mesh"  # a dp x tp grid does not describe stages: said, not drawn wrong
     assert "cannot show Charts: the shard layout covers dp x tp meshes" in _data(ui, "Charts")["text/plain"]
+
+
+def test_without_estimating_on_change_the_ui_opens_without_model_runs_and_estimates_on_the_button(monkeypatch):
+    import snn_explorer.estimator as estimator_pkg
+
+    ex = _fresh()
+    runs = []
+    real = estimator_pkg.estimate
+    monkeypatch.setattr(estimator_pkg, "estimate", lambda *a, **k: runs.append(1) or real(*a, **k))
+    ui = ExplorerUI(ex, auto_estimate=False)
+    assert runs == [] and ui.compare_table is None and not ui.auto_estimate.value
+    assert "not estimated yet: current dp+zero dp=4" in _data(ui)["text/plain"] and "press 'estimate'" in \
+        _data(ui)["text/plain"]
+    ui.tabs.selected_index = TABS.index("Charts")  # the memory chart needs estimates too: it waits
+    assert "not estimated yet" in _data(ui, "Charts")["text/plain"] and runs == []
+    ui.tabs.selected_index = TABS.index("Modules")  # what needs no estimate is there
+    assert "text/html" in _data(ui, "Modules")
+    ui.tabs.selected_index = TABS.index("Compare")
+    ui.estimate_button.click()
+    assert len(runs) == 1 and _columns(ui) == ["current dp+zero dp=4"]
+    ui.tp.value = 2  # a new plan waits again; the estimated one is shown from the cache
+    assert len(runs) == 1 and ui.compare_table is None and "not estimated yet" in _data(ui)["text/plain"]
+    ui.tp.value = 1
+    assert len(runs) == 1 and _columns(ui) == ["current dp+zero dp=4"]
+    ui.auto_estimate.value = True  # estimating on change: every change estimates again
+    ui.tp.value = 2
+    assert len(runs) == 2 and ui.compare_table is not None and _columns(ui)[0].startswith("current ")
+
+
+def test_the_ui_estimates_on_change_by_default_up_to_the_module_limit(monkeypatch):
+    from snn_explorer.explorer import ui as ui_module
+
+    assert ExplorerUI(_fresh()).auto_estimate.value  # the zoo's mlp: well under the limit
+    monkeypatch.setattr(ui_module, "AUTO_ESTIMATE_MAX_MODULES", 3)
+    small_limit = ExplorerUI(_fresh())
+    assert not small_limit.auto_estimate.value and small_limit.compare_table is None

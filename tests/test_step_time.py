@@ -39,13 +39,13 @@ def test_alpha_beta_fit_recovers_known_latencies():
 def test_calibration_turns_rank_timings_into_the_known_alpha_beta_per_kind_and_group_size():
     truth = {(k, p): (1e-4 * (i + 1) * p, 1e-9 * (i + 2) / p) for i, k in enumerate(KINDS) for p in (2, 4)}
 
-    def rank_value(rank, slow):  # what _calibrate_on_rank returns; rank 1 is the slowest
-        coll = {(k, p, s): [slow * (a + b * s)] * 5 for (k, p), (a, b) in truth.items() for s in SIZES_BYTES}
-        return {"alone": dict(flops=2e10, bandwidth=5e9, overhead=2e-6, matmul=1e-3) if rank == 0 else None,
-                "shared": {2: 1e-3 * slow, 4: 2e-3 * slow}, "collectives": coll}
+    def rank_value(p, rank, slow):  # what _calibrate_on_rank returns in a world of p; rank 1 is the slowest
+        coll = {(k, s): [slow * (a + b * s)] * 5 for (k, q), (a, b) in truth.items() if q == p for s in SIZES_BYTES}
+        return {"alone": dict(flops=2e10, bandwidth=5e9, overhead=2e-6, matmul=1e-3) if (p, rank) == (2, 0) else None,
+                "shared": 1e-3 * p / 2 * slow, "collectives": coll}
 
-    values = [rank_value(r, 1.5 if r == 1 else 1.0) for r in range(4)]
-    hw = _profile_from(values, (2, 4), "gloo", None)
+    runs = {p: [rank_value(p, r, 1.5 if r == 1 else 1.0) for r in range(p)] for p in (2, 4)}
+    hw = _profile_from(runs, "gloo", None)
     for (kind, p), (a, b) in truth.items():
         assert hw.collectives[kind][p] == pytest.approx((1.5 * a, 1.5 * b), rel=1e-6)
     assert hw.compute_sharing == pytest.approx({2: 1.5, 4: 3.0})

@@ -150,8 +150,14 @@ def lever_fields(activation_checkpointing: Optional[str] = "none", checkpoint_ev
                 cpu_offload=cpu_offload, time_step_module=time_step_module)
 
 
+def objective_checkpoints(objective: str, features: Any) -> bool:
+    """Whether ``activation_checkpointing=None`` lets ``objective`` checkpoint: its gate is open and
+    the objective is not ``speed`` (only then can the choice need ``time_step_module``)."""
+    return objective != "speed" and features is not None and features.allow_activation_checkpointing
+
+
 def _chosen_granularity(objective: str, features: Any, analysis: Any, time_step_module: Optional[str]) -> str:
-    if objective == "speed" or features is None or not features.allow_activation_checkpointing:
+    if not objective_checkpoints(objective, features):
         return "none"
     if time_step_module is not None:
         return "time_chunks"
@@ -195,5 +201,5 @@ def copy_without_levers(plan: Any) -> Any:
 
 
 __all__: Tuple[str, ...] = ("ACTIVATION_CHECKPOINTING", "check_memory_levers", "check_time_step_module",
-                            "check_cpu_offload_device", "find_time_step_module", "lever_label", "lever_fields", "lever_notes", "checkpointing_variants",
+                            "check_cpu_offload_device", "find_time_step_module", "lever_label", "objective_checkpoints", "lever_fields", "lever_notes", "checkpointing_variants",
                             "copy_without_levers")

@@ -1,10 +1,11 @@
 """calibrate(): measure this machine's compute and collectives into a :class:`HardwareProfile`.
 
-On ``max(group_sizes)`` real ranks (``snn_explorer.ranks``; gloo on CPUs, NCCL with one GPU per
-rank) rank 0 first times alone a square matmul (FLOP/s), a large elementwise add (bytes/s) and
-a one-element add (the fixed cost of one operator); then the first ``p`` ranks time the same
-matmul together (how much ranks sharing a host's cores slow each other: ``compute_sharing``),
-and every collective kind at a few buffer sizes on each group size ``p``. Each (kind, p) gets
+For each group size ``p``, ``p`` real ranks (``snn_explorer.ranks``; gloo on CPUs, NCCL with one
+GPU per rank) are started: a world of exactly the ranks a plan of that size runs, since ranks that
+only wait still take a share of the cores. In the first world rank 0 times alone a square matmul
+(FLOP/s), a large elementwise add (bytes/s) and a one-element add (the fixed cost of one operator);
+then all ``p`` ranks time the same matmul together (how much ranks sharing a host's cores slow each
+other: ``compute_sharing``), every collective kind at a few buffer sizes, and the wrappers' cost. Each (kind, p) gets
 ``alpha + beta * bytes`` fitted by least squares (:func:`fit_alpha_beta`) to the median of the
 slowest rank's times. It takes a few seconds after the ranks start.
 
@@ -33,6 +34,8 @@ REPEATS = 5
 SHARING_PROBE_S = 0.25
 #: Features of the Linear layer the TP and FSDP2 overheads are timed on.
 FRAMEWORK_FEATURES = 64
+#: Bumped when what calibrate() measures changes, so that older cached calibrations are not reused.
+CALIBRATION_VERSION = 2
 #: The smallest beta a fit gives (s/byte: 10 TB/s), when the times do not grow with the size.
 MIN_BETA = 1e-13
 
@@ -100,27 +103,28 @@ def _busy_time(op, sync, seconds: float = SHARING_PROBE_S) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def _time_collective(dist, kind: str, p: int, group, nbytes: int, device) -> List[float]:
+def _time_collective(dist, kind: str, p: int, nbytes: int, device) -> List[float]:
+    """Seconds of one ``kind`` of ``nbytes`` over the world's ``p`` ranks, :data:`REPEATS` times after a warm-up."""
     import torch
 
     rank = dist.get_rank()
     elems = nbytes // 4
     if kind == "all_gather":
         out, inp = torch.empty(elems, device=device), torch.ones(elems // p, device=device)
-        op = lambda: dist.all_gather_into_tensor(out, inp, group=group)
+        op = lambda: dist.all_gather_into_tensor(out, inp)
     elif kind == "reduce_scatter":
         out, inp = torch.empty(elems // p, device=device), torch.ones(elems, device=device)
-        op = lambda: dist.reduce_scatter_tensor(out, inp, group=group)
+        op = lambda: dist.reduce_scatter_tensor(out, inp)
     elif kind == "send":
         buf = torch.ones(elems, device=device)
         op = (lambda: dist.send(buf, rank + 1)) if rank % 2 == 0 else (lambda: dist.recv(buf, rank - 1))
     else:
         buf = torch.ones(elems, device=device)
-        op = (lambda: dist.all_reduce(buf, group=group)) if kind == "all_reduce" else \
-            (lambda: dist.broadcast(buf, 0, group=group))
+        op = (lambda: dist.all_reduce(buf)) if kind == "all_reduce" else \
+            (lambda: dist.broadcast(buf, 0))
     times = []
     for i in range(REPEATS + 1):
-        dist.barrier(group=group)
+        dist.barrier()
         start = time.perf_counter()
         op()
         if device.type == "cuda":
@@ -130,9 +134,9 @@ def _time_collective(dist, kind: str, p: int, group, nbytes: int, device) -> Lis
     return times
 
 
-def _framework_times(dist, p: int, device) -> dict:
+def _framework_times(dist, device) -> dict:
     """Seconds of a small Linear's forward + backward plain, tensor-parallel (colwise, no collective)
-    and under FSDP2 (one all-gather, one reduce-scatter) on groups of ``p`` ranks; every rank takes part."""
+    and under FSDP2 (one all-gather, one reduce-scatter) over the world's ranks."""
     import copy
 
     import torch
@@ -140,8 +144,7 @@ def _framework_times(dist, p: int, device) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    world = dist.get_world_size()
-    mesh = DeviceMesh(device.type, torch.arange(world).reshape(-1, p), mesh_dim_names=("rest", "group"))["group"]
+    mesh = DeviceMesh(device.type, torch.arange(dist.get_world_size()))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     plain = torch.nn.Linear(FRAMEWORK_FEATURES, FRAMEWORK_FEATURES, device=device)
     x = torch.randn(8, FRAMEWORK_FEATURES, device=device)
@@ -155,73 +158,73 @@ def _framework_times(dist, p: int, device) -> dict:
     return out
 
 
-def _calibrate_on_rank(group_sizes: Sequence[int]) -> dict:
+def _calibrate_on_rank(with_compute: bool) -> dict:
+    """Everything timed in a world of ``p`` ranks (every rank of the world takes part, none idles)."""
     import torch
     import torch.distributed as dist
 
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    rank = dist.get_rank()
-    alone = _compute_probes(device) if rank == 0 else None
+    p = dist.get_world_size()
+    alone = _compute_probes(device) if with_compute and dist.get_rank() == 0 else None
     dist.barrier()
-    out = {"alone": alone, "shared": {}, "collectives": {}, "framework": {}}
-    for p in group_sizes:
-        group = dist.new_group(list(range(p)))  # every rank takes part in creating each group
-        if rank < p:
-            a = torch.randn(256, 256, device=device)
-            out["shared"][p] = _busy_time(lambda: a @ a, torch.cuda.synchronize if cuda else (lambda: None))
-            for kind in KINDS:
-                for nbytes in SIZES_BYTES:
-                    out["collectives"][(kind, p, nbytes)] = _time_collective(dist, kind, p, group, nbytes, device)
-        dist.barrier()
-        out["framework"][p] = _framework_times(dist, p, device)
-        ranks.report(message=f"calibrated {p} ranks")
-    return out
+    a = torch.randn(256, 256, device=device)
+    shared = _busy_time(lambda: a @ a, torch.cuda.synchronize if cuda else (lambda: None))
+    collectives = {(kind, nbytes): _time_collective(dist, kind, p, nbytes, device)
+                   for kind in KINDS for nbytes in SIZES_BYTES}
+    framework = _framework_times(dist, device)
+    ranks.report(message=f"calibrated {p} ranks")
+    return {"alone": alone, "shared": shared, "collectives": collectives, "framework": framework}
 
 
-def _overheads(values: List[dict], p: int, table) -> Dict[str, float]:
+def _overheads(values: List[dict], table: Dict[str, Tuple[float, float]]) -> Dict[str, float]:
     """Per TP module call and per FSDP2 collective: the slowest rank's time beyond the plain
     Linear's (and, for FSDP2, beyond its all-gather and reduce-scatter as fitted)."""
-    times = {k: max(v["framework"][p][k] for v in values) for k in ("plain", "tp", "fsdp")}
-    nbytes = values[0]["framework"][p]["param_bytes"]
-    comm = sum(a + b * nbytes for a, b in (table["all_gather"][p], table["reduce_scatter"][p]))
+    times = {k: max(v["framework"][k] for v in values) for k in ("plain", "tp", "fsdp")}
+    nbytes = values[0]["framework"]["param_bytes"]
+    comm = sum(a + b * nbytes for a, b in (table["all_gather"], table["reduce_scatter"]))
     return {"tp_module": max(0.0, times["tp"] - times["plain"]),
             "fsdp_collective": max(0.0, (times["fsdp"] - times["plain"] - comm) / 2)}
 
 
-def _profile_from(values: List[dict], group_sizes: Sequence[int], backend: str, name: Optional[str]) -> HardwareProfile:
-    alone = values[0]["alone"]
+def _profile_from(runs: Dict[int, List[dict]], backend: str, name: Optional[str]) -> HardwareProfile:
+    """The profile from every rank's values of the world of each group size ``p`` (``runs[p]``)."""
+    alone = next(v[0]["alone"] for v in runs.values() if v[0]["alone"] is not None)
     table: Dict[str, Dict[int, Tuple[float, float]]] = {k: {} for k in KINDS}
-    sharing = {}
-    for p in group_sizes:
-        sharing[p] = max(v["shared"][p] for v in values[:p]) / alone["matmul"]
+    sharing, overheads = {}, {}
+    for p, values in runs.items():
+        sharing[p] = max(v["shared"] for v in values) / alone["matmul"]
         for kind in KINDS:
-            medians = [statistics.median(max(ts) for ts in zip(*(v["collectives"][(kind, p, s)] for v in values[:p])))
+            medians = [statistics.median(max(ts) for ts in zip(*(v["collectives"][(kind, s)] for v in values)))
                        for s in SIZES_BYTES]
             table[kind][p] = fit_alpha_beta(SIZES_BYTES, medians)
-    overheads = {p: _overheads(values, p, table) for p in group_sizes if "framework" in values[0]}
+        if "framework" in values[0]:
+            overheads[p] = _overheads(values, {kind: table[kind][p] for kind in KINDS})
     host = socket.gethostname()
     device = "cuda" if backend == "nccl" else "cpu"
     return HardwareProfile(name=name or f"{host} ({device}, {backend})", device=device, flops_per_s=alone["flops"],
                            bytes_per_s=alone["bandwidth"], op_overhead_s=alone["overhead"], collectives=table,
                            compute_sharing=sharing, framework_overhead=overheads, efficiency=1.0, host=host,
                            source=f"calibrated on {host} {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC "
-                                  f"({backend}, {max(group_sizes)} ranks)")
+                                  f"({backend}, {max(runs)} ranks)")
 
 
 def calibrate(group_sizes: Sequence[int] = (2, 4), *, backend: str = "auto", name: Optional[str] = None,
               timeout: float = 120.0) -> HardwareProfile:
     """Measure this machine into a :class:`HardwareProfile` (see the module doc); a few seconds
-    after the ranks start. ``group_sizes`` (each >= 2): the collective group sizes to time;
+    after the ranks start. ``group_sizes`` (each >= 2): the collective group sizes to time, each in
+    a world of its own size (ranks that only waited would still take the cores' time);
     ``backend``: ``"auto"`` (NCCL when there is a GPU per rank, else gloo), ``"gloo"`` or ``"nccl"``."""
     sizes = sorted({positive_int("group size", p) for p in group_sizes})
     if not sizes or sizes[0] < 2:
         raise ValueError(f"group_sizes={list(group_sizes)}; expected sizes >= 2 (the ranks a collective spans)")
     if "send" in KINDS and sizes[0] % 2:
         raise ValueError(f"group_sizes={list(group_sizes)}: send/recv is timed between rank pairs; use even sizes")
-    world = sizes[-1]
-    result = ranks.run(_calibrate_on_rank, (tuple(sizes),), nprocs=world, backend=backend, timeout=timeout)
-    return _profile_from(result.values, sizes, result.backend, name)
+    runs, used = {}, backend
+    for p in sizes:
+        result = ranks.run(_calibrate_on_rank, (p == sizes[0],), nprocs=p, backend=backend, timeout=timeout)
+        runs[p], used = result.values, result.backend
+    return _profile_from(runs, used, name)
 
 
 _DEFAULT: Dict[str, HardwareProfile] = {}
@@ -233,7 +236,8 @@ def cache_path() -> str:
     import torch
 
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "snn_explorer", f"hardware-{socket.gethostname()}-torch{torch.__version__}.json")
+    name = f"hardware-v{CALIBRATION_VERSION}-{socket.gethostname()}-torch{torch.__version__}.json"
+    return os.path.join(root, "snn_explorer", name)
 
 
 def default_hardware() -> HardwareProfile:

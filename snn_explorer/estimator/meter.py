@@ -13,10 +13,10 @@ from typing import Dict, Iterable
 
 import torch
 
-from ..compat import TorchDispatchMode, is_traceable_wrapper_subclass_type, tree_leaves
+from ..compat import DispatchMode, is_traceable_wrapper_subclass_type, tree_leaves
 
 
-class StorageMeter(TorchDispatchMode):
+class StorageMeter(DispatchMode):
     """Use as a context manager; ``track`` tensors that exist before it (parameters, inputs)."""
 
     def __init__(self):

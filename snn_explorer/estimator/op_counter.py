@@ -10,10 +10,13 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..compat import TorchDispatchMode
+from ..compat import DispatchMode
 from ._step import forward_loss
 
 _FLOP_FORMULAS = FlopCounterMode(display=False).flop_registry
+#: Not counted: a detach moves no bytes, and autograd adds one per saved tensor it unpacks when
+#: saved-tensor hooks are set (as in the profile's runs), which a training step does not do.
+_UNCOUNTED = frozenset({torch.ops.aten.detach.default})
 
 
 def tensor_bytes(values) -> int:
@@ -22,19 +25,22 @@ def tensor_bytes(values) -> int:
     A plain recursion: aten operators take and return only these containers, and pytree's
     generic flattening cost most of the counting time on deep models."""
     if isinstance(values, torch.Tensor):
-        return values.numel() * values.element_size()
+        return values.nbytes
     if isinstance(values, dict):
         values = values.values()
     elif not isinstance(values, (tuple, list)):
         return 0
     total = 0
-    for v in values:
-        total += v.numel() * v.element_size() if isinstance(v, torch.Tensor) else tensor_bytes(v)
+    for v in values:  # most arguments are tensors or numbers: recurse only into containers
+        if isinstance(v, torch.Tensor):
+            total += v.nbytes
+        elif isinstance(v, (tuple, list, dict)):
+            total += tensor_bytes(v)
     return total
 
 
-class OpCounter(TorchDispatchMode):
-    """Per operator: FLOPs (torch's formulas), bytes of its tensors, and one operator."""
+class OpCounter(DispatchMode):
+    """Per operator but ``detach``: FLOPs (torch's formulas), bytes of its tensors, and one operator."""
 
     def __init__(self):
         super().__init__()
@@ -43,8 +49,10 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func in _UNCOUNTED:
+            return out
         formula = _FLOP_FORMULAS.get(func.overloadpacket)
-        moved = tensor_bytes((args, kwargs, out))
+        moved = tensor_bytes(args) + tensor_bytes(out) + (tensor_bytes(kwargs) if kwargs else 0)
         if formula is not None:
             self.counts[0] += formula(*args, **kwargs, out_val=out)
             self.counts[1] += moved

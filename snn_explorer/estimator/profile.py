@@ -37,7 +37,7 @@ from ._step import batch_slice, check_inputs, forward_loss, run_dtypes
 from .fsdp_timeline import FsdpTimeline, record, replay
 from .isolation import as_found, one_thread
 from .meter import StorageMeter
-from .op_counter import count_step, grad_names
+from .op_counter import OpCounter, grad_names
 from .sharding import plain_buffers, state_tensor_ids, trainable_shapes
 from .tp_replica import tp_replica
 
@@ -104,7 +104,7 @@ class ModelProfile:
     saved_state: Dict[tuple, Tuple[float, float]] = field(default_factory=dict, repr=False)
     stage_memory: Dict[tuple, list] = field(default_factory=dict, repr=False)  # :func:`.stage_memory.measure_stages`
     #: per size of :data:`SIZES`, the operator counts of a forward and backward of ``model``
-    #: (:func:`~.op_counter.count_step`, taken by the profile runs); () where not counted
+    #: (by :class:`~.op_counter.OpCounter`s around the profile runs themselves); () where not counted
     step_counts: tuple = field(default=(), repr=False)
     grad_params: Tuple[str, ...] = ()  # the parameters a backward gives a gradient
 
@@ -208,7 +208,8 @@ def _requires_grad(args) -> bool:
 def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor], saved_only: bool = True,
                units: Sequence[str] = (), count: bool = False) -> dict:
     """One forward + backward; per-module raw numbers and the dynamic peak above the entry memory.
-    With ``count``, a step counted (:func:`~.op_counter.count_step`) comes first, after the warm-up:
+    With ``count``, that step is also counted (forward and backward each by an
+    :class:`~.op_counter.OpCounter`, in the state :func:`~.compute_work.counted_pass` counts in):
     ``counts``, and ``with_grad`` the parameters it gave a gradient."""
     names = {m: n for n, m in model.named_modules()}
     stack, calls, ins, outs, rg = [], {}, {}, {}, {}
@@ -243,9 +244,6 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
         with torch.no_grad():  # warm-up: state tensors take this size (a forward sets them, autograd does not)
             forward_loss(model, x, labels)
         model.zero_grad(set_to_none=True)
-        counts = count_step(model, x, labels) if count else None
-        with_grad = grad_names(model) if count else ()
-        model.zero_grad(set_to_none=True)
         order.clear()
         saved.clear()
         calls.clear(), ins.clear(), outs.clear()
@@ -269,7 +267,8 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
             # The peak run must not hold saved tensors itself (that would raise its peak).
             packing = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if saved_only \
                 else contextlib.nullcontext()
-            with packing:
+            counters = (OpCounter(), OpCounter()) if count else None
+            with packing, counters[0] if count else contextlib.nullcontext():
                 loss = forward_loss(model, x, labels)
             if log is not None:
                 log.mark(meter, "forward_end")
@@ -280,7 +279,8 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
             held = {ptr: (name, nbytes) for ptr, (name, nbytes, tensors) in saved.items()
                     if any(sys.getrefcount(t) > 3 for t in tensors)}  # ours: the list, the loop, the call
             saved.clear()
-            loss.backward()
+            with counters[1] if count else contextlib.nullcontext():
+                loss.backward()
             del loss
             if log is not None:
                 log.mark(meter, "end")
@@ -296,6 +296,8 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
             per_saved[name] = per_saved.get(name, 0) + nbytes
     del static_refs, state_refs
     grads = sum(_storages([p.grad for p in model.parameters()]).values())
+    counts = [c.counts for c in counters] if count else None
+    with_grad = grad_names(model) if count else ()
     return dict(saved=per_saved, state={n: sum(s.values()) for n, s in state.items()}, calls=calls, ins=ins,
                 outs=outs, rg=rg, log=log, entry=entry, grads=grads, order=tuple(order),
                 input=x.numel() * x.element_size(), counts=counts, with_grad=with_grad)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze, apply, plan as core_plan
-from ..core.memory_levers import find_time_step_module
+from ..core.memory_levers import find_time_step_module, objective_checkpoints
 from ..core.recommend import UNSET, check_backend, neuron_backend_arg
 from ..core.styles import STYLES
 from ..core.tp_plan import default_tp_plan
@@ -148,13 +148,15 @@ class Explorer:
         checkpointing, and the objective's own choice for a model stepped per time step, steps
         :attr:`time_step_module`; the ``pp_*`` fields left None are the planner's choice, and a pipeline's
         stages are balanced by the profile unless ``pp_layout`` is given)."""
-        chunks = activation_checkpointing == "time_chunks" or (activation_checkpointing is None and
-                                                                 self.example_input is not None)
+        features = as_features(features)
+        chunks = activation_checkpointing == "time_chunks" or (
+            activation_checkpointing is None and self.example_input is not None and
+            objective_checkpoints(objective, features))  # else no model run to find the stepped module
         step_module = self.time_step_module if chunks else None
         planned = core_plan(analysis=self.analysis, objective=objective,
                             topology=topology if topology is not None else 1, neuron_backend=self.neuron_backend,
                             batch_size=batch_size if batch_size is not None else self.batch_size,
-                            mode=mode, features=as_features(features), tensor_parallel_plan=tensor_parallel_plan,
+                            mode=mode, features=features, tensor_parallel_plan=tensor_parallel_plan,
                             activation_checkpointing=activation_checkpointing, checkpoint_every=checkpoint_every,
                             cpu_offload=cpu_offload, time_step_module=step_module, pp_schedule=pp_schedule,
                             pp_microbatches=pp_microbatches, pp_virtual_stages=pp_virtual_stages, pp_layout=pp_layout)
@@ -229,15 +231,22 @@ class Explorer:
 
         if self.example_input is None:
             raise ValueError("estimates need an example input: Explorer(model, example_input=[T, N, ...] tensor)")
-        t = int(time_steps if time_steps is not None else self.time_steps)
-        key = (plan, t, hardware_key(self.hardware))
+        key = self._estimate_key(plan, time_steps)
         if key not in self._estimates:
             if self._profile is None:  # looked up once: the cache key reads every parameter's shape
                 self._profile = model_profile(self.model, self.example_input, self.labels)
             self._estimates[key] = estimate(self.model, plan, example_input=self.example_input, labels=self.labels,
-                                            time_steps=t, optimizer=self.optimizer, profile=self._profile,
+                                            time_steps=key[1], optimizer=self.optimizer, profile=self._profile,
                                             hardware=self.hardware)
         return self._estimates[key]
+
+    def is_estimated(self, plan: SNNDistributedPlan, time_steps: Optional[int] = None) -> bool:
+        """Whether :meth:`estimate` of ``plan`` is cached (returns without running the model)."""
+        return self._estimate_key(plan, time_steps) in self._estimates
+
+    def _estimate_key(self, plan: SNNDistributedPlan, time_steps: Optional[int]) -> tuple:
+        """What an estimate is cached under: the plan, the time steps, the hardware."""
+        return plan, int(time_steps if time_steps is not None else self.time_steps), hardware_key(self.hardware)
 
     def prepare(self, world_size: int, *, batch_size: Optional[int] = None, time_steps: Optional[int] = None) -> int:
         """Measure up front what the estimates of every plan for ``world_size`` ranks need: the

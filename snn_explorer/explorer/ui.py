@@ -4,6 +4,9 @@ Results are written as widget state (``Output.outputs``), never printed, so a he
 and a browser all see the same thing. Opening estimates only what the shown comparison needs;
 a layout not estimated before is measured when the controls first reach it, and cached after
 (:meth:`Explorer.prepare` measures every plan of a world size up front, for who wants that).
+On a model of more than :data:`AUTO_ESTIMATE_MAX_MODULES` modules the UI opens without estimating
+(a first estimate runs the model forward and backward at four sizes, seconds to minutes there):
+the comparison and the charts wait for the ``estimate`` button, or for "estimate on change".
 """
 from __future__ import annotations
 
@@ -17,7 +20,6 @@ import ipywidgets as w
 from ..core import MODES, SNN_DISTRIBUTED_PREFERENCES, SNNDistributedPlan
 from ..core.pipeline_schedules import SCHEDULES
 from ..core.topology import LEADING_DIMS, dp_tp_splits
-from . import charts
 from .compare import compare_table, plan_label, readable, style_compare
 from .modules import candidates_table
 from .render import figure_data, message_data, message_html, show, styler_data, table_data
@@ -34,6 +36,12 @@ MAX_WORLD = 1024
 #: The hardware choice that means this machine's calibration (``Explorer.hardware = None``).
 THIS_MACHINE = "this machine (calibrated)"
 ERRORS = (ValueError, TypeError, KeyError, NotImplementedError)
+#: Above this many modules the UI does not estimate by itself (see the module doc).
+AUTO_ESTIMATE_MAX_MODULES = 1000
+
+
+class EstimatePending(ValueError):
+    """The shown plans are not estimated yet and estimating on change is off."""
 
 
 def divisors(n: int) -> List[int]:
@@ -60,18 +68,21 @@ class ExplorerUI:
     why); the comparison shows the pinned plans (``explorer.plans``) and ``current``.
     """
 
-    def __init__(self, explorer, world_size: int = 4):
+    def __init__(self, explorer, world_size: int = 4, auto_estimate: Optional[bool] = None):
         self.ex = explorer
+        if auto_estimate is None:
+            auto_estimate = sum(1 for _ in explorer.model.modules()) <= AUTO_ESTIMATE_MAX_MODULES
+        self._estimating = False  # set while the estimate button's refresh runs
         self.current: Optional[SNNDistributedPlan] = None
         self.error = ""
         self.compare_table = None  # the DataFrame behind the Compare tab (None when nothing is compared)
         self._syncing = False
         self._dirty = set(TABS)
-        self._build(world_size)
+        self._build(world_size, bool(auto_estimate))
         self.refresh()
 
     # ---- widgets
-    def _build(self, world: int) -> None:
+    def _build(self, world: int, auto_estimate: bool) -> None:
         style = {"description_width": "110px"}
         self.objective = w.Dropdown(options=SNN_DISTRIBUTED_PREFERENCES, value="speed", description="objective",
                                     style=style)
@@ -102,6 +113,10 @@ class ExplorerUI:
         self.pin_button = w.Button(description="pin plan", icon="thumb-tack",
                                    tooltip="keep the current plan in the comparison")
         self.clear_button = w.Button(description="clear pins")
+        self.auto_estimate = w.Checkbox(value=auto_estimate, description="estimate on change", indent=False,
+                                        tooltip="re-estimate after every change (off: only when 'estimate' is pressed)")
+        self.estimate_button = w.Button(description="estimate", icon="calculator",
+                                        tooltip="estimate the plans the comparison shows")
         self.message = w.HTML()
         self.plan_list = w.HTML()
         self.outputs = {name: w.Output() for name in TABS}
@@ -117,7 +132,8 @@ class ExplorerUI:
                            self.mode, self.batch_size, self.time_steps, self.memory_budget, self.hardware,
                            self.checkpointing, self.checkpoint_every])
         gates = w.VBox([w.HTML("<b>feature gates</b>"), *self.gates.values(),
-                        w.HBox([self.pin_button, self.clear_button])])
+                        w.HBox([self.pin_button, self.clear_button]),
+                        w.HBox([self.estimate_button, self.auto_estimate])])
         self.widget = w.VBox([w.HBox([controls, gates]), self.message, self.plan_list, self.tabs])
         self.world_size.observe(self._on_world, "value")
         for name, slider in self.mesh.items():
@@ -132,6 +148,8 @@ class ExplorerUI:
         self.tabs.observe(lambda c: self._render_tab(TABS[c["new"]]) if c["new"] is not None else None,
                           "selected_index")
         self.pin_button.on_click(lambda _: self.pin())
+        self.estimate_button.on_click(lambda _: self.estimate())
+        self.auto_estimate.observe(self.refresh, "value")
         self.clear_button.on_click(lambda _: self.clear())
 
     def _hardware_control(self, style) -> "w.Dropdown":
@@ -222,6 +240,14 @@ class ExplorerUI:
         self.ex.clear()
         self.refresh()
 
+    def estimate(self) -> None:
+        """Estimate the plans the comparison shows now (what the ``estimate`` button does) and re-render."""
+        self._estimating = True
+        try:
+            self.refresh()
+        finally:
+            self._estimating = False
+
     def refresh(self, *_) -> None:
         """Re-plan from the controls, re-estimate (cached), re-render the comparison and the visible tab."""
         if self._syncing:
@@ -242,7 +268,13 @@ class ExplorerUI:
     # ---- rendering
     def _estimates(self):
         shown = self.shown()
-        return [label for label, _ in shown], self.ex.estimates([p for _, p in shown], self.time_steps.value)
+        plans = [p for _, p in shown]
+        if not (self._estimating or self.auto_estimate.value):
+            missing = [label for label, p in shown if not self.ex.is_estimated(p, self.time_steps.value)]
+            if missing:
+                raise EstimatePending(f"not estimated yet: {', '.join(missing)}; press 'estimate' (or tick "
+                                      "'estimate on change'): on this model a first estimate can take minutes")
+        return [label for label, _ in shown], self.ex.estimates(plans, self.time_steps.value)
 
     def _render_compare(self) -> None:
         out, self.compare_table = self.outputs["Compare"], None
@@ -252,6 +284,10 @@ class ExplorerUI:
             return
         try:
             labels, ests = self._estimates()
+        except EstimatePending as exc:
+            show(out, message_data(str(exc), "info"))
+            self.message.value = message_html(self.error, "error")
+            return
         except ERRORS as exc:
             show(out, message_data(f"cannot estimate: {exc}", "error"))
             self.message.value = message_html(self.error, "error")
@@ -310,6 +346,8 @@ class ExplorerUI:
                                                                    2 * steps}))
         if kind == "pipeline":
             return self.ex.pipeline_chart(self._plan())
+        from . import charts  # matplotlib: imported when a chart is first drawn, not when the UI opens
+
         labels, ests = self._estimates()
         make = {"memory": charts.memory_chart, "communication": charts.comm_chart, "pareto": charts.pareto_chart,
                 "step time": charts.step_time_chart}
