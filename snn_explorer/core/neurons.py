@@ -7,6 +7,7 @@ snntorch spiking neurons created with ``init_hidden=True``, and any class regist
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -33,11 +34,13 @@ def register_stateful(cls: type, reset: Optional[ResetFn] = None) -> None:
     elif not callable(reset):
         raise TypeError(f"reset must be callable, got {reset!r}")
     _REGISTRY[cls] = reset
+    _registered_reset_of.cache_clear()
 
 
 def unregister_stateful(cls: type) -> None:
     """Undo :func:`register_stateful` for ``cls`` (no error when it was not registered)."""
     _REGISTRY.pop(cls, None)
+    _registered_reset_of.cache_clear()
 
 
 def registered_stateful() -> Dict[type, ResetFn]:
@@ -48,6 +51,7 @@ def registered_stateful() -> Dict[type, ResetFn]:
 def restore_stateful(registrations: Dict[type, ResetFn]) -> None:
     """Register what :func:`registered_stateful` returned in another process (a launched rank)."""
     _REGISTRY.update(registrations)
+    _registered_reset_of.cache_clear()
 
 
 def _call_reset(module: nn.Module) -> None:
@@ -55,10 +59,13 @@ def _call_reset(module: nn.Module) -> None:
 
 
 def _is_snntorch_neuron(module: nn.Module) -> bool:
-    return any(
-        k.__name__ == "SpikingNeuron" and k.__module__.startswith("snntorch")
-        for k in type(module).__mro__
-    )
+    return _is_snntorch_neuron_type(type(module))
+
+
+@functools.lru_cache(maxsize=None)
+def _is_snntorch_neuron_type(cls: type) -> bool:
+    """Per class, as the walks over every module of large models ask it for each (cached)."""
+    return any(k.__name__ == "SpikingNeuron" and k.__module__.startswith("snntorch") for k in cls.__mro__)
 
 
 def _reset_snntorch(module: nn.Module) -> None:
@@ -81,7 +88,13 @@ def snn_library(module: nn.Module) -> Optional[str]:
 
 
 def _registered_reset(module: nn.Module) -> Optional[ResetFn]:
-    for klass in type(module).__mro__:
+    return _registered_reset_of(type(module))
+
+
+@functools.lru_cache(maxsize=None)
+def _registered_reset_of(cls: type) -> Optional[ResetFn]:
+    """The registration ``cls`` inherits (cached per class; the cache is cleared when one changes)."""
+    for klass in cls.__mro__:
         if klass in _REGISTRY:
             return _REGISTRY[klass]
     return None

@@ -28,12 +28,20 @@ def inner(module: nn.Module, path: str) -> Tuple[nn.Module, str]:
     """Look through wrappers that hold exactly one module and no tensors of their own (time folding)."""
     while not isinstance(module, nn.Sequential):
         children = list(module.named_children())
-        own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
-        if len(children) != 1 or own or neurons.is_spiking_neuron(module):
+        if len(children) != 1 or _holds_tensors(module) or neurons.is_spiking_neuron(module):
             break
         name, module = children[0]
         path = f"{path}.{name}"
     return module, path
+
+
+def _holds_tensors(module: nn.Module) -> bool:
+    """Whether ``module`` has parameters or buffers of its own."""
+    for _ in module.parameters(recurse=False):
+        return True
+    for _ in module.buffers(recurse=False):
+        return True
+    return False
 
 
 def kind(module: nn.Module, name: str, roots) -> str:
