@@ -41,7 +41,7 @@ def test_calibration_turns_rank_timings_into_the_known_alpha_beta_per_kind_and_g
 
     def rank_value(p, rank, slow):  # what _calibrate_on_rank returns in a world of p; rank 1 is the slowest
         coll = {(k, s): [slow * (a + b * s)] * 5 for (k, q), (a, b) in truth.items() if q == p for s in SIZES_BYTES}
-        return {"alone": dict(flops=2e10, bandwidth=5e9, overhead=2e-6, matmul=1e-3) if (p, rank) == (2, 0) else None,
+        return {"alone": dict(flops=2e10, bandwidth=5e9, overhead=2e-6, step=1e-3) if (p, rank) == (2, 0) else None,
                 "shared": 1e-3 * p / 2 * slow, "collectives": coll}
 
     runs = {p: [rank_value(p, r, 1.5 if r == 1 else 1.0) for r in range(p)] for p in (2, 4)}

@@ -4,8 +4,11 @@ For each group size ``p``, ``p`` real ranks (``snn_explorer.ranks``; gloo on CPU
 GPU per rank) are started: a world of exactly the ranks a plan of that size runs, since ranks that
 only wait still take a share of the cores. In the first world rank 0 times alone a square matmul
 (FLOP/s), a large elementwise add (bytes/s) and a one-element add (the fixed cost of one operator);
-then all ``p`` ranks time the same matmul together (how much ranks sharing a host's cores slow each
-other: ``compute_sharing``), every collective kind at a few buffer sizes, and the wrappers' cost. Each (kind, p) gets
+then all ``p`` ranks run a small SNN training step together (:func:`_probe_step`), every
+collective kind at a few buffer sizes, and the wrappers' cost. ``compute_sharing[p]`` is how much
+slower that step runs on each of ``p`` ranks than in the calling process on one thread (on GPUs:
+than on rank 0 alone), the factor by which a rank's step is slower than the one the estimator
+times in the calling process. Each (kind, p) gets
 ``alpha + beta * bytes`` fitted by least squares (:func:`fit_alpha_beta`) to the median of the
 slowest rank's times. It takes a few seconds after the ranks start.
 
@@ -26,6 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .. import ranks
 from ..core.validate import positive_int
 from .hardware import KINDS, HardwareProfile, hardware_profile
+from .isolation import one_thread
 
 #: Buffer sizes (bytes) each collective is timed at, and repetitions per size.
 SIZES_BYTES = (4 * 2 ** 10, 256 * 2 ** 10, 2 ** 20, 4 * 2 ** 20, 16 * 2 ** 20)
@@ -35,7 +39,7 @@ SHARING_PROBE_S = 0.25
 #: Features of the Linear layer the TP and FSDP2 overheads are timed on.
 FRAMEWORK_FEATURES = 64
 #: Bumped when what calibrate() measures changes, so that older cached calibrations are not reused.
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 4
 #: The smallest beta a fit gives (s/byte: 10 TB/s), when the times do not grow with the size.
 MIN_BETA = 1e-13
 
@@ -87,7 +91,34 @@ def _compute_probes(device) -> Dict[str, float]:
     bandwidth = 3 * big.numel() * 4 / _median_time(lambda: big + big, 5, sync)
     loop = 200
     overhead = _median_time(lambda: [tiny + tiny for _ in range(loop)], 3, sync) / loop
-    return dict(flops=flops, bandwidth=bandwidth, overhead=overhead, matmul=_busy_time(lambda: a @ b, sync))
+    return dict(flops=flops, bandwidth=bandwidth, overhead=overhead, step=_busy_time(_probe_step(device), sync))
+
+
+def _probe_step(device):
+    """One training step of a small spiking MLP: 8 time steps of linear -> leaky integration -> a
+    smooth spike -> linear, backward, SGD update. Many small operators and a few matmuls, like the
+    SNN steps whose slow-down on a shared host it measures (a matmul alone missed most of it)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    w1 = torch.randn(64, 128, generator=g).div_(8).to(device).requires_grad_()
+    w2 = torch.randn(128, 10, generator=g).div_(8).to(device).requires_grad_()
+    x = torch.rand(8, 16, 64, generator=g).to(device)
+
+    def step():
+        mem, out = torch.zeros(16, 128, device=device), 0
+        for t in range(x.shape[0]):
+            mem = 0.9 * mem + x[t] @ w1
+            spike = torch.sigmoid(4 * (mem - 1))
+            mem = mem - spike
+            out = out + spike @ w2
+        out.square().mean().backward()
+        with torch.no_grad():
+            for w in (w1, w2):
+                w -= 1e-3 * w.grad
+                w.grad = None
+
+    return step
 
 
 def _busy_time(op, sync, seconds: float = SHARING_PROBE_S) -> float:
@@ -135,13 +166,17 @@ def _time_collective(dist, kind: str, p: int, nbytes: int, device) -> List[float
 
 
 def _framework_times(dist, device) -> dict:
-    """Seconds of a small Linear's forward + backward plain, tensor-parallel (colwise, no collective)
-    and under FSDP2 (one all-gather, one reduce-scatter) over the world's ranks."""
+    """Seconds of a small Linear's forward + backward plain, tensor-parallel (colwise, no collective),
+    under FSDP2 (one all-gather, one reduce-scatter) and under DDP (one bucket's all-reduce), and of
+    an Adam step of two such Linears plain and under ZeroRedundancyOptimizer (a broadcast per
+    parameter), over the world's ranks."""
     import copy
 
     import torch
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     mesh = DeviceMesh(device.type, torch.arange(dist.get_world_size()))
@@ -154,7 +189,16 @@ def _framework_times(dist, device) -> dict:
     out["tp"] = _median_time(lambda: step(tp), 9, sync)
     fsdp = fully_shard(copy.deepcopy(plain), mesh=mesh)
     out["fsdp"] = _median_time(lambda: step(fsdp), 9, sync)
+    ddp = DistributedDataParallel(copy.deepcopy(plain))
+    out["ddp"] = _median_time(lambda: step(ddp), 9, sync)
     out["param_bytes"] = sum(q.numel() * 4 for q in plain.parameters())
+    pair = torch.nn.Sequential(copy.deepcopy(plain), copy.deepcopy(plain))
+    step(pair)  # gradients for the optimizers to step on
+    adam = torch.optim.Adam(pair.parameters(), lr=1e-9)
+    zero = ZeroRedundancyOptimizer(pair.parameters(), optimizer_class=torch.optim.Adam, lr=1e-9)
+    out["adam"] = _median_time(adam.step, 9, sync)
+    out["zero"] = _median_time(zero.step, 9, sync)
+    out["zero_params"] = len(list(pair.parameters()))
     return out
 
 
@@ -168,8 +212,7 @@ def _calibrate_on_rank(with_compute: bool) -> dict:
     p = dist.get_world_size()
     alone = _compute_probes(device) if with_compute and dist.get_rank() == 0 else None
     dist.barrier()
-    a = torch.randn(256, 256, device=device)
-    shared = _busy_time(lambda: a @ a, torch.cuda.synchronize if cuda else (lambda: None))
+    shared = _busy_time(_probe_step(device), torch.cuda.synchronize if cuda else (lambda: None))
     collectives = {(kind, nbytes): _time_collective(dist, kind, p, nbytes, device)
                    for kind in KINDS for nbytes in SIZES_BYTES}
     framework = _framework_times(dist, device)
@@ -178,22 +221,30 @@ def _calibrate_on_rank(with_compute: bool) -> dict:
 
 
 def _overheads(values: List[dict], table: Dict[str, Tuple[float, float]]) -> Dict[str, float]:
-    """Per TP module call and per FSDP2 collective: the slowest rank's time beyond the plain
-    Linear's (and, for FSDP2, beyond its all-gather and reduce-scatter as fitted)."""
-    times = {k: max(v["framework"][k] for v in values) for k in ("plain", "tp", "fsdp")}
+    """Per TP module call, per FSDP2 collective, per DDP step and per ZeRO step: the slowest rank's
+    time beyond the plain Linear's (or plain Adam step's) and beyond the collectives they make, as fitted."""
+    times = {k: max(v["framework"][k] for v in values) for k in ("plain", "tp", "fsdp", "ddp", "adam", "zero")}
     nbytes = values[0]["framework"]["param_bytes"]
-    comm = sum(a + b * nbytes for a, b in (table["all_gather"], table["reduce_scatter"]))
+    time_of = lambda kind, calls, size: calls * table[kind][0] + size * table[kind][1]
+    params = values[0]["framework"]["zero_params"]
     return {"tp_module": max(0.0, times["tp"] - times["plain"]),
-            "fsdp_collective": max(0.0, (times["fsdp"] - times["plain"] - comm) / 2)}
+            "fsdp_collective": max(0.0, (times["fsdp"] - times["plain"] - time_of("all_gather", 1, nbytes)
+                                         - time_of("reduce_scatter", 1, nbytes)) / 2),
+            "ddp_step": max(0.0, times["ddp"] - times["plain"] - time_of("all_reduce", 1, nbytes)),
+            "zero_step": max(0.0, times["zero"] - times["adam"] - time_of("broadcast", params, params / 2 * nbytes))}
 
 
-def _profile_from(runs: Dict[int, List[dict]], backend: str, name: Optional[str]) -> HardwareProfile:
-    """The profile from every rank's values of the world of each group size ``p`` (``runs[p]``)."""
+def _profile_from(runs: Dict[int, List[dict]], backend: str, name: Optional[str],
+                  reference_step: Optional[float] = None) -> HardwareProfile:
+    """The profile from every rank's values of the world of each group size ``p`` (``runs[p]``);
+    sharing relative to ``reference_step`` (the probe step timed in the calling process, as the
+    estimator times a model's step there) or, without it, to rank 0's probe step run alone."""
     alone = next(v[0]["alone"] for v in runs.values() if v[0]["alone"] is not None)
+    reference_step = reference_step or alone["step"]
     table: Dict[str, Dict[int, Tuple[float, float]]] = {k: {} for k in KINDS}
     sharing, overheads = {}, {}
     for p, values in runs.items():
-        sharing[p] = max(v["shared"] for v in values) / alone["matmul"]
+        sharing[p] = max(v["shared"] for v in values) / reference_step
         for kind in KINDS:
             medians = [statistics.median(max(ts) for ts in zip(*(v["collectives"][(kind, s)] for v in values)))
                        for s in SIZES_BYTES]
@@ -224,7 +275,13 @@ def calibrate(group_sizes: Sequence[int] = (2, 4), *, backend: str = "auto", nam
     for p in sizes:
         result = ranks.run(_calibrate_on_rank, (p == sizes[0],), nprocs=p, backend=backend, timeout=timeout)
         runs[p], used = result.values, result.backend
-    return _profile_from(runs, used, name)
+    reference = None
+    if used == "gloo":  # CPU ranks: against the step in this process, on one thread (see local_correction)
+        import torch
+
+        with one_thread():
+            reference = _busy_time(_probe_step(torch.device("cpu")), lambda: None)
+    return _profile_from(runs, used, name, reference)
 
 
 _DEFAULT: Dict[str, HardwareProfile] = {}

@@ -107,8 +107,12 @@ def compute_phases(plan: SNNDistributedPlan, work: Work, hw: HardwareProfile, t:
 
 def framework_s(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, hw: HardwareProfile, t: int) -> float:
     """The calibrated cost of the parallel wrappers themselves (DTensor dispatch of each TP-sharded
-    module call, FSDP2's work around each of its collectives); 0 on profiles without it."""
+    module call, FSDP2's work around each of its collectives, DDP's and ZeRO's work around a step);
+    0 on profiles without it."""
     seconds = 0.0
+    if plan.dp_size > 1:
+        seconds += hw.overhead("ddp_step", plan.dp_size) * plan.uses_ddp + \
+            hw.overhead("zero_step", plan.dp_size) * plan.uses_zero
     if plan.uses_tp:
         calls = sum(profile.modules[path].calls(plan.per_rank_batch, t)
                     for path in plan.tensor_parallel_plan if path in profile.modules)
