@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Dict, Iterator
@@ -157,7 +156,7 @@ def local_correction(profile: ModelProfile, work: Work, hw: HardwareProfile, opt
     opt = cls(params, lr=1e-6, **kw)
     times = {p: [] for p in PHASES}
     with restored(params), one_thread():
-        for _ in range(3):
+        for _ in range(2):  # the first creates the optimizer's state and warms the allocator
             start = time.perf_counter()
             loss = forward_loss(model, x, y)
             mid = time.perf_counter()
@@ -169,6 +168,6 @@ def local_correction(profile: ModelProfile, work: Work, hw: HardwareProfile, opt
             times["backward"].append(end - mid)
             opt.zero_grad(set_to_none=True)
     itemsize = torch.empty((), dtype=profile.dtype).element_size()
-    cache[key] = {p: statistics.median(times[p][1:]) / max(work.phase(p).seconds(hw, n, t, itemsize), 1e-9)
+    cache[key] = {p: times[p][-1] / max(work.phase(p).seconds(hw, n, t, itemsize), 1e-9)
                   for p in PHASES}
     return cache[key]

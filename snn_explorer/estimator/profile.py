@@ -206,11 +206,12 @@ def _requires_grad(args) -> bool:
 
 
 def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor], saved_only: bool = True,
-               units: Sequence[str] = (), count: bool = False) -> dict:
+               units: Sequence[str] = (), count: bool = False, warm_up: bool = True) -> dict:
     """One forward + backward; per-module raw numbers and the dynamic peak above the entry memory.
     With ``count``, that step is also counted (forward and backward each by an
     :class:`~.op_counter.OpCounter`, in the state :func:`~.compute_work.counted_pass` counts in):
-    ``counts``, and ``with_grad`` the parameters it gave a gradient."""
+    ``counts``, and ``with_grad`` the parameters it gave a gradient. ``warm_up=False`` skips the
+    forward that first gives the neuron state this batch size (the last run had it already)."""
     names = {m: n for n, m in model.named_modules()}
     stack, calls, ins, outs, rg = [], {}, {}, {}, {}
     saved: Dict[int, tuple] = {}  # data_ptr -> (module, nbytes, the saved tensors)
@@ -241,8 +242,9 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
     hooks += [p.register_post_accumulate_grad_hook(lambda p, n=n: order.append(n))
               for n, p in model.named_parameters() if p.requires_grad]
     try:
-        with torch.no_grad():  # warm-up: state tensors take this size (a forward sets them, autograd does not)
-            forward_loss(model, x, labels)
+        if warm_up:
+            with torch.no_grad():  # state tensors take this size (a forward sets them, autograd does not)
+                forward_loss(model, x, labels)
         model.zero_grad(set_to_none=True)
         order.clear()
         saved.clear()
@@ -315,17 +317,19 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
     model = detached_copy(model).train()
     if cast is not None:
         model.to(cast)
-    points = []
-    for n, t in SIZES:
+    by_size, last_n = {}, None
+    for n, t in sorted(SIZES):  # by batch size: a run leaves the neuron state the next one at that size starts from
         x, y = batch_slice(example_input, labels, n, t)
         try:
-            points.append(_run_point(model, x.to(dtype), y, count=True))
+            by_size[n, t] = _run_point(model, x.to(dtype), y, count=True, warm_up=n != last_n)
+            last_n = n
         except RuntimeError as exc:
-            if points:
+            if by_size:
                 raise
             raise ValueError(f"the model does not run on example_input of shape {tuple(example_input.shape)} "
                              f"({example_input.dtype}; a slice {tuple(x.shape)} was tried): {exc}; give a batch "
                              "[T, N, ...] the model's forward accepts") from exc
+    points = [by_size[size] for size in SIZES]
     names = set().union(*(p["calls"] for p in points), *(p["saved"] for p in points))
     modules = {}
     for name in names:

@@ -37,7 +37,7 @@ MAX_WORLD = 1024
 THIS_MACHINE = "this machine (calibrated)"
 ERRORS = (ValueError, TypeError, KeyError, NotImplementedError)
 #: Above this many modules the UI does not estimate by itself (see the module doc).
-AUTO_ESTIMATE_MAX_MODULES = 1000
+AUTO_ESTIMATE_MAX_MODULES = 400
 
 
 class EstimatePending(ValueError):
@@ -273,7 +273,7 @@ class ExplorerUI:
             missing = [label for label, p in shown if not self.ex.is_estimated(p, self.time_steps.value)]
             if missing:
                 raise EstimatePending(f"not estimated yet: {', '.join(missing)}; press 'estimate' (or tick "
-                                      "'estimate on change'): on this model a first estimate can take minutes")
+                                      "'estimate on change'); a model's first estimate runs it forward and backward a dozen times")
         return [label for label, _ in shown], self.ex.estimates(plans, self.time_steps.value)
 
     def _render_compare(self) -> None:
