@@ -1,4 +1,5 @@
 """Step time: hardware profiles, the alpha-beta calibration, the compute roofline and the overlap rules."""
+import dataclasses
 import json
 import math
 
@@ -10,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import snn_explorer as se
 from snn_explorer.estimator import enumerate_plans, estimate
 from snn_explorer.estimator.calibration import MIN_BETA, SIZES_BYTES, _profile_from, fit_alpha_beta
+from snn_explorer.core.topology import SNNDistributedTopology
 from snn_explorer.estimator.hardware import KINDS, HardwareProfile, link_table, ring_fraction, ring_steps
 from snn_explorer.estimator.step_time import exposed_comm_s
 from snn_explorer.estimator.tp_replica import tp_replica
@@ -46,11 +48,33 @@ def test_calibration_turns_rank_timings_into_the_known_alpha_beta_per_kind_and_g
 
     runs = {p: [rank_value(p, r, 1.5 if r == 1 else 1.0) for r in range(p)] for p in (2, 4)}
     hw = _profile_from(runs, "gloo", None)
+    assert _profile_from(runs, "gloo", None, reference_step=0.5e-3).compute_sharing == pytest.approx({2: 3.0, 4: 6.0})
     for (kind, p), (a, b) in truth.items():
         assert hw.collectives[kind][p] == pytest.approx((1.5 * a, 1.5 * b), rel=1e-6)
     assert hw.compute_sharing == pytest.approx({2: 1.5, 4: 3.0})
     assert (hw.flops_per_s, hw.bytes_per_s, hw.op_overhead_s) == (2e10, 5e9, 2e-6)
     assert hw.source.startswith("calibrated on ") and hw.device == "cpu"
+
+
+def test_wrapper_costs_are_what_the_wrapped_step_takes_beyond_the_plain_one_and_its_collectives(mlp):
+    from snn_explorer.estimator.calibration import _overheads
+    from snn_explorer.estimator.step_time import framework_s
+
+    table = {k: (1e-4, 1e-9) for k in KINDS}  # every collective: 100 us + 1 ns per byte
+    nbytes = 16_640
+    comm = lambda calls, size: calls * 1e-4 + size * 1e-9
+    framework = dict(plain=1e-3, tp=1.4e-3, fsdp=1e-3 + comm(2, 2 * nbytes) + 2 * 3e-4, ddp=1e-3 + comm(1, nbytes) + 2e-3,
+                     adam=2e-4, zero=2e-4 + comm(4, 2 * nbytes) + 7e-4, param_bytes=nbytes, zero_params=4)
+    costs = _overheads([{"framework": framework}], table)
+    assert costs == pytest.approx(dict(tp_module=4e-4, fsdp_collective=3e-4, ddp_step=2e-3, zero_step=7e-4))
+    zoo, plans = mlp
+    hw = dataclasses.replace(flops_only(), framework_overhead={2: costs})
+    no_collectives = pd.DataFrame(columns=["mesh_dim", "kind", "phase", "count", "bytes"])
+    ddp_plan, zero_plan = (dataclasses.replace(plans["dp"], optimizer_strategy=s) for s in ("none", "zero"))
+    assert framework_s(ddp_plan, None, no_collectives, hw, 8) == pytest.approx(2e-3)  # DDP's per step
+    assert framework_s(zero_plan, None, no_collectives, hw, 8) == pytest.approx(2e-3 + 7e-4)
+    one = dataclasses.replace(ddp_plan, topology=SNNDistributedTopology({"dp": 1}))
+    assert one.dp_size == 1 and framework_s(one, None, no_collectives, hw, 8) == 0.0  # no wrapper on one rank
 
 
 def test_calibrate_on_real_ranks_and_json_round_trip(tmp_path):
