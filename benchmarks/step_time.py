@@ -101,6 +101,8 @@ def main() -> None:
     start = time.perf_counter()
     hw = se.calibrate(group_sizes=sorted({w for w in args.worlds if w > 1} | {2}))
     print(f"calibrated in {time.perf_counter() - start:.1f} s: {hw.source}")
+    print("compute slow-down of ranks sharing the host:", {p: round(v, 2) for p, v in hw.compute_sharing.items()})
+    print("wrapper costs (ms):", {p: {k: round(v * 1e3, 2) for k, v in c.items()} for p, c in hw.framework_overhead.items()})
     table = pd.DataFrame([r for name in args.models for r in rows_for(name, args.worlds, hw, args.steps)])
     with pd.option_context("display.width", 250, "display.max_columns", 30, "display.float_format", "{:.3f}".format):
         print(table.to_string(index=False))
