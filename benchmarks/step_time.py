@@ -7,6 +7,8 @@ for each zoo model and world size estimates every plan's step time on that calib
 measures it (``measure_many``: the mean of the timed steps after the first, the slowest rank).
 Per model it prints the median and worst relative error and Kendall's tau between the predicted
 and the measured order of the plans. Targets: median <= 15 %, worst <= 30 %, tau >= 0.8.
+``--noise`` times one fixed step over and over in one process: how much this machine's own speed
+varies, below which no error can be checked.
 """
 from __future__ import annotations
 
@@ -88,13 +90,36 @@ def scale_rows(world: int = 1024, repeats: int = 2, hardware: str = "8x8-H100-SX
     return rows
 
 
+def noise_rows(loops: int = 20):
+    """The machine's own noise floor: the same small SNN training step (the calibration's probe),
+    timed ``loops`` times over 0.25 s each in this process on one thread. No prediction can be
+    checked more finely than these times vary."""
+    import statistics
+
+    import torch
+
+    from snn_explorer.estimator.calibration import _busy_time, _probe_step
+    from snn_explorer.estimator.isolation import one_thread
+
+    with one_thread():
+        probe = _probe_step(torch.device("cpu"))
+        times = [_busy_time(probe, lambda: None) for _ in range(loops)]
+    median = statistics.median(times)
+    return [dict(loops=loops, min_ms=1e3 * min(times), median_ms=1e3 * median, max_ms=1e3 * max(times),
+                 max_over_min=max(times) / min(times), worst_vs_median=max(abs(t / median - 1) for t in times))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["mlp", "mlp_all_steps", "mlp_tutorial", "vgg", "spikformer"])
     parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--scale", action="store_true", help="only the 1024-rank enumeration and estimate time")
+    parser.add_argument("--noise", action="store_true", help="only the machine's noise floor (one fixed step, timed 20 times)")
     args = parser.parse_args()
+    if args.noise:
+        print(pd.DataFrame(noise_rows()).to_string(index=False, float_format="{:.3f}".format))
+        return
     if args.scale:
         print(pd.DataFrame(scale_rows()).to_string(index=False))
         return

@@ -212,7 +212,8 @@ def _calibrate_on_rank(with_compute: bool) -> dict:
     p = dist.get_world_size()
     alone = _compute_probes(device) if with_compute and dist.get_rank() == 0 else None
     dist.barrier()
-    shared = _busy_time(_probe_step(device), torch.cuda.synchronize if cuda else (lambda: None))
+    probe, sync = _probe_step(device), torch.cuda.synchronize if cuda else (lambda: None)
+    shared = statistics.median(_busy_time(probe, sync) for _ in range(3))  # one loop varied by 30 % here
     collectives = {(kind, nbytes): _time_collective(dist, kind, p, nbytes, device)
                    for kind in KINDS for nbytes in SIZES_BYTES}
     framework = _framework_times(dist, device)
@@ -280,7 +281,8 @@ def calibrate(group_sizes: Sequence[int] = (2, 4), *, backend: str = "auto", nam
         import torch
 
         with one_thread():
-            reference = _busy_time(_probe_step(torch.device("cpu")), lambda: None)
+            probe = _probe_step(torch.device("cpu"))
+            reference = statistics.median(_busy_time(probe, lambda: None) for _ in range(3))
     return _profile_from(runs, used, name, reference)
 
 
