@@ -21,9 +21,9 @@ from snn_explorer.zoo import SpikingMLP, build
 FLOPS = 1e9
 
 
-def flops_only(**kw) -> HardwareProfile:
+def flops_only(device: str = "cpu", **kw) -> HardwareProfile:
     """Compute is FLOPs / 1 GFLOP/s exactly: no operator cost, unlimited bandwidth."""
-    return HardwareProfile(name="flops only", device="cpu", flops_per_s=FLOPS, bytes_per_s=1e30, op_overhead_s=0.0,
+    return HardwareProfile(name="flops only", device=device, flops_per_s=FLOPS, bytes_per_s=1e30, op_overhead_s=0.0,
                            collectives=link_table(1e-5, 1e9), source="synthetic", **kw)
 
 
@@ -61,12 +61,16 @@ def test_wrapper_costs_are_what_the_wrapped_step_takes_beyond_the_plain_one_and_
     from snn_explorer.estimator.step_time import framework_s
 
     table = {k: (1e-4, 1e-9) for k in KINDS}  # every collective: 100 us + 1 ns per byte
-    nbytes = 16_640
-    comm = lambda calls, size: calls * 1e-4 + size * 1e-9
-    framework = dict(plain=1e-3, tp=1.4e-3, fsdp=1e-3 + comm(2, 2 * nbytes) + 2 * 3e-4, ddp=1e-3 + comm(1, nbytes) + 2e-3,
-                     adam=2e-4, zero=2e-4 + comm(4, 2 * nbytes) + 7e-4, param_bytes=nbytes, zero_params=4)
-    costs = _overheads([{"framework": framework}], table)
-    assert costs == pytest.approx(dict(tp_module=4e-4, fsdp_collective=3e-4, ddp_step=2e-3, zero_step=7e-4))
+    made = {"tp": [("all_reduce", 8192)] * 8, "fsdp": [("all_gather", 4096), ("reduce_scatter", 4096)] * 10,
+            "ddp": [("all_reduce", 50_000)], "zero": [("broadcast", 1000)] * 6}
+    comm = {name: sum(1e-4 + 1e-9 * n for _, n in rows) for name, rows in made.items()}
+    framework = dict(plain=1e-3, tp=1e-3 + comm["tp"] + 16 * 4e-4, fsdp=1e-3 + comm["fsdp"] + 20 * 3e-4,
+                     ddp=1e-3 + comm["ddp"] + 2e-3, adam=2e-4, zero=2e-4 + comm["zero"] + 7e-4,
+                     collectives=made, tp_calls=16)
+    slower = dict(framework, tp=framework["tp"] + 16e-4)  # the slowest rank's time counts
+    costs = _overheads([{"framework": framework}, {"framework": slower}], table)
+    assert costs == pytest.approx(dict(tp_module=5e-4, fsdp_collective=3e-4, ddp_step=2e-3, zero_step=7e-4))
+    assert _overheads([{"framework": dict(framework, ddp=1e-3)}], table)["ddp_step"] == 0.0  # never negative
     zoo, plans = mlp
     hw = dataclasses.replace(flops_only(), framework_overhead={2: costs})
     no_collectives = pd.DataFrame(columns=["mesh_dim", "kind", "phase", "count", "bytes"])
@@ -75,6 +79,25 @@ def test_wrapper_costs_are_what_the_wrapped_step_takes_beyond_the_plain_one_and_
     assert framework_s(zero_plan, None, no_collectives, hw, 8) == pytest.approx(2e-3 + 7e-4)
     one = dataclasses.replace(ddp_plan, topology=SNNDistributedTopology({"dp": 1}))
     assert one.dp_size == 1 and framework_s(one, None, no_collectives, hw, 8) == 0.0  # no wrapper on one rank
+
+
+def test_cpu_ranks_sharing_a_host_pay_the_costs_of_the_world_they_share_it_with():
+    """A CPU profile calibrated at 2 and 4 ranks: a 2-rank group of a 4-rank plan pays the 4-rank
+    world's latency (ring-scaled to 2 ranks) and wrapper costs; a GPU profile is unchanged."""
+    tables = {k: {2: (1e-4, 1e-9), 4: (3e-3, 2e-9)} for k in KINDS}
+    cpu = HardwareProfile(name="cpu", device="cpu", flops_per_s=1e9, bytes_per_s=1e9, op_overhead_s=0.0,
+                          collectives=tables, framework_overhead={2: {"tp_module": 1e-4}, 4: {"tp_module": 9e-4}},
+                          source="synthetic")
+    seen = cpu.seen_by(4)
+    for kind in KINDS:
+        alpha4, beta4 = tables[kind][4]
+        expect = alpha4 * ring_steps(kind, 2) / ring_steps(kind, 4) + 1e6 * beta4 * ring_fraction(kind, 2) / ring_fraction(kind, 4)
+        assert seen.collective_time(kind, 2, 1e6) == pytest.approx(expect)
+        assert cpu.collective_time(kind, 2, 1e6) == pytest.approx(1e-4 + 1e-3)
+    assert seen.overhead("tp_module", 2) == 9e-4 and cpu.overhead("tp_module", 2) == 1e-4
+    assert cpu.seen_by(2) == cpu.seen_by(2) and cpu.seen_by(3) is cpu  # no 3-rank world calibrated
+    gpu = dataclasses.replace(cpu, device="cuda")
+    assert gpu.seen_by(4) is gpu and gpu.overlaps_comm and not cpu.overlaps_comm
 
 
 def test_calibrate_on_real_ranks_and_json_round_trip(tmp_path):
@@ -166,7 +189,8 @@ def test_overlap_never_makes_a_step_faster_than_its_compute(mlp):
     zoo, plans = mlp
     slow_net = HardwareProfile(name="slow net", device="cpu", flops_per_s=1e9, bytes_per_s=1e9, op_overhead_s=1e-5,
                                collectives=link_table(1e-3, 1e6), source="synthetic")
-    for hw in (flops_only(), slow_net, se.hardware_profile("8x8-H100-SXM")):
+    for hw in (flops_only(), flops_only("cuda"), slow_net, dataclasses.replace(slow_net, device="cuda"),
+               se.hardware_profile("8x8-H100-SXM")):
         for plan in plans.values():
             est = estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels, hardware=hw)
             row = est.time.iloc[0]
@@ -181,7 +205,7 @@ def test_overlap_never_makes_a_step_faster_than_its_compute(mlp):
 
 
 def test_ddp_hides_all_but_one_bucket_behind_a_long_backward_and_fsdp_its_prefetched_gathers():
-    hw = flops_only()
+    hw = flops_only(device="cuda")
     plan = type("P", (), dict(dp_size=4, tp_size=1))()
     table = pd.DataFrame([dict(mesh_dim="dp", kind="all_reduce", phase="backward", count=4, bytes=4e6)])
     total = hw.collective_time("all_reduce", 4, 4e6, 4)
@@ -251,3 +275,12 @@ def test_optimizer_count_on_zero_gradients_is_that_of_a_step_after_a_real_backwa
     counted = optimizer_work(model, names, optimizer)
     assert real.counts[3] > 10 and [f.c0 for f in (counted.flops, counted.flop_bytes, counted.other_bytes,
                                                    counted.ops)] == real.counts
+
+
+def test_nothing_overlaps_on_cpu_ranks():
+    hw = flops_only()
+    plan = type("P", (), dict(dp_size=4, tp_size=1))()
+    table = pd.DataFrame([dict(mesh_dim="dp", kind="all_reduce", phase="backward", count=4, bytes=4e6),
+                          dict(mesh_dim="dp", kind="all_gather", phase="forward", count=5, bytes=5e6)])
+    total = hw.collective_time("all_reduce", 4, 4e6, 4) + hw.collective_time("all_gather", 4, 5e6, 5)
+    assert exposed_comm_s(plan, table, hw, {"forward": 100, "backward": 100}) == pytest.approx(total)

@@ -5,12 +5,14 @@ GPU per rank) are started: a world of exactly the ranks a plan of that size runs
 only wait still take a share of the cores. In the first world rank 0 times alone a square matmul
 (FLOP/s), a large elementwise add (bytes/s) and a one-element add (the fixed cost of one operator);
 then all ``p`` ranks run a small SNN training step together (:func:`_probe_step`), every
-collective kind at a few buffer sizes, and the wrappers' cost. ``compute_sharing[p]`` is how much
+collective kind at a few buffer sizes (each issued between a little compute, as in a step:
+:func:`_time_collective`), and the wrappers' cost: TP, FSDP2, DDP and ZeRO around a small spiking
+MLP (:func:`_wrapped_step_times`), beyond the plain step and its collectives. ``compute_sharing[p]`` is how much
 slower that step runs on each of ``p`` ranks than in the calling process on one thread (on GPUs:
 than on rank 0 alone), the factor by which a rank's step is slower than the one the estimator
 times in the calling process. Each (kind, p) gets
 ``alpha + beta * bytes`` fitted by least squares (:func:`fit_alpha_beta`) to the median of the
-slowest rank's times. It takes a few seconds after the ranks start.
+slowest rank's times. Group sizes 2 and 4 took 25-30 s on a 2-core CPU machine (gloo).
 
 :func:`default_hardware` is what ``estimate`` uses without ``hardware=``: the profile named by the
 ``SNN_EXPLORER_HARDWARE`` environment variable (a built-in name or a JSON file), else this
@@ -31,15 +33,19 @@ from ..core.validate import positive_int
 from .hardware import KINDS, HardwareProfile, hardware_profile
 from .isolation import one_thread
 
-#: Buffer sizes (bytes) each collective is timed at, and repetitions per size.
+#: Buffer sizes (bytes) each collective is timed at, repetitions per size, collectives per repetition.
 SIZES_BYTES = (4 * 2 ** 10, 256 * 2 ** 10, 2 ** 20, 4 * 2 ** 20, 16 * 2 ** 20)
 REPEATS = 5
+LOOP_OPS = 8
+#: 64 x 64 matmuls run before each timed collective (see :func:`_time_collective`).
+GAP_MATMULS = 16
 #: Seconds each rank computes when timing how ranks on one host slow each other.
 SHARING_PROBE_S = 0.25
-#: Features of the Linear layer the TP and FSDP2 overheads are timed on.
-FRAMEWORK_FEATURES = 64
+#: Time steps of the probe SNN the wrappers' costs are timed on, and timed steps per wrapper (median).
+PROBE_STEPS = 8
+WRAPPER_REPEATS = 15
 #: Bumped when what calibrate() measures changes, so that older cached calibrations are not reused.
-CALIBRATION_VERSION = 4
+CALIBRATION_VERSION = 5
 #: The smallest beta a fit gives (s/byte: 10 TB/s), when the times do not grow with the size.
 MIN_BETA = 1e-13
 
@@ -134,71 +140,145 @@ def _busy_time(op, sync, seconds: float = SHARING_PROBE_S) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def _time_collective(dist, kind: str, p: int, nbytes: int, device) -> List[float]:
-    """Seconds of one ``kind`` of ``nbytes`` over the world's ``p`` ranks, :data:`REPEATS` times after a warm-up."""
+def _collective_op(dist, kind: str, p: int, nbytes: int, device):
+    """One ``kind`` collective of ``nbytes`` over the world's ``p`` ranks, as a callable."""
     import torch
 
-    rank = dist.get_rank()
-    elems = nbytes // 4
+    rank, elems = dist.get_rank(), nbytes // 4
     if kind == "all_gather":
         out, inp = torch.empty(elems, device=device), torch.ones(elems // p, device=device)
-        op = lambda: dist.all_gather_into_tensor(out, inp)
-    elif kind == "reduce_scatter":
+        return lambda: dist.all_gather_into_tensor(out, inp)
+    if kind == "reduce_scatter":
         out, inp = torch.empty(elems // p, device=device), torch.ones(elems, device=device)
-        op = lambda: dist.reduce_scatter_tensor(out, inp)
-    elif kind == "send":
-        buf = torch.ones(elems, device=device)
-        op = (lambda: dist.send(buf, rank + 1)) if rank % 2 == 0 else (lambda: dist.recv(buf, rank - 1))
-    else:
-        buf = torch.ones(elems, device=device)
-        op = (lambda: dist.all_reduce(buf)) if kind == "all_reduce" else \
-            (lambda: dist.broadcast(buf, 0))
-    times = []
-    for i in range(REPEATS + 1):
+        return lambda: dist.reduce_scatter_tensor(out, inp)
+    buf = torch.ones(elems, device=device)
+    if kind == "send":
+        return (lambda: dist.send(buf, rank + 1)) if rank % 2 == 0 else (lambda: dist.recv(buf, rank - 1))
+    return (lambda: dist.all_reduce(buf)) if kind == "all_reduce" else (lambda: dist.broadcast(buf, 0))
+
+
+def _gap_compute(device):
+    """A little compute (some 0.1 ms on a CPU core) to run between timed collectives, as a step does."""
+    import torch
+
+    a = torch.randn(64, 64, device=device)
+
+    def gap():
+        for _ in range(GAP_MATMULS):
+            a @ a
+    return gap
+
+
+def _time_collective(dist, kind: str, p: int, nbytes: int, device, gap) -> List[float]:
+    """Seconds one ``kind`` of ``nbytes`` over the world's ``p`` ranks adds to a stream of compute,
+    :data:`REPEATS` times after a warm-up: a loop of :data:`LOOP_OPS` (``gap()``, collective)
+    against the same loop of ``gap()`` alone. Issued between compute, as in a training step, a
+    collective also pays for waking the ranks that wait in it: on ranks sharing a CPU's cores
+    that costs several times the latency of collectives timed back to back."""
+    import torch
+
+    op = _collective_op(dist, kind, p, nbytes, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def loop(with_op: bool) -> float:
         dist.barrier()
         start = time.perf_counter()
-        op()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i:
-            times.append(time.perf_counter() - start)
-    return times
+        for _ in range(LOOP_OPS):
+            gap()
+            if with_op:
+                op()
+        sync()
+        return (time.perf_counter() - start) / LOOP_OPS
+
+    loop(True)
+    return [max(loop(True) - loop(False), 1e-7) for _ in range(REPEATS)]
 
 
-def _framework_times(dist, device) -> dict:
-    """Seconds of a small Linear's forward + backward plain, tensor-parallel (colwise, no collective),
-    under FSDP2 (one all-gather, one reduce-scatter) and under DDP (one bucket's all-reduce), and of
-    an Adam step of two such Linears plain and under ZeroRedundancyOptimizer (a broadcast per
-    parameter), over the world's ranks."""
+class _ProbeNet:
+    """Builds the small spiking MLP the wrappers are timed on: ``Linear(64, 128) -> Linear(128, 128)
+    -> Linear(128, 10)`` with a leaky, smoothly spiking state after the first two, run over
+    :data:`PROBE_STEPS` time steps inside its forward, as the zoo's SNNs run."""
+
+    @staticmethod
+    def build(device):
+        import torch
+
+        class ProbeNet(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                g = torch.Generator().manual_seed(0)
+                self.layers = torch.nn.ModuleList(torch.nn.Linear(i, o) for i, o in ((64, 128), (128, 128), (128, 10)))
+                with torch.no_grad():
+                    for layer in self.layers:
+                        layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) / 8)
+
+            def forward(self, x):
+                mems, out = [None, None], 0
+                for t in range(x.shape[0]):
+                    h = x[t]
+                    for i, layer in enumerate(self.layers[:2]):
+                        mems[i] = layer(h) if mems[i] is None else 0.9 * mems[i] + layer(h)
+                        h = torch.sigmoid(4 * (mems[i] - 1))
+                        mems[i] = mems[i] - h
+                    out = out + self.layers[2](h)
+                return out
+
+        return ProbeNet().to(device)
+
+
+def _wrapped_step_times(dist, device) -> dict:
+    """Seconds of a training step (forward, backward) of :class:`_ProbeNet` on every rank of the
+    world: plain, tensor-parallel (first Linear colwise, second rowwise: an all-reduce per time step
+    each way), under FSDP2 (each Linear and the root) and under DDP; of an Adam step plain and under
+    ZeroRedundancyOptimizer; and the collectives each wrapper made in one step (the recorder's rows)."""
     import copy
 
     import torch
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.nn.parallel import DistributedDataParallel
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from .recorder import CollectiveRecorder
 
     mesh = DeviceMesh(device.type, torch.arange(dist.get_world_size()))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    plain = torch.nn.Linear(FRAMEWORK_FEATURES, FRAMEWORK_FEATURES, device=device)
-    x = torch.randn(8, FRAMEWORK_FEATURES, device=device)
-    step = lambda m: m(x).sum().backward()
-    out = {"plain": _median_time(lambda: step(plain), 9, sync)}
-    tp = parallelize_module(copy.deepcopy(plain), mesh, ColwiseParallel())
-    out["tp"] = _median_time(lambda: step(tp), 9, sync)
-    fsdp = fully_shard(copy.deepcopy(plain), mesh=mesh)
-    out["fsdp"] = _median_time(lambda: step(fsdp), 9, sync)
-    ddp = DistributedDataParallel(copy.deepcopy(plain))
-    out["ddp"] = _median_time(lambda: step(ddp), 9, sync)
-    out["param_bytes"] = sum(q.numel() * 4 for q in plain.parameters())
-    pair = torch.nn.Sequential(copy.deepcopy(plain), copy.deepcopy(plain))
-    step(pair)  # gradients for the optimizers to step on
-    adam = torch.optim.Adam(pair.parameters(), lr=1e-9)
-    zero = ZeroRedundancyOptimizer(pair.parameters(), optimizer_class=torch.optim.Adam, lr=1e-9)
-    out["adam"] = _median_time(adam.step, 9, sync)
-    out["zero"] = _median_time(zero.step, 9, sync)
-    out["zero_params"] = len(list(pair.parameters()))
+    plain = _ProbeNet.build(device)
+    x = torch.rand(PROBE_STEPS, 16, 64, generator=torch.Generator().manual_seed(1)).to(device)
+    step = lambda m: m(x).square().mean().backward()
+
+    def timed(fn) -> float:
+        fn()
+        out = []
+        for _ in range(WRAPPER_REPEATS):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            sync()
+            out.append(time.perf_counter() - start)
+        return statistics.median(out)
+
+    def recorded(fn) -> list:
+        with CollectiveRecorder() as recorder:
+            fn()
+        return [(kind, nbytes) for _, _, kind, _, nbytes in recorder.events]
+
+    wrapped = {"tp": parallelize_module(copy.deepcopy(plain), mesh, {"layers.0": ColwiseParallel(),
+                                                                     "layers.1": RowwiseParallel()}),
+               "fsdp": copy.deepcopy(plain), "ddp": DistributedDataParallel(copy.deepcopy(plain))}
+    for layer in wrapped["fsdp"].layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(wrapped["fsdp"], mesh=mesh)
+    out = {"plain": timed(lambda: step(plain)), "collectives": {}, "tp_calls": 2 * PROBE_STEPS}
+    for name, model in wrapped.items():
+        out[name] = timed(lambda: step(model))
+        out["collectives"][name] = recorded(lambda: step(model))
+    params = list(plain.parameters())
+    adam = torch.optim.Adam(params, lr=1e-9)
+    zero = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.Adam, lr=1e-9)
+    out["adam"], out["zero"] = timed(adam.step), timed(zero.step)
+    out["collectives"]["zero"] = recorded(zero.step)
     return out
 
 
@@ -214,25 +294,25 @@ def _calibrate_on_rank(with_compute: bool) -> dict:
     dist.barrier()
     probe, sync = _probe_step(device), torch.cuda.synchronize if cuda else (lambda: None)
     shared = statistics.median(_busy_time(probe, sync) for _ in range(3))  # one loop varied by 30 % here
-    collectives = {(kind, nbytes): _time_collective(dist, kind, p, nbytes, device)
+    gap = _gap_compute(device)
+    collectives = {(kind, nbytes): _time_collective(dist, kind, p, nbytes, device, gap)
                    for kind in KINDS for nbytes in SIZES_BYTES}
-    framework = _framework_times(dist, device)
+    framework = _wrapped_step_times(dist, device)
     ranks.report(message=f"calibrated {p} ranks")
     return {"alone": alone, "shared": shared, "collectives": collectives, "framework": framework}
 
 
 def _overheads(values: List[dict], table: Dict[str, Tuple[float, float]]) -> Dict[str, float]:
-    """Per TP module call, per FSDP2 collective, per DDP step and per ZeRO step: the slowest rank's
-    time beyond the plain Linear's (or plain Adam step's) and beyond the collectives they make, as fitted."""
+    """Per TP-sharded module call, per FSDP2 collective, per DDP step and per ZeRO step: what the
+    slowest rank's wrapped step (:func:`_wrapped_step_times`) takes beyond the plain one and beyond
+    the collectives it made, as fitted (``table``: kind -> alpha, beta)."""
     times = {k: max(v["framework"][k] for v in values) for k in ("plain", "tp", "fsdp", "ddp", "adam", "zero")}
-    nbytes = values[0]["framework"]["param_bytes"]
-    time_of = lambda kind, calls, size: calls * table[kind][0] + size * table[kind][1]
-    params = values[0]["framework"]["zero_params"]
-    return {"tp_module": max(0.0, times["tp"] - times["plain"]),
-            "fsdp_collective": max(0.0, (times["fsdp"] - times["plain"] - time_of("all_gather", 1, nbytes)
-                                         - time_of("reduce_scatter", 1, nbytes)) / 2),
-            "ddp_step": max(0.0, times["ddp"] - times["plain"] - time_of("all_reduce", 1, nbytes)),
-            "zero_step": max(0.0, times["zero"] - times["adam"] - time_of("broadcast", params, params / 2 * nbytes))}
+    made = values[0]["framework"]["collectives"]
+    comm = {name: sum(table[kind][0] + table[kind][1] * nbytes for kind, nbytes in rows) for name, rows in made.items()}
+    beyond = lambda name, base: max(0.0, times[name] - times[base] - comm[name])
+    return {"tp_module": beyond("tp", "plain") / values[0]["framework"]["tp_calls"],
+            "fsdp_collective": beyond("fsdp", "plain") / max(1, len(made["fsdp"])),
+            "ddp_step": beyond("ddp", "plain"), "zero_step": beyond("zero", "adam")}
 
 
 def _profile_from(runs: Dict[int, List[dict]], backend: str, name: Optional[str],
@@ -263,8 +343,8 @@ def _profile_from(runs: Dict[int, List[dict]], backend: str, name: Optional[str]
 
 def calibrate(group_sizes: Sequence[int] = (2, 4), *, backend: str = "auto", name: Optional[str] = None,
               timeout: float = 120.0) -> HardwareProfile:
-    """Measure this machine into a :class:`HardwareProfile` (see the module doc); a few seconds
-    after the ranks start. ``group_sizes`` (each >= 2): the collective group sizes to time, each in
+    """Measure this machine into a :class:`HardwareProfile` (see the module doc; 25-30 s for sizes 2
+    and 4 on a 2-core CPU machine). ``group_sizes`` (each >= 2): the collective group sizes to time, each in
     a world of its own size (ranks that only waited would still take the cores' time);
     ``backend``: ``"auto"`` (NCCL when there is a GPU per rank, else gloo), ``"gloo"`` or ``"nccl"``."""
     sizes = sorted({positive_int("group size", p) for p in group_sizes})

@@ -119,6 +119,26 @@ class HardwareProfile:
         base = below[-1] if below else known[0]
         return max(1.0, self.compute_sharing[base] * ranks_on_host / base)
 
+    @property
+    def overlaps_comm(self) -> bool:
+        """Whether collectives can run beside compute: on GPUs (their own streams), not on CPU ranks,
+        whose collectives need the cores the compute runs on (gloo's threads, woken by the rank)."""
+        return self.device != "cpu"
+
+    def seen_by(self, ranks_on_host: int) -> "HardwareProfile":
+        """This profile as ``ranks_on_host`` ranks sharing one host's CPU cores see it: where it was
+        calibrated in a world of that many ranks, every collective (scaled to smaller groups by the
+        ring formulas) and every wrapper cost is that world's, since on shared cores most of what a
+        collective costs is waking the ranks that wait their turn. Unchanged on GPU profiles and
+        where that world was not calibrated."""
+        if self.device != "cpu" or any(ranks_on_host not in sizes for sizes in self.collectives.values()):
+            return self
+        overheads = self.framework_overhead
+        if ranks_on_host in overheads:
+            overheads = {ranks_on_host: overheads[ranks_on_host]}
+        return replace(self, collectives={k: {ranks_on_host: v[ranks_on_host]} for k, v in self.collectives.items()},
+                       framework_overhead=overheads)
+
     def overhead(self, what: str, group_size: int) -> float:
         """Calibrated framework seconds (``tp_module`` per call, ``fsdp_collective`` per collective) at
         the nearest calibrated group size; 0 where none was measured (datasheet profiles)."""

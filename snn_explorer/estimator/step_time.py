@@ -8,7 +8,8 @@ phase is also multiplied by the measured / modelled ratio of the unsharded step.
 wrappers' own cost, where the profile was calibrated with it (:func:`framework_s`), is compute too.
 
 Each collective of the estimate (:mod:`.comms`) is timed by the profile's alpha-beta model for
-its kind and group size. What is exposed, per row:
+its kind and group size (on CPU ranks sharing a host, that world's: :meth:`HardwareProfile.seen_by`).
+On CPU ranks nothing overlaps (:attr:`HardwareProfile.overlaps_comm`). Elsewhere, what is exposed, per row:
 
 - DDP's bucketed all-reduce runs beside the rest of the backward: ``max(one bucket, all - backward)``;
 - FSDP2's forward all-gathers are prefetched: the first is exposed, the rest beyond the forward;
@@ -72,6 +73,8 @@ def exposed_comm_s(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: Hard
         size = _group_size(plan, row.mesh_dim, row.kind)
         seconds = hw.collective_time(row.kind, size, row.bytes, row.count, spans_nodes(plan, row.mesh_dim, hw, size))
         timed[(row.mesh_dim, row.kind, row.phase)] = (seconds, row.count)
+    if not hw.overlaps_comm:
+        return sum(seconds for seconds, _ in timed.values())
     exposed = 0.0
     ar, ar_n = timed.pop(("dp", "all_reduce", "backward"), (0.0, 0))
     if ar_n:  # DDP buckets
@@ -86,9 +89,13 @@ def exposed_comm_s(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: Hard
     return exposed + sum(seconds for seconds, _ in timed.values())  # TP, ZeRO, pipeline sends: critical path
 
 
+def ranks_on_host(plan: SNNDistributedPlan, hw: HardwareProfile) -> int:
+    return min(plan.world_size, hw.ranks_per_node or plan.world_size)
+
+
 def host_sharing(plan: SNNDistributedPlan, hw: HardwareProfile) -> float:
     """How much slower each rank runs when the plan's ranks on one host share its cores (calibrated)."""
-    return hw.sharing(min(plan.world_size, hw.ranks_per_node or plan.world_size))
+    return hw.sharing(ranks_on_host(plan, hw))
 
 
 def compute_phases(plan: SNNDistributedPlan, work: Work, hw: HardwareProfile, t: int, itemsize: int,
@@ -127,8 +134,7 @@ def time_table(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: Hardware
                phase_s: Dict[str, float]) -> pd.DataFrame:
     """The ``rank, compute_s, exposed_comm_s, bubble_s, step_s`` table (every rank alike)."""
     compute = sum(phase_s.values())
-    # Ranks time-slicing a host's cores also drive their transfers slower (1 on a device per rank).
-    comm = exposed_comm_s(plan, collectives, hw, phase_s) * host_sharing(plan, hw)
+    comm = exposed_comm_s(plan, collectives, hw, phase_s)
     bubble = pipeline_bubble_s(plan, phase_s)
     row = dict(compute_s=compute, exposed_comm_s=comm, bubble_s=bubble, step_s=compute + comm + bubble)
     table = pd.DataFrame([row] * plan.world_size)
@@ -164,6 +170,7 @@ def plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, per_
     correction = {}
     if is_local(hw):
         correction = local_correction(profile, rank_work(profile, None, 1, optimizer), hw, optimizer)
+    hw = hw.seen_by(ranks_on_host(plan, hw))
     local = float(per_rank["params_bytes"].iloc[0]) / (plan.dp_size if plan.uses_zero else 1)
     phases = compute_phases(plan, work, hw, t, itemsize, local, correction)
     phases["framework"] = framework_s(plan, profile, collectives, hw, t)
