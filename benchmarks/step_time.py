@@ -1,6 +1,6 @@
 """Predicted vs measured step time of every plan, on this machine's gloo ranks; and the 1024-rank what-if.
 
-Run: ``python benchmarks/step_time.py [--models mlp vgg ...] [--worlds 2 4] [--steps 5]``, or
+Run: ``python benchmarks/step_time.py [--models mlp vgg ...] [--worlds 2 4] [--steps 9]``, or
 ``--scale`` for the time to enumerate and estimate every plan of 1024 ranks for a ~120-module
 model on a datasheet profile. The accuracy run first calibrates this machine (``calibrate``), then
 for each zoo model and world size estimates every plan's step time on that calibration and
@@ -113,7 +113,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["mlp", "mlp_all_steps", "mlp_tutorial", "vgg", "spikformer"])
     parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=9)
     parser.add_argument("--scale", action="store_true", help="only the 1024-rank enumeration and estimate time")
     parser.add_argument("--noise", action="store_true", help="only the machine's noise floor (one fixed step, timed 20 times)")
     args = parser.parse_args()

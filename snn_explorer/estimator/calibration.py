@@ -229,8 +229,8 @@ class _ProbeNet:
 def _wrapped_step_times(dist, device) -> dict:
     """Seconds of a training step (forward, backward) of :class:`_ProbeNet` on every rank of the
     world: plain, tensor-parallel (first Linear colwise, second rowwise: an all-reduce per time step
-    each way), under FSDP2 (each Linear and the root) and under DDP; of an Adam step plain and under
-    ZeroRedundancyOptimizer; and the collectives each wrapper made in one step (the recorder's rows)."""
+    each way), under FSDP2 (each Linear and the root) and under DDP; of the step with an Adam update,
+    plain and under ZeroRedundancyOptimizer; and the collectives each wrapper made in one step."""
     import copy
 
     import torch
@@ -274,11 +274,20 @@ def _wrapped_step_times(dist, device) -> dict:
     for name, model in wrapped.items():
         out[name] = timed(lambda: step(model))
         out["collectives"][name] = recorded(lambda: step(model))
-    params = list(plain.parameters())
-    adam = torch.optim.Adam(params, lr=1e-9)
-    zero = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.Adam, lr=1e-9)
-    out["adam"], out["zero"] = timed(adam.step), timed(zero.step)
-    out["collectives"]["zero"] = recorded(zero.step)
+    def trained(optimizer_of):  # a whole step, optimizer included
+        model = copy.deepcopy(plain)
+        optimizer = optimizer_of(model.parameters())
+
+        def run():
+            optimizer.zero_grad(set_to_none=True)
+            step(model)
+            optimizer.step()
+        return run
+
+    adam = trained(lambda params: torch.optim.Adam(params, lr=1e-9))
+    zero = trained(lambda params: ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.Adam, lr=1e-9))
+    out["adam"], out["zero"] = timed(adam), timed(zero)
+    out["collectives"]["zero"] = recorded(zero)
     return out
 
 
