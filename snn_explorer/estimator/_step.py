@@ -92,18 +92,21 @@ def batch_slice(example_input: torch.Tensor, labels: Optional[torch.Tensor], n: 
 
 def timed_steps(step, steps: int, mode: str) -> list:
     """Seconds of each of ``steps`` runs of ``step()`` on this rank, each started together with the
-    other ranks (a barrier) and reported as a heartbeat; the first (warm-up) dropped when there are more."""
+    other ranks (a barrier) and reported as a heartbeat, the garbage collector paused
+    (:func:`~.isolation.collected`); the first (warm-up) dropped when there are more."""
     import time
 
     import torch.distributed as dist
 
     from ..ranks.progress import heartbeat
+    from .isolation import collected
 
     times = []
-    for i in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-        heartbeat(step=i + 1, total=steps + 1, message=f"{mode}: timed step")
+    with collected():
+        for i in range(steps):
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+            heartbeat(step=i + 1, total=steps + 1, message=f"{mode}: timed step")
     return times[1:] if len(times) > 1 else times

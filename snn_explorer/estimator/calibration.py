@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .. import ranks
 from ..core.validate import positive_int
 from .hardware import KINDS, HardwareProfile, hardware_profile
-from .isolation import one_thread
+from .isolation import collected, one_thread
 
 #: Buffer sizes (bytes) each collective is timed at, repetitions per size, collectives per repetition.
 SIZES_BYTES = (4 * 2 ** 10, 256 * 2 ** 10, 2 ** 20, 4 * 2 ** 20, 16 * 2 ** 20)
@@ -251,12 +251,13 @@ def _wrapped_step_times(dist, device) -> dict:
     def timed(fn) -> float:
         fn()
         out = []
-        for _ in range(WRAPPER_REPEATS):
-            dist.barrier()
-            start = time.perf_counter()
-            fn()
-            sync()
-            out.append(time.perf_counter() - start)
+        with collected():
+            for _ in range(WRAPPER_REPEATS):
+                dist.barrier()
+                start = time.perf_counter()
+                fn()
+                sync()
+                out.append(time.perf_counter() - start)
         return statistics.median(out)
 
     def recorded(fn) -> list:

@@ -26,7 +26,7 @@ import torch
 
 from ._step import OPTIMIZERS, batch_slice, forward_loss
 from .hardware import HardwareProfile
-from .isolation import one_thread
+from .isolation import collected, one_thread
 from .op_counter import OpCounter, count_step, grad_names
 from .profile import SIZES, Fit, ModelProfile
 
@@ -155,7 +155,7 @@ def local_correction(profile: ModelProfile, work: Work, hw: HardwareProfile, opt
     params = [p for p in model.parameters() if p.requires_grad]
     opt = cls(params, lr=1e-6, **kw)
     times = {p: [] for p in PHASES}
-    with restored(params), one_thread():
+    with restored(params), one_thread(), collected():
         for _ in range(2):  # the first creates the optimizer's state and warms the allocator
             start = time.perf_counter()
             loss = forward_loss(model, x, y)
