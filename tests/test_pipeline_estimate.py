@@ -224,3 +224,26 @@ def test_trainable_units_survive_json_and_an_older_analysis_reads_as_unknown():
     assert type(analysis).from_dict(data).trainable_units == analysis.trainable_units
     data.pop("trainable_units")
     assert type(analysis).from_dict(data).trainable_units is None
+
+
+def test_a_pipeline_step_waits_for_the_transfers_of_its_busiest_rank(vgg):
+    """pp=4 (1F1B): the middle ranks send or receive at two stage boundaries, the end ranks at one;
+    the step is charged the busiest rank's transfers, not all six rows of the pipeline."""
+    from snn_explorer.estimator.step_time import exposed_comm_s
+
+    hw = se.hardware_profile("A100-SXM-80GB")
+    plan = _plan(vgg, {"pp": 4}, "1f1b")
+    est = se.estimate(vgg.model, plan, example_input=vgg.example_input, labels=vgg.labels, hardware=hw)
+    sends = est.collectives[est.collectives["kind"] == "send"].reset_index(drop=True)
+    assert len(sends) == 6
+    seconds = {r.phase: hw.collective_time("send", 2, r.bytes, r.count) for r in sends.itertuples()}
+    middle = [seconds[p] for p in ("forward 0->1", "backward 1->0", "forward 1->2", "backward 2->1")]
+    other = [seconds[p] for p in ("forward 1->2", "backward 2->1", "forward 2->3", "backward 3->2")]
+    assert exposed_comm_s(plan, sends, hw, {"forward": 0.0, "backward": 0.0}) == pytest.approx(max(sum(middle), sum(other)))
+    assert max(sum(middle), sum(other)) < sum(seconds.values())
+    # interleaved on 2 ranks: both ranks hold an end of every boundary
+    plan = _plan(vgg, {"pp": 2}, "interleaved", virtual=2)
+    est = se.estimate(vgg.model, plan, example_input=vgg.example_input, labels=vgg.labels, hardware=hw)
+    sends = est.collectives[est.collectives["kind"] == "send"]
+    assert exposed_comm_s(plan, sends, hw, {"forward": 0.0, "backward": 0.0}) == pytest.approx(
+        sum(hw.collective_time("send", 2, r.bytes, r.count) for r in sends.itertuples()))

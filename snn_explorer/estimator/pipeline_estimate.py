@@ -29,6 +29,17 @@ from .stage_memory import measure_stages
 PIPELINE_COLUMNS = ("pp_rank", "stages", "units", "microbatches_in_flight", "bubble_fraction")
 
 
+def boundary_phase(direction: str, src: int, dst: int) -> str:
+    """The ``phase`` of a pipeline transfer from stage ``src`` to ``dst`` (as the recorder labels it)."""
+    return f"{direction} {src}->{dst}"
+
+
+def boundary_stages(phase: str) -> Tuple[int, int]:
+    """``(src, dst)`` stages of a :func:`boundary_phase`."""
+    src, dst = phase.split(" ", 1)[1].split("->")
+    return int(src), int(dst)
+
+
 def bubble_fraction(schedule: str, pp: int, micro: int, virtual: int = 1) -> float:
     """The share of a step each rank idles under ``schedule`` (a ``pp_schedule`` name), stages costing
     alike (see ``core.pipeline_schedules``)."""
@@ -153,7 +164,7 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
     rank_of = lambda s: plan.pp_schedule_spec.rank_of(s, plan.pp_size, plan.pp_virtual_stages)
     for s in (s for s in range(plan.pp_stages - 1) if rank_of(s) != rank_of(s + 1)):  # V: one boundary is local
         nbytes = round(costs[s][1] * itemsize)
-        for kind, phase in (("send", f"forward {s}->{s + 1}"), ("send", f"backward {s + 1}->{s}")):
+        for kind, phase in (("send", boundary_phase("forward", s, s + 1)), ("send", boundary_phase("backward", s + 1, s))):
             collectives.append(dict(mesh_dim="pp", kind=kind, phase=phase, count=micro, bytes=micro * nbytes))
     collectives.append(dict(mesh_dim="pp", kind="broadcast", phase="loss", count=1, bytes=itemsize))
     per_rank = [dict(rank=r, **rows[r // plan.dp_size]) for r in range(plan.world_size)]

@@ -65,14 +65,34 @@ def _group_size(plan: SNNDistributedPlan, mesh_dim: str, kind: str) -> int:
     return plan.tp_size if mesh_dim == "tp" else plan.dp_size
 
 
+def _busiest_pp_rank_s(plan: SNNDistributedPlan, sends: Dict[str, float]) -> float:
+    """Seconds of the pipeline transfers (``{phase: seconds}`` of each stage boundary) that the pp rank
+    with the most of them sends or receives."""
+    from .pipeline_estimate import boundary_stages
+
+    spec, per_rank = plan.pp_schedule_spec, [0.0] * plan.pp_size
+    for phase, seconds in sends.items():
+        ends = {spec.rank_of(s, plan.pp_size, plan.pp_virtual_stages) for s in boundary_stages(phase)}
+        for rank in ends:
+            per_rank[rank] += seconds
+    return max(per_rank)
+
+
 def exposed_comm_s(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: HardwareProfile,
                    phase_s: Dict[str, float]) -> float:
-    """Seconds of communication not hidden behind compute (rules in the module doc)."""
+    """Seconds of communication not hidden behind compute (rules in the module doc); of a pipeline's
+    transfers, those of its busiest rank."""
     timed: Dict[Tuple[str, str, str], Tuple[float, int]] = {}
+    sends: Dict[str, float] = {}
     for row in collectives.itertuples(index=False):
         size = _group_size(plan, row.mesh_dim, row.kind)
         seconds = hw.collective_time(row.kind, size, row.bytes, row.count, spans_nodes(plan, row.mesh_dim, hw, size))
-        timed[(row.mesh_dim, row.kind, row.phase)] = (seconds, row.count)
+        if row.mesh_dim == "pp" and row.kind == "send":
+            sends[row.phase] = seconds
+        else:
+            timed[(row.mesh_dim, row.kind, row.phase)] = (seconds, row.count)
+    if sends:
+        timed[("pp", "send", "busiest rank")] = (_busiest_pp_rank_s(plan, sends), 0)
     if not hw.overlaps_comm:
         return sum(seconds for seconds, _ in timed.values())
     exposed = 0.0
