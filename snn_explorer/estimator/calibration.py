@@ -229,8 +229,9 @@ class _ProbeNet:
 def _wrapped_step_times(dist, device) -> dict:
     """Seconds of a training step (forward, backward) of :class:`_ProbeNet` on every rank of the
     world: plain, tensor-parallel (first Linear colwise, second rowwise: an all-reduce per time step
-    each way), under FSDP2 (each Linear and the root) and under DDP; of the step with an Adam update,
-    plain and under ZeroRedundancyOptimizer; and the collectives each wrapper made in one step."""
+    in the forward), under FSDP2 (each Linear and the root) and under DDP; of the step with an Adam
+    update, plain and under ZeroRedundancyOptimizer; and the collectives each wrapper made in one
+    step. Timed in rounds of one step of each, the median of :data:`WRAPPER_REPEATS` rounds."""
     import copy
 
     import torch
@@ -248,35 +249,12 @@ def _wrapped_step_times(dist, device) -> dict:
     x = torch.rand(PROBE_STEPS, 16, 64, generator=torch.Generator().manual_seed(1)).to(device)
     step = lambda m: m(x).square().mean().backward()
 
-    def timed(fn) -> float:
-        fn()
-        out = []
-        with collected():
-            for _ in range(WRAPPER_REPEATS):
-                dist.barrier()
-                start = time.perf_counter()
-                fn()
-                sync()
-                out.append(time.perf_counter() - start)
-        return statistics.median(out)
-
     def recorded(fn) -> list:
         with CollectiveRecorder() as recorder:
             fn()
         return [(kind, nbytes) for _, _, kind, _, nbytes in recorder.events]
 
-    wrapped = {"tp": parallelize_module(copy.deepcopy(plain), mesh, {"layers.0": ColwiseParallel(),
-                                                                     "layers.1": RowwiseParallel()}),
-               "fsdp": copy.deepcopy(plain), "ddp": DistributedDataParallel(copy.deepcopy(plain))}
-    for layer in wrapped["fsdp"].layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(wrapped["fsdp"], mesh=mesh)
-    out = {"plain": timed(lambda: step(plain)), "collectives": {}, "tp_calls": 2 * PROBE_STEPS}
-    for name, model in wrapped.items():
-        out[name] = timed(lambda: step(model))
-        out["collectives"][name] = recorded(lambda: step(model))
-    def trained(optimizer_of):  # a whole step, optimizer included
-        model = copy.deepcopy(plain)
+    def trained(model, optimizer_of):  # a whole step, optimizer included
         optimizer = optimizer_of(model.parameters())
 
         def run():
@@ -285,11 +263,30 @@ def _wrapped_step_times(dist, device) -> dict:
             optimizer.step()
         return run
 
-    adam = trained(lambda params: torch.optim.Adam(params, lr=1e-9))
-    zero = trained(lambda params: ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.Adam, lr=1e-9))
-    out["adam"], out["zero"] = timed(adam), timed(zero)
-    out["collectives"]["zero"] = recorded(zero)
-    return out
+    fsdp = copy.deepcopy(plain)
+    for layer in fsdp.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(fsdp, mesh=mesh)
+    tp = parallelize_module(copy.deepcopy(plain), mesh, {"layers.0": ColwiseParallel(), "layers.1": RowwiseParallel()})
+    ddp = DistributedDataParallel(copy.deepcopy(plain))
+    runs = {"plain": lambda: step(plain), "tp": lambda: step(tp), "fsdp": lambda: step(fsdp), "ddp": lambda: step(ddp),
+            "adam": trained(copy.deepcopy(plain), lambda params: torch.optim.Adam(params, lr=1e-9)),
+            "zero": trained(copy.deepcopy(plain), lambda params: ZeroRedundancyOptimizer(
+                params, optimizer_class=torch.optim.Adam, lr=1e-9))}
+    collectives = {name: recorded(runs[name]) for name in ("tp", "fsdp", "ddp", "zero")}  # also the warm-up
+    runs["plain"]()
+    runs["adam"]()
+    times = {name: [] for name in runs}
+    with collected():
+        for _ in range(WRAPPER_REPEATS):  # in rounds, so that the machine's slow spells touch every variant
+            for name, run in runs.items():
+                dist.barrier()
+                start = time.perf_counter()
+                run()
+                sync()
+                times[name].append(time.perf_counter() - start)
+    return {**{name: statistics.median(ts) for name, ts in times.items()}, "collectives": collectives,
+            "tp_calls": 2 * PROBE_STEPS}
 
 
 def _calibrate_on_rank(with_compute: bool) -> dict:
