@@ -14,7 +14,8 @@ On CPU ranks nothing overlaps (:attr:`HardwareProfile.overlaps_comm`). Elsewhere
 - DDP's bucketed all-reduce runs beside the rest of the backward: ``max(one bucket, all - backward)``;
 - FSDP2's forward all-gathers are prefetched: the first is exposed, the rest beyond the forward;
   its backward all-gathers and reduce-scatters overlap the backward but for the last reduce-scatter;
-- tensor-parallel collectives and everything else (ZeRO's broadcasts) are on the critical path.
+- tensor-parallel collectives and everything else (ZeRO's broadcasts) are on the critical path;
+  of a pipeline's transfers, those its busiest rank sends or receives.
 
 So a step is never faster than its compute. ``bubble_s`` is :func:`pipeline_bubble_s`.
 """
@@ -110,6 +111,7 @@ def exposed_comm_s(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: Hard
 
 
 def ranks_on_host(plan: SNNDistributedPlan, hw: HardwareProfile) -> int:
+    """How many of the plan's ranks share one host (all of them on a profile without nodes)."""
     return min(plan.world_size, hw.ranks_per_node or plan.world_size)
 
 
