@@ -247,3 +247,19 @@ def test_a_pipeline_step_waits_for_the_transfers_of_its_busiest_rank(vgg):
     sends = est.collectives[est.collectives["kind"] == "send"]
     assert exposed_comm_s(plan, sends, hw, {"forward": 0.0, "backward": 0.0}) == pytest.approx(
         sum(hw.collective_time("send", 2, r.bytes, r.count) for r in sends.itertuples()))
+
+
+def test_pipeline_ranks_idle_in_the_bubble_leave_the_shared_cores_to_the_others(vgg):
+    """On CPU ranks sharing a host, a pp rank is slowed as by the ranks busy at once on average,
+    ``world x (1 - f)``, not by every rank of the world."""
+    from snn_explorer.estimator.hardware import HardwareProfile, link_table
+    from snn_explorer.estimator.step_time import host_sharing
+
+    cpu = HardwareProfile(name="2 cores", device="cpu", flops_per_s=1e9, bytes_per_s=1e9, op_overhead_s=0.0,
+                          collectives=link_table(1e-4, 1e9), compute_sharing={2: 1.0, 4: 2.0}, source="synthetic")
+    pp = _plan(vgg, {"pp": 4}, "1f1b")
+    f = se.bubble_fraction("1f1b", 4, 4)
+    assert f == pytest.approx(3 / 7)
+    assert host_sharing(pp, cpu) == pytest.approx(cpu.sharing(4 * (1 - f))) == pytest.approx(1.0 * 4 * (4 / 7) / 2)
+    dp = se.plan(analysis=se.analyze(vgg.model), objective="speed", topology={"dp": 4}, batch_size=8)
+    assert host_sharing(dp, cpu) == 2.0

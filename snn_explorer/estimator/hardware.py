@@ -110,8 +110,9 @@ class HardwareProfile:
     def bandwidth(self) -> float:
         return self.bytes_per_s * self.efficiency
 
-    def sharing(self, ranks_on_host: int) -> float:
-        """Compute slow-down when ``ranks_on_host`` ranks share one host's cores (1 when unmeasured)."""
+    def sharing(self, ranks_on_host: float) -> float:
+        """Compute slow-down when ``ranks_on_host`` ranks (an average: need not be whole) share one
+        host's cores (1 when unmeasured)."""
         known = sorted(self.compute_sharing)
         if not known or ranks_on_host <= 1:
             return 1.0

@@ -3,7 +3,8 @@
 Compute is the roofline time of the work one rank does (:mod:`.compute_work`: forward, backward
 and optimizer of the model the rank runs, at its per-rank batch and time steps; the optimizer's
 work scaled to the parameter shard the rank updates), times the slow-down measured when that
-many ranks share one host's cores. On the machine the hardware profile was calibrated on, each
+many ranks share one host's cores (:func:`host_sharing`: for a pipeline, as many as are busy at
+once on average). On the machine the hardware profile was calibrated on, each
 phase is also multiplied by the measured / modelled ratio of the unsharded step. The parallel
 wrappers' own cost, where the profile was calibrated with it (:func:`framework_s`), is compute too.
 
@@ -34,15 +35,20 @@ from .hardware import HardwareProfile
 TIME_COLUMNS = ("rank", "compute_s", "exposed_comm_s", "bubble_s", "step_s")
 
 
-def pipeline_bubble_s(plan: SNNDistributedPlan, phase_s: Dict[str, float]) -> float:
-    """Idle time of a rank waiting for pipeline stages in one step (0 without pipelining): the
-    schedule's bubble fraction ``f`` of the whole step (:func:`.pipeline_estimate.bubble_fraction`),
-    so ``f / (1 - f)`` times the rank's own forward and backward."""
+def _bubble_fraction(plan: SNNDistributedPlan) -> float:
+    """The fraction of a step a rank idles in the pipeline schedule (0 without pipelining)."""
     if not plan.uses_pp:
         return 0.0
     from .pipeline_estimate import bubble_fraction
 
-    f = bubble_fraction(plan.pp_schedule, plan.pp_size, plan.pp_microbatches, plan.pp_virtual_stages)
+    return bubble_fraction(plan.pp_schedule, plan.pp_size, plan.pp_microbatches, plan.pp_virtual_stages)
+
+
+def pipeline_bubble_s(plan: SNNDistributedPlan, phase_s: Dict[str, float]) -> float:
+    """Idle time of a rank waiting for pipeline stages in one step (0 without pipelining): the
+    schedule's bubble fraction ``f`` of the whole step (:func:`.pipeline_estimate.bubble_fraction`),
+    so ``f / (1 - f)`` times the rank's own forward and backward."""
+    f = _bubble_fraction(plan)
     return f / (1.0 - f) * (phase_s["forward"] + phase_s["backward"])
 
 
@@ -116,8 +122,10 @@ def ranks_on_host(plan: SNNDistributedPlan, hw: HardwareProfile) -> int:
 
 
 def host_sharing(plan: SNNDistributedPlan, hw: HardwareProfile) -> float:
-    """How much slower each rank runs when the plan's ranks on one host share its cores (calibrated)."""
-    return hw.sharing(ranks_on_host(plan, hw))
+    """How much slower each rank runs when the plan's ranks on one host share its cores (calibrated):
+    the slow-down of as many ranks as are busy at once on average, since a pipeline rank idle in
+    its schedule's bubble leaves its share of the cores to the others."""
+    return hw.sharing(ranks_on_host(plan, hw) * (1.0 - _bubble_fraction(plan)))
 
 
 def compute_phases(plan: SNNDistributedPlan, work: Work, hw: HardwareProfile, t: int, itemsize: int,
