@@ -194,40 +194,37 @@ def _time_collective(dist, kind: str, p: int, nbytes: int, device, gap) -> List[
     return [max(loop(True) - loop(False), 1e-7) for _ in range(REPEATS)]
 
 
-class _ProbeNet:
-    """Builds the small spiking MLP the wrappers are timed on: ``Linear(64, 128) -> Linear(128, 128)
-    -> Linear(128, 10)`` with a leaky, smoothly spiking state after the first two, run over
+def _probe_net(device):
+    """The small spiking MLP the wrappers are timed on: ``Linear(64, 128) -> Linear(128, 128) ->
+    Linear(128, 10)`` with a leaky, smoothly spiking state after the first two, run over
     :data:`PROBE_STEPS` time steps inside its forward, as the zoo's SNNs run."""
+    import torch
 
-    @staticmethod
-    def build(device):
-        import torch
+    class ProbeNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(0)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(i, o) for i, o in ((64, 128), (128, 128), (128, 10)))
+            with torch.no_grad():
+                for layer in self.layers:
+                    layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) / 8)
 
-        class ProbeNet(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                g = torch.Generator().manual_seed(0)
-                self.layers = torch.nn.ModuleList(torch.nn.Linear(i, o) for i, o in ((64, 128), (128, 128), (128, 10)))
-                with torch.no_grad():
-                    for layer in self.layers:
-                        layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) / 8)
+        def forward(self, x):
+            mems, out = [None, None], 0
+            for t in range(x.shape[0]):
+                h = x[t]
+                for i, layer in enumerate(self.layers[:2]):
+                    mems[i] = layer(h) if mems[i] is None else 0.9 * mems[i] + layer(h)
+                    h = torch.sigmoid(4 * (mems[i] - 1))
+                    mems[i] = mems[i] - h
+                out = out + self.layers[2](h)
+            return out
 
-            def forward(self, x):
-                mems, out = [None, None], 0
-                for t in range(x.shape[0]):
-                    h = x[t]
-                    for i, layer in enumerate(self.layers[:2]):
-                        mems[i] = layer(h) if mems[i] is None else 0.9 * mems[i] + layer(h)
-                        h = torch.sigmoid(4 * (mems[i] - 1))
-                        mems[i] = mems[i] - h
-                    out = out + self.layers[2](h)
-                return out
-
-        return ProbeNet().to(device)
+    return ProbeNet().to(device)
 
 
 def _wrapped_step_times(dist, device) -> dict:
-    """Seconds of a training step (forward, backward) of :class:`_ProbeNet` on every rank of the
+    """Seconds of a training step (forward, backward) of :func:`_probe_net` on every rank of the
     world: plain, tensor-parallel (first Linear colwise, second rowwise: an all-reduce per time step
     in the forward), under FSDP2 (each Linear and the root) and under DDP; of the step with an Adam
     update, plain and under ZeroRedundancyOptimizer; and the collectives each wrapper made in one
@@ -245,7 +242,7 @@ def _wrapped_step_times(dist, device) -> dict:
 
     mesh = DeviceMesh(device.type, torch.arange(dist.get_world_size()))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    plain = _ProbeNet.build(device)
+    plain = _probe_net(device)
     x = torch.rand(PROBE_STEPS, 16, 64, generator=torch.Generator().manual_seed(1)).to(device)
     step = lambda m: m(x).square().mean().backward()
 
