@@ -71,6 +71,18 @@ def test_wrapper_costs_are_what_the_wrapped_step_takes_beyond_the_plain_one_and_
     costs = _overheads([{"framework": framework}, {"framework": slower}], table)
     assert costs == pytest.approx(dict(tp_module=5e-4, fsdp_collective=3e-4, ddp_step=2e-3, zero_step=7e-4))
     assert _overheads([{"framework": dict(framework, ddp=1e-3)}], table)["ddp_step"] == 0.0  # never negative
+    # the pipeline probe, 2 ranks under 1F1B, 2 micro-batches: blocks of 1 ms forward, 2 ms backward and
+    # transfers of L = 100 us + 1000 ns replay to 9 ms + 2 L (by hand); the step took 0.1 ms of loss
+    # broadcast and 4 x 0.5 ms more, one 0.5 ms per action of a rank
+    from snn_explorer.core.pipeline_schedules import SCHEDULES
+    from snn_explorer.estimator.calibration import _probe_pipeline
+
+    probe_plan = _probe_pipeline(2, SCHEDULES["1f1b"])[1]
+    assert probe_plan.pp_microbatches == 2
+    link = 1e-4 + 1e-6
+    probe = dict(step=9e-3 + 2 * link + 1e-4 + 4 * 5e-4, forward=1e-3, backward=2e-3, bytes=1000, plan=probe_plan)
+    with_pp = _overheads([{"framework": dict(framework, pipeline={"1f1b": probe})}], table)
+    assert with_pp["pp_action:1f1b"] == pytest.approx(5e-4)
     zoo, plans = mlp
     hw = dataclasses.replace(flops_only(), framework_overhead={2: costs})
     no_collectives = pd.DataFrame(columns=["mesh_dim", "kind", "phase", "count", "bytes"])

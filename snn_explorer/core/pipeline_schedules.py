@@ -14,7 +14,7 @@ later to fill what would be a bubble).
 from __future__ import annotations
 
 import functools
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 #: Time of one micro-batch's action through one stage, in forward units (a backward costs two
 #: forwards; a zero-bubble schedule splits it into input and weight halves).
@@ -186,12 +186,15 @@ def _torch_order(schedule: PipelineSchedule, pp: int, micro: int, virtual: int) 
 
 # ---- the timeline -----------------------------------------------------------------------------------
 
-def replay(orders: Dict[int, List[Action]], stages: int) -> Dict[int, List[Span]]:
+def replay(orders: Dict[int, List[Action]], stages: int, cost: Optional[Callable[[str, int], float]] = None,
+           link: Optional[Callable[[int, int], float]] = None) -> Dict[int, List[Span]]:
     """Per rank ``(kind, stage, micro-batch, start, end)`` of every action of ``orders`` (rank ->
-    its actions in order), each costing :data:`COST` and waiting for the action it needs: a
-    forward for the previous stage's forward of that micro-batch, a backward (whole or input)
-    for the next stage's; the last stage's backward and any weight backward follow on the rank."""
-    done: Dict[Tuple[str, int, int], float] = {}
+    its actions in order), each taking ``cost(kind, stage)`` (default :data:`COST`) and waiting for
+    the action it needs: a forward for the previous stage's forward of that micro-batch, a backward
+    (whole or input) for the next stage's, plus ``link(src stage, dst stage)`` (default 0) when that
+    action ran on another rank; the last stage's backward and any weight backward follow on the rank."""
+    cost = cost or (lambda kind, stage: COST[kind])
+    done: Dict[Tuple[str, int, int], Tuple[float, int]] = {}  # what an action passes on: (when, its rank)
     out: Dict[int, list] = {r: [] for r in orders}
     position, free = {r: 0 for r in orders}, {r: 0.0 for r in orders}
     while any(position[r] < len(orders[r]) for r in orders):
@@ -205,8 +208,13 @@ def replay(orders: Dict[int, List[Action]], stages: int) -> Dict[int, List[Span]
                     ("G", s + 1, i) if sent == "G" and s < stages - 1 else None)
             if need is not None and need not in done:
                 continue
-            start = max(free[r], done.get(need, 0.0))
-            free[r] = done[(sent, s, i)] = start + COST[kind]
+            ready = 0.0
+            if need is not None:
+                ready, src = done[need]
+                ready += link(need[1], s) if link is not None and src != r else 0.0
+            start = max(free[r], ready)
+            free[r] = start + cost(kind, s)
+            done[(sent, s, i)] = (free[r], r)
             out[r].append((kind, s, i, start, free[r]))
             position[r] += 1
             progressed = True

@@ -29,6 +29,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .. import ranks
+from ..core.pipeline_schedules import SCHEDULES
 from ..core.validate import positive_int
 from .hardware import KINDS, HardwareProfile, hardware_profile
 from .isolation import collected, one_thread
@@ -44,8 +45,10 @@ SHARING_PROBE_S = 0.25
 #: Time steps of the probe SNN the wrappers' costs are timed on, and timed steps per wrapper (median).
 PROBE_STEPS = 8
 WRAPPER_REPEATS = 15
+#: Micro-batches of the pipeline probe (:func:`_probe_pipeline`).
+PIPELINE_PROBE_MICRO = 4
 #: Bumped when what calibrate() measures changes, so that older cached calibrations are not reused.
-CALIBRATION_VERSION = 5
+CALIBRATION_VERSION = 6
 #: The smallest beta a fit gives (s/byte: 10 TB/s), when the times do not grow with the size.
 MIN_BETA = 1e-13
 
@@ -286,6 +289,76 @@ def _wrapped_step_times(dist, device) -> dict:
             "tp_calls": 2 * PROBE_STEPS}
 
 
+def _probe_pipeline(p: int, schedule):
+    """``p`` ranks' pipeline of identical probe blocks (each a Linear(64, 64) with a leaky, smoothly
+    spiking state over the time steps), as many stages per rank as ``schedule`` (a
+    :class:`~..core.pipeline_schedules.PipelineSchedule`) runs, one micro-batch of 4 samples per
+    stage: the model, its plan and a batch."""
+    import torch
+
+    from ..core import analyze, plan
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            mem, out = torch.zeros_like(x[0]), []
+            for t in range(x.shape[0]):
+                mem = 0.9 * mem + self.linear(x[t])
+                spike = torch.sigmoid(4 * (mem - 1))
+                mem = mem - spike
+                out.append(spike)
+            return torch.stack(out)
+
+    virtual = schedule.virtual_stages or (2 if schedule.multi_stage else 1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(Block() for _ in range(p * virtual)))
+    micro = p * virtual
+    pp_plan = plan(analysis=analyze(model), objective="speed", topology={"pp": p}, mode="pp", batch_size=4 * micro,
+                   pp_schedule=schedule.name, pp_microbatches=micro, pp_virtual_stages=virtual)
+    return model, pp_plan, torch.rand(PROBE_STEPS, 4 * micro, 64, generator=torch.Generator().manual_seed(2))
+
+
+def _pipeline_step_times(dist, device, schedule) -> dict:
+    """Seconds of a training step of :func:`_probe_pipeline` under ``schedule`` on this rank (the
+    median of :data:`WRAPPER_REPEATS`), of one micro-batch's forward and backward of a probe block
+    run alone (every rank at once, in rounds with the steps); the plan and the bytes of one transfer."""
+    import copy
+
+    import torch
+
+    from ..core import apply
+
+    model, pp_plan, x = _probe_pipeline(dist.get_world_size(), schedule)
+    block = copy.deepcopy(model[0]).to(device)  # apply leaves on this rank only the blocks it holds
+    micro = x[:, :x.shape[1] // pp_plan.pp_microbatches].clone().requires_grad_()
+    runtime = apply(model=model, plan=pp_plan, device_type=device.type)
+    x, labels = x.to(device), torch.zeros(x.shape[1], dtype=torch.long)
+    loss = lambda out, _: out.square().mean()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - start
+
+    runtime.train_step(loss, x, labels)
+    steps, forwards, backwards = [], [], []
+    with collected():
+        for _ in range(WRAPPER_REPEATS):
+            dist.barrier()
+            steps.append(timed(lambda: runtime.train_step(loss, x, labels)))
+            dist.barrier()
+            out = []
+            forwards.append(timed(lambda: out.append(block(micro.to(device)))))
+            backwards.append(timed(lambda: out[0].backward(torch.ones_like(out[0]))))
+    return {"step": statistics.median(steps), "forward": statistics.median(forwards),
+            "backward": statistics.median(backwards), "plan": pp_plan, "bytes": micro.numel() * micro.element_size()}
+
+
 def _calibrate_on_rank(with_compute: bool) -> dict:
     """Everything timed in a world of ``p`` ranks (every rank of the world takes part, none idles)."""
     import torch
@@ -302,6 +375,7 @@ def _calibrate_on_rank(with_compute: bool) -> dict:
     collectives = {(kind, nbytes): _time_collective(dist, kind, p, nbytes, device, gap)
                    for kind in KINDS for nbytes in SIZES_BYTES}
     framework = _wrapped_step_times(dist, device)
+    framework["pipeline"] = {name: _pipeline_step_times(dist, device, spec) for name, spec in SCHEDULES.items()}
     ranks.report(message=f"calibrated {p} ranks")
     return {"alone": alone, "shared": shared, "collectives": collectives, "framework": framework}
 
@@ -316,7 +390,27 @@ def _overheads(values: List[dict], table: Dict[str, Tuple[float, float]]) -> Dic
     beyond = lambda name, base: max(0.0, times[name] - times[base] - comm[name])
     return {"tp_module": beyond("tp", "plain") / values[0]["framework"]["tp_calls"],
             "fsdp_collective": beyond("fsdp", "plain") / max(1, len(made["fsdp"])),
-            "ddp_step": beyond("ddp", "plain"), "zero_step": beyond("zero", "adam")}
+            "ddp_step": beyond("ddp", "plain"), "zero_step": beyond("zero", "adam"),
+            **{f"pp_action:{name}": _pipeline_action_s([v["framework"]["pipeline"][name] for v in values], table)
+               for name in values[0]["framework"].get("pipeline", {})}}
+
+
+def _pipeline_action_s(values: List[dict], table: Dict[str, Tuple[float, float]]) -> float:
+    """Per action of a rank in a pipeline schedule (a micro-batch's forward or backward through a
+    stage): what the probe's step (:func:`_pipeline_step_times`, the slowest rank) takes beyond its
+    schedule replayed with the blocks' own times and the transfers' fitted latency between them
+    (:func:`~.pipeline_time.replay_plan`), and beyond the loss broadcast."""
+    from .pipeline_time import BACKWARD_SHARE, replay_plan
+
+    pp_plan = values[0]["plan"]
+    forward, backward = max(v["forward"] for v in values), max(v["backward"] for v in values)
+    costs = {(kind, s): forward if kind == "F" else share * backward
+             for s in range(pp_plan.pp_stages) for kind, share in (("F", 1.0), *BACKWARD_SHARE.items())}
+    link = table["send"][0] + table["send"][1] * values[0]["bytes"]
+    lines = replay_plan(pp_plan, costs, {(s + d, s + 1 - d): link for s in range(pp_plan.pp_stages - 1) for d in (0, 1)})
+    schedule = max(span[-1] for spans in lines.values() for span in spans)
+    beyond = max(v["step"] for v in values) - schedule - table["broadcast"][0]
+    return max(0.0, beyond / max(len(spans) for spans in lines.values()))
 
 
 def _profile_from(runs: Dict[int, List[dict]], backend: str, name: Optional[str],

@@ -3,8 +3,7 @@
 Compute is the roofline time of the work one rank does (:mod:`.compute_work`: forward, backward
 and optimizer of the model the rank runs, at its per-rank batch and time steps; the optimizer's
 work scaled to the parameter shard the rank updates), times the slow-down measured when that
-many ranks share one host's cores (:func:`host_sharing`: for a pipeline, as many as are busy at
-once on average). On the machine the hardware profile was calibrated on, each
+many ranks share one host's cores (:func:`host_sharing`). On the machine the hardware profile was calibrated on, each
 phase is also multiplied by the measured / modelled ratio of the unsharded step. The parallel
 wrappers' own cost, where the profile was calibrated with it (:func:`framework_s`), is compute too.
 
@@ -15,10 +14,10 @@ On CPU ranks nothing overlaps (:attr:`HardwareProfile.overlaps_comm`). Elsewhere
 - DDP's bucketed all-reduce runs beside the rest of the backward: ``max(one bucket, all - backward)``;
 - FSDP2's forward all-gathers are prefetched: the first is exposed, the rest beyond the forward;
   its backward all-gathers and reduce-scatters overlap the backward but for the last reduce-scatter;
-- tensor-parallel collectives and everything else (ZeRO's broadcasts) are on the critical path;
-  of a pipeline's transfers, those its busiest rank sends or receives.
+- tensor-parallel collectives and everything else (ZeRO's broadcasts) are on the critical path.
 
-So a step is never faster than its compute. ``bubble_s`` is :func:`pipeline_bubble_s`.
+So a step is never faster than its compute. A pipeline plan's step (``bubble_s`` included) is its
+schedule replayed with each stage's own cost: :mod:`.pipeline_time`.
 """
 from __future__ import annotations
 
@@ -33,23 +32,6 @@ from .compute_work import PHASES, Work, local_correction, rank_work
 from .hardware import HardwareProfile
 
 TIME_COLUMNS = ("rank", "compute_s", "exposed_comm_s", "bubble_s", "step_s")
-
-
-def _bubble_fraction(plan: SNNDistributedPlan) -> float:
-    """The fraction of a step a rank idles in the pipeline schedule (0 without pipelining)."""
-    if not plan.uses_pp:
-        return 0.0
-    from .pipeline_estimate import bubble_fraction
-
-    return bubble_fraction(plan.pp_schedule, plan.pp_size, plan.pp_microbatches, plan.pp_virtual_stages)
-
-
-def pipeline_bubble_s(plan: SNNDistributedPlan, phase_s: Dict[str, float]) -> float:
-    """Idle time of a rank waiting for pipeline stages in one step (0 without pipelining): the
-    schedule's bubble fraction ``f`` of the whole step (:func:`.pipeline_estimate.bubble_fraction`),
-    so ``f / (1 - f)`` times the rank's own forward and backward."""
-    f = _bubble_fraction(plan)
-    return f / (1.0 - f) * (phase_s["forward"] + phase_s["backward"])
 
 
 def _stride(plan: SNNDistributedPlan, mesh_dim: str) -> int:
@@ -72,34 +54,14 @@ def _group_size(plan: SNNDistributedPlan, mesh_dim: str, kind: str) -> int:
     return plan.tp_size if mesh_dim == "tp" else plan.dp_size
 
 
-def _busiest_pp_rank_s(plan: SNNDistributedPlan, sends: Dict[str, float]) -> float:
-    """Seconds of the pipeline transfers (``{phase: seconds}`` of each stage boundary) that the pp rank
-    with the most of them sends or receives."""
-    from .pipeline_estimate import boundary_stages
-
-    spec, per_rank = plan.pp_schedule_spec, [0.0] * plan.pp_size
-    for phase, seconds in sends.items():
-        ends = {spec.rank_of(s, plan.pp_size, plan.pp_virtual_stages) for s in boundary_stages(phase)}
-        for rank in ends:
-            per_rank[rank] += seconds
-    return max(per_rank)
-
-
 def exposed_comm_s(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: HardwareProfile,
                    phase_s: Dict[str, float]) -> float:
-    """Seconds of communication not hidden behind compute (rules in the module doc); of a pipeline's
-    transfers, those of its busiest rank."""
+    """Seconds of communication not hidden behind compute (rules in the module doc)."""
     timed: Dict[Tuple[str, str, str], Tuple[float, int]] = {}
-    sends: Dict[str, float] = {}
     for row in collectives.itertuples(index=False):
         size = _group_size(plan, row.mesh_dim, row.kind)
         seconds = hw.collective_time(row.kind, size, row.bytes, row.count, spans_nodes(plan, row.mesh_dim, hw, size))
-        if row.mesh_dim == "pp" and row.kind == "send":
-            sends[row.phase] = seconds
-        else:
-            timed[(row.mesh_dim, row.kind, row.phase)] = (seconds, row.count)
-    if sends:
-        timed[("pp", "send", "busiest rank")] = (_busiest_pp_rank_s(plan, sends), 0)
+        timed[(row.mesh_dim, row.kind, row.phase)] = (seconds, row.count)
     if not hw.overlaps_comm:
         return sum(seconds for seconds, _ in timed.values())
     exposed = 0.0
@@ -113,7 +75,7 @@ def exposed_comm_s(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: Hard
     rs, rs_n = timed.pop(("dp", "reduce_scatter", "backward"), (0.0, 0))
     if rs_n or bag:
         exposed += max(rs / rs_n if rs_n else 0.0, bag + rs - phase_s["backward"])
-    return exposed + sum(seconds for seconds, _ in timed.values())  # TP, ZeRO, pipeline sends: critical path
+    return exposed + sum(seconds for seconds, _ in timed.values())  # TP, ZeRO: critical path
 
 
 def ranks_on_host(plan: SNNDistributedPlan, hw: HardwareProfile) -> int:
@@ -122,24 +84,19 @@ def ranks_on_host(plan: SNNDistributedPlan, hw: HardwareProfile) -> int:
 
 
 def host_sharing(plan: SNNDistributedPlan, hw: HardwareProfile) -> float:
-    """How much slower each rank runs when the plan's ranks on one host share its cores (calibrated):
-    the slow-down of as many ranks as are busy at once on average, since a pipeline rank idle in
-    its schedule's bubble leaves its share of the cores to the others."""
-    return hw.sharing(ranks_on_host(plan, hw) * (1.0 - _bubble_fraction(plan)))
+    """How much slower each rank runs when the plan's ranks on one host share its cores (calibrated)."""
+    return hw.sharing(ranks_on_host(plan, hw))
 
 
 def compute_phases(plan: SNNDistributedPlan, work: Work, hw: HardwareProfile, t: int, itemsize: int,
                    local_params_bytes: float, correction: Dict[str, float]) -> Dict[str, float]:
-    """Seconds of forward, backward and optimizer on one rank of ``plan`` (a pipeline rank runs
-    its ``1 / pp`` of the model, the stages taken as balanced, and updates its stages' parameters)."""
+    """Seconds of forward, backward and optimizer on one rank of ``plan`` (the optimizer over the
+    ``local_params_bytes`` it updates)."""
     n = plan.per_rank_batch
     share = local_params_bytes / work.param_bytes if work.param_bytes else 1.0
     slow = host_sharing(plan, hw)
-    stage = 1.0 / plan.pp_size
-    calls = plan.pp_microbatches * stage if plan.uses_pp else 1.0
-    return {p: (work.phase(p).seconds(hw, n, t, itemsize, share) if p == "optimizer"
-                else work.phase(p).seconds(hw, n, t, itemsize, stage, calls)) * correction.get(p, 1.0) * slow
-            for p in PHASES}
+    return {p: work.phase(p).seconds(hw, n, t, itemsize, share if p == "optimizer" else 1.0)
+            * correction.get(p, 1.0) * slow for p in PHASES}
 
 
 def framework_s(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, hw: HardwareProfile, t: int) -> float:
@@ -162,11 +119,11 @@ def framework_s(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, hw
 
 def time_table(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: HardwareProfile,
                phase_s: Dict[str, float]) -> pd.DataFrame:
-    """The ``rank, compute_s, exposed_comm_s, bubble_s, step_s`` table (every rank alike)."""
+    """The ``rank, compute_s, exposed_comm_s, bubble_s, step_s`` table of a plan without pipelining
+    (every rank alike, none idles)."""
     compute = sum(phase_s.values())
     comm = exposed_comm_s(plan, collectives, hw, phase_s)
-    bubble = pipeline_bubble_s(plan, phase_s)
-    row = dict(compute_s=compute, exposed_comm_s=comm, bubble_s=bubble, step_s=compute + comm + bubble)
+    row = dict(compute_s=compute, exposed_comm_s=comm, bubble_s=0.0, step_s=compute + comm)
     table = pd.DataFrame([row] * plan.world_size)
     table.insert(0, "rank", range(plan.world_size))
     return table[list(TIME_COLUMNS)]
@@ -201,6 +158,14 @@ def plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, per_
     if is_local(hw):
         correction = local_correction(profile, rank_work(profile, None, 1, optimizer), hw, optimizer)
     hw = hw.seen_by(ranks_on_host(plan, hw))
+    if plan.uses_pp:
+        from .pipeline_time import pipeline_time_table
+
+        whole = rank_work(profile, None, 1, optimizer)
+        optimizer_s = lambda params_bytes: whole.optimizer.seconds(hw, plan.per_rank_batch, t, itemsize,
+                                                                    params_bytes / max(whole.param_bytes, 1))
+        return pipeline_time_table(plan, profile, collectives, per_rank, hw, t, itemsize, correction,
+                                   ranks_on_host(plan, hw), optimizer_s)
     local = float(per_rank["params_bytes"].iloc[0]) / (plan.dp_size if plan.uses_zero else 1)
     phases = compute_phases(plan, work, hw, t, itemsize, local, correction)
     phases["framework"] = framework_s(plan, profile, collectives, hw, t)

@@ -1,0 +1,188 @@
+"""The predicted time of a pipeline plan's step (mode ``pp``): torch's schedule replayed with each
+stage's own cost.
+
+Each stage's forward (with the loss on the last stage) and backward of one micro-batch are counted
+(:class:`~.op_counter.OpCounter`) on the profile's model copy as mode ``pp`` runs them
+(:class:`~..core.parallelize.pipeline.PipelineStageModule`): :func:`stage_work`. Their roofline
+time (:meth:`~.compute_work.PhaseWork.seconds`, with the measured correction and the host's
+slow-down, as any plan's compute) plus the schedule's own cost per action (calibrated per schedule:
+``pp_action:<schedule>``, see :mod:`.calibration`) is the cost of each action of the ranks'
+orders, as torch's schedule runs them, replayed into time lines (:func:`replay_plan`; a zero-bubble
+schedule's input and weight backwards half a backward each). So stages of unequal cost set the
+step, not their average. A transfer between ranks delays the action that waits for it by its
+alpha-beta time. Ranks sharing a host slow each other by as many as are busy at once on average
+(:func:`busy_share`).
+
+After the schedule each rank all-reduces its stages' gradients over dp, every rank joins the
+loss broadcast (so all end the schedule together) and steps its optimizer over its stages'
+parameters. Per rank: ``compute_s`` its actions and its optimizer step, ``exposed_comm_s`` the
+waits for transfers (:func:`waited_on_transfers`) and its collectives, ``bubble_s`` the rest of
+its step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+import pandas as pd
+import torch
+
+from ..core.pipeline_plan import check_pp_model, pipeline_units, stage_units
+from ..core.pipeline_schedules import replay
+from ._step import batch_slice, loss_of
+from .compute_work import PhaseWork
+from .hardware import HardwareProfile
+from .op_counter import OpCounter
+from .pipeline_estimate import boundary_stages
+from .profile import Fit
+from .step_time import TIME_COLUMNS, spans_nodes
+
+#: The share of a whole backward each backward action does.
+BACKWARD_SHARE = {"B": 1.0, "I": 0.5, "W": 0.5}
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """The counted work of one micro-batch through one stage."""
+
+    forward: PhaseWork
+    backward: PhaseWork
+
+
+def _phase_work(counts: Sequence[float]) -> PhaseWork:
+    return PhaseWork(*(Fit(c0=v) for v in counts))
+
+
+def stage_work(profile, stages: Sequence[Sequence[str]], n: int, t: int) -> List[StageWork]:
+    """:class:`StageWork` of every stage (``stages``: unit paths) for ``n`` samples and ``t`` steps,
+    cached on the profile. Counted in the state of a step: after a forward at the same size, the
+    stage's gradients None, its input a received activation that requires grad (the first stage's
+    the batch), the gradient of its output given."""
+    from ..core.parallelize.pipeline import PipelineStageModule
+
+    cache = profile.__dict__.setdefault("_stage_work", {})
+    key = (tuple(map(tuple, stages)), n, t)
+    if key in cache:
+        return cache[key]
+    x, y = batch_slice(profile.example_input, profile.labels, n, t)
+    x, out = x.to(profile.dtype), []
+    for i, paths in enumerate(stages):
+        stage = PipelineStageModule(i, paths, [profile.model.get_submodule(p) for p in paths])
+        inp = x if i == 0 else x.detach().requires_grad_()
+        with torch.no_grad():
+            grad_out = torch.ones_like(stage(inp))
+        with OpCounter() as forward:
+            y_stage = stage(inp)
+            loss = loss_of(y_stage, y) if i == len(stages) - 1 else None
+        with OpCounter() as backward:
+            if loss is not None:
+                loss.backward()
+            elif y_stage.requires_grad:
+                torch.autograd.backward([y_stage], [grad_out])
+        for p in stage.parameters():
+            p.grad = None
+        out.append(StageWork(_phase_work(forward.counts), _phase_work(backward.counts)))
+        x = y_stage.detach()
+    cache[key] = out
+    return out
+
+
+def plan_stages(plan, profile) -> Tuple[Tuple[str, ...], ...]:
+    """The unit paths of each stage of ``plan`` on the profile's model."""
+    units = pipeline_units(profile.model)[0]
+    return stage_units(units, check_pp_model(plan, units))
+
+
+def transfer_s(plan, collectives: pd.DataFrame, hw: HardwareProfile) -> Dict[Tuple[int, int], float]:
+    """Seconds of one micro-batch's transfer across each stage boundary, by ``(src, dst)`` stage."""
+    out = {}
+    sends = collectives[(collectives["mesh_dim"] == "pp") & (collectives["kind"] == "send")]
+    for row in sends.itertuples(index=False):
+        out[boundary_stages(row.phase)] = hw.collective_time("send", 2, row.bytes, row.count,
+                                                             spans_nodes(plan, "pp", hw, 2)) / row.count
+    return out
+
+
+def _action_costs(plan, work: List[StageWork], hw: HardwareProfile, t: int, itemsize: int,
+                  scale: Dict[str, float]) -> Dict[Tuple[str, int], float]:
+    """Compute seconds of each ``(action kind, stage)`` (``scale``: per phase, correction x sharing)."""
+    n = plan.per_rank_batch // plan.pp_microbatches
+    costs = {}
+    for s, w in enumerate(work):
+        costs[("F", s)] = w.forward.seconds(hw, n, t, itemsize) * scale["forward"]
+        backward = w.backward.seconds(hw, n, t, itemsize) * scale["backward"]
+        costs.update({(kind, s): share * backward for kind, share in BACKWARD_SHARE.items()})
+    return costs
+
+
+def replay_plan(plan, costs: Dict[Tuple[str, int], float], links: Dict[Tuple[int, int], float]):
+    """The time lines of ``plan``'s schedule (:func:`~..core.pipeline_schedules.replay`), each action
+    costing ``costs[(kind, stage)]``, each transfer ``links[(src, dst)]`` between its two actions."""
+    orders = plan.pp_schedule_spec.rank_actions(plan.pp_size, plan.pp_microbatches, plan.pp_virtual_stages)
+    return replay(orders, plan.pp_stages, lambda kind, s: costs[(kind, s)], lambda src, dst: links.get((src, dst), 0.0))
+
+
+def waited_on_transfers(spans, ends: Dict[Tuple[str, int, int], float], links: Dict[Tuple[int, int], float]) -> float:
+    """Seconds a rank's actions (``spans`` of a replay) started later than they would have without
+    the transfers of their inputs (``ends``: when each action's output was ready, by what it sends)."""
+    waited, free = 0.0, 0.0
+    for kind, s, i, start, end in spans:
+        src = s - 1 if kind == "F" else s + 1 if kind in ("B", "I") else None
+        need = ("F", src, i) if kind == "F" else ("G", src, i)
+        link = links.get((src, s), 0.0) if src is not None else 0.0
+        if link and need in ends:
+            waited += max(0.0, min(link, start - max(free, ends[need])))
+        free = end
+    return waited
+
+
+def busy_share(plan, costs: Dict[Tuple[str, int], float]) -> float:
+    """The share of the schedule's time the average rank computes (transfers left out)."""
+    lines = replay_plan(plan, costs, {})
+    end = max(span[-1] for spans in lines.values() for span in spans)
+    busy = sum(span[-1] - span[-2] for spans in lines.values() for span in spans)
+    return busy / (end * plan.pp_size) if end else 1.0
+
+
+def pipeline_time_table(plan, profile, collectives: pd.DataFrame, per_rank: pd.DataFrame, hw: HardwareProfile,
+                        t: int, itemsize: int, correction: Dict[str, float], ranks_on_host: int,
+                        optimizer_s) -> pd.DataFrame:
+    """The ``rank, compute_s, exposed_comm_s, bubble_s, step_s`` table of pipeline ``plan`` (see the
+    module doc); ``optimizer_s(params_bytes)``: seconds of the optimizer step over that many bytes,
+    before the host's slow-down."""
+    stages = plan_stages(plan, profile)
+    work = stage_work(profile, stages, plan.per_rank_batch // plan.pp_microbatches, t)
+    unit = {p: correction.get(p, 1.0) for p in ("forward", "backward", "optimizer")}
+    slow = hw.sharing(ranks_on_host * busy_share(plan, _action_costs(plan, work, hw, t, itemsize, unit)))
+    per_action = hw.overhead(f"pp_action:{plan.pp_schedule}", plan.pp_size)
+    costs = {k: c + per_action for k, c in _action_costs(plan, work, hw, t, itemsize,
+                                                          {p: c * slow for p, c in unit.items()}).items()}
+    links = transfer_s(plan, collectives, hw)
+    lines = replay_plan(plan, costs, links)
+    ends = {("G" if kind in ("B", "I") else kind, s, i): end for spans in lines.values() for kind, s, i, _, end in spans}
+    dp_rows = collectives[collectives["mesh_dim"] == "dp"]
+    loss = collectives[(collectives["mesh_dim"] == "pp") & (collectives["kind"] == "broadcast")]
+    broadcast = sum(hw.collective_time("broadcast", plan.pp_size, r.bytes, r.count, spans_nodes(plan, "pp", hw))
+                    for r in loss.itertuples())
+    rows = []
+    for pp_rank, spans in sorted(lines.items()):
+        mine = [r for r in dp_rows.itertuples() if r.phase.endswith(f"(stages {_stages_text(plan, pp_rank)})")]
+        reduce_s = sum(hw.collective_time(r.kind, plan.dp_size, r.bytes, r.count, spans_nodes(plan, "dp", hw))
+                       for r in mine)
+        params = float(per_rank["params_bytes"].iloc[pp_rank * plan.dp_size])
+        optimizer = optimizer_s(params) * unit["optimizer"] * slow
+        rows.append(dict(end=spans[-1][-1] + reduce_s, optimizer=optimizer,
+                         compute=sum(costs[(kind, s)] for kind, s, *_ in spans) + optimizer,
+                         comm=waited_on_transfers(spans, ends, links) + reduce_s + broadcast))
+    joined = max(r["end"] for r in rows) + broadcast  # the loss broadcast: every rank waits for the last
+    table = []
+    for rank in range(plan.world_size):
+        r = rows[rank // plan.dp_size]
+        step = joined + r["optimizer"]
+        table.append(dict(rank=rank, compute_s=r["compute"], exposed_comm_s=r["comm"],
+                          bubble_s=max(0.0, step - r["compute"] - r["comm"]), step_s=step))
+    return pd.DataFrame(table, columns=list(TIME_COLUMNS))
+
+
+def _stages_text(plan, pp_rank: int) -> str:
+    return ",".join(map(str, plan.pp_schedule_spec.rank_stages(pp_rank, plan.pp_size, plan.pp_virtual_stages)))
