@@ -190,6 +190,21 @@ def test_pp_step_time_is_its_schedule_replayed(vgg):
     assert ratios[1] < ratios[0]
 
 
+def test_a_schedules_calibrated_costs_add_once_per_step_and_once_per_action(vgg):
+    """``pp_step:<schedule>`` lengthens every rank's step by itself; ``pp_action:<schedule>`` by at
+    least itself times the actions of a rank (its actions run one after another)."""
+    import dataclasses
+
+    base = se.hardware_profile("A100-SXM-80GB")
+    plan = _plan(vgg, {"pp": 2}, "1f1b")
+    kw = dict(example_input=vgg.example_input, labels=vgg.labels)
+    step = lambda costs: se.estimate(vgg.model, plan, hardware=dataclasses.replace(base, framework_overhead={2: costs}),
+                                     **kw).time["step_s"].to_numpy()
+    plain = step({})
+    assert step({"pp_step:1f1b": 1e-3, "pp_step:gpipe": 1.0}) == pytest.approx(plain + 1e-3)
+    assert (step({"pp_action:1f1b": 1e-3}) >= plain + 2 * plan.pp_microbatches * 1e-3 - 1e-12).all()
+
+
 def test_replay_with_costs_and_transfers_matches_a_hand_computed_schedule():
     """1F1B on 2 ranks, 2 micro-batches; stage 0: forward 1, backward 2; stage 1: forward 3, backward
     6; each transfer 0.5. By hand: rank 0 F0 [0, 1], F1 [1, 2]; rank 1 F0 [1.5, 4.5], B0 [4.5, 10.5],

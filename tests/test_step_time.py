@@ -71,18 +71,27 @@ def test_wrapper_costs_are_what_the_wrapped_step_takes_beyond_the_plain_one_and_
     costs = _overheads([{"framework": framework}, {"framework": slower}], table)
     assert costs == pytest.approx(dict(tp_module=5e-4, fsdp_collective=3e-4, ddp_step=2e-3, zero_step=7e-4))
     assert _overheads([{"framework": dict(framework, ddp=1e-3)}], table)["ddp_step"] == 0.0  # never negative
-    # the pipeline probe, 2 ranks under 1F1B, 2 micro-batches: blocks of 1 ms forward, 2 ms backward and
-    # transfers of L = 100 us + 1000 ns replay to 9 ms + 2 L (by hand); the step took 0.1 ms of loss
-    # broadcast and 4 x 0.5 ms more, one 0.5 ms per action of a rank
+    # broadcasts timed in bursts of 8 at 40 us each (+ 1 KiB at 1 ns per byte): ZeRO's 6 are priced so
+    from snn_explorer.estimator.calibration import BURST
+    burst = [BURST * (4e-5 + 1024e-9)] * 5
+    zero = dict(framework, zero=2e-4 + sum(4e-5 + 1e-9 * n for _, n in made["zero"]) + 7e-4, broadcast_burst=burst)
+    with_burst = _overheads([{"framework": zero}], table)
+    assert with_burst["broadcast_in_burst"] == pytest.approx(4e-5) and with_burst["zero_step"] == pytest.approx(7e-4)
+    # the pipeline probe, 2 ranks under 1F1B, 2 and 4 micro-batches: blocks of 1 ms forward, 2 ms
+    # backward and transfers of L = 100 us + 1000 ns replay to 9 ms + 2 L and 15 ms + 4 L (by hand),
+    # 4 and 8 actions a rank; the steps took 0.1 ms of loss broadcast, 1 ms once and 0.5 ms per action more
     from snn_explorer.core.pipeline_schedules import SCHEDULES
     from snn_explorer.estimator.calibration import _probe_pipeline
 
-    probe_plan = _probe_pipeline(2, SCHEDULES["1f1b"])[1]
-    assert probe_plan.pp_microbatches == 2
     link = 1e-4 + 1e-6
-    probe = dict(step=9e-3 + 2 * link + 1e-4 + 4 * 5e-4, forward=1e-3, backward=2e-3, bytes=1000, plan=probe_plan)
-    with_pp = _overheads([{"framework": dict(framework, pipeline={"1f1b": probe})}], table)
-    assert with_pp["pp_action:1f1b"] == pytest.approx(5e-4)
+    probes = []
+    for rounds, replayed, actions in ((1, 9e-3 + 2 * link, 4), (2, 15e-3 + 4 * link, 8)):
+        probe_plan = _probe_pipeline(2, SCHEDULES["1f1b"], rounds)[1]
+        assert probe_plan.pp_microbatches == 2 * rounds
+        probes.append(dict(step=replayed + 1e-4 + 1e-3 + actions * 5e-4, forward=1e-3, backward=2e-3, bytes=1000,
+                           plan=probe_plan))
+    with_pp = _overheads([{"framework": dict(framework, pipeline={"1f1b": probes})}], table)
+    assert with_pp["pp_action:1f1b"] == pytest.approx(5e-4) and with_pp["pp_step:1f1b"] == pytest.approx(1e-3)
     zoo, plans = mlp
     hw = dataclasses.replace(flops_only(), framework_overhead={2: costs})
     no_collectives = pd.DataFrame(columns=["mesh_dim", "kind", "phase", "count", "bytes"])
@@ -123,6 +132,12 @@ def test_calibrate_on_real_ranks_and_json_round_trip(tmp_path):
         # a bigger buffer takes longer, and time is alpha plus bytes times beta
         assert hw.collective_time(kind, 2, 2 ** 22) > hw.collective_time(kind, 2, 2 ** 10)
     assert hw.flops_per_s > 1e8 and hw.bytes_per_s > 1e8 and hw.op_overhead_s > 0
+    # every pipeline schedule ran on the ranks and has its cost per action; ZeRO-like broadcast bursts were timed
+    from snn_explorer.core.pipeline_schedules import SCHEDULES
+
+    costs = hw.framework_overhead[2]
+    assert {f"pp_action:{name}" for name in SCHEDULES} | {"broadcast_in_burst"} <= set(costs)
+    assert min(costs.values()) >= 0 and costs["broadcast_in_burst"] > 0
     # on the machine it was calibrated on, the measured unsharded step corrects the model's phases
     zoo = build("mlp")
     plan = enumerate_plans(se.analyze(zoo.model), world_size=2, batch_size=zoo.batch_size)[0]
@@ -289,6 +304,20 @@ def test_optimizer_count_on_zero_gradients_is_that_of_a_step_after_a_real_backwa
     counted = optimizer_work(model, names, optimizer)
     assert real.counts[3] > 10 and [f.c0 for f in (counted.flops, counted.flop_bytes, counted.other_bytes,
                                                    counted.ops)] == real.counts
+
+
+def test_zero_broadcasts_are_priced_as_a_burst_where_one_was_calibrated():
+    """ZeroRedundancyOptimizer issues its broadcasts back to back: each then costs the calibrated
+    ``broadcast_in_burst`` instead of the alpha of one alone; bytes still cost beta each."""
+    hw = dataclasses.replace(flops_only(), framework_overhead={2: {"broadcast_in_burst": 2e-5}})
+    alpha, beta = hw.collectives["broadcast"][2]
+    assert alpha != 2e-5
+    assert hw.collective_time("broadcast", 2, 1e6, 10, burst=True) == pytest.approx(10 * 2e-5 + 1e6 * beta)
+    assert hw.collective_time("broadcast", 2, 1e6, 10) == pytest.approx(10 * alpha + 1e6 * beta)
+    assert flops_only().collective_time("broadcast", 2, 1e6, 10, burst=True) == pytest.approx(10 * alpha + 1e6 * beta)
+    plan = type("P", (), dict(dp_size=2, tp_size=1))()
+    table = pd.DataFrame([dict(mesh_dim="dp", kind="broadcast", phase="optimizer", count=10, bytes=1e6)])
+    assert exposed_comm_s(plan, table, hw, {"forward": 0, "backward": 0}) == pytest.approx(10 * 2e-5 + 1e6 * beta)
 
 
 def test_nothing_overlaps_on_cpu_ranks():

@@ -40,15 +40,18 @@ REPEATS = 5
 LOOP_OPS = 8
 #: 64 x 64 matmuls run before each timed collective (see :func:`_time_collective`).
 GAP_MATMULS = 16
+#: Broadcasts issued at once when timing them as ZeroRedundancyOptimizer issues them.
+BURST = 8
 #: Seconds each rank computes when timing how ranks on one host slow each other.
 SHARING_PROBE_S = 0.25
 #: Time steps of the probe SNN the wrappers' costs are timed on, and timed steps per wrapper (median).
 PROBE_STEPS = 8
 WRAPPER_REPEATS = 15
-#: Micro-batches of the pipeline probe (:func:`_probe_pipeline`).
-PIPELINE_PROBE_MICRO = 4
+#: Rounds of micro-batches (``pp x`` stages per rank each) the pipeline probe runs, and its timed steps.
+PIPELINE_ROUNDS = (1, 2)
+PIPELINE_REPEATS = 9
 #: Bumped when what calibrate() measures changes, so that older cached calibrations are not reused.
-CALIBRATION_VERSION = 6
+CALIBRATION_VERSION = 7
 #: The smallest beta a fit gives (s/byte: 10 TB/s), when the times do not grow with the size.
 MIN_BETA = 1e-13
 
@@ -172,15 +175,27 @@ def _gap_compute(device):
     return gap
 
 
-def _time_collective(dist, kind: str, p: int, nbytes: int, device, gap) -> List[float]:
-    """Seconds one ``kind`` of ``nbytes`` over the world's ``p`` ranks adds to a stream of compute,
-    :data:`REPEATS` times after a warm-up: a loop of :data:`LOOP_OPS` (``gap()``, collective)
-    against the same loop of ``gap()`` alone. Issued between compute, as in a training step, a
-    collective also pays for waking the ranks that wait in it: on ranks sharing a CPU's cores
-    that costs several times the latency of collectives timed back to back."""
+def _broadcast_burst(dist, device):
+    """:data:`BURST` broadcasts of 1 KiB issued at once, each from the next rank, then waited for
+    (as ZeroRedundancyOptimizer sends each rank's updated parameters), as a callable."""
     import torch
 
-    op = _collective_op(dist, kind, p, nbytes, device)
+    p, bufs = dist.get_world_size(), [torch.ones(256, device=device) for _ in range(BURST)]
+
+    def burst():
+        for work in [dist.broadcast(buf, src=i % p, async_op=True) for i, buf in enumerate(bufs)]:
+            work.wait()
+    return burst
+
+
+def _time_collective(dist, op, device, gap) -> List[float]:
+    """Seconds the collective(s) ``op()`` adds to a stream of compute, :data:`REPEATS` times after a
+    warm-up: a loop of :data:`LOOP_OPS` (``gap()``, ``op()``) against the same loop of ``gap()``
+    alone. Issued between compute, as in a training step, a collective also pays for waking the
+    ranks that wait in it: on ranks sharing a CPU's cores that costs several times the latency of
+    collectives timed back to back."""
+    import torch
+
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def loop(with_op: bool) -> float:
@@ -289,11 +304,11 @@ def _wrapped_step_times(dist, device) -> dict:
             "tp_calls": 2 * PROBE_STEPS}
 
 
-def _probe_pipeline(p: int, schedule):
+def _probe_pipeline(p: int, schedule, rounds: int = 1):
     """``p`` ranks' pipeline of identical probe blocks (each a Linear(64, 64) with a leaky, smoothly
     spiking state over the time steps), as many stages per rank as ``schedule`` (a
-    :class:`~..core.pipeline_schedules.PipelineSchedule`) runs, one micro-batch of 4 samples per
-    stage: the model, its plan and a batch."""
+    :class:`~..core.pipeline_schedules.PipelineSchedule`) runs, ``rounds`` micro-batches of 4
+    samples per stage: the model, its plan and a batch."""
     import torch
 
     from ..core import analyze, plan
@@ -315,23 +330,24 @@ def _probe_pipeline(p: int, schedule):
     virtual = schedule.virtual_stages or (2 if schedule.multi_stage else 1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(Block() for _ in range(p * virtual)))
-    micro = p * virtual
+    micro = rounds * p * virtual
     pp_plan = plan(analysis=analyze(model), objective="speed", topology={"pp": p}, mode="pp", batch_size=4 * micro,
                    pp_schedule=schedule.name, pp_microbatches=micro, pp_virtual_stages=virtual)
     return model, pp_plan, torch.rand(PROBE_STEPS, 4 * micro, 64, generator=torch.Generator().manual_seed(2))
 
 
-def _pipeline_step_times(dist, device, schedule) -> dict:
-    """Seconds of a training step of :func:`_probe_pipeline` under ``schedule`` on this rank (the
-    median of :data:`WRAPPER_REPEATS`), of one micro-batch's forward and backward of a probe block
-    run alone (every rank at once, in rounds with the steps); the plan and the bytes of one transfer."""
+def _pipeline_step_times(dist, device, schedule, rounds: int) -> dict:
+    """Seconds of a training step of :func:`_probe_pipeline` under ``schedule`` with ``rounds`` on
+    this rank (the median of :data:`PIPELINE_REPEATS`), of one micro-batch's forward and backward
+    of a probe block run alone (every rank at once, in turns with the steps); the plan and the bytes
+    of one transfer."""
     import copy
 
     import torch
 
     from ..core import apply
 
-    model, pp_plan, x = _probe_pipeline(dist.get_world_size(), schedule)
+    model, pp_plan, x = _probe_pipeline(dist.get_world_size(), schedule, rounds)
     block = copy.deepcopy(model[0]).to(device)  # apply leaves on this rank only the blocks it holds
     micro = x[:, :x.shape[1] // pp_plan.pp_microbatches].clone().requires_grad_()
     runtime = apply(model=model, plan=pp_plan, device_type=device.type)
@@ -348,7 +364,7 @@ def _pipeline_step_times(dist, device, schedule) -> dict:
     runtime.train_step(loss, x, labels)
     steps, forwards, backwards = [], [], []
     with collected():
-        for _ in range(WRAPPER_REPEATS):
+        for _ in range(PIPELINE_REPEATS):
             dist.barrier()
             steps.append(timed(lambda: runtime.train_step(loss, x, labels)))
             dist.barrier()
@@ -372,10 +388,12 @@ def _calibrate_on_rank(with_compute: bool) -> dict:
     probe, sync = _probe_step(device), torch.cuda.synchronize if cuda else (lambda: None)
     shared = statistics.median(_busy_time(probe, sync) for _ in range(3))  # one loop varied by 30 % here
     gap = _gap_compute(device)
-    collectives = {(kind, nbytes): _time_collective(dist, kind, p, nbytes, device, gap)
+    collectives = {(kind, nbytes): _time_collective(dist, _collective_op(dist, kind, p, nbytes, device), device, gap)
                    for kind in KINDS for nbytes in SIZES_BYTES}
     framework = _wrapped_step_times(dist, device)
-    framework["pipeline"] = {name: _pipeline_step_times(dist, device, spec) for name, spec in SCHEDULES.items()}
+    framework["broadcast_burst"] = _time_collective(dist, _broadcast_burst(dist, device), device, gap)
+    framework["pipeline"] = {name: [_pipeline_step_times(dist, device, spec, rounds) for rounds in PIPELINE_ROUNDS]
+                             for name, spec in SCHEDULES.items()}
     ranks.report(message=f"calibrated {p} ranks")
     return {"alone": alone, "shared": shared, "collectives": collectives, "framework": framework}
 
@@ -383,23 +401,34 @@ def _calibrate_on_rank(with_compute: bool) -> dict:
 def _overheads(values: List[dict], table: Dict[str, Tuple[float, float]]) -> Dict[str, float]:
     """Per TP-sharded module call, per FSDP2 collective, per DDP step and per ZeRO step: what the
     slowest rank's wrapped step (:func:`_wrapped_step_times`) takes beyond the plain one and beyond
-    the collectives it made, as fitted (``table``: kind -> alpha, beta)."""
+    the collectives it made, as fitted (``table``: kind -> alpha, beta), ZeRO's broadcasts at the
+    fixed cost of one in a burst (``broadcast_in_burst``, from :func:`_broadcast_burst`); per
+    step and per action of each pipeline schedule (:func:`_pipeline_costs`)."""
     times = {k: max(v["framework"][k] for v in values) for k in ("plain", "tp", "fsdp", "ddp", "adam", "zero")}
     made = values[0]["framework"]["collectives"]
-    comm = {name: sum(table[kind][0] + table[kind][1] * nbytes for kind, nbytes in rows) for name, rows in made.items()}
+    costs = {}
+    if "broadcast_burst" in values[0]["framework"]:  # the slowest rank's median, per broadcast
+        burst = statistics.median(max(ts) for ts in zip(*(v["framework"]["broadcast_burst"] for v in values)))
+        costs["broadcast_in_burst"] = max(burst / BURST - table["broadcast"][1] * 1024, 0.0)
+    alpha = {kind: table[kind][0] for kind in KINDS}
+    # ZeRO's broadcasts go out back to back
+    alpha_of = lambda name, kind: (costs.get("broadcast_in_burst", alpha[kind]) if (name, kind) == ("zero", "broadcast")
+                                   else alpha[kind])
+    comm = {name: sum(alpha_of(name, kind) + table[kind][1] * nbytes for kind, nbytes in rows)
+            for name, rows in made.items()}
     beyond = lambda name, base: max(0.0, times[name] - times[base] - comm[name])
     return {"tp_module": beyond("tp", "plain") / values[0]["framework"]["tp_calls"],
             "fsdp_collective": beyond("fsdp", "plain") / max(1, len(made["fsdp"])),
             "ddp_step": beyond("ddp", "plain"), "zero_step": beyond("zero", "adam"),
-            **{f"pp_action:{name}": _pipeline_action_s([v["framework"]["pipeline"][name] for v in values], table)
-               for name in values[0]["framework"].get("pipeline", {})}}
+            **costs,
+            **{key: cost for name in values[0]["framework"].get("pipeline", {})
+               for key, cost in _pipeline_costs(name, [v["framework"]["pipeline"][name] for v in values], table).items()}}
 
 
-def _pipeline_action_s(values: List[dict], table: Dict[str, Tuple[float, float]]) -> float:
-    """Per action of a rank in a pipeline schedule (a micro-batch's forward or backward through a
-    stage): what the probe's step (:func:`_pipeline_step_times`, the slowest rank) takes beyond its
-    schedule replayed with the blocks' own times and the transfers' fitted latency between them
-    (:func:`~.pipeline_time.replay_plan`), and beyond the loss broadcast."""
+def _beyond_replay(values: List[dict], table: Dict[str, Tuple[float, float]]) -> Tuple[float, int]:
+    """(seconds, actions per rank): what the pipeline probe's step (:func:`_pipeline_step_times`, the
+    slowest rank) took beyond its schedule replayed with the blocks' own times and the transfers'
+    fitted latency between them (:func:`~.pipeline_time.replay_plan`) and beyond the loss broadcast."""
     from .pipeline_time import BACKWARD_SHARE, replay_plan
 
     pp_plan = values[0]["plan"]
@@ -409,8 +438,17 @@ def _pipeline_action_s(values: List[dict], table: Dict[str, Tuple[float, float]]
     link = table["send"][0] + table["send"][1] * values[0]["bytes"]
     lines = replay_plan(pp_plan, costs, {(s + d, s + 1 - d): link for s in range(pp_plan.pp_stages - 1) for d in (0, 1)})
     schedule = max(span[-1] for spans in lines.values() for span in spans)
-    beyond = max(v["step"] for v in values) - schedule - table["broadcast"][0]
-    return max(0.0, beyond / max(len(spans) for spans in lines.values()))
+    return max(v["step"] for v in values) - schedule - table["broadcast"][0], max(len(s) for s in lines.values())
+
+
+def _pipeline_costs(name: str, rounds: List[List[dict]], table: Dict[str, Tuple[float, float]]) -> Dict[str, float]:
+    """``pp_step:<name>`` and ``pp_action:<name>``: the schedule's own cost per step and per action of
+    a rank (a micro-batch's forward or backward through a stage), the line through what the probe
+    took beyond its replay (:func:`_beyond_replay`) at its two numbers of micro-batches (``rounds``:
+    every rank's values at each); neither below 0."""
+    (extra1, actions1), (extra2, actions2) = (_beyond_replay([v[i] for v in rounds], table) for i in range(2))
+    per_action = max(0.0, (extra2 - extra1) / (actions2 - actions1))
+    return {f"pp_step:{name}": max(0.0, extra1 - per_action * actions1), f"pp_action:{name}": per_action}
 
 
 def _profile_from(runs: Dict[int, List[dict]], backend: str, name: Optional[str],

@@ -149,14 +149,18 @@ class HardwareProfile:
         return self.framework_overhead[near].get(what, 0.0)
 
     def collective_time(self, kind: str, group_size: int, nbytes: float, calls: int = 1,
-                        spans_nodes: bool = False) -> float:
-        """Seconds for ``calls`` collectives of ``kind`` on ``group_size`` ranks moving ``nbytes`` in all."""
+                        spans_nodes: bool = False, burst: bool = False) -> float:
+        """Seconds for ``calls`` collectives of ``kind`` on ``group_size`` ranks moving ``nbytes`` in all;
+        with ``burst``, issued back to back and then waited for (ZeroRedundancyOptimizer's broadcasts):
+        each call's fixed cost is then the calibrated ``<kind>_in_burst`` where there is one."""
         if kind not in KINDS:
             raise ValueError(f"collective kind {kind!r}; expected one of {KINDS}")
         if group_size <= 1 or calls == 0:
             return 0.0
         table = self.inter_node if spans_nodes and self.inter_node else self.collectives
         alpha, beta = _scaled(table[kind], kind, group_size)
+        if burst and not spans_nodes:
+            alpha = self.overhead(f"{kind}_in_burst", group_size) or alpha
         return calls * alpha + nbytes * beta / self.efficiency
 
     def to_dict(self) -> dict:
