@@ -192,7 +192,8 @@ def test_pp_step_time_is_its_schedule_replayed(vgg):
 
 def test_a_schedules_calibrated_costs_add_once_per_step_and_once_per_action(vgg):
     """``pp_step:<schedule>`` lengthens every rank's step by itself; ``pp_action:<schedule>`` by at
-    least itself times the actions of a rank (its actions run one after another)."""
+    least itself times the actions of a rank (its actions run one after another); ``pp_link:<schedule>``
+    delays each transfer between ranks."""
     import dataclasses
 
     base = se.hardware_profile("A100-SXM-80GB")
@@ -203,6 +204,8 @@ def test_a_schedules_calibrated_costs_add_once_per_step_and_once_per_action(vgg)
     plain = step({})
     assert step({"pp_step:1f1b": 1e-3, "pp_step:gpipe": 1.0}) == pytest.approx(plain + 1e-3)
     assert (step({"pp_action:1f1b": 1e-3}) >= plain + 2 * plan.pp_microbatches * 1e-3 - 1e-12).all()
+    # a transfer's extra latency: at least once down the pipe and once back up
+    assert (step({"pp_link:1f1b": 1e-3}) >= plain + 2e-3 - 1e-12).all()
 
 
 def test_replay_with_costs_and_transfers_matches_a_hand_computed_schedule():

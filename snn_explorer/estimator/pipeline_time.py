@@ -10,7 +10,7 @@ slow-down, as any plan's compute) plus the schedule's own cost per action (calib
 added once) is the cost of each action of the ranks' orders, as torch's schedule runs them, replayed into time lines (:func:`replay_plan`; a zero-bubble
 schedule's input and weight backwards half a backward each). So stages of unequal cost set the
 step, not their average. A transfer between ranks delays the action that waits for it by its
-alpha-beta time. Ranks sharing a host slow each other by as many as are busy at once on average
+alpha-beta time plus the schedule's calibrated latency beyond it (``pp_link:<schedule>``). Ranks sharing a host slow each other by as many as are busy at once on average
 (:func:`busy_share`).
 
 After the schedule each rank all-reduces its stages' gradients over dp, every rank joins the
@@ -158,7 +158,8 @@ def pipeline_time_table(plan, profile, collectives: pd.DataFrame, per_rank: pd.D
     per_step = hw.overhead(f"pp_step:{plan.pp_schedule}", plan.pp_size)
     costs = {k: c + per_action for k, c in _action_costs(plan, work, hw, t, itemsize,
                                                           {p: c * slow for p, c in unit.items()}).items()}
-    links = transfer_s(plan, collectives, hw)
+    extra = hw.overhead(f"pp_link:{plan.pp_schedule}", plan.pp_size)
+    links = {boundary: seconds + extra for boundary, seconds in transfer_s(plan, collectives, hw).items()}
     lines = replay_plan(plan, costs, links)
     ends = {("G" if kind in ("B", "I") else kind, s, i): end for spans in lines.values() for kind, s, i, _, end in spans}
     dp_rows = collectives[collectives["mesh_dim"] == "dp"]
