@@ -7,10 +7,12 @@ failing deep inside a step. Everything else in the package uses public torch API
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
 import inspect
+import time
 from typing import Any, Iterable, Optional
 
 import torch
@@ -304,6 +306,27 @@ def label_pipeline_p2p(stage: Any, labels: dict) -> None:
                 labels[op.tensor.data_ptr()] = _phase
             return ops
         setattr(stage, name, labelled)
+
+
+@contextlib.contextmanager
+def pipeline_waits():
+    """Seconds torch's pipeline schedules spend waiting for their sends and receives while the body
+    runs (every wait goes through ``schedules._wait_batch_p2p``), in the list yielded (one float)."""
+    schedules = importlib.import_module("torch.distributed.pipelining.schedules")
+    original = _require("torch.distributed.pipelining.schedules", "_wait_batch_p2p")
+    waited = [0.0]
+
+    def timed(work):
+        start = time.perf_counter()
+        try:
+            return original(work)
+        finally:
+            waited[0] += time.perf_counter() - start
+    schedules._wait_batch_p2p = timed
+    try:
+        yield waited
+    finally:
+        schedules._wait_batch_p2p = original
 
 
 _IS_VIEW = _require("torch", "Tensor._is_view")

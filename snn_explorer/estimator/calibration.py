@@ -47,12 +47,10 @@ SHARING_PROBE_S = 0.25
 #: Time steps of the probe SNN the wrappers' costs are timed on, and timed steps per wrapper (median).
 PROBE_STEPS = 8
 WRAPPER_REPEATS = 15
-#: The pipeline probes (:func:`_probe_pipeline`), each ``(rounds of micro-batches, work of rank 0's
-#: blocks)``: rank 0 the bottleneck at two numbers of micro-batches, then every block alike; timed steps of each.
-PIPELINE_PROBES = ((1, 6), (2, 6), (1, 1))
-PIPELINE_REPEATS = 5
+#: Timed steps of each pipeline probe (:func:`_pipeline_step_times`).
+PIPELINE_REPEATS = 9
 #: Bumped when what calibrate() measures changes, so that older cached calibrations are not reused.
-CALIBRATION_VERSION = 8
+CALIBRATION_VERSION = 9
 #: The smallest beta a fit gives (s/byte: 10 TB/s), when the times do not grow with the size.
 MIN_BETA = 1e-13
 
@@ -305,59 +303,52 @@ def _wrapped_step_times(dist, device) -> dict:
             "tp_calls": 2 * PROBE_STEPS}
 
 
-def _probe_block(repeats: int):
-    """A probe stage: a Linear(64, 64) with a leaky, smoothly spiking state over the time steps of
-    its input ``[T, N, 64]``, the membrane's input computed ``repeats`` times (more work, same shapes)."""
+def _probe_pipeline(p: int, schedule):
+    """``p`` ranks' pipeline of identical probe blocks (each a Linear(64, 64) with a leaky, smoothly
+    spiking state over the time steps of its input ``[T, N, 64]``), as many stages per rank as
+    ``schedule`` (a :class:`~..core.pipeline_schedules.PipelineSchedule`) runs, one micro-batch of
+    4 samples per stage: the model, its plan and a batch."""
     import torch
+
+    from ..core import analyze, plan
 
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.linear, self.repeats = torch.nn.Linear(64, 64), repeats
+            self.linear = torch.nn.Linear(64, 64)
 
         def forward(self, x):
             mem, out = torch.zeros_like(x[0]), []
             for t in range(x.shape[0]):
-                for _ in range(self.repeats):
-                    mem = 0.9 * mem + self.linear(x[t])
+                mem = 0.9 * mem + self.linear(x[t])
                 spike = torch.sigmoid(4 * (mem - 1))
                 mem = mem - spike
                 out.append(spike)
             return torch.stack(out)
 
-    return Block()
-
-
-def _probe_pipeline(p: int, schedule, rounds: int = 1, heavy: int = 1):
-    """``p`` ranks' pipeline of probe blocks (:func:`_probe_block`), as many stages per rank as
-    ``schedule`` (a :class:`~..core.pipeline_schedules.PipelineSchedule`) runs, ``rounds``
-    micro-batches of 4 samples per stage, rank 0's blocks ``heavy`` times the work of the others:
-    the model, its plan and a batch."""
-    import torch
-
-    from ..core import analyze, plan
-
     virtual = schedule.virtual_stages or (2 if schedule.multi_stage else 1)
-    first = schedule.rank_stages(0, p, virtual)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*(_probe_block(heavy if s in first else 1) for s in range(p * virtual)))
-    micro = rounds * p * virtual
+    model = torch.nn.Sequential(*(Block() for _ in range(p * virtual)))
+    micro = p * virtual
     pp_plan = plan(analysis=analyze(model), objective="speed", topology={"pp": p}, mode="pp", batch_size=4 * micro,
                    pp_schedule=schedule.name, pp_microbatches=micro, pp_virtual_stages=virtual)
     return model, pp_plan, torch.rand(PROBE_STEPS, 4 * micro, 64, generator=torch.Generator().manual_seed(2))
 
 
-def _pipeline_step_times(dist, device, schedule, rounds: int, heavy: int) -> dict:
-    """Seconds of a training step of :func:`_probe_pipeline` under ``schedule`` (``rounds``,
-    ``heavy``) on this rank, the median of :data:`PIPELINE_REPEATS`; of one micro-batch's forward
-    and backward of a block and of a heavy block run alone (every rank at once, in turns with the
-    steps); the plan and the bytes of one transfer."""
+def _pipeline_step_times(dist, device, schedule) -> dict:
+    """Seconds of a training step of :func:`_probe_pipeline` under ``schedule`` on this rank and of
+    its waits for sends and receives in it (:func:`~..compat.pipeline_waits`), of one micro-batch's
+    forward and backward of a probe block run alone (every rank at once, in turns with the steps),
+    each the median of :data:`PIPELINE_REPEATS`; the plan and the bytes of one transfer."""
+    import copy
+
     import torch
 
+    from ..compat import pipeline_waits
     from ..core import apply
 
-    model, pp_plan, x = _probe_pipeline(dist.get_world_size(), schedule, rounds, heavy)
-    blocks = {"light": _probe_block(1).to(device), "heavy": _probe_block(heavy).to(device)}
+    model, pp_plan, x = _probe_pipeline(dist.get_world_size(), schedule)
+    block = copy.deepcopy(model[0]).to(device)  # apply leaves on this rank only the blocks it holds
     micro = x[:, :x.shape[1] // pp_plan.pp_microbatches].clone().to(device).requires_grad_()
     runtime = apply(model=model, plan=pp_plan, device_type=device.type)
     x, labels = x.to(device), torch.zeros(x.shape[1], dtype=torch.long)
@@ -371,17 +362,18 @@ def _pipeline_step_times(dist, device, schedule, rounds: int, heavy: int) -> dic
         return time.perf_counter() - start
 
     runtime.train_step(loss, x, labels)
-    times = {k: [] for k in ("step", "light_F", "light_B", "heavy_F", "heavy_B")}
+    times = {k: [] for k in ("step", "waited", "forward", "backward")}
     with collected():
         for _ in range(PIPELINE_REPEATS):
             dist.barrier()
-            times["step"].append(timed(lambda: runtime.train_step(loss, x, labels)))
+            with pipeline_waits() as waited:
+                times["step"].append(timed(lambda: runtime.train_step(loss, x, labels)))
+            times["waited"].append(waited[0])
             dist.barrier()
-            for name, block in blocks.items():
-                out = []
-                times[f"{name}_F"].append(timed(lambda: out.append(block(micro))))
-                times[f"{name}_B"].append(timed(lambda: out[0].backward(torch.ones_like(out[0]))))
-    return {**{k: statistics.median(v) for k, v in times.items()}, "plan": pp_plan, "heavy": heavy,
+            out = []
+            times["forward"].append(timed(lambda: out.append(block(micro))))
+            times["backward"].append(timed(lambda: out[0].backward(torch.ones_like(out[0]))))
+    return {**{k: statistics.median(v) for k, v in times.items()}, "plan": pp_plan,
             "bytes": micro.numel() * micro.element_size()}
 
 
@@ -402,8 +394,7 @@ def _calibrate_on_rank(with_compute: bool) -> dict:
                    for kind in KINDS for nbytes in SIZES_BYTES}
     framework = _wrapped_step_times(dist, device)
     framework["broadcast_burst"] = _time_collective(dist, _broadcast_burst(dist, device), device, gap)
-    framework["pipeline"] = {name: [_pipeline_step_times(dist, device, spec, rounds, heavy)
-                                    for rounds, heavy in PIPELINE_PROBES] for name, spec in SCHEDULES.items()}
+    framework["pipeline"] = {name: _pipeline_step_times(dist, device, spec) for name, spec in SCHEDULES.items()}
     ranks.report(message=f"calibrated {p} ranks")
     return {"alone": alone, "shared": shared, "collectives": collectives, "framework": framework}
 
@@ -413,7 +404,7 @@ def _overheads(values: List[dict], table: Dict[str, Tuple[float, float]]) -> Dic
     slowest rank's wrapped step (:func:`_wrapped_step_times`) takes beyond the plain one and beyond
     the collectives it made, as fitted (``table``: kind -> alpha, beta), ZeRO's broadcasts at the
     fixed cost of one in a burst (``broadcast_in_burst``, from :func:`_broadcast_burst`); per
-    step and per action of each pipeline schedule (:func:`_pipeline_costs`)."""
+    action and per transfer of each pipeline schedule (:func:`_pipeline_costs`)."""
     times = {k: max(v["framework"][k] for v in values) for k in ("plain", "tp", "fsdp", "ddp", "adam", "zero")}
     made = values[0]["framework"]["collectives"]
     costs = {}
@@ -432,52 +423,53 @@ def _overheads(values: List[dict], table: Dict[str, Tuple[float, float]]) -> Dic
             "ddp_step": beyond("ddp", "plain"), "zero_step": beyond("zero", "adam"),
             **costs,
             **{key: cost for name in values[0]["framework"].get("pipeline", {})
-               for key, cost in _pipeline_costs(name, [v["framework"]["pipeline"][name] for v in values], table).items()}}
+               for key, cost in _pipeline_costs(name, [v["framework"]["pipeline"][name] for v in values],
+                                                table).items()}}
 
 
 def _replayed_step(values: List[dict], table: Dict[str, Tuple[float, float]], per_action: float = 0.0,
-                   extra_link: float = 0.0) -> Tuple[float, int]:
-    """(seconds, actions per rank) of a pipeline probe's step (:func:`_pipeline_step_times`, every
+                   extra_link: float = 0.0):
+    """(seconds of the step, time lines) of the pipeline probe (:func:`_pipeline_step_times`, every
     rank's values) as its schedule replays (:func:`~.pipeline_time.replay_plan`): each action the
     block's own time (the slowest rank's) plus ``per_action``, each transfer the fitted latency plus
     ``extra_link``, then the loss broadcast."""
     from .pipeline_time import BACKWARD_SHARE, replay_plan
 
-    pp_plan, heavy = values[0]["plan"], values[0]["heavy"]
-    first = pp_plan.pp_schedule_spec.rank_stages(0, pp_plan.pp_size, pp_plan.pp_virtual_stages)
-    block = lambda s, phase: max(v[f"{'heavy' if s in first and heavy > 1 else 'light'}_{phase}"] for v in values)
-    costs = {(kind, s): per_action + (block(s, "F") if kind == "F" else share * block(s, "B"))
+    pp_plan = values[0]["plan"]
+    forward, backward = max(v["forward"] for v in values), max(v["backward"] for v in values)
+    costs = {(kind, s): per_action + (forward if kind == "F" else share * backward)
              for s in range(pp_plan.pp_stages) for kind, share in (("F", 1.0), *BACKWARD_SHARE.items())}
     link = table["send"][0] + table["send"][1] * values[0]["bytes"] + extra_link
     lines = replay_plan(pp_plan, costs, {(s + d, s + 1 - d): link for s in range(pp_plan.pp_stages - 1) for d in (0, 1)})
-    schedule = max(span[-1] for spans in lines.values() for span in spans)
-    return schedule + table["broadcast"][0], max(len(spans) for spans in lines.values())
+    return max(span[-1] for spans in lines.values() for span in spans) + table["broadcast"][0], lines
 
 
-def _pipeline_costs(name: str, probes: List[List[dict]], table: Dict[str, Tuple[float, float]]) -> Dict[str, float]:
-    """A pipeline schedule's own costs, none below 0, from its probes (``probes``: every rank's values
-    of each of :data:`PIPELINE_PROBES`):
+def _pipeline_costs(name: str, values: List[dict], table: Dict[str, Tuple[float, float]]) -> Dict[str, float]:
+    """A pipeline schedule's own costs from its probe (``values``: every rank's :func:`_pipeline_step_times`),
+    neither below 0:
 
-    - ``pp_action:<name>`` per action of a rank (a micro-batch's forward or backward through a
-      stage) and ``pp_step:<name>`` per step: the line through what the steps of the probes with a
-      slow rank 0 took beyond their replay, at their two numbers of micro-batches (rank 0 never
-      waits there, so what it pays is its own);
-    - ``pp_link:<name>``, latency per transfer beyond the fitted send's: what makes the replay of the
-      probe with every block alike (where every rank waits for the others) take its measured step."""
-    measured = [max(v["step"] for v in values) for values in zip(*probes)]
-    replayed = [_replayed_step(list(values), table) for values in zip(*probes)]
-    (extra1, actions1), (extra2, actions2) = ((m - r, n) for m, (r, n) in zip(measured[:2], replayed[:2]))
-    per_action = max(0.0, (extra2 - extra1) / (actions2 - actions1))
-    per_step = max(0.0, extra1 - per_action * actions1)
-    even = list(zip(*probes))[2]
-    step_with = lambda link: _replayed_step(list(even), table, per_action, link)[0] + per_step
-    low, high = 0.0, max(measured[2], 1e-3)
-    if step_with(low) >= measured[2]:
-        high = 0.0
+    - ``pp_action:<name>``, per action of a rank (a micro-batch's forward or backward through a
+      stage): what a rank's step took beyond its actions' compute, its waits for transfers and the
+      loss broadcast, per action; the least over the ranks (the others also wait in the broadcast
+      for the rank that ends the schedule);
+    - ``pp_link:<name>``, latency per transfer beyond the fitted send's: what makes the probe's
+      replay with those action costs take its measured step (the slowest rank's)."""
+    from .pipeline_time import BACKWARD_SHARE
+
+    lines = _replayed_step(values, table)[1]
+    own = []
+    for rank, v in enumerate(values):
+        compute = sum(v["forward"] if kind == "F" else BACKWARD_SHARE[kind] * v["backward"]
+                      for kind, *_ in lines[rank])
+        own.append((v["step"] - v["waited"] - compute - table["broadcast"][0]) / len(lines[rank]))
+    per_action = max(0.0, min(own))
+    measured = max(v["step"] for v in values)
+    step_with = lambda link: _replayed_step(values, table, per_action, link)[0]
+    low, high = 0.0, (measured if step_with(0.0) < measured else 0.0)
     for _ in range(40):  # bisection: the replayed step grows with the latency
         mid = (low + high) / 2
-        low, high = (mid, high) if step_with(mid) < measured[2] else (low, mid)
-    return {f"pp_step:{name}": per_step, f"pp_action:{name}": per_action, f"pp_link:{name}": high}
+        low, high = (mid, high) if step_with(mid) < measured else (low, mid)
+    return {f"pp_action:{name}": per_action, f"pp_link:{name}": high}
 
 
 def _profile_from(runs: Dict[int, List[dict]], backend: str, name: Optional[str],
