@@ -190,10 +190,9 @@ def test_pp_step_time_is_its_schedule_replayed(vgg):
     assert ratios[1] < ratios[0]
 
 
-def test_a_schedules_calibrated_costs_add_per_step_per_action_and_per_transfer(vgg):
-    """``pp_step:<schedule>`` lengthens every rank's step by itself; ``pp_action:<schedule>`` by at
-    least itself times the actions of a rank (its actions run one after another); ``pp_link:<schedule>``
-    delays each transfer between ranks."""
+def test_a_schedules_calibrated_costs_add_per_action_and_per_transfer(vgg):
+    """``pp_action:<schedule>`` lengthens the step by at least itself times the actions of a rank (its
+    actions run one after another); ``pp_link:<schedule>`` delays each transfer between ranks."""
     import dataclasses
 
     base = se.hardware_profile("A100-SXM-80GB")
@@ -202,7 +201,7 @@ def test_a_schedules_calibrated_costs_add_per_step_per_action_and_per_transfer(v
     step = lambda costs: se.estimate(vgg.model, plan, hardware=dataclasses.replace(base, framework_overhead={2: costs}),
                                      **kw).time["step_s"].to_numpy()
     plain = step({})
-    assert step({"pp_step:1f1b": 1e-3, "pp_action:gpipe": 1.0, "pp_link:gpipe": 1.0}) == pytest.approx(plain + 1e-3)
+    assert step({"pp_action:gpipe": 1.0, "pp_link:gpipe": 1.0}) == pytest.approx(plain)  # another schedule's
     assert (step({"pp_action:1f1b": 1e-3}) >= plain + 2 * plan.pp_microbatches * 1e-3 - 1e-12).all()
     # a transfer's extra latency: at least once down the pipe and once back up
     assert (step({"pp_link:1f1b": 1e-3}) >= plain + 2e-3 - 1e-12).all()

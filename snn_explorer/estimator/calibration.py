@@ -47,11 +47,10 @@ SHARING_PROBE_S = 0.25
 #: Time steps of the probe SNN the wrappers' costs are timed on, and timed steps per wrapper (median).
 PROBE_STEPS = 8
 WRAPPER_REPEATS = 15
-#: Rounds of micro-batches (``pp x`` stages per rank each) of the pipeline probes, and timed steps of each.
-PIPELINE_ROUNDS = (1, 2)
-PIPELINE_REPEATS = 6
+#: Timed steps of each pipeline probe (:func:`_pipeline_step_times`).
+PIPELINE_REPEATS = 9
 #: Bumped when what calibrate() measures changes, so that older cached calibrations are not reused.
-CALIBRATION_VERSION = 10
+CALIBRATION_VERSION = 9
 #: The smallest beta a fit gives (s/byte: 10 TB/s), when the times do not grow with the size.
 MIN_BETA = 1e-13
 
@@ -304,11 +303,11 @@ def _wrapped_step_times(dist, device) -> dict:
             "tp_calls": 2 * PROBE_STEPS}
 
 
-def _probe_pipeline(p: int, schedule, rounds: int = 1):
+def _probe_pipeline(p: int, schedule):
     """``p`` ranks' pipeline of identical probe blocks (each a Linear(64, 64) with a leaky, smoothly
     spiking state over the time steps of its input ``[T, N, 64]``), as many stages per rank as
-    ``schedule`` (a :class:`~..core.pipeline_schedules.PipelineSchedule`) runs, ``rounds``
-    micro-batches of 4 samples per stage: the model, its plan and a batch."""
+    ``schedule`` (a :class:`~..core.pipeline_schedules.PipelineSchedule`) runs, one micro-batch of
+    4 samples per stage: the model, its plan and a batch."""
     import torch
 
     from ..core import analyze, plan
@@ -330,14 +329,14 @@ def _probe_pipeline(p: int, schedule, rounds: int = 1):
     virtual = schedule.virtual_stages or (2 if schedule.multi_stage else 1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(Block() for _ in range(p * virtual)))
-    micro = rounds * p * virtual
+    micro = p * virtual
     pp_plan = plan(analysis=analyze(model), objective="speed", topology={"pp": p}, mode="pp", batch_size=4 * micro,
                    pp_schedule=schedule.name, pp_microbatches=micro, pp_virtual_stages=virtual)
     return model, pp_plan, torch.rand(PROBE_STEPS, 4 * micro, 64, generator=torch.Generator().manual_seed(2))
 
 
-def _pipeline_step_times(dist, device, schedule, rounds: int) -> dict:
-    """Seconds of a training step of :func:`_probe_pipeline` (``schedule``, ``rounds``) on this rank and of
+def _pipeline_step_times(dist, device, schedule) -> dict:
+    """Seconds of a training step of :func:`_probe_pipeline` under ``schedule`` on this rank and of
     its waits for sends and receives in it (:func:`~..compat.pipeline_waits`), of one micro-batch's
     forward and backward of a probe block run alone (every rank at once, in turns with the steps),
     each the median of :data:`PIPELINE_REPEATS`; the plan and the bytes of one transfer."""
@@ -348,7 +347,7 @@ def _pipeline_step_times(dist, device, schedule, rounds: int) -> dict:
     from ..compat import pipeline_waits
     from ..core import apply
 
-    model, pp_plan, x = _probe_pipeline(dist.get_world_size(), schedule, rounds)
+    model, pp_plan, x = _probe_pipeline(dist.get_world_size(), schedule)
     block = copy.deepcopy(model[0]).to(device)  # apply leaves on this rank only the blocks it holds
     micro = x[:, :x.shape[1] // pp_plan.pp_microbatches].clone().to(device).requires_grad_()
     runtime = apply(model=model, plan=pp_plan, device_type=device.type)
@@ -395,8 +394,7 @@ def _calibrate_on_rank(with_compute: bool) -> dict:
                    for kind in KINDS for nbytes in SIZES_BYTES}
     framework = _wrapped_step_times(dist, device)
     framework["broadcast_burst"] = _time_collective(dist, _broadcast_burst(dist, device), device, gap)
-    framework["pipeline"] = {name: [_pipeline_step_times(dist, device, spec, rounds) for rounds in PIPELINE_ROUNDS]
-                             for name, spec in SCHEDULES.items()}
+    framework["pipeline"] = {name: _pipeline_step_times(dist, device, spec) for name, spec in SCHEDULES.items()}
     ranks.report(message=f"calibrated {p} ranks")
     return {"alone": alone, "shared": shared, "collectives": collectives, "framework": framework}
 
@@ -406,7 +404,7 @@ def _overheads(values: List[dict], table: Dict[str, Tuple[float, float]]) -> Dic
     slowest rank's wrapped step (:func:`_wrapped_step_times`) takes beyond the plain one and beyond
     the collectives it made, as fitted (``table``: kind -> alpha, beta), ZeRO's broadcasts at the
     fixed cost of one in a burst (``broadcast_in_burst``, from :func:`_broadcast_burst`); per
-    step, per action and per transfer of each pipeline schedule (:func:`_pipeline_costs`)."""
+    action and per transfer of each pipeline schedule (:func:`_pipeline_costs`)."""
     times = {k: max(v["framework"][k] for v in values) for k in ("plain", "tp", "fsdp", "ddp", "adam", "zero")}
     made = values[0]["framework"]["collectives"]
     costs = {}
@@ -446,39 +444,32 @@ def _replayed_step(values: List[dict], table: Dict[str, Tuple[float, float]], pe
     return max(span[-1] for spans in lines.values() for span in spans) + table["broadcast"][0], lines
 
 
-def _own_time(values: List[dict], table: Dict[str, Tuple[float, float]]) -> Tuple[float, int]:
-    """(seconds, actions per rank): what a rank's step of the pipeline probe took beyond its actions'
-    compute, its waits for transfers and the loss broadcast, the least over the ranks (the others
-    also wait in the broadcast for the rank that ends the schedule)."""
+def _pipeline_costs(name: str, values: List[dict], table: Dict[str, Tuple[float, float]]) -> Dict[str, float]:
+    """A pipeline schedule's own costs from its probe (``values``: every rank's :func:`_pipeline_step_times`),
+    neither below 0:
+
+    - ``pp_action:<name>``, per action of a rank (a micro-batch's forward or backward through a
+      stage): what a rank's step took beyond its actions' compute, its waits for transfers and the
+      loss broadcast, per action; the least over the ranks (the others also wait in the broadcast
+      for the rank that ends the schedule);
+    - ``pp_link:<name>``, latency per transfer beyond the fitted send's: what makes the probe's
+      replay with those action costs take its measured step (the slowest rank's)."""
     from .pipeline_time import BACKWARD_SHARE
 
     lines = _replayed_step(values, table)[1]
-    own = [v["step"] - v["waited"] - table["broadcast"][0]
-           - sum(v["forward"] if kind == "F" else BACKWARD_SHARE[kind] * v["backward"] for kind, *_ in lines[rank])
-           for rank, v in enumerate(values)]
-    return min(own), max(len(spans) for spans in lines.values())
-
-
-def _pipeline_costs(name: str, probes: List[List[dict]], table: Dict[str, Tuple[float, float]]) -> Dict[str, float]:
-    """A pipeline schedule's own costs from its probes (``probes``: every rank's
-    :func:`_pipeline_step_times`, one list per rank, one entry per :data:`PIPELINE_ROUNDS`), none below 0:
-
-    - ``pp_action:<name>`` per action of a rank (a micro-batch's forward or backward through a
-      stage) and ``pp_step:<name>`` per step: the line through what a rank spent beyond its compute,
-      waits and the loss broadcast (:func:`_own_time`) at the probes' two numbers of micro-batches;
-    - ``pp_link:<name>``, latency per transfer beyond the fitted send's: what makes the replay of the
-      probe with fewer micro-batches, with those costs, take its measured step (the slowest rank's)."""
-    rounds = [[ranks[i] for ranks in probes] for i in range(len(PIPELINE_ROUNDS))]
-    (own1, actions1), (own2, actions2) = (_own_time(values, table) for values in rounds[:2])
-    per_action = max(0.0, (own2 - own1) / (actions2 - actions1))
-    per_step = max(0.0, own1 - per_action * actions1)
-    values, measured = rounds[0], max(v["step"] for v in rounds[0])
-    step_with = lambda link: _replayed_step(values, table, per_action, link)[0] + per_step
+    own = []
+    for rank, v in enumerate(values):
+        compute = sum(v["forward"] if kind == "F" else BACKWARD_SHARE[kind] * v["backward"]
+                      for kind, *_ in lines[rank])
+        own.append((v["step"] - v["waited"] - compute - table["broadcast"][0]) / len(lines[rank]))
+    per_action = max(0.0, min(own))
+    measured = max(v["step"] for v in values)
+    step_with = lambda link: _replayed_step(values, table, per_action, link)[0]
     low, high = 0.0, (measured if step_with(0.0) < measured else 0.0)
     for _ in range(40):  # bisection: the replayed step grows with the latency
         mid = (low + high) / 2
         low, high = (mid, high) if step_with(mid) < measured else (low, mid)
-    return {f"pp_step:{name}": per_step, f"pp_action:{name}": per_action, f"pp_link:{name}": high}
+    return {f"pp_action:{name}": per_action, f"pp_link:{name}": high}
 
 
 def _profile_from(runs: Dict[int, List[dict]], backend: str, name: Optional[str],

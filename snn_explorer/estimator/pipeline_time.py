@@ -6,8 +6,8 @@ Each stage's forward (with the loss on the last stage) and backward of one micro
 (:class:`~..core.parallelize.pipeline.PipelineStageModule`): :func:`stage_work`. Their roofline
 time (:meth:`~.compute_work.PhaseWork.seconds`, with the measured correction and the host's
 slow-down, as any plan's compute) plus the schedule's own cost per action (calibrated per schedule:
-``pp_action:<schedule>``, see :mod:`.calibration`; its cost per step, ``pp_step:<schedule>``, is
-added once) is the cost of each action of the ranks' orders, as torch's schedule runs them, replayed into time lines (:func:`replay_plan`; a zero-bubble
+``pp_action:<schedule>``, see :mod:`.calibration`) is the cost of each action of the ranks'
+orders, as torch's schedule runs them, replayed into time lines (:func:`replay_plan`; a zero-bubble
 schedule's input and weight backwards half a backward each). So stages of unequal cost set the
 step, not their average. A transfer between ranks delays the action that waits for it by its
 alpha-beta time plus the schedule's calibrated latency beyond it (``pp_link:<schedule>``). Ranks
@@ -155,7 +155,6 @@ def pipeline_time_table(plan, profile, collectives: pd.DataFrame, per_rank: pd.D
     unit = {p: correction.get(p, 1.0) for p in ("forward", "backward", "optimizer")}
     slow = hw.sharing(ranks_on_host * busy_share(plan, _action_costs(plan, work, hw, t, itemsize, unit)))
     per_action = hw.overhead(f"pp_action:{plan.pp_schedule}", plan.pp_size)
-    per_step = hw.overhead(f"pp_step:{plan.pp_schedule}", plan.pp_size)
     costs = {k: c + per_action for k, c in _action_costs(plan, work, hw, t, itemsize,
                                                           {p: c * slow for p, c in unit.items()}).items()}
     extra = hw.overhead(f"pp_link:{plan.pp_schedule}", plan.pp_size)
@@ -173,8 +172,8 @@ def pipeline_time_table(plan, profile, collectives: pd.DataFrame, per_rank: pd.D
                        for r in mine)
         params = float(per_rank["params_bytes"].iloc[pp_rank * plan.dp_size])
         optimizer = optimizer_s(params) * unit["optimizer"] * slow
-        rows.append(dict(end=spans[-1][-1] + per_step + reduce_s, optimizer=optimizer,
-                         compute=sum(costs[(kind, s)] for kind, s, *_ in spans) + per_step + optimizer,
+        rows.append(dict(end=spans[-1][-1] + reduce_s, optimizer=optimizer,
+                         compute=sum(costs[(kind, s)] for kind, s, *_ in spans) + optimizer,
                          comm=waited_on_transfers(spans, ends, links) + reduce_s + broadcast))
     joined = max(r["end"] for r in rows) + broadcast  # the loss broadcast: every rank waits for the last
     table = []
