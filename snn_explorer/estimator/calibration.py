@@ -50,7 +50,7 @@ WRAPPER_REPEATS = 15
 #: Timed steps of each pipeline probe (:func:`_pipeline_step_times`).
 PIPELINE_REPEATS = 9
 #: Bumped when what calibrate() measures changes, so that older cached calibrations are not reused.
-CALIBRATION_VERSION = 9
+CALIBRATION_VERSION = 11
 #: The smallest beta a fit gives (s/byte: 10 TB/s), when the times do not grow with the size.
 MIN_BETA = 1e-13
 
