@@ -77,20 +77,21 @@ def test_wrapper_costs_are_what_the_wrapped_step_takes_beyond_the_plain_one_and_
     zero = dict(framework, zero=2e-4 + sum(4e-5 + 1e-9 * n for _, n in made["zero"]) + 7e-4, broadcast_burst=burst)
     with_burst = _overheads([{"framework": zero}], table)
     assert with_burst["broadcast_in_burst"] == pytest.approx(4e-5) and with_burst["zero_step"] == pytest.approx(7e-4)
-    # the pipeline probe, 2 ranks under 1F1B, 2 micro-batches, blocks of 1 ms forward and 2 ms backward,
-    # transfers of L = 100 us + 1000 ns, the loss broadcast 0.1 ms. Both ranks' steps took 12.902 ms;
-    # beyond its 4 actions' 6 ms of compute, the broadcast and its 4.802 ms of waits, rank 0 took
-    # 0.5 ms per action (rank 1, waiting 4.702 ms, 0.525: the least counts). By hand the replay with
-    # actions of 1.5 and 2.5 ms and transfers of L' each is 3 x 1.5 + 3 x 2.5 + 2 L' = 12 + 2 L' ms, so
-    # the step means L' = 0.401 ms, 0.3 ms beyond the fitted send
+    # the pipeline probes, 2 ranks under 1F1B, 2 micro-batches, blocks of 1 ms forward and 2 ms backward
+    # (rank 0's heavy ones 3 and 6 ms), transfers of L = 100 us + 1000 ns, the loss broadcast 0.1 ms.
+    # With rank 0 heavy its step took 25 ms: beyond its 4 actions' 18 ms of compute, the broadcast and
+    # 4.9 ms of waits, 0.5 ms per action. By hand the replay of the probe with every block alike,
+    # actions of 1.5 and 2.5 ms and transfers of L' each is 3 x 1.5 + 3 x 2.5 + 2 L' = 12 + 2 L' ms:
+    # its step of 12.902 ms means L' = 0.401 ms, 0.3 ms beyond the fitted send
     from snn_explorer.core.pipeline_schedules import SCHEDULES
-    from snn_explorer.estimator.calibration import _probe_pipeline
+    from snn_explorer.estimator.calibration import PIPELINE_HEAVY, _probe_pipeline
 
-    probe_plan = _probe_pipeline(2, SCHEDULES["1f1b"])[1]
-    assert probe_plan.pp_microbatches == 2
-    probe = dict(step=12.902e-3, forward=1e-3, backward=2e-3, bytes=1000, plan=probe_plan)
-    ranks_ = [dict(probe, waited=4.802e-3), dict(probe, waited=4.702e-3)]
-    with_pp = _overheads([{"framework": dict(framework, pipeline={"1f1b": r})} for r in ranks_], table)
+    blocks = dict(light_F=1e-3, light_B=2e-3, heavy_F=3e-3, heavy_B=6e-3, bytes=1000)
+    heavy_plan, even_plan = (_probe_pipeline(2, SCHEDULES["1f1b"], h)[1] for h in (PIPELINE_HEAVY, 1))
+    assert heavy_plan.pp_microbatches == even_plan.pp_microbatches == 2
+    probes = [[dict(blocks, step=25e-3, waited=waited, plan=heavy_plan, heavy=PIPELINE_HEAVY),
+               dict(blocks, step=12.902e-3, waited=1e-3, plan=even_plan, heavy=1)] for waited in (4.9e-3, 9e-3)]
+    with_pp = _overheads([{"framework": dict(framework, pipeline={"1f1b": r})} for r in probes], table)
     assert with_pp["pp_action:1f1b"] == pytest.approx(5e-4) and with_pp["pp_link:1f1b"] == pytest.approx(3e-4)
     zoo, plans = mlp
     hw = dataclasses.replace(flops_only(), framework_overhead={2: costs})

@@ -6,13 +6,16 @@ only wait still take a share of the cores. In the first world rank 0 times alone
 (FLOP/s), a large elementwise add (bytes/s) and a one-element add (the fixed cost of one operator);
 then all ``p`` ranks run a small SNN training step together (:func:`_probe_step`), every
 collective kind at a few buffer sizes (each issued between a little compute, as in a step:
-:func:`_time_collective`), and the wrappers' cost: TP, FSDP2, DDP and ZeRO around a small spiking
-MLP (:func:`_wrapped_step_times`), beyond the plain step and its collectives. ``compute_sharing[p]`` is how much
+:func:`_time_collective`), a burst of broadcasts as ZeroRedundancyOptimizer issues them
+(:func:`_broadcast_burst`), the wrappers' cost: TP, FSDP2, DDP and ZeRO around a small spiking
+MLP (:func:`_wrapped_step_times`), beyond the plain step and its collectives, and each pipeline
+schedule's own cost per action and per transfer on a pipeline of small spiking blocks
+(:func:`_pipeline_step_times`, :func:`_pipeline_costs`). ``compute_sharing[p]`` is how much
 slower that step runs on each of ``p`` ranks than in the calling process on one thread (on GPUs:
 than on rank 0 alone), the factor by which a rank's step is slower than the one the estimator
 times in the calling process. Each (kind, p) gets
 ``alpha + beta * bytes`` fitted by least squares (:func:`fit_alpha_beta`) to the median of the
-slowest rank's times. Group sizes 2 and 4 took 28-35 s on a 2-core CPU machine (gloo).
+slowest rank's times. Group sizes 2 and 4 took 34-41 s on a 2-core CPU machine (gloo).
 
 :func:`default_hardware` is what ``estimate`` uses without ``hardware=``: the profile named by the
 ``SNN_EXPLORER_HARDWARE`` environment variable (a built-in name or a JSON file), else this
@@ -47,10 +50,11 @@ SHARING_PROBE_S = 0.25
 #: Time steps of the probe SNN the wrappers' costs are timed on, and timed steps per wrapper (median).
 PROBE_STEPS = 8
 WRAPPER_REPEATS = 15
-#: Timed steps of each pipeline probe (:func:`_pipeline_step_times`).
-PIPELINE_REPEATS = 9
+#: Work of rank 0's blocks in the pipeline probe where it is the slowest rank, and timed steps of each probe.
+PIPELINE_HEAVY = 6
+PIPELINE_REPEATS = 7
 #: Bumped when what calibrate() measures changes, so that older cached calibrations are not reused.
-CALIBRATION_VERSION = 11
+CALIBRATION_VERSION = 12
 #: The smallest beta a fit gives (s/byte: 10 TB/s), when the times do not grow with the size.
 MIN_BETA = 1e-13
 
@@ -105,6 +109,16 @@ def _compute_probes(device) -> Dict[str, float]:
     return dict(flops=flops, bandwidth=bandwidth, overhead=overhead, step=_busy_time(_probe_step(device), sync))
 
 
+def _leaky_spike(mem, current):
+    """One time step of the probes' neuron: leaky integration, a smooth spike, a soft reset; the new
+    membrane and the spike."""
+    import torch
+
+    mem = 0.9 * mem + current
+    spike = torch.sigmoid(4 * (mem - 1))
+    return mem - spike, spike
+
+
 def _probe_step(device):
     """One training step of a small spiking MLP: 8 time steps of linear -> leaky integration -> a
     smooth spike -> linear, backward, SGD update. Many small operators and a few matmuls, like the
@@ -119,9 +133,7 @@ def _probe_step(device):
     def step():
         mem, out = torch.zeros(16, 128, device=device), 0
         for t in range(x.shape[0]):
-            mem = 0.9 * mem + x[t] @ w1
-            spike = torch.sigmoid(4 * (mem - 1))
-            mem = mem - spike
+            mem, spike = _leaky_spike(mem, x[t] @ w1)
             out = out + spike @ w2
         out.square().mean().backward()
         with torch.no_grad():
@@ -303,14 +315,11 @@ def _wrapped_step_times(dist, device) -> dict:
             "tp_calls": 2 * PROBE_STEPS}
 
 
-def _probe_pipeline(p: int, schedule):
-    """``p`` ranks' pipeline of identical probe blocks (each a Linear(64, 64) with a leaky, smoothly
-    spiking state over the time steps of its input ``[T, N, 64]``), as many stages per rank as
-    ``schedule`` (a :class:`~..core.pipeline_schedules.PipelineSchedule`) runs, one micro-batch of
-    4 samples per stage: the model, its plan and a batch."""
+def _probe_block(work: int):
+    """A probe stage: a Linear(64, 64) with a leaky, smoothly spiking state (:func:`_leaky_spike`)
+    over the time steps of its input ``[T, N, 64]``, its membrane's input summed over ``work`` calls
+    of the Linear (more work, the same shapes)."""
     import torch
-
-    from ..core import analyze, plan
 
     class Block(torch.nn.Module):
         def __init__(self):
@@ -320,35 +329,45 @@ def _probe_pipeline(p: int, schedule):
         def forward(self, x):
             mem, out = torch.zeros_like(x[0]), []
             for t in range(x.shape[0]):
-                mem = 0.9 * mem + self.linear(x[t])
-                spike = torch.sigmoid(4 * (mem - 1))
-                mem = mem - spike
+                mem, spike = _leaky_spike(mem, sum(self.linear(x[t]) for _ in range(work)) / work)
                 out.append(spike)
             return torch.stack(out)
 
+    return Block()
+
+
+def _probe_pipeline(p: int, schedule, heavy: int = 1):
+    """``p`` ranks' pipeline of probe blocks (:func:`_probe_block`), as many stages per rank as
+    ``schedule`` (a :class:`~..core.pipeline_schedules.PipelineSchedule`) runs and as many
+    micro-batches of 4 samples as stages, rank 0's blocks ``heavy`` times the work of the others:
+    the model, its plan and a batch."""
+    import torch
+
+    from ..core import analyze, plan
+
     virtual = schedule.virtual_stages or (2 if schedule.multi_stage else 1)
+    first = schedule.rank_stages(0, p, virtual)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*(Block() for _ in range(p * virtual)))
+    model = torch.nn.Sequential(*(_probe_block(heavy if s in first else 1) for s in range(p * virtual)))
     micro = p * virtual
     pp_plan = plan(analysis=analyze(model), objective="speed", topology={"pp": p}, mode="pp", batch_size=4 * micro,
                    pp_schedule=schedule.name, pp_microbatches=micro, pp_virtual_stages=virtual)
     return model, pp_plan, torch.rand(PROBE_STEPS, 4 * micro, 64, generator=torch.Generator().manual_seed(2))
 
 
-def _pipeline_step_times(dist, device, schedule) -> dict:
-    """Seconds of a training step of :func:`_probe_pipeline` under ``schedule`` on this rank and of
-    its waits for sends and receives in it (:func:`~..compat.pipeline_waits`), of one micro-batch's
-    forward and backward of a probe block run alone (every rank at once, in turns with the steps),
-    each the median of :data:`PIPELINE_REPEATS`; the plan and the bytes of one transfer."""
-    import copy
-
+def _pipeline_step_times(dist, device, schedule, heavy: int) -> dict:
+    """Seconds of a training step of :func:`_probe_pipeline` (``schedule``, ``heavy``) on this rank and
+    of its waits for sends and receives in it (:func:`~..compat.pipeline_waits`), of one
+    micro-batch's forward and backward of a block and of a heavy block run alone (every rank at
+    once, in turns with the steps), each the median of :data:`PIPELINE_REPEATS`; the plan, ``heavy``
+    and the bytes of one transfer."""
     import torch
 
     from ..compat import pipeline_waits
     from ..core import apply
 
-    model, pp_plan, x = _probe_pipeline(dist.get_world_size(), schedule)
-    block = copy.deepcopy(model[0]).to(device)  # apply leaves on this rank only the blocks it holds
+    model, pp_plan, x = _probe_pipeline(dist.get_world_size(), schedule, heavy)
+    blocks = {"light": _probe_block(1).to(device), "heavy": _probe_block(heavy).to(device)}
     micro = x[:, :x.shape[1] // pp_plan.pp_microbatches].clone().to(device).requires_grad_()
     runtime = apply(model=model, plan=pp_plan, device_type=device.type)
     x, labels = x.to(device), torch.zeros(x.shape[1], dtype=torch.long)
@@ -362,7 +381,7 @@ def _pipeline_step_times(dist, device, schedule) -> dict:
         return time.perf_counter() - start
 
     runtime.train_step(loss, x, labels)
-    times = {k: [] for k in ("step", "waited", "forward", "backward")}
+    times = {k: [] for k in ("step", "waited", "light_F", "light_B", "heavy_F", "heavy_B")}
     with collected():
         for _ in range(PIPELINE_REPEATS):
             dist.barrier()
@@ -370,10 +389,11 @@ def _pipeline_step_times(dist, device, schedule) -> dict:
                 times["step"].append(timed(lambda: runtime.train_step(loss, x, labels)))
             times["waited"].append(waited[0])
             dist.barrier()
-            out = []
-            times["forward"].append(timed(lambda: out.append(block(micro))))
-            times["backward"].append(timed(lambda: out[0].backward(torch.ones_like(out[0]))))
-    return {**{k: statistics.median(v) for k, v in times.items()}, "plan": pp_plan,
+            for name, block in blocks.items():
+                out = []
+                times[f"{name}_F"].append(timed(lambda: out.append(block(micro))))
+                times[f"{name}_B"].append(timed(lambda: out[0].backward(torch.ones_like(out[0]))))
+    return {**{k: statistics.median(v) for k, v in times.items()}, "plan": pp_plan, "heavy": heavy,
             "bytes": micro.numel() * micro.element_size()}
 
 
@@ -394,7 +414,8 @@ def _calibrate_on_rank(with_compute: bool) -> dict:
                    for kind in KINDS for nbytes in SIZES_BYTES}
     framework = _wrapped_step_times(dist, device)
     framework["broadcast_burst"] = _time_collective(dist, _broadcast_burst(dist, device), device, gap)
-    framework["pipeline"] = {name: _pipeline_step_times(dist, device, spec) for name, spec in SCHEDULES.items()}
+    framework["pipeline"] = {name: [_pipeline_step_times(dist, device, spec, heavy) for heavy in (PIPELINE_HEAVY, 1)]
+                             for name, spec in SCHEDULES.items()}
     ranks.report(message=f"calibrated {p} ranks")
     return {"alone": alone, "shared": shared, "collectives": collectives, "framework": framework}
 
@@ -427,44 +448,49 @@ def _overheads(values: List[dict], table: Dict[str, Tuple[float, float]]) -> Dic
                                                 table).items()}}
 
 
+def _probe_costs(values: List[dict], per_action: float = 0.0) -> Dict[Tuple[str, int], float]:
+    """Seconds of each ``(action kind, stage)`` of a pipeline probe (every rank's values): its block's
+    own time (the slowest rank's), plus ``per_action``."""
+    from .pipeline_time import BACKWARD_SHARE
+
+    pp_plan, heavy = values[0]["plan"], values[0]["heavy"]
+    first = pp_plan.pp_schedule_spec.rank_stages(0, pp_plan.pp_size, pp_plan.pp_virtual_stages)
+    block = lambda s, phase: max(v[f"{'heavy' if s in first and heavy > 1 else 'light'}_{phase}"] for v in values)
+    return {(kind, s): per_action + (block(s, "F") if kind == "F" else share * block(s, "B"))
+            for s in range(pp_plan.pp_stages) for kind, share in (("F", 1.0), *BACKWARD_SHARE.items())}
+
+
 def _replayed_step(values: List[dict], table: Dict[str, Tuple[float, float]], per_action: float = 0.0,
                    extra_link: float = 0.0):
-    """(seconds of the step, time lines) of the pipeline probe (:func:`_pipeline_step_times`, every
-    rank's values) as its schedule replays (:func:`~.pipeline_time.replay_plan`): each action the
-    block's own time (the slowest rank's) plus ``per_action``, each transfer the fitted latency plus
-    ``extra_link``, then the loss broadcast."""
-    from .pipeline_time import BACKWARD_SHARE, replay_plan
+    """(seconds of the step, time lines) of a pipeline probe (:func:`_pipeline_step_times`, every
+    rank's values) as its schedule replays (:func:`~.pipeline_time.replay_plan`): each action
+    :func:`_probe_costs`, each transfer the fitted latency plus ``extra_link``, then the loss broadcast."""
+    from .pipeline_time import replay_plan
 
     pp_plan = values[0]["plan"]
-    forward, backward = max(v["forward"] for v in values), max(v["backward"] for v in values)
-    costs = {(kind, s): per_action + (forward if kind == "F" else share * backward)
-             for s in range(pp_plan.pp_stages) for kind, share in (("F", 1.0), *BACKWARD_SHARE.items())}
     link = table["send"][0] + table["send"][1] * values[0]["bytes"] + extra_link
-    lines = replay_plan(pp_plan, costs, {(s + d, s + 1 - d): link for s in range(pp_plan.pp_stages - 1) for d in (0, 1)})
+    lines = replay_plan(pp_plan, _probe_costs(values, per_action),
+                        {(s + d, s + 1 - d): link for s in range(pp_plan.pp_stages - 1) for d in (0, 1)})
     return max(span[-1] for spans in lines.values() for span in spans) + table["broadcast"][0], lines
 
 
-def _pipeline_costs(name: str, values: List[dict], table: Dict[str, Tuple[float, float]]) -> Dict[str, float]:
-    """A pipeline schedule's own costs from its probe (``values``: every rank's :func:`_pipeline_step_times`),
-    neither below 0:
+def _pipeline_costs(name: str, probes: List[List[dict]], table: Dict[str, Tuple[float, float]]) -> Dict[str, float]:
+    """A pipeline schedule's own costs from its probes (``probes``: per rank, its
+    :func:`_pipeline_step_times` with rank 0's blocks heavy, then with every block alike), neither below 0:
 
     - ``pp_action:<name>``, per action of a rank (a micro-batch's forward or backward through a
-      stage): what a rank's step took beyond its actions' compute, its waits for transfers and the
-      loss broadcast, per action; the least over the ranks (the others also wait in the broadcast
-      for the rank that ends the schedule);
-    - ``pp_link:<name>``, latency per transfer beyond the fitted send's: what makes the probe's
-      replay with those action costs take its measured step (the slowest rank's)."""
-    from .pipeline_time import BACKWARD_SHARE
-
-    lines = _replayed_step(values, table)[1]
-    own = []
-    for rank, v in enumerate(values):
-        compute = sum(v["forward"] if kind == "F" else BACKWARD_SHARE[kind] * v["backward"]
-                      for kind, *_ in lines[rank])
-        own.append((v["step"] - v["waited"] - compute - table["broadcast"][0]) / len(lines[rank]))
-    per_action = max(0.0, min(own))
-    measured = max(v["step"] for v in values)
-    step_with = lambda link: _replayed_step(values, table, per_action, link)[0]
+      stage): what the slowest rank (rank 0, heavy) took beyond its actions' compute, its waits for
+      transfers and the loss broadcast, per action (a rank that others wait for pays less per
+      action than one that waits in turn; a pipeline's step is set by its slowest rank);
+    - ``pp_link:<name>``, latency per transfer beyond the fitted send's: what makes the replay of
+      the probe with every block alike, with that cost per action, take its measured step."""
+    heavy, even = [ranks[0] for ranks in probes], [ranks[1] for ranks in probes]
+    rank0 = _replayed_step(heavy, table)[1][0]
+    costs = _probe_costs(heavy)
+    own = heavy[0]["step"] - heavy[0]["waited"] - table["broadcast"][0] - sum(costs[(k, s)] for k, s, *_ in rank0)
+    per_action = max(0.0, own / len(rank0))
+    measured = max(v["step"] for v in even)
+    step_with = lambda link: _replayed_step(even, table, per_action, link)[0]
     low, high = 0.0, (measured if step_with(0.0) < measured else 0.0)
     for _ in range(40):  # bisection: the replayed step grows with the latency
         mid = (low + high) / 2
@@ -500,7 +526,7 @@ def _profile_from(runs: Dict[int, List[dict]], backend: str, name: Optional[str]
 
 def calibrate(group_sizes: Sequence[int] = (2, 4), *, backend: str = "auto", name: Optional[str] = None,
               timeout: float = 120.0) -> HardwareProfile:
-    """Measure this machine into a :class:`HardwareProfile` (see the module doc; 28-35 s for sizes 2
+    """Measure this machine into a :class:`HardwareProfile` (see the module doc; 34-41 s for sizes 2
     and 4 on a 2-core CPU machine). ``group_sizes`` (each >= 2): the collective group sizes to time, each in
     a world of its own size (ranks that only waited would still take the cores' time);
     ``backend``: ``"auto"`` (NCCL when there is a GPU per rank, else gloo), ``"gloo"`` or ``"nccl"``."""
