@@ -34,6 +34,11 @@ def boundary_phase(direction: str, src: int, dst: int) -> str:
     return f"{direction} {src}->{dst}"
 
 
+def reduce_phase(stages: Sequence[int]) -> str:
+    """The ``phase`` of a pp rank's dp all-reduce of the gradients of its ``stages``."""
+    return f"after backward (stages {','.join(map(str, stages))})"
+
+
 def boundary_stages(phase: str) -> Tuple[int, int]:
     """``(src, dst)`` stages of a :func:`boundary_phase`."""
     src, dst = phase.split(" ", 1)[1].split("->")
@@ -160,7 +165,7 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
                                                           plan.pp_virtual_stages)))
         if plan.dp_size > 1:
             collectives.append(dict(mesh_dim="dp", kind="all_reduce", count=1, bytes=b["grads_bytes"],
-                                    phase=f"after backward (stages {table[-1]['stages']})"))
+                                    phase=reduce_phase(own)))
     rank_of = lambda s: plan.pp_schedule_spec.rank_of(s, plan.pp_size, plan.pp_virtual_stages)
     for s in (s for s in range(plan.pp_stages - 1) if rank_of(s) != rank_of(s + 1)):  # V: one boundary is local
         nbytes = round(costs[s][1] * itemsize)

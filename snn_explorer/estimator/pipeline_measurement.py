@@ -19,6 +19,7 @@ from .. import compat
 from ..ranks.progress import heartbeat
 from ._step import OPTIMIZERS, batch_slice, timed_steps
 from .meter import StorageMeter
+from .pipeline_estimate import reduce_phase
 from .recorder import CollectiveRecorder
 from .stage_memory import LiveSaved
 
@@ -62,10 +63,8 @@ def measure_pp_plan(model, plan, run) -> dict:
         opt.step()
     heartbeat(step=run.steps + 1, total=run.steps + 1, message=f"{plan.mode}: measured step")
     groups = {d: runtime.mesh.get_group(d) for d in plan.mesh_dim_names}
-    stages = ",".join(map(str, pipe.stage_ids))
-    rows = [dict(r, phase={"all_reduce": f"after backward (stages {stages})", "broadcast": "loss"}.get(r["kind"],
-                                                                                                     r["phase"]))
-            for r in recorder.table(groups)]
+    phases = {"all_reduce": reduce_phase(pipe.stage_ids), "broadcast": "loss"}
+    rows = [dict(r, phase=phases.get(r["kind"], r["phase"])) for r in recorder.table(groups)]
     row = dict(rank=dist.get_rank(), params_bytes=_bytes(params), grads_bytes=_bytes(p.grad for p in params),
                optimizer_bytes=_bytes(state), buffers_bytes=_bytes(pipe.buffers()), activations_bytes=saved.peak,
                neuron_state_bytes=_NAN, transient_bytes=_bytes(recv + inputs), peak_bytes=meter.peak)

@@ -33,7 +33,7 @@ from ._step import batch_slice, loss_of
 from .compute_work import PhaseWork
 from .hardware import HardwareProfile
 from .op_counter import OpCounter
-from .pipeline_estimate import boundary_stages
+from .pipeline_estimate import boundary_stages, reduce_phase
 from .profile import Fit
 from .step_time import TIME_COLUMNS, spans_nodes
 
@@ -161,20 +161,14 @@ def pipeline_time_table(plan, profile, collectives: pd.DataFrame, per_rank: pd.D
     links = {boundary: seconds + extra for boundary, seconds in transfer_s(plan, collectives, hw).items()}
     lines = replay_plan(plan, costs, links)
     ends = {("G" if kind in ("B", "I") else kind, s, i): end for spans in lines.values() for kind, s, i, _, end in spans}
-    dp_rows = collectives[collectives["mesh_dim"] == "dp"]
-    loss = collectives[(collectives["mesh_dim"] == "pp") & (collectives["kind"] == "broadcast")]
-    broadcast = sum(hw.collective_time("broadcast", plan.pp_size, r.bytes, r.count, spans_nodes(plan, "pp", hw))
-                    for r in loss.itertuples())
+    reduce_s, broadcast = _collectives_after(plan, collectives, hw)
     rows = []
     for pp_rank, spans in sorted(lines.items()):
-        mine = [r for r in dp_rows.itertuples() if r.phase.endswith(f"(stages {_stages_text(plan, pp_rank)})")]
-        reduce_s = sum(hw.collective_time(r.kind, plan.dp_size, r.bytes, r.count, spans_nodes(plan, "dp", hw))
-                       for r in mine)
         params = float(per_rank["params_bytes"].iloc[pp_rank * plan.dp_size])
         optimizer = optimizer_s(params) * unit["optimizer"] * slow
-        rows.append(dict(end=spans[-1][-1] + reduce_s, optimizer=optimizer,
+        rows.append(dict(end=spans[-1][-1] + reduce_s[pp_rank], optimizer=optimizer,
                          compute=sum(costs[(kind, s)] for kind, s, *_ in spans) + optimizer,
-                         comm=waited_on_transfers(spans, ends, links) + reduce_s + broadcast))
+                         comm=waited_on_transfers(spans, ends, links) + reduce_s[pp_rank] + broadcast))
     joined = max(r["end"] for r in rows) + broadcast  # the loss broadcast: every rank waits for the last
     table = []
     for rank in range(plan.world_size):
@@ -185,5 +179,16 @@ def pipeline_time_table(plan, profile, collectives: pd.DataFrame, per_rank: pd.D
     return pd.DataFrame(table, columns=list(TIME_COLUMNS))
 
 
-def _stages_text(plan, pp_rank: int) -> str:
-    return ",".join(map(str, plan.pp_schedule_spec.rank_stages(pp_rank, plan.pp_size, plan.pp_virtual_stages)))
+def _collectives_after(plan, collectives: pd.DataFrame, hw: HardwareProfile) -> Tuple[List[float], float]:
+    """Seconds of each pp rank's dp all-reduce of its stages' gradients, and of the loss broadcast."""
+    spec = plan.pp_schedule_spec
+    reduce_s = []
+    for pp_rank in range(plan.pp_size):
+        phase = reduce_phase(spec.rank_stages(pp_rank, plan.pp_size, plan.pp_virtual_stages))
+        rows = collectives[(collectives["mesh_dim"] == "dp") & (collectives["phase"] == phase)]
+        reduce_s.append(sum(hw.collective_time(r.kind, plan.dp_size, r.bytes, r.count, spans_nodes(plan, "dp", hw))
+                            for r in rows.itertuples()))
+    loss = collectives[(collectives["mesh_dim"] == "pp") & (collectives["kind"] == "broadcast")]
+    broadcast = sum(hw.collective_time("broadcast", plan.pp_size, r.bytes, r.count, spans_nodes(plan, "pp", hw))
+                    for r in loss.itertuples())
+    return reduce_s, broadcast
