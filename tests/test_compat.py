@@ -311,3 +311,27 @@ def test_uncompiled_returns_the_module_inside_torch_compile():
     model = torch.nn.Linear(2, 2)
     compiled = torch.compile(model)
     assert compat.uncompiled(compiled) is model and compat.uncompiled(model) is model
+
+
+def _pipeline_waits_on_rank():
+    import torch.distributed as dist
+
+    from snn_explorer.core.pipeline_schedules import SCHEDULES
+    from snn_explorer.estimator.calibration import _pipeline_step_times
+
+    torch.set_num_threads(1)
+    return {name: _pipeline_step_times(dist, torch.device("cpu"), SCHEDULES[name], heavy)
+            for name, heavy in (("1f1b", 1), ("interleaved", 6))}
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_waits_time_the_schedules_waits_for_transfers():
+    """Every wait of torch's schedules goes through the name pipeline_waits wraps: on 2 ranks each
+    rank waits some of its step, never all; with rank 0's blocks six times the work under
+    interleaved 1F1B, rank 1 waits for rank 0 longer than rank 0 for rank 1."""
+    from snn_explorer.ranks import run
+
+    values = run(_pipeline_waits_on_rank, nprocs=2, backend="gloo", timeout=60).values
+    for probe in ("1f1b", "interleaved"):
+        assert all(0 < v[probe]["waited"] < v[probe]["step"] for v in values), probe
+    assert values[1]["interleaved"]["waited"] > values[0]["interleaved"]["waited"]
