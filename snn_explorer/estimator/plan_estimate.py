@@ -125,7 +125,7 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     on one thread: :func:`~.isolation.one_thread`).
 
     ``hardware`` (a :class:`HardwareProfile`, a built-in profile's name, or None for this
-    machine's calibration: the first call calibrates (about 42 s on spawned ranks here), and keeps it
+    machine's calibration: the first call calibrates (42-46 s on spawned ranks here), and keeps it
     on disk) is where the step time (``time``, ``step_time_s``; :mod:`.step_time`) is predicted.
     """
     optimizer = check_optimizer(optimizer)
