@@ -42,13 +42,12 @@ class PhaseWork:
     other_bytes: Fit
     ops: Fit
 
-    def seconds(self, hw: HardwareProfile, n: int, t: int, itemsize: int, scale: float = 1.0,
-                op_scale: float = 1.0) -> float:
+    def seconds(self, hw: HardwareProfile, n: int, t: int, itemsize: int, scale: float = 1.0) -> float:
         """Roofline time of this phase for ``n`` samples and ``t`` steps; ``scale`` multiplies FLOPs and
-        bytes, ``op_scale`` the operator launches (a pipeline stage: its share, once per micro-batch)."""
+        bytes (a shard of the optimizer's parameters), not the operator launches."""
         bw = hw.bandwidth()
         matmul = max(self.flops(n, t) * scale / hw.flops(itemsize), self.flop_bytes(n, t) * scale / bw)
-        return matmul + self.other_bytes(n, t) * scale / bw + self.ops(n, t) * op_scale * hw.op_overhead_s
+        return matmul + self.other_bytes(n, t) * scale / bw + self.ops(n, t) * hw.op_overhead_s
 
 
 @dataclass(frozen=True)

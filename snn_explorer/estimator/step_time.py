@@ -3,8 +3,9 @@
 Compute is the roofline time of the work one rank does (:mod:`.compute_work`: forward, backward
 and optimizer of the model the rank runs, at its per-rank batch and time steps; the optimizer's
 work scaled to the parameter shard the rank updates), times the slow-down measured when that
-many ranks share one host's cores (:func:`host_sharing`). On the machine the hardware profile was calibrated on, each
-phase is also multiplied by the measured / modelled ratio of the unsharded step. The parallel
+many ranks share one host's cores (:func:`host_sharing`). On the machine the hardware profile was
+calibrated on, each phase is also multiplied by the measured / modelled ratio of the unsharded
+step. The parallel
 wrappers' own cost, where the profile was calibrated with it (:func:`framework_s`), is compute too.
 
 Each collective of the estimate (:mod:`.comms`) is timed by the profile's alpha-beta model for
