@@ -220,9 +220,8 @@ def test_replay_with_costs_and_transfers_matches_a_hand_computed_schedule():
     lines = replay(orders, 2, lambda kind, s: cost[(kind, s)], lambda src, dst: 0.5)
     assert [span[3:] for span in lines[0]] == [(0, 1), (1, 2), (11, 13), (20, 22)]
     assert [span[3:] for span in lines[1]] == [(1.5, 4.5), (4.5, 10.5), (10.5, 13.5), (13.5, 19.5)]
-    ends = {("G" if k == "B" else k, s, i): end for spans in lines.values() for k, s, i, _, end in spans}
     links = {(0, 1): 0.5, (1, 0): 0.5}
-    assert waited_on_transfers(lines[0], ends, links) == 1.0 and waited_on_transfers(lines[1], ends, links) == 0.5
+    assert waited_on_transfers(lines, 0, links, 2) == 1.0 and waited_on_transfers(lines, 1, links, 2) == 0.5
 
 
 def test_equal_stages_keep_the_schedules_bubble():

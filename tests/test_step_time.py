@@ -237,7 +237,7 @@ def test_overlap_never_makes_a_step_faster_than_its_compute(mlp):
 
 def test_ddp_hides_all_but_one_bucket_behind_a_long_backward_and_fsdp_its_prefetched_gathers():
     hw = flops_only(device="cuda")
-    plan = type("P", (), dict(dp_size=4, tp_size=1))()
+    plan = type("P", (), dict(dp_size=4, tp_size=1, uses_zero=False))()
     table = pd.DataFrame([dict(mesh_dim="dp", kind="all_reduce", phase="backward", count=4, bytes=4e6)])
     total = hw.collective_time("all_reduce", 4, 4e6, 4)
     assert exposed_comm_s(plan, table, hw, {"forward": 1, "backward": 100}) == pytest.approx(total / 4)
@@ -317,14 +317,14 @@ def test_zero_broadcasts_are_priced_as_a_burst_where_one_was_calibrated():
     assert hw.collective_time("broadcast", 2, 1e6, 10, burst=True) == pytest.approx(10 * 2e-5 + 1e6 * beta)
     assert hw.collective_time("broadcast", 2, 1e6, 10) == pytest.approx(10 * alpha + 1e6 * beta)
     assert flops_only().collective_time("broadcast", 2, 1e6, 10, burst=True) == pytest.approx(10 * alpha + 1e6 * beta)
-    plan = type("P", (), dict(dp_size=2, tp_size=1))()
+    plan = type("P", (), dict(dp_size=2, tp_size=1, uses_zero=True))()
     table = pd.DataFrame([dict(mesh_dim="dp", kind="broadcast", phase="optimizer", count=10, bytes=1e6)])
     assert exposed_comm_s(plan, table, hw, {"forward": 0, "backward": 0}) == pytest.approx(10 * 2e-5 + 1e6 * beta)
 
 
 def test_nothing_overlaps_on_cpu_ranks():
     hw = flops_only()
-    plan = type("P", (), dict(dp_size=4, tp_size=1))()
+    plan = type("P", (), dict(dp_size=4, tp_size=1, uses_zero=False))()
     table = pd.DataFrame([dict(mesh_dim="dp", kind="all_reduce", phase="backward", count=4, bytes=4e6),
                           dict(mesh_dim="dp", kind="all_gather", phase="forward", count=5, bytes=5e6)])
     total = hw.collective_time("all_reduce", 4, 4e6, 4) + hw.collective_time("all_gather", 4, 5e6, 5)

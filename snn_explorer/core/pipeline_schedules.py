@@ -186,6 +186,21 @@ def _torch_order(schedule: PipelineSchedule, pp: int, micro: int, virtual: int) 
 
 # ---- the timeline -----------------------------------------------------------------------------------
 
+def passes(kind: str) -> str:
+    """What an action of ``kind`` hands on: a forward its output (``F``), a backward (whole or input)
+    the gradient of its input to the previous stage (``G``), a weight backward nothing (``W``)."""
+    return "G" if kind in ("B", "I") else kind
+
+
+def needs(kind: str, stage: int, micro: int, stages: int) -> Optional[Tuple[str, int, int]]:
+    """What the action ``(kind, stage, micro)`` waits for, as ``(passes, stage, micro)`` of the action
+    that hands it on: a forward the previous stage's forward, a backward (whole or input) the next
+    stage's; None for the first stage's forward, the last stage's backward and weight backwards."""
+    if kind == "F":
+        return ("F", stage - 1, micro) if stage else None
+    return ("G", stage + 1, micro) if passes(kind) == "G" and stage < stages - 1 else None
+
+
 def replay(orders: Dict[int, List[Action]], stages: int, cost: Optional[Callable[[str, int], float]] = None,
            link: Optional[Callable[[int, int], float]] = None) -> Dict[int, List[Span]]:
     """Per rank ``(kind, stage, micro-batch, start, end)`` of every action of ``orders`` (rank ->
@@ -203,9 +218,7 @@ def replay(orders: Dict[int, List[Action]], stages: int, cost: Optional[Callable
             if position[r] == len(acts):
                 continue
             kind, s, i = acts[position[r]]
-            sent = "G" if kind in ("B", "I") else kind  # the gradient sent to the previous stage
-            need = (("F", s - 1, i) if kind == "F" and s else
-                    ("G", s + 1, i) if sent == "G" and s < stages - 1 else None)
+            need = needs(kind, s, i, stages)
             if need is not None and need not in done:
                 continue
             ready = 0.0
@@ -214,7 +227,7 @@ def replay(orders: Dict[int, List[Action]], stages: int, cost: Optional[Callable
                 ready += link(need[1], s) if link is not None and src != r else 0.0
             start = max(free[r], ready)
             free[r] = start + cost(kind, s)
-            done[(sent, s, i)] = (free[r], r)
+            done[(passes(kind), s, i)] = (free[r], r)
             out[r].append((kind, s, i, start, free[r]))
             position[r] += 1
             progressed = True

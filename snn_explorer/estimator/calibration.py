@@ -358,8 +358,8 @@ def _probe_pipeline(p: int, schedule, heavy: int = 1):
 def _pipeline_step_times(dist, device, schedule, heavy: int) -> dict:
     """Seconds of a training step of :func:`_probe_pipeline` (``schedule``, ``heavy``) on this rank and
     of its waits for sends and receives in it (:func:`~..compat.pipeline_waits`), of one
-    micro-batch's forward and backward of a block and of a heavy block run alone (every rank at
-    once, in turns with the steps), each the median of :data:`PIPELINE_REPEATS`; the plan, ``heavy``
+    micro-batch's forward and backward of a block (and of a heavy block, where ``heavy > 1``) run
+    alone (every rank at once, in turns with the steps), each the median of :data:`PIPELINE_REPEATS`; the plan, ``heavy``
     and the bytes of one transfer."""
     import torch
 
@@ -367,7 +367,7 @@ def _pipeline_step_times(dist, device, schedule, heavy: int) -> dict:
     from ..core import apply
 
     model, pp_plan, x = _probe_pipeline(dist.get_world_size(), schedule, heavy)
-    blocks = {"light": _probe_block(1).to(device), "heavy": _probe_block(heavy).to(device)}
+    blocks = {"light": _probe_block(1).to(device), **({"heavy": _probe_block(heavy).to(device)} if heavy > 1 else {})}
     micro = x[:, :x.shape[1] // pp_plan.pp_microbatches].clone().to(device).requires_grad_()
     runtime = apply(model=model, plan=pp_plan, device_type=device.type)
     x, labels = x.to(device), torch.zeros(x.shape[1], dtype=torch.long)
@@ -381,7 +381,7 @@ def _pipeline_step_times(dist, device, schedule, heavy: int) -> dict:
         return time.perf_counter() - start
 
     runtime.train_step(loss, x, labels)
-    times = {k: [] for k in ("step", "waited", "light_F", "light_B", "heavy_F", "heavy_B")}
+    times = {k: [] for k in ("step", "waited", *(f"{name}_{phase}" for name in blocks for phase in "FB"))}
     with collected():
         for _ in range(PIPELINE_REPEATS):
             dist.barrier()

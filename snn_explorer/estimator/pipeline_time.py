@@ -28,7 +28,7 @@ import pandas as pd
 import torch
 
 from ..core.pipeline_plan import check_pp_model, pipeline_units, stage_units
-from ..core.pipeline_schedules import replay
+from ..core.pipeline_schedules import needs, passes, replay
 from ._step import batch_slice, loss_of
 from .compute_work import PhaseWork
 from .hardware import HardwareProfile
@@ -122,15 +122,15 @@ def replay_plan(plan, costs: Dict[Tuple[str, int], float], links: Dict[Tuple[int
     return replay(orders, plan.pp_stages, lambda kind, s: costs[(kind, s)], lambda src, dst: links.get((src, dst), 0.0))
 
 
-def waited_on_transfers(spans, ends: Dict[Tuple[str, int, int], float], links: Dict[Tuple[int, int], float]) -> float:
-    """Seconds a rank's actions (``spans`` of a replay) started later than they would have without
-    the transfers of their inputs (``ends``: when each action's output was ready, by what it sends)."""
+def waited_on_transfers(lines, rank: int, links: Dict[Tuple[int, int], float], stages: int) -> float:
+    """Seconds ``rank``'s actions started later than they would have without the transfers of their
+    inputs (``lines``: a replay's time lines of every rank; ``links``: seconds per transfer)."""
+    ends = {(passes(kind), s, i): end for spans in lines.values() for kind, s, i, _, end in spans}
     waited, free = 0.0, 0.0
-    for kind, s, i, start, end in spans:
-        src = s - 1 if kind == "F" else s + 1 if kind in ("B", "I") else None
-        need = ("F", src, i) if kind == "F" else ("G", src, i)
-        link = links.get((src, s), 0.0) if src is not None else 0.0
-        if link and need in ends:
+    for kind, s, i, start, end in lines[rank]:
+        need = needs(kind, s, i, stages)
+        link = links.get((need[1], s), 0.0) if need is not None else 0.0
+        if link:
             waited += max(0.0, min(link, start - max(free, ends[need])))
         free = end
     return waited
@@ -160,7 +160,6 @@ def pipeline_time_table(plan, profile, collectives: pd.DataFrame, per_rank: pd.D
     extra = hw.overhead(f"pp_link:{plan.pp_schedule}", plan.pp_size)
     links = {boundary: seconds + extra for boundary, seconds in transfer_s(plan, collectives, hw).items()}
     lines = replay_plan(plan, costs, links)
-    ends = {("G" if kind in ("B", "I") else kind, s, i): end for spans in lines.values() for kind, s, i, _, end in spans}
     reduce_s, broadcast = _collectives_after(plan, collectives, hw)
     rows = []
     for pp_rank, spans in sorted(lines.items()):
@@ -168,7 +167,7 @@ def pipeline_time_table(plan, profile, collectives: pd.DataFrame, per_rank: pd.D
         optimizer = optimizer_s(params) * unit["optimizer"] * slow
         rows.append(dict(end=spans[-1][-1] + reduce_s[pp_rank], optimizer=optimizer,
                          compute=sum(costs[(kind, s)] for kind, s, *_ in spans) + optimizer,
-                         comm=waited_on_transfers(spans, ends, links) + reduce_s[pp_rank] + broadcast))
+                         comm=waited_on_transfers(lines, pp_rank, links, plan.pp_stages) + reduce_s[pp_rank] + broadcast))
     joined = max(r["end"] for r in rows) + broadcast  # the loss broadcast: every rank waits for the last
     table = []
     for rank in range(plan.world_size):

@@ -62,7 +62,7 @@ def exposed_comm_s(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: Hard
     for row in collectives.itertuples(index=False):
         size = _group_size(plan, row.mesh_dim, row.kind)
         seconds = hw.collective_time(row.kind, size, row.bytes, row.count, spans_nodes(plan, row.mesh_dim, hw, size),
-                                     burst=(row.kind, row.phase) == ("broadcast", "optimizer"))  # ZeRO's
+                                     burst=plan.uses_zero and row.kind == "broadcast")  # ZeRO's, back to back
         timed[(row.mesh_dim, row.kind, row.phase)] = (seconds, row.count)
     if not hw.overlaps_comm:
         return sum(seconds for seconds, _ in timed.values())
