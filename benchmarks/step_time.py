@@ -1,10 +1,12 @@
 """Predicted vs measured step time of every plan, on this machine's gloo ranks; and the 1024-rank what-if.
 
-Run: ``python benchmarks/step_time.py [--models mlp vgg ...] [--worlds 2 4] [--steps 9]``, or
+Run: ``python benchmarks/step_time.py [--models mlp vgg ...] [--worlds 2 4] [--steps 9] [--repeat 3]``, or
 ``--scale`` for the time to enumerate and estimate every plan of 1024 ranks for a ~120-module
-model on a datasheet profile. The accuracy run first calibrates this machine (``calibrate``), then
-for each zoo model and world size estimates every plan's step time on that calibration and
-measures it (``measure_many``: the mean of the timed steps after the first, the slowest rank).
+model on a datasheet profile. The accuracy run first calibrates this machine (``calibrate``, the
+median of ``--repeat`` worlds per size), then for each zoo model and world size estimates every
+plan's step time on that calibration and measures it in ``--repeat`` fresh worlds (``measure_many``:
+the mean of the timed steps after the first on the slowest rank; the median over the worlds, whose
+spread ``worlds_max_over_min`` shows).
 Per model it prints the median and worst relative error and Kendall's tau between the predicted
 and the measured order of the plans. Targets: median <= 15 %, worst <= 30 %, tau >= 0.8.
 ``--noise`` times one fixed step over and over in one process: how much this machine's own speed
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import statistics
 import time
 
 import pandas as pd
@@ -42,20 +45,23 @@ def kendall_tau(a, b) -> float:
     return (concordant - discordant) / denom if denom else float("nan")
 
 
-def rows_for(name: str, worlds, hw, steps: int):
+def rows_for(name: str, worlds, hw, steps: int, repeat: int = 1):
     zoo = build(name)
     analysis = se.analyze(zoo.model, model_family=zoo.family)
     plans = [p for w in worlds for p in enumerate_plans(analysis, world_size=w, batch_size=zoo.batch_size)]
     estimates = [estimate(zoo.model, p, example_input=zoo.example_input, labels=zoo.labels, hardware=hw)
                  for p in plans]
-    measured = measure_many(zoo.model, plans, example_input=zoo.example_input, labels=zoo.labels, steps=steps)
+    runs = [measure_many(zoo.model, plans, example_input=zoo.example_input, labels=zoo.labels, steps=steps)
+            for _ in range(repeat)]
     rows = []
-    for est, meas in zip(estimates, measured):
+    for est, *meas in zip(estimates, *runs):
         row = est.time.iloc[0]
-        real = max(meas.step_time_s)
+        worlds = [max(m.step_time_s) for m in meas]
+        real = statistics.median(worlds)
         rows.append(dict(model=name, mode=est.summary()["mode"], mesh=est.summary()["mesh"],
                          compute_ms=1e3 * row.compute_s, exposed_comm_ms=1e3 * row.exposed_comm_s,
                          predicted_ms=1e3 * est.step_time_s, measured_ms=1e3 * real,
+                         worlds_max_over_min=max(worlds) / min(worlds),
                          rel_err=(est.step_time_s - real) / real))
     return rows
 
@@ -94,8 +100,6 @@ def noise_rows(loops: int = 20):
     """The machine's own noise floor: the same small SNN training step (the calibration's probe),
     timed ``loops`` times over 0.25 s each in this process on one thread. No prediction can be
     checked more finely than these times vary."""
-    import statistics
-
     import torch
 
     from snn_explorer.estimator.calibration import _busy_time, _probe_step
@@ -114,6 +118,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["mlp", "mlp_all_steps", "mlp_tutorial", "vgg", "spikformer"])
     parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="fresh worlds per world size, for the calibration and for each plan's measurement (median)")
     parser.add_argument("--scale", action="store_true", help="only the 1024-rank enumeration and estimate time")
     parser.add_argument("--noise", action="store_true", help="only the machine's noise floor (one fixed step, timed 20 times)")
     args = parser.parse_args()
@@ -124,11 +130,11 @@ def main() -> None:
         print(pd.DataFrame(scale_rows()).to_string(index=False))
         return
     start = time.perf_counter()
-    hw = se.calibrate(group_sizes=sorted({w for w in args.worlds if w > 1} | {2}))
+    hw = se.calibrate(group_sizes=sorted({w for w in args.worlds if w > 1} | {2}), worlds=args.repeat)
     print(f"calibrated in {time.perf_counter() - start:.1f} s: {hw.source}")
     print("compute slow-down of ranks sharing the host:", {p: round(v, 2) for p, v in hw.compute_sharing.items()})
     print("wrapper costs (ms):", {p: {k: round(v * 1e3, 2) for k, v in c.items()} for p, c in hw.framework_overhead.items()})
-    table = pd.DataFrame([r for name in args.models for r in rows_for(name, args.worlds, hw, args.steps)])
+    table = pd.DataFrame([r for name in args.models for r in rows_for(name, args.worlds, hw, args.steps, args.repeat)])
     with pd.option_context("display.width", 250, "display.max_columns", 30, "display.float_format", "{:.3f}".format):
         print(table.to_string(index=False))
         print()

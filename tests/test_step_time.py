@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import snn_explorer as se
 from snn_explorer.estimator import enumerate_plans, estimate
-from snn_explorer.estimator.calibration import MIN_BETA, SIZES_BYTES, _profile_from, fit_alpha_beta
+from snn_explorer.estimator.calibration import MIN_BETA, SIZES_BYTES, _profile_from, fit_alpha_beta, median_profile
 from snn_explorer.core.topology import SNNDistributedTopology
 from snn_explorer.estimator.hardware import KINDS, HardwareProfile, link_table, ring_fraction, ring_steps
 from snn_explorer.estimator.step_time import exposed_comm_s
@@ -54,6 +54,24 @@ def test_calibration_turns_rank_timings_into_the_known_alpha_beta_per_kind_and_g
     assert hw.compute_sharing == pytest.approx({2: 1.5, 4: 3.0})
     assert (hw.flops_per_s, hw.bytes_per_s, hw.op_overhead_s) == (2e10, 5e9, 2e-6)
     assert hw.source.startswith("calibrated on ") and hw.device == "cpu"
+
+
+def test_calibrations_in_several_worlds_give_the_median_of_every_figure():
+    """Three worlds, each slow in another figure: the profile takes each figure's median, so no
+    world's outlier (a latency several times the others) reaches it."""
+    def profile(alpha, sharing, tp_cost, flops):
+        return HardwareProfile(name="w", device="cpu", flops_per_s=flops, bytes_per_s=1e9, op_overhead_s=1e-6,
+                               collectives=link_table(alpha, 1e9), compute_sharing={2: sharing},
+                               framework_overhead={2: {"tp_module": tp_cost}}, source="calibrated on h")
+
+    worlds = [profile(1e-4, 1.0, 9e-3, 1e9), profile(8e-4, 1.2, 1e-3, 3e9), profile(2e-4, 5.0, 2e-3, 2e9)]
+    med = median_profile(worlds)
+    assert med.collective_time("all_reduce", 2, 0) == worlds[2].collective_time("all_reduce", 2, 0)
+    assert med.compute_sharing == {2: 1.2} and med.overhead("tp_module", 2) == 2e-3 and med.flops_per_s == 2e9
+    assert med.source == "calibrated on h, median of 3 worlds per size"
+    assert median_profile(worlds[:1]) is worlds[0]
+    with pytest.raises(ValueError, match=r"worlds=0 must be a positive int \(fresh worlds per group size\)"):
+        se.calibrate(worlds=0)
 
 
 def test_wrapper_costs_are_what_the_wrapped_step_takes_beyond_the_plain_one_and_its_collectives(mlp):

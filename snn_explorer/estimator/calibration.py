@@ -29,6 +29,7 @@ import os
 import socket
 import statistics
 import time
+from dataclasses import replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .. import ranks
@@ -524,21 +525,45 @@ def _profile_from(runs: Dict[int, List[dict]], backend: str, name: Optional[str]
                                   f"({backend}, {max(runs)} ranks)")
 
 
+def median_profile(profiles: Sequence[HardwareProfile]) -> HardwareProfile:
+    """One profile whose every calibrated figure (compute, each alpha and beta, sharing, wrapper
+    costs) is the median over ``profiles``, calibrations of the same sizes."""
+    first, med = profiles[0], statistics.median
+    if len(profiles) == 1:
+        return first
+    collectives = {kind: {p: tuple(med(pr.collectives[kind][p][i] for pr in profiles) for i in (0, 1))
+                          for p in by_size} for kind, by_size in first.collectives.items()}
+    sharing = {p: med(pr.compute_sharing[p] for pr in profiles) for p in first.compute_sharing}
+    overheads = {p: {key: med(pr.framework_overhead[p][key] for pr in profiles) for key in costs}
+                 for p, costs in first.framework_overhead.items()}
+    return replace(first, flops_per_s=med(pr.flops_per_s for pr in profiles),
+                   bytes_per_s=med(pr.bytes_per_s for pr in profiles),
+                   op_overhead_s=med(pr.op_overhead_s for pr in profiles), collectives=collectives,
+                   compute_sharing=sharing, framework_overhead=overheads,
+                   source=f"{first.source}, median of {len(profiles)} worlds per size")
+
+
 def calibrate(group_sizes: Sequence[int] = (2, 4), *, backend: str = "auto", name: Optional[str] = None,
-              timeout: float = 120.0) -> HardwareProfile:
+              timeout: float = 120.0, worlds: int = 1) -> HardwareProfile:
     """Measure this machine into a :class:`HardwareProfile` (see the module doc; 42-46 s for sizes 2
     and 4 on a 2-core CPU machine). ``group_sizes`` (each >= 2): the collective group sizes to time, each in
     a world of its own size (ranks that only waited would still take the cores' time);
-    ``backend``: ``"auto"`` (NCCL when there is a GPU per rank, else gloo), ``"gloo"`` or ``"nccl"``."""
+    ``backend``: ``"auto"`` (NCCL when there is a GPU per rank, else gloo), ``"gloo"`` or ``"nccl"``;
+    ``worlds``: fresh worlds per size, the profile their median (:func:`median_profile`): on shared
+    CPU cores a collective's latency can differ several times between two worlds."""
     sizes = sorted({positive_int("group size", p) for p in group_sizes})
+    worlds = positive_int("worlds", worlds, what="fresh worlds per group size")
     if not sizes or sizes[0] < 2:
         raise ValueError(f"group_sizes={list(group_sizes)}; expected sizes >= 2 (the ranks a collective spans)")
     if "send" in KINDS and sizes[0] % 2:
         raise ValueError(f"group_sizes={list(group_sizes)}: send/recv is timed between rank pairs; use even sizes")
-    runs, used = {}, backend
-    for p in sizes:
-        result = ranks.run(_calibrate_on_rank, (p == sizes[0],), nprocs=p, backend=backend, timeout=timeout)
-        runs[p], used = result.values, result.backend
+    all_runs, used = [], backend
+    for _ in range(worlds):
+        runs = {}
+        for p in sizes:
+            result = ranks.run(_calibrate_on_rank, (p == sizes[0],), nprocs=p, backend=backend, timeout=timeout)
+            runs[p], used = result.values, result.backend
+        all_runs.append(runs)
     reference = None
     if used == "gloo":  # CPU ranks: against the step in this process, on one thread (see local_correction)
         import torch
@@ -546,7 +571,7 @@ def calibrate(group_sizes: Sequence[int] = (2, 4), *, backend: str = "auto", nam
         with one_thread():
             probe = _probe_step(torch.device("cpu"))
             reference = statistics.median(_busy_time(probe, lambda: None) for _ in range(3))
-    return _profile_from(runs, used, name, reference)
+    return median_profile([_profile_from(runs, used, name, reference) for runs in all_runs])
 
 
 _DEFAULT: Dict[str, HardwareProfile] = {}
