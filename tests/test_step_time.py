@@ -206,9 +206,21 @@ def mlp():
                                                     batch_size=zoo.batch_size)}
 
 
-def _compute(zoo, plan, **kw):
-    return estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels, hardware=flops_only(),
-                    **kw).time["compute_s"].iloc[0]
+def test_tp_wrapper_cost_is_paid_per_call_of_a_wrapped_module_not_of_a_neuron_on_its_shard(mlp):
+    """The zoo MLP's TP plan wraps its three Linears (each called once per time step) and leaves the
+    neuron between them ('local') as it is: the calibrated DTensor cost is paid 3 x T times a step."""
+    zoo, plans = mlp
+    tp = plans["tp"]
+    assert sorted(tp.tensor_parallel_plan.values()) == ["colwise", "colwise_gather", "local", "rowwise"]
+    t = zoo.example_input.shape[0]
+    with_cost = dataclasses.replace(flops_only(), framework_overhead={2: {"tp_module": 1e-3}})
+    extra = _compute(zoo, tp, hardware=with_cost) - _compute(zoo, tp)
+    assert extra == pytest.approx(3 * t * 1e-3)
+
+
+def _compute(zoo, plan, hardware=None, **kw):
+    return estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels,
+                    hardware=hardware or flops_only(), **kw).time["compute_s"].iloc[0]
 
 
 def _step_flops(model, zoo, n, t):

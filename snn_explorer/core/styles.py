@@ -75,6 +75,12 @@ class TPStyle:
     def shards_parameters(self) -> bool:
         return bool(self.split)
 
+    @property
+    def wraps_calls(self) -> bool:
+        """Whether each call of the module goes through a torch ``ParallelStyle``'s hooks and DTensor
+        (False for a style that leaves the module as it is, running on its input's local shard)."""
+        return self.parallel_style() is not None
+
     # ---- plan time
     def check(self, analysis, path: str, tp_size: int) -> None:
         """Raise ValueError unless ``path`` is of this style's layer kind and ``tp_size`` divides it."""

@@ -29,6 +29,7 @@ import pandas as pd
 import torch
 
 from ..core import SNNDistributedPlan
+from ..core.styles import STYLES
 from .compute_work import PHASES, Work, local_correction, rank_work
 from .hardware import HardwareProfile
 
@@ -102,16 +103,17 @@ def compute_phases(plan: SNNDistributedPlan, work: Work, hw: HardwareProfile, t:
 
 
 def framework_s(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, hw: HardwareProfile, t: int) -> float:
-    """The calibrated cost of the parallel wrappers themselves (DTensor dispatch of each TP-sharded
-    module call, FSDP2's work around each of its collectives, DDP's and ZeRO's work around a step);
-    0 on profiles without it."""
+    """The calibrated cost of the parallel wrappers themselves (DTensor dispatch of each call of a
+    module a TP style wraps, not of neurons left to run on their local shard; FSDP2's work around
+    each of its collectives, DDP's and ZeRO's work around a step); 0 on profiles without it."""
     seconds = 0.0
     if plan.dp_size > 1:
         seconds += hw.overhead("ddp_step", plan.dp_size) * plan.uses_ddp + \
             hw.overhead("zero_step", plan.dp_size) * plan.uses_zero
     if plan.uses_tp:
         calls = sum(profile.modules[path].calls(plan.per_rank_batch, t)
-                    for path in plan.tensor_parallel_plan if path in profile.modules)
+                    for path, style in plan.tensor_parallel_plan.items()
+                    if path in profile.modules and STYLES[style].wraps_calls)
         seconds += calls * hw.overhead("tp_module", plan.tp_size)
     if plan.uses_fsdp:
         fsdp = collectives[(collectives["mesh_dim"] == "dp") & collectives["kind"].isin(("all_gather", "reduce_scatter"))]
