@@ -56,12 +56,12 @@ def rows_for(name: str, worlds, hw, steps: int, repeat: int = 1):
     rows = []
     for est, *meas in zip(estimates, *runs):
         row = est.time.iloc[0]
-        worlds = [max(m.step_time_s) for m in meas]
-        real = statistics.median(worlds)
+        per_world = [max(m.step_time_s) for m in meas]
+        real = statistics.median(per_world)
         rows.append(dict(model=name, mode=est.summary()["mode"], mesh=est.summary()["mesh"],
                          compute_ms=1e3 * row.compute_s, exposed_comm_ms=1e3 * row.exposed_comm_s,
                          predicted_ms=1e3 * est.step_time_s, measured_ms=1e3 * real,
-                         worlds_max_over_min=max(worlds) / min(worlds),
+                         worlds_max_over_min=max(per_world) / min(per_world),
                          rel_err=(est.step_time_s - real) / real))
     return rows
 

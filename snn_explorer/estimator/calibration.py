@@ -1,8 +1,9 @@
 """calibrate(): measure this machine's compute and collectives into a :class:`HardwareProfile`.
 
 For each group size ``p``, ``p`` real ranks (``snn_explorer.ranks``; gloo on CPUs, NCCL with one
-GPU per rank) are started: a world of exactly the ranks a plan of that size runs, since ranks that
-only wait still take a share of the cores. In the first world rank 0 times alone a square matmul
+GPU per rank) are started (in ``worlds`` fresh worlds one after another, every figure then their
+median: :func:`median_profile`): a world of exactly the ranks a plan of that size runs, since
+ranks that only wait still take a share of the cores. In the first world rank 0 times alone a square matmul
 (FLOP/s), a large elementwise add (bytes/s) and a one-element add (the fixed cost of one operator);
 then all ``p`` ranks run a small SNN training step together (:func:`_probe_step`), every
 collective kind at a few buffer sizes (each issued between a little compute, as in a step:
