@@ -162,8 +162,10 @@ def test_grandchild_in_a_new_session_ends_with_the_launch(clean_launch):
 
 
 HANG_SCRIPT = textwrap.dedent("""
-    import json, os, sys, time
+    import json, os, signal, sys, time
     from snn_explorer.launcher import launch
+
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a caller SIGHUP kills, even when started under nohup
 
     def hang(note):
         open(note + f".{os.environ['RANK']}", "w").write(json.dumps([os.environ["SNN_EXPLORER_LAUNCH_DIR"],
