@@ -3,8 +3,9 @@
 For each group size ``p``, ``p`` real ranks (``snn_explorer.ranks``; gloo on CPUs, NCCL with one
 GPU per rank) are started (in ``worlds`` fresh worlds one after another, every figure then their
 median: :func:`median_profile`): a world of exactly the ranks a plan of that size runs, since
-ranks that only wait still take a share of the cores. In the first world rank 0 times alone a square matmul
-(FLOP/s), a large elementwise add (bytes/s) and a one-element add (the fixed cost of one operator);
+ranks that only wait still take a share of the cores. In the first world rank 0 times alone a
+square matmul (FLOP/s), a large elementwise add (bytes/s) and a one-element add (the fixed cost of
+one operator);
 then all ``p`` ranks run a small SNN training step together (:func:`_probe_step`), every
 collective kind at a few buffer sizes (each issued between a little compute, as in a step:
 :func:`_time_collective`), a burst of broadcasts as ZeroRedundancyOptimizer issues them
@@ -361,8 +362,8 @@ def _pipeline_step_times(dist, device, schedule, heavy: int) -> dict:
     """Seconds of a training step of :func:`_probe_pipeline` (``schedule``, ``heavy``) on this rank and
     of its waits for sends and receives in it (:func:`~..compat.pipeline_waits`), of one
     micro-batch's forward and backward of a block (and of a heavy block, where ``heavy > 1``) run
-    alone (every rank at once, in turns with the steps), each the median of :data:`PIPELINE_REPEATS`; the plan, ``heavy``
-    and the bytes of one transfer."""
+    alone (every rank at once, in turns with the steps), each the median of
+    :data:`PIPELINE_REPEATS`; the plan, ``heavy`` and the bytes of one transfer."""
     import torch
 
     from ..compat import pipeline_waits
