@@ -26,9 +26,9 @@ ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run"]
-# The UI's comparison (a Styler with a fixed uuid) inside the Compare tab's Output widget; the
-# notebook's own `ex.compare(styled=True)` cell shows a table with the same id outside the UI.
-TABLE = ".widget-output #T_snn-compare"
+# The UI's comparison (a Styler whose id starts with T_snn-compare, unique to its table) inside the
+# Compare tab's Output widget; the notebook's own `ex.compare(styled=True)` cell is outside the UI.
+TABLE = '.widget-output table[id^="T_snn-compare"]'
 START_TIMEOUT_S = 120
 RENDER_TIMEOUT_MS = 180_000
 CHANGE_TIMEOUT_MS = 60_000

@@ -1,6 +1,7 @@
 """The side-by-side comparison: one column per plan, numbers from the estimator's tables."""
 from __future__ import annotations
 
+import hashlib
 from typing import Optional, Sequence
 
 import pandas as pd
@@ -13,15 +14,20 @@ from ..estimator import PlanEstimate
 MEMORY_ROWS = ("params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes", "activations_bytes",
                "neuron_state_bytes", "transient_bytes")
 #: Numeric rows where the smallest value is best (highlighted).
-BEST_LOW = MEMORY_ROWS + ("peak_bytes_max", "comm_bytes_per_step", "collectives_per_step", "step_time_s")
+BEST_LOW = MEMORY_ROWS + ("peak_bytes_max", "comm_bytes_per_step", "collectives_per_step", "step_time_s",
+                          "bubble_fraction")
+#: Numeric rows where the largest value is best (highlighted). Every other row is never highlighted.
+BEST_HIGH = ("samples_per_s",)
 TEXT_ROWS = ("objective", "mode", "mesh", "optimizer_strategy", "memopt_level", "batch", "batch_per_rank",
              "time_steps", "rationale", "notes", "verdict", "hardware")
 COMPARE_ROWS = TEXT_ROWS + MEMORY_ROWS + ("peak_bytes_max", "comm_bytes_per_step", "collectives_per_step",
                                           "step_time_s", "samples_per_s", "fits_budget")
 #: Rows added after :data:`COMPARE_ROWS` when a compared plan is a pipeline (a plan without one: "" and 0).
 PIPELINE_ROWS = ("pipeline", "bubble_fraction")
-#: The Styler's table id, fixed so that rendered HTML is the same on every run.
+#: The prefix of a styled comparison's table id; the rest is a digest of the table (see :func:`table_uuid`).
 STYLER_UUID = "snn-compare"
+#: The style of a best cell.
+BEST_CSS = "font-weight: bold; background-color: #d4edda"
 
 
 def mesh_text(plan: SNNDistributedPlan) -> str:
@@ -76,11 +82,23 @@ def compare_table(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[s
 
 
 def best_columns(table: pd.DataFrame, row: str) -> list:
-    """The columns holding the best (smallest) value of numeric ``row``; none when all are equal."""
+    """The columns holding the best value of numeric ``row`` (smallest for :data:`BEST_LOW`, largest
+    for :data:`BEST_HIGH`; ties all best); none for another row, a non-numeric cell, or all equal."""
+    if row not in BEST_LOW + BEST_HIGH or row not in table.index:
+        return []
     values = pd.to_numeric(table.loc[row], errors="coerce")
     if values.isna().any() or values.nunique() < 2:
         return []
-    return list(values.index[values == values.min()])
+    best = values.max() if row in BEST_HIGH else values.min()
+    return list(values.index[values == best])
+
+
+def table_uuid(table: pd.DataFrame) -> str:
+    """``snn-compare-<digest>``: the Styler's table id, a digest of ``table``'s labels and cells, so
+    that two comparisons on one page (or in two open notebooks) never share an id, and so never
+    each other's cell styles, while one table renders to the same HTML on every run."""
+    text = repr((list(table.index), list(table.columns), [[str(v) for v in row] for row in table.values]))
+    return f"{STYLER_UUID}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
 
 
 def format_bytes(n) -> str:
@@ -118,13 +136,20 @@ def readable(table: pd.DataFrame, max_text: int = 0) -> pd.DataFrame:
     return out
 
 
-def style_compare(table: pd.DataFrame):
-    """A Styler (fixed uuid) of :func:`readable` with each row's best value in bold green."""
-    shown = readable(table)
+def best_styles(table: pd.DataFrame) -> pd.DataFrame:
+    """:data:`BEST_CSS` on each row's best cells (:func:`best_columns`), "" elsewhere."""
     best = pd.DataFrame("", index=table.index, columns=table.columns)
-    for row in BEST_LOW:
-        if row in table.index:
-            for col in best_columns(table, row):
-                best.loc[row, col] = "font-weight: bold; background-color: #d4edda"
-    styler = shown.style.set_uuid(STYLER_UUID).apply(lambda _: best, axis=None)
-    return styler.set_table_styles([{"selector": "td", "props": "text-align: left; max-width: 28em"}])
+    for row in table.index:
+        for col in best_columns(table, row):
+            best.loc[row, col] = BEST_CSS
+    return best
+
+
+def style_compare(table: pd.DataFrame):
+    """A Styler of :func:`readable` with each row's best value in bold green, its id unique to the
+    table (:func:`table_uuid`), scrolling sideways rather than growing wider than its page."""
+    best = best_styles(table)
+    styler = readable(table).style.set_uuid(table_uuid(table)).apply(lambda _: best, axis=None)
+    return styler.set_table_styles([
+        {"selector": "", "props": "display: block; max-width: 100%; overflow-x: auto"},
+        {"selector": "td", "props": "text-align: left; min-width: 7em; max-width: 16em; white-space: normal"}])
