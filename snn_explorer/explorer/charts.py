@@ -1,4 +1,5 @@
-"""matplotlib charts of estimates: fixed size, no pyplot state, each returns its Figure."""
+"""matplotlib charts of estimates: fixed size, no pyplot state, each returns a Figure that displays
+itself (:class:`~snn_explorer.explorer.figure.ChartFigure`)."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -8,14 +9,29 @@ from matplotlib.figure import Figure
 
 from ..estimator import PlanEstimate
 from .compare import MEMORY_ROWS, unique_labels
+from .figure import new_figure, wrapped
 
 FIGSIZE = (9.0, 4.5)
 MIB = 2 ** 20
 
 
 def _figure():
-    fig = Figure(figsize=FIGSIZE, dpi=100, layout="constrained")
+    fig = new_figure(FIGSIZE)
     return fig, fig.add_subplot()
+
+
+def _plan_ticks(ax, positions, labels) -> None:
+    """Plan labels under ``positions``, level, wrapped to the room a plan has (8 plans side by side)."""
+    size = 8 if len(labels) <= 4 else 7
+    ax.set_xticks(positions, wrapped(labels, max(6, 96 // max(1, len(labels)))), fontsize=size)
+
+
+def _budget_line(ax, memory_budget: Optional[int], vertical: bool = False) -> None:
+    """The memory budget (bytes per device) as a dashed red line, when one is given."""
+    if memory_budget is None:
+        return
+    line = ax.axvline if vertical else ax.axhline
+    line(memory_budget / MIB, color="red", linestyle="--", linewidth=1, label=f"budget {memory_budget / MIB:.4g} MiB")
 
 
 def _labels(estimates, labels):
@@ -27,9 +43,11 @@ def _empty(ax, what: str) -> None:
     ax.set_axis_off()
 
 
-def memory_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[str]] = None) -> Figure:
+def memory_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[str]] = None,
+                 memory_budget: Optional[int] = None) -> Figure:
     """Stacked per-rank memory breakdown: a group of bars per plan, one bar per rank, one
-    segment per :data:`~snn_explorer.explorer.compare.MEMORY_ROWS` component; ``x`` marks each rank's peak."""
+    segment per :data:`~snn_explorer.explorer.compare.MEMORY_ROWS` component; ``x`` marks each rank's
+    peak; a dashed line the ``memory_budget`` (bytes per device) when given."""
     fig, ax = _figure()
     if not estimates:
         _empty(ax, "plans")
@@ -49,7 +67,8 @@ def memory_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[st
                    label="peak" if est is estimates[0] else None, zorder=3)
         ticks.append(x + (len(ranks) - 1) / 2)
         x += len(ranks) + 1
-    ax.set_xticks(ticks, labels, rotation=15, ha="right", fontsize=8)
+    _plan_ticks(ax, ticks, labels)
+    _budget_line(ax, memory_budget)
     ax.set_ylabel("MiB per rank")
     ax.set_title("memory per rank (one bar per rank; x: estimated peak)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
@@ -75,7 +94,7 @@ def comm_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[str]
     for i, key in enumerate(sorted(table.columns)):
         ax.bar(range(len(labels)), table[key].tolist(), bottom=bottom, color=f"C{i}", label=key)
         bottom = [b + v for b, v in zip(bottom, table[key])]
-    ax.set_xticks(range(len(labels)), labels, rotation=15, ha="right", fontsize=8)
+    _plan_ticks(ax, range(len(labels)), labels)
     ax.set_ylabel("MiB per step and rank")
     ax.set_title("communication per step")
     if len(table.columns):
@@ -124,27 +143,38 @@ def step_time_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence
         shown = [(i, 1e3 * m) for i, m in enumerate(measured) if m is not None]
         ax.scatter([i for i, _ in shown], [m for _, m in shown], marker="_", s=900, color="black",
                    label="measured", zorder=3)
-    ax.set_xticks(range(len(rows)), labels, rotation=15, ha="right", fontsize=8)
+    _plan_ticks(ax, range(len(rows)), labels)
     ax.set_ylabel("ms per step")
     hardware = estimates[0].hardware
     ax.set_title("predicted step time" + (f" on {hardware.name}" if hardware is not None else ""))
-    ax.legend(fontsize=7)
+    legend = ax.legend(fontsize=7)
+    for handle in legend.legend_handles:  # the measured mark, 900 pt² on the bars, stays beside its word
+        if hasattr(handle, "set_sizes"):
+            handle.set_sizes([60])
     return fig
 
 
-def pareto_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[str]] = None) -> Figure:
-    """Peak memory (max over ranks) against predicted step time; the Pareto front joined by a line."""
+def pareto_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[str]] = None,
+                 memory_budget: Optional[int] = None) -> Figure:
+    """Peak memory (max over ranks) against predicted step time, a colour and a Pareto front per
+    world size (plans on different rank counts do not compete); ``memory_budget`` a dashed line."""
     fig, ax = _figure()
     if not estimates:
         _empty(ax, "plans")
         return fig
     labels = _labels(estimates, labels)
     points = [(e.peak_bytes / MIB, 1e3 * e.step_time_s) for e in estimates]
-    front = pareto_front(points)
-    ax.scatter([p[0] for p in points], [p[1] for p in points], color="C0", label="plan")
-    ax.plot([points[i][0] for i in front], [points[i][1] for i in front], "o-", color="C3", label="Pareto front")
+    worlds = sorted({e.plan.world_size for e in estimates})
+    for i, world in enumerate(worlds):
+        mine = [j for j, e in enumerate(estimates) if e.plan.world_size == world]
+        ranks = f"{world} rank{'s' * (world > 1)}"
+        ax.scatter([points[j][0] for j in mine], [points[j][1] for j in mine], color=f"C{i}", label=ranks)
+        front = [mine[k] for k in pareto_front([points[j] for j in mine])]
+        ax.plot([points[j][0] for j in front], [points[j][1] for j in front], "-", color=f"C{i}",
+                label=f"Pareto front, {ranks}")
     for (m, c), names in coinciding(points, labels):
         ax.annotate("\n".join(names), (m, c), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    _budget_line(ax, memory_budget, vertical=True)
     ax.set_xlabel("peak MiB per rank (max over ranks)")
     ax.set_ylabel("predicted ms per step")
     ax.set_title("memory vs step time")
@@ -156,7 +186,7 @@ def mesh_chart(layout: pd.DataFrame, plan, module: str) -> Figure:
     """The mesh as a dp x tp grid of ranks; each cell lists the slice of ``module``'s parameters
     it holds (a :func:`~snn_explorer.explorer.layout.shard_layout` table)."""
     dp, tp = plan.world_size // plan.tp_size, plan.tp_size
-    fig = Figure(figsize=(FIGSIZE[0], max(FIGSIZE[1], 1.8 * dp + 0.6)), dpi=100, layout="constrained")
+    fig = new_figure((FIGSIZE[0], max(FIGSIZE[1], 1.8 * dp + 0.6)))
     ax = fig.add_subplot()
     fontsize = mesh_fontsize(dp, tp)
     for rank, group in layout.groupby("rank", sort=True):

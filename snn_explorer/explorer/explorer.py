@@ -309,9 +309,9 @@ class Explorer:
         ests = self.estimates(plans, time_steps)
         return getattr(charts, name)(ests, unique_labels([e.plan for e in ests]), **kwargs)
 
-    def memory_chart(self, plans=None, *, time_steps=None):
-        """Stacked per-rank memory of each plan (a Figure)."""
-        return self._chart("memory_chart", plans, time_steps)
+    def memory_chart(self, plans=None, *, time_steps=None, memory_budget=None):
+        """Stacked per-rank memory of each plan (a Figure), ``memory_budget`` (bytes) as a line."""
+        return self._chart("memory_chart", plans, time_steps, memory_budget=memory_budget)
 
     def comm_chart(self, plans=None, *, time_steps=None):
         """Communication per step of each plan (a Figure)."""
@@ -322,9 +322,9 @@ class Explorer:
         ``measured`` (seconds per plan, None where not measured) marks the measured time."""
         return self._chart("step_time_chart", plans, time_steps, measured=measured)
 
-    def pareto_chart(self, plans=None, *, time_steps=None):
-        """Peak memory against predicted step time, Pareto front marked (a Figure)."""
-        return self._chart("pareto_chart", plans, time_steps)
+    def pareto_chart(self, plans=None, *, time_steps=None, memory_budget=None):
+        """Peak memory against predicted step time, a Pareto front per world size (a Figure)."""
+        return self._chart("pareto_chart", plans, time_steps, memory_budget=memory_budget)
 
     def default_module(self, plan: SNNDistributedPlan) -> str:
         """The first module ``plan`` shards with TP, else the first TP candidate, else the first module with parameters."""

@@ -13,6 +13,7 @@ from matplotlib.figure import Figure
 
 from ..core.pipeline_plan import resolve_layout, stage_units
 from ..core.pipeline_schedules import Span, idle_fraction, replay, schedule_of
+from .figure import new_figure
 
 #: Colour of each action kind.
 COLOURS = {"F": "C0", "B": "C1", "I": "C1", "W": "C3"}
@@ -27,7 +28,7 @@ def timeline(schedule: str, pp: int, micro: int, virtual: int = 1) -> Dict[int, 
 def pipeline_chart(plan, units: Sequence[str]) -> Figure:
     """Top: each rank's forwards and backwards over time (gaps are bubbles). Bottom: which stage
     each of the model's pipeline ``units`` belongs to."""
-    fig = Figure(figsize=(9.0, 4.5), dpi=100, layout="constrained")
+    fig = new_figure((9.0, 4.5))
     top, bottom = fig.subplots(2, 1, height_ratios=(3, 1))
     lines = timeline(plan.pp_schedule, plan.pp_size, plan.pp_microbatches, plan.pp_virtual_stages)
     several = plan.pp_virtual_stages > 1

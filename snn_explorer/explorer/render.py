@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 
 import pandas as pd
+
+from .figure import png_bytes
 
 #: Rows of a long table shown in a widget; the full table stays available as a DataFrame.
 MAX_ROWS = 200
@@ -25,10 +26,8 @@ def styler_data(styler, text: str) -> dict:
 
 def figure_data(fig) -> dict:
     """``image/png`` (base64, as Jupyter stores it) of a matplotlib Figure."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", metadata={"Software": None})
     title = fig.axes[0].get_title() if fig.axes else "figure"
-    return {"image/png": base64.b64encode(buf.getvalue()).decode("ascii"), "text/plain": f"<Figure: {title}>"}
+    return {"image/png": base64.b64encode(png_bytes(fig)).decode("ascii"), "text/plain": f"<Figure: {title}>"}
 
 
 def message_data(text: str, kind: str = "info") -> dict:

@@ -83,7 +83,7 @@ class ExplorerUI:
 
     # ---- widgets
     def _build(self, world: int, auto_estimate: bool) -> None:
-        style = {"description_width": "110px"}
+        style = {"description_width": "125px"}  # "checkpoint every" whole
         self.objective = w.Dropdown(options=SNN_DISTRIBUTED_PREFERENCES, value="speed", description="objective",
                                     style=style)
         self.world_size = w.IntSlider(value=world, min=1, max=MAX_WORLD, description="world size", style=style)
@@ -349,6 +349,8 @@ class ExplorerUI:
         from . import charts  # matplotlib: imported when a chart is first drawn, not when the UI opens
 
         labels, ests = self._estimates()
-        make = {"memory": charts.memory_chart, "communication": charts.comm_chart, "pareto": charts.pareto_chart,
-                "step time": charts.step_time_chart}
+        if kind in ("memory", "pareto"):
+            make = charts.memory_chart if kind == "memory" else charts.pareto_chart
+            return make(ests, labels, memory_budget=self.budget_bytes)
+        make = {"communication": charts.comm_chart, "step time": charts.step_time_chart}
         return make[kind](ests, labels)
