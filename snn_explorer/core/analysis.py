@@ -12,7 +12,7 @@ from ..compat import non_persistent_buffer_names
 from . import neurons
 from .attention import (AttentionBlock, BranchAttentionBlock, FusedAttentionBlock, attention_blocks,
                         branch_attention_blocks, fused_attention_blocks, pointwise_chains)
-from .structure import CONV_TYPES, NORM_TYPES, block_conv_chains, chains, under
+from .structure import CONV_TYPES, NORM_TYPES, block_conv_chains, chains, paired_layers, under
 from .pipeline_plan import pipeline_units, trainable_units
 from .plans.families import fsdp_units, resolve_family
 from .serialize import check_keys, check_kind, dataclass_dict, string_tuple, tuplify
@@ -200,6 +200,24 @@ def shared_parameters(model: nn.Module) -> Tuple[Tuple[str, ...], ...]:
     return tuple(tuple(g) for g in groups.values() if len(g) > 1)
 
 
+def _conv_note(convs: Sequence[str], paired: Sequence[str]) -> list:
+    """What the conv gate would shard: exactly the convolutions its plan pairs, the rest named whole."""
+    if not convs:
+        return []
+    whole = [c for c in convs if c not in paired]
+    text = f"{len(convs)} conv layer(s) are not Linear TP candidates; "
+    if paired:
+        text += (f"DistributedFeatureSet(allow_experimental_conv_tp=True) shards the channels of {len(paired)} "
+                 f"of them ({len(paired) // 2} output-/input-channel pair(s) along conv chains)")
+    else:
+        text += "channel TP shards none of them"
+    if whole:
+        text += (f"; {len(whole)} stay whole ({', '.join(whole[:4])}{', ...' if len(whole) > 4 else ''}): not "
+                 "paired in a chain of groups=1 convolutions with only BatchNorms, neurons, pooling or "
+                 "elementwise modules between")
+    return [text + "."]
+
+
 def analyze(model: nn.Module, *, model_family: Optional[str] = None,
             roots: Optional[Sequence[str]] = None) -> SNNDistributedAnalysis:
     """Find stateful neurons (whole model) and Linear TP candidates (under ``roots``)."""
@@ -233,13 +251,14 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
                      "their membrane explicitly (spk, mem = lif(x, mem)), so their state lives in forward's local "
                      "variables, not in the module: nothing to reset between batches if forward starts it "
                      "fresh (mem = lif.init_leaky()), and it is sharded with the activations that carry it.")
-    if unsupported:
-        notes.append(f"{len(unsupported)} conv layer(s) are not Linear TP candidates; "
-                     "DistributedFeatureSet(allow_experimental_conv_tp=True) shards their channels.")
     if not linears:
         notes.append("no Linear tensor-parallel candidates found" + (f" under roots {roots}" if roots else ""))
     candidates = tuple(s.name for s in linears)
     linear_chains = chains(model, roots, "linear", candidates)
+    conv_runs = tuple(c for c in chains(model, roots, "conv") if len(c) > 1)
+    in_runs = {p for c in conv_runs for p in c}  # a residual-block run already inside a conv chain is paired there
+    block_runs = tuple(b for b in block_conv_chains(model, roots) if not {p for p in b if p in unsupported} <= in_runs)
+    notes.extend(_conv_note(unsupported, paired_layers(conv_runs + block_runs, unsupported)))
     units, unit_problem = pipeline_units(model)
     return SNNDistributedAnalysis(
         memory_module_names=tuple(memory),
@@ -256,10 +275,10 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
         attention_blocks=attention_blocks(model, roots, memory),
         batchnorm_names=tuple(norms),
         conv_shapes=tuple(convs),
-        conv_chains=tuple(c for c in chains(model, roots, "conv") if len(c) > 1),
+        conv_chains=conv_runs,
         fused_attention_blocks=fused_attention_blocks(model, roots, memory),
         pointwise_chains=tuple(c for c in pointwise_chains(model, roots) if c not in linear_chains),
-        block_conv_chains=block_conv_chains(model, roots),
+        block_conv_chains=block_runs,
         branch_attention_blocks=branch_attention_blocks(model, roots, memory),
         shared_parameter_groups=shared_parameters(model),
         trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),

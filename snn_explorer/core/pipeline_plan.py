@@ -10,82 +10,25 @@ holds which of the ``pp * V`` stages, and every other fact of a schedule, is the
 from __future__ import annotations
 
 import numbers
-from contextlib import contextmanager
 from typing import Any, Optional, Sequence, Tuple
 
-import torch
 from torch import nn
 
 from .pipeline_schedules import schedule_of
+from .structure import forward_chain, is_plain_sequential
 
 
 # ---- the model's sequence of units ---------------------------------------------------------------
 
-class _ChildrenAreLeaves(torch.fx.Tracer):
-    """Traces only the root's forward: every sub-module call stays one node."""
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return True
-
-
-def _is_plain_sequential(module: nn.Module) -> bool:
-    return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
-
-
-@contextmanager
-def _state_kept(model: nn.Module):
-    """Leaves every module's attributes, buffers and parameters as found: tracing runs the root's
-    forward for real, and calls it makes on its children (a tutorial-style ``lif.init_leaky()``)
-    may replace their state."""
-    saved = [(m, dict(m.__dict__), dict(m._buffers), dict(m._parameters)) for m in model.modules()]
-    try:
-        yield
-    finally:
-        for module, attributes, buffers, parameters in saved:
-            module.__dict__.clear()
-            module.__dict__.update(attributes)
-            for table, kept in ((module._buffers, buffers), (module._parameters, parameters)):
-                table.clear()
-                table.update(kept)
-
-
-def _chain_of(model: nn.Module) -> Tuple[Tuple[str, ...], str]:
-    """The top-level modules ``model.forward`` chains, in call order, and why not ('' when it does)."""
-    if _is_plain_sequential(model):
-        return tuple(name for name, _ in model.named_children()), ""
-    try:
-        with _state_kept(model):
-            graph = _ChildrenAreLeaves().trace(model)
-    except Exception as exc:  # fx cannot follow data-dependent control flow, loops over tensors, ...
-        return (), f"torch.fx cannot trace its forward ({type(exc).__name__}: {str(exc).split('. ')[0][:160]})"
-    previous, chain = None, []
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            if previous is not None:
-                return (), "its forward takes more than one input"
-            previous = node
-        elif node.op == "call_module" and node.args == (previous,) and not node.kwargs:
-            if node.target in chain:
-                return (), f"its forward calls {node.target!r} twice"
-            chain.append(node.target)
-            previous = node
-        elif node.op == "output" and node.args == (previous,) and chain:
-            return tuple(chain), ""
-        else:
-            what = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", node.target)
-            return (), f"its forward does {node.op} {what!r} between its modules, not only module calls in a chain"
-    return (), "its forward calls no module"
-
-
 def pipeline_units(model: nn.Module) -> Tuple[Tuple[str, ...], str]:
     """The paths of the model's pipeline units and, when it has none, why (else '')."""
-    chain, problem = _chain_of(model)
+    chain, problem = forward_chain(model)
     if problem:
         return (), problem
     units = []
     for name in chain:
         module = model.get_submodule(name)
-        if _is_plain_sequential(module) and len(module):
+        if is_plain_sequential(module) and len(module):
             inner, _ = pipeline_units(module)
             units.extend(f"{name}.{n}" for n in inner)
         else:
