@@ -177,18 +177,3 @@ def test_exported_job_restarts_and_resumes_from_checkpoints(tmp_path):
         export_job(plan, lambda *a: 0.0, tmp_path / "job2", model=zoo.model, max_restarts=-1)
     with pytest.raises(ValueError, match="checkpoint_dir and checkpoint_every go together"):
         export_job(plan, lambda *a: 0.0, tmp_path / "job3", model=zoo.model, checkpoint_every=2)
-
-
-def test_pipeline_plans_are_refused_before_any_rank_starts(tmp_path):
-    """Pipeline ranks hold only their stages: checkpoints of pp plans are refused at launch / export time."""
-    from snn_explorer.launcher import export_job
-
-    zoo = build("mlp_all_steps")
-    plan = se.plan(analysis=se.analyze(zoo.model), objective="capacity", topology={"pp": 2}, mode="pp",
-                   batch_size=zoo.batch_size)
-    with pytest.raises(CheckpointError, match=r"pipeline plans \(mode 'pp'\) are not supported yet"):
-        se.launch_plan(zoo.model, plan, lambda *a: 0.0, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=1)
-    with pytest.raises(CheckpointError, match=r"pipeline plans \(mode 'pp'\) are not supported yet"):
-        export_job(plan, lambda *a: 0.0, tmp_path / "job", model=zoo.model, checkpoint_dir="ckpt",
-                   checkpoint_every=1)
-    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "job").exists()

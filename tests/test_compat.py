@@ -335,3 +335,71 @@ def test_pipeline_waits_time_the_schedules_waits_for_transfers():
     for probe in ("1f1b", "interleaved"):
         assert all(0 < v[probe]["waited"] < v[probe]["step"] for v in values), probe
     assert values[1]["interleaved"]["waited"] > values[0]["interleaved"]["waited"]
+
+
+# --- checkpoint metadata read without running code (issue 35) -----------------------------------
+class _RunsCommand:
+    """Unpickled with plain pickle, this creates ``marker`` (as a shell command would)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _dcp_folder(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "dcp"
+    state = {"w": torch.randn(3, 4), "d": torch.zeros(2, dtype=torch.float64), "rng": torch.get_rng_state()}
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    return folder, state
+
+
+def test_dcp_metadata_of_this_torch_reads_through_the_restricted_unpickler(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    folder, state = _dcp_folder(tmp_path)
+    metadata = compat.read_dcp_metadata(folder / ".metadata")
+    assert {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()} == \
+        {k: tuple(v.shape) for k, v in state.items()}
+    assert metadata.state_dict_metadata["d"].properties.dtype == torch.float64
+    into = {k: torch.empty_like(v) for k, v in state.items()}
+    dcp.load(into, storage_reader=compat.SafeFileSystemReader(str(folder)), no_dist=True)
+    assert all(torch.equal(into[k], state[k]) for k in state)
+
+
+def test_a_metadata_pickle_naming_a_command_is_refused_before_it_runs(tmp_path):
+    import pickle
+
+    marker = tmp_path / "ran"
+    evil = tmp_path / "evil.metadata"
+    evil.write_bytes(pickle.dumps(_RunsCommand(marker)))
+    with pytest.raises(compat.UnsafeCheckpointError, match=r"names posix\.system, which is not a class of DCP"):
+        compat.read_dcp_metadata(evil)
+    assert not marker.exists()
+    with pytest.raises(pickle.UnpicklingError):  # the error is an UnpicklingError for callers that catch those
+        compat.read_dcp_metadata(evil)
+
+
+def test_metadata_with_bytes_entries_or_foreign_storage_is_refused(tmp_path):
+    import dataclasses
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    folder, _ = _dcp_folder(tmp_path)
+    metadata = compat.read_dcp_metadata(folder / ".metadata")
+    bytes_entry = dataclasses.replace(metadata, state_dict_metadata={**metadata.state_dict_metadata,
+                                                                     "w": BytesStorageMetadata()})
+    (tmp_path / "bytes.metadata").write_bytes(pickle.dumps(bytes_entry))
+    with pytest.raises(compat.UnsafeCheckpointError, match="BytesStorageMetadata"):
+        compat.read_dcp_metadata(tmp_path / "bytes.metadata")
+    index, info = next(iter(metadata.storage_data.items()))
+    away = dataclasses.replace(metadata, storage_data={index: dataclasses.replace(info, relative_path="../x.distcp")})
+    (tmp_path / "away.metadata").write_bytes(pickle.dumps(away))
+    with pytest.raises(compat.UnsafeCheckpointError, match=r"points at storage '\.\./x\.distcp', not a \.distcp file"):
+        compat.read_dcp_metadata(tmp_path / "away.metadata")

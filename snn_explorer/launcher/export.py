@@ -10,6 +10,7 @@ from typing import Callable, Dict, Optional, Union
 
 import cloudpickle
 
+from ..core.checkpoint import check_plan_checkpointable
 from ..core.neurons import registered_stateful
 from ..core.validate import non_negative_int, positive_int
 from .plan_run import DEFAULT_OPTIMIZER, checkpoint_settings
@@ -126,8 +127,6 @@ def export_job(plan, train_script_or_fn: Union[str, os.PathLike, Callable], path
     max_restarts = non_negative_int("max_restarts", max_restarts)
     checkpoints = checkpoint_settings(checkpoint_dir, checkpoint_every)
     if checkpoints is not None:
-        from ..core.checkpoint import check_plan_checkpointable
-
         check_plan_checkpointable(plan)
     if checkpoints is not None and not callable(train_script_or_fn):
         raise ValueError("checkpoint_dir / checkpoint_every need a step function; a training script saves its own "

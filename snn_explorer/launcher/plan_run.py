@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
+from ..core.checkpoint import check_checkpoint, check_plan_checkpointable, latest_checkpoint, step_path
 from ..core.parallelize.mesh import device_type_for
 from ..core.validate import UNSET, non_negative_int, positive_int, renamed_keyword
 from ..ranks import LaunchError, resolve_backend
@@ -42,8 +43,6 @@ def _resume(runtime, state: dict, checkpoints: Optional[dict]) -> int:
     into the runtime and optimizer), else 0."""
     if not checkpoints:
         return 0
-    from ..core.checkpoint import latest_checkpoint
-
     latest = latest_checkpoint(checkpoints["dir"])
     if latest is None:
         return 0
@@ -52,8 +51,6 @@ def _resume(runtime, state: dict, checkpoints: Optional[dict]) -> int:
 
 def _checkpoint(runtime, state: dict, checkpoints: Optional[dict], done: int, steps: int) -> None:
     if checkpoints and (done % checkpoints["every"] == 0 or done == steps):
-        from ..core.checkpoint import step_path
-
         runtime.reset_state()  # between batches: the next step resets the neurons anyway
         runtime.save_checkpoint(step_path(checkpoints["dir"], done), optimizer=state.get("optimizer"), step=done,
                                 overwrite=True)
@@ -103,8 +100,6 @@ def _checkpoint_spec(model, plan, checkpoint_dir, checkpoint_every) -> Optional[
     """:func:`checkpoint_settings` with an absolute directory, created, and its latest checkpoint
     checked against the model and plan before any rank starts."""
     import os
-
-    from ..core.checkpoint import check_checkpoint, check_plan_checkpointable, latest_checkpoint
 
     settings = checkpoint_settings(checkpoint_dir, checkpoint_every)
     if settings is None:
