@@ -1,0 +1,82 @@
+"""The ``snn-explorer`` console script: analyze a model, compare plans, export a cluster job.
+
+A model is given as ``module:factory`` (a callable returning an ``nn.Module`` or a zoo model, or a
+module attribute holding one) or ``zoo:NAME`` for a built-in. Examples::
+
+    snn-explorer analyze zoo:mlp
+    snn-explorer compare mypkg.models:make_net --world-size 4 --objective memory
+    snn-explorer compare zoo:mlp --world-size 8 --hardware A100-SXM-80GB --time-steps 32 --memory-budget 64
+    snn-explorer compare zoo:mlp --topology dp=4 --gate allow_activation_checkpointing --checkpointing blocks
+    snn-explorer export zoo:mlp --topology dp=2,tp=2 --train mypkg.train:step --steps 100 --out job/
+    snn-explorer checkpoint info runs/step-100
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from .inputs import CliError, Parser, load_model, load_model_and_batch, parse_topology
+from .jobs import cmd_checkpoint_info, cmd_export
+from .options import add_estimate_options, add_plan_options
+from .plans import cmd_analyze, cmd_compare
+
+__all__ = ["CliError", "build_parser", "load_model", "load_model_and_batch", "main", "parse_topology"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="snn-explorer", description="Analyze a spiking model, compare "
+                                     "distribution plans, export a torchrun / Slurm job.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def model_args(p, plans: bool):
+        p.add_argument("model", help="module:factory, or zoo:NAME for a built-in model")
+        p.add_argument("--family", help="model family (default: detected)")
+        p.add_argument("--roots", help="comma-separated module paths to restrict tensor parallelism to")
+        if plans:
+            add_plan_options(p)
+            p.add_argument("--input-shape", help="example input T,N,F... for the estimates, e.g. 8,16,784 "
+                                                 "(default: the model's own example input, if it carries one)")
+
+    p = sub.add_parser("analyze", help="stateful neurons and tensor-parallel candidates")
+    model_args(p, plans=False)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=cmd_analyze)
+    p = sub.add_parser("compare", help="side-by-side plans for a world size or topology")
+    model_args(p, plans=True)
+    p.add_argument("--json", action="store_true")
+    add_estimate_options(p)
+    p.set_defaults(run=cmd_compare)
+    p = sub.add_parser("export", help="write a torchrun / Slurm job for one plan")
+    model_args(p, plans=True)
+    train = p.add_mutually_exclusive_group(required=True)
+    train.add_argument("--train", help="module:function, a launch_plan step function")
+    train.add_argument("--train-script", help="a script to run instead (gets --plan plan.json)")
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--nproc-per-node", type=int)
+    p.add_argument("--job-name", default="snn-explorer")
+    p.add_argument("--gpus-per-node", type=int, help="Slurm --gpus-per-node (default: none requested)")
+    p.add_argument("--partition", help="Slurm partition")
+    p.set_defaults(run=cmd_export)
+    p = sub.add_parser("checkpoint", help="inspect a checkpoint directory")
+    actions = p.add_subparsers(dest="action", required=True)
+    info = actions.add_parser("info", help="plan, step and tensors of a checkpoint")
+    info.add_argument("dir", help="the checkpoint directory (runtime.save_checkpoint's path)")
+    info.add_argument("--json", action="store_true", help="the whole manifest as JSON")
+    info.set_defaults(run=cmd_checkpoint_info)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.run(args)
+    except CliError as exc:
+        print(f"snn-explorer: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""The Explorer's controls as command-line options: the choices the UI offers, by the same names."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from ..core import MODES, SNN_DISTRIBUTED_PREFERENCES, DistributedFeatureSet
+from ..core.pipeline_schedules import SCHEDULES
+from .inputs import CliError, positive
+
+#: The feature gates, as ``DistributedFeatureSet`` names them (and ``--gate`` / ``--no-gate`` take).
+GATES = tuple(f.name for f in dataclasses.fields(DistributedFeatureSet))
+CHECKPOINTING = ("none", "blocks", "time_chunks")
+
+
+def add_plan_options(p) -> None:
+    """What a plan is made of: where (world size or topology), objective, batch, mode, gates, levers, pipeline."""
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--world-size", type=int, help="rank count; every dp x tp factorisation is tried")
+    where.add_argument("--topology", help="named mesh dims, e.g. dp=2,tp=2 or pp=2,dp=2")
+    p.add_argument("--objective", default="all", choices=SNN_DISTRIBUTED_PREFERENCES + ("all",))
+    p.add_argument("--batch-size", type=int, help="global batch (default: the model's example batch or 8)")
+    p.add_argument("--mode", choices=MODES, help="force a mode")
+    p.add_argument("--gate", action="append", default=[], choices=GATES, metavar="GATE",
+                   help=f"turn a feature gate on (repeatable): {', '.join(GATES)}")
+    p.add_argument("--no-gate", action="append", default=[], choices=GATES, metavar="GATE",
+                   help="turn a feature gate off (allow_zero_optimizer is on unless turned off)")
+    p.add_argument("--checkpointing", choices=CHECKPOINTING,
+                   help="activation checkpointing (default: the objective's choice; needs the "
+                        "allow_activation_checkpointing gate)")
+    p.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every n-th block / time chunk")
+    p.add_argument("--pp-schedule", choices=tuple(SCHEDULES), help="pipeline schedule (a topology with pp)")
+    p.add_argument("--pp-microbatches", type=int, help="pipeline micro-batches (default: the planner's)")
+    p.add_argument("--pp-virtual-stages", type=int, help="stages per pipeline rank (default: the planner's)")
+
+
+def add_estimate_options(p) -> None:
+    """Where and how long the estimates look: hardware, time steps, the memory budget, the table's width."""
+    p.add_argument("--hardware", help="a built-in hardware profile's name (e.g. A100-SXM-80GB) for the step "
+                                      "times (default: $SNN_EXPLORER_HARDWARE, else this machine's calibration)")
+    p.add_argument("--time-steps", type=int, help="time steps T of the estimates (default: the example input's)")
+    p.add_argument("--memory-budget", type=float, help="MiB per device: the fits_budget row and the ranking")
+    p.add_argument("--wide", action="store_true", help="every row, the plans' rationale and notes included")
+
+
+def features(args) -> DistributedFeatureSet:
+    both = set(args.gate) & set(args.no_gate)
+    if both:
+        raise CliError(f"gate(s) {sorted(both)} given both as --gate and --no-gate; give each once")
+    gates = {g: (g in args.gate) or (getattr(DistributedFeatureSet(), g) and g not in args.no_gate) for g in GATES}
+    return DistributedFeatureSet(**gates)
+
+
+def _optional_positive(name: str, value) -> Optional[int]:
+    return None if value is None else positive(name, value)
+
+
+def plan_choices(args) -> dict:
+    """The keyword arguments of ``Explorer.make_plan`` the options give (objective and topology aside)."""
+    gates = features(args)
+    return dict(features=gates, mode=args.mode, activation_checkpointing=args.checkpointing,
+                checkpoint_every=positive("--checkpoint-every", args.checkpoint_every),
+                cpu_offload=gates.allow_cpu_offload, pp_schedule=args.pp_schedule,
+                pp_microbatches=_optional_positive("--pp-microbatches", args.pp_microbatches),
+                pp_virtual_stages=_optional_positive("--pp-virtual-stages", args.pp_virtual_stages))
+
+
+def memory_budget_bytes(args) -> Optional[int]:
+    if args.memory_budget is None:
+        return None
+    if not args.memory_budget > 0:
+        raise CliError(f"bad --memory-budget {args.memory_budget!r}: expected MiB per device, a number > 0")
+    return int(args.memory_budget * 2 ** 20)
