@@ -102,12 +102,12 @@ def noise_rows(loops: int = 20):
     checked more finely than these times vary."""
     import torch
 
-    from snn_explorer.estimator.calibration import _busy_time, _probe_step
-    from snn_explorer.estimator.isolation import one_thread
+    from snn_explorer.estimator.calibration.probes import busy_time, probe_step
+    from snn_explorer.estimator.instruments.isolation import one_thread
 
     with one_thread():
-        probe = _probe_step(torch.device("cpu"))
-        times = [_busy_time(probe, lambda: None) for _ in range(loops)]
+        probe = probe_step(torch.device("cpu"))
+        times = [busy_time(probe, lambda: None) for _ in range(loops)]
     median = statistics.median(times)
     return [dict(loops=loops, min_ms=1e3 * min(times), median_ms=1e3 * median, max_ms=1e3 * max(times),
                  max_over_min=max(times) / min(times), worst_vs_median=max(abs(t / median - 1) for t in times))]

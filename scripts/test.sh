@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install everything into .venv and run the whole test suite: tests/ (unit, multi-rank, browser),
+# Install everything into .venv, lint, and run the whole test suite: tests/ (unit, multi-rank, browser),
 # then the example notebooks under nbval, both on torch 2.13.0; then the tests of every private
 # torch name on torch 2.14.1 (scripts/test_torch_next.sh, a second venv). Fails if any run fails.
 # With test paths as arguments (e.g. tests/test_planner.py), runs only pytest on those.
@@ -15,6 +15,8 @@ for arg in "$@"; do
     fi
 done
 status=0
+echo "== lint (ruff, rules in pyproject.toml) =="
+.venv/bin/ruff check snn_explorer tests benchmarks || status=$?
 .venv/bin/python -m pytest "$@" || status=$?
 echo "== example notebooks (nbval) =="
 .venv/bin/python -m pytest "$@" --nbval --nbval-current-env \

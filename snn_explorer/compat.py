@@ -241,7 +241,7 @@ def _code_reduce_shape(reduce: Any) -> Any:
     except Exception:  # noqa: BLE001 - any failure means the shape changed
         ok = False
     if not ok:
-        import cloudpickle
+        import cloudpickle  # lazy: compat is imported by everything; only pickling a code object needs it
 
         raise TorchCompatError(f"snn_explorer needs cloudpickle.cloudpickle._code_reduce(code) -> (constructor, args), "
                                f"but cloudpickle {cloudpickle.__version__} changed it")

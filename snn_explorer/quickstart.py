@@ -11,7 +11,7 @@ from typing import List
 
 from torch import nn
 
-from . import analyze, plan
+from .core import analyze, plan
 from .estimator import enumerate_plans, estimate
 from .launcher import launch_plan
 from .zoo import ZOO_NAMES, build

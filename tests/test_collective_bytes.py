@@ -100,7 +100,7 @@ def _count_step(name, plan, dims):
     """Two warm-up steps (DDP rebuilds its buckets, optimizers create state), then one counted.
     ``dims``: group name -> mesh dim of every mesh made so far on this rank (DTensor may run a
     collective on the equal group of an earlier, equal mesh)."""
-    from snn_explorer.estimator._step import batch_slice, forward_loss
+    from snn_explorer.estimator.profile.step import batch_slice, forward_loss
 
     zoo = build(name)
     runtime = se.apply(model=copy.deepcopy(zoo.model), plan=plan, device_type="cpu")

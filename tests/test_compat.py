@@ -19,12 +19,13 @@ import snn_explorer as se
 from snn_explorer import compat
 from snn_explorer.core.neurons import reset_all
 from snn_explorer.estimator import estimate, measure_many
-from snn_explorer.estimator._step import forward_loss
-from snn_explorer.estimator.comms import ddp_buckets
-from snn_explorer.estimator.fsdp_timeline import record
-from snn_explorer.estimator.meter import StorageMeter
-from snn_explorer.estimator.recorder import CollectiveRecorder
-from snn_explorer.estimator.sharding import Param, state_tensor_ids, step_bytes
+from snn_explorer.estimator.profile.step import forward_loss
+from snn_explorer.estimator.timing.collectives import ddp_buckets
+from snn_explorer.estimator.instruments.fsdp_events import record
+from snn_explorer.estimator.instruments.meter import StorageMeter
+from snn_explorer.estimator.instruments.recorder import CollectiveRecorder
+from snn_explorer.estimator.memory.sharding import Param, step_bytes
+from snn_explorer.estimator.instruments.storage import state_tensor_ids
 from snn_explorer.zoo import build
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -317,10 +318,10 @@ def _pipeline_waits_on_rank():
     import torch.distributed as dist
 
     from snn_explorer.core.pipeline_schedules import SCHEDULES
-    from snn_explorer.estimator.calibration import _pipeline_step_times
+    from snn_explorer.estimator.calibration.step_probes import pipeline_step_times
 
     torch.set_num_threads(1)
-    return {name: _pipeline_step_times(dist, torch.device("cpu"), SCHEDULES[name], heavy)
+    return {name: pipeline_step_times(dist, torch.device("cpu"), SCHEDULES[name], heavy)
             for name, heavy in (("1f1b", 1), ("interleaved", 6))}
 
 

@@ -6,7 +6,7 @@ import torch
 import snn_explorer as se
 from snn_explorer.estimator import (COLLECTIVE_COLUMNS, PER_RANK_COLUMNS, enumerate_plans, estimate, estimate_all,
                                    model_profile)
-from snn_explorer.estimator.profile import Fit, NS, TS
+from snn_explorer.estimator.profile.profiling import Fit, FIT_BATCHES, FIT_STEPS
 from snn_explorer.zoo import SpikingMLP, build
 
 
@@ -41,7 +41,7 @@ def test_enumerate_leaves_out_infeasible_with_reasons():
 
 def test_fit_is_exact_on_bilinear_values():
     f = lambda n, t: 7 + 3 * n + 5 * t + 11 * n * t
-    fit = Fit.of(*(f(n, t) for t in TS for n in NS))
+    fit = Fit.of(*(f(n, t) for t in FIT_STEPS for n in FIT_BATCHES))
     assert fit(16, 25) == pytest.approx(f(16, 25))
 
 
@@ -82,7 +82,7 @@ def test_estimates_reuse_one_run_per_batch_and_layout(monkeypatch):
     per-rank batch and TP layout (FSDP2 plans replay the same run, whatever their dp and
     resharding), and estimating them all again runs the model not at all. The time this takes is
     in ``benchmarks/estimator_accuracy.py --speed``."""
-    from snn_explorer.estimator import profile as profile_mod
+    from snn_explorer.estimator.profile import profiling as profile_mod
 
     model = SpikingMLP(in_features=64, hidden=(64,) * 40, num_classes=8, stepping="all_steps")
     assert 115 <= sum(1 for _ in model.modules()) <= 130
@@ -106,7 +106,7 @@ def test_estimates_reuse_one_run_per_batch_and_layout(monkeypatch):
 
 
 def test_unknown_tp_styles_are_refused_clearly():
-    from snn_explorer.estimator.tp_replica import tp_replica
+    from snn_explorer.estimator.profile.tp_replica import tp_replica
 
     zoo = build("mlp")
     with pytest.raises(NotImplementedError, match="'diagonal'"):
@@ -131,11 +131,12 @@ def test_fsdp2_replay_recovers_the_meters_peaks_and_frees_every_buffer():
     backward, which leaves the run's bytes minus the unsharded gradients plus the sharded ones, and
     resharding after forward lowers the forward's peak."""
     from snn_explorer.core.plans.families import fsdp_units
-    from snn_explorer.estimator._step import forward_loss
-    from snn_explorer.estimator.fsdp_timeline import FsdpTimeline, replay
-    from snn_explorer.estimator.meter import StorageMeter
-    from snn_explorer.estimator.profile import _run_point
-    from snn_explorer.estimator.sharding import local_params, trainable_shapes
+    from snn_explorer.estimator.profile.step import forward_loss
+    from snn_explorer.estimator.memory.fsdp_timeline import FsdpTimeline, replay_fsdp
+    from snn_explorer.estimator.instruments.meter import StorageMeter
+    from snn_explorer.estimator.profile.profiling import _run_point
+    from snn_explorer.estimator.memory.sharding import local_params
+    from snn_explorer.estimator.profile.profiling import trainable_shapes
 
     zoo = build("mlp_all_steps")
     model, x, y = zoo.model, zoo.example_input[:, :4], zoo.labels[:4]
@@ -155,7 +156,7 @@ def test_fsdp2_replay_recovers_the_meters_peaks_and_frees_every_buffer():
     units = fsdp_units(model)
     assert len(units) == 3
     run = _run_point(model, x, y, saved_only=False, units=units)
-    assert replay(run["log"], run["entry"])[:3] == (fwd, bwd, after)
+    assert replay_fsdp(run["log"], run["entry"])[:3] == (fwd, bwd, after)
     assert fwd > 0 and bwd > fwd and after >= run["grads"] > 0
 
     plan = se.plan(analysis=se.analyze(model), objective="memory", neuron_backend="torch", mode="fsdp2",
@@ -165,7 +166,7 @@ def test_fsdp2_replay_recovers_the_meters_peaks_and_frees_every_buffer():
     for reshard in (False, True):
         timeline = FsdpTimeline.of(params, 2, reshard)
         shards = sum(u.shard for u in timeline.units)
-        f, b, a, held = replay(run["log"], run["entry"], timeline)
+        f, b, a, held = replay_fsdp(run["log"], run["entry"], timeline)
         assert a == after - run["grads"] + shards
         assert held >= max(u.unsharded + u.flat for u in timeline.units)
         peaks[reshard] = f
@@ -175,7 +176,7 @@ def test_fsdp2_replay_recovers_the_meters_peaks_and_frees_every_buffer():
 def test_work_counter_bytes_match_pytree_flattening_of_every_operator():
     """The step-time counter's own flattening counts the same bytes as torch's pytree on a real step."""
     from snn_explorer.compat import tree_leaves
-    from snn_explorer.estimator import op_counter
+    from snn_explorer.estimator.instruments import op_counter
 
     seen = []
 

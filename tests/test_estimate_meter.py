@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from snn_explorer.compat import mem_tracker_class
-from snn_explorer.estimator._step import forward_loss
-from snn_explorer.estimator.meter import StorageMeter
+from snn_explorer.estimator.profile.step import forward_loss
+from snn_explorer.estimator.instruments.meter import StorageMeter
 from snn_explorer.zoo import build
 
 
@@ -80,8 +80,8 @@ def test_tp_replica_has_the_local_shapes(name):
     """The model the TP peak is measured on holds each rank's parameter shapes and runs."""
     import snn_explorer as se
     from snn_explorer.estimator import enumerate_plans
-    from snn_explorer.estimator.sharding import tp_local_shape
-    from snn_explorer.estimator.tp_replica import tp_replica
+    from snn_explorer.estimator.memory.sharding import tp_local_shape
+    from snn_explorer.estimator.profile.tp_replica import tp_replica
 
     zoo = build(name)
     plan = next(p for p in enumerate_plans(se.analyze(zoo.model, model_family=zoo.family), world_size=2,

@@ -182,7 +182,7 @@ from torch import nn  # noqa: E402
 from snn_explorer import Explorer, SNNDistributedAnalysis, SNNDistributedPlan, SNNDistributedTopology, apply  # noqa: E402
 from snn_explorer.core.topology import MAX_WORLD_SIZE  # noqa: E402
 from snn_explorer.estimator import enumerate_plans, estimate  # noqa: E402
-from snn_explorer.estimator.sharding import Param, rank_bytes, zero_partition  # noqa: E402
+from snn_explorer.estimator.memory.sharding import Param, rank_bytes, zero_partition  # noqa: E402
 
 
 class Pair(nn.Module):
@@ -471,8 +471,8 @@ def test_per_rank_table_equals_rank_by_rank(objective, topology):
     zoo = build("mlp", batch_size=56)
     p = plan(analysis=analyze(zoo.model), objective=objective, topology=topology, backend="torch", batch_size=56)
     est = estimate(zoo.model, p, example_input=zoo.example_input)
-    from snn_explorer.estimator.profile import model_profile
-    from snn_explorer.estimator.sharding import local_params
+    from snn_explorer.estimator.profile.profiling import model_profile
+    from snn_explorer.estimator.memory.sharding import local_params
 
     prof = model_profile(zoo.model, zoo.example_input)
     params = local_params(prof.params, p, prof.param_itemsizes)

@@ -193,13 +193,14 @@ def _memory_plans(case):
 
 def _measured_peaks(cases):
     """Per memory case: the measured peak of each rank without and with checkpointing (measure()'s step)."""
-    from snn_explorer.estimator.measurement import _measure_on_rank, _settings
+    from snn_explorer.estimator.measurement.plan_measurement import measure_on_rank
+    from snn_explorer.estimator.measurement.settings import measure_settings
 
     peaks = []
     for case in cases:
         zoo, plans = _memory_plans(case)
-        run = _settings(zoo.model, plans, zoo.example_input, zoo.labels, 1, "adam", None, 1e-3, "cpu")
-        peaks.append([m["row"]["peak_bytes"] for m in _measure_on_rank(zoo.model, plans, run)])
+        run = measure_settings(zoo.model, plans, zoo.example_input, zoo.labels, 1, "adam", None, 1e-3, "cpu")
+        peaks.append([m["row"]["peak_bytes"] for m in measure_on_rank(zoo.model, plans, run)])
     return peaks
 
 
@@ -307,7 +308,7 @@ def test_granularities_listed():
 
 
 def test_explorer_chooses_time_chunks_and_charts_activations_against_time_steps():
-    from snn_explorer.estimator.activation_curve import activation_curve
+    from snn_explorer.estimator.memory.activation_curve import activation_curve
 
     ex = se.Explorer.from_zoo(build("mlp"))
     plan = ex.make_plan(objective="memory", topology={"dp": 2}, features={"allow_activation_checkpointing": True},

@@ -198,13 +198,14 @@ def measured_plan(topology, name, schedule):
 
 def measure_cases(topology):
     """measure()'s rank-side run (2 timed steps, then the measured one) of each MEASURED case, in order."""
-    from snn_explorer.estimator.measurement import _measure_on_rank, _settings
+    from snn_explorer.estimator.measurement.plan_measurement import measure_on_rank
+    from snn_explorer.estimator.measurement.settings import measure_settings
 
     out = []
     for name in dict.fromkeys(n for n, _ in MEASURED[len(topology)]):
         model, x, y = measured_plan(topology, name, "gpipe")[0]
         plans = [measured_plan(topology, n, s)[1] for n, s in MEASURED[len(topology)] if n == name]
-        out += _measure_on_rank(model, plans, _settings(model, plans, x, y, 2, "adam", None, 1e-3, "cpu"))
+        out += measure_on_rank(model, plans, measure_settings(model, plans, x, y, 2, "adam", None, 1e-3, "cpu"))
     return out
 
 
@@ -362,7 +363,7 @@ def test_measure_of_pp_plans_lines_up_with_the_estimate(group, topology, request
     every rank's peak and activations are within 10 % of the estimate's (mlp_all_steps under each
     schedule, and the spikingjelly MLP under GPipe, on pp=2; mlp_all_steps under 1F1B on pp=2 x dp=2)."""
     import snn_explorer as se
-    from snn_explorer.estimator.measurement import _assemble
+    from snn_explorer.estimator.measurement.plan_measurement import _assemble
 
     results = request.getfixturevalue(group)
     for j, (name, schedule) in enumerate(MEASURED[len(topology)]):

@@ -5,7 +5,7 @@ import torch
 import snn_explorer as se
 from snn_explorer.core.neurons import reset_all
 from snn_explorer.core.pipeline_schedules import SCHEDULES
-from snn_explorer.estimator.pipeline_estimate import in_flight
+from snn_explorer.estimator.memory.pipeline_memory import in_flight
 from snn_explorer.zoo import build
 
 
@@ -213,7 +213,7 @@ def test_replay_with_costs_and_transfers_matches_a_hand_computed_schedule():
     F1 [10.5, 13.5], B1 [13.5, 19.5]; rank 0 B0 [11, 13], B1 [20, 22]. Rank 0 waited 2 x 0.5 for the
     transfers of its gradients, rank 1 0.5 for its first input (the second had arrived)."""
     from snn_explorer.core.pipeline_schedules import replay
-    from snn_explorer.estimator.pipeline_time import waited_on_transfers
+    from snn_explorer.estimator.timing.pipeline_time import waited_on_transfers
 
     orders = SCHEDULES["1f1b"].rank_actions(2, 2)
     cost = {("F", 0): 1.0, ("B", 0): 2.0, ("F", 1): 3.0, ("B", 1): 6.0}
@@ -227,7 +227,7 @@ def test_replay_with_costs_and_transfers_matches_a_hand_computed_schedule():
 def test_equal_stages_keep_the_schedules_bubble():
     """With every stage costing alike the replay's busy share is 1 - the schedule's bubble fraction:
     1F1B on 4 ranks over 4 micro-batches idles 3 / 7 of the step."""
-    from snn_explorer.estimator.pipeline_time import busy_share
+    from snn_explorer.estimator.timing.pipeline_time import busy_share
 
     plan = _plan(build("vgg"), {"pp": 4}, "1f1b")
     costs = {(kind, s): 2.0 if kind == "B" else 1.0 for s in range(4) for kind in ("F", "B", "I", "W")}
@@ -236,9 +236,9 @@ def test_equal_stages_keep_the_schedules_bubble():
 
 def test_stage_work_adds_up_to_the_whole_models(vgg):
     """The stages' counted FLOPs are the whole model's, forward and backward (the loss on the last)."""
-    from snn_explorer.estimator.compute_work import rank_work
-    from snn_explorer.estimator.pipeline_time import plan_stages, stage_work
-    from snn_explorer.estimator.profile import model_profile
+    from snn_explorer.estimator.timing.compute_work import rank_work
+    from snn_explorer.estimator.timing.pipeline_time import plan_stages, stage_work
+    from snn_explorer.estimator.profile.profiling import model_profile
 
     profile = model_profile(vgg.model, vgg.example_input, vgg.labels)
     whole = rank_work(profile, None, 1, "adam")

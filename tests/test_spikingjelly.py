@@ -179,7 +179,7 @@ def test_spikingjelly_spikformer_head_aligned_tp(topology, mode):
 
 def test_contiguous_qkv_split_would_be_wrong():
     """Why the rows are reordered: a contiguous split of the fused output does not give whole heads."""
-    from snn_explorer.core.parallelize.channel_tp import head_aligned_rows
+    from snn_explorer.core.channel_styles import head_aligned_rows
 
     rows = head_aligned_rows(8, 2)  # q, k, v of width 8 over 2 ranks
     assert rows[:12].tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19]

@@ -10,12 +10,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import snn_explorer as se
 from snn_explorer.estimator import enumerate_plans, estimate
-from snn_explorer.estimator.calibration import MIN_BETA, SIZES_BYTES, _profile_from, fit_alpha_beta, median_profile
+from snn_explorer.estimator.calibration.fit import MIN_BETA, profile_from, fit_alpha_beta, median_profile
+from snn_explorer.estimator.calibration.probes import SIZES_BYTES
 from snn_explorer.core.topology import SNNDistributedTopology
-from snn_explorer.estimator.hardware import KINDS, HardwareProfile, link_table, ring_fraction, ring_steps
-from snn_explorer.estimator.step_time import exposed_comm_s
-from snn_explorer.estimator.tp_replica import tp_replica
-from snn_explorer.estimator._step import batch_slice, forward_loss
+from snn_explorer.estimator.timing.hardware import KINDS, HardwareProfile, link_table, ring_fraction, ring_steps
+from snn_explorer.estimator.timing.step_time import exposed_comm_s
+from snn_explorer.estimator.profile.tp_replica import tp_replica
+from snn_explorer.estimator.profile.step import batch_slice, forward_loss
 from snn_explorer.zoo import SpikingMLP, build
 
 FLOPS = 1e9
@@ -47,8 +48,8 @@ def test_calibration_turns_rank_timings_into_the_known_alpha_beta_per_kind_and_g
                 "shared": 1e-3 * p / 2 * slow, "collectives": coll}
 
     runs = {p: [rank_value(p, r, 1.5 if r == 1 else 1.0) for r in range(p)] for p in (2, 4)}
-    hw = _profile_from(runs, "gloo", None)
-    assert _profile_from(runs, "gloo", None, reference_step=0.5e-3).compute_sharing == pytest.approx({2: 3.0, 4: 6.0})
+    hw = profile_from(runs, "gloo", None)
+    assert profile_from(runs, "gloo", None, reference_step=0.5e-3).compute_sharing == pytest.approx({2: 3.0, 4: 6.0})
     for (kind, p), (a, b) in truth.items():
         assert hw.collectives[kind][p] == pytest.approx((1.5 * a, 1.5 * b), rel=1e-6)
     assert hw.compute_sharing == pytest.approx({2: 1.5, 4: 3.0})
@@ -75,8 +76,8 @@ def test_calibrations_in_several_worlds_give_the_median_of_every_figure():
 
 
 def test_wrapper_costs_are_what_the_wrapped_step_takes_beyond_the_plain_one_and_its_collectives(mlp):
-    from snn_explorer.estimator.calibration import _overheads
-    from snn_explorer.estimator.step_time import framework_s
+    from snn_explorer.estimator.calibration.fit import wrapper_costs
+    from snn_explorer.estimator.timing.step_time import framework_s
 
     table = {k: (1e-4, 1e-9) for k in KINDS}  # every collective: 100 us + 1 ns per byte
     made = {"tp": [("all_reduce", 8192)] * 8, "fsdp": [("all_gather", 4096), ("reduce_scatter", 4096)] * 10,
@@ -86,14 +87,14 @@ def test_wrapper_costs_are_what_the_wrapped_step_takes_beyond_the_plain_one_and_
                      ddp=1e-3 + comm["ddp"] + 2e-3, adam=2e-4, zero=2e-4 + comm["zero"] + 7e-4,
                      collectives=made, tp_calls=16)
     slower = dict(framework, tp=framework["tp"] + 16e-4)  # the slowest rank's time counts
-    costs = _overheads([{"framework": framework}, {"framework": slower}], table)
+    costs = wrapper_costs([{"framework": framework}, {"framework": slower}], table)
     assert costs == pytest.approx(dict(tp_module=5e-4, fsdp_collective=3e-4, ddp_step=2e-3, zero_step=7e-4))
-    assert _overheads([{"framework": dict(framework, ddp=1e-3)}], table)["ddp_step"] == 0.0  # never negative
+    assert wrapper_costs([{"framework": dict(framework, ddp=1e-3)}], table)["ddp_step"] == 0.0  # never negative
     # broadcasts timed in bursts of 8 at 40 us each (+ 1 KiB at 1 ns per byte): ZeRO's 6 are priced so
-    from snn_explorer.estimator.calibration import BURST
+    from snn_explorer.estimator.calibration.probes import BURST
     burst = [BURST * (4e-5 + 1024e-9)] * 5
     zero = dict(framework, zero=2e-4 + sum(4e-5 + 1e-9 * n for _, n in made["zero"]) + 7e-4, broadcast_burst=burst)
-    with_burst = _overheads([{"framework": zero}], table)
+    with_burst = wrapper_costs([{"framework": zero}], table)
     assert with_burst["broadcast_in_burst"] == pytest.approx(4e-5) and with_burst["zero_step"] == pytest.approx(7e-4)
     # the pipeline probes, 2 ranks under 1F1B, 2 micro-batches, blocks of 1 ms forward and 2 ms backward
     # (rank 0's heavy ones 3 and 6 ms), transfers of L = 100 us + 1000 ns, the loss broadcast 0.1 ms.
@@ -102,14 +103,15 @@ def test_wrapper_costs_are_what_the_wrapped_step_takes_beyond_the_plain_one_and_
     # actions of 1.5 and 2.5 ms and transfers of L' each is 3 x 1.5 + 3 x 2.5 + 2 L' = 12 + 2 L' ms:
     # its step of 12.902 ms means L' = 0.401 ms, 0.3 ms beyond the fitted send
     from snn_explorer.core.pipeline_schedules import SCHEDULES
-    from snn_explorer.estimator.calibration import PIPELINE_HEAVY, _probe_pipeline
+    from snn_explorer.estimator.calibration.probes import PIPELINE_HEAVY
+    from snn_explorer.estimator.calibration.step_probes import probe_pipeline
 
     blocks = dict(light_F=1e-3, light_B=2e-3, heavy_F=3e-3, heavy_B=6e-3, bytes=1000)
-    heavy_plan, even_plan = (_probe_pipeline(2, SCHEDULES["1f1b"], h)[1] for h in (PIPELINE_HEAVY, 1))
+    heavy_plan, even_plan = (probe_pipeline(2, SCHEDULES["1f1b"], h)[1] for h in (PIPELINE_HEAVY, 1))
     assert heavy_plan.pp_microbatches == even_plan.pp_microbatches == 2
     probes = [[dict(blocks, step=25e-3, waited=waited, plan=heavy_plan, heavy=PIPELINE_HEAVY),
                dict(blocks, step=12.902e-3, waited=1e-3, plan=even_plan, heavy=1)] for waited in (4.9e-3, 9e-3)]
-    with_pp = _overheads([{"framework": dict(framework, pipeline={"1f1b": r})} for r in probes], table)
+    with_pp = wrapper_costs([{"framework": dict(framework, pipeline={"1f1b": r})} for r in probes], table)
     assert with_pp["pp_action:1f1b"] == pytest.approx(5e-4) and with_pp["pp_link:1f1b"] == pytest.approx(3e-4)
     zoo, plans = mlp
     hw = dataclasses.replace(flops_only(), framework_overhead={2: costs})
@@ -297,8 +299,8 @@ def test_work_count_does_not_depend_on_what_ran_before_and_the_profile_runs_coun
     batch size, gradients None): a run at another batch size that leaves gradients and neuron state
     behind changes nothing, and the count the profile runs took equals a count of its own."""
     from snn_explorer.estimator import model_profile
-    from snn_explorer.estimator.compute_work import count_work, rank_work
-    from snn_explorer.estimator.isolation import one_thread
+    from snn_explorer.estimator.timing.compute_work import count_work, rank_work
+    from snn_explorer.estimator.instruments.isolation import one_thread
 
     zoo = build("spikformer")
     profile = model_profile(zoo.model, zoo.example_input, zoo.labels)
@@ -315,9 +317,9 @@ def test_work_count_does_not_depend_on_what_ran_before_and_the_profile_runs_coun
 def test_optimizer_count_on_zero_gradients_is_that_of_a_step_after_a_real_backward(optimizer):
     """The optimizer's second step counted on zero gradients of the parameters a backward reaches
     equals the second step counted after real backwards (operators and bytes follow shapes only)."""
-    from snn_explorer.estimator._step import OPTIMIZERS
-    from snn_explorer.estimator.compute_work import optimizer_work
-    from snn_explorer.estimator.op_counter import OpCounter, grad_names
+    from snn_explorer.estimator.profile.step import OPTIMIZERS
+    from snn_explorer.estimator.timing.compute_work import optimizer_work
+    from snn_explorer.estimator.instruments.op_counter import OpCounter, grad_names
 
     zoo = build("mlp")
     model = zoo.model

@@ -136,7 +136,7 @@ def _layout_problems(model, fresh, plan, tp_rank):
 
 
 def _all_cases_on_rank():
-    from snn_explorer.estimator.recorder import CollectiveRecorder
+    from snn_explorer.estimator.instruments.recorder import CollectiveRecorder
 
     results = {}
     for case in CASES:

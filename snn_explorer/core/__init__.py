@@ -1,7 +1,7 @@
 """The analyze / plan / apply core: no UI, no process management."""
 from .analysis import LinearShape, SNNDistributedAnalysis, analyze
 from .checkpoint import CheckpointError, check_checkpoint, latest_checkpoint
-from .parallelize import apply, preflight
+from .distribute import apply, preflight
 from .memory_levers import ACTIVATION_CHECKPOINTING, find_time_step_module
 from .neurons import register_stateful, unregister_stateful
 from .plan_types import DistributedFeatureSet, SNNDistributedPlan

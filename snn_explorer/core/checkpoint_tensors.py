@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..compat import non_persistent_buffer_names
 from .checkpoint_files import CheckpointError
-from .parallelize.channel_tp import full_shape, full_tensor, local_shard
+from .channel_styles import full_shape, full_tensor, local_shard
 from .parallelize.pipeline import PipelinedModel
 
 

@@ -17,6 +17,7 @@ All of it is gated by :class:`~snn_explorer.core.plan_types.DistributedFeatureSe
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any, List, Optional, Tuple
 
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from . import neurons
+from .modes import names_text
 
 #: The granularities of ``SNNDistributedPlan.activation_checkpointing``.
 ACTIVATION_CHECKPOINTING = ("none", "blocks", "time_chunks")
@@ -65,8 +67,6 @@ def check_memory_levers(plan: Any) -> None:
 
 
 def _check_cpu_offload(plan: Any) -> None:
-    from .modes import names_text
-
     if not plan.experimental_features.allow_cpu_offload:
         raise ValueError("cpu_offload=True needs DistributedFeatureSet(allow_cpu_offload=True)")
     if not plan.uses_fsdp:
@@ -168,8 +168,6 @@ def checkpointing_variants(plan: Any, time_step_module: Optional[str] = None) ->
     """``plan`` with each checkpointing granularity its gate allows: ``blocks``, and ``time_chunks`` (k=1)
     when ``time_step_module`` names the module stepped once per time step ([] with the gate closed, and for
     pipeline plans, which do not take checkpointing yet)."""
-    import dataclasses
-
     if (not plan.experimental_features.allow_activation_checkpointing or plan.activation_checkpointing != "none"
             or plan.uses_pp):
         return []
@@ -195,8 +193,6 @@ def lever_notes(levers: dict) -> List[str]:
 
 def copy_without_levers(plan: Any) -> Any:
     """``plan`` with activation checkpointing and CPU offload off (the same layout otherwise)."""
-    import dataclasses
-
     return dataclasses.replace(plan, **lever_fields())
 
 

@@ -16,6 +16,10 @@ from __future__ import annotations
 import functools
 from typing import Callable, Dict, List, Optional, Tuple
 
+import torch.distributed.pipelining as pipelining
+
+from ..compat import pipeline_compute_order
+
 #: Time of one micro-batch's action through one stage, in forward units (a backward costs two
 #: forwards; a zero-bubble schedule splits it into input and weight halves).
 COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -26,7 +30,6 @@ Span = Tuple[str, int, int, float, float]  #: (kind, stage, micro-batch, start, 
 
 class PipelineSchedule:
     """What one ``pp_schedule`` name means. Subclasses set the attributes and override what differs."""
-
     name = ""
     torch_name = ""  #: its class in torch.distributed.pipelining
     multi_stage = False  #: several (virtual) stages per rank
@@ -41,8 +44,6 @@ class PipelineSchedule:
     def torch_class(self) -> type:
         """torch's schedule class (importing torch.distributed.pipelining loads torch's compiler,
         which sets TORCHINDUCTOR_CACHE_DIR and makes a temporary folder, so only when needed)."""
-        import torch.distributed.pipelining as pipelining
-
         return getattr(pipelining, self.torch_name)
 
     def build(self, stages: list, **kwargs):
@@ -57,7 +58,6 @@ class PipelineSchedule:
 
     def check_micro(self, pp: int, micro: int) -> None:
         """Raise ValueError unless the schedule runs ``micro`` micro-batches on ``pp`` ranks (any, here)."""
-
     def check_stages(self, virtual: int) -> None:
         """Raise ValueError unless the schedule runs ``virtual`` stages per rank."""
         if not self.multi_stage and virtual != 1:
@@ -177,8 +177,6 @@ def default_schedule(virtual: int) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _torch_order(schedule: PipelineSchedule, pp: int, micro: int, virtual: int) -> Dict[int, Tuple[Action, ...]]:
-    from ..compat import pipeline_compute_order
-
     order = pipeline_compute_order(schedule.torch_class(), pp, micro,
                                    lambda rank: schedule.rank_stages(rank, pp, virtual))
     return {r: tuple(acts) for r, acts in order.items()}

@@ -7,12 +7,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ..compat import uncompiled
 from . import neurons
 from .analysis import SNNDistributedAnalysis
-from .parallelize.channel_tp import full_tensor
+from .checkpoint import load_checkpoint, save_checkpoint
+from .channel_styles import full_tensor
 from .plan_types import SNNDistributedPlan
 from .validate import positive_int
 
@@ -34,7 +36,6 @@ def _check_batch(inputs, labels) -> None:
 @dataclass
 class SNNDistributedRuntime:
     """The distributed model, its mesh, and helpers that respect the plan's dp/tp layout."""
-
     model: nn.Module
     mesh: Any
     analysis: SNNDistributedAnalysis
@@ -71,8 +72,6 @@ class SNNDistributedRuntime:
         """An optimizer over the model's parameters; ZeroRedundancyOptimizer for dp + 'zero'."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.plan.uses_zero:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
             return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=self.mesh.get_group("dp"),
                                            lr=lr, weight_decay=weight_decay, **kw)
         if any(isinstance(p, DTensor) for p in params) and not all(isinstance(p, DTensor) for p in params):
@@ -192,16 +191,12 @@ class SNNDistributedRuntime:
         unless ``allow_mid_sequence=True``. An existing checkpoint is replaced only with
         ``overwrite=True``. See :mod:`snn_explorer.core.checkpoint`.
         """
-        from .checkpoint import save_checkpoint
-
         return save_checkpoint(self, path, optimizer=optimizer, step=step, extra=extra, overwrite=overwrite,
                                allow_mid_sequence=allow_mid_sequence)
 
     def load_checkpoint(self, path, optimizer=None):
         """Load a checkpoint saved under any plan of this model, resharded to this one (a collective);
         returns a :class:`~snn_explorer.core.checkpoint.LoadedCheckpoint` (step, extra, saved plan)."""
-        from .checkpoint import load_checkpoint
-
         return load_checkpoint(self, path, optimizer=optimizer)
 
     # ---- inspection ---------------------------------------------------------------------------

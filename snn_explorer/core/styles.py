@@ -10,6 +10,11 @@ from __future__ import annotations
 
 from typing import List, Mapping, Optional, Sequence, Tuple
 
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from . import channel_styles
+
 #: Sharding of a module's input or output over the tp group.
 WHOLE, SHARDED = "whole", "sharded"
 CONV_GATE, SPIKFORMER_GATE = "allow_experimental_conv_tp", "allow_experimental_spikformer_tp"
@@ -121,7 +126,6 @@ class TPStyle:
     # ---- on the ranks
     def apply(self, module, mesh) -> None:
         """Shard ``module`` in place on the 1-D ``mesh`` (a torch ParallelStyle through parallelize_module)."""
-        from torch.distributed.tensor.parallel import parallelize_module
 
         style = self.parallel_style()
         if style is not None:
@@ -173,8 +177,6 @@ class Colwise(TPStyle):
         return ((path, "out_features", analysis.shape(path).out_features),)
 
     def parallel_style(self):
-        from torch.distributed.tensor.parallel import ColwiseParallel
-
         return ColwiseParallel()
 
     def sharded_width(self, module):
@@ -185,9 +187,6 @@ class ColwiseGather(Colwise):
     name, label, gives, gathers_output = "colwise_gather", "out_features (output gathered)", WHOLE, True
 
     def parallel_style(self):
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import ColwiseParallel
-
         return ColwiseParallel(output_layouts=Replicate())
 
     def sharded_width(self, module):
@@ -202,8 +201,6 @@ class Rowwise(TPStyle):
         return ((path, "in_features", analysis.shape(path).in_features),)
 
     def parallel_style(self):
-        from torch.distributed.tensor.parallel import RowwiseParallel
-
         return RowwiseParallel()
 
 
@@ -229,9 +226,7 @@ class ConvColwise(_Channels):
     attr = "out_channels"
 
     def parallel_style(self):
-        from .parallelize.channel_tp import ConvColwise as Style
-
-        return Style()
+        return channel_styles.ConvColwise()
 
     def sharded_width(self, module):
         return module.out_channels, -1 - len(module.kernel_size)
@@ -244,9 +239,7 @@ class ConvRowwise(_Channels):
     attr = "in_channels"
 
     def parallel_style(self):
-        from .parallelize.channel_tp import ConvRowwise as Style
-
-        return Style()
+        return channel_styles.ConvRowwise()
 
 
 class NormLocal(TPStyle):
@@ -254,9 +247,7 @@ class NormLocal(TPStyle):
     takes, gives, split, cut = SHARDED, SHARDED, _NORM_TENSORS, "norm"
 
     def parallel_style(self):
-        from .parallelize.channel_tp import NormLocal as Style
-
-        return Style()
+        return channel_styles.NormLocal()
 
 
 class _Heads(TPStyle):
@@ -277,10 +268,9 @@ class _Heads(TPStyle):
     def held(self, leaf, shape, tp, tp_rank):
         if leaf not in self.split or tp <= 1 or not shape:
             return None
-        from .parallelize.channel_tp import head_aligned_rows
 
         local = shape[0] // tp
-        return 0, head_aligned_rows(shape[0] // 3, tp)[tp_rank * local:(tp_rank + 1) * local].tolist()
+        return 0, channel_styles.head_aligned_rows(shape[0] // 3, tp)[tp_rank * local:(tp_rank + 1) * local].tolist()
 
 
 class QkvColwise(_Heads):
@@ -288,9 +278,7 @@ class QkvColwise(_Heads):
     gives, split, cut, reduces_input_grad = SHARDED, {"weight": 0, "bias": 0}, "outputs", True
 
     def parallel_style(self):
-        from .parallelize.channel_tp import FusedQkvColwise
-
-        return FusedQkvColwise()
+        return channel_styles.FusedQkvColwise()
 
     def sharded_width(self, module):
         if hasattr(module, "out_features"):
@@ -303,18 +291,14 @@ class QkvNormLocal(_Heads):
     takes, gives, split, cut = SHARDED, SHARDED, _NORM_TENSORS, "norm"
 
     def parallel_style(self):
-        from .parallelize.channel_tp import FusedQkvNorm
-
-        return FusedQkvNorm()
+        return channel_styles.FusedQkvNorm()
 
 
 class HeadsLocal(_Heads):
     name, kind, label, cut = "heads_local", "attention", "num_heads", "heads"
 
     def parallel_style(self):
-        from .parallelize.channel_tp import HeadsLocal as Style
-
-        return Style()
+        return channel_styles.HeadsLocal()
 
 
 class Local(TPStyle):

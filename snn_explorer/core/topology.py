@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Dict, List, Mapping, Optional
 
+from .validate import positive_int
+
 #: Dimension names that lead the mesh order (the dims the modes use), outermost first: pipeline
 #: stages, then data replicas, then tensor-parallel peers innermost (neighbouring ranks, as
 #: torchtitan orders them); others follow in insertion order.
@@ -36,7 +38,6 @@ def _as_size(name: str, value: Any) -> int:
 @dataclass(frozen=True)
 class SNNDistributedTopology:
     """Named mesh dimensions (e.g. ``{"dp": 2, "tp": 2}``) whose sizes multiply to ``world_size``."""
-
     world_size: int
     _items: tuple = ()
 
@@ -124,8 +125,6 @@ class SNNDistributedTopology:
 def dp_tp_splits(world_size: int) -> List[Dict[str, int]]:
     """Every way to split ``world_size`` ranks into dp x tp, tp ascending, size-1 dims left out
     (``[{"dp": 4}, {"dp": 2, "tp": 2}, {"tp": 4}]`` for 4; ``[{"dp": 1}]`` for 1)."""
-    from .validate import positive_int
-
     world_size = positive_int("world_size", world_size)
     out = []
     for tp in range(1, world_size + 1):

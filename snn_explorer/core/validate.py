@@ -7,6 +7,8 @@ import numbers
 import warnings
 from typing import Any, Optional
 
+import torch
+
 
 def positive_int(name: str, value: Any, *, maximum: Optional[int] = None, what: str = "") -> int:
     """``value`` if it is an int >= 1 (bools refused), else ValueError naming ``name``."""
@@ -62,8 +64,6 @@ def _what(what: str) -> str:
 
 def check_dtype(name: str, value: Any) -> Optional[Any]:
     """``value`` if it is None or a floating-point ``torch.dtype`` (not a string), else TypeError."""
-    import torch
-
     if value is None or (isinstance(value, torch.dtype) and value.is_floating_point):
         return value
     hint = f"; write torch.{value}" if isinstance(value, str) and hasattr(torch, value) else ""
@@ -80,8 +80,6 @@ def check_instance(name: str, value: Any, cls: type, what: str) -> Any:
 
 def check_batch_tensor(name: str, value: Any, *, min_dims: int = 3):
     """A real tensor ``[T, N, ...]`` (time first, then batch) with T, N >= 1 and no grad, else an error."""
-    import torch
-
     if not isinstance(value, torch.Tensor):
         hint = " (convert it with torch.as_tensor)" if hasattr(value, "__len__") else ""
         raise TypeError(f"{name} must be a torch.Tensor [T, N, ...] (time first, then batch), got "

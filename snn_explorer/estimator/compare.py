@@ -6,9 +6,9 @@ from typing import Dict
 import numpy as np
 import pandas as pd
 
-from .plan_estimate import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS, PlanEstimate
+from .instruments.tables import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS, TIME_COLUMNS
 from .measurement import PlanMeasurement
-from .step_time import TIME_COLUMNS
+from .plan_estimate import PlanEstimate
 
 _KEYS = ["mesh_dim", "kind", "phase"]
 

@@ -6,12 +6,12 @@ them (tensor-parallel peers see the same samples); every per-rank number is for
 ``plan.per_rank_batch`` samples.
 
 Parameters, gradients, optimizer state, buffers and collectives are exact shard arithmetic
-(``sharding``, ``comms``). The peak is the rank's persistent memory (parameters, optimizer state,
+(:mod:`.memory.sharding`, :mod:`.timing.collectives`). The peak is the rank's persistent memory (parameters, optimizer state,
 buffers, input, neuron state) plus the largest of three phases, each measured once per per-rank
 batch (and TP layout) on the model as one rank runs it (the unsharded model, or its TP replica):
 the forward, the backward (beside the gradients the plan keeps there) and the optimizer step
 (Adam's scratch). DDP adds its gradient buckets; for FSDP2 the same run is replayed with FSDP2's
-all-gather and reduce-scatter buffers and unsharded parameters (:mod:`.fsdp_timeline`).
+all-gather and reduce-scatter buffers and unsharded parameters (:mod:`.memory.fsdp_timeline`).
 """
 from __future__ import annotations
 
@@ -24,21 +24,20 @@ import torch
 from torch import nn
 
 from ..core import SNNDistributedPlan
-from ..core.validate import positive_int, positive_number
-from ._step import check_inputs, check_optimizer
-from .isolation import as_found, one_thread
-from .checkpoint_profile import levered_profile, recompute_fraction
-from .comms import step_collectives
-from .fsdp_timeline import FsdpTimeline
-from .pipeline_estimate import pipeline_rows
 from ..core.pipeline_plan import pipeline_units
-from .profile import ModelProfile, check_run_size, model_profile
-from .sharding import buffer_bytes, dp_roles, local_params, optimizer_temporaries, rank_bytes
-from .step_time import plan_time, resolve_hardware
-
-PER_RANK_COLUMNS = ("rank", "params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes", "activations_bytes",
-                    "neuron_state_bytes", "transient_bytes", "peak_bytes")
-COLLECTIVE_COLUMNS = ("mesh_dim", "kind", "phase", "count", "bytes")
+from ..core.validate import positive_int, positive_number
+from .calibration import resolve_hardware
+from .instruments.isolation import as_found, one_thread
+from .instruments.tables import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
+from .memory.fsdp_timeline import FsdpTimeline
+from .memory.pipeline_memory import pipeline_rows
+from .memory.sharding import buffer_bytes, dp_roles, local_params, optimizer_temporaries, rank_bytes
+from .memory.step_peak import dynamic_peak
+from .profile.checkpointed import levered_profile, recompute_fraction
+from .profile.profiling import ModelProfile, check_run_size, model_profile
+from .profile.step import check_inputs, check_optimizer
+from .timing.collectives import step_collectives
+from .timing.step_time import plan_time
 
 
 def _mib(n: float) -> str:
@@ -122,11 +121,11 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     turns the verdict into fits / does not fit. Every argument is checked before anything runs,
     and a ``time_steps`` whose run cannot fit in this machine's memory is refused. The caller's
     RNG, environment, temporary directory and thread count are left as they were (the model runs
-    on one thread: :func:`~.isolation.one_thread`).
+    on one thread: :func:`~.instruments.isolation.one_thread`).
 
     ``hardware`` (a :class:`HardwareProfile`, a built-in profile's name, or None for this
     machine's calibration: the first call calibrates (42-46 s on spawned ranks here), and keeps it
-    on disk) is where the step time (``time``, ``step_time_s``; :mod:`.step_time`) is predicted.
+    on disk) is where the step time (``time``, ``step_time_s``; :mod:`.timing.step_time`) is predicted.
     """
     optimizer = check_optimizer(optimizer)
     check_inputs(model, example_input, labels, dtype, plan)
@@ -164,7 +163,7 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
     # Activations and temporaries of the forward (the gradients were set to None), of the backward
     # and after it (both beside the gradients): measured on the model as one rank runs it.
     timeline = FsdpTimeline.of(params, plan.dp_size, plan.reshard_after_forward) if plan.uses_fsdp else None
-    fwd, bwd, after_bwd, fsdp_held = profile.dynamic_peak(n, t, plan.tensor_parallel_plan, plan.tp_size, timeline)
+    fwd, bwd, after_bwd, fsdp_held = dynamic_peak(profile, n, t, plan.tensor_parallel_plan, plan.tp_size, timeline)
     buffers = buffer_bytes(profile.buffers, profile.dtype, plan)
     # DDP's flat gradient buckets are allocated once, every gradient's size, and live through the
     # optimizer step beside the gradients, which are all live at the backward's peak.

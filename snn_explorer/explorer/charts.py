@@ -222,7 +222,7 @@ def _cell(x: int, y: int, color: str):
 
 def activation_curve_chart(curve: pd.DataFrame, title: str = "") -> Figure:
     """Activation memory of one rank against time steps, a line per checkpointing granularity
-    (a table from :func:`~snn_explorer.estimator.activation_curve.activation_curve`)."""
+    (a table from :func:`~snn_explorer.estimator.activation_curve`)."""
     fig, ax = _figure()
     for name, rows in curve.groupby("plan", sort=False):
         ax.plot(rows["time_steps"], rows["activations_bytes"] / MIB, marker="o", label=f"checkpointing: {name}")

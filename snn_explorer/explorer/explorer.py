@@ -187,7 +187,7 @@ class Explorer:
 
     def activation_chart(self, plan: SNNDistributedPlan, time_steps: Sequence[int] = (4, 8, 16, 32)):
         """Activation memory of one rank of ``plan`` against ``time_steps``, with and without checkpointing."""
-        from ..estimator.activation_curve import activation_curve
+        from ..estimator import activation_curve
         from .charts import activation_curve_chart
 
         self.estimate(plan)  # the profile, measured once
@@ -211,7 +211,7 @@ class Explorer:
         With ``objective="speed"`` and an example input the plans come fastest first by predicted
         step time, those that fit ``memory_budget`` (bytes per device) before those that do not."""
         from ..estimator import PlanList, enumerate_plans
-        from ..estimator.step_time import fastest_first
+        from ..estimator import fastest_first
 
         plans = enumerate_plans(self.analysis, world_size=world_size,
                                 batch_size=batch_size if batch_size is not None else self.batch_size,

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ...compat import non_persistent_buffer_names
 from .. import neurons
 from ..plans.families import CONTAINERS
 
@@ -34,8 +35,6 @@ State = List[Tuple[nn.Module, Dict[Tuple[str, str], object]]]
 def _state_slots(module: nn.Module):
     """``((where, name), value)`` for every place ``module`` keeps state between calls: non-persistent
     buffers (snntorch), spikingjelly's ``_memories``, and public tensor attributes (registered neurons)."""
-    from ...compat import non_persistent_buffer_names
-
     for name in non_persistent_buffer_names(module):
         yield ("_buffers", name), module._buffers.get(name)
     memories = getattr(module, "_memories", None)
@@ -189,7 +188,6 @@ def _run_children(children: Sequence[nn.Module]) -> Callable:
 @dataclass
 class _Chunk:
     """One chunk of time steps of one forward: its entry state and what replaying its steps needs."""
-
     entry: State
     stateful: Sequence[nn.Module]
     run: Callable
@@ -251,7 +249,6 @@ def _with_grad_flags(state: State, flags: List[bool]) -> State:
 
 class _TimeChunks:
     """Checkpoints each call of a module stepped once per time step; a state copy per chunk of steps."""
-
     def __init__(self, module: nn.Module, every: int, restore: bool):
         self.module, self.every, self.restore = module, every, restore
         self.run = module.forward

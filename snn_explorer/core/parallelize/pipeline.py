@@ -25,6 +25,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
+from torch.distributed.pipelining.microbatch import TensorChunkSpec
 from torch import nn
 
 from ...compat import is_view
@@ -44,7 +46,6 @@ class PipelineStageModule(nn.Module):
     result) is copied: torch's input backward detaches each stage output in place, which a view
     refuses ("Can't detach views in-place").
     """
-
     def __init__(self, index: int, paths: Sequence[str], units: Sequence[nn.Module], own_output: bool = False):
         super().__init__()
         self.index = index
@@ -74,7 +75,6 @@ class PipelinedModel(nn.Module):
     ``last_outputs``: the last step's outputs merged over micro-batches, on the rank holding the
     last stage (None elsewhere).
     """
-
     def __init__(self, model: nn.Module, plan, units: Sequence[str], mesh, device: torch.device):
         super().__init__()
         self.plan = plan
@@ -125,9 +125,6 @@ class PipelinedModel(nn.Module):
         return examples
 
     def _build_schedule(self, inputs: torch.Tensor):
-        import torch.distributed.pipelining as pipelining
-        from torch.distributed.pipelining.microbatch import TensorChunkSpec
-
         plan = self.plan
         micro_shape = list(inputs.shape)
         micro_shape[BATCH_DIM] //= plan.pp_microbatches

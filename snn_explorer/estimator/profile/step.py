@@ -6,9 +6,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..core import SNNDistributedPlan, SNNDistributedRuntime
-from ..core.neurons import reset_all
-from ..core.validate import check_batch_tensor, check_dtype, check_instance
+from ...core import SNNDistributedPlan, SNNDistributedRuntime
+from ...core.neurons import reset_all
+from ...core.validate import check_batch_tensor, check_dtype, check_instance
 
 OPTIMIZERS = {
     "adam": (torch.optim.Adam, {}),
@@ -88,25 +88,3 @@ def batch_slice(example_input: torch.Tensor, labels: Optional[torch.Tensor], n: 
     x = example_input[steps][:, samples].contiguous()
     y = None if labels is None else labels[samples].contiguous()
     return x, y
-
-
-def timed_steps(step, steps: int, mode: str) -> list:
-    """Seconds of each of ``steps`` runs of ``step()`` on this rank, each started together with the
-    other ranks (a barrier) and reported as a heartbeat, the garbage collector paused
-    (:func:`~.isolation.collected`); the first (warm-up) dropped when there are more."""
-    import time
-
-    import torch.distributed as dist
-
-    from ..ranks.progress import heartbeat
-    from .isolation import collected
-
-    times = []
-    with collected():
-        for i in range(steps):
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-            heartbeat(step=i + 1, total=steps + 1, message=f"{mode}: timed step")
-    return times[1:] if len(times) > 1 else times

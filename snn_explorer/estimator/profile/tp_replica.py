@@ -22,8 +22,8 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from ..core.neurons import detached_copy
-from ..core.styles import STYLES
+from ...core.neurons import detached_copy
+from ...core.styles import STYLES
 
 
 class _GradAllReduce(torch.autograd.Function):

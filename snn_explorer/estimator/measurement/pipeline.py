@@ -15,23 +15,21 @@ from typing import Dict, List, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import compat
-from ..ranks.progress import heartbeat
-from ._step import OPTIMIZERS, batch_slice, timed_steps
-from .meter import StorageMeter
-from .pipeline_estimate import reduce_phase
-from .recorder import CollectiveRecorder
-from .stage_memory import LiveSaved
+from ... import compat
+from ...core import apply
+from ...ranks.progress import heartbeat
+from ..instruments.meter import StorageMeter
+from ..instruments.recorder import CollectiveRecorder
+from ..instruments.storage import LiveSaved, saving, total_bytes
+from ..instruments.tables import reduce_phase
+from ..profile.step import OPTIMIZERS, batch_slice
+from .settings import MeasureSettings, timed_steps
 
 _NAN = float("nan")
 
 
-def measure_pp_plan(model, plan, run) -> dict:
-    """One rank's measurement of pipeline ``plan`` (``run``: measurement's ``_Settings``)."""
-    from ..core import apply
-    from .measurement import _storage_bytes
-
-    _bytes = lambda tensors: sum(_storage_bytes(tensors).values())
+def measure_pp_plan(model, plan, run: MeasureSettings) -> dict:
+    """One rank's measurement of pipeline ``plan``."""
     runtime = apply(model=model, plan=plan, device_type=run.device)
     x, y = batch_slice(run.example_input, run.labels, plan.per_rank_batch, run.example_input.shape[0],
                        start=runtime.dp_rank * plan.per_rank_batch)
@@ -58,16 +56,16 @@ def measure_pp_plan(model, plan, run) -> dict:
     meter, recorder = StorageMeter(), CollectiveRecorder(phase="step", labels=labels)
     meter.track(params + state + list(pipe.buffers()) + recv + inputs + ([y] if pipe.holds_last else []))
     saved = LiveSaved({t.untyped_storage().data_ptr() for t in params + recv + [x]})
-    with meter, recorder, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+    with meter, recorder, saving(saved):
         runtime.train_step(criterion, x, y)
         opt.step()
     heartbeat(step=run.steps + 1, total=run.steps + 1, message=f"{plan.mode}: measured step")
     groups = {d: runtime.mesh.get_group(d) for d in plan.mesh_dim_names}
     phases = {"all_reduce": reduce_phase(pipe.stage_ids), "broadcast": "loss"}
     rows = [dict(r, phase=phases.get(r["kind"], r["phase"])) for r in recorder.table(groups)]
-    row = dict(rank=dist.get_rank(), params_bytes=_bytes(params), grads_bytes=_bytes(p.grad for p in params),
-               optimizer_bytes=_bytes(state), buffers_bytes=_bytes(pipe.buffers()), activations_bytes=saved.peak,
-               neuron_state_bytes=_NAN, transient_bytes=_bytes(recv + inputs), peak_bytes=meter.peak)
+    row = dict(rank=dist.get_rank(), params_bytes=total_bytes(params), grads_bytes=total_bytes(p.grad for p in params),
+               optimizer_bytes=total_bytes(state), buffers_bytes=total_bytes(pipe.buffers()), activations_bytes=saved.peak,
+               neuron_state_bytes=_NAN, transient_bytes=total_bytes(recv + inputs), peak_bytes=meter.peak)
     return dict(row=row, collectives=rows, times=times, blocked_s=_NAN, debug=None, pp_rank=pipe.pp_rank)
 
 

@@ -13,7 +13,7 @@ from typing import Dict, Iterable
 
 import torch
 
-from ..compat import DispatchMode, is_traceable_wrapper_subclass_type, tree_leaves
+from ...compat import DispatchMode, is_traceable_wrapper_subclass_type, tree_leaves
 
 
 class StorageMeter(DispatchMode):

@@ -9,24 +9,19 @@ root), re-gathered before its backward, resharded after it (before its reduce-sc
 allocated), and the last reduce-scatter input is kept until the next one; in the backward, the unit whose forward ended before is all-gathered
 ahead (implicit prefetch).
 
-The model runs once per batch size and TP layout: :func:`record` hooks the same points (forward
+The model runs once per batch size and TP layout: :func:`~..instruments.fsdp_events.record` hooks the same points (forward
 pre/post, gradients of a call's outputs and of its inputs, each gradient accumulated, the end of
-the backward) for the model's FSDP2 units and logs the :class:`~.meter.StorageMeter`'s bytes at
-each and its peak since the one before. :func:`replay` walks the log for any plan's units, ``dp``
+the backward) for the model's FSDP2 units and logs the :class:`~..instruments.meter.StorageMeter`'s bytes at
+each and its peak since the one before (:mod:`..instruments.fsdp_events`). :func:`replay_fsdp` walks the log for any plan's units, ``dp``
 and resharding, adding and removing FSDP2's bytes at those points and standing each unsharded
 gradient down once it is reduce-scattered, so every FSDP2 plan reuses that one run.
 """
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import torch
-from torch import nn
-
-from ..compat import queue_callback, tree_leaves, tree_map
-from .meter import StorageMeter
+from ..instruments.fsdp_events import EventLog
 from .sharding import Param, fsdp_group_bytes, fsdp_groups
 
 
@@ -42,7 +37,7 @@ class Unit:
 
 @dataclass(frozen=True)
 class FsdpTimeline:
-    """What :func:`replay` needs of a plan: its units, which unit holds each parameter, resharding."""
+    """What :func:`replay_fsdp` needs of a plan: its units, which unit holds each parameter, resharding."""
 
     units: Tuple[Unit, ...]
     param_units: Tuple[Tuple[str, str], ...]  # (parameter name, unit path)
@@ -55,20 +50,6 @@ class FsdpTimeline:
             flat = fsdp_group_bytes(group, dp)
             units.append(Unit(path, sum(p.numel * p.itemsize for p in group), flat, flat // dp))
         return cls(tuple(units), tuple((p.name, p.group) for p in params), reshard_after_forward)
-
-
-class _Once(torch.autograd.Function):
-    """Identity on a call's inputs whose backward marks the call's post-backward (as FSDP2's)."""
-
-    @staticmethod
-    def forward(ctx, callback, *inputs):
-        ctx.callback = callback
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None,) + grads
 
 
 class _Replay:
@@ -204,69 +185,7 @@ class _Replay:
         self.prefetched.clear()
 
 
-@dataclass
-class EventLog:
-    """What :func:`record` saw: ``(kind, module path or parameter, bytes, peak since the last)``."""
-
-    units: Tuple[str, ...]
-    grad_bytes: Dict[str, int]
-    events: List[tuple] = field(default_factory=list)
-
-    def mark(self, meter: StorageMeter, kind: str, what: str = "") -> None:
-        self.events.append((kind, what, meter.current, meter.restart_peak()))
-
-
-@contextlib.contextmanager
-def record(model: nn.Module, units: Sequence[str], meter: StorageMeter):
-    """Log, within the block, the points where FSDP2 acts for ``units`` (and the root) as the
-    model runs one forward and backward; ``meter`` counts the model's bytes meanwhile."""
-    params = dict(model.named_parameters())
-    log = EventLog(tuple(units), {n: p.numel() * p.element_size() for n, p in params.items() if p.requires_grad})
-    queued = []
-
-    def pre(path):
-        def hook(module, args, kwargs):
-            log.mark(meter, "pre_forward", path)
-            tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.requires_grad]
-            if not tensors or not torch.is_grad_enabled():
-                return None
-            marked = iter(_Once.apply(lambda: log.mark(meter, "post_backward", path), *tensors))
-            return tree_map(lambda a: next(marked) if isinstance(a, torch.Tensor) and a.requires_grad else a,
-                            (args, kwargs))
-        return hook
-
-    def pre_backward(path):
-        def hook(grad):
-            if not path and not queued:  # as FSDP2's root: the end of the backward is a callback
-                queued.append(True)
-                queue_callback(lambda: log.mark(meter, "end_backward"))
-            log.mark(meter, "pre_backward", path)
-        return hook
-
-    def post(path):
-        def hook(module, args, output):
-            log.mark(meter, "post_forward", path)
-            for out in tree_leaves(output):
-                if isinstance(out, torch.Tensor) and out.requires_grad:
-                    out.register_hook(pre_backward(path))
-        return hook
-
-    hooks = []
-    for path in ("",) + tuple(u for u in units if u):
-        module = model.get_submodule(path)
-        hooks.append(module.register_forward_pre_hook(pre(path), with_kwargs=True))
-        hooks.append(module.register_forward_hook(post(path)))
-    for name in log.grad_bytes:
-        hooks.append(params[name].register_post_accumulate_grad_hook(
-            lambda p, n=name: log.mark(meter, "accumulated", n)))
-    try:
-        yield log
-    finally:
-        for h in hooks:
-            h.remove()
-
-
-def replay(log: EventLog, entry: int, timeline: Optional[FsdpTimeline] = None) -> Tuple[int, int, int, int]:
+def replay_fsdp(log: EventLog, entry: int, timeline: Optional[FsdpTimeline] = None) -> Tuple[int, int, int, int]:
     """(peak of the forward, peak of the backward, bytes after it) above ``entry``, with FSDP2's
     bytes for ``timeline`` added (none without one), and the most bytes FSDP2's buffers and
     unsharded parameters held at once. The log must hold the timeline's units."""

@@ -16,33 +16,17 @@ the loss broadcast from the last stage, and with dp one all-reduce of each rank'
 """
 from __future__ import annotations
 
-import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import pandas as pd
 
-from ..core.pipeline_plan import check_pp_model, stage_units
-from ..core.pipeline_schedules import schedule_of
+from ...core.pipeline_plan import check_pp_model, stage_units
+from ...core.pipeline_schedules import schedule_of
+from ..instruments.tables import boundary_phase, reduce_phase
 from .sharding import buffer_bytes, optimizer_temporaries, rank_bytes
 from .stage_memory import measure_stages
 
 PIPELINE_COLUMNS = ("pp_rank", "stages", "units", "microbatches_in_flight", "bubble_fraction")
-
-
-def boundary_phase(direction: str, src: int, dst: int) -> str:
-    """The ``phase`` of a pipeline transfer from stage ``src`` to ``dst`` (as the recorder labels it)."""
-    return f"{direction} {src}->{dst}"
-
-
-def reduce_phase(stages: Sequence[int]) -> str:
-    """The ``phase`` of a pp rank's dp all-reduce of the gradients of its ``stages``."""
-    return f"after backward (stages {','.join(map(str, stages))})"
-
-
-def boundary_stages(phase: str) -> Tuple[int, int]:
-    """``(src, dst)`` stages of a :func:`boundary_phase`."""
-    src, dst = phase.split(" ", 1)[1].split("->")
-    return int(src), int(dst)
 
 
 def bubble_fraction(schedule: str, pp: int, micro: int, virtual: int = 1) -> float:
@@ -119,7 +103,7 @@ def _walk(schedule: str, order, runs, last_stage: int, micro: int) -> Tuple[int,
     return peak, left, most_act
 
 
-def _under(name: str, units: Sequence[str]) -> bool:
+def under(name: str, units: Sequence[str]) -> bool:
     return any(name == u or name.startswith(u + ".") for u in units)
 
 
@@ -141,9 +125,9 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
     for pp_rank in range(plan.pp_size):
         own = plan.pp_schedule_spec.rank_stages(pp_rank, plan.pp_size, plan.pp_virtual_stages)
         own_units = [u for s in own for u in stages[s]]
-        mine = [p for p in params if _under(p.name, own_units)]
+        mine = [p for p in params if under(p.name, own_units)]
         b = rank_bytes(mine, plan, 0, optimizer)
-        buffers = buffer_bytes([b for b in profile.buffers if _under(b[0], own_units)], profile.dtype, plan)
+        buffers = buffer_bytes([b for b in profile.buffers if under(b[0], own_units)], profile.dtype, plan)
         flying = in_flight(plan.pp_schedule, plan.pp_size, pp_rank, micro, plan.pp_virtual_stages)
         order = rank_order(plan.pp_schedule, plan.pp_size, pp_rank, micro, plan.pp_virtual_stages)
         schedule_peak, left, activations = _walk(plan.pp_schedule, order, runs, last, micro)
@@ -174,44 +158,3 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
     collectives.append(dict(mesh_dim="pp", kind="broadcast", phase="loss", count=1, bytes=itemsize))
     per_rank = [dict(rank=r, **rows[r // plan.dp_size]) for r in range(plan.world_size)]
     return per_rank, collectives, pd.DataFrame(table, columns=list(PIPELINE_COLUMNS))
-
-
-def balanced_pp_plan(model, plan, example_input, labels=None):
-    """``plan`` (mode ``pp``) with its ``pp_layout`` balanced by the model's profile (:func:`layout_by_profile`),
-    every stage holding a trainable unit; ValueError when no such layout exists or it would split a tied
-    parameter over stages."""
-    import dataclasses
-
-    from ..core.analysis import shared_parameters
-    from ..core.pipeline_plan import pipeline_units, trainable_units
-    from .profile import model_profile
-
-    if not plan.uses_pp:
-        raise ValueError(f"balanced_pp_plan balances pipeline stages; {plan!r} has none")
-    profile = model_profile(model, example_input, labels)
-    units = pipeline_units(model)[0]
-    trainable = trainable_units(model, units)
-    layout = layout_by_profile(profile, plan, units, example_input.shape[0], trainable)
-    balanced = dataclasses.replace(plan, pp_layout=layout)
-    check_pp_model(balanced, units, shared=shared_parameters(model), trainable=trainable)
-    return balanced
-
-
-def layout_by_profile(profile, plan, units: Sequence[str], t: int, trainable: Optional[Sequence[str]] = None) -> str:
-    """A ``pp_layout`` balancing the stages by what the profile measured per unit: the bytes each unit
-    saves for backward plus its parameters (memory), and its input and output elements (a proxy
-    for its time, which the profile does not time), each as a share of the model's total; with
-    ``trainable`` (unit paths) every stage holds one of them (ValueError when it cannot)."""
-    from ..core.pipeline_plan import balanced_layout, layout_text
-
-    n = max(1, plan.per_rank_batch // (plan.pp_microbatches or 1))
-    memory, work = [], []
-    for unit in units:
-        mods = [m for name, m in profile.modules.items() if name and _under(name, [unit])]
-        params = sum(math.prod(shape) for name, shape in profile.params if _under(name, [unit]))
-        memory.append(sum(m.saved(n, t) for m in mods) + params)
-        work.append(profile.modules[unit].in_elems(n, t) + profile.modules[unit].out_elems(n, t) + params)
-    total_m, total_w = sum(memory) or 1.0, sum(work) or 1.0
-    costs = [m / total_m + w / total_w for m, w in zip(memory, work)]
-    eligible = None if trainable is None else [u in trainable for u in units]
-    return layout_text(balanced_layout(costs, plan.pp_stages, eligible))

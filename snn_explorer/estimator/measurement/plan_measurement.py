@@ -14,28 +14,30 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import time
+import datetime
+import tempfile
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import pandas as pd
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.debug import CommDebugMode
 
-from .. import compat, ranks
-from ..core import SNNDistributedPlan
-from ..core.parallelize.mesh import comm_backend_for
-from ..core.validate import positive_int, positive_number
-from ..ranks.progress import heartbeat
-from ._step import OPTIMIZERS, batch_slice, check_inputs, check_optimizer, forward_loss, run_dtypes, timed_steps
-from .isolation import as_found
-from .plan_estimate import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
-from .pipeline_measurement import measure_pp_plan, pp_collectives
-from .recorder import CollectiveRecorder
-from .step_time import TIME_COLUMNS
-from .sharding import state_tensor_ids
+from ... import compat, ranks
+from ...core import SNNDistributedPlan, apply
+from ...core.parallelize.mesh import comm_backend_for
+from ...core.validate import positive_number
+from ...ranks.progress import heartbeat
+from ..instruments.isolation import as_found
+from ..instruments.recorder import CollectiveRecorder
+from ..instruments.storage import SavedAlive, model_state_tensors, saving, state_tensor_ids, storage_bytes
+from ..instruments.tables import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS, TIME_COLUMNS
+from ..profile.step import OPTIMIZERS, batch_slice, forward_loss
+from .pipeline import measure_pp_plan, pp_collectives
+from .settings import MeasureSettings, measure_settings, timed_steps
 
 
 @dataclass(frozen=True)
@@ -74,48 +76,6 @@ class PlanMeasurement:
                 + self.collectives.to_html(index=False))
 
 
-def _local(t):
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(t, DTensor):
-        return t
-    with torch.no_grad():
-        return t.to_local()
-
-
-def _storage_bytes(tensors) -> Dict[int, int]:
-    out = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            st = _local(t).untyped_storage()
-            out[st.data_ptr()] = st.nbytes()
-    return out
-
-
-def _state_tensors(module: nn.Module):
-    ids = state_tensor_ids(module)
-    return [b for b in module.buffers() if id(b) in ids] + [
-        v for m in module.modules() for v in getattr(m, "_memories", {}).values() if isinstance(v, torch.Tensor)]
-
-
-class _Saved:
-    """saved_tensors_hooks that remember each saved storage still alive at the end of the forward."""
-
-    def __init__(self):
-        self.refs: Dict[int, tuple] = {}
-
-    def pack(self, t):
-        st = _local(t).untyped_storage()
-        old = self.refs.get(st.data_ptr())
-        if old is None or old[1]() is None:
-            self.refs[st.data_ptr()] = (st.nbytes(), weakref.ref(st))
-        return t
-
-    def alive(self) -> Dict[int, int]:
-        """Bytes now held by each saved storage still alive (FSDP2 frees unsharded weights by resizing)."""
-        return {ptr: ref().nbytes() for ptr, (n, ref) in self.refs.items() if ref() is not None}
-
-
 def _called_twice(model: nn.Module, run) -> bool:
     counts: Dict[int, int] = {}
     hooks = [m.register_forward_pre_hook(lambda m, a: counts.__setitem__(id(m), counts.get(id(m), 0) + 1))
@@ -126,20 +86,6 @@ def _called_twice(model: nn.Module, run) -> bool:
         for h in hooks:
             h.remove()
     return any(c > 1 for c in counts.values())
-
-
-@dataclass(frozen=True)
-class _Settings:
-    """What every measured plan shares: the work of one step and where it runs."""
-
-    example_input: torch.Tensor
-    labels: Optional[torch.Tensor]
-    steps: int
-    optimizer: str
-    dtype: torch.dtype
-    lr: float
-    device: str  # "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)
-    cast: Optional[torch.dtype] = None  # the model's dtype for the run; None keeps a mixed-dtype model as it is
 
 
 @contextlib.contextmanager
@@ -176,12 +122,7 @@ def _repeat_peak(tracker, step, device: torch.device) -> int:
     return tracker.get_tracker_snapshot("peak")[device]["Total"]
 
 
-def _measure_plan(model, plan, run: _Settings) -> dict:
-    import torch.distributed as dist
-    from torch.distributed.tensor.debug import CommDebugMode
-
-    from ..core import apply
-
+def _measure_plan(model, plan, run: MeasureSettings) -> dict:
     cuda = run.device == "cuda"
     model = copy.deepcopy(model)
     if run.cast is not None:
@@ -201,7 +142,7 @@ def _measure_plan(model, plan, run: _Settings) -> dict:
         opt.zero_grad(set_to_none=True)
         if recorder is not None:
             recorder.phase = "forward"
-        hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t) if saved else contextlib.nullcontext()
+        hooks = saving(saved) if saved else contextlib.nullcontext()
         with hooks:
             loss = forward_loss(runtime.model, x, y)
         if after_forward:
@@ -217,13 +158,13 @@ def _measure_plan(model, plan, run: _Settings) -> dict:
     repeated = _called_twice(module, step)
     times = timed_steps(step, run.steps, plan.mode)
 
-    recorder, saved, seen = CollectiveRecorder(), _Saved(), {}
-    static = _storage_bytes(list(module.parameters()) + list(module.buffers()))
+    recorder, saved, seen = CollectiveRecorder(), SavedAlive(), {}
+    static = storage_bytes(list(module.parameters()) + list(module.buffers()))
 
     def after_forward():
-        seen["state"] = _storage_bytes(_state_tensors(module))
+        seen["state"] = storage_bytes(model_state_tensors(module))
         seen["saved"] = saved.alive()
-        seen["params"] = _storage_bytes(module.parameters())  # FSDP2 without resharding: the unsharded ones
+        seen["params"] = storage_bytes(module.parameters())  # FSDP2 without resharding: the unsharded ones
 
     tracker = compat.mem_tracker_class()()
     tracker.track_external(runtime.model, getattr(opt, "optim", opt), x)  # ZeRO: its local optimizer
@@ -259,25 +200,18 @@ def _measure_plan(model, plan, run: _Settings) -> dict:
     groups = {} if runtime.mesh is None else {d: runtime.mesh.get_group(d) for d in plan.mesh_dim_names}
     state_ids = state_tensor_ids(module)
     return dict(
-        row=dict(rank=dist.get_rank(), params_bytes=sum(_storage_bytes(params).values()),
-                 grads_bytes=sum(_storage_bytes([p.grad for p in params]).values()),
-                 optimizer_bytes=sum(_storage_bytes([v for s in state_dict.values() for v in s.values()]).values()),
-                 buffers_bytes=sum(_storage_bytes([b for b in module.buffers() if id(b) not in state_ids]).values()),
+        row=dict(rank=dist.get_rank(), params_bytes=sum(storage_bytes(params).values()),
+                 grads_bytes=sum(storage_bytes([p.grad for p in params]).values()),
+                 optimizer_bytes=sum(storage_bytes([v for s in state_dict.values() for v in s.values()]).values()),
+                 buffers_bytes=sum(storage_bytes([b for b in module.buffers() if id(b) not in state_ids]).values()),
                  activations_bytes=activations, neuron_state_bytes=sum(seen["state"].values()),
                  transient_bytes=buckets if plan.uses_ddp else float("nan"), peak_bytes=peak),
         collectives=recorder.table(groups), times=times, blocked_s=recorder.blocked_s,
         debug=None if repeated else {str(k).rsplit(".", 1)[-1]: v for k, v in debug.get_comm_counts().items()})
 
 
-def _measure_on_rank(model, plans, run: _Settings) -> List[dict]:
+def measure_on_rank(model, plans, run: MeasureSettings) -> List[dict]:
     return [_measure_plan(model, p, run) for p in plans]
-
-
-def _kind_counts(rows) -> Dict[str, int]:
-    out: Dict[str, int] = {}
-    for r in rows:
-        out[r["kind"]] = out.get(r["kind"], 0) + r["count"]
-    return out
 
 
 def _time_table(plan: SNNDistributedPlan, results: Sequence[dict], times: Sequence[float]) -> pd.DataFrame:
@@ -304,31 +238,12 @@ def _assemble(plan: SNNDistributedPlan, results: Sequence[dict], steps: int) -> 
                            comm_debug_counts=results[0]["debug"], steps=steps, time=_time_table(plan, results, times))
 
 
-def _settings(model, plans, example_input, labels, steps, optimizer, dtype, lr, device) -> _Settings:
-    """The checked arguments shared by every measured plan."""
-    optimizer = check_optimizer(optimizer)
-    for p in plans:
-        check_inputs(model, example_input, labels, dtype, p)
-        if p.uses_pp and labels is None:
-            raise ValueError(f"measure() of a pipeline plan ({p!r}) needs labels: its schedule computes a "
-                             "cross-entropy loss per micro-batch on the last stage (runtime.train_step)")
-    steps = positive_int("steps", steps, what="timed training steps before the measured one")
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r}; expected 'cpu' (gloo ranks) or 'cuda' (NCCL, one GPU per rank)")
-    worlds = sorted({p.world_size for p in plans})
-    if device == "cuda" and (not torch.cuda.is_available() or torch.cuda.device_count() < max(worlds, default=1)):
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        raise ValueError(f"device='cuda' needs one GPU per rank: {max(worlds)} ranks, {count} GPU(s) visible")
-    cast, input_dtype = run_dtypes(model, dtype, example_input)
-    return _Settings(example_input, labels, steps, optimizer, input_dtype, lr, device, cast)
-
-
 def measure_many(model: nn.Module, plans: Sequence[SNNDistributedPlan], *, example_input: torch.Tensor,
                  labels: Optional[torch.Tensor] = None, steps: int = 3, optimizer: str = "adam",
                  dtype: Optional[torch.dtype] = None, lr: float = 1e-3, timeout: Optional[float] = 300.0,
                  device: str = "cpu", progress=False) -> List[PlanMeasurement]:
     """:func:`measure` for several plans, one set of ranks per world size (``snn_explorer.ranks``)."""
-    run = _settings(model, plans, example_input, labels, steps, optimizer, dtype, lr, device)
+    run = measure_settings(model, plans, example_input, labels, steps, optimizer, dtype, lr, device)
     timeout = positive_number("timeout", timeout, what="seconds a rank may go without finishing a step",
                               allow_none=True)
     backend = comm_backend_for(device)
@@ -340,27 +255,22 @@ def measure_many(model: nn.Module, plans: Sequence[SNNDistributedPlan], *, examp
             with as_found():  # it runs in this process: its RNG, environment and temporary directory
                 per_rank = [_measure_single(model, group, run, backend)]
         else:
-            per_rank = ranks.run(_measure_on_rank, (model, group, run), nprocs=world, backend=backend,
+            per_rank = ranks.run(measure_on_rank, (model, group, run), nprocs=world, backend=backend,
                                  timeout=timeout, progress=progress).values
         for j, i in enumerate(idx):
             out[i] = _assemble(plans[i], [r[j] for r in per_rank], steps)
     return [out[i] for i in range(len(plans))]
 
 
-def _measure_single(model, plans, run: _Settings, backend: str):
+def _measure_single(model, plans, run: MeasureSettings, backend: str):
     """A one-rank (mode 'none') measurement in this process, on a private process group."""
-    import datetime
-    import tempfile
-
-    import torch.distributed as dist
-
     if dist.is_initialized():
-        return _measure_on_rank(model, plans, run)
+        return measure_on_rank(model, plans, run)
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=60))
         try:
-            return _measure_on_rank(model, plans, run)
+            return measure_on_rank(model, plans, run)
         finally:
             dist.destroy_process_group()
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..compat import (ALLGATHER_BASE, FUNCTIONAL_COLLECTIVES, REDUCE_SCATTER_BASE, TorchDispatchMode,
+from ...compat import (ALLGATHER_BASE, FUNCTIONAL_COLLECTIVES, REDUCE_SCATTER_BASE, TorchDispatchMode,
                       resolve_process_group)
 
 _c10d = torch.ops.c10d

@@ -24,11 +24,11 @@ from typing import Dict, Iterator
 
 import torch
 
-from ._step import OPTIMIZERS, batch_slice, forward_loss
+from ..instruments.isolation import collected, one_thread
+from ..instruments.op_counter import OpCounter, grad_names
+from ..profile.profiling import SIZES, Fit, ModelProfile
+from ..profile.step import OPTIMIZERS, batch_slice, forward_loss
 from .hardware import HardwareProfile
-from .isolation import collected, one_thread
-from .op_counter import OpCounter, count_step, grad_names
-from .profile import SIZES, Fit, ModelProfile
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -74,6 +74,15 @@ def restored(params) -> Iterator[None]:
         with torch.no_grad():
             for p, s in zip(params, saved):
                 p.copy_(s)
+
+
+def count_step(model: torch.nn.Module, x: torch.Tensor, labels) -> list:
+    """The counts of the forward (with the loss) and of the backward of one step of ``model``."""
+    with OpCounter() as forward:
+        loss = forward_loss(model, x, labels)
+    with OpCounter() as backward:
+        loss.backward()
+    return [forward.counts, backward.counts]
 
 
 def counted_pass(model: torch.nn.Module, x: torch.Tensor, labels) -> list:
@@ -130,7 +139,7 @@ def rank_work(profile: ModelProfile, tp_plan, tp: int, optimizer: str) -> Work:
     unsharded model's from the counts its profile runs took (``ModelProfile.step_counts``, taken in
     the state :func:`counted_pass` sets), any other's by :func:`count_work`."""
     cache = profile.__dict__.setdefault("_step_work", {})
-    layout, model = profile._rank_model(tp_plan, tp)
+    layout, model = profile.rank_model(tp_plan, tp)
     key = (layout, optimizer)
     if key not in cache:
         if tp <= 1 and profile.step_counts:

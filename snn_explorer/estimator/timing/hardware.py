@@ -25,7 +25,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, Mapping, Optional, Tuple
 
-from ..core.validate import positive_int, positive_number
+from ...core.validate import positive_int, positive_number
 
 #: The collective kinds a profile times (the names :mod:`.comms` and the recorder use).
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")

@@ -1,8 +1,8 @@
 """What one micro-batch of each pipeline stage allocates, measured on the profile's private model copy.
 
-Each stage runs as mode ``pp`` runs it (:class:`~..core.parallelize.pipeline.PipelineStageModule`:
+Each stage runs as mode ``pp`` runs it (:class:`~...core.parallelize.pipeline.PipelineStageModule`:
 reset, contiguous input, its units; the loss on the last stage) at the micro-batch size, two
-micro-batches under one :class:`~.meter.StorageMeter`: the first without gradients (a rank's first
+micro-batches under one :class:`~..instruments.meter.StorageMeter`: the first without gradients (a rank's first
 backward of the stage allocates them; what it leaves besides them is the neuron state the stage
 keeps), the second with them (later backwards: autograd computes each new gradient beside the
 accumulated one; the meter counts off the state the first left when the reset replaces it). Its
@@ -10,20 +10,20 @@ input is a received activation that requires grad (the backward accumulates its 
 as torch's ``stage_backward`` does) and the gradient of its output a buffer allocated before
 (torch's receive buffer); the first stage's input and the labels are views of the rank's batch,
 as torch's split gives them (a strided slice when there are several micro-batches and time steps).
-The forward runs under the saved-tensor hooks measure() counts activations with (:class:`LiveSaved`),
+The forward runs under the saved-tensor hooks measure() counts activations with (:class:`~..instruments.storage.LiveSaved`),
 so both see the same tensors kept for backward.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
 
-from ._step import batch_slice, loss_of
-from .meter import StorageMeter
-from .sharding import state_tensor_ids
+from ...core.parallelize.pipeline import PipelineStageModule
+from ..instruments.meter import StorageMeter
+from ..instruments.storage import LiveSaved, saving, state_tensor_ids, total_bytes
+from ..profile.step import batch_slice, loss_of
 
 
 @dataclass(frozen=True)
@@ -41,33 +41,6 @@ class StageMemory:
     grads: int  # the stage's gradients
 
 
-class LiveSaved:
-    """saved_tensors_hooks counting the bytes of the saved storages alive at once (peak in ``peak``)."""
-
-    def __init__(self, skip: set):
-        self.skip, self.live, self.current, self.peak = skip, {}, 0, 0
-
-    def pack(self, t):
-        st = t.untyped_storage()
-        key = st.data_ptr()
-        if key not in self.skip and key not in self.live:
-            self.live[key] = st.nbytes()
-            self.current += st.nbytes()
-            self.peak = max(self.peak, self.current)
-            weakref.finalize(st, self._free, key)
-        return t
-
-    def _free(self, key):
-        self.current -= self.live.pop(key, 0)
-
-
-def _bytes(tensors) -> int:
-    """Bytes of the distinct storages of ``tensors`` (meta tensors hold none)."""
-    from .measurement import _storage_bytes  # measurement imports this module's users
-
-    return sum(_storage_bytes(t for t in tensors if isinstance(t, torch.Tensor) and t.device.type != "meta").values())
-
-
 def _micro(meter: StorageMeter, stage, inp, labels, grad_out) -> tuple:
     """(kept, saved for backward, forward peak, backward peak, output) of one micro-batch's forward
     and backward (saved: the storages packed for backward, its input and the parameters left out)."""
@@ -75,7 +48,7 @@ def _micro(meter: StorageMeter, stage, inp, labels, grad_out) -> tuple:
     with meter:
         meter.restart_peak()
         base = meter.current
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        with saving(saved):
             out = stage(inp)
             loss = loss_of(out, labels) if grad_out is None else None
         kept, forward, packed = meter.current - base, meter.peak - base, saved.current
@@ -91,8 +64,6 @@ def _micro(meter: StorageMeter, stage, inp, labels, grad_out) -> tuple:
 def measure_stages(profile, stages: Sequence[Sequence[str]], n: int, t: int, micro: int) -> List[StageMemory]:
     """:class:`StageMemory` of every stage (``stages``: unit paths) at ``n`` samples, ``t`` steps, the
     micro-batch cut out of a batch of ``micro`` of them."""
-    from ..core.parallelize.pipeline import PipelineStageModule
-
     key = (tuple(map(tuple, stages)), n, t, micro)
     if key in profile.stage_memory:
         return profile.stage_memory[key]
@@ -117,12 +88,12 @@ def measure_stages(profile, stages: Sequence[Sequence[str]], n: int, t: int, mic
         meter.track([inp, grad_out] + list(stage.parameters()) + [b for b in stage.buffers() if id(b) not in state])
         base = meter.current
         first = _micro(meter, stage, inp, y, grad_out)[3]
-        grad_input, grads = _bytes([inp.grad]), _bytes(p.grad for p in params)
+        grad_input, grads = total_bytes([inp.grad]), total_bytes(p.grad for p in params)
         inp.grad = None
         held = meter.current - base - grads
         kept, saved, forward, after, x = _micro(meter, stage, inp, y, grad_out)
         # the first micro-batch's peak includes the state it creates, which the walk counts apart
-        out.append(StageMemory(kept=kept, saved=saved, output=_bytes([x]), grad_input=grad_input, held=held,
+        out.append(StageMemory(kept=kept, saved=saved, output=total_bytes([x]), grad_input=grad_input, held=held,
                                forward=forward, backward_first=first - held, backward_next=after, grads=grads))
         for p in params:
             p.grad = None

@@ -30,20 +30,20 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..compat import non_persistent_buffer_names, tree_leaves
-from ..core.neurons import detached_copy, stateful_modules
-from ..core.plans.families import fsdp_units
-from ._step import batch_slice, check_inputs, forward_loss, run_dtypes
-from .fsdp_timeline import FsdpTimeline, record, replay
-from .isolation import as_found, one_thread
-from .meter import StorageMeter
-from .op_counter import OpCounter, grad_names
-from .sharding import plain_buffers, state_tensor_ids, trainable_shapes
+from ...compat import tree_leaves
+from ...core.neurons import detached_copy, stateful_modules
+from ...core.plans.families import fsdp_units
+from ..instruments.fsdp_events import record
+from ..instruments.isolation import as_found, one_thread
+from ..instruments.meter import StorageMeter
+from ..instruments.op_counter import OpCounter, grad_names
+from ..instruments.storage import model_state_tensors, neuron_state_tensors, state_tensor_ids, storage_bytes
+from .step import batch_slice, check_inputs, forward_loss, run_dtypes
 from .tp_replica import tp_replica
 
-#: The batch sizes and time steps of the profile runs: a 2 x 2 grid.
-NS, TS = (2, 4), (2, 3)
-SIZES = tuple((n, t) for t in TS for n in NS)
+#: The per-rank batches and time steps the profile runs the model at, to fit each figure over (N, T).
+FIT_BATCHES, FIT_STEPS = (2, 4), (2, 3)
+SIZES = tuple((n, t) for t in FIT_STEPS for n in FIT_BATCHES)
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class Fit:
 
     @classmethod
     def of(cls, v11: float, v21: float, v12: float, v22: float) -> "Fit":
-        (n1, n2), (t1, t2) = NS, TS
+        (n1, n2), (t1, t2) = FIT_BATCHES, FIT_STEPS
         c3 = (v22 - v21 - v12 + v11) / ((n2 - n1) * (t2 - t1))
         c1 = (v21 - v11) / (n2 - n1) - c3 * t1
         c2 = (v12 - v11) / (t2 - t1) - c3 * n1
@@ -83,17 +83,18 @@ class ModuleProfile:
 class ModelProfile:
     """The fitted one-off measurement; ``modules`` by path ('' is the root and the loss).
 
-    :meth:`dynamic_peak` is the one quantity that is not linear in batch and time (a maximum
-    over the step): it is measured once per ``(N, T)`` asked for, on the private model copy.
+    The peak of a step (:func:`~..memory.step_peak.dynamic_peak`) is the one quantity that is not
+    linear in batch and time (a maximum over the step): it is measured once per ``(N, T)`` asked
+    for, on the private model copy (:meth:`logged_run`).
     """
 
     modules: Dict[str, ModuleProfile]
     input_bytes: Fit
     grad_ready_order: Tuple[str, ...]
     dtype: torch.dtype
-    params: tuple = ()  # (name, shape) of the trainable parameters (sharding.trainable_shapes)
+    params: tuple = ()  # (name, shape) of the trainable parameters (:func:`trainable_shapes`)
     param_itemsizes: Mapping[str, int] = field(default_factory=dict)  # bytes per element, by parameter name
-    buffers: tuple = ()  # the buffers other than neuron state (sharding.plain_buffers)
+    buffers: tuple = ()  # the buffers other than neuron state (:func:`plain_buffers`)
     model: nn.Module = field(repr=False, default=None)
     example_input: torch.Tensor = field(repr=False, default=None)
     labels: Optional[torch.Tensor] = field(repr=False, default=None)
@@ -108,7 +109,7 @@ class ModelProfile:
     step_counts: tuple = field(default=(), repr=False)
     grad_params: Tuple[str, ...] = ()  # the parameters a backward gives a gradient
 
-    def _rank_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Tuple[tuple, nn.Module]:
+    def rank_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Tuple[tuple, nn.Module]:
         """The model one rank runs: the private copy, or its TP replica for ``tp_plan``."""
         layout = tuple(sorted(tp_plan.items())) if tp > 1 else ()
         if tp > 1 and (layout, tp) not in self.replicas:
@@ -116,35 +117,25 @@ class ModelProfile:
         return (layout, tp), self.replicas[(layout, tp)] if tp > 1 else self.model
 
     def _run(self, n: int, t: int, tp_plan, tp: int, saved_only: bool, units: Sequence[str] = ()) -> dict:
-        _, model = self._rank_model(tp_plan, tp)
+        _, model = self.rank_model(tp_plan, tp)
         x, y = batch_slice(self.example_input, self.labels, n, t)
         return _run_point(model, x.to(self.dtype), y, saved_only=saved_only, units=units)
 
-    def dynamic_peak(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]] = None,
-                     tp: int = 1, fsdp: Optional[FsdpTimeline] = None) -> Tuple[int, int, int, int]:
-        """Bytes above the memory at the start of a forward + backward of ``n`` samples and ``t``
-        steps: (peak of the forward, peak of the backward beside the gradients, left after the
-        backward beside the gradients). With ``tp > 1``: of one TP rank under ``tp_plan``
-        (:func:`~.tp_replica.tp_replica`). With ``fsdp``: FSDP2's own buffers replayed on the
-        same run (:mod:`.fsdp_timeline`), the backward's and what is left include the gradients
-        FSDP2 keeps, and a fourth value is the most FSDP2's buffers held at once (else 0)."""
-        key = (n, t) + self._rank_model(tp_plan, tp)[0]
-        if (key, fsdp) not in self.peaks:
-            units = {u.path for u in fsdp.units if u.path} if fsdp else set()
-            if key not in self.logs or not units <= set(self.logs[key]["log"].units):
-                logged = set(self.logs[key]["log"].units) if key in self.logs else set(self.fsdp_units)
-                self.logs[key] = self._run(n, t, tp_plan, tp, saved_only=False, units=sorted(logged | units))
-            run = self.logs[key]
-            fwd, bwd, after, held = replay(run["log"], run["entry"], fsdp)
-            grads = 0 if fsdp else run["grads"]
-            self.peaks[(key, fsdp)] = (fwd, bwd - grads, after - grads, held)
-        return self.peaks[(key, fsdp)]
+    def logged_run(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]], tp: int, units=()) -> dict:
+        """The run of ``n`` samples and ``t`` steps of the model one rank runs, with its storage meter
+        logged at the points FSDP2 acts for ``units`` (and the units logged before): run once per
+        size and layout, again only when it lacks a unit (:func:`~..instruments.fsdp_events.record`)."""
+        key = (n, t) + self.rank_model(tp_plan, tp)[0]
+        if key not in self.logs or not set(units) <= set(self.logs[key]["log"].units):
+            logged = set(self.logs[key]["log"].units) if key in self.logs else set(self.fsdp_units)
+            self.logs[key] = self._run(n, t, tp_plan, tp, saved_only=False, units=sorted(logged | set(units)))
+        return self.logs[key]
 
     def saved_and_state(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]] = None,
                         tp: int = 1) -> Tuple[float, float]:
         """Bytes saved for backward and of neuron state after a forward of ``n`` samples, ``t``
         steps: from the fits, or for ``tp > 1`` measured on the TP replica (once per size)."""
-        key = (n, t) + self._rank_model(tp_plan, tp)[0]
+        key = (n, t) + self.rank_model(tp_plan, tp)[0]
         if key not in self.saved_state:
             if tp == 1:
                 self.saved_state[key] = (sum(m.saved(n, t) for m in self.modules.values()),
@@ -153,6 +144,18 @@ class ModelProfile:
                 run = self._run(n, t, tp_plan, tp, saved_only=True)
                 self.saved_state[key] = (float(sum(run["saved"].values())), float(sum(run["state"].values())))
         return self.saved_state[key]
+
+
+def trainable_shapes(model: nn.Module) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
+    """``(name, shape)`` of every trainable parameter of the unsharded model."""
+    return tuple((n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad)
+
+
+def plain_buffers(model: nn.Module) -> tuple:
+    """``(name, shape, is_floating, element_size)`` of the buffers other than neuron state."""
+    state = state_tensor_ids(model)
+    return tuple((n, tuple(b.shape), b.is_floating_point(), b.element_size())
+                 for n, b in model.named_buffers() if id(b) not in state)
 
 
 def _physical_memory() -> Optional[int]:
@@ -171,23 +174,6 @@ def check_run_size(profile: ModelProfile, n: int, t: int) -> None:
         raise ValueError(f"time_steps={t} with {n} samples per rank would need about {need / 2 ** 30:.1f} GiB to "
                          f"measure on this machine's CPU, which has {have / 2 ** 30:.1f} GiB; use fewer time_steps "
                          "(the step's memory grows linearly in them)")
-
-
-def _storages(tensors) -> Dict[int, int]:
-    out = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            st = t.untyped_storage()
-            out[st.data_ptr()] = st.nbytes()
-    return out
-
-
-def _state_tensors(module: nn.Module):
-    tensors = [b for n, b in module.named_buffers(recurse=False) if n in non_persistent_buffer_names(module)]
-    memories = getattr(module, "_memories", None)
-    if isinstance(memories, dict):
-        tensors += [v for v in memories.values() if isinstance(v, torch.Tensor)]
-    return tensors
 
 
 def _numel(obj) -> int:
@@ -255,14 +241,14 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
         # last step's neuron state is counted at the start but not held (the forward replaces it).
         state_ids = state_tensor_ids(model)
         static_refs = [t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in state_ids] + [x]
-        static = _storages(static_refs)
+        static = storage_bytes(static_refs)
         # The objects that exist now are left out of the collection below (a full one scans every
         # object of the process); the graph pieces it is for are all created after this.
         frozen = saved_only and gc.get_freeze_count() == 0
         if frozen:
             gc.freeze()
         meter = StorageMeter()
-        meter.track(static_refs + [t for _, m in stateful_modules(model) for t in _state_tensors(m)])
+        meter.track(static_refs + model_state_tensors(model))
         with meter if not saved_only else contextlib.nullcontext(), \
                 record(model, units, meter) if not saved_only else contextlib.nullcontext() as log:
             entry = meter.current
@@ -274,8 +260,8 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
                 loss = forward_loss(model, x, labels)
             if log is not None:
                 log.mark(meter, "forward_end")
-            state_refs = {n: _state_tensors(m) for n, m in stateful_modules(model)}
-            state = {n: _storages(refs) for n, refs in state_refs.items()}
+            state_refs = {n: neuron_state_tensors(m) for n, m in stateful_modules(model)}
+            state = {n: storage_bytes(refs) for n, refs in state_refs.items()}
             if saved_only:  # graph pieces in reference cycles would otherwise look alive, depending on timing
                 gc.collect()
             held = {ptr: (name, nbytes) for ptr, (name, nbytes, tensors) in saved.items()
@@ -297,7 +283,7 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
         if ptr not in static and ptr not in state_ptrs:
             per_saved[name] = per_saved.get(name, 0) + nbytes
     del static_refs, state_refs
-    grads = sum(_storages([p.grad for p in model.parameters()]).values())
+    grads = sum(storage_bytes([p.grad for p in model.parameters()]).values())
     counts = [c.counts for c in counters] if count else None
     with_grad = grad_names(model) if count else ()
     return dict(saved=per_saved, state={n: sum(s.values()) for n, s in state.items()}, calls=calls, ins=ins,

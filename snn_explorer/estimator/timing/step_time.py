@@ -28,32 +28,13 @@ from typing import Dict, Tuple
 import pandas as pd
 import torch
 
-from ..core import SNNDistributedPlan
-from ..core.styles import STYLES
+from ...core import SNNDistributedPlan
+from ...core.styles import STYLES
+from ..instruments.tables import TIME_COLUMNS
 from .compute_work import PHASES, Work, local_correction, rank_work
 from .hardware import HardwareProfile
-
-TIME_COLUMNS = ("rank", "compute_s", "exposed_comm_s", "bubble_s", "step_s")
-
-
-def _stride(plan: SNNDistributedPlan, mesh_dim: str) -> int:
-    """Rank distance between neighbours of a ``mesh_dim`` group (mesh order pp, dp, tp: tp innermost)."""
-    return {"tp": 1, "dp": plan.tp_size}.get(mesh_dim, plan.tp_size * plan.dp_size)
-
-
-def spans_nodes(plan: SNNDistributedPlan, mesh_dim: str, hw: HardwareProfile, size: int = 0) -> bool:
-    """Whether a ``mesh_dim`` group (of ``size`` ranks; default the whole dim) crosses nodes."""
-    if hw.ranks_per_node is None:
-        return False
-    size = size or _group_size(plan, mesh_dim, "")
-    return (size - 1) * _stride(plan, mesh_dim) + 1 > hw.ranks_per_node
-
-
-def _group_size(plan: SNNDistributedPlan, mesh_dim: str, kind: str) -> int:
-    """Ranks taking part: a pipeline send joins two neighbouring stages, any other collective the dim."""
-    if mesh_dim == "pp":
-        return 2 if kind == "send" else plan.pp_size
-    return plan.tp_size if mesh_dim == "tp" else plan.dp_size
+from .pipeline_time import pipeline_time_table
+from .placement import group_size, host_sharing, ranks_on_host, spans_nodes
 
 
 def exposed_comm_s(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: HardwareProfile,
@@ -61,7 +42,7 @@ def exposed_comm_s(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: Hard
     """Seconds of communication not hidden behind compute (rules in the module doc)."""
     timed: Dict[Tuple[str, str, str], Tuple[float, int]] = {}
     for row in collectives.itertuples(index=False):
-        size = _group_size(plan, row.mesh_dim, row.kind)
+        size = group_size(plan, row.mesh_dim, row.kind)
         seconds = hw.collective_time(row.kind, size, row.bytes, row.count, spans_nodes(plan, row.mesh_dim, hw, size),
                                      burst=plan.uses_zero and row.kind == "broadcast")  # ZeRO's, back to back
         timed[(row.mesh_dim, row.kind, row.phase)] = (seconds, row.count)
@@ -79,16 +60,6 @@ def exposed_comm_s(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: Hard
     if rs_n or bag:
         exposed += max(rs / rs_n if rs_n else 0.0, bag + rs - phase_s["backward"])
     return exposed + sum(seconds for seconds, _ in timed.values())  # TP, ZeRO: critical path
-
-
-def ranks_on_host(plan: SNNDistributedPlan, hw: HardwareProfile) -> int:
-    """How many of the plan's ranks share one host (all of them on a profile without nodes)."""
-    return min(plan.world_size, hw.ranks_per_node or plan.world_size)
-
-
-def host_sharing(plan: SNNDistributedPlan, hw: HardwareProfile) -> float:
-    """How much slower each rank runs when the plan's ranks on one host share its cores (calibrated)."""
-    return hw.sharing(ranks_on_host(plan, hw))
 
 
 def compute_phases(plan: SNNDistributedPlan, work: Work, hw: HardwareProfile, t: int, itemsize: int,
@@ -133,21 +104,6 @@ def time_table(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: Hardware
     return table[list(TIME_COLUMNS)]
 
 
-def resolve_hardware(hardware) -> HardwareProfile:
-    """``hardware`` as a profile: None is this machine's calibration, a string a built-in profile's name."""
-    from .calibration import default_hardware
-    from .hardware import hardware_profile
-
-    if hardware is None:
-        return default_hardware()
-    if isinstance(hardware, str):
-        return hardware_profile(hardware)
-    if not isinstance(hardware, HardwareProfile):
-        raise TypeError(f"hardware must be a HardwareProfile (calibrate(), hardware_profile(name)), a built-in "
-                        f"profile's name or None, got {type(hardware).__name__}")
-    return hardware
-
-
 def is_local(hw: HardwareProfile) -> bool:
     """Whether ``hw`` was calibrated on this host's CPU (where the measured step corrects the model)."""
     return hw.device == "cpu" and hw.host is not None and hw.host == socket.gethostname()
@@ -163,8 +119,6 @@ def plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, per_
         correction = local_correction(profile, rank_work(profile, None, 1, optimizer), hw, optimizer)
     hw = hw.seen_by(ranks_on_host(plan, hw))
     if plan.uses_pp:
-        from .pipeline_time import pipeline_time_table
-
         whole = rank_work(profile, None, 1, optimizer)
         optimizer_s = lambda params_bytes: whole.optimizer.seconds(hw, plan.per_rank_batch, t, itemsize,
                                                                     params_bytes / max(whole.param_bytes, 1))

@@ -5,11 +5,11 @@ from typing import Sequence
 
 import pandas as pd
 
-from ..core.memory_levers import checkpointing_variants, copy_without_levers
-from ..core.validate import positive_int
-from ._step import batch_slice
-from .checkpoint_profile import _held_after_forward, levered_profile
-from .profile import ModelProfile
+from ...core.memory_levers import checkpointing_variants, copy_without_levers
+from ...core.validate import positive_int
+from ..profile.checkpointed import held_after_forward, levered_profile
+from ..profile.profiling import ModelProfile
+from ..profile.step import batch_slice
 
 CURVE_COLUMNS = ("time_steps", "plan", "activations_bytes")
 
@@ -27,8 +27,8 @@ def activation_curve(profile: ModelProfile, plan, time_steps: Sequence[int], tim
     rows = []
     for t in (positive_int("time_steps", t) for t in time_steps):
         x, y = batch_slice(profile.example_input, profile.labels, plain.per_rank_batch, t)
-        _, model = profile._rank_model(plain.tensor_parallel_plan, plain.tp_size)
-        rows.append((t, "none", _held_after_forward(model, x.to(profile.dtype), y)[0] + x.nbytes))
+        _, model = profile.rank_model(plain.tensor_parallel_plan, plain.tp_size)
+        rows.append((t, "none", held_after_forward(model, x.to(profile.dtype), y)[0] + x.nbytes))
         for p in levered:
             saved, _ = levered_profile(profile, p).saved_and_state(p.per_rank_batch, t, p.tensor_parallel_plan,
                                                                    p.tp_size)

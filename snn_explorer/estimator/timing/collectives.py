@@ -11,11 +11,11 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from ..compat import DDP_FIRST_BUCKET_BYTES, ddp_bucket_assignment
-from ..core import SNNDistributedPlan
-from .profile import ModelProfile
-from .sharding import Param, fsdp_group_bytes, fsdp_groups
-from ..core.styles import STYLES
+from ...compat import DDP_FIRST_BUCKET_BYTES, ddp_bucket_assignment
+from ...core import SNNDistributedPlan
+from ...core.styles import STYLES
+from ..memory.sharding import Param, fsdp_group_bytes, fsdp_groups
+from ..profile.profiling import ModelProfile
 
 Row = Tuple[str, str, str]  # mesh_dim, kind, phase
 

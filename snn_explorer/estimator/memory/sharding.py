@@ -16,11 +16,9 @@ from typing import Dict, List, Mapping, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from ..compat import non_persistent_buffer_names
-from ..core import SNNDistributedPlan
-from ..core.neurons import stateful_modules
-from ..core.styles import STYLES
-from ._step import OPTIMIZERS
+from ...core import SNNDistributedPlan
+from ...core.styles import STYLES
+from ..profile.step import OPTIMIZERS
 
 #: Optimizer state tensors per parameter, each the size of the (local) parameter.
 STATE_TENSORS = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
@@ -80,14 +78,9 @@ def fsdp_group_bytes(group: Sequence[Param], dp: int) -> int:
     return dp * sum(p.rows(dp, 0)[0] * p.row_numel * p.itemsize for p in group)
 
 
-def trainable_shapes(model: nn.Module) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
-    """``(name, shape)`` of every trainable parameter of the unsharded model."""
-    return tuple((n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad)
-
-
 def local_params(shapes: Sequence[Tuple[str, Tuple[int, ...]]], plan: SNNDistributedPlan,
                  itemsize: Union[int, Mapping[str, int]]) -> List[Param]:
-    """Every trainable parameter (``trainable_shapes``) as one rank holds it before FSDP2 sharding
+    """Every trainable parameter (``profile.profiling.trainable_shapes``) as one rank holds it before FSDP2 sharding
     (TP applied); ``itemsize``: one for all, or per parameter name (models that mix dtypes)."""
     units = set(plan.fsdp_units) if plan.uses_fsdp else None
     size_of = itemsize.__getitem__ if isinstance(itemsize, Mapping) else (lambda _: itemsize)
@@ -174,22 +167,6 @@ def rank_bytes(params: Sequence[Param], plan: SNNDistributedPlan, rank: int, opt
     owned = zero_owned(params, dp, dp_rank) if plan.uses_zero else params
     opt = sum(_state(p.numel, p.itemsize, optimizer) for p in owned)
     return dict(params_bytes=full, grads_bytes=full, optimizer_bytes=opt)
-
-
-def state_tensor_ids(model: nn.Module) -> set:
-    """ids of the neuron-state tensors (non-persistent buffers, spikingjelly memories)."""
-    ids = set()
-    for _, module in stateful_modules(model):
-        ids.update(id(b) for n, b in module.named_buffers(recurse=False) if n in non_persistent_buffer_names(module))
-        ids.update(id(v) for v in getattr(module, "_memories", {}).values() if isinstance(v, torch.Tensor))
-    return ids
-
-
-def plain_buffers(model: nn.Module) -> tuple:
-    """``(name, shape, is_floating, element_size)`` of the buffers other than neuron state."""
-    state = state_tensor_ids(model)
-    return tuple((n, tuple(b.shape), b.is_floating_point(), b.element_size())
-                 for n, b in model.named_buffers() if id(b) not in state)
 
 
 def buffer_bytes(buffers: Sequence[tuple], dtype: torch.dtype, plan: SNNDistributedPlan) -> int:

@@ -2,16 +2,15 @@
 
 :class:`OpCounter` is a dispatch mode that adds up, per ``aten`` operator, its FLOPs by the
 formulas of torch's ``FlopCounterMode``, the bytes of its tensor inputs and outputs (split into
-operators with and without FLOPs) and one launch. :func:`count_step` counts one forward and
-backward; :mod:`.compute_work` fits these counts.
+operators with and without FLOPs) and one launch. :mod:`..timing.compute_work` counts a
+forward and backward with it and fits the counts.
 """
 from __future__ import annotations
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..compat import DispatchMode
-from ._step import forward_loss
+from ...compat import DispatchMode
 
 _FLOP_FORMULAS = FlopCounterMode(display=False).flop_registry
 #: Not counted: a detach moves no bytes, and autograd adds one per saved tensor it unpacks when
@@ -60,15 +59,6 @@ class OpCounter(DispatchMode):
             self.counts[2] += moved
         self.counts[3] += 1
         return out
-
-
-def count_step(model: torch.nn.Module, x: torch.Tensor, labels) -> list:
-    """The counts of the forward (with the loss) and of the backward of one step of ``model``."""
-    with OpCounter() as forward:
-        loss = forward_loss(model, x, labels)
-    with OpCounter() as backward:
-        loss.backward()
-    return [forward.counts, backward.counts]
 
 
 def grad_names(model: torch.nn.Module) -> tuple:

@@ -18,12 +18,12 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..core.neurons import detached_copy, stateful_modules
-from ..core.parallelize.checkpointing import apply_activation_checkpointing
-from ._step import batch_slice, forward_loss
-from .meter import StorageMeter
-from .profile import ModelProfile, _state_tensors, _storages
-from .sharding import state_tensor_ids
+from ...core.neurons import detached_copy
+from ...core.parallelize.checkpointing import apply_activation_checkpointing
+from ..instruments.meter import StorageMeter
+from ..instruments.storage import model_state_tensors, state_tensor_ids, total_bytes
+from .profiling import ModelProfile
+from .step import batch_slice, forward_loss
 
 
 @dataclass
@@ -35,8 +35,8 @@ class CheckpointedProfile(ModelProfile):
     checkpointed: Dict[tuple, nn.Module] = field(default_factory=dict, repr=False)
     flops: Dict[tuple, float] = field(default_factory=dict, repr=False)
 
-    def _rank_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Tuple[tuple, nn.Module]:
-        key, model = super()._rank_model(tp_plan, tp)
+    def rank_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Tuple[tuple, nn.Module]:
+        key, model = super().rank_model(tp_plan, tp)
         if key not in self.checkpointed:
             copy_ = detached_copy(model)
             apply_activation_checkpointing(copy_, self.plan, self.fsdp_units)
@@ -47,27 +47,27 @@ class CheckpointedProfile(ModelProfile):
                         tp: int = 1) -> Tuple[float, float]:
         """Bytes a forward leaves for the backward (the checkpointed blocks' inputs and entry-state copies,
         what runs outside them) and of neuron state: measured on the checkpointed model, once per size."""
-        key = (n, t) + self._rank_model(tp_plan, tp)[0]
+        key = (n, t) + self.rank_model(tp_plan, tp)[0]
         if key not in self.saved_state:
             x, y = batch_slice(self.example_input, self.labels, n, t)
-            self.saved_state[key] = _held_after_forward(self._rank_model(tp_plan, tp)[1], x.to(self.dtype), y)
+            self.saved_state[key] = held_after_forward(self.rank_model(tp_plan, tp)[1], x.to(self.dtype), y)
         return self.saved_state[key]
 
     def recompute_fraction(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]] = None, tp: int = 1) -> float:
         """The FLOPs the recompute adds to a step, as a fraction of one forward's (``FlopCounterMode``'s count:
         matrix products and convolutions; 0.0 for a model without them)."""
-        key = (n, t) + self._rank_model(tp_plan, tp)[0]
+        key = (n, t) + self.rank_model(tp_plan, tp)[0]
         if key not in self.flops:
             x, y = batch_slice(self.example_input, self.labels, n, t)
             x = x.to(self.dtype)
-            plain = super()._rank_model(tp_plan, tp)[1]
+            plain = super().rank_model(tp_plan, tp)[1]
             forward, plain_step = _flops(plain, x, y)
-            _, checkpointed_step = _flops(self._rank_model(tp_plan, tp)[1], x, y)
+            _, checkpointed_step = _flops(self.rank_model(tp_plan, tp)[1], x, y)
             self.flops[key] = (checkpointed_step - plain_step) / forward if forward else 0.0
         return self.flops[key]
 
 
-def _held_after_forward(model: nn.Module, x: torch.Tensor, labels) -> Tuple[float, float]:
+def held_after_forward(model: nn.Module, x: torch.Tensor, labels) -> Tuple[float, float]:
     """(bytes the forward leaves alive besides neuron state, neuron-state bytes), then the backward runs."""
     forward_loss(model, x, labels).backward()  # warm-up: state tensors take this size
     model.zero_grad(set_to_none=True)
@@ -79,7 +79,7 @@ def _held_after_forward(model: nn.Module, x: torch.Tensor, labels) -> Tuple[floa
         loss = forward_loss(model, x, labels)
         gc.collect()
         held = meter.current - entry
-    state = sum(sum(_storages(_state_tensors(m)).values()) for _, m in stateful_modules(model))
+    state = total_bytes(model_state_tensors(model))
     loss.backward()
     model.zero_grad(set_to_none=True)
     return float(max(0, held - state)), float(state)

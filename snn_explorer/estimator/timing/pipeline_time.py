@@ -27,15 +27,16 @@ from typing import Dict, List, Sequence, Tuple
 import pandas as pd
 import torch
 
-from ..core.pipeline_plan import check_pp_model, pipeline_units, stage_units
-from ..core.pipeline_schedules import needs, passes, replay
-from ._step import batch_slice, loss_of
+from ...core.parallelize.pipeline import PipelineStageModule
+from ...core.pipeline_plan import check_pp_model, pipeline_units, stage_units
+from ...core.pipeline_schedules import needs, passes, replay
+from ..instruments.op_counter import OpCounter
+from ..instruments.tables import TIME_COLUMNS, boundary_stages, reduce_phase
+from ..profile.profiling import Fit
+from ..profile.step import batch_slice, loss_of
 from .compute_work import PhaseWork
 from .hardware import HardwareProfile
-from .op_counter import OpCounter
-from .pipeline_estimate import boundary_stages, reduce_phase
-from .profile import Fit
-from .step_time import TIME_COLUMNS, spans_nodes
+from .placement import spans_nodes
 
 #: The share of a whole backward each backward action does.
 BACKWARD_SHARE = {"B": 1.0, "I": 0.5, "W": 0.5}
@@ -58,8 +59,6 @@ def stage_work(profile, stages: Sequence[Sequence[str]], n: int, t: int) -> List
     cached on the profile. Counted in the state of a step: after a forward at the same size, the
     stage's gradients None, its input a received activation that requires grad (the first stage's
     the batch), the gradient of its output given."""
-    from ..core.parallelize.pipeline import PipelineStageModule
-
     cache = profile.__dict__.setdefault("_stage_work", {})
     key = (tuple(map(tuple, stages)), n, t)
     if key in cache:

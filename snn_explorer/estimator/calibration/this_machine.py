@@ -1,0 +1,114 @@
+"""calibrate(): measure this machine's compute and collectives into a :class:`HardwareProfile`.
+
+For each group size ``p``, ``p`` real ranks (``snn_explorer.ranks``; gloo on CPUs, NCCL with one
+GPU per rank) are started (in ``worlds`` fresh worlds one after another, every figure then their
+median: :func:`median_profile`): a world of exactly the ranks a plan of that size runs, since
+ranks that only wait still take a share of the cores. In the first world rank 0 times alone a
+square matmul (FLOP/s), a large elementwise add (bytes/s) and a one-element add (the fixed cost of
+one operator);
+then all ``p`` ranks run a small SNN training step together (:func:`_probe_step`), every
+collective kind at a few buffer sizes (each issued between a little compute, as in a step:
+:func:`_time_collective`), a burst of broadcasts as ZeroRedundancyOptimizer issues them
+(:func:`_broadcast_burst`), the wrappers' cost: TP, FSDP2, DDP and ZeRO around a small spiking
+MLP (:func:`_wrapped_step_times`), beyond the plain step and its collectives, and each pipeline
+schedule's own cost per action and per transfer on a pipeline of small spiking blocks
+(:func:`_pipeline_step_times`, :func:`_pipeline_costs`). ``compute_sharing[p]`` is how much
+slower that step runs on each of ``p`` ranks than in the calling process on one thread (on GPUs:
+than on rank 0 alone), the factor by which a rank's step is slower than the one the estimator
+times in the calling process. Each (kind, p) gets
+``alpha + beta * bytes`` fitted by least squares (:func:`fit_alpha_beta`) to the median of the
+slowest rank's times. Group sizes 2 and 4 took 42-46 s on a 2-core CPU machine (gloo).
+
+:func:`default_hardware` is what ``estimate`` uses without ``hardware=``: the profile named by the
+``SNN_EXPLORER_HARDWARE`` environment variable (a built-in name or a JSON file), else this
+machine's calibration, made on first use and cached in the process and on disk
+(``$XDG_CACHE_HOME/snn_explorer`` or ``~/.cache/snn_explorer``).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+from typing import Dict, Optional, Sequence
+
+import torch
+
+from ... import ranks
+from ...core.validate import positive_int
+from ..instruments.isolation import one_thread
+from ..timing.hardware import KINDS, HardwareProfile, hardware_profile
+from .fit import median_profile, profile_from
+from .probes import busy_time, probe_step
+from .step_probes import calibrate_on_rank
+
+#: Bumped when what calibrate() measures changes, so that older cached calibrations are not reused.
+CALIBRATION_VERSION = 12
+
+
+def calibrate(group_sizes: Sequence[int] = (2, 4), *, backend: str = "auto", name: Optional[str] = None,
+              timeout: float = 120.0, worlds: int = 1) -> HardwareProfile:
+    """Measure this machine into a :class:`HardwareProfile` (see the module doc; 42-46 s for sizes 2
+    and 4 on a 2-core CPU machine). ``group_sizes`` (each >= 2): the collective group sizes to time, each in
+    a world of its own size (ranks that only waited would still take the cores' time);
+    ``backend``: ``"auto"`` (NCCL when there is a GPU per rank, else gloo), ``"gloo"`` or ``"nccl"``;
+    ``worlds``: fresh worlds per size, the profile their median (:func:`median_profile`): on shared
+    CPU cores a collective's latency can differ several times between two worlds."""
+    sizes = sorted({positive_int("group size", p) for p in group_sizes})
+    worlds = positive_int("worlds", worlds, what="fresh worlds per group size")
+    if not sizes or sizes[0] < 2:
+        raise ValueError(f"group_sizes={list(group_sizes)}; expected sizes >= 2 (the ranks a collective spans)")
+    if "send" in KINDS and sizes[0] % 2:
+        raise ValueError(f"group_sizes={list(group_sizes)}: send/recv is timed between rank pairs; use even sizes")
+    all_runs, used = [], backend
+    for _ in range(worlds):
+        runs = {}
+        for p in sizes:
+            result = ranks.run(calibrate_on_rank, (p == sizes[0],), nprocs=p, backend=backend, timeout=timeout)
+            runs[p], used = result.values, result.backend
+        all_runs.append(runs)
+    reference = None
+    if used == "gloo":  # CPU ranks: against the step in this process, on one thread (see local_correction)
+        with one_thread():
+            probe = probe_step(torch.device("cpu"))
+            reference = statistics.median(busy_time(probe, lambda: None) for _ in range(3))
+    return median_profile([profile_from(runs, used, name, reference) for runs in all_runs])
+
+
+_DEFAULT: Dict[str, HardwareProfile] = {}
+ENV_VAR = "SNN_EXPLORER_HARDWARE"
+
+
+def cache_path() -> str:
+    """Where this machine's calibration is kept between sessions."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    name = f"hardware-v{CALIBRATION_VERSION}-{socket.gethostname()}-torch{torch.__version__}.json"
+    return os.path.join(root, "snn_explorer", name)
+
+
+def default_hardware() -> HardwareProfile:
+    """The profile ``estimate`` uses without ``hardware=`` (see the module doc)."""
+    chosen = os.environ.get(ENV_VAR)
+    if chosen:
+        return HardwareProfile.load(chosen) if os.path.exists(chosen) else hardware_profile(chosen)
+    if "local" not in _DEFAULT:
+        path = cache_path()
+        if os.path.exists(path):
+            _DEFAULT["local"] = HardwareProfile.load(path)
+        else:
+            profile = calibrate()
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            profile.save(path)
+            _DEFAULT["local"] = profile
+    return _DEFAULT["local"]
+
+
+def resolve_hardware(hardware) -> HardwareProfile:
+    """``hardware`` as a profile: None is :func:`default_hardware`, a string a built-in profile's name."""
+    if hardware is None:
+        return default_hardware()
+    if isinstance(hardware, str):
+        return hardware_profile(hardware)
+    if not isinstance(hardware, HardwareProfile):
+        raise TypeError(f"hardware must be a HardwareProfile (calibrate(), hardware_profile(name)), a built-in "
+                        f"profile's name or None, got {type(hardware).__name__}")
+    return hardware

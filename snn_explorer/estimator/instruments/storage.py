@@ -1,0 +1,104 @@
+"""What tensors hold, counted once: storage bytes, neuron-state tensors, tensors saved for backward.
+
+Every estimate and measurement counts memory by untyped storage (a view shares its base's bytes;
+a DTensor is counted by its local shard), and treats the tensors a stateful neuron keeps between
+calls as neuron state, not as activations or buffers. These are the one definition of both, and of
+the saved-tensor hooks that see what autograd keeps for backward.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Dict, Iterable, List
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ...compat import non_persistent_buffer_names
+from ...core.neurons import stateful_modules
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    if not isinstance(t, DTensor):
+        return t
+    with torch.no_grad():
+        return t.to_local()
+
+
+def storage_bytes(tensors: Iterable) -> Dict[int, int]:
+    """``{storage data_ptr: bytes}`` of the distinct storages of ``tensors`` (non-tensors skipped,
+    meta tensors hold none, a DTensor counted by its local shard)."""
+    out = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            st = _local(t).untyped_storage()
+            out[st.data_ptr()] = st.nbytes()
+    return out
+
+
+def total_bytes(tensors: Iterable) -> int:
+    """Bytes of the distinct storages of ``tensors`` (:func:`storage_bytes` summed)."""
+    return sum(storage_bytes(tensors).values())
+
+
+def neuron_state_tensors(module: nn.Module) -> List[torch.Tensor]:
+    """The state tensors ``module`` itself keeps between calls: its non-persistent buffers
+    (snntorch) and spikingjelly's memories."""
+    tensors = [b for n, b in module.named_buffers(recurse=False) if n in non_persistent_buffer_names(module)]
+    memories = getattr(module, "_memories", None)
+    if isinstance(memories, dict):
+        tensors += [v for v in memories.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def model_state_tensors(model: nn.Module) -> List[torch.Tensor]:
+    """The state tensors of every stateful neuron of ``model`` (:func:`neuron_state_tensors`)."""
+    return [t for _, module in stateful_modules(model) for t in neuron_state_tensors(module)]
+
+
+def state_tensor_ids(model: nn.Module) -> set:
+    """ids of the neuron-state tensors (non-persistent buffers, spikingjelly memories)."""
+    return {id(t) for t in model_state_tensors(model)}
+
+
+class LiveSaved:
+    """saved_tensors_hooks counting the bytes of the saved storages alive at once (peak in ``peak``)."""
+
+    def __init__(self, skip: set):
+        self.skip, self.live, self.current, self.peak = skip, {}, 0, 0
+
+    def pack(self, t):
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key not in self.skip and key not in self.live:
+            self.live[key] = st.nbytes()
+            self.current += st.nbytes()
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(st, self._free, key)
+        return t
+
+    def _free(self, key):
+        self.current -= self.live.pop(key, 0)
+
+
+class SavedAlive:
+    """saved_tensors_hooks that remember each saved storage still alive at the end of the forward."""
+
+    def __init__(self):
+        self.refs: Dict[int, tuple] = {}
+
+    def pack(self, t):
+        st = _local(t).untyped_storage()
+        old = self.refs.get(st.data_ptr())
+        if old is None or old[1]() is None:
+            self.refs[st.data_ptr()] = (st.nbytes(), weakref.ref(st))
+        return t
+
+    def alive(self) -> Dict[int, int]:
+        """Bytes now held by each saved storage still alive (FSDP2 frees unsharded weights by resizing)."""
+        return {ptr: ref().nbytes() for ptr, (n, ref) in self.refs.items() if ref() is not None}
+
+
+def saving(hooks):
+    """The ``saved_tensors_hooks`` context that calls ``hooks.pack`` on every tensor saved for backward."""
+    return torch.autograd.graph.saved_tensors_hooks(hooks.pack, lambda t: t)
