@@ -127,8 +127,8 @@ def _run_once(payload: bytes, spec: dict, limits: Tuple, env, progress, log_dir)
         reader = channel.EventReader(run_dir)
         agent = AgentProcess(run_dir, _rank_env(run_dir, backend, env))
         try:
-            hung, why = _wait(agent, reader, tracker, display, started, *limits)
-            stacks = _dump_stacks(run_dir, tracker, hung) if hung else {}
+            hung, why, stuck = _wait(agent, reader, tracker, display, started, *limits)
+            stacks = _dump_stacks(run_dir, tracker, hung + stuck) if hung or stuck else {}
         finally:
             agent.end(grace=0.0 if not tracker.unfinished() else 3.0)
             for event in reader.poll():
@@ -140,7 +140,8 @@ def _run_once(payload: bytes, spec: dict, limits: Tuple, env, progress, log_dir)
 
 
 def _dump_stacks(run_dir: str, tracker: Tracker, ranks) -> Dict[int, str]:
-    """Ask hung ranks for their Python stacks (faulthandler on SIGUSR1)."""
+    """Ask hung ranks (or ranks still running after another failed) for their Python stacks
+    (faulthandler on SIGUSR1)."""
     for r in ranks:
         if tracker.ranks[r].pid:
             try:
@@ -172,7 +173,8 @@ def _alive(tracker: Tracker) -> bool:
 def _wait(agent: AgentProcess, reader: channel.EventReader, tracker: Tracker, display, started: float,
           timeout: Optional[float], time_limit: Optional[float]):
     """Follow the ranks until the agent exits, a failure's grace ends, or all values are stored
-    and the exit grace ends; returns the timed-out ranks (empty if none) and why."""
+    and the exit grace ends; returns the timed-out ranks (empty if none), why, and the ranks still
+    running when the grace after a failure ended (the agent did not end them: the launcher will)."""
     failed_at = done_at = None
     while True:
         events = list(reader.poll())
@@ -181,19 +183,21 @@ def _wait(agent: AgentProcess, reader: channel.EventReader, tracker: Tracker, di
         if events:
             display.update(tracker)
         if agent.poll() is not None:
-            return [], ""
+            return [], "", []
         now = time.time()
         if failed_at is None and any(s.status == "failed" for s in tracker.ranks.values()):
             failed_at = now
         if failed_at is not None and now - failed_at > FAILURE_GRACE_S:
-            return [], ""
+            return [], "", [r for r in tracker.unfinished()
+                            if tracker.ranks[r].status != "failed" and tracker.ranks[r].pid
+                            and _running(tracker.ranks[r].pid)]
         if done_at is None and not tracker.unfinished():
             done_at = now
         if done_at is not None and (now - done_at > EXIT_GRACE_S or not _alive(tracker)):
-            return [], ""  # values are stored and the ranks have exited: skip elastic's teardown
+            return [], "", []  # values are stored and the ranks have exited: skip elastic's teardown
         if time_limit is not None and now - started > time_limit and tracker.unfinished():
-            return tracker.unfinished(), f"not finished within the time limit of {time_limit:g} s"
+            return tracker.unfinished(), f"not finished within the time limit of {time_limit:g} s", []
         silent = tracker.silent(now, timeout)
         if silent:
-            return silent, f"no heartbeat for {timeout:g} s"
+            return silent, f"no heartbeat for {timeout:g} s", []
         time.sleep(POLL_S)

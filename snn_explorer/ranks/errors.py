@@ -1,6 +1,8 @@
 """LaunchError and the per-rank failure record it carries."""
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence
 
@@ -24,10 +26,13 @@ class RankFailure:
     time: Optional[float] = None
     #: "load" (the payload), "init" (joining the process group), "run" (the function), "" (unknown).
     phase: str = ""
+    #: The Python stacks of a rank that was still running when it was ended (faulthandler's dump).
+    stack: str = ""
 
     def describe(self) -> str:
         code = "still running" if self.exitcode is None else f"exit code {self.exitcode}"
-        return f"rank {self.rank} ({code}): {self.type}: {self.message}"
+        where = waiting_in(self.stack)
+        return f"rank {self.rank} ({code}): {self.type}: {self.message}" + (f"; it was in {where}" if where else "")
 
     @property
     def early_exit(self) -> bool:
@@ -42,6 +47,22 @@ class RankFailure:
     def peer_error(self) -> bool:
         """True for an error that only says a peer went away (the peer's failure is the cause)."""
         return bool(self.traceback) and any(m in self.message for m in PEER_ERROR_MARKERS)
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+def waiting_in(stack: str) -> str:
+    """Where a rank's dumped stack shows it: the innermost frame of the thread that runs the
+    rank's function, and the innermost frame of the caller's code below it (outside torch), e.g.
+    ``all_reduce (distributed_c10d.py:2950) from body (train.py:15)``; "" without a stack."""
+    threads = [t for t in re.split(r"\n\s*\n", stack) if "in run_rank" in t] or [stack]
+    frames = [m.groupdict() for m in _FRAME.finditer(threads[0])]
+    if not frames:
+        return ""
+    text = lambda f: f"{f['func']} ({os.path.basename(f['file'])}:{f['line']})"  # noqa: E731
+    own = next((f for f in frames if f"{os.sep}torch{os.sep}" not in f["file"]), None)
+    return text(frames[0]) + (f" from {text(own)}" if own is not None and own is not frames[0] else "")
 
 
 def cause_order(failures) -> list:

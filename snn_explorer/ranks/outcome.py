@@ -67,22 +67,27 @@ def load_values(run_dir: str) -> Tuple[Dict[int, Any], Dict[int, RankFailure]]:
     return values, failures
 
 
-def _failure(rank: int, state, err: Optional[dict], code: Optional[int], tail: str, others: bool) -> RankFailure:
+def _failure(rank: int, state, err: Optional[dict], code: Optional[int], tail: str, others: bool,
+             stack: str) -> RankFailure:
     if err:
         return RankFailure(rank, code, err["type"], err["message"], err["traceback"], tail,
                            time=err.get("time", state.failed_at), phase=err.get("phase", ""))
     if state.message and state.status == "failed":  # an exit the tracker saw (sys.exit, os._exit, a signal)
         kind = "SystemExit" if state.exit_how == "SystemExit" else _signal_name(code)
-        collateral = code == -signal.SIGTERM and others
-        return RankFailure(rank, code, kind, state.message, "", tail, time=state.failed_at, collateral=collateral)
+        collateral = state.ended_after is not None or (code == -signal.SIGTERM and others)
+        return RankFailure(rank, code, kind, state.message, "", tail, time=state.failed_at, collateral=collateral,
+                           stack=stack if collateral else "")
     ended = code == -signal.SIGTERM and others
     message = f"exited with code {code}" if code is None or code >= 0 else f"killed by {_signal_name(code)}"
-    return RankFailure(rank, code, _signal_name(code), message, "", tail, collateral=ended)
+    return RankFailure(rank, code, _signal_name(code), message, "", tail, collateral=ended,
+                       stack=stack if ended else "")
 
 
 def failures(run_dir: str, status: dict, logs, values: dict, tracker: Tracker) -> Dict[int, RankFailure]:
-    """Every rank that did not store a value: its reported exception if any, else its exit."""
+    """Every rank that did not store a value: its reported exception if any, else its exit (with
+    its dumped stacks when it was ended because another rank failed)."""
     reported = {r: channel.read_json(p) for r, p in channel.rank_files(run_dir, "errors")}
+    stacks = read_stacks(run_dir)
     codes = {int(r): f["exitcode"] for r, f in status.get("failures", {}).items()}
     failed = set(reported) | set(codes) | {r for r, s in tracker.ranks.items() if s.status == "failed"}
     out = {}
@@ -90,8 +95,35 @@ def failures(run_dir: str, status: dict, logs, values: dict, tracker: Tracker) -
         state = tracker.ranks[rank]
         code = codes.get(rank, state.exit_code if state.exit_code is not None else 1)
         tail = logs.get(rank, {}).get("stderr", "")[-LOG_TAIL:]
-        out[rank] = _failure(rank, state, reported.get(rank), code, tail, len(failed) > 1)
+        out[rank] = _failure(rank, state, reported.get(rank), code, tail, len(failed) > 1, stacks.get(rank, ""))
     return out
+
+
+def read_stacks(run_dir: str) -> Dict[int, str]:
+    """rank -> the stacks it dumped (faulthandler, on SIGUSR1), for the ranks that dumped any."""
+    out = {}
+    for rank, path in channel.rank_files(run_dir, "stacks"):
+        with open(path, errors="replace") as fh:
+            text = fh.read()
+        if text.strip():
+            out[rank] = text
+    return out
+
+
+def unfinished_after(fails: Dict[int, RankFailure], tracker: Tracker, logs, run_dir: str, missing) -> None:
+    """A failure for each rank in ``missing`` (no value, no failure of its own): ended because of
+    the failures in ``fails`` if there are any (with its stacks), else gone without a value."""
+    root = cause_order(fails.values())[0].rank if fails else None
+    stacks = read_stacks(run_dir)
+    for rank in missing:
+        tail = logs[rank]["stderr"][-LOG_TAIL:]
+        if root is None:
+            fails[rank] = RankFailure(rank, tracker.ranks[rank].exit_code, "NoResult",
+                                      "ended without returning a value", "", tail)
+        else:
+            fails[rank] = RankFailure(rank, tracker.ranks[rank].exit_code, "Ended",
+                                      f"still running after rank {root} failed; ended by the launcher", "", tail,
+                                      collateral=True, stack=stacks.get(rank, ""))
 
 
 def headline(fails: Dict[int, RankFailure], nprocs: int) -> str:
@@ -120,9 +152,7 @@ def outcome(run_dir, nprocs, backend, started, tracker, hung, why, stacks, log_d
         return _result(values, logs, backend, started, tracker, log_dir)  # whatever the agent's exit
     if status.get("agent_error") and not fails:
         raise LaunchError(f"the launcher agent failed:\n{status['agent_error']}", {}, logs=joined, results=values)
-    for rank in sorted(set(range(nprocs)) - set(values) - set(fails)):
-        fails[rank] = RankFailure(rank, tracker.ranks[rank].exit_code, "NoResult", "ended without returning a value",
-                                  "", logs[rank]["stderr"][-LOG_TAIL:])
+    unfinished_after(fails, tracker, logs, run_dir, sorted(set(range(nprocs)) - set(values) - set(fails)))
     text = headline(fails, nprocs)
     if not status and not any(s.pid for s in tracker.ranks.values()):
         agent_log = open(channel.path(run_dir, "agent.log"), errors="replace").read()[-LOG_TAIL:]

@@ -85,6 +85,7 @@ class RankState:
     failed_at: Optional[float] = None
     exit_code: Optional[int] = None
     exit_how: str = ""  # "SystemExit" when the rank said so, else "" (the agent saw the process end)
+    ended_after: Optional[int] = None  # the rank whose failure made the agent end this one
     reports: List[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -127,6 +128,9 @@ class Tracker:
             return
         state.status, state.failed_at = "failed", event["time"]
         state.message = exit_message(event["code"], event.get("text", ""))
+        if event.get("after") is not None:
+            state.ended_after = event["after"]
+            state.message = f"ended after rank {event['after']} failed ({state.message})"
 
     def unfinished(self) -> List[int]:
         return [r for r, s in self.ranks.items() if s.status != "done"]
