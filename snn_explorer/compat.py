@@ -130,6 +130,24 @@ def non_persistent_buffer_names(module: torch.nn.Module) -> set:
     return module._non_persistent_buffers_set
 
 
+def spikingjelly_memories(module: torch.nn.Module) -> Optional[dict]:
+    """spikingjelly's per-module state dict (``MemoryModule._memories``: name -> tensor or initial value), or None."""
+    memories = getattr(module, "_memories", None)
+    return memories if isinstance(memories, dict) else None
+
+
+def state_slot_table(module: torch.nn.Module, where: str) -> dict:
+    """The dict a neuron keeps one kind of state in: ``"buffers"`` (``Module._buffers``, snntorch's
+    non-persistent membranes), ``"memories"`` (spikingjelly) or ``"attributes"`` (the instance dict)."""
+    if where == "buffers":
+        return module._buffers
+    if where == "memories":
+        return spikingjelly_memories(module)
+    if where == "attributes":
+        return vars(module)
+    raise ValueError(f"state slot {where!r}; expected 'buffers', 'memories' or 'attributes'")
+
+
 def _non_persistent_names_work() -> bool:
     try:
         probe = torch.nn.Module()

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from ..compat import non_persistent_buffer_names
+from ..compat import non_persistent_buffer_names, spikingjelly_memories, state_slot_table
 
 ResetFn = Callable[[nn.Module], None]
 
@@ -80,7 +80,7 @@ def snn_library(module: nn.Module) -> Optional[str]:
     """``"registered"``, ``"spikingjelly"``, ``"snntorch"`` or None for a stateless module."""
     if _registered_reset(module) is not None:
         return "registered"
-    if isinstance(getattr(module, "_memories", None), dict) and callable(getattr(module, "reset", None)):
+    if spikingjelly_memories(module) is not None and callable(getattr(module, "reset", None)):
         return "spikingjelly"
     if _is_snntorch_neuron(module) and getattr(module, "init_hidden", False):
         return "snntorch"
@@ -137,7 +137,7 @@ def state_description(module: nn.Module) -> str:
     if library == "registered":
         return f"registered state ({type(module).__name__}, reset by its reset function)"
     if library == "spikingjelly":
-        names = ", ".join(module._memories) or "none yet"
+        names = ", ".join(spikingjelly_memories(module)) or "none yet"
         kind = "dropout mask, kept over time steps" if state_kind(module) == DROPOUT_MASK else "neuron state"
         return f"{kind} in the module (spikingjelly memories: {names})"
     if library == "snntorch":
@@ -188,6 +188,36 @@ def _tensors_with_history(model: nn.Module):
                 stack.extend(value.values())
             elif isinstance(value, (list, tuple)):
                 stack.extend(value)
+
+
+#: Where a neuron keeps state between calls (:func:`~..compat.state_slot_table`), and a slot: (where, name).
+Slot = Tuple[str, str]
+
+
+def state_slots(module: nn.Module) -> Iterator[Tuple[Slot, object]]:
+    """``((where, name), value)`` for every place ``module`` itself keeps state between calls:
+    non-persistent buffers (snntorch), spikingjelly's memories, public tensor attributes (registered
+    neurons)."""
+    table = state_slot_table(module, "buffers")
+    for name in non_persistent_buffer_names(module):
+        yield ("buffers", name), table.get(name)
+    for name, value in (spikingjelly_memories(module) or {}).items():
+        yield ("memories", name), value
+    for name, value in vars(module).items():
+        if not name.startswith("_") and isinstance(value, torch.Tensor):
+            yield ("attributes", name), value
+
+
+def set_state_slot(module: nn.Module, slot: Slot, value) -> None:
+    """Put ``value`` back in ``module``'s state ``slot`` (from :func:`state_slots`)."""
+    where, name = slot
+    state_slot_table(module, where)[name] = value
+
+
+def state_tensors(module: nn.Module) -> List[torch.Tensor]:
+    """The tensors ``module`` itself keeps between calls in its buffers and spikingjelly memories (the
+    neuron state the estimator and measure() count; attributes of registered neurons are their own)."""
+    return [v for (where, _), v in state_slots(module) if where != "attributes" and isinstance(v, torch.Tensor)]
 
 
 def stateful_modules(model: nn.Module) -> Tuple[Tuple[str, nn.Module], ...]:

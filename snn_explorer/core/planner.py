@@ -108,69 +108,21 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     neuron_backend = check_backend(neuron_backend_arg(neuron_backend, backend))
     batch_size = check_batch_size(batch_size)
     topology = SNNDistributedTopology.coerce(topology)
-    features = features if features is not None else DistributedFeatureSet()
-    if not isinstance(features, DistributedFeatureSet):
-        raise TypeError(f"features must be a DistributedFeatureSet, got {features!r}")
+    features = _check_features(features)
     mode = check_mode(mode)
     check_time_step_module(analysis, time_step_module)
+    _check_explicit_tp_plan(tensor_parallel_plan, mode)
     notes: List[str] = list(analysis.notes)
-    family = analysis.model_family
-    if model_family is not None:
-        family, family_note = resolve_family(None, model_family)
-        notes.extend([family_note] if family_note else [])
+    family = _family(analysis, model_family, notes)
     _check_backend_support(neuron_backend, analysis)
-    if tensor_parallel_plan is not None:
-        if not isinstance(tensor_parallel_plan, Mapping) or not tensor_parallel_plan:
-            raise ValueError(f"tensor_parallel_plan={tensor_parallel_plan!r} must be a non-empty mapping "
-                             "module path -> style")
-        if mode is not None and not mode_of(mode).tp:
-            raise ValueError(f"tensor_parallel_plan is only used by {_tp_modes()}, not mode={mode!r}")
-
     rec = recommend_snn_distributed_strategy(family, world_size=topology.world_size, prefer=objective,
                                              batch_size=batch_size, neuron_backend=neuron_backend,
                                              pipelining_available=topology.size("pp") > 1)
-    if mode is not None:
-        tp_plan, problem = _problem(mode, analysis, topology, tensor_parallel_plan, features)
-        if problem:
-            raise ValueError(f"mode={mode!r} cannot be applied: {problem}")
-        chosen = mode
-    else:
-        order = [rec.mode] + [m for m in _order(objective) if m != rec.mode]
-        if tensor_parallel_plan is not None:
-            order = [m for m in order if mode_of(m).tp]
-        elif topology.world_size == 1:
-            order = ["none"] + [m for m in order if m != "none"]
-        if cpu_offload:  # offload moves FSDP2's shards: only FSDP2 modes can take it
-            order = [m for m in order if mode_of(m).fsdp]
-        reasons = []
-        for chosen in order:
-            tp_plan, problem = _problem(chosen, analysis, topology, tensor_parallel_plan, features)
-            if problem is None:
-                break
-            reasons.append(f"{chosen}: {problem}")
-        else:
-            restricted = (f" (an explicit tensor_parallel_plan allows only {_tp_modes(noun=False)})"
-                          if tensor_parallel_plan else "")
-            raise ValueError(f"no mode fits topology {dict(topology.dims)} for this model{restricted}: "
-                             + "; ".join(reasons))
-        if chosen != rec.mode:
-            why = reasons[0].split(": ", 1)[1] if reasons else "an explicit tensor_parallel_plan needs a TP mode"
-            notes.append(f"recommended {rec.mode!r} does not fit ({why}); using {chosen!r}.")
-
+    chosen, tp_plan = _choose_mode(mode, rec.mode, objective, analysis, topology, tensor_parallel_plan, features,
+                                   cpu_offload, notes)
     spec = mode_of(chosen)
-    zero = spec.allows_zero and topology.size("dp") > 1
-    if zero and not features.allow_zero_optimizer:
-        notes.append("ZeRO optimizer sharding is disabled by DistributedFeatureSet(allow_zero_optimizer=False); "
-                     "optimizer_strategy='none'.")
-        zero = False
-    if spec.tp and has_attention(analysis) \
-            and not tensor_parallel_plan \
-            and not features.allow_experimental_spikformer_tp:
-        notes.append("attention is not split by heads (separate q/k/v Linears are each sharded with gathered "
-                     "outputs); allow_experimental_spikformer_tp=True gives each rank whole heads instead.")
-    if analysis.batchnorm_names and spec.splits_batch and topology.size("dp") > 1:
-        notes.append(f"{len(analysis.batchnorm_names)} BatchNorm layer(s) normalise over each rank's share of the "
-                     "batch in training mode (convert to SyncBatchNorm on CUDA for global statistics).")
+    zero = _uses_zero(spec, topology, features, notes)
+    notes.extend(_mode_notes(spec, analysis, topology, features, tensor_parallel_plan))
     pipeline = _pipeline_fields(analysis, topology, batch_size, notes, pp_schedule, pp_microbatches,
                                 pp_virtual_stages, pp_layout) if spec.pp else {}
     if spec.pp and activation_checkpointing is None:  # the objective's choice; pipelines take none yet
@@ -191,6 +143,87 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
         check_pp_model(plan_, analysis.pipeline_units, analysis.pipeline_problem,
                        analysis.shared_parameter_groups, analysis.trainable_units)
     return plan_
+
+
+def _check_features(features) -> DistributedFeatureSet:
+    features = features if features is not None else DistributedFeatureSet()
+    if not isinstance(features, DistributedFeatureSet):
+        raise TypeError(f"features must be a DistributedFeatureSet, got {features!r}")
+    return features
+
+
+def _family(analysis: SNNDistributedAnalysis, model_family: Optional[str], notes: List[str]) -> Optional[str]:
+    """The model family: the one given (its note added to ``notes``), else the analysis's."""
+    if model_family is None:
+        return analysis.model_family
+    family, family_note = resolve_family(None, model_family)
+    notes.extend([family_note] if family_note else [])
+    return family
+
+
+def _check_explicit_tp_plan(tensor_parallel_plan, mode: Optional[str]) -> None:
+    if tensor_parallel_plan is None:
+        return
+    if not isinstance(tensor_parallel_plan, Mapping) or not tensor_parallel_plan:
+        raise ValueError(f"tensor_parallel_plan={tensor_parallel_plan!r} must be a non-empty mapping "
+                         "module path -> style")
+    if mode is not None and not mode_of(mode).tp:
+        raise ValueError(f"tensor_parallel_plan is only used by {_tp_modes()}, not mode={mode!r}")
+
+
+def _choose_mode(mode: Optional[str], recommended: str, objective: str, analysis, topology, explicit_tp,
+                 features, cpu_offload: bool, notes: List[str]) -> Tuple[str, dict]:
+    """The mode (an explicit one checked; else the recommendation or the objective's next choice that
+    fits, with a note saying why) and its TP plan."""
+    if mode is not None:
+        tp_plan, problem = _problem(mode, analysis, topology, explicit_tp, features)
+        if problem:
+            raise ValueError(f"mode={mode!r} cannot be applied: {problem}")
+        return mode, tp_plan
+    order = [recommended] + [m for m in _order(objective) if m != recommended]
+    if explicit_tp is not None:
+        order = [m for m in order if mode_of(m).tp]
+    elif topology.world_size == 1:
+        order = ["none"] + [m for m in order if m != "none"]
+    if cpu_offload:  # offload moves FSDP2's shards: only FSDP2 modes can take it
+        order = [m for m in order if mode_of(m).fsdp]
+    reasons = []
+    for chosen in order:
+        tp_plan, problem = _problem(chosen, analysis, topology, explicit_tp, features)
+        if problem is None:
+            break
+        reasons.append(f"{chosen}: {problem}")
+    else:
+        restricted = (f" (an explicit tensor_parallel_plan allows only {_tp_modes(noun=False)})"
+                      if explicit_tp else "")
+        raise ValueError(f"no mode fits topology {dict(topology.dims)} for this model{restricted}: "
+                         + "; ".join(reasons))
+    if chosen != recommended:
+        why = reasons[0].split(": ", 1)[1] if reasons else "an explicit tensor_parallel_plan needs a TP mode"
+        notes.append(f"recommended {recommended!r} does not fit ({why}); using {chosen!r}.")
+    return chosen, tp_plan
+
+
+def _uses_zero(spec: Mode, topology, features, notes: List[str]) -> bool:
+    """Whether the plan shards the optimizer (ZeRO): its mode allows it on more than one dp rank, and the gate."""
+    zero = spec.allows_zero and topology.size("dp") > 1
+    if zero and not features.allow_zero_optimizer:
+        notes.append("ZeRO optimizer sharding is disabled by DistributedFeatureSet(allow_zero_optimizer=False); "
+                     "optimizer_strategy='none'.")
+        return False
+    return zero
+
+
+def _mode_notes(spec: Mode, analysis, topology, features, explicit_tp) -> List[str]:
+    """What the chosen mode does to attention and BatchNorm, in words."""
+    notes = []
+    if spec.tp and has_attention(analysis) and not explicit_tp and not features.allow_experimental_spikformer_tp:
+        notes.append("attention is not split by heads (separate q/k/v Linears are each sharded with gathered "
+                     "outputs); allow_experimental_spikformer_tp=True gives each rank whole heads instead.")
+    if analysis.batchnorm_names and spec.splits_batch and topology.size("dp") > 1:
+        notes.append(f"{len(analysis.batchnorm_names)} BatchNorm layer(s) normalise over each rank's share of the "
+                     "batch in training mode (convert to SyncBatchNorm on CUDA for global statistics).")
+    return notes
 
 
 def _pipeline_fields(analysis: SNNDistributedAnalysis, topology: SNNDistributedTopology, batch_size: int,

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ...compat import non_persistent_buffer_names
 from .. import neurons
 from ..plans.families import CONTAINERS
 
@@ -32,20 +31,6 @@ State = List[Tuple[nn.Module, Dict[Tuple[str, str], object]]]
 
 
 # ---- neuron state: capture and restore ---------------------------------------------------------------------
-def _state_slots(module: nn.Module):
-    """``((where, name), value)`` for every place ``module`` keeps state between calls: non-persistent
-    buffers (snntorch), spikingjelly's ``_memories``, and public tensor attributes (registered neurons)."""
-    for name in non_persistent_buffer_names(module):
-        yield ("_buffers", name), module._buffers.get(name)
-    memories = getattr(module, "_memories", None)
-    if isinstance(memories, dict):
-        for name, value in memories.items():
-            yield ("_memories", name), value
-    for name, value in vars(module).items():
-        if not name.startswith("_") and isinstance(value, torch.Tensor):
-            yield ("__dict__", name), value
-
-
 def _copy(value):
     """A tensor detached and cloned, keeping ``requires_grad`` (so the recompute saves the same tensors)."""
     if not isinstance(value, torch.Tensor):
@@ -56,15 +41,14 @@ def _copy(value):
 
 def capture_state(stateful: Sequence[nn.Module], copy: bool = True) -> State:
     """The state of each module of ``stateful`` (copies, or the objects themselves with ``copy=False``)."""
-    return [(m, {slot: _copy(v) if copy else v for slot, v in _state_slots(m)}) for m in stateful]
+    return [(m, {slot: _copy(v) if copy else v for slot, v in neurons.state_slots(m)}) for m in stateful]
 
 
 def restore_state(state: State) -> None:
     """Put ``state`` (from :func:`capture_state`) back into its modules."""
     for module, slots in state:
-        for (where, name), value in slots.items():
-            target = module.__dict__ if where == "__dict__" else getattr(module, where)
-            target[name] = value
+        for slot, value in slots.items():
+            neurons.set_state_slot(module, slot, value)
 
 
 def _stateful_in(module: nn.Module) -> List[nn.Module]:
@@ -230,7 +214,7 @@ def _rng_state() -> tuple:
 
 
 def _grad_flags(stateful: Sequence[nn.Module]) -> List[bool]:
-    return [isinstance(v, torch.Tensor) and v.requires_grad for m in stateful for _, v in _state_slots(m)]
+    return [isinstance(v, torch.Tensor) and v.requires_grad for m in stateful for _, v in neurons.state_slots(m)]
 
 
 def _with_grad_flags(state: State, flags: List[bool]) -> State:

@@ -88,7 +88,7 @@ class CollectiveRecorder(TorchDispatchMode):
             return NotImplemented
         start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
-        packet = getattr(func, "_overloadpacket", None)
+        packet = getattr(func, "overloadpacket", None)
         if packet in _OPS or packet in _GATHERS or packet is _fn.wait_tensor:
             self.blocked_s += time.perf_counter() - start
         if packet in _OPS:

@@ -14,8 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ...compat import non_persistent_buffer_names
-from ...core.neurons import stateful_modules
+from ...core.neurons import state_tensors, stateful_modules
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -41,19 +40,9 @@ def total_bytes(tensors: Iterable) -> int:
     return sum(storage_bytes(tensors).values())
 
 
-def neuron_state_tensors(module: nn.Module) -> List[torch.Tensor]:
-    """The state tensors ``module`` itself keeps between calls: its non-persistent buffers
-    (snntorch) and spikingjelly's memories."""
-    tensors = [b for n, b in module.named_buffers(recurse=False) if n in non_persistent_buffer_names(module)]
-    memories = getattr(module, "_memories", None)
-    if isinstance(memories, dict):
-        tensors += [v for v in memories.values() if isinstance(v, torch.Tensor)]
-    return tensors
-
-
 def model_state_tensors(model: nn.Module) -> List[torch.Tensor]:
-    """The state tensors of every stateful neuron of ``model`` (:func:`neuron_state_tensors`)."""
-    return [t for _, module in stateful_modules(model) for t in neuron_state_tensors(module)]
+    """The state tensors of every stateful neuron of ``model`` (:func:`~...core.neurons.state_tensors`)."""
+    return [t for _, module in stateful_modules(model) for t in state_tensors(module)]
 
 
 def state_tensor_ids(model: nn.Module) -> set:

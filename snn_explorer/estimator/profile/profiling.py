@@ -31,13 +31,13 @@ import torch
 from torch import nn
 
 from ...compat import tree_leaves
-from ...core.neurons import detached_copy, stateful_modules
+from ...core.neurons import detached_copy, state_tensors, stateful_modules
 from ...core.plans.families import fsdp_units
 from ..instruments.fsdp_events import record
 from ..instruments.isolation import as_found, one_thread
 from ..instruments.meter import StorageMeter
 from ..instruments.op_counter import OpCounter, grad_names
-from ..instruments.storage import model_state_tensors, neuron_state_tensors, state_tensor_ids, storage_bytes
+from ..instruments.storage import model_state_tensors, state_tensor_ids, storage_bytes
 from .step import batch_slice, check_inputs, forward_loss, run_dtypes
 from .tp_replica import tp_replica
 
@@ -260,7 +260,7 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
                 loss = forward_loss(model, x, labels)
             if log is not None:
                 log.mark(meter, "forward_end")
-            state_refs = {n: neuron_state_tensors(m) for n, m in stateful_modules(model)}
+            state_refs = {n: state_tensors(m) for n, m in stateful_modules(model)}
             state = {n: storage_bytes(refs) for n, refs in state_refs.items()}
             if saved_only:  # graph pieces in reference cycles would otherwise look alive, depending on timing
                 gc.collect()
