@@ -383,13 +383,24 @@ class _OrderStage:
 _COMPUTE = frozenset("FBIW")
 
 
+def comm_debug_mode():
+    """A new ``torch.distributed.tensor.debug.CommDebugMode``, its module imported on first use (it
+    loads torch's compiler, which sets TORCHINDUCTOR_CACHE_DIR and makes a folder under TMPDIR)."""
+    return importlib.import_module("torch.distributed.tensor.debug").CommDebugMode()
+
+
+def pipelining():
+    """``torch.distributed.pipelining``, imported on first use: importing it loads torch's compiler,
+    which sets TORCHINDUCTOR_CACHE_DIR and makes a folder under TMPDIR, and only pp plans need it."""
+    return importlib.import_module("torch.distributed.pipelining")
+
+
 def pipeline_compute_order(cls: type, pp: int, micro: int, rank_stages) -> dict:
     """``{rank: [(kind, stage, micro-batch), ...]}``: the forwards (F), backwards (B) and, for
     zero-bubble schedules, input (I) and weight (W) backwards each rank runs under torch's schedule
     class ``cls`` (``rank_stages(rank)``: the stages a rank holds), in its order."""
-    pipelining = importlib.import_module("torch.distributed.pipelining")
     stages = sum(len(rank_stages(r)) for r in range(pp))
-    if issubclass(cls, pipelining.schedules.PipelineScheduleMulti):
+    if issubclass(cls, pipelining().schedules.PipelineScheduleMulti):
         return _multi_stage_order(cls, pp, micro, [_OrderStage(s, stages, pp, 0, []) for s in rank_stages(0)])
     return {r: _single_stage_order(cls, micro, _OrderStage(r, stages, pp, r, [])) for r in range(pp)}
 

@@ -10,7 +10,10 @@ Each rule is first shown to catch a planted violation.
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import pytest
@@ -209,3 +212,17 @@ def test_the_rules_catch_planted_violations(tmp_path):
                                       "snn_explorer.core.runtime"],
                                      ["snn_explorer.core.plan", "snn_explorer.estimator.timing"]]
     assert [repr(i) for i in unexplained(in_functions)] == ["snn_explorer.core.plan:2 -> snn_explorer.estimator.timing"]
+
+
+def test_importing_every_module_leaves_the_process_environment_alone(tmp_path):
+    """Module-level imports only: none may load torch's compiler, which sets TORCHINDUCTOR_CACHE_DIR and
+    makes a folder under TMPDIR (torch.distributed.pipelining and tensor.debug do; compat imports them on use)."""
+    probe = ("import importlib, os, pkgutil, snn_explorer as se\n"
+             "for m in pkgutil.walk_packages(se.__path__, 'snn_explorer.'):\n"
+             "    importlib.import_module(m.name)\n"
+             "print(os.environ.get('TORCHINDUCTOR_CACHE_DIR'), sorted(os.listdir(os.environ['TMPDIR'])))\n")
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT.parent))
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["None", "[]"]

@@ -16,9 +16,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, Dict, List, Optional, Tuple
 
-import torch.distributed.pipelining as pipelining
-
-from ..compat import pipeline_compute_order
+from ..compat import pipeline_compute_order, pipelining
 
 #: Time of one micro-batch's action through one stage, in forward units (a backward costs two
 #: forwards; a zero-bubble schedule splits it into input and weight halves).
@@ -42,9 +40,8 @@ class PipelineSchedule:
         return f"<pipeline schedule {self.name!r} (torch {self.torch_name})>"
 
     def torch_class(self) -> type:
-        """torch's schedule class (importing torch.distributed.pipelining loads torch's compiler,
-        which sets TORCHINDUCTOR_CACHE_DIR and makes a temporary folder, so only when needed)."""
-        return getattr(pipelining, self.torch_name)
+        """torch's schedule class (:func:`~..compat.pipelining` imports torch's module on first use)."""
+        return getattr(pipelining(), self.torch_name)
 
     def build(self, stages: list, **kwargs):
         """torch's schedule over this rank's ``stages`` (torch PipelineStage objects)."""

@@ -25,11 +25,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed.pipelining as pipelining
-from torch.distributed.pipelining.microbatch import TensorChunkSpec
 from torch import nn
 
-from ...compat import is_view
+from ...compat import is_view, pipelining
 from .. import neurons
 from ..pipeline_plan import resolve_layout, stage_units
 #: The batch dim of SNN tensors ``[T, N, ...]``: micro-batches are cut and merged along it.
@@ -130,14 +128,14 @@ class PipelinedModel(nn.Module):
         micro_shape[BATCH_DIM] //= plan.pp_microbatches
         examples = self._stage_examples(torch.empty(micro_shape, dtype=inputs.dtype, device="meta"))
         self._loss_dtype = examples[-1][1].dtype
-        stages = [pipelining.PipelineStage(module, module.index, plan.pp_stages, self.device,
+        stages = [pipelining().PipelineStage(module, module.index, plan.pp_stages, self.device,
                                 input_args=examples[module.index][0], output_args=examples[module.index][1],
                                 group=self.pp_group)
                   for module in self.stages]
         self.pipeline_stages = stages
         return self.schedule.build(stages, n_microbatches=plan.pp_microbatches, loss_fn=self._micro_loss,
-                                   args_chunk_spec=(TensorChunkSpec(BATCH_DIM),),
-                                   output_merge_spec=TensorChunkSpec(BATCH_DIM), scale_grads=True)
+                                   args_chunk_spec=(pipelining().microbatch.TensorChunkSpec(BATCH_DIM),),
+                                   output_merge_spec=pipelining().microbatch.TensorChunkSpec(BATCH_DIM), scale_grads=True)
 
     def _micro_loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self._loss_fn(outputs, labels)

@@ -7,6 +7,7 @@ the saved-tensor hooks that see what autograd keeps for backward.
 """
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Dict, Iterable, List
 
@@ -91,3 +92,25 @@ class SavedAlive:
 def saving(hooks):
     """The ``saved_tensors_hooks`` context that calls ``hooks.pack`` on every tensor saved for backward."""
     return torch.autograd.graph.saved_tensors_hooks(hooks.pack, lambda t: t)
+
+
+class SavedByModule:
+    """saved_tensors_hooks charging each saved storage (once) to the module running when it was saved
+    (``where()``). The tensors are held until :meth:`held` (so no saved storage's address is reused
+    meanwhile), which keeps those autograd still holds and lets the others go."""
+
+    def __init__(self, where):
+        self.where, self.saved = where, {}  # data_ptr -> (module, nbytes, the saved tensors)
+
+    def pack(self, t):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            st = t.untyped_storage()
+            self.saved.setdefault(st.data_ptr(), (self.where(), st.nbytes(), []))[2].append(t)
+        return t
+
+    def held(self) -> Dict[int, tuple]:
+        """``data_ptr -> (module, nbytes)`` of the saved storages autograd still holds; forgets the rest."""
+        alive = {ptr: (name, nbytes) for ptr, (name, nbytes, tensors) in self.saved.items()
+                 if any(sys.getrefcount(t) > 3 for t in tensors)}  # ours: the list, the loop, the call
+        self.saved.clear()
+        return alive

@@ -24,7 +24,6 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor.debug import CommDebugMode
 
 from ... import compat, ranks
 from ...core import SNNDistributedPlan, apply
@@ -168,7 +167,7 @@ def _measure_plan(model, plan, run: MeasureSettings) -> dict:
 
     tracker = compat.mem_tracker_class()()
     tracker.track_external(runtime.model, getattr(opt, "optim", opt), x)  # ZeRO: its local optimizer
-    debug = CommDebugMode() if not repeated else contextlib.nullcontext()
+    debug = compat.comm_debug_mode() if not repeated else contextlib.nullcontext()
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

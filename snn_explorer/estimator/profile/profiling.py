@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Sequence, Tuple
@@ -30,14 +29,14 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ...compat import tree_leaves
 from ...core.neurons import detached_copy, state_tensors, stateful_modules
 from ...core.plans.families import fsdp_units
 from ..instruments.fsdp_events import record
 from ..instruments.isolation import as_found, one_thread
 from ..instruments.meter import StorageMeter
 from ..instruments.op_counter import OpCounter, grad_names
-from ..instruments.storage import model_state_tensors, state_tensor_ids, storage_bytes
+from ..instruments.module_calls import ModuleCalls
+from ..instruments.storage import SavedByModule, model_state_tensors, saving, state_tensor_ids, storage_bytes
 from .step import batch_slice, check_inputs, forward_loss, run_dtypes
 from .tp_replica import tp_replica
 
@@ -176,119 +175,84 @@ def check_run_size(profile: ModelProfile, n: int, t: int) -> None:
                          "(the step's memory grows linearly in them)")
 
 
-def _numel(obj) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel()
-    if isinstance(obj, (tuple, list)):
-        return _numel(obj[0]) if obj else 0
-    return 0
-
-
-def _requires_grad(args) -> bool:
-    if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):  # most calls: no flattening
-        return True
-    flat = tree_leaves(args)
-    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in flat)
-
-
 def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor], saved_only: bool = True,
                units: Sequence[str] = (), count: bool = False, warm_up: bool = True) -> dict:
     """One forward + backward; per-module raw numbers and the dynamic peak above the entry memory.
     With ``count``, that step is also counted (forward and backward each by an
-    :class:`~.op_counter.OpCounter`, in the state :func:`~.compute_work.counted_pass` counts in):
-    ``counts``, and ``with_grad`` the parameters it gave a gradient. ``warm_up=False`` skips the
-    forward that first gives the neuron state this batch size (the last run had it already)."""
-    names = {m: n for n, m in model.named_modules()}
-    stack, calls, ins, outs, rg = [], {}, {}, {}, {}
-    saved: Dict[int, tuple] = {}  # data_ptr -> (module, nbytes, the saved tensors)
-
-    def pre(module, args):
-        name = names[module]
-        stack.append(name)
-        calls[name] = calls.get(name, 0) + 1
-        ins[name] = ins.get(name, 0) + _numel(args)
-        rg[name] = rg.get(name, False) or _requires_grad(args)
-
-    def post(module, args, out):
-        name = stack.pop()
-        outs[name] = outs.get(name, 0) + _numel(out)
-
-    def pack(t):
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            st = t.untyped_storage()
-            entry = saved.setdefault(st.data_ptr(), (stack[-1] if stack else "", st.nbytes(), []))
-            # Held strongly until the forward ends, so no packed storage's address is reused; whether
-            # autograd still holds it is read from the reference count afterwards.
-            entry[2].append(t)
-        return t
-
-    frozen = False
-    hooks = [m.register_forward_pre_hook(pre) for m in names] + [m.register_forward_hook(post) for m in names]
+    :class:`~..instruments.op_counter.OpCounter`, in the state
+    :func:`~..timing.compute_work.counted_pass` counts in): ``counts``, and ``with_grad`` the
+    parameters it gave a gradient. ``warm_up=False`` skips the forward that first gives the neuron
+    state this batch size (the last run had it already)."""
+    trace = ModuleCalls(model)
     order = []  # the order in which gradients become ready
-    hooks += [p.register_post_accumulate_grad_hook(lambda p, n=n: order.append(n))
-              for n, p in model.named_parameters() if p.requires_grad]
+    hooks = [p.register_post_accumulate_grad_hook(lambda p, n=n: order.append(n))
+             for n, p in model.named_parameters() if p.requires_grad]
+    frozen = False
     try:
         if warm_up:
             with torch.no_grad():  # state tensors take this size (a forward sets them, autograd does not)
                 forward_loss(model, x, labels)
         model.zero_grad(set_to_none=True)
         order.clear()
-        saved.clear()
-        calls.clear(), ins.clear(), outs.clear()
+        trace.clear_counts()
         # No reset here: like a rank in training, the step starts with the last step's neuron state
-        # (forward_loss resets it, replacing those tensors).
-        # Held until the comparison below, so no freed address can alias a saved activation's; the
-        # last step's neuron state is counted at the start but not held (the forward replaces it).
+        # (forward_loss resets it, replacing those tensors). Held until the comparison below, so no
+        # freed address can alias a saved activation's; the last step's neuron state is counted at
+        # the start but not held (the forward replaces it).
         state_ids = state_tensor_ids(model)
         static_refs = [t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in state_ids] + [x]
         static = storage_bytes(static_refs)
-        # The objects that exist now are left out of the collection below (a full one scans every
+        # The objects that exist now are left out of the collection in _step (a full one scans every
         # object of the process); the graph pieces it is for are all created after this.
         frozen = saved_only and gc.get_freeze_count() == 0
         if frozen:
             gc.freeze()
         meter = StorageMeter()
         meter.track(static_refs + model_state_tensors(model))
-        with meter if not saved_only else contextlib.nullcontext(), \
-                record(model, units, meter) if not saved_only else contextlib.nullcontext() as log:
-            entry = meter.current
-            # The peak run must not hold saved tensors itself (that would raise its peak).
-            packing = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if saved_only \
-                else contextlib.nullcontext()
-            counters = (OpCounter(), OpCounter()) if count else None
-            with packing, counters[0] if count else contextlib.nullcontext():
-                loss = forward_loss(model, x, labels)
-            if log is not None:
-                log.mark(meter, "forward_end")
-            state_refs = {n: state_tensors(m) for n, m in stateful_modules(model)}
-            state = {n: storage_bytes(refs) for n, refs in state_refs.items()}
-            if saved_only:  # graph pieces in reference cycles would otherwise look alive, depending on timing
-                gc.collect()
-            held = {ptr: (name, nbytes) for ptr, (name, nbytes, tensors) in saved.items()
-                    if any(sys.getrefcount(t) > 3 for t in tensors)}  # ours: the list, the loop, the call
-            saved.clear()
-            with counters[1] if count else contextlib.nullcontext():
-                loss.backward()
-            del loss
-            if log is not None:
-                log.mark(meter, "end")
+        run = _step(model, x, labels, meter, SavedByModule(lambda: trace.current), saved_only, units, count)
     finally:
         if frozen:
             gc.unfreeze()
+        trace.remove()
         for h in hooks:
             h.remove()
-    state_ptrs = {p for s in state.values() for p in s}
+    state_ptrs = {p for s in run["state"].values() for p in s}
     per_saved: Dict[str, int] = {}
-    for ptr, (name, nbytes) in held.items():
+    for ptr, (name, nbytes) in run["held"].items():
         if ptr not in static and ptr not in state_ptrs:
             per_saved[name] = per_saved.get(name, 0) + nbytes
-    del static_refs, state_refs
-    grads = sum(storage_bytes([p.grad for p in model.parameters()]).values())
-    counts = [c.counts for c in counters] if count else None
-    with_grad = grad_names(model) if count else ()
-    return dict(saved=per_saved, state={n: sum(s.values()) for n, s in state.items()}, calls=calls, ins=ins,
-                outs=outs, rg=rg, log=log, entry=entry, grads=grads, order=tuple(order),
-                input=x.numel() * x.element_size(), counts=counts, with_grad=with_grad)
+    del static_refs
+    return dict(saved=per_saved, state={n: sum(s.values()) for n, s in run["state"].items()}, calls=trace.calls,
+                ins=trace.ins, outs=trace.outs, rg=trace.needs_grad, log=run["log"], entry=run["entry"],
+                grads=sum(storage_bytes([p.grad for p in model.parameters()]).values()), order=tuple(order),
+                input=x.numel() * x.element_size(), counts=run["counts"],
+                with_grad=grad_names(model) if count else ())
+
+
+def _step(model, x, labels, meter: StorageMeter, saved: SavedByModule, saved_only: bool, units, count: bool) -> dict:
+    """The measured forward and backward of :func:`_run_point`: with ``saved_only`` the saved
+    storages autograd holds after the forward (``held``), else the meter's event log (``log``) with
+    FSDP2's units; the neuron state's storages after the forward, and the operator counts."""
+    nothing = contextlib.nullcontext()
+    counters = (OpCounter(), OpCounter()) if count else (nothing, nothing)
+    with meter if not saved_only else nothing, record(model, units, meter) if not saved_only else nothing as log:
+        entry = meter.current
+        # The peak run must not hold saved tensors itself (that would raise its peak).
+        with saving(saved) if saved_only else nothing, counters[0]:
+            loss = forward_loss(model, x, labels)
+        if log is not None:
+            log.mark(meter, "forward_end")
+        state = {n: storage_bytes(state_tensors(m)) for n, m in stateful_modules(model)}
+        if saved_only:  # graph pieces in reference cycles would otherwise look alive, depending on timing
+            gc.collect()
+        held = saved.held()
+        with counters[1]:
+            loss.backward()
+        del loss
+        if log is not None:
+            log.mark(meter, "end")
+    return dict(held=held, state=state, log=log, entry=entry,
+                counts=[c.counts for c in counters] if count else None)
 
 
 def _fit(points, get) -> Fit:
