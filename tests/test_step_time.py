@@ -324,8 +324,7 @@ def test_optimizer_count_on_zero_gradients_is_that_of_a_step_after_a_real_backwa
     zoo = build("mlp")
     model = zoo.model
     model.net[4].weight.requires_grad_(False)  # a frozen parameter: no gradient, not stepped
-    cls, kw = OPTIMIZERS[optimizer]
-    opt = cls([p for p in model.parameters() if p.requires_grad], lr=1e-6, **kw)
+    opt = OPTIMIZERS[optimizer].make([p for p in model.parameters() if p.requires_grad], lr=1e-6)
     for _ in range(2):
         forward_loss(model, zoo.example_input, zoo.labels).backward()
         if _ == 0:

@@ -34,8 +34,8 @@ def measure_pp_plan(model, plan, run: MeasureSettings) -> dict:
     x, y = batch_slice(run.example_input, run.labels, plan.per_rank_batch, run.example_input.shape[0],
                        start=runtime.dp_rank * plan.per_rank_batch)
     x = x.to(run.dtype)
-    cls, kw = OPTIMIZERS[run.optimizer]
-    opt = runtime.build_optimizer(cls, lr=run.lr, **kw)
+    kind = OPTIMIZERS[run.optimizer]
+    opt = runtime.build_optimizer(kind.cls, lr=run.lr, **kind.kwargs)
     pipe, criterion = runtime.model, torch.nn.functional.cross_entropy
 
     def step():

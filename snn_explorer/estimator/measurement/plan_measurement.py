@@ -133,8 +133,8 @@ def _measure_plan(model, plan, run: MeasureSettings) -> dict:
                        start=runtime.dp_rank * plan.per_rank_batch)
     device = next(runtime.model.parameters()).device if cuda else torch.device("cpu")
     x, y = x.to(device, run.dtype), None if y is None else y.to(device)
-    cls, kw = OPTIMIZERS[run.optimizer]
-    opt = runtime.build_optimizer(cls, lr=run.lr, **kw)
+    kind = OPTIMIZERS[run.optimizer]
+    opt = runtime.build_optimizer(kind.cls, lr=run.lr, **kind.kwargs)
     module = runtime.module
 
     def step(recorder=None, saved=None, after_forward=None):

@@ -18,10 +18,9 @@ from torch import nn
 
 from ...core import SNNDistributedPlan
 from ...core.styles import STYLES
-from ..profile.step import OPTIMIZERS
+from ..profile.step import OPTIMIZERS, check_optimizer
 
 #: Optimizer state tensors per parameter, each the size of the (local) parameter.
-STATE_TENSORS = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
 
 
 @dataclass(frozen=True)
@@ -137,24 +136,22 @@ def dp_roles(params: Sequence[Param], plan: SNNDistributedPlan) -> List[int]:
 def step_bytes(optimizer: str) -> int:
     """Bytes of the per-parameter ``step`` counter (Adam family; a 0-dim float tensor), as the
     optimizer itself creates it on a one-element parameter."""
-    if optimizer not in ("adam", "adamw"):
+    if not OPTIMIZERS[optimizer].counts_steps:
         return 0
-    cls, kw = OPTIMIZERS[optimizer]
     param = nn.Parameter(torch.zeros(1))
     param.grad = torch.zeros(1)
-    opt = cls([param], **kw)
+    opt = OPTIMIZERS[optimizer].make([param], lr=1e-3)
     opt.step()
     return opt.state[param]["step"].element_size()
 
 
 def _state(numel: int, itemsize: int, optimizer: str) -> int:
-    return STATE_TENSORS[optimizer] * numel * itemsize + step_bytes(optimizer)
+    return OPTIMIZERS[optimizer].state_tensors * numel * itemsize + step_bytes(optimizer)
 
 
 def rank_bytes(params: Sequence[Param], plan: SNNDistributedPlan, rank: int, optimizer: str) -> Dict[str, int]:
     """``params_bytes``, ``grads_bytes``, ``optimizer_bytes`` of global ``rank`` (mesh order dp, tp)."""
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer={optimizer!r}; expected one of {tuple(OPTIMIZERS)}")
+    check_optimizer(optimizer)
     dp, dp_rank = plan.dp_size, rank // plan.tp_size
     if plan.uses_fsdp:
         padded = opt = 0

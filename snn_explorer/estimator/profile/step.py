@@ -1,7 +1,8 @@
 """The training step that the profile and measure() both run, so their numbers describe the same work."""
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
@@ -10,12 +11,28 @@ from ...core import SNNDistributedPlan, SNNDistributedRuntime
 from ...core.neurons import reset_all
 from ...core.validate import check_batch_tensor, check_dtype, check_instance
 
-OPTIMIZERS = {
-    "adam": (torch.optim.Adam, {}),
-    "adamw": (torch.optim.AdamW, {}),
-    "sgd": (torch.optim.SGD, {}),
-    "sgd_momentum": (torch.optim.SGD, {"momentum": 0.9}),
-}
+@dataclass(frozen=True)
+class OptimizerKind:
+    """An optimizer the estimator plans and measure() runs: its torch class and arguments, the state
+    tensors it keeps per parameter (each the parameter's size) and whether it keeps a step counter."""
+
+    name: str
+    cls: type
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    state_tensors: int = 0
+    counts_steps: bool = False
+
+    def make(self, params, lr: float) -> torch.optim.Optimizer:
+        return self.cls(params, lr=lr, **self.kwargs)
+
+
+#: Every optimizer by name (Adam's and AdamW's exp_avg and exp_avg_sq; SGD's momentum buffer).
+OPTIMIZERS = {kind.name: kind for kind in (
+    OptimizerKind("adam", torch.optim.Adam, state_tensors=2, counts_steps=True),
+    OptimizerKind("adamw", torch.optim.AdamW, state_tensors=2, counts_steps=True),
+    OptimizerKind("sgd", torch.optim.SGD),
+    OptimizerKind("sgd_momentum", torch.optim.SGD, {"momentum": 0.9}, state_tensors=1),
+)}
 
 
 def check_optimizer(name: str) -> str:

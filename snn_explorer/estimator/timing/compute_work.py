@@ -102,10 +102,9 @@ def optimizer_work(model: torch.nn.Module, grad_params, optimizer: str) -> Phase
     backward gives a gradient): the second step, the first creating its state. The step's
     operators and bytes depend on the shapes of parameters and gradients, not on their values or on
     ``N`` and ``T``, so zero gradients stand in for real ones; the parameters are restored."""
-    cls, kw = OPTIMIZERS[optimizer]
     named = dict(model.named_parameters())
     params = [p for p in named.values() if p.requires_grad]
-    opt = cls(params, lr=1e-6, **kw)
+    opt = OPTIMIZERS[optimizer].make(params, lr=1e-6)
     with restored(params):
         for name in grad_params:
             named[name].grad = torch.zeros_like(named[name])
@@ -159,9 +158,8 @@ def local_correction(profile: ModelProfile, work: Work, hw: HardwareProfile, opt
     model, n, t = profile.model, profile.example_input.shape[1], profile.example_input.shape[0]
     x, y = batch_slice(profile.example_input, profile.labels, n, t)
     x = x.to(profile.dtype)
-    cls, kw = OPTIMIZERS[optimizer]
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = cls(params, lr=1e-6, **kw)
+    opt = OPTIMIZERS[optimizer].make(params, lr=1e-6)
     times = {p: [] for p in PHASES}
     with restored(params), one_thread(), collected():
         for _ in range(2):  # the first creates the optimizer's state and warms the allocator
