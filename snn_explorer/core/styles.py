@@ -14,6 +14,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from . import channel_styles
+from .collectives import Collective
 
 #: Sharding of a module's input or output over the tp group.
 WHOLE, SHARDED = "whole", "sharded"
@@ -161,11 +162,11 @@ class TPStyle:
         calls, out = round(module_profile.calls(n, t)), []
         out_bytes = round(module_profile.out_elems(n, t)) * itemsize
         if self.reduces_output:
-            out.append(("all_reduce", "forward", calls, out_bytes))
+            out.append((Collective.ALL_REDUCE, "forward", calls, out_bytes))
         if self.gathers_output:
-            out.append(("all_gather", "forward", calls, out_bytes))
+            out.append((Collective.ALL_GATHER, "forward", calls, out_bytes))
         if self.reduces_input_grad and module_profile.input_requires_grad:
-            out.append(("all_reduce", "backward", calls, round(module_profile.in_elems(n, t)) * itemsize))
+            out.append((Collective.ALL_REDUCE, "backward", calls, round(module_profile.in_elems(n, t)) * itemsize))
         return out
 
 

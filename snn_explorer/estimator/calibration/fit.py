@@ -8,6 +8,7 @@ import statistics
 from dataclasses import replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ...core.collectives import Collective
 from ..timing.hardware import KINDS, HardwareProfile
 from ..timing.pipeline_time import BACKWARD_SHARE, replay_plan
 from .probes import BURST, SIZES_BYTES
@@ -49,10 +50,10 @@ def wrapper_costs(values: List[dict], table: Dict[str, Tuple[float, float]]) -> 
     costs = {}
     if "broadcast_burst" in values[0]["framework"]:  # the slowest rank's median, per broadcast
         burst = statistics.median(max(ts) for ts in zip(*(v["framework"]["broadcast_burst"] for v in values)))
-        costs["broadcast_in_burst"] = max(burst / BURST - table["broadcast"][1] * 1024, 0.0)
+        costs["broadcast_in_burst"] = max(burst / BURST - table[Collective.BROADCAST][1] * 1024, 0.0)
     alpha = {kind: table[kind][0] for kind in KINDS}
     # ZeRO's broadcasts go out back to back
-    alpha_of = lambda name, kind: (costs.get("broadcast_in_burst", alpha[kind]) if (name, kind) == ("zero", "broadcast")
+    alpha_of = lambda name, kind: (costs.get("broadcast_in_burst", alpha[kind]) if (name, kind) == ("zero", Collective.BROADCAST)
                                    else alpha[kind])
     comm = {name: sum(alpha_of(name, kind) + table[kind][1] * nbytes for kind, nbytes in rows)
             for name, rows in made.items()}
@@ -82,10 +83,10 @@ def replayed_step(values: List[dict], table: Dict[str, Tuple[float, float]], per
     rank's values) as its schedule replays (:func:`~.pipeline_time.replay_plan`): each action
     :func:`probe_costs`, each transfer the fitted latency plus ``extra_link``, then the loss broadcast."""
     pp_plan = values[0]["plan"]
-    link = table["send"][0] + table["send"][1] * values[0]["bytes"] + extra_link
+    link = table[Collective.SEND][0] + table[Collective.SEND][1] * values[0]["bytes"] + extra_link
     lines = replay_plan(pp_plan, probe_costs(values, per_action),
                         {(s + d, s + 1 - d): link for s in range(pp_plan.pp_stages - 1) for d in (0, 1)})
-    return max(span[-1] for spans in lines.values() for span in spans) + table["broadcast"][0], lines
+    return max(span[-1] for spans in lines.values() for span in spans) + table[Collective.BROADCAST][0], lines
 
 
 def pipeline_costs(name: str, probes: List[List[dict]], table: Dict[str, Tuple[float, float]]) -> Dict[str, float]:
@@ -101,7 +102,7 @@ def pipeline_costs(name: str, probes: List[List[dict]], table: Dict[str, Tuple[f
     heavy, even = [ranks[0] for ranks in probes], [ranks[1] for ranks in probes]
     rank0 = replayed_step(heavy, table)[1][0]
     costs = probe_costs(heavy)
-    own = heavy[0]["step"] - heavy[0]["waited"] - table["broadcast"][0] - sum(costs[(k, s)] for k, s, *_ in rank0)
+    own = heavy[0]["step"] - heavy[0]["waited"] - table[Collective.BROADCAST][0] - sum(costs[(k, s)] for k, s, *_ in rank0)
     per_action = max(0.0, own / len(rank0))
     measured = max(v["step"] for v in even)
     step_with = lambda link: replayed_step(even, table, per_action, link)[0]

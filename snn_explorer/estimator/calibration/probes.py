@@ -8,6 +8,8 @@ from typing import Dict, List
 
 import torch
 
+from ...core.collectives import Collective
+
 #: Buffer sizes (bytes) each collective is timed at, repetitions per size, collectives per repetition.
 SIZES_BYTES = (4 * 2 ** 10, 256 * 2 ** 10, 2 ** 20, 4 * 2 ** 20, 16 * 2 ** 20)
 REPEATS = 5
@@ -99,16 +101,16 @@ def busy_time(op, sync, seconds: float = SHARING_PROBE_S) -> float:
 def collective_op(dist, kind: str, p: int, nbytes: int, device):
     """One ``kind`` collective of ``nbytes`` over the world's ``p`` ranks, as a callable."""
     rank, elems = dist.get_rank(), nbytes // 4
-    if kind == "all_gather":
+    if kind == Collective.ALL_GATHER:
         out, inp = torch.empty(elems, device=device), torch.ones(elems // p, device=device)
         return lambda: dist.all_gather_into_tensor(out, inp)
-    if kind == "reduce_scatter":
+    if kind == Collective.REDUCE_SCATTER:
         out, inp = torch.empty(elems // p, device=device), torch.ones(elems, device=device)
         return lambda: dist.reduce_scatter_tensor(out, inp)
     buf = torch.ones(elems, device=device)
-    if kind == "send":
+    if kind == Collective.SEND:
         return (lambda: dist.send(buf, rank + 1)) if rank % 2 == 0 else (lambda: dist.recv(buf, rank - 1))
-    return (lambda: dist.all_reduce(buf)) if kind == "all_reduce" else (lambda: dist.broadcast(buf, 0))
+    return (lambda: dist.all_reduce(buf)) if kind == Collective.ALL_REDUCE else (lambda: dist.broadcast(buf, 0))
 
 
 def gap_compute(device):

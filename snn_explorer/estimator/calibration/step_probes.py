@@ -21,9 +21,22 @@ from ...core.pipeline_schedules import SCHEDULES
 from ..instruments.isolation import collected
 from ..instruments.recorder import CollectiveRecorder
 from ..timing.hardware import KINDS
-from .probes import (PIPELINE_HEAVY, PIPELINE_REPEATS, PROBE_STEPS, SIZES_BYTES, WRAPPER_REPEATS, broadcast_burst,
-                     busy_time, collective_op, compute_probes, gap_compute, leaky_spike, probe_net, probe_step,
-                     time_collective)
+from .probes import (
+    PIPELINE_HEAVY,
+    PIPELINE_REPEATS,
+    PROBE_STEPS,
+    SIZES_BYTES,
+    WRAPPER_REPEATS,
+    broadcast_burst,
+    busy_time,
+    collective_op,
+    compute_probes,
+    gap_compute,
+    leaky_spike,
+    probe_net,
+    probe_step,
+    time_collective,
+)
 
 
 def wrapped_step_times(dist, device) -> dict:

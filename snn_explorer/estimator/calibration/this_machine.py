@@ -34,6 +34,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from ... import ranks
+from ...core.collectives import Collective
 from ...core.validate import positive_int
 from ..instruments.isolation import one_thread
 from ..timing.hardware import KINDS, HardwareProfile, hardware_profile
@@ -57,7 +58,7 @@ def calibrate(group_sizes: Sequence[int] = (2, 4), *, backend: str = "auto", nam
     worlds = positive_int("worlds", worlds, what="fresh worlds per group size")
     if not sizes or sizes[0] < 2:
         raise ValueError(f"group_sizes={list(group_sizes)}; expected sizes >= 2 (the ranks a collective spans)")
-    if "send" in KINDS and sizes[0] % 2:
+    if Collective.SEND in KINDS and sizes[0] % 2:
         raise ValueError(f"group_sizes={list(group_sizes)}: send/recv is timed between rank pairs; use even sizes")
     all_runs, used = [], backend
     for _ in range(worlds):

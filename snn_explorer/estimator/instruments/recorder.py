@@ -15,8 +15,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ...compat import (ALLGATHER_BASE, FUNCTIONAL_COLLECTIVES, REDUCE_SCATTER_BASE, TorchDispatchMode,
-                      resolve_process_group)
+from ...compat import (
+    ALLGATHER_BASE,
+    FUNCTIONAL_COLLECTIVES,
+    REDUCE_SCATTER_BASE,
+    TorchDispatchMode,
+    resolve_process_group,
+)
+from ...core.collectives import Collective
 
 _c10d = torch.ops.c10d
 _fn = FUNCTIONAL_COLLECTIVES
@@ -42,25 +48,25 @@ def _group(arg: Any) -> Tuple[str, Optional[frozenset]]:
 
 # op packet -> (kind, index of the group argument, index of the argument whose size is counted)
 _OPS = {
-    _c10d.allreduce_: ("all_reduce", 1, 0),
-    _c10d.allreduce_coalesced_: ("all_reduce", 1, 0),
-    _c10d.broadcast_: ("broadcast", 1, 0),
-    ALLGATHER_BASE: ("all_gather", 2, 0),
-    _c10d.allgather_: ("all_gather", 2, 0),
-    _c10d.allgather_coalesced_: ("all_gather", 2, 0),
-    _c10d.allgather_into_tensor_coalesced_: ("all_gather", 2, 0),
-    REDUCE_SCATTER_BASE: ("reduce_scatter", 2, 1),
-    _c10d.reduce_scatter_: ("reduce_scatter", 2, 1),
-    _c10d.reduce_scatter_tensor_coalesced_: ("reduce_scatter", 2, 1),
+    _c10d.allreduce_: (Collective.ALL_REDUCE, 1, 0),
+    _c10d.allreduce_coalesced_: (Collective.ALL_REDUCE, 1, 0),
+    _c10d.broadcast_: (Collective.BROADCAST, 1, 0),
+    ALLGATHER_BASE: (Collective.ALL_GATHER, 2, 0),
+    _c10d.allgather_: (Collective.ALL_GATHER, 2, 0),
+    _c10d.allgather_coalesced_: (Collective.ALL_GATHER, 2, 0),
+    _c10d.allgather_into_tensor_coalesced_: (Collective.ALL_GATHER, 2, 0),
+    REDUCE_SCATTER_BASE: (Collective.REDUCE_SCATTER, 2, 1),
+    _c10d.reduce_scatter_: (Collective.REDUCE_SCATTER, 2, 1),
+    _c10d.reduce_scatter_tensor_coalesced_: (Collective.REDUCE_SCATTER, 2, 1),
     _c10d.alltoall_base_: ("all_to_all", 2, 1),
     _c10d.alltoall_: ("all_to_all", 2, 1),
-    _c10d.send: ("send", 1, 0),
-    _c10d.recv_: ("recv", 1, 0),
-    _fn.all_reduce: ("all_reduce", 2, 0),
-    _fn.all_reduce_coalesced: ("all_reduce", 2, 0),
-    _fn.broadcast: ("broadcast", 2, 0),
-    _fn.reduce_scatter_tensor: ("reduce_scatter", 3, 0),
-    _fn.reduce_scatter_tensor_coalesced: ("reduce_scatter", 3, 0),
+    _c10d.send: (Collective.SEND, 1, 0),
+    _c10d.recv_: (Collective.RECV, 1, 0),
+    _fn.all_reduce: (Collective.ALL_REDUCE, 2, 0),
+    _fn.all_reduce_coalesced: (Collective.ALL_REDUCE, 2, 0),
+    _fn.broadcast: (Collective.BROADCAST, 2, 0),
+    _fn.reduce_scatter_tensor: (Collective.REDUCE_SCATTER, 3, 0),
+    _fn.reduce_scatter_tensor_coalesced: (Collective.REDUCE_SCATTER, 3, 0),
     _fn.all_to_all_single: ("all_to_all", 3, 0),
 }
 # All-gathers whose output the functional op allocates: bytes = input x group size.
@@ -93,10 +99,10 @@ class CollectiveRecorder(TorchDispatchMode):
             self.blocked_s += time.perf_counter() - start
         if packet in _OPS:
             kind, g, b = _OPS[packet]
-            phase = self.labels.get(args[0][0].data_ptr(), self.phase) if kind in ("send", "recv") else self.phase
+            phase = self.labels.get(args[0][0].data_ptr(), self.phase) if kind in (Collective.SEND, Collective.RECV) else self.phase
             self.events.append((*_group(args[g]), kind, phase, _nbytes(args[b])))
         elif packet in _GATHERS:
-            self.events.append((*_group(args[_GATHERS[packet]]), "all_gather", self.phase,
+            self.events.append((*_group(args[_GATHERS[packet]]), Collective.ALL_GATHER, self.phase,
                                 _nbytes(args[0]) * int(args[1])))
         return out
 

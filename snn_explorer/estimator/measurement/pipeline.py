@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ... import compat
 from ...core import apply
+from ...core.collectives import Collective
 from ...ranks.progress import heartbeat
 from ..instruments.meter import StorageMeter
 from ..instruments.recorder import CollectiveRecorder
@@ -61,7 +62,7 @@ def measure_pp_plan(model, plan, run: MeasureSettings) -> dict:
         opt.step()
     heartbeat(step=run.steps + 1, total=run.steps + 1, message=f"{plan.mode}: measured step")
     groups = {d: runtime.mesh.get_group(d) for d in plan.mesh_dim_names}
-    phases = {"all_reduce": reduce_phase(pipe.stage_ids), "broadcast": "loss"}
+    phases = {Collective.ALL_REDUCE: reduce_phase(pipe.stage_ids), Collective.BROADCAST: "loss"}
     rows = [dict(r, phase=phases.get(r["kind"], r["phase"])) for r in recorder.table(groups)]
     row = dict(rank=dist.get_rank(), params_bytes=total_bytes(params), grads_bytes=total_bytes(p.grad for p in params),
                optimizer_bytes=total_bytes(state), buffers_bytes=total_bytes(pipe.buffers()), activations_bytes=saved.peak,
@@ -79,11 +80,11 @@ def pp_collectives(plan, results: Sequence[dict]):
     sums: Dict[tuple, List[int]] = {}
     for pp_rank, result in sorted(first.items()):
         for r in result["collectives"]:
-            if r["kind"] == "broadcast" and pp_rank:
+            if r["kind"] == Collective.BROADCAST and pp_rank:
                 continue  # one broadcast, issued by all
             acc = sums.setdefault((r["mesh_dim"], r["kind"], r["phase"]), [0, 0])
             acc[0], acc[1] = acc[0] + r["count"], acc[1] + r["bytes"]
-    sends = {k[2]: v for k, v in sums.items() if k[1] == "send"}
-    recvs = {k[2]: v for k, v in sums.items() if k[1] == "recv"}
-    rows = [dict(mesh_dim=d, kind=k, phase=p, count=c, bytes=n) for (d, k, p), (c, n) in sums.items() if k != "recv"]
+    sends = {k[2]: v for k, v in sums.items() if k[1] == Collective.SEND}
+    recvs = {k[2]: v for k, v in sums.items() if k[1] == Collective.RECV}
+    rows = [dict(mesh_dim=d, kind=k, phase=p, count=c, bytes=n) for (d, k, p), (c, n) in sums.items() if k != Collective.RECV]
     return rows, agree and sends == recvs

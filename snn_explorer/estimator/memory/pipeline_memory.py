@@ -20,6 +20,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import pandas as pd
 
+from ...core.collectives import Collective
 from ...core.pipeline_plan import check_pp_model, stage_units
 from ...core.pipeline_schedules import schedule_of
 from ..instruments.tables import boundary_phase, reduce_phase
@@ -148,13 +149,13 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
                           bubble_fraction=bubble_fraction(plan.pp_schedule, plan.pp_size, micro,
                                                           plan.pp_virtual_stages)))
         if plan.dp_size > 1:
-            collectives.append(dict(mesh_dim="dp", kind="all_reduce", count=1, bytes=b["grads_bytes"],
+            collectives.append(dict(mesh_dim="dp", kind=Collective.ALL_REDUCE, count=1, bytes=b["grads_bytes"],
                                     phase=reduce_phase(own)))
     rank_of = lambda s: plan.pp_schedule_spec.rank_of(s, plan.pp_size, plan.pp_virtual_stages)
     for s in (s for s in range(plan.pp_stages - 1) if rank_of(s) != rank_of(s + 1)):  # V: one boundary is local
         nbytes = round(costs[s][1] * itemsize)
-        for kind, phase in (("send", boundary_phase("forward", s, s + 1)), ("send", boundary_phase("backward", s + 1, s))):
+        for kind, phase in ((Collective.SEND, boundary_phase("forward", s, s + 1)), (Collective.SEND, boundary_phase("backward", s + 1, s))):
             collectives.append(dict(mesh_dim="pp", kind=kind, phase=phase, count=micro, bytes=micro * nbytes))
-    collectives.append(dict(mesh_dim="pp", kind="broadcast", phase="loss", count=1, bytes=itemsize))
+    collectives.append(dict(mesh_dim="pp", kind=Collective.BROADCAST, phase="loss", count=1, bytes=itemsize))
     per_rank = [dict(rank=r, **rows[r // plan.dp_size]) for r in range(plan.world_size)]
     return per_rank, collectives, pd.DataFrame(table, columns=list(PIPELINE_COLUMNS))

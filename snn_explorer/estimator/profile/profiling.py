@@ -34,8 +34,8 @@ from ...core.plans.families import fsdp_units
 from ..instruments.fsdp_events import record
 from ..instruments.isolation import as_found, one_thread
 from ..instruments.meter import StorageMeter
-from ..instruments.op_counter import OpCounter, grad_names
 from ..instruments.module_calls import ModuleCalls
+from ..instruments.op_counter import OpCounter, grad_names
 from ..instruments.storage import SavedByModule, model_state_tensors, saving, state_tensor_ids, storage_bytes
 from .step import batch_slice, check_inputs, forward_loss, run_dtypes
 from .tp_replica import tp_replica

@@ -11,6 +11,7 @@ from ...core import SNNDistributedPlan, SNNDistributedRuntime
 from ...core.neurons import reset_all
 from ...core.validate import check_batch_tensor, check_dtype, check_instance
 
+
 @dataclass(frozen=True)
 class OptimizerKind:
     """An optimizer the estimator plans and measure() runs: its torch class and arguments, the state

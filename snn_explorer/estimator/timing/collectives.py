@@ -13,6 +13,7 @@ import torch
 
 from ...compat import DDP_FIRST_BUCKET_BYTES, ddp_bucket_assignment
 from ...core import SNNDistributedPlan
+from ...core.collectives import Collective
 from ...core.styles import STYLES
 from ..memory.sharding import Param, fsdp_group_bytes, fsdp_groups
 from ..profile.profiling import ModelProfile
@@ -51,9 +52,9 @@ def _fsdp(out, plan: SNNDistributedPlan, params, profile: ModelProfile, t: int) 
             fwd, bwd = calls, calls if hooked else 1
         else:  # kept unsharded after forward (memopt 0, and always the root)
             fwd, bwd = 1, calls - 1 if hooked else 0
-        _add(out, ("dp", "all_gather", "forward"), fwd, fwd * nbytes)
-        _add(out, ("dp", "all_gather", "backward"), bwd, bwd * nbytes)
-        _add(out, ("dp", "reduce_scatter", "backward"), 1, nbytes)
+        _add(out, ("dp", Collective.ALL_GATHER, "forward"), fwd, fwd * nbytes)
+        _add(out, ("dp", Collective.ALL_GATHER, "backward"), bwd, bwd * nbytes)
+        _add(out, ("dp", Collective.REDUCE_SCATTER, "backward"), 1, nbytes)
 
 
 def _tp(out, plan: SNNDistributedPlan, profile: ModelProfile, n: int, t: int, itemsize: int) -> None:
@@ -77,9 +78,9 @@ def step_collectives(plan: SNNDistributedPlan, params: Sequence[Param], profile:
     n = plan.per_rank_batch
     if plan.uses_ddp:
         buckets = ddp_buckets(params, profile.grad_ready_order)
-        _add(out, ("dp", "all_reduce", "backward"), len(buckets), sum(buckets))
+        _add(out, ("dp", Collective.ALL_REDUCE, "backward"), len(buckets), sum(buckets))
         if plan.uses_zero:
-            _add(out, ("dp", "broadcast", "optimizer"), len(params), sum(p.numel * p.itemsize for p in params))
+            _add(out, ("dp", Collective.BROADCAST, "optimizer"), len(params), sum(p.numel * p.itemsize for p in params))
     if plan.uses_tp:
         _tp(out, plan, profile, n, time_steps, itemsize)
     if plan.uses_fsdp:

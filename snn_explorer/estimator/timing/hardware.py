@@ -25,24 +25,23 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, Mapping, Optional, Tuple
 
+from ...core.collectives import TIMED, Collective
 from ...core.validate import positive_int, positive_number
 
-#: The collective kinds a profile times (the names :mod:`.comms` and the recorder use).
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")
+#: The collective kinds a profile times.
+KINDS = TIMED
 
 
 def ring_steps(kind: str, p: int) -> int:
     """Latency-bound steps of one collective on ``p`` ranks: the ring's, but for an all-reduce the
     fewer of the ring's ``2 (p - 1)`` and the tree's ``2 ceil(log2 p)`` (NCCL picks the tree at scale)."""
     tree = 2 * math.ceil(math.log2(p)) if p > 1 else 0
-    return {"all_reduce": min(2 * (p - 1), tree), "all_gather": p - 1, "reduce_scatter": p - 1,
-            "broadcast": p - 1, "send": 1}[kind]
+    return Collective(kind).ring_steps(p, tree)
 
 
 def ring_fraction(kind: str, p: int) -> float:
     """Fraction of the buffer each rank sends over its link (NCCL's algorithm-to-bus bandwidth factor)."""
-    return {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p,
-            "broadcast": 1.0, "send": 1.0}[kind]
+    return Collective(kind).ring_fraction(p)
 
 
 def _check_table(name: str, table: Mapping) -> Dict[str, Dict[int, Tuple[float, float]]]:

@@ -27,6 +27,7 @@ from typing import Dict, List, Sequence, Tuple
 import pandas as pd
 import torch
 
+from ...core.collectives import Collective
 from ...core.parallelize.pipeline import PipelineStageModule
 from ...core.pipeline_plan import check_pp_model, pipeline_units, stage_units
 from ...core.pipeline_schedules import needs, passes, replay
@@ -95,9 +96,9 @@ def plan_stages(plan, profile) -> Tuple[Tuple[str, ...], ...]:
 def transfer_s(plan, collectives: pd.DataFrame, hw: HardwareProfile) -> Dict[Tuple[int, int], float]:
     """Seconds of one micro-batch's transfer across each stage boundary, by ``(src, dst)`` stage."""
     out = {}
-    sends = collectives[(collectives["mesh_dim"] == "pp") & (collectives["kind"] == "send")]
+    sends = collectives[(collectives["mesh_dim"] == "pp") & (collectives["kind"] == Collective.SEND)]
     for row in sends.itertuples(index=False):
-        out[boundary_stages(row.phase)] = hw.collective_time("send", 2, row.bytes, row.count,
+        out[boundary_stages(row.phase)] = hw.collective_time(Collective.SEND, 2, row.bytes, row.count,
                                                              spans_nodes(plan, "pp", hw, 2)) / row.count
     return out
 
@@ -186,7 +187,7 @@ def _collectives_after(plan, collectives: pd.DataFrame, hw: HardwareProfile) -> 
         rows = collectives[(collectives["mesh_dim"] == "dp") & (collectives["phase"] == phase)]
         reduce_s.append(sum(hw.collective_time(r.kind, plan.dp_size, r.bytes, r.count, spans_nodes(plan, "dp", hw))
                             for r in rows.itertuples()))
-    loss = collectives[(collectives["mesh_dim"] == "pp") & (collectives["kind"] == "broadcast")]
-    broadcast = sum(hw.collective_time("broadcast", plan.pp_size, r.bytes, r.count, spans_nodes(plan, "pp", hw))
+    loss = collectives[(collectives["mesh_dim"] == "pp") & (collectives["kind"] == Collective.BROADCAST)]
+    broadcast = sum(hw.collective_time(Collective.BROADCAST, plan.pp_size, r.bytes, r.count, spans_nodes(plan, "pp", hw))
                     for r in loss.itertuples())
     return reduce_s, broadcast

@@ -3,6 +3,7 @@ many ranks share a host and how much they slow each other."""
 from __future__ import annotations
 
 from ...core import SNNDistributedPlan
+from ...core.collectives import Collective
 from .hardware import HardwareProfile
 
 
@@ -22,7 +23,7 @@ def spans_nodes(plan: SNNDistributedPlan, mesh_dim: str, hw: HardwareProfile, si
 def group_size(plan: SNNDistributedPlan, mesh_dim: str, kind: str) -> int:
     """Ranks taking part: a pipeline send joins two neighbouring stages, any other collective the dim."""
     if mesh_dim == "pp":
-        return 2 if kind == "send" else plan.pp_size
+        return 2 if kind == Collective.SEND else plan.pp_size
     return plan.tp_size if mesh_dim == "tp" else plan.dp_size
 
 

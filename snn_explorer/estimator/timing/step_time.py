@@ -29,6 +29,7 @@ import pandas as pd
 import torch
 
 from ...core import SNNDistributedPlan
+from ...core.collectives import Collective
 from ...core.styles import STYLES
 from ..instruments.tables import TIME_COLUMNS
 from .compute_work import PHASES, Work, local_correction, rank_work
@@ -44,19 +45,19 @@ def exposed_comm_s(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: Hard
     for row in collectives.itertuples(index=False):
         size = group_size(plan, row.mesh_dim, row.kind)
         seconds = hw.collective_time(row.kind, size, row.bytes, row.count, spans_nodes(plan, row.mesh_dim, hw, size),
-                                     burst=plan.uses_zero and row.kind == "broadcast")  # ZeRO's, back to back
+                                     burst=plan.uses_zero and row.kind == Collective.BROADCAST)  # ZeRO's, back to back
         timed[(row.mesh_dim, row.kind, row.phase)] = (seconds, row.count)
     if not hw.overlaps_comm:
         return sum(seconds for seconds, _ in timed.values())
     exposed = 0.0
-    ar, ar_n = timed.pop(("dp", "all_reduce", "backward"), (0.0, 0))
+    ar, ar_n = timed.pop(("dp", Collective.ALL_REDUCE, "backward"), (0.0, 0))
     if ar_n:  # DDP buckets
         exposed += max(ar / ar_n, ar - phase_s["backward"])
-    fwd, fwd_n = timed.pop(("dp", "all_gather", "forward"), (0.0, 0))
+    fwd, fwd_n = timed.pop(("dp", Collective.ALL_GATHER, "forward"), (0.0, 0))
     if fwd_n:  # FSDP2 prefetch: the first gather waits, the rest hide behind the forward
         exposed += fwd / fwd_n + max(0.0, fwd - fwd / fwd_n - phase_s["forward"])
-    bag, _ = timed.pop(("dp", "all_gather", "backward"), (0.0, 0))
-    rs, rs_n = timed.pop(("dp", "reduce_scatter", "backward"), (0.0, 0))
+    bag, _ = timed.pop(("dp", Collective.ALL_GATHER, "backward"), (0.0, 0))
+    rs, rs_n = timed.pop(("dp", Collective.REDUCE_SCATTER, "backward"), (0.0, 0))
     if rs_n or bag:
         exposed += max(rs / rs_n if rs_n else 0.0, bag + rs - phase_s["backward"])
     return exposed + sum(seconds for seconds, _ in timed.values())  # TP, ZeRO: critical path
@@ -87,7 +88,7 @@ def framework_s(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, hw
                     if path in profile.modules and STYLES[style].wraps_calls)
         seconds += calls * hw.overhead("tp_module", plan.tp_size)
     if plan.uses_fsdp:
-        fsdp = collectives[(collectives["mesh_dim"] == "dp") & collectives["kind"].isin(("all_gather", "reduce_scatter"))]
+        fsdp = collectives[(collectives["mesh_dim"] == "dp") & collectives["kind"].isin((Collective.ALL_GATHER, Collective.REDUCE_SCATTER))]
         seconds += int(fsdp["count"].sum()) * hw.overhead("fsdp_collective", plan.dp_size)
     return seconds
 
