@@ -3,10 +3,10 @@ the hardware profiles (a ``str`` enum: its members are their names wherever a ta
 profile holds them)."""
 from __future__ import annotations
 
-from enum import Enum
+from .vocabulary import Vocabulary
 
 
-class Collective(str, Enum):
+class Collective(Vocabulary):
     """A kind of collective operation, with the ring algorithm's step count and traffic share."""
 
     ALL_REDUCE = "all_reduce"
@@ -15,11 +15,6 @@ class Collective(str, Enum):
     BROADCAST = "broadcast"
     SEND = "send"
     RECV = "recv"
-
-    def __str__(self) -> str:
-        return self.value
-
-    __format__ = str.__format__
 
     def ring_steps(self, p: int, tree: int) -> int:
         """Latency terms of one operation over ``p`` ranks (all-reduce: at most a tree's ``tree``)."""

@@ -12,6 +12,7 @@ from .pipeline_plan import check_pp_model
 from .plans.families import CONTAINERS
 from .runtime import SNNDistributedRuntime
 from .tp_plan import check_tied_parameters, check_tp_plan
+from .vocabulary import NeuronBackend
 from .memory_levers import check_cpu_offload_device
 from .parallelize.checkpointing import apply_activation_checkpointing
 from .parallelize.dp import apply_ddp
@@ -45,7 +46,7 @@ def preflight(model: nn.Module, plan: SNNDistributedPlan) -> SNNDistributedAnaly
     if plan.uses_pp:
         check_pp_model(plan, analysis.pipeline_units, analysis.pipeline_problem, analysis.shared_parameter_groups,
                        analysis.trainable_units)
-        if plan.neuron_backend == "inductor":
+        if NeuronBackend(plan.neuron_backend).compiled:
             raise ValueError("neuron_backend='inductor' (torch.compile) with mode 'pp' may come later; use "
                              "neuron_backend='torch'")
     modules = dict(model.named_modules())
@@ -71,7 +72,7 @@ def _check_not_applied(model: nn.Module) -> None:
 
 
 def _set_neuron_backend(model: nn.Module, backend: str) -> None:
-    if backend not in ("cupy", "triton"):
+    if not NeuronBackend(backend).fused:
         return
     for name, module in model.named_modules():
         if hasattr(module, "supported_backends") and hasattr(module, "backend"):
@@ -112,6 +113,6 @@ def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: Optional[s
         wrapped = apply_pp(model, plan, analysis.pipeline_units, mesh, device)
     if plan.distributed:
         model.__dict__[_APPLIED] = repr(plan)
-    if plan.neuron_backend == "inductor":
+    if NeuronBackend(plan.neuron_backend).compiled:
         wrapped = torch.compile(wrapped)
     return SNNDistributedRuntime(model=wrapped, mesh=mesh, analysis=analysis, plan=plan, device=device)

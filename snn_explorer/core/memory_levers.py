@@ -26,9 +26,10 @@ from torch import nn
 
 from . import neurons
 from .modes import names_text
+from .vocabulary import Checkpointing
 
-#: The granularities of ``SNNDistributedPlan.activation_checkpointing``.
-ACTIVATION_CHECKPOINTING = ("none", "blocks", "time_chunks")
+#: The granularities of ``SNNDistributedPlan.activation_checkpointing`` (:class:`~.vocabulary.Checkpointing`).
+ACTIVATION_CHECKPOINTING = Checkpointing.names()
 
 
 def check_memory_levers(plan: Any) -> None:
@@ -40,24 +41,24 @@ def check_memory_levers(plan: Any) -> None:
     if type(every) is not int or every < 1:
         raise ValueError(f"checkpoint_every={every!r} must be an int >= 1 (checkpoint every k-th block or "
                          "chunk k time steps)")
-    if granularity == "none" and every != 1:
+    if granularity == Checkpointing.NONE and every != 1:
         raise ValueError(f"checkpoint_every={every} has no effect with activation_checkpointing='none'; "
                          "pick 'blocks' or 'time_chunks', or leave checkpoint_every=1")
-    if granularity != "none" and not features.allow_activation_checkpointing:
+    if granularity != Checkpointing.NONE and not features.allow_activation_checkpointing:
         raise ValueError(f"activation_checkpointing={granularity!r} needs "
                          "DistributedFeatureSet(allow_activation_checkpointing=True)")
-    if granularity != "none" and plan.uses_pp:
+    if granularity != Checkpointing.NONE and plan.uses_pp:
         raise ValueError(f"activation_checkpointing={granularity!r} is not combined with pipeline stages "
                          "(mode 'pp') yet (it may come later; its equivalence is untested); use "
                          "activation_checkpointing='none' with pp, or a dp / tp / fsdp2 / fsdp2_tp plan")
     step_module = plan.time_step_module
     if step_module is not None and (not isinstance(step_module, str) or not step_module):
         raise ValueError(f"time_step_module={step_module!r} must be a module path (a non-empty string) or None")
-    if granularity == "time_chunks" and step_module is None:
+    if granularity == Checkpointing.TIME_CHUNKS and step_module is None:
         raise ValueError("activation_checkpointing='time_chunks' needs time_step_module, the module the model "
                          "calls once per time step (find_time_step_module(model, example_input) finds it); a "
                          "model that runs all time steps in one call takes activation_checkpointing='blocks'")
-    if granularity != "time_chunks" and step_module is not None:
+    if granularity != Checkpointing.TIME_CHUNKS and step_module is not None:
         raise ValueError(f"time_step_module={step_module!r} is only used by activation_checkpointing="
                          f"'time_chunks', not {granularity!r}")
     if type(plan.cpu_offload) is not bool:
@@ -124,7 +125,7 @@ def _holds_params_and_state(module: nn.Module) -> bool:
 def lever_label(plan: Any) -> str:
     """A short label of the plan's memory levers ('' when it uses none): ``+ac:blocks/2``, ``+offload``."""
     parts = []
-    if plan.activation_checkpointing != "none":
+    if plan.activation_checkpointing != Checkpointing.NONE:
         every = f"/{plan.checkpoint_every}" if plan.checkpoint_every > 1 else ""
         parts.append(f"+ac:{plan.activation_checkpointing}{every}")
     if plan.cpu_offload:
@@ -132,7 +133,7 @@ def lever_label(plan: Any) -> str:
     return "".join(parts)
 
 
-def lever_fields(activation_checkpointing: Optional[str] = "none", checkpoint_every: int = 1,
+def lever_fields(activation_checkpointing: Optional[str] = Checkpointing.NONE, checkpoint_every: int = 1,
                  cpu_offload: bool = False, time_step_module: Optional[str] = None, *, objective: str = "speed",
                  features: Any = None, analysis: Any = None) -> dict:
     """The plan fields of the memory levers, as ``plan(...)`` passes them on (checked by the plan itself).
@@ -145,7 +146,7 @@ def lever_fields(activation_checkpointing: Optional[str] = "none", checkpoint_ev
     """
     if activation_checkpointing is None:
         activation_checkpointing = _chosen_granularity(objective, features, analysis, time_step_module)
-        time_step_module = time_step_module if activation_checkpointing == "time_chunks" else None
+        time_step_module = time_step_module if activation_checkpointing == Checkpointing.TIME_CHUNKS else None
     return dict(activation_checkpointing=activation_checkpointing, checkpoint_every=checkpoint_every,
                 cpu_offload=cpu_offload, time_step_module=time_step_module)
 
@@ -158,22 +159,23 @@ def objective_checkpoints(objective: str, features: Any) -> bool:
 
 def _chosen_granularity(objective: str, features: Any, analysis: Any, time_step_module: Optional[str]) -> str:
     if not objective_checkpoints(objective, features):
-        return "none"
+        return Checkpointing.NONE
     if time_step_module is not None:
-        return "time_chunks"
-    return "blocks" if analysis is not None and analysis.fsdp_unit_names else "none"
+        return Checkpointing.TIME_CHUNKS
+    return Checkpointing.BLOCKS if analysis is not None and analysis.fsdp_unit_names else Checkpointing.NONE
 
 
 def checkpointing_variants(plan: Any, time_step_module: Optional[str] = None) -> List[Any]:
     """``plan`` with each checkpointing granularity its gate allows: ``blocks``, and ``time_chunks`` (k=1)
     when ``time_step_module`` names the module stepped once per time step ([] with the gate closed, and for
     pipeline plans, which do not take checkpointing yet)."""
-    if (not plan.experimental_features.allow_activation_checkpointing or plan.activation_checkpointing != "none"
+    if (not plan.experimental_features.allow_activation_checkpointing
+            or plan.activation_checkpointing != Checkpointing.NONE
             or plan.uses_pp):
         return []
-    variants = [dataclasses.replace(plan, activation_checkpointing="blocks")]
+    variants = [dataclasses.replace(plan, activation_checkpointing=Checkpointing.BLOCKS)]
     if time_step_module is not None:
-        variants.append(dataclasses.replace(plan, activation_checkpointing="time_chunks",
+        variants.append(dataclasses.replace(plan, activation_checkpointing=Checkpointing.TIME_CHUNKS,
                                             time_step_module=time_step_module))
     return variants
 
@@ -185,7 +187,7 @@ def lever_notes(levers: dict) -> List[str]:
         notes.append("cpu_offload=True needs CUDA ranks: it keeps FSDP2's shards in CPU memory and copies each "
                      "unit's to the GPU when it runs (apply refuses CPU ranks, whose parameters are in CPU memory "
                      "already).")
-    if levers["activation_checkpointing"] != "none":
+    if levers["activation_checkpointing"] != Checkpointing.NONE:
         notes.append(f"activation_checkpointing={levers['activation_checkpointing']!r} recomputes forward work "
                      "in backward: less activation memory for more compute per step.")
     return notes

@@ -277,7 +277,7 @@ def _rationale(objective: str, chosen: str, topology: SNNDistributedTopology, ze
 
 
 def _check_backend_support(neuron_backend: str, analysis: SNNDistributedAnalysis) -> None:
-    if neuron_backend in ("cupy", "triton"):
+    if neuron_backend.fused:
         others = [n for n, lib in analysis.snn_libraries if lib != "spikingjelly"]
         if others:
             raise ValueError(f"neuron_backend={neuron_backend!r} is a spikingjelly neuron backend, but "

@@ -8,11 +8,12 @@ from .pipeline_plan import recommend_pipeline
 from .pipeline_schedules import default_schedule
 from .plans.families import VGG, resolve_family
 from .validate import UNSET, positive_int, renamed_keyword
+from .vocabulary import NeuronBackend
 
 #: Objectives the planner optimises for.
 SNN_DISTRIBUTED_PREFERENCES = ("speed", "memory", "capacity")
 #: Neuron compute backends (spikingjelly's kernels, or torch.compile); not the communication backend.
-BACKENDS = ("torch", "cupy", "triton", "inductor")
+BACKENDS = NeuronBackend.names()
 
 
 @dataclass(frozen=True)
@@ -36,12 +37,9 @@ def check_objective(objective) -> str:
     return objective.lower()
 
 
-def check_backend(backend) -> str:
-    """The neuron compute backend, lower-cased, checked against ``BACKENDS``."""
-    if not isinstance(backend, str) or backend.lower() not in BACKENDS:
-        raise ValueError(f"unsupported neuron_backend={backend!r} (the neuron compute backend); "
-                         f"expected one of {BACKENDS}")
-    return backend.lower()
+def check_backend(backend) -> NeuronBackend:
+    """The neuron compute backend (:class:`~.vocabulary.NeuronBackend`; a name in any case)."""
+    return NeuronBackend.check(backend, "neuron_backend", "the neuron compute backend")
 
 
 def neuron_backend_arg(neuron_backend: Any, backend: Any = UNSET) -> Any:

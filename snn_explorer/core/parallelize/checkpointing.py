@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import neurons
 from ..plans.families import CONTAINERS
+from ..vocabulary import Checkpointing
 
 __all__ = ["apply_activation_checkpointing", "checkpoint_blocks", "checkpoint_time_chunks", "block_segments"]
 
@@ -281,7 +282,7 @@ def _check_stepped(chunks: _TimeChunks, path: str) -> None:
 
 def apply_activation_checkpointing(model: nn.Module, plan, units: Sequence[str]) -> None:
     """Checkpoint ``model`` as ``plan.activation_checkpointing`` says (``units``: the model's blocks)."""
-    if plan.activation_checkpointing == "blocks":
+    if plan.activation_checkpointing == Checkpointing.BLOCKS:
         checkpoint_blocks(model, units, plan.checkpoint_every)
-    elif plan.activation_checkpointing == "time_chunks":
+    elif plan.activation_checkpointing == Checkpointing.TIME_CHUNKS:
         checkpoint_time_chunks(model, plan.time_step_module, plan.checkpoint_every)

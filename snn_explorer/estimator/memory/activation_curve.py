@@ -7,6 +7,7 @@ import pandas as pd
 
 from ...core.memory_levers import checkpointing_variants, copy_without_levers
 from ...core.validate import positive_int
+from ...core.vocabulary import Checkpointing
 from ..profile.checkpointed import held_after_forward, levered_profile
 from ..profile.profiling import ModelProfile
 from ..profile.step import batch_slice
@@ -20,7 +21,7 @@ def activation_curve(profile: ModelProfile, plan, time_steps: Sequence[int], tim
     of ``time_steps``: ``plan`` without checkpointing, and with each granularity its gate allows (``plan``'s own
     when it has one). Rows: ``time_steps``, ``plan`` (the granularity), ``activations_bytes``."""
     plain = copy_without_levers(plan)
-    levered = [plan] if plan.activation_checkpointing != "none" else checkpointing_variants(plain, time_step_module)
+    levered = [plan] if Checkpointing(plan.activation_checkpointing).recomputes else checkpointing_variants(plain, time_step_module)
     if not levered:
         raise ValueError("the plan's DistributedFeatureSet closes allow_activation_checkpointing: there is no "
                          "checkpointed curve to compare")

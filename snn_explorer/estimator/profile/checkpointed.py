@@ -20,6 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ...core.neurons import detached_copy
 from ...core.parallelize.checkpointing import apply_activation_checkpointing
+from ...core.vocabulary import Checkpointing
 from ..instruments.meter import StorageMeter
 from ..instruments.storage import model_state_tensors, state_tensor_ids, total_bytes
 from .profiling import ModelProfile
@@ -99,7 +100,7 @@ def _flops(model: nn.Module, x: torch.Tensor, labels) -> Tuple[float, float]:
 def levered_profile(profile: ModelProfile, plan) -> ModelProfile:
     """The profile to estimate ``plan`` from: ``profile`` itself without checkpointing, else its
     :class:`CheckpointedProfile` for the plan's checkpointing (cached on ``profile``)."""
-    if plan.activation_checkpointing == "none":
+    if not Checkpointing(plan.activation_checkpointing).recomputes:
         return profile
     key = (plan.activation_checkpointing, plan.checkpoint_every, plan.time_step_module)
     cache = profile.__dict__.setdefault("_checkpointed_profiles", {})
