@@ -7,21 +7,28 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from typing import Optional, Sequence
+
+import cloudpickle
+import torch.distributed as dist
+
+from ..core import SNNDistributedPlan
+from ..core.neurons import restore_stateful
+from ..core.parallelize.mesh import device_type_for
+from ..core.serialize import loads
+from ..ranks import init_process_group, resolve_backend, run
+from .plan_run import train_plan_rank
+from .private_files import read_private
 
 
 def _backend() -> str:
     """NCCL when this node has a GPU per local rank, else gloo (the rank runner's ``auto``)."""
-    from ..ranks import resolve_backend
-
     return resolve_backend("auto", int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def _train(job: dict, plan_data: dict, backend: str) -> list:
     """One rank of the job, inside its process group: apply the plan and run the steps."""
-    from ..core.parallelize.mesh import device_type_for
-    from .plan_run import train_plan_rank
-
     return train_plan_rank(job["model"], plan_data, job["train_fn"], job["steps"], job["dataset"],
                            device_type_for(backend), job["optimizer"], job["seed"], job["train_kwargs"],
                            job.get("checkpoints"))
@@ -35,23 +42,31 @@ def _write(out: str, rank: int, history: list) -> None:
         json.dump(history, fh)
 
 
+def _fail_now(rank: int) -> None:
+    """Leave at once with code 1 after printing the error: torchrun then ends (or restarts) the group.
+    No ``destroy_process_group``: it waits for this rank's collectives still in flight, which wait
+    for peers that may be blocked themselves (the job would hang until the group's timeout)."""
+    print(f"[rank {rank}] failed:\n{traceback.format_exc()}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def _torchrun_rank(job: dict, plan_data: dict, out: str) -> None:
     """Under torchrun: join its process group (the rank runner's entry), train, write this rank's metrics."""
-    from ..ranks import init_process_group
-
     backend = _backend()
-    dist = init_process_group(backend)
+    init_process_group(backend)
+    rank = dist.get_rank()
     try:
-        _write(out, dist.get_rank(), _train(job, plan_data, backend))
-    finally:
-        dist.destroy_process_group()
+        history = _train(job, plan_data, backend)
+    except BaseException:  # noqa: BLE001 - any failure, KeyboardInterrupt included, ends this rank now
+        _fail_now(rank)
+    _write(out, rank, history)
+    dist.destroy_process_group()  # every rank got here: no collective is left in flight
 
 
 def _local_run(job: dict, plan_data: dict, out: str) -> None:
     """Without torchrun: every rank on this machine through ``snn_explorer.ranks`` (loopback only)."""
-    from ..core import SNNDistributedPlan
-    from ..ranks import resolve_backend, run
-
     world = SNNDistributedPlan.from_dict(plan_data).world_size
     backend = resolve_backend("auto", world)
     result = run(_train, (job, plan_data, backend), nprocs=world, backend=backend, progress=True)
@@ -59,15 +74,17 @@ def _local_run(job: dict, plan_data: dict, out: str) -> None:
         _write(out, rank, history)
 
 
+def _job_relative(job: dict, here: str) -> dict:
+    """The job with a relative ``checkpoint_dir`` made relative to the job directory ``here``."""
+    checkpoints = job.get("checkpoints")
+    if checkpoints and not os.path.isabs(checkpoints["dir"]):
+        return {**job, "checkpoints": {**checkpoints, "dir": os.path.join(here, checkpoints["dir"])}}
+    return job
+
+
 def main(script: str, argv: Optional[Sequence[str]] = None) -> int:
     """Parse ``--plan/--payload/--out`` and train: under torchrun, this rank; run directly
     (``python run.py``), all the plan's ranks on this machine. Writes ``rank<R>.json`` per rank."""
-    import cloudpickle
-
-    from ..core.neurons import restore_stateful
-    from ..core.serialize import loads
-    from .private_files import read_private
-
     here = os.path.dirname(os.path.abspath(script))
     parser = argparse.ArgumentParser(description="Run an exported snn_explorer plan: on this torchrun rank, "
                                                  "or (run directly) on all its ranks on this machine.")
@@ -77,7 +94,7 @@ def main(script: str, argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     plan_data = loads(read_private(args.plan, "plan file"))
     # Unpickling runs code: only a payload that no other user could have written or replaced.
-    job = cloudpickle.loads(read_private(args.payload, "payload"))
+    job = _job_relative(cloudpickle.loads(read_private(args.payload, "payload")), here)
     restore_stateful(job.get("stateful", {}))  # the exporting process's register_stateful calls
     if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:
         _torchrun_rank(job, plan_data, args.out)

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
+import torch
+
+from ..core import SNNDistributedPlan, apply, preflight
 from ..core.checkpoint import check_checkpoint, check_plan_checkpointable, latest_checkpoint, step_path
 from ..core.parallelize.mesh import device_type_for
 from ..core.validate import UNSET, non_negative_int, positive_int, renamed_keyword
@@ -63,10 +67,6 @@ def train_plan_rank(model, plan_data: dict, train_fn: Callable, steps: int, data
     resuming after the latest checkpoint of ``checkpoints["dir"]`` and saving one every
     ``checkpoints["every"]`` steps when ``checkpoints`` is given. Returns the metrics of the steps
     this run made."""
-    import torch
-
-    from ..core import SNNDistributedPlan, apply
-
     torch.manual_seed(seed)
     runtime = apply(model=model, plan=SNNDistributedPlan.from_dict(plan_data), device_type=device_type)
     torch.manual_seed(seed + runtime.dp_rank)  # data drawn in the step differs per dp rank, equal on TP peers
@@ -91,16 +91,12 @@ def checkpoint_settings(checkpoint_dir, checkpoint_every) -> Optional[dict]:
         return None
     if checkpoint_dir is None or checkpoint_every is None:
         raise ValueError("checkpoint_dir and checkpoint_every go together: give both or neither")
-    import os
-
     return {"dir": os.fspath(checkpoint_dir), "every": positive_int("checkpoint_every", checkpoint_every)}
 
 
 def _checkpoint_spec(model, plan, checkpoint_dir, checkpoint_every) -> Optional[dict]:
     """:func:`checkpoint_settings` with an absolute directory, created, and its latest checkpoint
     checked against the model and plan before any rank starts."""
-    import os
-
     settings = checkpoint_settings(checkpoint_dir, checkpoint_every)
     if settings is None:
         return None
@@ -150,8 +146,6 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
     after the latest complete checkpoint, as torch elastic restarts a group; ``.faults`` lists
     what ended each failed attempt. The final failure is raised when restarts run out.
     """
-    from ..core import SNNDistributedPlan, preflight
-
     if not isinstance(plan, SNNDistributedPlan):
         raise TypeError(f"plan must be an SNNDistributedPlan, got {type(plan).__name__}")
     positive_int("steps", steps)

@@ -12,17 +12,22 @@ import os
 import stat
 from typing import Union
 
+try:
+    import pwd
+except ImportError:  # not on Windows: owners are shown by uid
+    pwd = None
+
 #: Modes of what an export writes: data only its owner reads, scripts only its owner runs.
 FILE_MODE, SCRIPT_MODE = 0o600, 0o700
 _UNSAFE_BITS = stat.S_IWGRP | stat.S_IWOTH
 
 
 def _whose(uid: int) -> str:
+    if pwd is None:
+        return f"uid {uid}"
     try:
-        import pwd
-
         return pwd.getpwuid(uid).pw_name
-    except (ImportError, KeyError):
+    except KeyError:
         return f"uid {uid}"
 
 

@@ -64,6 +64,7 @@ class WidgetDisplay(NullDisplay):
     """One row per rank (label, progress bar, status text), updated live while the cell runs."""
 
     def __init__(self, nprocs: int):
+        # Imported here: ipywidgets / IPython are optional (notebook only) and slow to import.
         import ipywidgets as w
         from IPython.display import display
 

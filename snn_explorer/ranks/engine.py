@@ -16,6 +16,8 @@ import time
 import uuid
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
+import torch
+
 from ..core.validate import positive_int, positive_number
 from . import channel
 from . import payload as payloads
@@ -44,8 +46,6 @@ def resolve_backend(backend: str, nprocs: int) -> str:
         raise ValueError(f"comm_backend={backend!r}; expected one of {BACKENDS}")
     if backend == "gloo":
         return backend
-    import torch
-
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "nccl" and gpus < nprocs:
         raise ValueError(f"comm_backend='nccl' needs one CUDA device per rank: {nprocs} rank(s), {gpus} visible; "

@@ -2,16 +2,26 @@
 
 ``run_rank`` is what the agent's elastic workers execute: heartbeat, load the payload, join the
 process group, run the function, store its value. ``init_process_group`` is shared with the
-exported job's ``run.py`` under torchrun. Imports only the standard library until called.
+exported job's ``run.py`` under torchrun.
 """
 from __future__ import annotations
 
+import faulthandler
+import linecache
 import os
+import signal
 import sys
 import threading
 import time
+import traceback
+from datetime import timedelta
 from typing import Optional, Tuple
 
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from ..core.neurons import restore_stateful
 from . import channel
 
 
@@ -27,11 +37,6 @@ def exit_with_parent(parent: int, on_orphan) -> None:
 def init_process_group(backend: str, timeout_s: Optional[float] = None):
     """Join the process group torchrun / the agent describe in the environment (NCCL: the
     ``LOCAL_RANK``-th GPU); returns ``torch.distributed``."""
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
     kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -43,8 +48,6 @@ def init_process_group(backend: str, timeout_s: Optional[float] = None):
 
 
 def _write_error(run_dir: str, rank: int, exc: BaseException, phase: str) -> None:
-    import traceback
-
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     channel.write_json(channel.path(run_dir, "errors", f"{rank}.json"),
                        {"type": type(exc).__name__, "message": str(exc), "traceback": tb, "phase": phase,
@@ -56,12 +59,6 @@ def _write_error(run_dir: str, rank: int, exc: BaseException, phase: str) -> Non
 def _load_payload(path: str):
     """``(fn, args, kwargs)``; in-memory sources (notebook cells) go to linecache for tracebacks and
     the parent's ``register_stateful`` registrations are made here too."""
-    import linecache
-
-    import cloudpickle
-
-    from ..core.neurons import restore_stateful
-
     with open(path, "rb") as fh:
         data, sources = cloudpickle.loads(fh.read())
     for name, lines in sources.items():
@@ -90,8 +87,6 @@ def _leave(code: int) -> None:
 def _default_signals() -> None:
     """A forked rank inherits the agent's elastic handlers (SIGTERM raising an exception, which a
     rank blocked in a collective would only see after it): give it Python's defaults back."""
-    import signal
-
     for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_DFL)
@@ -100,9 +95,6 @@ def _default_signals() -> None:
 
 def run_rank(run_dir: str, backend: str, pg_timeout: Optional[float] = None) -> None:
     """One rank: heartbeat, load the payload, init the process group, run, store the value."""
-    import faulthandler
-    import signal
-
     _default_signals()
     rank = int(os.environ["RANK"])
     os.environ[channel.DIR_ENV] = run_dir
@@ -112,11 +104,9 @@ def run_rank(run_dir: str, backend: str, pg_timeout: Optional[float] = None) -> 
     channel.emit(run_dir, rank, "start", pid=os.getpid())
     phase = "load"  # then "init" (joining the process group), then "run" (the function)
     try:
-        import cloudpickle
-
         fn, args, kwargs = _load_payload(channel.path(run_dir, "payload.pkl"))
         phase = "init"
-        dist = init_process_group(backend, pg_timeout)
+        init_process_group(backend, pg_timeout)
         phase = "run"
         started = time.time()
         value = fn(*args, **kwargs)
