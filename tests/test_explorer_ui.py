@@ -7,6 +7,7 @@ import ipywidgets as w
 import pytest
 
 from snn_explorer.explorer import Explorer
+from snn_explorer.explorer import explorer as explorer_module
 from snn_explorer.explorer.ui import TABS, ExplorerUI, fit_sizes
 from snn_explorer.zoo import SpikingMLP, build
 
@@ -135,7 +136,7 @@ def test_tabs_render_modules_candidates_charts_and_launch(ui):
     assert "what each rank holds" in _data(ui, "Charts")["text/plain"]
     ui.tabs.selected_index = TABS.index("Launch")
     launch = _data(ui, "Launch")["text/plain"]
-    assert "ex.launch(ex.ui.current, train_fn" in launch and '"mode": "fsdp2_tp"' in launch
+    assert "result = ex.launch(plan, steps=5)" in launch and '"mode": "fsdp2_tp"' in launch
 
 
 def test_without_an_example_input_the_comparison_says_why():
@@ -310,12 +311,10 @@ def test_pipeline_chart_draws_a_pipeline_plan_and_says_when_there_is_none(pp_ui)
 
 
 def test_without_estimating_on_change_the_ui_opens_without_model_runs_and_estimates_on_the_button(monkeypatch):
-    import snn_explorer.estimator as estimator_pkg
-
     ex = _fresh()
     runs = []
-    real = estimator_pkg.estimate
-    monkeypatch.setattr(estimator_pkg, "estimate", lambda *a, **k: runs.append(1) or real(*a, **k))
+    real = explorer_module.estimate_plan
+    monkeypatch.setattr(explorer_module, "estimate_plan", lambda *a, **k: runs.append(1) or real(*a, **k))
     ui = ExplorerUI(ex, auto_estimate=False)
     assert runs == [] and ui.compare_table is None and not ui.auto_estimate.value
     assert "not estimated yet: current dp+zero dp=4" in _data(ui)["text/plain"] and "press 'estimate'" in \

@@ -3,5 +3,5 @@ import sys
 
 from . import main
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # importing this module (pkgutil.walk_packages does) runs nothing
     sys.exit(main())

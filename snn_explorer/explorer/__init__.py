@@ -1,24 +1,17 @@
 """The notebook layer: the Explorer object, its tables, charts and ipywidgets UI over the core's plain data.
 
-Only :class:`Explorer` loads eagerly; the table, chart and estimator modules (pandas, matplotlib)
-load on first use, so ``import snn_explorer`` stays light on every launched rank.
+It loads pandas, matplotlib, ipywidgets and the estimator when imported; ``import snn_explorer``
+stays light on every launched rank because ``snn_explorer.Explorer`` imports this package on first use.
 """
-from importlib import import_module
-
+from .charts import (FIGSIZE, comm_chart, memory_chart, mesh_chart, pareto_chart, pareto_front,
+                     step_time_chart)
+from .compare import COMPARE_ROWS, compare_table, style_compare
 from .explorer import Explorer
+from .layout import shard_layout
+from .modules import MODULE_COLUMNS, candidates_table, modules_table
+from .pipeline_view import pipeline_chart
+from .tables import analysis_table, plans_table
 
-_LAZY = {
-    "COMPARE_ROWS": "compare", "compare_table": "compare", "style_compare": "compare",
-    "FIGSIZE": "charts", "comm_chart": "charts", "memory_chart": "charts", "mesh_chart": "charts",
-    "pareto_chart": "charts", "pareto_front": "charts", "step_time_chart": "charts", "pipeline_chart": "pipeline_view",
-    "shard_layout": "layout", "MODULE_COLUMNS": "modules", "candidates_table": "modules", "modules_table": "modules",
-    "analysis_table": "tables", "plans_table": "tables",
-}
-
-__all__ = ["Explorer", *sorted(_LAZY)]
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["COMPARE_ROWS", "Explorer", "FIGSIZE", "MODULE_COLUMNS", "analysis_table", "candidates_table",
+           "comm_chart", "compare_table", "memory_chart", "mesh_chart", "modules_table", "pareto_chart",
+           "pareto_front", "pipeline_chart", "plans_table", "shard_layout", "step_time_chart", "style_compare"]

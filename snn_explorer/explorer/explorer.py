@@ -13,9 +13,19 @@ from ..core.memory_levers import find_time_step_module, objective_checkpoints
 from ..core.recommend import UNSET, check_backend, neuron_backend_arg
 from ..core.styles import STYLES
 from ..core.tp_plan import default_tp_plan
+from ..core.modes import names_text
 from ..core.validate import check_batch_tensor, positive_int
-
-# pandas, matplotlib and the estimator load on first use (see the package docstring).
+from ..estimator import (PlanList, activation_curve, balanced_pp_plan, enumerate_plans, estimate as estimate_plan,
+                         fastest_first, model_profile)
+from ..launcher import export_job, launch_plan
+from ..zoo import build
+from . import charts
+from .compare import compare_table, readable, style_compare, unique_labels
+from .layout import shard_layout
+from .modules import candidates_table, modules_table
+from .pipeline_view import pipeline_chart
+from .steps import example_batch, example_step
+from .ui import ExplorerUI
 
 FeaturesLike = Union[DistributedFeatureSet, Mapping[str, bool], None]
 
@@ -75,8 +85,6 @@ class Explorer:
     def from_zoo(cls, zoo, **kwargs) -> "Explorer":
         """An Explorer of a :class:`~snn_explorer.zoo.ZooModel` (or a zoo name) with its input and labels."""
         if isinstance(zoo, str):
-            from ..zoo import build
-
             zoo = build(zoo)
         kwargs = dict(example_input=zoo.example_input, labels=zoo.labels, model_family=zoo.family, **kwargs)
         return cls(zoo.model, **kwargs)
@@ -88,8 +96,6 @@ class Explorer:
 
     def modules_for(self, plan: Optional[SNNDistributedPlan] = None, tp_size: int = 1):
         """The module table (a DataFrame) under ``plan``'s TP layout (the default layout when it has none)."""
-        from .modules import modules_table
-
         layout = dict(plan.tensor_parallel_plan) if plan is not None and plan.tensor_parallel_plan else \
             self.default_tp_plan(plan.experimental_features if plan is not None else None)
         tp_size = plan.tp_size if plan is not None else tp_size
@@ -106,8 +112,6 @@ class Explorer:
     @property
     def candidates(self):
         """The TP candidates of :attr:`modules`."""
-        from .modules import candidates_table
-
         return candidates_table(self.modules)
 
     # ---- plans
@@ -169,8 +173,6 @@ class Explorer:
         so is a pipeline no balanced layout gives every stage a trainable unit (core's layout gives every rank one)."""
         if not plan.uses_pp or self.example_input is None:
             return plan
-        from ..estimator import balanced_pp_plan
-
         try:
             return balanced_pp_plan(self.model, plan, self.example_input, self.labels)
         except ValueError:
@@ -187,12 +189,9 @@ class Explorer:
 
     def activation_chart(self, plan: SNNDistributedPlan, time_steps: Sequence[int] = (4, 8, 16, 32)):
         """Activation memory of one rank of ``plan`` against ``time_steps``, with and without checkpointing."""
-        from ..estimator import activation_curve
-        from .charts import activation_curve_chart
-
         self.estimate(plan)  # the profile, measured once
         step_module = self.time_step_module if self.example_input is not None else None
-        return activation_curve_chart(activation_curve(self._profile, plan, time_steps, step_module))
+        return charts.activation_curve_chart(activation_curve(self._profile, plan, time_steps, step_module))
 
     def add_plan(self, **choices) -> SNNDistributedPlan:
         """:meth:`make_plan` and add the plan to :attr:`plans`; returns it."""
@@ -210,9 +209,6 @@ class Explorer:
 
         With ``objective="speed"`` and an example input the plans come fastest first by predicted
         step time, those that fit ``memory_budget`` (bytes per device) before those that do not."""
-        from ..estimator import PlanList, enumerate_plans
-        from ..estimator import fastest_first
-
         plans = enumerate_plans(self.analysis, world_size=world_size,
                                 batch_size=batch_size if batch_size is not None else self.batch_size,
                                 neuron_backend=self.neuron_backend, features=as_features(features), objective=objective)
@@ -227,15 +223,13 @@ class Explorer:
     # ---- estimates
     def estimate(self, plan: SNNDistributedPlan, time_steps: Optional[int] = None):
         """The estimator's :class:`~snn_explorer.estimator.PlanEstimate` of ``plan`` (cached per plan and time steps)."""
-        from ..estimator import estimate, model_profile
-
         if self.example_input is None:
             raise ValueError("estimates need an example input: Explorer(model, example_input=[T, N, ...] tensor)")
         key = self._estimate_key(plan, time_steps)
         if key not in self._estimates:
             if self._profile is None:  # looked up once: the cache key reads every parameter's shape
                 self._profile = model_profile(self.model, self.example_input, self.labels)
-            self._estimates[key] = estimate(self.model, plan, example_input=self.example_input, labels=self.labels,
+            self._estimates[key] = estimate_plan(self.model, plan, example_input=self.example_input, labels=self.labels,
                                             time_steps=key[1], optimizer=self.optimizer, profile=self._profile,
                                             hardware=self.hardware)
         return self._estimates[key]
@@ -254,8 +248,6 @@ class Explorer:
         Afterwards changing dp x tp, mode, objective, gates or budget re-estimates without running
         the model; a new batch size, time steps or world size needs ``prepare`` again. Returns how
         many plans it estimated. Without an example input there is nothing to prepare (0)."""
-        from ..estimator import enumerate_plans
-
         if self.example_input is None:
             return 0
         batch = batch_size if batch_size is not None else self.batch_size
@@ -283,8 +275,6 @@ class Explorer:
         """Side by side, one column per plan (default: :attr:`plans`); ``rows`` picks and orders
         rows; ``styled=True`` gives the Styler (fixed uuid, bytes in B / KiB / MiB) with each row's
         best value highlighted."""
-        from .compare import compare_table, style_compare
-
         ests = self.estimates(plans, time_steps)
         table = compare_table(ests, labels, memory_budget)
         if rows is not None:
@@ -297,15 +287,10 @@ class Explorer:
     def compare_text(self, plans: Optional[Sequence[SNNDistributedPlan]] = None, *, max_text: int = 40,
                      **kwargs) -> str:
         """The comparison as a terminal table (bytes in KiB / MiB, text cut to ``max_text`` characters)."""
-        from .compare import readable
-
         return readable(self.compare(plans, **kwargs), max_text).to_string()
 
     # ---- charts
     def _chart(self, name, plans, time_steps, **kwargs):
-        from . import charts
-        from .compare import unique_labels
-
         ests = self.estimates(plans, time_steps)
         return getattr(charts, name)(ests, unique_labels([e.plan for e in ests]), **kwargs)
 
@@ -337,23 +322,16 @@ class Explorer:
 
     def layout(self, plan: SNNDistributedPlan, module: Optional[str] = None):
         """Which rank holds which slice of ``module``'s parameters under ``plan`` (a DataFrame)."""
-        from .layout import shard_layout
-
         return shard_layout(self.model, plan, module or self.default_module(plan))
 
     def mesh_chart(self, plan: SNNDistributedPlan, module: Optional[str] = None):
         """The dp x tp grid of ranks and the slice of ``module`` each holds (a Figure)."""
-        from .charts import mesh_chart
-
         module = module or self.default_module(plan)
-        return mesh_chart(self.layout(plan, module), plan, module)
+        return charts.mesh_chart(self.layout(plan, module), plan, module)
 
     def pipeline_chart(self, plan: SNNDistributedPlan):
         """Each rank's forwards, backwards and bubbles under ``plan``'s schedule, above its stage layout
         over the model's pipeline units (a Figure); ValueError for a plan without a pipeline."""
-        from ..core.modes import names_text
-        from .pipeline_view import pipeline_chart
-
         if not plan.uses_pp:
             raise ValueError(f"the plan has no pipeline: pp={plan.pp_size} (mode {plan.mode!r}); a pipeline chart "
                              f"needs {names_text(lambda m: m.pp)} on a topology with pp > 1")
@@ -365,27 +343,33 @@ class Explorer:
         ``device_type`` defaults as there (the process group's, else CUDA when available)."""
         return apply(model=self.model, plan=plan, device_type=device_type, device_mesh=device_mesh)
 
-    def launch(self, plan: SNNDistributedPlan, train_fn: Callable, **kwargs):
+    def launch(self, plan: SNNDistributedPlan, train_fn: Optional[Callable] = None, **kwargs):
         """:func:`snn_explorer.launcher.launch_plan`: ``plan.world_size`` ranks, each applying ``plan``
-        and calling ``train_fn`` (see its docs for the signature and keyword arguments)."""
-        from ..launcher import launch_plan
-
+        and calling ``train_fn`` (see its docs for the signature and keyword arguments). Without
+        ``train_fn``, each step trains on this rank's share of the example input and labels
+        (cross-entropy, :func:`~snn_explorer.explorer.steps.example_step`)."""
+        train_fn = self._step(train_fn, kwargs)
         return launch_plan(self.model, plan, train_fn, **kwargs)
 
     def export(self, plan: SNNDistributedPlan, train_script_or_fn, path, **kwargs):
-        """:func:`snn_explorer.launcher.export_job` for this model: a torchrun / Slurm job directory."""
-        from ..launcher import export_job
-
+        """:func:`snn_explorer.launcher.export_job` for this model: a torchrun / Slurm job directory
+        (``train_script_or_fn=None``: the example step of :meth:`launch`)."""
         kwargs.setdefault("model", self.model)
+        train_script_or_fn = self._step(train_script_or_fn, kwargs)
         return export_job(plan, train_script_or_fn, path, **kwargs)
+
+    def _step(self, train_fn, kwargs: dict):
+        """``train_fn``, or the example step when it is None (its ``train_kwargs`` then set in ``kwargs``)."""
+        if train_fn is not None:
+            return train_fn
+        kwargs.setdefault("train_kwargs", example_batch(self.example_input, self.labels))
+        return example_step()
 
     # ---- display
     @property
     def ui(self):
         """The ipywidgets UI (built on first use)."""
         if self._ui is None:
-            from .ui import ExplorerUI
-
             self._ui = ExplorerUI(self)
         return self._ui
 

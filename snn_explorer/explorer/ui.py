@@ -20,7 +20,10 @@ import ipywidgets as w
 from ..core import MODES, SNN_DISTRIBUTED_PREFERENCES, SNNDistributedPlan
 from ..core.pipeline_schedules import SCHEDULES
 from ..core.topology import LEADING_DIMS, dp_tp_splits
+from ..estimator import hardware_profiles
+from . import charts
 from .compare import compare_table, plan_label, readable, style_compare
+from .launch_panel import LaunchPanel
 from .modules import candidates_table
 from .render import figure_data, message_data, message_html, show, styler_data, table_data
 
@@ -123,8 +126,9 @@ class ExplorerUI:
         self.chart = w.Dropdown(options=CHARTS, value="memory", description="chart")
         modules = [n for n, m in self.ex.model.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
         self.chart_module = w.Dropdown(options=modules or [""], description="module")
-        self.tabs = w.Tab(children=[self.outputs[n] if n != "Charts" else
-                                    w.VBox([w.HBox([self.chart, self.chart_module]), self.outputs[n]])
+        self.launcher = LaunchPanel(self)
+        above = {"Charts": w.HBox([self.chart, self.chart_module]), "Launch": self.launcher.widget}
+        self.tabs = w.Tab(children=[w.VBox([above[n], self.outputs[n]]) if n in above else self.outputs[n]
                                     for n in TABS], titles=TABS, selected_index=TABS.index("Compare"))
         controls = w.VBox([self.objective, self.world_size, self.dp, self.tp, self.pp, self.pp_schedule,
                            self.pp_microbatches, self.pp_virtual_stages,
@@ -145,6 +149,8 @@ class ExplorerUI:
         self.hardware.observe(self._on_hardware, "value")
         self.chart.observe(lambda _: self._render_tab("Charts"), "value")
         self.chart_module.observe(lambda _: self._render_tab("Charts"), "value")
+        self.launcher.plan.observe(lambda _: self._render_tab("Launch") if self._shown_tab() == "Launch" else None,
+                                   "value")
         self.tabs.observe(lambda c: self._render_tab(TABS[c["new"]]) if c["new"] is not None else None,
                           "selected_index")
         self.pin_button.on_click(lambda _: self.pin())
@@ -154,8 +160,6 @@ class ExplorerUI:
 
     def _hardware_control(self, style) -> "w.Dropdown":
         """Where step times are predicted: this machine, a built-in profile, or the Explorer's own profile."""
-        from ..estimator import hardware_profiles
-
         options = [THIS_MACHINE, *hardware_profiles()]
         own = self.ex.hardware
         if own is not None and not isinstance(own, str):
@@ -260,6 +264,7 @@ class ExplorerUI:
             self.current, self.error = None, f"invalid choice: {exc}"
         self._render_compare()
         self._render_plan_list()
+        self.launcher.sync()
         self._dirty = set(TABS) - {"Compare"}
         selected = self.tabs.selected_index
         if selected is not None and TABS[selected] != "Compare":
@@ -315,19 +320,30 @@ class ExplorerUI:
             show(out, message_data(f"cannot show {name}: {exc}", "error"))
         self._dirty.discard(name)
 
+    def _shown_tab(self) -> Optional[str]:
+        return None if self.tabs.selected_index is None else TABS[self.tabs.selected_index]
+
     def _tab_data(self, name: str) -> dict:
         plan = self.current
         if name in ("Modules", "Candidates"):
             table = self.ex.modules_for(plan)
             return table_data(table if name == "Modules" else candidates_table(table))
         if name == "Launch":
-            if plan is None:
-                return message_data(self.error or "no plan", "error")
-            code = (f"result = ex.launch(ex.ui.current, train_fn, steps=10)   # {plan.world_size} ranks\n"
-                    "# or: ex.export(ex.ui.current, train_fn, 'job_dir') for torchrun / Slurm\n")
-            text = code + json.dumps(plan.to_dict(), indent=1, sort_keys=True)
-            return {"text/html": f"<pre>{html.escape(text)}</pre>", "text/plain": text}
+            return self._launch_code(self.launcher.plan.value or plan)
         return figure_data(self.figure())
+
+    def _launch_code(self, plan: Optional[SNNDistributedPlan]) -> dict:
+        """What the Launch tab's buttons do, as code a cell can run, and the plan as its file holds it."""
+        if plan is None:
+            return message_data(self.error or "no plan", "error")
+        code = ("plan = ex.ui.launcher.plan.value   # the plan chosen above (ex: this Explorer)\n"
+                f"result = ex.launch(plan, steps=5)   # {plan.world_size} ranks, on ex.example_input / ex.labels\n"
+                "# your own step: ex.launch(plan, train_fn, steps=5, train_kwargs={...}) with\n"
+                "#   train_fn(runtime, step, batch, state, **train_kwargs) -> loss\n"
+                "job = ex.export(plan, None, 'snn-job', steps=5)   # torchrun / Slurm (train_fn in place of None)\n"
+                "# the plan file (save plan / load plan):\n")
+        text = code + json.dumps(plan.to_dict(), indent=1, sort_keys=True)
+        return {"text/html": f"<pre>{html.escape(text)}</pre>", "text/plain": text}
 
     def _plan(self) -> SNNDistributedPlan:
         """The current plan; ValueError saying why there is none."""
@@ -346,8 +362,6 @@ class ExplorerUI:
                                                                    2 * steps}))
         if kind == "pipeline":
             return self.ex.pipeline_chart(self._plan())
-        from . import charts  # matplotlib: imported when a chart is first drawn, not when the UI opens
-
         labels, ests = self._estimates()
         if kind in ("memory", "pareto"):
             make = charts.memory_chart if kind == "memory" else charts.pareto_chart

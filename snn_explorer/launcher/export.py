@@ -4,9 +4,12 @@ from __future__ import annotations
 import json
 import numbers
 import os
+import pickletools
 import shlex
+import subprocess
+import sys
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Union
+from typing import Callable, Dict, Iterable, Optional, Tuple, Union
 
 import cloudpickle
 
@@ -23,7 +26,12 @@ runs every rank on this machine.
 """
 import sys
 
-from snn_explorer.launcher.job import main
+# Where the exporting process imported the payload's modules from ({modules}): the payload names
+# them, so every rank must import them; the nodes must see these directories.
+IMPORT_PATH = {paths!r}
+sys.path[:0] = [p for p in IMPORT_PATH if p not in sys.path]
+
+from snn_explorer.launcher.job import main  # noqa: E402 (after the import path)
 
 if __name__ == "__main__":
     sys.exit(main(__file__, sys.argv[1:]))
@@ -41,6 +49,8 @@ class ExportedJob:
     command_file: str
     sbatch_file: str
     payload_file: Optional[str] = None
+    #: Directories the job puts first on ``PYTHONPATH`` (where the model's own modules were imported from).
+    python_path: Tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return f"ExportedJob({self.path!r}: {self.command})"
@@ -73,8 +83,9 @@ def torchrun_command(script: str, nnodes: int, nproc_per_node: int, endpoint: st
 
 
 def _sbatch(job_name: str, nnodes: int, nproc_per_node: int, gpus_per_node: int, time_limit: str,
-            partition: Optional[str], script: str, port: int, max_restarts: int = 0) -> str:
-    """The Slurm script; ``job_name``, ``time_limit`` and ``partition`` come quoted (:func:`shell_value`)."""
+            partition: Optional[str], script: str, port: int, max_restarts: int = 0, path_lines=()) -> str:
+    """The Slurm script; ``job_name``, ``time_limit`` and ``partition`` come quoted (:func:`shell_value`);
+    ``path_lines``: :func:`python_path_lines`."""
     lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nnodes}",
              "#SBATCH --ntasks-per-node=1", f"#SBATCH --time={time_limit}", "#SBATCH --output=%x-%j.out"]
     if gpus_per_node:
@@ -86,7 +97,7 @@ def _sbatch(job_name: str, nnodes: int, nproc_per_node: int, gpus_per_node: int,
     lines += ["# submit from this directory: sbatch job.sbatch", "set -euo pipefail",
               'cd "$SLURM_SUBMIT_DIR"',
               'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-              f"export MASTER_PORT={port}", f"srun {command}", ""]
+              f"export MASTER_PORT={port}", *path_lines, f"srun {command}", ""]
     return "\n".join(lines)
 
 
@@ -108,6 +119,12 @@ def export_job(plan, train_script_or_fn: Union[str, os.PathLike, Callable], path
     ``checkpoint_dir`` (a directory every node sees; relative: to the job directory) and
     ``checkpoint_every`` a step function's job saves a checkpoint every that many steps and every
     (re)start resumes after the latest complete one, as :func:`launch_plan` does.
+
+    The job imports what the payload names (the model's classes, the step function's modules)
+    as the exporting process did: the directories of those not in the standard library or
+    site-packages (a notebook's folder, say) go first on ``PYTHONPATH`` in ``command.sh`` and
+    ``job.sbatch`` and on ``sys.path`` in ``run.py`` (``ExportedJob.python_path``); a training
+    script's own folder likewise. The nodes must see those directories.
     """
     from ..core import SNNDistributedPlan, preflight
 
@@ -149,26 +166,101 @@ def export_job(plan, train_script_or_fn: Union[str, os.PathLike, Callable], path
                            optimizer=optimizer, seed=seed, train_kwargs=train_kwargs, checkpoints=checkpoints))
 
 
+def pickled_modules(data: bytes) -> set:
+    """The modules unpickling ``data`` imports: those its GLOBAL opcodes name, and every string in it
+    that names a module loaded here (protocol 4+ pushes module names as strings; cloudpickle
+    names the modules a function uses the same way)."""
+    names = set()
+    for op, arg, _ in pickletools.genops(data):
+        if op.name == "GLOBAL":
+            names.add(arg.split(" ", 1)[0])
+        elif isinstance(arg, str) and arg in sys.modules:
+            names.add(arg)
+    return names
+
+
+#: Run by a fresh interpreter: where it finds each top-level module named in argv by itself.
+FIND_ORIGINS = ("import importlib.util, json, sys\n"
+                "def origin(name):\n"
+                "    try:\n"
+                "        return getattr(importlib.util.find_spec(name), 'origin', None)\n"
+                "    except (ImportError, ValueError):\n"
+                "        return None\n"
+                "print(json.dumps({name: origin(name) for name in sys.argv[1:]}))")
+
+
+def _module_file(module) -> Optional[str]:
+    """The file a module (or a package's ``__init__``) was loaded from."""
+    file = getattr(module, "__file__", None)
+    return os.path.realpath(file) if file else None
+
+
+def _found_alone(tops) -> Dict[str, Optional[str]]:
+    """Top-level module -> the file a fresh interpreter (no ``PYTHONPATH``, started in ``/``) imports it from."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "-c", FIND_ORIGINS, *tops], env=env, cwd=os.sep, capture_output=True,
+                         text=True, timeout=120)
+    if run.returncode != 0:
+        raise RuntimeError(f"could not ask a fresh {sys.executable} where it finds {list(tops)}: {run.stderr[-500:]}")
+    found = json.loads(run.stdout)
+    return {name: os.path.realpath(f) if f and os.path.isabs(f) else None for name, f in found.items()}
+
+
+def import_roots(modules: Iterable[str]) -> Dict[str, str]:
+    """Top-level module -> the directory this process imported it from, for each module of
+    ``modules`` that a fresh interpreter would not import from the same file by itself (a
+    notebook's folder, a source tree on ``sys.path``; not the standard library, site-packages or
+    an installed editable project)."""
+    tops = sorted({m.partition(".")[0] for m in modules} - {"__main__"} - set(sys.builtin_module_names)
+                  - set(getattr(sys, "stdlib_module_names", ())))
+    files = {top: _module_file(sys.modules[top]) for top in tops if top in sys.modules}
+    files = {top: f for top, f in files.items() if f}
+    alone = _found_alone(list(files)) if files else {}
+    roots = {}
+    for top, file in files.items():
+        if alone.get(top) != file:
+            package = os.path.basename(file).startswith("__init__.")
+            roots[top] = os.path.dirname(os.path.dirname(file)) if package else os.path.dirname(file)
+    return roots
+
+
+def python_path_lines(roots: Dict[str, str]) -> list:
+    """Shell lines that put ``roots``' directories first on ``PYTHONPATH``, saying which modules need them."""
+    if not roots:
+        return []
+    dirs = list(dict.fromkeys(roots.values()))
+    words = ":".join(shell_value("import path", d) for d in dirs)
+    return [f"# the job imports {', '.join(sorted(roots))} from here; every node must see these directories",
+            f"export PYTHONPATH={words}${{PYTHONPATH:+:$PYTHONPATH}}"]
+
+
 def _write(job_dir: PrivateDir, plan, source: Optional[str], nnodes: int, nproc_per_node: int, port: int,
            words: Dict[str, Optional[str]], gpus_per_node: int, max_restarts: int, job: dict) -> ExportedJob:
     """Every file of the job, written afresh into the private ``job_dir``."""
     plan_file = job_dir.write("plan.json", json.dumps(plan.to_dict(), indent=2, sort_keys=True))
     payload = None
     if source is None:
-        payload = job_dir.write("payload.pkl", cloudpickle.dumps({**job, "stateful": registered_stateful()}))
+        data = cloudpickle.dumps({**job, "stateful": registered_stateful()})
+        roots = import_roots(pickled_modules(data))
+        payload = job_dir.write("payload.pkl", data)
         script = "run.py"
-        job_dir.write(script, RUN_PY.format(plan=repr(plan)), SCRIPT_MODE)
+        job_dir.write(script, RUN_PY.format(plan=repr(plan), modules=", ".join(sorted(roots)) or "none",
+                                            paths=list(dict.fromkeys(roots.values()))), SCRIPT_MODE)
     else:
         script = "train.py"
+        roots = {f"the modules beside {os.path.basename(source)}": os.path.dirname(os.path.abspath(source))}
         with open(source, "rb") as fh:
             job_dir.write(script, fh.read(), SCRIPT_MODE)
+    path_lines = python_path_lines(roots)
     endpoint = f"${{MASTER_ADDR:?set MASTER_ADDR to the first node}}:{port}"
     command = torchrun_command(script, nnodes, nproc_per_node, endpoint, words["job_name"], max_restarts)
-    command_file = job_dir.write("command.sh", f'#!/bin/bash\n# run on every node, from this directory\n'
-                                               f'cd "$(dirname "$0")"\n{command}\n', SCRIPT_MODE)
+    command_file = job_dir.write("command.sh", "\n".join(["#!/bin/bash", "# run on every node, from this directory",
+                                                          'cd "$(dirname "$0")"', *path_lines, command, ""]),
+                                 SCRIPT_MODE)
     sbatch_file = job_dir.write("job.sbatch", _sbatch(words["job_name"], nnodes, nproc_per_node, gpus_per_node,
                                                       words["time_limit"], words["partition"], script, port,
-                                                      max_restarts),
+                                                      max_restarts, path_lines),
                                 SCRIPT_MODE)
     return ExportedJob(path=job_dir.path, script=os.path.join(job_dir.path, script), plan_file=plan_file,
-                       command=command, command_file=command_file, sbatch_file=sbatch_file, payload_file=payload)
+                       command=command, command_file=command_file, sbatch_file=sbatch_file, payload_file=payload,
+                       python_path=tuple(dict.fromkeys(roots.values())))
