@@ -6,6 +6,7 @@ from typing import Optional, Sequence
 
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
 from ..estimator import PlanEstimate
 from .compare import MEMORY_ROWS, unique_labels
@@ -215,8 +216,6 @@ def mesh_fontsize(dp: int, tp: int) -> float:
 
 
 def _cell(x: int, y: int, color: str):
-    from matplotlib.patches import Rectangle
-
     return Rectangle((x + 0.03, y + 0.03), 0.94, 0.94, facecolor=color, alpha=0.35, edgecolor="black")
 
 

@@ -13,6 +13,7 @@ from typing import Callable, Dict, Iterable, Optional, Tuple, Union
 
 import cloudpickle
 
+from ..core import SNNDistributedPlan, preflight
 from ..core.checkpoint import check_plan_checkpointable
 from ..core.neurons import registered_stateful
 from ..core.validate import non_negative_int, positive_int
@@ -126,8 +127,6 @@ def export_job(plan, train_script_or_fn: Union[str, os.PathLike, Callable], path
     ``job.sbatch`` and on ``sys.path`` in ``run.py`` (``ExportedJob.python_path``); a training
     script's own folder likewise. The nodes must see those directories.
     """
-    from ..core import SNNDistributedPlan, preflight
-
     if not isinstance(plan, SNNDistributedPlan):
         raise TypeError(f"plan must be an SNNDistributedPlan, got {type(plan).__name__}")
     nnodes = positive_int("nnodes", nnodes)

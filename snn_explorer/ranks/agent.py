@@ -20,7 +20,7 @@ def main(run_dir: str) -> int:
     with open(os.path.join(run_dir, "spec.json")) as fh:
         spec = json.load(fh)
     _import_path(spec)
-    # Imported here: the package is found only on the caller's sys.path, set just above.
+    # lazy: the package is found only on the caller's sys.path, set just above
     from snn_explorer.ranks.elastic_agent import main as run_agent
 
     return run_agent(run_dir, spec)

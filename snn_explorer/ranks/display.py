@@ -64,9 +64,8 @@ class WidgetDisplay(NullDisplay):
     """One row per rank (label, progress bar, status text), updated live while the cell runs."""
 
     def __init__(self, nprocs: int):
-        # Imported here: ipywidgets / IPython are optional (notebook only) and slow to import.
-        import ipywidgets as w
-        from IPython.display import display
+        import ipywidgets as w  # lazy: ipywidgets and IPython are optional (notebook only) and slow to import
+        from IPython.display import display  # lazy: as above
 
         self._bars = [w.IntProgress(value=0, min=0, max=1, layout=w.Layout(width="40%")) for _ in range(nprocs)]
         self._texts = [w.HTML("starting") for _ in range(nprocs)]
