@@ -236,7 +236,8 @@ def _layout(model: nn.Module, example_input, labels, data_layout) -> Tuple[Optio
             return None, "", []
         layout = layout_of(data_layout)
         return layout, f"{layout.name}: given", [f"data layout {layout}: given."]
-    layout, how = detect_layout(model, example_input, neurons.reset_all, labels, data_layout=data_layout)
+    layout, how = detect_layout(model, example_input, neurons.reset_all, labels, data_layout=data_layout,
+                                assume="time_major")
     return layout, how, [f"data layout {layout}; {how}."]
 
 

@@ -24,8 +24,9 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from ..compat import non_persistent_buffer_names
+from .neurons import stateful_modules
 from .serialize import check_keys, check_kind
-from .structure import is_plain_sequential
 
 INPUTS = ("time_major", "batch_major", "per_step")
 OUTPUTS = ("time_major", "batch_major")
@@ -206,6 +207,26 @@ def input_layout_of(x: torch.Tensor, labels=None, time_steps: Optional[int] = No
 
 
 @torch.no_grad()
+def _dry_run(model: nn.Module, part: torch.Tensor, layout: "DataLayout", reset, look):
+    """``look(output)`` of one run of ``model`` on ``part`` (eval mode, no grad, the model's dtype),
+    before its modes and neuron state (``reset``) are restored; ValueError when it does not run."""
+    first = next((p for p in model.parameters() if p.is_floating_point()), None)
+    if first is not None and part.is_floating_point():  # the model's dtype, as the estimator runs it
+        part = part.to(first.dtype)
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        reset(model)
+        return look(layout.run(model, part))
+    except RuntimeError as exc:
+        raise ValueError(f"the model does not run on a batch {tuple(part.shape)} read as {_TEXT[layout.input]} "
+                         f"({exc}); state the data_layout it takes ({tuple(LAYOUTS)})") from exc
+    finally:
+        reset(model)
+        for m, training in modes.items():
+            m.train(training)
+
+
 def output_layout_of(model: nn.Module, x: torch.Tensor, input_layout: str, reset) -> Tuple[str, str]:
     """``(output layout, how)``: the model run (eval mode, state restored by ``reset``) on one sample
     of ``x`` (two when T is 1), its output's dims matched to that slice's N and T."""
@@ -213,15 +234,7 @@ def output_layout_of(model: nn.Module, x: torch.Tensor, input_layout: str, reset
     t = layout.steps(x)
     n = min(layout.samples(x), 1 if t != 1 else 2)
     part = layout.select(x, torch.arange(t), torch.arange(n))
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    try:
-        reset(model)
-        out = layout.run(model, part)
-    finally:
-        reset(model)
-        for m, training in modes.items():
-            m.train(training)
+    out = _dry_run(model, part, layout, reset, lambda output: output)
     if not isinstance(out, torch.Tensor) or out.dim() != 3 or t == n:
         return "time_major", f"the output {tuple(getattr(out, 'shape', ()))} has no separate time dim to place"
     if tuple(out.shape[:2]) == (t, n):
@@ -231,6 +244,52 @@ def output_layout_of(model: nn.Module, x: torch.Tensor, input_layout: str, reset
     raise ValueError(f"the model's output {tuple(out.shape)} on {n} sample(s) x {t} steps ({layout.name} input "
                      f"{tuple(part.shape)}) holds neither [T, N, C] nor [N, T, C]; check data_layout "
                      f"({tuple(LAYOUTS)})")
+
+
+def _state_tensors(model: nn.Module) -> list:
+    """The neuron state tensors of ``model``: snntorch's non-persistent buffers, spikingjelly's memories."""
+    tensors = []
+    for _, module in stateful_modules(model):
+        tensors += [b for n, b in module.named_buffers(recurse=False) if n in non_persistent_buffer_names(module)]
+        memories = getattr(module, "_memories", None)
+        tensors += [v for v in (memories or {}).values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def _input_by_state(model: nn.Module, x: torch.Tensor, reset, why: str) -> Tuple[Optional[str], str]:
+    """Where N sits when the shapes cannot tell: the model run on ``x[:2, :1]``, its neurons' state
+    has N = 2 leading (dim 0 is N: batch-major) or N = 1 (dim 1: time-major; a state ``[2, 1, ...]``
+    is all steps taken as one, also time-major). (None, why) without neuron state to read."""
+    if x.shape[0] < 2 or x.shape[1] < 1:
+        return None, why
+    part = x[:2, :1]
+
+    def lead(_output):
+        states = [t for t in _state_tensors(model) if t.dim() >= 2]
+        if any(t.shape[0] == 1 or (t.dim() >= 3 and tuple(t.shape[:2]) == (2, 1)) for t in states):
+            return "time_major"
+        return "batch_major" if states and all(t.shape[0] == 2 for t in states) else None
+    found = _dry_run(model, part, TIME_MAJOR, reset, lead)
+    if found is None:
+        return None, why
+    return found, (f"{why}; run on x[:2, :1], the neurons' state holds {'2' if found == 'batch_major' else '1'} "
+                   f"sample(s) first, so N is dim {0 if found == 'batch_major' else 1}")
+
+
+def _steps_taken_as_one(model: nn.Module, x: torch.Tensor, reset) -> bool:
+    """Whether a model of single-step spikingjelly neurons (``step_mode='s'``, none ``'m'``) takes a
+    whole time-major batch as one step: run on one sample of ``x`` (T >= 2), a neuron's membrane
+    ``v`` holds all ``[T, 1, ...]`` of it (a model that loops over T itself leaves ``[1, ...]``)."""
+    modes = {getattr(m, "step_mode", None) for m in model.modules()} - {None}
+    t = x.shape[0]
+    if modes != {"s"} or t < 2:
+        return False
+    singles = [m for m in model.modules() if getattr(m, "step_mode", None) == "s" and hasattr(m, "v")]
+
+    def whole(_output) -> bool:
+        return any(isinstance(m.v, torch.Tensor) and m.v.dim() >= 2 and tuple(m.v.shape[:2]) == (t, 1)
+                   for m in singles)
+    return _dry_run(model, x[:, :1], TIME_MAJOR, reset, whole)
 
 
 def check_samples(layout: DataLayout, x: torch.Tensor, labels=None, what: str = "inputs") -> int:
@@ -260,21 +319,17 @@ def detect_layout(model: nn.Module, x: torch.Tensor, reset, labels=None, time_st
         check_samples(layout, x, labels, "example_input")
         return layout, f"{layout.name}: given"
     found, how = input_layout_of(x, labels, time_steps)
+    if found is None:
+        found, how = _input_by_state(model, x, reset, how)
     if found is None and assume is None:
         raise ValueError(f"cannot tell the data layout of example_input {tuple(x.shape)}: {how}; pass "
                          f"data_layout= one of {tuple(LAYOUTS)}, labels, or time_steps")
     verb = "detected" if found is not None else "assumed"
     if found is None:
         found, how = assume, f"{how}; state data_layout to be sure"
-    if found == "time_major" and _single_step(model):
-        found, how = "per_step", how + "; every spikingjelly neuron has step_mode 's'"
+    if found == "time_major" and _steps_taken_as_one(model, x, reset):
+        found, how = "per_step", how + ("; its neurons (spikingjelly step_mode 's') took all T steps of one sample "
+                                        "as one step, so it is called per step")
     output, out_how = output_layout_of(model, x, found, reset)
     layout = DataLayout(found, output)
     return layout, f"{layout.name}: {verb} ({how}; {out_how})"
-
-
-def _single_step(model: nn.Module) -> bool:
-    """Whether the model is a spikingjelly single-step model: every module with a step mode has 's',
-    and its top level cannot loop over time itself (a plain Sequential, or a step module)."""
-    modes = {getattr(m, "step_mode", None) for m in model.modules()} - {None}
-    return modes == {"s"} and (is_plain_sequential(model) or getattr(model, "step_mode", None) == "s")
