@@ -207,9 +207,10 @@ def input_layout_of(x: torch.Tensor, labels=None, time_steps: Optional[int] = No
 
 
 @torch.no_grad()
-def _dry_run(model: nn.Module, part: torch.Tensor, layout: "DataLayout", reset, look):
-    """``look(output)`` of one run of ``model`` on ``part`` (eval mode, no grad, the model's dtype),
-    before its modes and neuron state (``reset``) are restored; ValueError when it does not run."""
+def _dry_run(model: nn.Module, x: torch.Tensor, part: torch.Tensor, layout: "DataLayout", reset, look):
+    """``look(output)`` of one run of ``model`` on ``part`` of batch ``x`` (eval mode, no grad, the
+    model's dtype), before its modes and neuron state (``reset``) are restored; ValueError when it
+    does not run."""
     first = next((p for p in model.parameters() if p.is_floating_point()), None)
     if first is not None and part.is_floating_point():  # the model's dtype, as the estimator runs it
         part = part.to(first.dtype)
@@ -219,8 +220,9 @@ def _dry_run(model: nn.Module, part: torch.Tensor, layout: "DataLayout", reset, 
         reset(model)
         return look(layout.run(model, part))
     except RuntimeError as exc:
-        raise ValueError(f"the model does not run on a batch {tuple(part.shape)} read as {_TEXT[layout.input]} "
-                         f"({exc}); state the data_layout it takes ({tuple(LAYOUTS)})") from exc
+        raise ValueError(f"the model does not run on example_input of shape {tuple(x.shape)} ({x.dtype}; its part "
+                         f"{tuple(part.shape)} read as {_TEXT[layout.input]} was tried): {exc}; give a batch the "
+                         f"model's forward accepts, in the data layout it takes ({tuple(LAYOUTS)})") from exc
     finally:
         reset(model)
         for m, training in modes.items():
@@ -234,7 +236,7 @@ def output_layout_of(model: nn.Module, x: torch.Tensor, input_layout: str, reset
     t = layout.steps(x)
     n = min(layout.samples(x), 1 if t != 1 else 2)
     part = layout.select(x, torch.arange(t), torch.arange(n))
-    out = _dry_run(model, part, layout, reset, lambda output: output)
+    out = _dry_run(model, x, part, layout, reset, lambda output: output)
     if not isinstance(out, torch.Tensor) or out.dim() != 3 or t == n:
         return "time_major", f"the output {tuple(getattr(out, 'shape', ()))} has no separate time dim to place"
     if tuple(out.shape[:2]) == (t, n):
@@ -269,7 +271,7 @@ def _input_by_state(model: nn.Module, x: torch.Tensor, reset, why: str) -> Tuple
         if any(t.shape[0] == 1 or (t.dim() >= 3 and tuple(t.shape[:2]) == (2, 1)) for t in states):
             return "time_major"
         return "batch_major" if states and all(t.shape[0] == 2 for t in states) else None
-    found = _dry_run(model, part, TIME_MAJOR, reset, lead)
+    found = _dry_run(model, x, part, TIME_MAJOR, reset, lead)
     if found is None:
         return None, why
     return found, (f"{why}; run on x[:2, :1], the neurons' state holds {'2' if found == 'batch_major' else '1'} "
@@ -289,7 +291,7 @@ def _steps_taken_as_one(model: nn.Module, x: torch.Tensor, reset) -> bool:
     def whole(_output) -> bool:
         return any(isinstance(m.v, torch.Tensor) and m.v.dim() >= 2 and tuple(m.v.shape[:2]) == (t, 1)
                    for m in singles)
-    return _dry_run(model, x[:, :1], TIME_MAJOR, reset, whole)
+    return _dry_run(model, x, x[:, :1], TIME_MAJOR, reset, whole)
 
 
 def check_samples(layout: DataLayout, x: torch.Tensor, labels=None, what: str = "inputs") -> int:
