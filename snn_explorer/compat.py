@@ -136,6 +136,11 @@ def spikingjelly_memories(module: torch.nn.Module) -> Optional[dict]:
     return memories if isinstance(memories, dict) else None
 
 
+def spikingjelly_reset_values(module: torch.nn.Module) -> dict:
+    """The values spikingjelly's ``reset()`` puts back in each memory (``MemoryModule._memories_rv``)."""
+    return getattr(module, "_memories_rv", {})
+
+
 def state_slot_table(module: torch.nn.Module, where: str) -> dict:
     """The dict a neuron keeps one kind of state in: ``"buffers"`` (``Module._buffers``, snntorch's
     non-persistent membranes), ``"memories"`` (spikingjelly) or ``"attributes"`` (the instance dict)."""

@@ -2,6 +2,7 @@
 from .analysis import LinearShape, SNNDistributedAnalysis, analyze
 from .checkpoint import CheckpointError, check_checkpoint, latest_checkpoint
 from .distribute import apply, preflight
+from .layouts import BATCH_MAJOR, PER_STEP, TIME_MAJOR, DataLayout
 from .memory_levers import ACTIVATION_CHECKPOINTING, find_time_step_module
 from .neurons import register_stateful, unregister_stateful
 from .plan_types import DistributedFeatureSet, SNNDistributedPlan
@@ -13,7 +14,8 @@ from .topology import SNNDistributedTopology
 from .styles import TP_STYLES
 
 __all__ = [
-    "ACTIVATION_CHECKPOINTING", "BACKENDS", "CheckpointError", "MODES", "SNN_DISTRIBUTED_PREFERENCES", "TP_STYLES",
+    "ACTIVATION_CHECKPOINTING", "BACKENDS", "BATCH_MAJOR", "CheckpointError", "DataLayout", "MODES", "PER_STEP",
+    "TIME_MAJOR", "SNN_DISTRIBUTED_PREFERENCES", "TP_STYLES",
     "DistributedFeatureSet", "LinearShape", "SNNDistributedAnalysis", "SNNDistributedPlan", "SNNDistributedRuntime",
     "SNNDistributedTopology", "StrategyRecommendation", "analyze", "apply", "check_checkpoint",
     "find_time_step_module", "latest_checkpoint", "plan", "preflight", "recommend_snn_distributed_strategy",

@@ -13,6 +13,7 @@ from . import neurons
 from .attention import (AttentionBlock, BranchAttentionBlock, FusedAttentionBlock, attention_blocks,
                         branch_attention_blocks, fused_attention_blocks, pointwise_chains)
 from .structure import CONV_TYPES, NORM_TYPES, block_conv_chains, chains, paired_layers, under
+from .layouts import DataLayout, detect_layout, layout_of
 from .pipeline_plan import pipeline_units, trainable_units
 from .plans.families import fsdp_units, resolve_family
 from .serialize import check_keys, check_kind, dataclass_dict, string_tuple, tuplify
@@ -94,6 +95,10 @@ class SNNDistributedAnalysis:
     trainable_units: Optional[Tuple[str, ...]] = None
     #: (path, kind) of each stateful module: "neuron" or "dropout mask" (an old analysis without it: all neurons)
     state_kinds: Tuple[Tuple[str, str], ...] = ()
+    #: where N and T sit in the model's input and output (None: not stated, no example input given)
+    #: and how that was found ("given", or detected from an example input: see core.layouts)
+    data_layout: Optional[DataLayout] = None
+    data_layout_how: str = ""
 
     @cached_property
     def neuron_names(self) -> Tuple[str, ...]:
@@ -146,6 +151,7 @@ class SNNDistributedAnalysis:
                 data[name] = tuple(string_tuple("analysis", name + "[]", item)
                                    for item in string_tuple_list("analysis", name, data[name]))
         objects = {
+            "data_layout": _optional_layout(data.pop("data_layout", None)),
             "linear_shapes": tuple(LinearShape(**check_kind(s, "linear")) for s in data.pop("linear_shapes", ())),
             "attention_blocks": tuple(AttentionBlock(**{k: tuplify(v) for k, v in check_kind(b, "attention").items()})
                                       for b in data.pop("attention_blocks", ())),
@@ -157,6 +163,10 @@ class SNNDistributedAnalysis:
                 for b in data.pop("branch_attention_blocks", ())),
         }
         return cls(**{k: tuplify(v) for k, v in data.items()}, **objects)
+
+
+def _optional_layout(value: Any) -> Optional[DataLayout]:
+    return None if value is None else layout_of(value)
 
 
 def string_tuple_list(owner: str, name: str, value: Any) -> list:
@@ -218,14 +228,30 @@ def _conv_note(convs: Sequence[str], paired: Sequence[str]) -> list:
     return [text + "."]
 
 
-def analyze(model: nn.Module, *, model_family: Optional[str] = None,
-            roots: Optional[Sequence[str]] = None) -> SNNDistributedAnalysis:
-    """Find stateful neurons (whole model) and Linear TP candidates (under ``roots``)."""
+def _layout(model: nn.Module, example_input, labels, data_layout) -> Tuple[Optional[DataLayout], str, list]:
+    """The data layout, how it was found and its note: given, detected from ``example_input`` (and
+    ``labels``), or None when neither is given."""
+    if example_input is None:
+        if data_layout is None:
+            return None, "", []
+        layout = layout_of(data_layout)
+        return layout, f"{layout.name}: given", [f"data layout {layout}: given."]
+    layout, how = detect_layout(model, example_input, neurons.reset_all, labels, data_layout=data_layout,
+                                assume="time_major")
+    return layout, how, [f"data layout {layout}; {how}."]
+
+
+def analyze(model: nn.Module, *, model_family: Optional[str] = None, roots: Optional[Sequence[str]] = None,
+            example_input=None, labels=None, data_layout=None) -> SNNDistributedAnalysis:
+    """Find stateful neurons (whole model) and Linear TP candidates (under ``roots``); with an
+    ``example_input`` batch (and its ``labels``) also where N and T sit in the model's input and
+    output (:func:`~snn_explorer.core.layouts.detect_layout`; a given ``data_layout`` is checked)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"analyze expects a torch.nn.Module, got {type(model).__name__}")
     roots = _validate_roots(model, roots)
+    layout, layout_how, notes = _layout(model, example_input, labels, data_layout)
     family, family_note = resolve_family(model, model_family)
-    notes = [family_note] if family_note else []
+    notes += [family_note] if family_note else []
     memory, libraries, kinds, per_feature, linears, unsupported, norms, convs = [], [], [], [], [], [], [], []
     for name, module in model.named_modules():
         if isinstance(module, NORM_TYPES):
@@ -287,4 +313,6 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None,
         pipeline_units=units,
         pipeline_problem=unit_problem,
         trainable_units=trainable_units(model, units),
+        data_layout=layout,
+        data_layout_how=layout_how,
     )

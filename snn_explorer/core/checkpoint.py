@@ -43,7 +43,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from ..compat import SafeFileSystemReader, UnsafeCheckpointError, non_persistent_buffer_names
+from ..compat import (SafeFileSystemReader, UnsafeCheckpointError, non_persistent_buffer_names, spikingjelly_memories,
+                      spikingjelly_reset_values)
 from . import neurons
 from .checkpoint_files import (FORMAT, FORMAT_VERSION, MANIFEST, CheckpointError, check_target, latest_checkpoint, model_mismatch,
                                partial_path, publish, read_manifest, reshard_problem, saved_tensor_metadata,
@@ -123,9 +124,9 @@ def neurons_holding_state(module: nn.Module) -> List[str]:
             state = [b for n, b in m.named_buffers(recurse=False) if n in non_persistent_buffer_names(m)]
             held = any(torch.count_nonzero(b) for b in state if isinstance(b, torch.Tensor))
         elif library == "spikingjelly":
-            rest = m._memories_rv if hasattr(m, "_memories_rv") else {}
+            rest = spikingjelly_reset_values(m)
             held = any(isinstance(v, torch.Tensor) and not torch.all(v == rest.get(k, 0))
-                       for k, v in m._memories.items())
+                       for k, v in spikingjelly_memories(m).items())
         else:
             held = False
         if held:

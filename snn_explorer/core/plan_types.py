@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Tuple
 
+from .layouts import TIME_MAJOR, DataLayout, layout_of
 from .memory_levers import check_memory_levers, lever_label
 from .modes import Mode, mode_of, names_text
 from .pipeline_plan import check_pp_fields
@@ -99,9 +100,13 @@ class SNNDistributedPlan:
     checkpoint_every: int = 1
     cpu_offload: bool = False
     time_step_module: Optional[str] = None
+    #: where N and T sit in the model's input and output (None: not stated; runs take time-major [T, N, ...])
+    data_layout: Optional[DataLayout] = None
 
     def __post_init__(self):
         mode = mode_of(self.mode)
+        if self.data_layout is not None:
+            object.__setattr__(self, "data_layout", layout_of(self.data_layout))
         if self.objective not in SNN_DISTRIBUTED_PREFERENCES:
             raise ValueError(f"unsupported objective={self.objective!r}; expected one of {SNN_DISTRIBUTED_PREFERENCES}")
         if not isinstance(self.topology, SNNDistributedTopology):
@@ -165,6 +170,11 @@ class SNNDistributedPlan:
     @property
     def uses_pp(self) -> bool:
         return self.mode_spec.pp
+
+    @property
+    def layout(self) -> DataLayout:
+        """The :class:`~snn_explorer.core.layouts.DataLayout` runs of this plan use (time-major when unstated)."""
+        return self.data_layout if self.data_layout is not None else TIME_MAJOR
 
     @property
     def pp_schedule_spec(self):

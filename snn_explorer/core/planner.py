@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, List, Mapping, Optional, Tuple, Union
 
 from .analysis import SNNDistributedAnalysis
+from .layouts import layout_of
 from .memory_levers import check_time_step_module, lever_fields, lever_notes
 from .modes import MODE_TABLE, MODES, Mode, mode_of, names_text
 from .pipeline_plan import (check_pp_model, layout_text, microbatches_for, recommend_pipeline, resolve_layout,
@@ -88,7 +89,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
          pp_schedule: Optional[str] = None, pp_microbatches: Optional[int] = None,
          pp_virtual_stages: Optional[int] = None, pp_layout: Any = None,
          activation_checkpointing: Optional[str] = None, checkpoint_every: int = 1, cpu_offload: bool = False,
-         time_step_module: Optional[str] = None) -> SNNDistributedPlan:
+         time_step_module: Optional[str] = None, data_layout: Any = None) -> SNNDistributedPlan:
     """Choose a mode for ``objective`` on ``topology`` and return a plan that ``apply`` accepts.
 
     ``batch_size`` is the global batch of one optimizer step; the ``dp`` ranks split it. An
@@ -101,6 +102,8 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     ``activation_checkpointing``, ``checkpoint_every``, ``cpu_offload`` and ``time_step_module`` are the
     memory levers (see ``core.memory_levers``), each behind its ``features`` gate; with the gate on and
     ``activation_checkpointing=None`` the ``memory`` and ``capacity`` objectives checkpoint, ``speed`` does not.
+    ``data_layout`` (a :class:`~snn_explorer.core.layouts.DataLayout`; default: the analysis's) says
+    where N and T sit in the model's input and output; the plan carries it to ``apply`` and the launcher.
     """
     if not isinstance(analysis, SNNDistributedAnalysis):
         raise TypeError(f"analysis must come from analyze(), got {type(analysis).__name__}")
@@ -138,6 +141,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
         notes=tuple(notes), tensor_parallel_roots=analysis.tensor_parallel_roots,
         tensor_parallel_plan=tp_plan, fsdp_units=analysis.fsdp_unit_names if spec.fsdp else (),
         experimental_features=features, **pipeline, **levers,
+        data_layout=layout_of(data_layout) if data_layout is not None else analysis.data_layout,
     )
     if spec.pp:
         check_pp_model(plan_, analysis.pipeline_units, analysis.pipeline_problem,

@@ -8,17 +8,18 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
 from ..compat import uncompiled
 from . import neurons
 from .analysis import SNNDistributedAnalysis
 from .checkpoint import load_checkpoint, save_checkpoint
+from .layouts import TIME_MAJOR, DataLayout, check_samples
 from .channel_styles import full_tensor
 from .plan_types import SNNDistributedPlan
 from .validate import positive_int
 
-#: What ``forward_loss`` does with the time dim of ``[T, N, C]`` outputs before the criterion.
+#: What ``forward_loss`` does with the time dim of ``[T, N, C]`` (or ``[N, T, C]``) outputs before the criterion.
 REDUCE_TIME = ("mean", None)
 
 
@@ -31,6 +32,16 @@ def _check_batch(inputs, labels) -> None:
     for name, value in (("inputs", inputs), ("labels", labels)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def time_major_collate(samples):
+    """torch's default collation, the inputs (a batch's first tensor, ``[N, T, ...]``) made ``[T, N, ...]``."""
+    batch = default_collate(samples)
+    if isinstance(batch, torch.Tensor):
+        return batch.transpose(0, 1).contiguous() if batch.dim() >= 2 else batch
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor) and batch[0].dim() >= 2:
+        return type(batch)([batch[0].transpose(0, 1).contiguous(), *batch[1:]])
+    return batch
 
 
 @dataclass
@@ -88,7 +99,9 @@ class SNNDistributedRuntime:
         """A loader of this rank's share: ``batch_size`` (global, default the plan's) / dp samples.
 
         The sampler splits over the dp coordinate, so tensor-parallel peers get the same samples.
-        Call :meth:`set_epoch` each epoch to reshuffle.
+        Call :meth:`set_epoch` each epoch to reshuffle. A dataset's samples ``[T, ...]`` stack to
+        ``[N, T, ...]``; a plan whose ``data_layout`` states time-major (or per-step) inputs gets them
+        as ``[T, N, ...]`` (:func:`time_major_collate`); an unstated layout leaves them as stacked.
         """
         batch_size = self.plan.batch_size if batch_size is None else batch_size
         batch_size = positive_int("batch_size", batch_size, what="the loader's global batch")
@@ -99,9 +112,11 @@ class SNNDistributedRuntime:
         if self.dp_size > 1:
             sampler = DistributedSampler(dataset, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=shuffle,
                                          drop_last=drop_last, seed=seed)
+        stated = self.plan.data_layout
+        collate = time_major_collate if stated is not None and stated.input != "batch_major" else None
         loader = DataLoader(dataset, batch_size=batch_size // self.dp_size, sampler=sampler,
                             shuffle=shuffle if sampler is None else False, num_workers=num_workers,
-                            drop_last=drop_last, pin_memory=pin_memory)
+                            drop_last=drop_last, pin_memory=pin_memory, collate_fn=collate)
         self._loaders.append(loader)
         return loader
 
@@ -113,45 +128,70 @@ class SNNDistributedRuntime:
 
     @staticmethod
     def prepare_classification_output(outputs: torch.Tensor, labels: torch.Tensor,
-                                      reduce_time: Optional[str] = "mean") -> Tuple[torch.Tensor, torch.Tensor]:
+                                      reduce_time: Optional[str] = "mean",
+                                      layout: DataLayout = TIME_MAJOR) -> Tuple[torch.Tensor, torch.Tensor]:
         """Outputs and labels as a classification criterion takes them.
 
-        ``[T, N, C]`` outputs become their mean over time ``[N, C]`` (``reduce_time="mean"``) or
-        stay ``[T, N, C]`` (``reduce_time=None``, for a criterion written for per-step outputs);
-        one-hot ``[N, C]`` / ``[N, 1]`` labels become ``[N]``.
+        Outputs with a time dim (``[T, N, C]``, or ``[N, T, C]`` where ``layout.output`` says so)
+        become their mean over time ``[N, C]`` (``reduce_time="mean"``) or ``[T, N, C]``
+        (``reduce_time=None``, for a criterion written for per-step outputs); one-hot ``[N, C]`` /
+        ``[N, 1]`` labels become ``[N]``. ValueError when the outputs do not hold the labels' N where
+        ``layout`` puts it.
         """
         if reduce_time not in REDUCE_TIME:
             raise ValueError(f"reduce_time={reduce_time!r}; expected one of {REDUCE_TIME}")
         if not isinstance(outputs, torch.Tensor):
             raise TypeError(f"the model returned a {type(outputs).__name__}, not a tensor; classification needs "
-                            "outputs [T, N, C] or [N, C]")
+                            "outputs [T, N, C], [N, T, C] or [N, C]")
         if not isinstance(labels, torch.Tensor):
             raise TypeError(f"labels must be a torch.Tensor ([N], [N, 1] or one-hot [N, C]), got "
                             f"{type(labels).__name__}")
         outputs = _full(outputs)
         labels = _full(labels)
         if outputs.dim() not in (2, 3):
-            raise ValueError(f"classification outputs must be [T, N, C] or [N, C], got shape {tuple(outputs.shape)}")
-        samples = outputs.shape[-2]
-        if labels.dim() == 2 and labels.shape == outputs.shape[-2:]:
-            labels = labels.argmax(-1)
-        elif labels.dim() == 2 and labels.shape[1] == 1:
+            raise ValueError(f"classification outputs must be [T, N, C], [N, T, C] or [N, C], got shape "
+                             f"{tuple(outputs.shape)}")
+        if labels.dim() == 2 and labels.shape[1] == 1:
             labels = labels[:, 0]
-        if labels.dim() != 1 or labels.shape[0] != samples:
-            raise ValueError(f"labels of shape {tuple(labels.shape)} do not match outputs {tuple(outputs.shape)} "
-                             f"({samples} samples); expected [N], [N, 1] or one-hot [N, C]")
-        if outputs.dim() == 3 and reduce_time == "mean":
-            outputs = outputs.mean(0)
+        elif labels.dim() == 2 and labels.shape[1] == outputs.shape[-1]:
+            labels = labels.argmax(-1)
+        try:
+            if labels.dim() != 1:
+                raise ValueError("expected [N], [N, 1] or one-hot [N, C]")
+            outputs = layout.outputs_by_sample(outputs, labels.shape[0], reduce_time=reduce_time)
+        except ValueError as exc:
+            raise ValueError(f"labels of shape {tuple(labels.shape)} do not match outputs {tuple(outputs.shape)}: "
+                             f"{exc}") from None
         return outputs, labels.long()
+
+    @property
+    def layout(self) -> DataLayout:
+        """Where N and T sit in the model's input and output (the plan's; time-major when unstated)."""
+        return self.plan.layout
+
+    def rank_share(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None):
+        """This dp rank's share of a global batch ``(inputs, labels)``: its contiguous block of
+        ``plan.per_rank_batch`` samples, cut on the batch dim of the plan's layout (TP and PP peers of
+        one dp coordinate get the same block). ValueError when the batch does not hold ``batch_size``
+        samples there, or the labels another N."""
+        _check_batch(inputs, inputs if labels is None else labels)
+        n = check_samples(self.layout, inputs, labels)
+        if n != self.plan.batch_size:
+            raise ValueError(f"inputs {tuple(inputs.shape)} hold N={n} samples on dim {self.layout.batch_dim} "
+                             f"(data layout {self.layout}); the plan's global batch is {self.plan.batch_size}")
+        start, length = self.dp_rank * self.plan.per_rank_batch, self.plan.per_rank_batch
+        share = self.layout.share(inputs, start, length).contiguous()
+        return share, None if labels is None else labels[start:start + length].contiguous()
 
     def forward_loss(self, criterion: Callable, inputs: torch.Tensor, labels: torch.Tensor,
                      reset: bool = True, reduce_time: Optional[str] = "mean") -> Tuple[torch.Tensor, torch.Tensor]:
         """Reset neuron state (unless ``reset=False``), run the model, return ``(loss, outputs)``.
 
-        The criterion sees the outputs averaged over time by default: a model's ``[T, N, C]``
-        output becomes ``[N, C]`` before ``criterion(outputs, labels)``. Pass ``reduce_time=None``
-        to give the criterion the ``[T, N, C]`` outputs themselves. ``outputs`` returned are the
-        model's own, unreduced.
+        The model runs as the plan's data layout says (once on the batch, or once per time step for
+        ``per_step``, outputs stacked ``[T, N, ...]``). The criterion sees the outputs averaged over
+        time by default: ``[T, N, C]`` (or ``[N, T, C]``) becomes ``[N, C]`` before
+        ``criterion(outputs, labels)``. Pass ``reduce_time=None`` to give the criterion the
+        ``[T, N, C]`` outputs themselves. ``outputs`` returned are the model's own, unreduced.
         """
         _check_batch(inputs, labels)
         if self.plan.uses_pp:
@@ -160,8 +200,9 @@ class SNNDistributedRuntime:
                                "the micro-batches and returns the loss on every rank")
         if reset:
             self.reset_state()
-        outputs = self.model(inputs.to(self.device))
-        prepared, labels = self.prepare_classification_output(outputs, labels.to(self.device), reduce_time)
+        outputs = self.layout.run(self.model, inputs.to(self.device))
+        prepared, labels = self.prepare_classification_output(outputs, labels.to(self.device), reduce_time,
+                                                              self.layout)
         return criterion(prepared, labels), outputs
 
     def train_step(self, criterion: Callable, inputs: torch.Tensor, labels: torch.Tensor,
@@ -176,7 +217,7 @@ class SNNDistributedRuntime:
         if self.plan.uses_pp:
             _check_batch(inputs, labels)
             return self.model.train_step(lambda out, y: criterion(*self.prepare_classification_output(
-                out, y, reduce_time)), inputs, labels)
+                out, y, reduce_time, self.layout)), inputs, labels)
         loss, _ = self.forward_loss(criterion, inputs, labels, reduce_time=reduce_time)
         loss.backward()
         return loss.detach()

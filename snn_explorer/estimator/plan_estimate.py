@@ -15,6 +15,7 @@ all-gather and reduce-scatter buffers and unsharded parameters (:mod:`.memory.fs
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from ..core import SNNDistributedPlan
+from ..core.layouts import DataLayout
 from ..core.pipeline_plan import pipeline_units
 from ..core.validate import positive_int, positive_number
 from .calibration import resolve_hardware
@@ -35,7 +37,7 @@ from .memory.sharding import buffer_bytes, dp_roles, local_params, optimizer_tem
 from .memory.step_peak import dynamic_peak
 from .profile.checkpointed import levered_profile, recompute_fraction
 from .profile.profiling import ModelProfile, check_run_size, model_profile
-from .profile.step import check_inputs, check_optimizer
+from .profile.step import check_inputs, check_optimizer, resolve_layout
 from .timing.collectives import step_collectives
 from .timing.step_time import plan_time
 
@@ -69,6 +71,9 @@ class PlanEstimate:
         return float(self.pipeline["bubble_fraction"].iloc[0]) if self.pipeline is not None else 0.0
     #: FLOPs activation checkpointing recomputes per step, as a fraction of one forward (0.0 without it)
     recompute_forward_fraction: float = 0.0
+    #: where N and T sit in the model's input and output, and how that was found (given or detected)
+    data_layout: Optional[DataLayout] = None
+    data_layout_how: str = ""
 
     @property
     def batch_per_rank(self) -> int:
@@ -109,7 +114,7 @@ class PlanEstimate:
 def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch.Tensor,
              labels: Optional[torch.Tensor] = None, time_steps: Optional[int] = None, optimizer: str = "adam",
              dtype: Optional[torch.dtype] = None, memory_budget: Optional[int] = None,
-             profile: Optional[ModelProfile] = None, hardware=None) -> PlanEstimate:
+             profile: Optional[ModelProfile] = None, hardware=None, layout=None) -> PlanEstimate:
     """Estimate ``plan`` for ``model`` per rank of its mesh, for one optimizer step.
 
     ``example_input`` ``[T, N, ...]`` stands for the global batch of one optimizer step
@@ -126,16 +131,30 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     ``hardware`` (a :class:`HardwareProfile`, a built-in profile's name, or None for this
     machine's calibration: the first call calibrates (42-46 s on spawned ranks here), and keeps it
     on disk) is where the step time (``time``, ``step_time_s``; :mod:`.timing.step_time`) is predicted.
+
+    ``layout`` (a :class:`~snn_explorer.core.layouts.DataLayout`, else the plan's ``data_layout``) says
+    where N and T sit in ``example_input`` and the model's output; when neither states it, it is
+    detected (:func:`~.profile.step.resolve_layout`). ``data_layout`` and ``data_layout_how`` say which
+    and how.
     """
     optimizer = check_optimizer(optimizer)
-    check_inputs(model, example_input, labels, dtype, plan)
-    t = example_input.shape[0] if time_steps is None else positive_int("time_steps", time_steps)
+    check_inputs(model, example_input, None, dtype, plan)
+    if time_steps is not None:
+        positive_int("time_steps", time_steps)
     positive_number("memory_budget", memory_budget, allow_none=True, what="bytes per device")
     if profile is not None and not isinstance(profile, ModelProfile):
         raise TypeError(f"profile must be a ModelProfile (from model_profile) or None, got {type(profile).__name__}")
+    with as_found(), one_thread():  # detection runs the model once
+        layout, how = resolve_layout(model, example_input, labels, (plan,), layout)
+    check_inputs(model, example_input, labels, dtype, plan, layout)
+    if profile is not None and profile.layout != layout:
+        raise ValueError(f"the profile was measured in data layout {profile.layout}, not {layout}")
+    t = layout.steps(example_input) if time_steps is None else time_steps
     hardware = resolve_hardware(hardware)
     with as_found(), one_thread():  # the runs below draw random numbers and may import torch's compiler
-        return _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_budget, profile, hardware)
+        profile = profile or model_profile(model, example_input, labels, dtype, layout)
+        result = _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_budget, profile, hardware)
+    return dataclasses.replace(result, data_layout=layout, data_layout_how=how)
 
 
 def _per_rank(rows, roles, plan: SNNDistributedPlan) -> pd.DataFrame:
@@ -193,6 +212,8 @@ def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profil
     peak = int(per_rank["peak_bytes"].max())
     if memory_budget is None:
         verdict = f"peak {_mib(peak)} per rank; {collectives['bytes'].sum() / 2 ** 20:.2f} MiB communicated per step"
+        if plan.world_size == 1:
+            verdict = f"peak {_mib(peak)}; nothing communicated (one rank)"
     elif peak <= memory_budget:
         verdict = f"fits: peak {_mib(peak)} of a {_mib(memory_budget)} budget per device"
     else:

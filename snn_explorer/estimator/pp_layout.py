@@ -17,10 +17,10 @@ def balanced_pp_plan(model, plan, example_input, labels=None):
     parameter over stages."""
     if not plan.uses_pp:
         raise ValueError(f"balanced_pp_plan balances pipeline stages; {plan!r} has none")
-    profile = model_profile(model, example_input, labels)
+    profile = model_profile(model, example_input, labels, layout=plan.layout)
     units = pipeline_units(model)[0]
     trainable = trainable_units(model, units)
-    layout = layout_by_profile(profile, plan, units, example_input.shape[0], trainable)
+    layout = layout_by_profile(profile, plan, units, profile.example_input.shape[0], trainable)
     balanced = dataclasses.replace(plan, pp_layout=layout)
     check_pp_model(balanced, units, shared=shared_parameters(model), trainable=trainable)
     return balanced

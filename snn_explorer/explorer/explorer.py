@@ -55,23 +55,28 @@ class Explorer:
     ``neuron_backend`` (``backend``: its deprecated name) that of new plans. ``hardware`` (a
     ``HardwareProfile``, a built-in profile's name, or None: this machine's calibration, made on
     the first estimate) is where step times are predicted; set the attribute to change it.
+    ``data_layout`` (a :class:`~snn_explorer.core.layouts.DataLayout`) says where N and T sit in
+    ``example_input`` and the model's output; without it they are detected from the example input
+    (``analysis.data_layout_how`` says how), and every plan and estimate carries the result.
     """
 
     def __init__(self, model: nn.Module, *, example_input: Optional[torch.Tensor] = None,
                  time_steps: Optional[int] = None, model_family: Optional[str] = None,
                  roots: Optional[Sequence[str]] = None, labels: Optional[torch.Tensor] = None,
                  batch_size: Optional[int] = None, neuron_backend: str = "torch", optimizer: str = "adam",
-                 backend: Any = UNSET, hardware: Any = None):
+                 backend: Any = UNSET, hardware: Any = None, data_layout: Any = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Explorer expects a torch.nn.Module, got {type(model).__name__}")
         if example_input is not None:
             check_batch_tensor("example_input", example_input)
         self.model, self.example_input, self.labels = model, example_input, labels
-        self.analysis = analyze(model, model_family=model_family, roots=roots)
+        self.analysis = analyze(model, model_family=model_family, roots=roots, example_input=example_input,
+                                labels=labels, data_layout=data_layout)
+        layout = self.analysis.data_layout
         self.time_steps = positive_int("time_steps", time_steps if time_steps is not None else
-                                       example_input.shape[0] if example_input is not None else 1)
+                                       layout.steps(example_input) if example_input is not None else 1)
         self.batch_size = positive_int("batch_size", batch_size if batch_size is not None else
-                                       example_input.shape[1] if example_input is not None else 1)
+                                       layout.samples(example_input) if example_input is not None else 1)
         self.neuron_backend = check_backend(neuron_backend_arg(neuron_backend, backend))
         self.optimizer = optimizer
         self.hardware = hardware
@@ -228,10 +233,11 @@ class Explorer:
         key = self._estimate_key(plan, time_steps)
         if key not in self._estimates:
             if self._profile is None:  # looked up once: the cache key reads every parameter's shape
-                self._profile = model_profile(self.model, self.example_input, self.labels)
+                self._profile = model_profile(self.model, self.example_input, self.labels,
+                                              layout=self.analysis.data_layout)
             self._estimates[key] = estimate_plan(self.model, plan, example_input=self.example_input, labels=self.labels,
                                             time_steps=key[1], optimizer=self.optimizer, profile=self._profile,
-                                            hardware=self.hardware)
+                                            hardware=self.hardware, layout=self.analysis.data_layout)
         return self._estimates[key]
 
     def is_estimated(self, plan: SNNDistributedPlan, time_steps: Optional[int] = None) -> bool:

@@ -124,9 +124,11 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
       (``runtime.forward_loss``, ``runtime.dp_rank``, ``runtime.plan.per_rank_batch``, ...);
     * ``batch``: with ``dataset=`` (a torch ``Dataset``), this rank's next batch of
       ``plan.per_rank_batch`` samples: the dp ranks get different samples, tensor-parallel peers
-      the same ones, and the loader starts a new epoch when it runs out. Without a dataset
-      ``batch`` is None and the step brings its own data: slice a global batch by
-      ``runtime.dp_rank`` (see ``snn_explorer.quickstart.train_step``) or draw it at random, for
+      the same ones, and the loader starts a new epoch when it runs out (samples ``[T, ...]`` stack
+      to ``[N, T, ...]``, or ``[T, N, ...]`` where the plan's ``data_layout`` states time-major
+      inputs). Without a dataset ``batch`` is None and the step brings its own data: cut this
+      rank's share of a global batch with ``runtime.rank_share(inputs, labels)`` (on the batch dim
+      of the plan's data layout) or draw it at random, for
       which torch's RNG is seeded ``seed + dp_rank`` on each rank, so dp ranks draw different
       samples and TP peers the same ones;
     * ``state``: a dict that lives for the whole run on this rank; ``state["optimizer"]`` is

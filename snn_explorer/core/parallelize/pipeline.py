@@ -2,8 +2,11 @@
 
 Each rank keeps only its own stages on its device (the other units of its copy of the model go to
 the ``meta`` device, which holds no data). torch's schedules (``core.pipeline_schedules``) split every
-step's batch into micro-batches **on the batch dim** (dim 1 of ``[T, N, ...]``), run them through
-the stages, and merge the last stage's outputs on that dim again.
+step's batch into micro-batches **on the batch dim** of the plan's data layout (dim 1 of ``[T, N,
+...]``, dim 0 of ``[N, T, ...]``; ``core.layouts``), run them through the stages, and merge the last
+stage's outputs on the batch dim of the model's output. A ``per_step`` model's stages run their units
+once per time step of the micro-batch ``[T, n, ...]`` and stack the steps (units in a chain, so each
+unit seeing all steps in turn computes what the whole model called per step does).
 
 SNN state: a micro-batch is an independent set of samples, so every stage resets its neurons
 before each micro-batch's forward (:class:`PipelineStageModule`). Under 1F1B and interleaving a
@@ -29,9 +32,17 @@ from torch import nn
 
 from ...compat import is_view, pipelining
 from .. import neurons
+from ..layouts import check_samples
 from ..pipeline_plan import resolve_layout, stage_units
-#: The batch dim of SNN tensors ``[T, N, ...]``: micro-batches are cut and merged along it.
-BATCH_DIM = 1
+
+
+def run_units(units, x: torch.Tensor, per_step: bool) -> torch.Tensor:
+    """``units`` applied in order to ``x``; with ``per_step``, to each step ``x[t]`` of ``[T, n, ...]``, stacked."""
+    if per_step:
+        return torch.stack([run_units(units, step, False) for step in x.unbind(0)])
+    for unit in units:
+        x = unit(x)
+    return x
 
 
 class PipelineStageModule(nn.Module):
@@ -44,9 +55,11 @@ class PipelineStageModule(nn.Module):
     result) is copied: torch's input backward detaches each stage output in place, which a view
     refuses ("Can't detach views in-place").
     """
-    def __init__(self, index: int, paths: Sequence[str], units: Sequence[nn.Module], own_output: bool = False):
+    def __init__(self, index: int, paths: Sequence[str], units: Sequence[nn.Module], own_output: bool = False,
+                 per_step: bool = False):
         super().__init__()
         self.index = index
+        self.per_step = per_step
         self.paths = tuple(paths)
         self.units = nn.ModuleList(units)
         self.own_output = own_output
@@ -56,8 +69,7 @@ class PipelineStageModule(nn.Module):
         neurons.reset_all(self)
         self.resets += 1
         x = x.contiguous()  # the first stage's micro-batch is a strided slice of the batch on dim 1
-        for unit in self.units:
-            x = unit(x)
+        x = run_units(self.units, x, self.per_step)
         return x.clone() if self.own_output and is_view(x) else x
 
 
@@ -76,6 +88,7 @@ class PipelinedModel(nn.Module):
     def __init__(self, model: nn.Module, plan, units: Sequence[str], mesh, device: torch.device):
         super().__init__()
         self.plan = plan
+        self.layout = plan.layout
         self.device = device
         self.pp_group = mesh.get_group("pp")
         self.dp_group = mesh.get_group("dp") if plan.dp_size > 1 else None
@@ -91,7 +104,8 @@ class PipelinedModel(nn.Module):
                              for paths in self.stage_paths]
         self.stages = nn.ModuleList(
             PipelineStageModule(s, self.stage_paths[s], [model.get_submodule(p).to(device)
-                                                         for p in self.stage_paths[s]], self.schedule.splits_backward)
+                                                         for p in self.stage_paths[s]], self.schedule.splits_backward,
+                                self.layout.per_step)
             for s in self.stage_ids)
         self.last_outputs: Optional[torch.Tensor] = None
         self._schedule, self._schedule_key, self._loss_fn, self._loss_dtype = None, None, None, None
@@ -117,7 +131,7 @@ class PipelinedModel(nn.Module):
         with torch.enable_grad():
             for stage in self._meta_stages:
                 neurons.reset_all(stage)
-                y = stage(x)
+                y = run_units(stage, x, self.layout.per_step)
                 examples.append((x, y))
                 x = y
         return examples
@@ -125,7 +139,7 @@ class PipelinedModel(nn.Module):
     def _build_schedule(self, inputs: torch.Tensor):
         plan = self.plan
         micro_shape = list(inputs.shape)
-        micro_shape[BATCH_DIM] //= plan.pp_microbatches
+        micro_shape[self.layout.batch_dim] //= plan.pp_microbatches
         examples = self._stage_examples(torch.empty(micro_shape, dtype=inputs.dtype, device="meta"))
         self._loss_dtype = examples[-1][1].dtype
         stages = [pipelining().PipelineStage(module, module.index, plan.pp_stages, self.device,
@@ -134,23 +148,28 @@ class PipelinedModel(nn.Module):
                   for module in self.stages]
         self.pipeline_stages = stages
         return self.schedule.build(stages, n_microbatches=plan.pp_microbatches, loss_fn=self._micro_loss,
-                                   args_chunk_spec=(pipelining().microbatch.TensorChunkSpec(BATCH_DIM),),
-                                   output_merge_spec=pipelining().microbatch.TensorChunkSpec(BATCH_DIM), scale_grads=True)
+                                   args_chunk_spec=(pipelining().microbatch.TensorChunkSpec(self.layout.batch_dim),),
+                                   output_merge_spec=pipelining().microbatch.TensorChunkSpec(self.output_batch_dim), scale_grads=True)
+
+    @property
+    def output_batch_dim(self) -> int:
+        """The batch dim of the last stage's output: 1 of ``[T, N, ...]``, 0 of ``[N, T, ...]``."""
+        return 0 if self.layout.output == "batch_major" else 1
 
     def _micro_loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self._loss_fn(outputs, labels)
 
-    def _check_inputs(self, inputs: torch.Tensor) -> None:
-        plan = self.plan
-        if inputs.dim() < 2 or inputs.shape[BATCH_DIM] != plan.per_rank_batch:
-            raise ValueError(f"mode 'pp' takes inputs [T, N, ...] with N = the per-rank batch {plan.per_rank_batch} "
-                             f"(split into {plan.pp_microbatches} micro-batches on dim {BATCH_DIM}), got shape "
-                             f"{tuple(inputs.shape)}")
+    def _check_inputs(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        plan, layout = self.plan, self.layout
+        if inputs.dim() < 2 or check_samples(layout, inputs, labels) != plan.per_rank_batch:
+            raise ValueError(f"mode 'pp' takes inputs in data layout {layout} with N = the per-rank batch "
+                             f"{plan.per_rank_batch} (split into {plan.pp_microbatches} micro-batches on dim "
+                             f"{layout.batch_dim}), got shape {tuple(inputs.shape)}")
 
     # ---- one step -----------------------------------------------------------------------------
     def train_step(self, loss_fn: Callable, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One step's forward and backward over all micro-batches; the mean micro-batch loss, on every rank."""
-        self._check_inputs(inputs)
+        self._check_inputs(inputs, labels)
         key = (tuple(inputs.shape), inputs.dtype)
         if key != self._schedule_key:
             self._schedule, self._schedule_key = self._build_schedule(inputs), key

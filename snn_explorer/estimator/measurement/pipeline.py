@@ -33,7 +33,7 @@ def measure_pp_plan(model, plan, run: MeasureSettings) -> dict:
     """One rank's measurement of pipeline ``plan``."""
     runtime = apply(model=model, plan=plan, device_type=run.device)
     x, y = batch_slice(run.example_input, run.labels, plan.per_rank_batch, run.example_input.shape[0],
-                       start=runtime.dp_rank * plan.per_rank_batch)
+                       start=runtime.dp_rank * plan.per_rank_batch, layout=run.layout)
     x = x.to(run.dtype)
     kind = OPTIMIZERS[run.optimizer]
     opt = runtime.build_optimizer(kind.cls, lr=run.lr, **kind.kwargs)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import datetime
 import tempfile
 import warnings
@@ -27,6 +28,7 @@ from torch import nn
 
 from ... import compat, ranks
 from ...core import SNNDistributedPlan, apply
+from ...core.layouts import DataLayout
 from ...core.parallelize.mesh import comm_backend_for
 from ...core.validate import positive_number
 from ...ranks.progress import heartbeat
@@ -65,6 +67,9 @@ class PlanMeasurement:
     comm_debug_counts: Optional[Dict[str, int]] = None
     steps: int = 3
     time: Optional[pd.DataFrame] = None  # rank, compute_s, exposed_comm_s, bubble_s, step_s (as PlanEstimate.time)
+    #: where N and T sit in the model's input and output, and how that was found (given or detected)
+    data_layout: Optional[DataLayout] = None
+    data_layout_how: str = ""
 
     @property
     def peak_bytes(self) -> int:
@@ -126,11 +131,12 @@ def _measure_plan(model, plan, run: MeasureSettings) -> dict:
     model = copy.deepcopy(model)
     if run.cast is not None:
         model.to(run.cast)
+    plan = run.plan_for(plan)
     if plan.uses_pp:
         return measure_pp_plan(model, plan, run)
     runtime = apply(model=model, plan=plan, device_type=run.device)
     x, y = batch_slice(run.example_input, run.labels, plan.per_rank_batch, run.example_input.shape[0],
-                       start=runtime.dp_rank * plan.per_rank_batch)
+                       start=runtime.dp_rank * plan.per_rank_batch, layout=run.layout)
     device = next(runtime.model.parameters()).device if cuda else torch.device("cpu")
     x, y = x.to(device, run.dtype), None if y is None else y.to(device)
     kind = OPTIMIZERS[run.optimizer]
@@ -143,7 +149,7 @@ def _measure_plan(model, plan, run: MeasureSettings) -> dict:
             recorder.phase = "forward"
         hooks = saving(saved) if saved else contextlib.nullcontext()
         with hooks:
-            loss = forward_loss(runtime.model, x, y)
+            loss = forward_loss(runtime.model, x, y, run.layout)
         if after_forward:
             after_forward()
         if recorder is not None:
@@ -205,8 +211,15 @@ def _measure_plan(model, plan, run: MeasureSettings) -> dict:
                  buffers_bytes=sum(storage_bytes([b for b in module.buffers() if id(b) not in state_ids]).values()),
                  activations_bytes=activations, neuron_state_bytes=sum(seen["state"].values()),
                  transient_bytes=buckets if plan.uses_ddp else float("nan"), peak_bytes=peak),
-        collectives=recorder.table(groups), times=times, blocked_s=recorder.blocked_s,
+        collectives=_over_ranks(recorder.table(groups), groups), times=times, blocked_s=recorder.blocked_s,
         debug=None if repeated else {str(k).rsplit(".", 1)[-1]: v for k, v in debug.get_comm_counts().items()})
+
+
+def _over_ranks(rows: List[dict], groups: Dict[str, object]) -> List[dict]:
+    """The rows of collectives over more than one rank: one over a mesh dim of one rank (DDP's
+    all-reduce on a one-rank plan) moves nothing, and the estimate lists none."""
+    alone = {d for d, g in groups.items() if dist.get_world_size(g) == 1}
+    return [r for r in rows if r["mesh_dim"] not in alone]
 
 
 def measure_on_rank(model, plans, run: MeasureSettings) -> List[dict]:
@@ -240,9 +253,9 @@ def _assemble(plan: SNNDistributedPlan, results: Sequence[dict], steps: int) -> 
 def measure_many(model: nn.Module, plans: Sequence[SNNDistributedPlan], *, example_input: torch.Tensor,
                  labels: Optional[torch.Tensor] = None, steps: int = 3, optimizer: str = "adam",
                  dtype: Optional[torch.dtype] = None, lr: float = 1e-3, timeout: Optional[float] = 300.0,
-                 device: str = "cpu", progress=False) -> List[PlanMeasurement]:
+                 device: str = "cpu", progress=False, layout=None) -> List[PlanMeasurement]:
     """:func:`measure` for several plans, one set of ranks per world size (``snn_explorer.ranks``)."""
-    run = measure_settings(model, plans, example_input, labels, steps, optimizer, dtype, lr, device)
+    run = measure_settings(model, plans, example_input, labels, steps, optimizer, dtype, lr, device, layout)
     timeout = positive_number("timeout", timeout, what="seconds a rank may go without finishing a step",
                               allow_none=True)
     backend = comm_backend_for(device)
@@ -257,7 +270,8 @@ def measure_many(model: nn.Module, plans: Sequence[SNNDistributedPlan], *, examp
             per_rank = ranks.run(measure_on_rank, (model, group, run), nprocs=world, backend=backend,
                                  timeout=timeout, progress=progress).values
         for j, i in enumerate(idx):
-            out[i] = _assemble(plans[i], [r[j] for r in per_rank], steps)
+            out[i] = dataclasses.replace(_assemble(plans[i], [r[j] for r in per_rank], steps),
+                                         data_layout=run.layout, data_layout_how=run.layout_how)
     return [out[i] for i in range(len(plans))]
 
 
@@ -277,13 +291,14 @@ def _measure_single(model, plans, run: MeasureSettings, backend: str):
 def measure(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch.Tensor,
             labels: Optional[torch.Tensor] = None, steps: int = 3, optimizer: str = "adam",
             dtype: Optional[torch.dtype] = None, lr: float = 1e-3, timeout: Optional[float] = 300.0,
-            device: str = "cpu", progress=False) -> PlanMeasurement:
+            device: str = "cpu", progress=False, layout=None) -> PlanMeasurement:
     """Train ``plan`` on ``plan.world_size`` spawned ranks for ``steps`` steps and measure one more.
 
     ``device``: ``"cpu"`` (gloo; the peak is MemTracker's, a storage meter's for pipeline plans) or
     ``"cuda"`` (NCCL, rank ``r`` on GPU ``r``; the peak is the CUDA allocator's
     ``max_memory_allocated``, a storage meter's for pipeline plans). Pipeline plans need ``labels``.
-    ``example_input`` ``[T, N, ...]`` is the global batch (``plan.batch_size`` samples): dp rank
+    ``example_input`` is the global batch (``plan.batch_size`` samples) in the model's data layout
+    (``layout``, else the plan's ``data_layout``, else detected as :func:`estimate` does): dp rank
     ``r`` trains on samples ``r * per_rank_batch`` onwards. ``labels`` select a cross-entropy loss
     (else the mean square output). The model is copied; it is not changed.
     The ranks run on :mod:`snn_explorer.ranks`: ``timeout`` is the seconds a rank may take for one
@@ -292,4 +307,4 @@ def measure(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch.
     """
     return measure_many(model, [plan], example_input=example_input, labels=labels, steps=steps,
                         optimizer=optimizer, dtype=dtype, lr=lr, timeout=timeout, device=device,
-                        progress=progress)[0]
+                        progress=progress, layout=layout)[0]

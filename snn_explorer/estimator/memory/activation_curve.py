@@ -27,7 +27,7 @@ def activation_curve(profile: ModelProfile, plan, time_steps: Sequence[int], tim
                          "checkpointed curve to compare")
     rows = []
     for t in (positive_int("time_steps", t) for t in time_steps):
-        x, y = batch_slice(profile.example_input, profile.labels, plain.per_rank_batch, t)
+        x, y = batch_slice(profile.example_input, profile.labels, plain.per_rank_batch, t, layout=profile.layout)
         _, model = profile.rank_model(plain.tensor_parallel_plan, plain.tp_size)
         rows.append((t, "none", held_after_forward(model, x.to(profile.dtype), y)[0] + x.nbytes))
         for p in levered:

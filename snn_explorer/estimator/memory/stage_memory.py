@@ -41,7 +41,7 @@ class StageMemory:
     grads: int  # the stage's gradients
 
 
-def _micro(meter: StorageMeter, stage, inp, labels, grad_out) -> tuple:
+def _micro(meter: StorageMeter, stage, inp, labels, grad_out, layout) -> tuple:
     """(kept, saved for backward, forward peak, backward peak, output) of one micro-batch's forward
     and backward (saved: the storages packed for backward, its input and the parameters left out)."""
     saved = LiveSaved({t.untyped_storage().data_ptr() for t in [inp] + list(stage.parameters())})
@@ -50,7 +50,7 @@ def _micro(meter: StorageMeter, stage, inp, labels, grad_out) -> tuple:
         base = meter.current
         with saving(saved):
             out = stage(inp)
-            loss = loss_of(out, labels) if grad_out is None else None
+            loss = loss_of(out, labels, layout) if grad_out is None else None
         kept, forward, packed = meter.current - base, meter.peak - base, saved.current
         meter.restart_peak()
         if loss is not None:
@@ -67,12 +67,14 @@ def measure_stages(profile, stages: Sequence[Sequence[str]], n: int, t: int, mic
     key = (tuple(map(tuple, stages)), n, t, micro)
     if key in profile.stage_memory:
         return profile.stage_memory[key]
-    x, y = batch_slice(profile.example_input, profile.labels, n * micro, t)
-    # views of the batch on dim 1, as torch's split gives the first stage and the loss
-    x, y = x.to(profile.dtype)[:, :n], None if y is None else y[:n]
+    layout = profile.layout
+    x, y = batch_slice(profile.example_input, profile.labels, n * micro, t, layout=layout)
+    # views of the batch on its batch dim, as torch's split gives the first stage and the loss
+    x, y = layout.share(x.to(profile.dtype), 0, n), None if y is None else y[:n]
     out: List[StageMemory] = []
     for i, paths in enumerate(stages):
-        stage = PipelineStageModule(i, paths, [profile.model.get_submodule(p) for p in paths])
+        stage = PipelineStageModule(i, paths, [profile.model.get_submodule(p) for p in paths],
+                                    per_step=layout.per_step)
         inp = x if i == 0 else x.detach().requires_grad_()
         grad_out: Optional[torch.Tensor] = None
         if i < len(stages) - 1:
@@ -87,11 +89,11 @@ def measure_stages(profile, stages: Sequence[Sequence[str]], n: int, t: int, mic
         state = state_tensor_ids(stage)  # left untracked, as measure() leaves it: its replacement is not counted off
         meter.track([inp, grad_out] + list(stage.parameters()) + [b for b in stage.buffers() if id(b) not in state])
         base = meter.current
-        first = _micro(meter, stage, inp, y, grad_out)[3]
+        first = _micro(meter, stage, inp, y, grad_out, layout)[3]
         grad_input, grads = total_bytes([inp.grad]), total_bytes(p.grad for p in params)
         inp.grad = None
         held = meter.current - base - grads
-        kept, saved, forward, after, x = _micro(meter, stage, inp, y, grad_out)
+        kept, saved, forward, after, x = _micro(meter, stage, inp, y, grad_out, layout)
         # the first micro-batch's peak includes the state it creates, which the walk counts apart
         out.append(StageMemory(kept=kept, saved=saved, output=total_bytes([x]), grad_input=grad_input, held=held,
                                forward=forward, backward_first=first - held, backward_next=after, grads=grads))

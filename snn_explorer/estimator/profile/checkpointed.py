@@ -50,7 +50,7 @@ class CheckpointedProfile(ModelProfile):
         what runs outside them) and of neuron state: measured on the checkpointed model, once per size."""
         key = (n, t) + self.rank_model(tp_plan, tp)[0]
         if key not in self.saved_state:
-            x, y = batch_slice(self.example_input, self.labels, n, t)
+            x, y = batch_slice(self.example_input, self.labels, n, t, layout=self.layout)
             self.saved_state[key] = held_after_forward(self.rank_model(tp_plan, tp)[1], x.to(self.dtype), y)
         return self.saved_state[key]
 
@@ -59,7 +59,7 @@ class CheckpointedProfile(ModelProfile):
         matrix products and convolutions; 0.0 for a model without them)."""
         key = (n, t) + self.rank_model(tp_plan, tp)[0]
         if key not in self.flops:
-            x, y = batch_slice(self.example_input, self.labels, n, t)
+            x, y = batch_slice(self.example_input, self.labels, n, t, layout=self.layout)
             x = x.to(self.dtype)
             plain = super().rank_model(tp_plan, tp)[1]
             forward, plain_step = _flops(plain, x, y)

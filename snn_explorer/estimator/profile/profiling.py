@@ -29,6 +29,7 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ...core.layouts import TIME_MAJOR, DataLayout
 from ...core.neurons import detached_copy, state_tensors, stateful_modules
 from ...core.plans.families import fsdp_units
 from ..instruments.fsdp_events import record
@@ -37,7 +38,7 @@ from ..instruments.meter import StorageMeter
 from ..instruments.module_calls import ModuleCalls
 from ..instruments.op_counter import OpCounter, grad_names
 from ..instruments.storage import SavedByModule, model_state_tensors, saving, state_tensor_ids, storage_bytes
-from .step import batch_slice, check_inputs, forward_loss, run_dtypes
+from .step import RUN_LAYOUT, batch_slice, check_inputs, forward_loss, run_dtypes
 from .tp_replica import tp_replica
 
 #: The per-rank batches and time steps the profile runs the model at, to fit each figure over (N, T).
@@ -107,6 +108,9 @@ class ModelProfile:
     #: (by :class:`~.op_counter.OpCounter`s around the profile runs themselves); () where not counted
     step_counts: tuple = field(default=(), repr=False)
     grad_params: Tuple[str, ...] = ()  # the parameters a backward gives a gradient
+    #: where N and T sit in the model's input and output; ``example_input`` is kept time-major
+    #: ``[T, N, ...]`` whatever it is, and :func:`~.step.batch_slice` cuts batches in this layout
+    layout: DataLayout = TIME_MAJOR
 
     def rank_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Tuple[tuple, nn.Module]:
         """The model one rank runs: the private copy, or its TP replica for ``tp_plan``."""
@@ -117,7 +121,7 @@ class ModelProfile:
 
     def _run(self, n: int, t: int, tp_plan, tp: int, saved_only: bool, units: Sequence[str] = ()) -> dict:
         _, model = self.rank_model(tp_plan, tp)
-        x, y = batch_slice(self.example_input, self.labels, n, t)
+        x, y = batch_slice(self.example_input, self.labels, n, t, layout=self.layout)
         return _run_point(model, x.to(self.dtype), y, saved_only=saved_only, units=units)
 
     def logged_run(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]], tp: int, units=()) -> dict:
@@ -260,16 +264,19 @@ def _fit(points, get) -> Fit:
 
 
 def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                    dtype: Optional[torch.dtype] = None) -> ModelProfile:
-    """Run a copy of ``model`` unsharded at :data:`SIZES` and fit the profile (see the module doc)."""
-    check_inputs(model, example_input, labels, dtype)
+                    dtype: Optional[torch.dtype] = None, layout: DataLayout = TIME_MAJOR) -> ModelProfile:
+    """Run a copy of ``model`` unsharded at :data:`SIZES` and fit the profile (see the module doc);
+    ``example_input`` in ``layout``, which every run of the copy takes its batches in."""
+    check_inputs(model, example_input, labels, dtype, layout=layout)
     cast, dtype = run_dtypes(model, dtype, example_input)
+    example_input = layout.to_time_major(example_input)
     model = detached_copy(model).train()
+    setattr(model, RUN_LAYOUT, layout)
     if cast is not None:
         model.to(cast)
     by_size, last_n = {}, None
     for n, t in sorted(SIZES):  # by batch size: a run leaves the neuron state the next one at that size starts from
-        x, y = batch_slice(example_input, labels, n, t)
+        x, y = batch_slice(example_input, labels, n, t, layout=layout)
         try:
             by_size[n, t] = _run_point(model, x.to(dtype), y, count=True, warm_up=n != last_n)
             last_n = n
@@ -277,8 +284,9 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
             if by_size:
                 raise
             raise ValueError(f"the model does not run on example_input of shape {tuple(example_input.shape)} "
-                             f"({example_input.dtype}; a slice {tuple(x.shape)} was tried): {exc}; give a batch "
-                             "[T, N, ...] the model's forward accepts") from exc
+                             f"(as [T, N, ...]; {example_input.dtype}; a slice {tuple(x.shape)} in data layout "
+                             f"{layout} was tried): {exc}; give a batch the model's forward accepts, in the data "
+                             "layout it takes") from exc
     points = [by_size[size] for size in SIZES]
     names = set().union(*(p["calls"] for p in points), *(p["saved"] for p in points))
     modules = {}
@@ -296,25 +304,26 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
                         params=trainable_shapes(model), buffers=plain_buffers(model), fsdp_units=fsdp_units(model),
                         param_itemsizes={n: p.element_size() for n, p in model.named_parameters()},
                         model=model, example_input=example_input, labels=labels,
-                        step_counts=tuple(p["counts"] for p in points), grad_params=points[-1]["with_grad"])
+                        step_counts=tuple(p["counts"] for p in points), grad_params=points[-1]["with_grad"],
+                        layout=layout)
 
 
 #: Profiles per live model object (a weak key: a freed model's id can be reused by a new one).
 _CACHE: "weakref.WeakKeyDictionary[nn.Module, Dict[tuple, ModelProfile]]" = weakref.WeakKeyDictionary()
 
 
-def _key(model: nn.Module, example_input: torch.Tensor, labels, dtype) -> tuple:
+def _key(model: nn.Module, example_input: torch.Tensor, labels, dtype, layout: DataLayout) -> tuple:
     shapes = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters())
-    return (shapes, tuple(example_input.shape[2:]), example_input.dtype, labels is None, dtype)
+    return (shapes, tuple(example_input.shape[2:]), example_input.dtype, labels is None, dtype, layout)
 
 
 def model_profile(model: nn.Module, example_input: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                  dtype: Optional[torch.dtype] = None) -> ModelProfile:
-    """:func:`measure_profile`, cached per model object, parameter shapes, sample shape and dtype."""
-    check_inputs(model, example_input, labels, dtype)
+                  dtype: Optional[torch.dtype] = None, layout: DataLayout = TIME_MAJOR) -> ModelProfile:
+    """:func:`measure_profile`, cached per model object, parameter shapes, sample shape, dtype and layout."""
+    check_inputs(model, example_input, labels, dtype, layout=layout)
     per_model = _CACHE.setdefault(model, {})
-    key = _key(model, example_input, labels, dtype)
+    key = _key(model, example_input, labels, dtype, layout)
     if key not in per_model:
         with as_found(), one_thread():  # the runs draw random numbers (dropout) and may import torch's compiler
-            per_model[key] = measure_profile(model, example_input, labels, dtype)
+            per_model[key] = measure_profile(model, example_input, labels, dtype, layout)
     return per_model[key]

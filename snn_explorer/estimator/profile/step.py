@@ -1,15 +1,21 @@
 """The training step that the profile and measure() both run, so their numbers describe the same work."""
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
 from ...core import SNNDistributedPlan, SNNDistributedRuntime
+from ...core.layouts import TIME_MAJOR, DataLayout, detect_layout, layout_of
 from ...core.neurons import reset_all
 from ...core.validate import check_batch_tensor, check_dtype, check_instance
+
+#: The attribute naming the :class:`DataLayout` a private model copy of the estimator runs in (set on
+#: the profile's copy; deep copies of it, TP replicas and checkpointed copies, inherit it).
+RUN_LAYOUT = "_snn_explorer_run_layout"
 
 
 @dataclass(frozen=True)
@@ -42,8 +48,10 @@ def check_optimizer(name: str) -> str:
     return name
 
 
-def check_inputs(model: nn.Module, example_input, labels, dtype=None, plan=None) -> None:
-    """The arguments every estimate and measurement shares, each refused with its own message."""
+def check_inputs(model: nn.Module, example_input, labels, dtype=None, plan=None,
+                 layout: DataLayout = TIME_MAJOR) -> None:
+    """The arguments every estimate and measurement shares, each refused with its own message;
+    ``example_input`` is read in ``layout``."""
     check_instance("model", model, nn.Module, "a torch.nn.Module")
     if plan is not None:
         check_instance("plan", plan, SNNDistributedPlan, "an SNNDistributedPlan (from plan() or "
@@ -57,10 +65,40 @@ def check_inputs(model: nn.Module, example_input, labels, dtype=None, plan=None)
         return
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels must be a torch.Tensor [N] of class indices (or None), got {type(labels).__name__}")
-    n = example_input.shape[1]
+    n = layout.samples(example_input)
     if labels.dim() == 0 or labels.shape[0] != n:
+        other = example_input.shape[layout.time_dim]
+        hint = (f"; dim {layout.time_dim} holds {other}: is the data layout other than {layout.name}? (pass "
+                "layout=, e.g. snn_explorer.core.layouts.BATCH_MAJOR)" if labels.dim() and labels.shape[0] == other
+                else "")
         raise ValueError(f"labels of shape {tuple(labels.shape)} do not match example_input "
-                         f"{tuple(example_input.shape)}: expected [N] (or [N, C]) with N={n} samples")
+                         f"{tuple(example_input.shape)}: expected [N] (or [N, C]) with N={n} samples (dim "
+                         f"{layout.batch_dim} of data layout {layout}){hint}")
+
+
+#: Layouts found per model object, per (input shape, labels' N, stated layout): detection runs the model once.
+_FOUND: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def resolve_layout(model: nn.Module, example_input: torch.Tensor, labels=None, plans=(),
+                   layout=None) -> Tuple[DataLayout, str]:
+    """``(layout, how it was found)`` of ``example_input`` for ``model``: ``layout`` or the plans'
+    ``data_layout`` (ValueError when they differ), checked against the labels; else detected
+    (:func:`~snn_explorer.core.layouts.detect_layout`: the labels' N against dims 0 and 1, the output's
+    dims from one eval run; time-major assumed, and said so, when N and T have one size)."""
+    stated = {p.data_layout for p in plans if p.data_layout is not None}
+    if layout is not None:
+        stated.add(layout_of(layout))
+    if len(stated) > 1:
+        raise ValueError(f"data layouts disagree: {sorted(str(s) for s in stated)} (layout= and the plans' "
+                         "data_layout must name one)")
+    given = next(iter(stated), None)
+    n = labels.shape[0] if isinstance(labels, torch.Tensor) and labels.dim() else None
+    key = (tuple(example_input.shape), n, given)
+    found = _FOUND.setdefault(model, {})
+    if key not in found:
+        found[key] = detect_layout(model, example_input, reset_all, labels, data_layout=given, assume="time_major")
+    return found[key]
 
 
 def run_dtypes(model: nn.Module, dtype: Optional[torch.dtype], example_input: torch.Tensor):
@@ -84,25 +122,36 @@ def _check_output(outputs) -> torch.Tensor:
     return outputs
 
 
-def loss_of(outputs: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
-    """Cross-entropy of the time-mean output when ``labels`` are given, else the mean square output."""
+def loss_of(outputs: torch.Tensor, labels: Optional[torch.Tensor], layout: DataLayout = TIME_MAJOR) -> torch.Tensor:
+    """Cross-entropy of the time-mean output when ``labels`` are given, else the mean square output;
+    the output's N and T where ``layout`` puts them."""
     outputs = _check_output(outputs)
     if labels is None:
         return outputs.square().mean()
-    outputs, labels = SNNDistributedRuntime.prepare_classification_output(outputs, labels)
+    outputs, labels = SNNDistributedRuntime.prepare_classification_output(outputs, labels, layout=layout)
     return nn.functional.cross_entropy(outputs, labels)
 
 
-def forward_loss(model: nn.Module, inputs: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
-    """Reset every stateful neuron, run the model on ``[T, N, ...]`` and return the loss."""
+def run_layout(model: nn.Module) -> DataLayout:
+    """The layout a private model copy runs in (:data:`RUN_LAYOUT`; time-major when unset)."""
+    return getattr(model, RUN_LAYOUT, TIME_MAJOR)
+
+
+def forward_loss(model: nn.Module, inputs: torch.Tensor, labels: Optional[torch.Tensor],
+                 layout: Optional[DataLayout] = None) -> torch.Tensor:
+    """Reset every stateful neuron, run the model on ``inputs`` as ``layout`` (default: the model
+    copy's :func:`run_layout`) says, and return the loss."""
+    layout = run_layout(model) if layout is None else layout
     reset_all(model)
-    return loss_of(model(inputs), labels)
+    return loss_of(layout.run(model, inputs), labels, layout)
 
 
-def batch_slice(example_input: torch.Tensor, labels: Optional[torch.Tensor], n: int, t: int, start: int = 0):
-    """``n`` samples from ``start`` and ``t`` steps of ``[T, N, ...]`` (indices wrap), as fresh tensors."""
+def batch_slice(example_input: torch.Tensor, labels: Optional[torch.Tensor], n: int, t: int, start: int = 0,
+                layout: DataLayout = TIME_MAJOR):
+    """``n`` samples from ``start`` and ``t`` steps of ``example_input`` ``[T, N, ...]`` (indices
+    wrap), as fresh tensors, the batch in ``layout`` (``[N, T, ...]`` for batch-major models)."""
     steps = torch.arange(t) % example_input.shape[0]
     samples = (torch.arange(n) + start) % example_input.shape[1]
-    x = example_input[steps][:, samples].contiguous()
+    x = layout.from_time_major(example_input[steps][:, samples]).contiguous()
     y = None if labels is None else labels[samples].contiguous()
     return x, y

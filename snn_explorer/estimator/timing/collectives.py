@@ -73,7 +73,9 @@ def _add(out, key: Row, count: int, nbytes: int) -> None:
 
 def step_collectives(plan: SNNDistributedPlan, params: Sequence[Param], profile: ModelProfile,
                      time_steps: int, itemsize: int) -> List[dict]:
-    """Rows ``mesh_dim, kind, phase, count, bytes`` of one step on each rank (all ranks alike)."""
+    """Rows ``mesh_dim, kind, phase, count, bytes`` of one step on each rank (all ranks alike); none
+    on a mesh dim of one rank (a collective over a group of one moves nothing: a one-rank plan
+    communicates nothing)."""
     out: Dict[Row, List[int]] = defaultdict(lambda: [0, 0])
     n = plan.per_rank_batch
     if plan.uses_ddp:
@@ -85,4 +87,5 @@ def step_collectives(plan: SNNDistributedPlan, params: Sequence[Param], profile:
         _tp(out, plan, profile, n, time_steps, itemsize)
     if plan.uses_fsdp:
         _fsdp(out, plan, params, profile, time_steps)
-    return [dict(mesh_dim=d, kind=k, phase=p, count=c, bytes=b) for (d, k, p), (c, b) in out.items()]
+    return [dict(mesh_dim=d, kind=k, phase=p, count=c, bytes=b) for (d, k, p), (c, b) in out.items()
+            if plan.dim_size(d) > 1]

@@ -126,7 +126,7 @@ def count_work(model: torch.nn.Module, profile: ModelProfile, optimizer: str) ->
     """Count the step of ``model`` (the model one rank runs) at the profile's :data:`SIZES` and fit it."""
     points = []
     for n, t in SIZES:
-        x, y = batch_slice(profile.example_input, profile.labels, n, t)
+        x, y = batch_slice(profile.example_input, profile.labels, n, t, layout=profile.layout)
         points.append(counted_pass(model, x.to(profile.dtype), y))
     grads = grad_names(model)
     model.zero_grad(set_to_none=True)
@@ -156,7 +156,7 @@ def local_correction(profile: ModelProfile, work: Work, hw: HardwareProfile, opt
     if key in cache:
         return cache[key]
     model, n, t = profile.model, profile.example_input.shape[1], profile.example_input.shape[0]
-    x, y = batch_slice(profile.example_input, profile.labels, n, t)
+    x, y = batch_slice(profile.example_input, profile.labels, n, t, layout=profile.layout)
     x = x.to(profile.dtype)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = OPTIMIZERS[optimizer].make(params, lr=1e-6)

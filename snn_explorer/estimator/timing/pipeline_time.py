@@ -64,16 +64,17 @@ def stage_work(profile, stages: Sequence[Sequence[str]], n: int, t: int) -> List
     key = (tuple(map(tuple, stages)), n, t)
     if key in cache:
         return cache[key]
-    x, y = batch_slice(profile.example_input, profile.labels, n, t)
+    x, y = batch_slice(profile.example_input, profile.labels, n, t, layout=profile.layout)
     x, out = x.to(profile.dtype), []
     for i, paths in enumerate(stages):
-        stage = PipelineStageModule(i, paths, [profile.model.get_submodule(p) for p in paths])
+        stage = PipelineStageModule(i, paths, [profile.model.get_submodule(p) for p in paths],
+                                    per_step=profile.layout.per_step)
         inp = x if i == 0 else x.detach().requires_grad_()
         with torch.no_grad():
             grad_out = torch.ones_like(stage(inp))
         with OpCounter() as forward:
             y_stage = stage(inp)
-            loss = loss_of(y_stage, y) if i == len(stages) - 1 else None
+            loss = loss_of(y_stage, y, profile.layout) if i == len(stages) - 1 else None
         with OpCounter() as backward:
             if loss is not None:
                 loss.backward()
