@@ -7,6 +7,7 @@ from .memory_levers import ACTIVATION_CHECKPOINTING, find_time_step_module
 from .neurons import register_stateful, unregister_stateful
 from .plan_types import DistributedFeatureSet, SNNDistributedPlan
 from .planner import plan
+from .precision import PRECISIONS, Precision
 from .modes import MODES
 from .recommend import BACKENDS, SNN_DISTRIBUTED_PREFERENCES, StrategyRecommendation, recommend_snn_distributed_strategy
 from .runtime import SNNDistributedRuntime
@@ -15,7 +16,7 @@ from .styles import TP_STYLES
 
 __all__ = [
     "ACTIVATION_CHECKPOINTING", "BACKENDS", "BATCH_MAJOR", "CheckpointError", "DataLayout", "MODES", "PER_STEP",
-    "TIME_MAJOR", "SNN_DISTRIBUTED_PREFERENCES", "TP_STYLES",
+    "PRECISIONS", "Precision", "TIME_MAJOR", "SNN_DISTRIBUTED_PREFERENCES", "TP_STYLES",
     "DistributedFeatureSet", "LinearShape", "SNNDistributedAnalysis", "SNNDistributedPlan", "SNNDistributedRuntime",
     "SNNDistributedTopology", "StrategyRecommendation", "analyze", "apply", "check_checkpoint",
     "find_time_step_module", "latest_checkpoint", "plan", "preflight", "recommend_snn_distributed_strategy",

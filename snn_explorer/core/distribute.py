@@ -17,6 +17,7 @@ from .memory_levers import check_cpu_offload_device
 from .parallelize.checkpointing import apply_activation_checkpointing
 from .parallelize.dp import apply_ddp
 from .parallelize.fsdp import apply_fsdp2
+from .parallelize.mixed_precision import autocast_forward, fsdp_policy, hold_neuron_state
 from .parallelize.pipeline import apply_pp
 from .parallelize.mesh import build_mesh, check_device_type, check_mesh_type, check_process_group, local_device
 from .parallelize.tp import apply_tp
@@ -96,19 +97,23 @@ def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: Optional[s
     analysis = preflight(model, plan)
     device_type = check_device_type(device_type)
     check_cpu_offload_device(plan, device_type)
+    plan.precision.check_device(device_type)
     check_process_group(plan)
     device = local_device(device_type)
     mesh = build_mesh(plan, device_type, device_mesh)
     if not plan.uses_pp:  # a pipeline keeps only the rank's own stages on its device
         model.to(device)
     _set_neuron_backend(model, plan.neuron_backend)
+    hold_neuron_state(model, plan.precision, device_type)  # before pp copies the units
+    if not plan.uses_pp:  # a pipeline runs its stages under autocast instead
+        autocast_forward(model, plan.precision, device_type)
     if plan.uses_tp:
         apply_tp(model, mesh["tp"], plan.tensor_parallel_plan)
     apply_activation_checkpointing(model, plan, analysis.fsdp_unit_names)  # TP, then AC, then FSDP2 / DDP
     if plan.uses_fsdp:
         apply_fsdp2(model, mesh["dp"], plan.fsdp_units, reshard_after_forward=plan.reshard_after_forward,
-                    cpu_offload=plan.cpu_offload)
-    wrapped = apply_ddp(model, mesh["dp"], device) if plan.uses_ddp else model
+                    cpu_offload=plan.cpu_offload, mp_policy=fsdp_policy(plan.precision))
+    wrapped = apply_ddp(model, mesh["dp"], device, plan.precision.reduce_dtype) if plan.uses_ddp else model
     if plan.uses_pp:
         wrapped = apply_pp(model, plan, analysis.pipeline_units, mesh, device)
     if plan.distributed:

@@ -14,6 +14,7 @@ from .memory_levers import check_memory_levers, lever_label
 from .modes import Mode, mode_of, names_text
 from .pipeline_plan import check_pp_fields
 from .pipeline_schedules import schedule_of
+from .precision import FP32, Precision, precision_of
 from .recommend import BACKENDS, SNN_DISTRIBUTED_PREFERENCES, check_batch_size
 from .serialize import check_keys, check_kind, dataclass_dict, string_tuple
 from .topology import SNNDistributedTopology
@@ -32,6 +33,8 @@ class DistributedFeatureSet:
     allow_zero_optimizer: bool = True
     allow_activation_checkpointing: bool = False
     allow_cpu_offload: bool = False
+    #: bf16 / fp16 training (``core.precision``); off: every plan trains in fp32, as before
+    allow_mixed_precision: bool = False
 
     def __post_init__(self):
         for name in (f.name for f in dataclasses.fields(self)):
@@ -50,6 +53,15 @@ class DistributedFeatureSet:
 def topology_problem(mode: str, topology: SNNDistributedTopology) -> Optional[str]:
     """Why ``mode`` cannot run on ``topology`` (None when it can)."""
     return mode_of(mode).topology_problem(topology)
+
+
+def _check_precision(plan: "SNNDistributedPlan") -> None:
+    """The plan's precision as a :class:`Precision` (a name converted), behind its feature gate."""
+    if not isinstance(plan.precision, Precision):
+        object.__setattr__(plan, "precision", precision_of(plan.precision))
+    if plan.precision.mixed and not plan.experimental_features.allow_mixed_precision:
+        raise ValueError(f"precision={plan.precision.name!r} needs DistributedFeatureSet(allow_mixed_precision=True); "
+                         "without it plans train in 'fp32'")
 
 
 def _style_mapping(value: Any) -> dict:
@@ -102,6 +114,8 @@ class SNNDistributedPlan:
     time_step_module: Optional[str] = None
     #: where N and T sit in the model's input and output (None: not stated; runs take time-major [T, N, ...])
     data_layout: Optional[DataLayout] = None
+    #: the training precision (``core.precision.Precision``; a name is accepted and converted)
+    precision: Precision = FP32
 
     def __post_init__(self):
         mode = mode_of(self.mode)
@@ -143,6 +157,7 @@ class SNNDistributedPlan:
         if not isinstance(self.model_family, str):
             raise TypeError(f"SNNDistributedPlan.model_family must be a string, got {reprlib.repr(self.model_family)}")
         check_memory_levers(self)
+        _check_precision(self)
 
     # What the mode does, as named facts (see core.modes).
     @property
@@ -284,6 +299,8 @@ class SNNDistributedPlan:
         check_keys(data, "plan", ("mode", "objective", "topology"),
                    tuple(f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")))
         data["topology"] = SNNDistributedTopology.from_dict(data["topology"])
+        if isinstance(data.get("precision"), Mapping):
+            data["precision"] = Precision.from_dict(data["precision"])
         if "experimental_features" in data:
             data["experimental_features"] = DistributedFeatureSet.from_dict(data["experimental_features"])
         return cls(**data)
@@ -293,5 +310,7 @@ class SNNDistributedPlan:
         extra = "+zero" if self.uses_zero else ""
         if self.uses_pp:
             extra = f" {self.pp_schedule} x{self.pp_microbatches}"
+        if self.precision.mixed:
+            extra += f" {self.precision.label}"
         return (f"SNNDistributedPlan({self.mode}{extra}{lever_label(self)} on {dims}, objective={self.objective}, "
                 f"batch={self.batch_size})")

@@ -12,6 +12,7 @@ from .pipeline_plan import (check_pp_model, layout_text, microbatches_for, recom
 from .pipeline_schedules import default_schedule, schedule_of
 from .plan_types import DistributedFeatureSet, SNNDistributedPlan
 from .plans.families import resolve_family
+from .precision import choose_precision
 from .recommend import (UNSET, check_backend, check_batch_size, check_objective, neuron_backend_arg,
                         recommend_snn_distributed_strategy)
 from .topology import SNNDistributedTopology
@@ -89,7 +90,8 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
          pp_schedule: Optional[str] = None, pp_microbatches: Optional[int] = None,
          pp_virtual_stages: Optional[int] = None, pp_layout: Any = None,
          activation_checkpointing: Optional[str] = None, checkpoint_every: int = 1, cpu_offload: bool = False,
-         time_step_module: Optional[str] = None, data_layout: Any = None) -> SNNDistributedPlan:
+         time_step_module: Optional[str] = None, data_layout: Any = None,
+         precision: Any = None) -> SNNDistributedPlan:
     """Choose a mode for ``objective`` on ``topology`` and return a plan that ``apply`` accepts.
 
     ``batch_size`` is the global batch of one optimizer step; the ``dp`` ranks split it. An
@@ -133,6 +135,8 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     levers = lever_fields(activation_checkpointing, checkpoint_every, cpu_offload, time_step_module,
                           objective=objective, features=features, analysis=analysis)
     notes.extend(lever_notes(levers))
+    chosen_precision, precision_note = choose_precision(precision, objective, features)
+    notes.extend([precision_note] if precision_note else [])
     plan_ = SNNDistributedPlan(
         mode=chosen, objective=objective, topology=topology, model_family=family,
         neuron_backend=neuron_backend, batch_size=batch_size, optimizer_strategy="zero" if zero else "none",
@@ -140,7 +144,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
         rationale=(_rationale(objective, chosen, topology, zero, explicit=mode is not None, recommended=rec.mode),),
         notes=tuple(notes), tensor_parallel_roots=analysis.tensor_parallel_roots,
         tensor_parallel_plan=tp_plan, fsdp_units=analysis.fsdp_unit_names if spec.fsdp else (),
-        experimental_features=features, **pipeline, **levers,
+        experimental_features=features, **pipeline, **levers, precision=chosen_precision,
         data_layout=layout_of(data_layout) if data_layout is not None else analysis.data_layout,
     )
     if spec.pp:

@@ -16,6 +16,7 @@ from .analysis import SNNDistributedAnalysis
 from .checkpoint import load_checkpoint, save_checkpoint
 from .layouts import TIME_MAJOR, DataLayout, check_samples
 from .channel_styles import full_tensor
+from .parallelize.mixed_precision import LossScaler, loss_scaler_for
 from .plan_types import SNNDistributedPlan
 from .validate import positive_int
 
@@ -25,6 +26,11 @@ REDUCE_TIME = ("mean", None)
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _loss_dtype(outputs: torch.Tensor) -> torch.Tensor:
+    """Half-precision outputs in fp32 for the criterion (a bf16 log-softmax keeps 8 bits); others as they are."""
+    return outputs.float() if outputs.dtype in (torch.bfloat16, torch.float16) else outputs
 
 
 def _check_batch(inputs, labels) -> None:
@@ -53,6 +59,12 @@ class SNNDistributedRuntime:
     plan: SNNDistributedPlan
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _loaders: List[DataLoader] = field(default_factory=list, repr=False)
+    #: fp16 plans: the dynamic loss scaler :meth:`backward` and :meth:`step` use (None otherwise)
+    scaler: Optional[LossScaler] = None
+
+    def __post_init__(self):
+        if self.scaler is None:
+            self.scaler = loss_scaler_for(self.plan.precision)
 
     # ---- layout -------------------------------------------------------------------------
     @property
@@ -203,7 +215,7 @@ class SNNDistributedRuntime:
         outputs = self.layout.run(self.model, inputs.to(self.device))
         prepared, labels = self.prepare_classification_output(outputs, labels.to(self.device), reduce_time,
                                                               self.layout)
-        return criterion(prepared, labels), outputs
+        return criterion(_loss_dtype(prepared), labels), outputs
 
     def train_step(self, criterion: Callable, inputs: torch.Tensor, labels: torch.Tensor,
                    reduce_time: Optional[str] = "mean") -> torch.Tensor:
@@ -216,11 +228,28 @@ class SNNDistributedRuntime:
         """
         if self.plan.uses_pp:
             _check_batch(inputs, labels)
-            return self.model.train_step(lambda out, y: criterion(*self.prepare_classification_output(
-                out, y, reduce_time, self.layout)), inputs, labels)
+            scale = self.scaler.scale if self.scaler is not None else 1.0  # each micro-batch's backward is scaled
+
+            def micro_loss(out, y):
+                prepared, y = self.prepare_classification_output(out, y, reduce_time, self.layout)
+                return criterion(_loss_dtype(prepared), y) * scale
+            return self.model.train_step(micro_loss, inputs, labels) / scale
         loss, _ = self.forward_loss(criterion, inputs, labels, reduce_time=reduce_time)
-        loss.backward()
+        self.backward(loss)
         return loss.detach()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, the loss first multiplied by the fp16 loss scale (plans with a scaler)."""
+        (self.scaler.scale_loss(loss) if self.scaler is not None else loss).backward()
+
+    def step(self, optimizer) -> bool:
+        """``optimizer.step()``; under fp16 the gradients are unscaled first and a step whose gradients
+        overflowed on any rank is skipped everywhere (the scale halves). A collective under fp16: call on
+        every rank. Returns whether the step was taken."""
+        if self.scaler is None:
+            optimizer.step()
+            return True
+        return self.scaler.step(optimizer, [p for p in self.model.parameters() if p.requires_grad])
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, path, optimizer=None, step: int = 0, extra: Any = None, overwrite: bool = False,

@@ -3,23 +3,26 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import Sequence
+from typing import Optional, Sequence
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 
 def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, units: Sequence[str], reshard_after_forward: bool,
-                cpu_offload: bool = False) -> None:
+                cpu_offload: bool = False, mp_policy: Optional[MixedPrecisionPolicy] = None) -> None:
     """Shard parameters, gradients and optimizer state of each unit (and the root) over ``dp_mesh``;
-    ``cpu_offload`` keeps the shards in CPU memory (``CPUOffloadPolicy``)."""
+    ``cpu_offload`` keeps the shards in CPU memory (``CPUOffloadPolicy``); ``mp_policy`` sets the dtypes it
+    all-gathers and reduce-scatters in (``mixed_precision.fsdp_policy``)."""
     _quiet_view_warning(model, units)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    mp_policy = mp_policy or MixedPrecisionPolicy()
     for path in units:
         fully_shard(model.get_submodule(path), mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
-                    offload_policy=offload)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
+                    offload_policy=offload, mp_policy=mp_policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload,
+                mp_policy=mp_policy)
 
 
 def _quiet_view_warning(model: nn.Module, units: Sequence[str]) -> None:

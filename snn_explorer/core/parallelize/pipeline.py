@@ -34,6 +34,7 @@ from ...compat import is_view, pipelining
 from .. import neurons
 from ..layouts import check_samples
 from ..pipeline_plan import resolve_layout, stage_units
+from .mixed_precision import autocast_forward, reduce_in
 
 
 def run_units(units, x: torch.Tensor, per_step: bool) -> torch.Tensor:
@@ -56,8 +57,9 @@ class PipelineStageModule(nn.Module):
     refuses ("Can't detach views in-place").
     """
     def __init__(self, index: int, paths: Sequence[str], units: Sequence[nn.Module], own_output: bool = False,
-                 per_step: bool = False):
+                 per_step: bool = False, output_dtype: Optional[torch.dtype] = None):
         super().__init__()
+        self.output_dtype = output_dtype  # mixed precision: what the stage sends on (the compute dtype)
         self.index = index
         self.per_step = per_step
         self.paths = tuple(paths)
@@ -70,6 +72,8 @@ class PipelineStageModule(nn.Module):
         self.resets += 1
         x = x.contiguous()  # the first stage's micro-batch is a strided slice of the batch on dim 1
         x = run_units(self.units, x, self.per_step)
+        if self.output_dtype is not None and x.is_floating_point() and x.dtype != self.output_dtype:
+            return x.to(self.output_dtype)
         return x.clone() if self.own_output and is_view(x) else x
 
 
@@ -105,8 +109,10 @@ class PipelinedModel(nn.Module):
         self.stages = nn.ModuleList(
             PipelineStageModule(s, self.stage_paths[s], [model.get_submodule(p).to(device)
                                                          for p in self.stage_paths[s]], self.schedule.splits_backward,
-                                self.layout.per_step)
+                                self.layout.per_step, plan.precision.compute_dtype)
             for s in self.stage_ids)
+        for stage in self.stages:
+            autocast_forward(stage, plan.precision, device.type)
         self.last_outputs: Optional[torch.Tensor] = None
         self._schedule, self._schedule_key, self._loss_fn, self._loss_dtype = None, None, None, None
         self.pipeline_stages: list = []  # torch's PipelineStage objects of the rank's stages, once a step built them
@@ -125,15 +131,19 @@ class PipelinedModel(nn.Module):
 
     # ---- the schedule -------------------------------------------------------------------------
     def _stage_examples(self, micro: torch.Tensor) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """(input, output) example of every stage for one micro-batch, propagated on the meta device."""
+        """(input, output) example of every stage for one micro-batch, propagated on the meta device
+        (in the model's dtype: autocast does not act on meta tensors; under mixed precision the examples
+        carry the compute dtype each stage sends on)."""
         x = torch.empty(micro.shape, dtype=micro.dtype, device="meta")
-        examples = []
+        sent, examples = x, []
         with torch.enable_grad():
             for stage in self._meta_stages:
                 neurons.reset_all(stage)
                 y = run_units(stage, x, self.layout.per_step)
-                examples.append((x, y))
-                x = y
+                out = y.to(self.plan.precision.compute_dtype) if self.plan.precision.mixed and y.is_floating_point() \
+                    else y
+                examples.append((sent, out))
+                x, sent = y, out
         return examples
 
     def _build_schedule(self, inputs: torch.Tensor):
@@ -141,7 +151,7 @@ class PipelinedModel(nn.Module):
         micro_shape = list(inputs.shape)
         micro_shape[self.layout.batch_dim] //= plan.pp_microbatches
         examples = self._stage_examples(torch.empty(micro_shape, dtype=inputs.dtype, device="meta"))
-        self._loss_dtype = examples[-1][1].dtype
+        self._loss_dtype = torch.promote_types(examples[-1][1].dtype, torch.float32)  # a bf16 loss loses digits
         stages = [pipelining().PipelineStage(module, module.index, plan.pp_stages, self.device,
                                 input_args=examples[module.index][0], output_args=examples[module.index][1],
                                 group=self.pp_group)
@@ -187,7 +197,7 @@ class PipelinedModel(nn.Module):
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if not grads:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = reduce_in(torch.cat([g.reshape(-1) for g in grads]), self.plan.precision)
         dist.all_reduce(flat, group=self.dp_group)
         flat /= self.plan.dp_size
         offset = 0
