@@ -20,7 +20,6 @@ run, so :func:`~.fsdp_timeline.replay_fsdp` replays its buffers on this run the 
 """
 from __future__ import annotations
 
-import copy
 import math
 import weakref
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from ...compat import tree_leaves
+from ...core.neurons import detached_copy
 from ..instruments.fsdp_events import record
 from ..instruments.meter import StorageMeter
 from ..instruments.op_counter import tensor_bytes
@@ -156,7 +156,7 @@ def trace_step(model: torch.nn.Module, x: torch.Tensor, labels, units=(), neuron
     FSDP2's points logged for ``units``; the step starts, as a rank's does, with the last step's
     neuron state of this size and no gradients."""
     meter = DeviceMeter()
-    model = copy.deepcopy(model).to("meta")
+    model = detached_copy(model).to("meta")
     fused = swap_fused(model, neuron_backend, meter.fused)
     with torch.no_grad():
         forward_loss(model, x, labels)
@@ -207,7 +207,7 @@ def optimizer_kernels(profile: ModelProfile, tp_plan, tp: int, optimizer: str) -
     layout, model = profile.rank_model(tp_plan, tp)
     key = (layout, optimizer)
     if key not in cache:
-        model = copy.deepcopy(model).to("meta")
+        model = detached_copy(model).to("meta")
         params = [p for name, p in model.named_parameters() if name in set(profile.grad_params) or tp > 1]
         params = [p for p in params if p.requires_grad]
         for p in params:
