@@ -124,3 +124,35 @@ def test_rtx_profile_states_its_topology_and_link():
     alpha, beta = hw.collectives["all_reduce"][2]
     assert alpha == pytest.approx(2 * 14e-6) and beta == pytest.approx(1 / 7.9e9)  # ring on 2: 2 steps, 1 x buffer
     assert not se.hardware_profile("RTX-4090").kernel_model  # the older profiles keep their model
+
+
+def small_snn() -> nn.Module:
+    return nn.Sequential(*conv_bn_lif(), layer.Flatten(step_mode="m"), layer.Linear(C * HW * HW, 3, step_mode="m"))
+
+
+def test_gpu_estimate_runs_nothing_at_the_rank_size():
+    """The GPU model traces on the meta device: a step far beyond this machine's memory is estimated
+    (the CPU path refuses to measure it), and its activations grow with the time steps as traced."""
+    model = small_snn()
+    x = torch.rand(T, N, 2, HW, HW)
+    plan = se.plan(analysis=se.analyze(model), objective="speed", topology={"dp": 1}, batch_size=N, mode="none")
+    huge = 2 * 10 ** 7
+    with pytest.raises(ValueError, match="time_steps"):
+        se.estimate(model, plan, example_input=x, time_steps=huge, hardware="A100-SXM-80GB")
+    gpu = se.estimate(model, plan, example_input=x, time_steps=huge, hardware=RTX)
+    seq = huge * N * C * HW * HW * 4  # one [T, N, C, H, W] fp32 tensor
+    # conv output, BN output (the neuron's input), h, spikes (the Linear's input); v_init, BN mean
+    # and inverse std, the output (kept by the loss's square), the loss; and the input batch itself
+    saved = 4 * seq + N * C * HW * HW * 4 + 3 * 512 + allocated(huge * N * 3 * 4)
+    assert gpu.per_rank["activations_bytes"].iloc[0] == saved + huge * N * 2 * HW * HW * 4
+    assert gpu.peak_bytes > saved and gpu.step_time_s > 0
+
+
+def test_gpu_path_leaves_the_other_profiles_alone():
+    model = small_snn()
+    x = torch.rand(T, N, 2, HW, HW)
+    plan = se.plan(analysis=se.analyze(model), objective="speed", topology={"dp": 1}, batch_size=N, mode="none")
+    cpu_side = se.estimate(model, plan, example_input=x, hardware="RTX-4090")
+    gpu_side = se.estimate(model, plan, example_input=x, hardware=dataclasses.replace(
+        se.hardware_profile("RTX-4090"), kernel_model=True))
+    assert cpu_side.peak_bytes != gpu_side.peak_bytes  # the fused kernel and the allocator's blocks, not the CPU run
