@@ -9,8 +9,7 @@ from torch import nn
 
 import snn_explorer as se
 from snn_explorer.estimator.memory.fused_neurons import FusedNeuron, runs_fused, swap_fused
-from snn_explorer.estimator.memory.gpu_trace import (ALLOCATOR_BLOCK, DeviceMeter, Kernel, allocated,
-                                                     trace_step)
+from snn_explorer.estimator.memory.gpu_trace import ALLOCATOR_BLOCK, DeviceMeter, Kernel, allocated, trace_step
 from snn_explorer.estimator.timing.gpu_kernels import kernel_seconds, phase_seconds
 
 sj = pytest.importorskip("spikingjelly.activation_based")  # installed by scripts/setup.sh
