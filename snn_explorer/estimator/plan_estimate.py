@@ -32,6 +32,7 @@ from .calibration import resolve_hardware
 from .instruments.isolation import as_found, one_thread
 from .instruments.tables import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
 from .memory.fsdp_timeline import FsdpTimeline
+from .memory.gpu_trace import gpu_peaks, gpu_step
 from .memory.pipeline_memory import pipeline_rows
 from .memory.sharding import buffer_bytes, dp_roles, local_params, optimizer_temporaries, rank_bytes
 from .memory.step_peak import dynamic_peak
@@ -39,6 +40,7 @@ from .profile.checkpointed import levered_profile, recompute_fraction
 from .profile.profiling import ModelProfile, check_run_size, model_profile
 from .profile.step import check_inputs, check_optimizer, resolve_layout
 from .timing.collectives import step_collectives
+from .timing.gpu_kernels import gpu_plan_time
 from .timing.step_time import plan_time
 
 
@@ -169,7 +171,9 @@ def _per_rank(rows, roles, plan: SNNDistributedPlan) -> pd.DataFrame:
 def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_budget, profile, hardware):
     profile = levered_profile(profile or model_profile(model, example_input, labels, dtype), plan)
     n = plan.per_rank_batch
-    check_run_size(profile, n, t)
+    gpu = hardware.kernel_model and not plan.uses_pp  # the step as the GPU runs it (:mod:`.memory.gpu_trace`)
+    if not gpu:
+        check_run_size(profile, n, t)
     itemsize = torch.empty((), dtype=profile.dtype).element_size()
     params = local_params(profile.params, plan, profile.param_itemsizes or itemsize)
     if plan.uses_pp:  # the rank's stages, micro-batches in flight, sends between stages
@@ -177,12 +181,20 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
                                                     optimizer)
         return _finish(plan, pd.DataFrame(rows)[list(PER_RANK_COLUMNS)], collectives, t, optimizer, memory_budget,
                        profile, hardware, pipeline)
-    saved_local, state = profile.saved_and_state(n, t, plan.tensor_parallel_plan, plan.tp_size)
-    activations = saved_local + profile.input_bytes(n, t)
     # Activations and temporaries of the forward (the gradients were set to None), of the backward
     # and after it (both beside the gradients): measured on the model as one rank runs it.
     timeline = FsdpTimeline.of(params, plan.dp_size, plan.reshard_after_forward) if plan.uses_fsdp else None
-    fwd, bwd, after_bwd, fsdp_held = dynamic_peak(profile, n, t, plan.tensor_parallel_plan, plan.tp_size, timeline)
+    step = None
+    if gpu:
+        units = {u.path for u in timeline.units if u.path} if timeline else ()
+        step = gpu_step(profile, n, t, plan.tensor_parallel_plan, plan.tp_size, plan.neuron_backend, units)
+        saved_local, state = step.saved, step.state
+        fwd, bwd, after_bwd, fsdp_held = gpu_peaks(step, timeline)
+    else:
+        saved_local, state = profile.saved_and_state(n, t, plan.tensor_parallel_plan, plan.tp_size)
+        fwd, bwd, after_bwd, fsdp_held = dynamic_peak(profile, n, t, plan.tensor_parallel_plan, plan.tp_size,
+                                                      timeline)
+    activations = saved_local + profile.input_bytes(n, t)
     buffers = buffer_bytes(profile.buffers, profile.dtype, plan)
     # DDP's flat gradient buckets are allocated once, every gradient's size, and live through the
     # optimizer step beside the gradients, which are all live at the backward's peak.
@@ -202,11 +214,11 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
                          neuron_state_bytes=round(state), transient_bytes=round(transient), peak_bytes=round(peak)))
     per_rank = _per_rank(rows, dp_roles(params, plan), plan)
     return _finish(plan, per_rank, step_collectives(plan, params, profile, t, itemsize), t, optimizer, memory_budget,
-                   profile, hardware)
+                   profile, hardware, step=step)
 
 
 def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profile, hardware,
-            pipeline=None) -> PlanEstimate:
+            pipeline=None, step=None) -> PlanEstimate:
     """The estimate with its verdict and step time, from the per-rank table and the collective rows."""
     collectives = pd.DataFrame(collective_rows, columns=COLLECTIVE_COLUMNS)
     peak = int(per_rank["peak_bytes"].max())
@@ -218,7 +230,10 @@ def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profil
         verdict = f"fits: peak {_mib(peak)} of a {_mib(memory_budget)} budget per device"
     else:
         verdict = f"does not fit: peak {_mib(peak)} exceeds the {_mib(memory_budget)} budget per device"
-    time = plan_time(plan, profile, collectives, per_rank, hardware, t, optimizer)
+    if step is not None:
+        time = gpu_plan_time(plan, profile, collectives, per_rank, hardware, optimizer, step)
+    else:
+        time = plan_time(plan, profile, collectives, per_rank, hardware, t, optimizer)
     return PlanEstimate(plan=plan, per_rank=per_rank, collectives=collectives, verdict=verdict, time_steps=t,
                         optimizer=optimizer, memory_budget=memory_budget, time=time, hardware=hardware,
                         pipeline=pipeline, recompute_forward_fraction=recompute_fraction(profile, plan, t))

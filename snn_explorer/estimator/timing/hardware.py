@@ -80,6 +80,13 @@ class HardwareProfile:
     efficiency: float = 1.0
     source: str = "datasheet"
     host: Optional[str] = None  # the host a calibration ran on
+    #: TF32 tensor-core FLOP/s, the rate of cuDNN convolutions (torch's default
+    #: ``torch.backends.cudnn.allow_tf32 = True``); None: ``flops_per_s``
+    tensor_flops_per_s: Optional[float] = None
+    #: True: memory and time come from the GPU execution model (:mod:`..memory.gpu_trace`,
+    #: :mod:`.gpu_kernels`): the step traced as the GPU runs it, fused neuron kernels included
+    kernel_model: bool = False
+    topology: str = ""  # the interconnect as configured: GPUs per node, P2P or not, NVLink, NICs
 
     def __post_init__(self):
         for attr in ("flops_per_s", "bytes_per_s"):
@@ -108,6 +115,13 @@ class HardwareProfile:
 
     def bandwidth(self) -> float:
         return self.bytes_per_s * self.efficiency
+
+    def conv_flops(self, itemsize: int = 4) -> float:
+        """Achievable FLOP/s of a cuDNN convolution: TF32 tensor cores for 4-byte floats where the
+        profile gives them (torch's default), the half rate for 2-byte floats, after ``efficiency``."""
+        if itemsize > 2 and self.tensor_flops_per_s:
+            return self.tensor_flops_per_s * self.efficiency
+        return self.flops(itemsize)
 
     def sharing(self, ranks_on_host: float) -> float:
         """Compute slow-down when ``ranks_on_host`` ranks (an average: need not be whole) share one
@@ -214,13 +228,13 @@ def link_table(latency_s: float, bytes_per_s: float, group_size: int = 2) -> Dic
 _GB = 1e9
 _DEVICES = {
     "A100-SXM-80GB": dict(flops_per_s=19.5e12, half_flops_per_s=312e12, bytes_per_s=2039 * _GB, link=300 * _GB,
-                          link_name="NVLink3"),
+                          link_name="NVLink3", tensor_flops_per_s=156e12),
     "H100-SXM": dict(flops_per_s=67e12, half_flops_per_s=989e12, bytes_per_s=3350 * _GB, link=450 * _GB,
-                     link_name="NVLink4"),
+                     link_name="NVLink4", tensor_flops_per_s=494.5e12),
     "H200-SXM": dict(flops_per_s=67e12, half_flops_per_s=989e12, bytes_per_s=4800 * _GB, link=450 * _GB,
-                     link_name="NVLink4"),
+                     link_name="NVLink4", tensor_flops_per_s=494.5e12),
     "RTX-4090": dict(flops_per_s=82.6e12, half_flops_per_s=165.2e12, bytes_per_s=1008 * _GB, link=32 * _GB,
-                     link_name="PCIe4-x16"),
+                     link_name="PCIe4-x16", tensor_flops_per_s=82.6e12),
 }
 _IB = {"A100-SXM-80GB": ("IB-HDR", 25 * _GB), "H100-SXM": ("IB-NDR", 50 * _GB), "H200-SXM": ("IB-NDR", 50 * _GB)}
 #: Assumed (no datasheet gives them): one ring step's latency in a node and between nodes, and the
@@ -235,6 +249,7 @@ def _builtin(device: str, nodes: int) -> HardwareProfile:
     d = _DEVICES[device]
     common = dict(device="cuda", flops_per_s=d["flops_per_s"], half_flops_per_s=d["half_flops_per_s"],
                   bytes_per_s=d["bytes_per_s"], op_overhead_s=GPU_OP_OVERHEAD_S,
+                  tensor_flops_per_s=d["tensor_flops_per_s"],
                   collectives=link_table(INTRA_LATENCY_S, d["link"]), efficiency=DEFAULT_EFFICIENCY,
                   source="datasheet")
     if nodes == 1:
@@ -251,9 +266,29 @@ def _builtins() -> Dict[str, HardwareProfile]:
         if device in _IB:
             for nodes in (2, 8):
                 out[f"{nodes}x8-{device}"] = _builtin(device, nodes)
+    out[RTX4090_NO_P2P.name] = RTX4090_NO_P2P
     return out
 
 
+# RTX 4090 boxes as the reference project benchmarks them (PCIe, NCCL_P2P_DISABLE=1), every figure
+# with its source; these are achieved rates, so ``efficiency`` is 1.
+# - FP32 82.6 TFLOP/s, TF32 tensor 82.6 (dense), FP16/BF16 tensor with FP32 accumulate 165.2,
+#   1008 GB/s GDDR6X, PCIe 4.0 x16: NVIDIA Ada Lovelace architecture whitepaper, appendix table.
+#   Measured on an RTX 4090 (github.com/mli/transformers-benchmarks issue #4, PyTorch 1.14,
+#   CUDA 12.0): float32 matmul 82.8 TFLOP/s at n=2048 and 86.7 at n=8192, i.e. the datasheet rate.
+# - 4.0 us per operator: the same measurement's n=128 matmul (4.19 MFLOP) ran at 1.048 TFLOP/s,
+#   i.e. 4.0 us each, back to back, where the launch is all the time a call takes.
+# - 7.9 GB/s and 14 us between two GPUs: p2pBandwidthLatencyTest on 8 x RTX 4090 with peer access
+#   disabled (github.com/NVIDIA/nccl-tests issue #117), copies staged through host memory: 7.8-8.2
+#   GB/s between most pairs (5.9 within a pair), latency 12-18 us. With NCCL_P2P_DISABLE=1 NCCL's
+#   SHM transport stages every ring step through host memory the same way.
+RTX4090_NO_P2P_LINK_S, RTX4090_NO_P2P_LINK_BPS, RTX4090_OP_S = 14e-6, 7.9e9, 4.0e-6
+RTX4090_NO_P2P = HardwareProfile(
+    name="RTX-4090-PCIe-noP2P", device="cuda", flops_per_s=82.6e12, half_flops_per_s=165.2e12,
+    tensor_flops_per_s=82.6e12, bytes_per_s=1008 * _GB, op_overhead_s=RTX4090_OP_S,
+    collectives=link_table(RTX4090_NO_P2P_LINK_S, RTX4090_NO_P2P_LINK_BPS), efficiency=1.0, source="datasheet",
+    kernel_model=True, topology="up to 8 RTX 4090 per node on PCIe 4.0 x16, no peer-to-peer (NCCL_P2P_DISABLE=1: "
+    "NCCL's SHM transport through host memory), no NVLink, no NIC between nodes (one node)")
 BUILTIN_PROFILES = _builtins()
 
 

@@ -1,0 +1,109 @@
+"""The fused multi-step neuron kernel a GPU run uses, as a shape model for tracing that run.
+
+On CUDA, spikingjelly 2.0.0's multi-step ``LIFNode`` runs one custom op over the whole sequence
+(``sj_lif.forward``; its wheel has no native build, so the Triton provider), whatever the plan's
+``neuron_backend`` says; older releases did so only with ``backend='cupy'`` / ``'triton'``. Read
+from the package's ``_ops/lif/autograd.py`` (facts: ``shared/reference/reference-package-facts.md``):
+
+- forward, one launch: reads ``x_seq`` ``[T, ...]`` and ``v_init`` ``[...]`` (fp32), writes the
+  spikes (``x_seq``'s dtype), the pre-spike potential ``h`` ``[T, ...]`` (always fp32) and the last
+  potential ``v`` ``[...]`` (fp32, kept as the neuron's state);
+- saved for backward: ``h``, ``x_seq`` (by reference: only double backward reads it, but it keeps
+  the input alive) and ``v_init``;
+- backward, one launch: reads the spikes' gradient and ``h`` (the unused last potential's gradient
+  is a zero ``[...]`` fp32 tensor), writes ``grad_x`` (input dtype) and ``grad_v_init`` (fp32).
+
+:class:`FusedNeuron` stands in for such a neuron in a meta-device copy of the model: it allocates
+and saves exactly those tensors, and tells the trace (:mod:`.gpu_trace`) the bytes each launch
+moves. The CPU profile runs the pure-torch path instead, which saves ``h - threshold`` and
+``1 - spike`` per step (``detach_reset=True``) and launches several operators per step.
+snntorch neurons, single-step spikingjelly neurons and others run eagerly on a GPU too: they are
+traced as they are.
+"""
+from __future__ import annotations
+
+from typing import Callable, Tuple
+
+import torch
+from torch import nn
+
+#: The neuron classes (spikingjelly's names) whose multi-step CUDA path is the fused LIF op.
+FUSED_CLASSES = ("LIFNode",)
+#: The neuron backends that select a fused kernel in spikingjelly releases that take one.
+FUSED_BACKENDS = ("cupy", "triton")
+
+#: (kernel name, bytes read, bytes written) -> None; the trace's record of one fused launch.
+KernelSink = Callable[[str, int, int], None]
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def runs_fused(module: nn.Module, neuron_backend: str) -> bool:
+    """Whether ``module`` runs the fused multi-step kernel on CUDA: a spikingjelly multi-step LIF
+    neuron of 2.0.0 (no ``backend`` attribute: the package picks the fused op itself), or of an
+    older release whose ``backend`` (or the plan's ``neuron_backend``) is cupy / triton."""
+    cls = type(module)
+    if cls.__name__ not in FUSED_CLASSES or not cls.__module__.startswith("spikingjelly"):
+        return False
+    if getattr(module, "step_mode", "s") != "m":
+        return False
+    backend = getattr(module, "backend", None)
+    return backend is None or backend in FUSED_BACKENDS or neuron_backend in FUSED_BACKENDS
+
+
+class FusedLIFKernel(torch.autograd.Function):
+    """The fused op's allocations and saved tensors (module doc), on any device (meta here)."""
+
+    @staticmethod
+    def forward(ctx, x_seq: torch.Tensor, v_init: torch.Tensor, sink: KernelSink):
+        spikes = torch.empty_like(x_seq)
+        h = torch.empty(x_seq.shape, dtype=torch.float32, device=x_seq.device)
+        v_last = torch.empty(x_seq.shape[1:], dtype=torch.float32, device=x_seq.device)
+        ctx.save_for_backward(h, x_seq, v_init)
+        ctx.sink = sink
+        ctx.mark_non_differentiable(v_last)
+        sink("neuron_forward", _nbytes(x_seq, v_init), _nbytes(spikes, h, v_last))
+        return spikes, v_last
+
+    @staticmethod
+    def backward(ctx, grad_spikes: torch.Tensor, grad_v: torch.Tensor):
+        h, x_seq, v_init = ctx.saved_tensors
+        if grad_v is None:
+            grad_v = torch.zeros(h.shape[1:], dtype=torch.float32, device=h.device)
+        grad_x = torch.empty(h.shape, dtype=x_seq.dtype, device=h.device)
+        grad_v_init = torch.empty(h.shape[1:], dtype=torch.float32, device=h.device)
+        ctx.sink("neuron_backward", _nbytes(grad_spikes, grad_v, h), _nbytes(grad_x, grad_v_init))
+        return grad_x, grad_v_init, None
+
+
+class FusedNeuron(nn.Module):
+    """A fused multi-step LIF neuron: ``[T, ...]`` in, spikes out; its last potential is its state."""
+
+    def __init__(self, sink: KernelSink):
+        super().__init__()
+        self.sink = sink
+        self.v = None  # the last potential, kept between calls as the package keeps it
+
+    def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
+        # the state a reset leaves is a float; the op's first call materialises it as a zero tensor
+        v_init = torch.zeros(x_seq.shape[1:], dtype=torch.float32, device=x_seq.device)
+        spikes, self.v = FusedLIFKernel.apply(x_seq, v_init, self.sink)
+        return spikes
+
+
+def swap_fused(model: nn.Module, neuron_backend: str, sink: KernelSink) -> Tuple[str, ...]:
+    """Replace, in place, every neuron of ``model`` that :func:`runs_fused` by a :class:`FusedNeuron`
+    reporting to ``sink``; returns their paths. Use on a private copy of the model."""
+    paths = tuple(n for n, m in model.named_modules() if n and runs_fused(m, neuron_backend))
+    for path in paths:
+        parent, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, name, FusedNeuron(sink))
+    return paths
+
+
+def fused_saved_bytes(in_elems: int, in_itemsize: int, time_steps: int) -> int:
+    """Bytes the fused kernel keeps for backward for ``in_elems`` input elements over ``time_steps``
+    steps: ``h`` (4 B each), the input (by reference) and ``v_init`` (4 B per neuron)."""
+    return in_elems * 4 + in_elems * in_itemsize + (in_elems // time_steps) * 4

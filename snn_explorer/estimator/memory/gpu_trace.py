@@ -1,0 +1,223 @@
+"""One training step of the model one rank runs, traced as a GPU runs it, on the meta device.
+
+Nothing is computed: a meta-device copy of the model (the unsharded model, or its TP replica)
+runs one forward and backward at the rank's batch and time steps, its fused-kernel neurons
+replaced by :class:`~.fused_neurons.FusedNeuron` (what the GPU's kernel allocates and saves), under
+:class:`DeviceMeter`, a dispatch mode that
+
+- counts live bytes as the CUDA caching allocator reports them (``torch.cuda.max_memory_allocated``):
+  each storage once, rounded up to a multiple of 512 bytes (``kMinBlockSize`` in torch's
+  ``c10/cuda/CUDACachingAllocator.cpp``: "all sizes are rounded to at least 512 bytes");
+- records one :class:`Kernel` per operator that launches one: its phase, its kind (``conv``: cuDNN
+  convolutions, ``matmul``: other operators with FLOPs, ``memory``: the rest, ``neuron``: a fused
+  neuron launch), FLOPs by torch's ``FlopCounterMode`` formulas, bytes read and written, launches.
+  Views and allocations launch nothing; a convolution's backward launches one kernel per gradient
+  it computes; a ``_foreach_`` operator one per 36 tensors (``depth_to_max_tensors[3]`` of torch's
+  ``ATen/native/cuda/MultiTensorApply.cuh``, Adam's four lists).
+
+FSDP2's points are logged as :func:`~..instruments.fsdp_events.record` logs them on the CPU profile
+run, so :func:`~.fsdp_timeline.replay_fsdp` replays its buffers on this run the same way.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from ...compat import tree_leaves
+from ...core.neurons import detached_copy
+from ..instruments.fsdp_events import record
+from ..instruments.meter import StorageMeter
+from ..instruments.op_counter import tensor_bytes
+from ..instruments.storage import model_state_tensors
+from ..profile.profiling import ModelProfile
+from ..profile.step import OPTIMIZERS, forward_loss
+from .fsdp_timeline import FsdpTimeline, replay_fsdp
+from .fused_neurons import FusedNeuron, swap_fused
+
+#: The CUDA caching allocator's block granularity (bytes; source in the module doc).
+ALLOCATOR_BLOCK = 512
+#: Tensors one multi-tensor-apply launch takes for four lists (source in the module doc).
+FOREACH_TENSORS_PER_LAUNCH = 36
+_FLOPS = FlopCounterMode(display=False).flop_registry
+_ATEN = torch.ops.aten
+_CONV = {_ATEN.convolution, _ATEN.convolution_backward, _ATEN._convolution, _ATEN.cudnn_convolution}
+_NO_KERNEL = {_ATEN.empty, _ATEN.empty_like, _ATEN.empty_strided, _ATEN.new_empty, _ATEN.new_empty_strided,
+              _ATEN.detach, _ATEN.lift_fresh, _ATEN.alias, _ATEN._local_scalar_dense}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One GPU launch group: phase, kind (module doc), FLOPs, bytes moved, float size, launches."""
+
+    phase: str
+    kind: str
+    flops: float
+    bytes: int
+    itemsize: int
+    launches: int
+
+
+def allocated(nbytes: int) -> int:
+    """Bytes the caching allocator counts for a storage of ``nbytes`` (rounded up to its block)."""
+    return -(-nbytes // ALLOCATOR_BLOCK) * ALLOCATOR_BLOCK if nbytes else 0
+
+
+def _launches(func, args) -> int:
+    if func.overloadpacket is _ATEN.convolution_backward:
+        return max(1, sum(bool(m) for m in args[-1]))  # output_mask: grad input, weight, bias
+    if func.overloadpacket.__name__.startswith("_foreach_"):
+        tensors = args[0] if args and isinstance(args[0], (list, tuple)) else ()
+        return max(1, math.ceil(len(tensors) / FOREACH_TENSORS_PER_LAUNCH))
+    return 1
+
+
+def _itemsize(args) -> int:
+    for a in tree_leaves(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return a.element_size()
+    return 4
+
+
+class DeviceMeter(StorageMeter):
+    """A :class:`StorageMeter` that also counts meta storages (allocator-rounded) and records the
+    kernels of every operator (module doc); ``phase`` names the phase being traced."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase = "forward"
+        self.kernels: List[Kernel] = []
+
+    def _see(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key, nbytes = id(st), allocated(st.nbytes())
+        old = self._bytes.get(key)
+        if old is None:
+            self._refs[key] = weakref.ref(st, lambda _, k=key: self._free(k))
+        self._bytes[key] = nbytes
+        self.current += nbytes - (old or 0)
+
+    def fused(self, name: str, read: int, written: int) -> None:
+        """A fused neuron launch (:mod:`.fused_neurons`) moving ``read + written`` bytes."""
+        self.kernels.append(Kernel(self.phase, "neuron", 0.0, read + written, 4, 1))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not (func.is_view or func.overloadpacket in _NO_KERNEL):
+            formula = _FLOPS.get(func.overloadpacket)
+            flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0.0
+            kind = "conv" if func.overloadpacket in _CONV else ("matmul" if formula is not None else "memory")
+            moved = tensor_bytes(args) + tensor_bytes(kwargs) + tensor_bytes(out)
+            self.kernels.append(Kernel(self.phase, kind, float(flops), moved, _itemsize(args), _launches(func, args)))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._see(t)
+        self.peak = max(self.peak, self.current)
+        return out
+
+
+@dataclass(frozen=True)
+class GpuStep:
+    """One traced forward and backward: its kernels, what it holds, its peaks (as ``dynamic_peak``)."""
+
+    kernels: Tuple[Kernel, ...]
+    saved: int  # bytes the forward leaves held above its start (what autograd keeps for backward)
+    state: int  # neuron state after the forward
+    entry: int  # bytes live when the forward starts (parameters, buffers, input, last state)
+    grads: int  # bytes of the gradients after the backward
+    log: object  # the FSDP2 event log (:class:`~..instruments.fsdp_events.EventLog`)
+    fused: Tuple[str, ...]  # the neurons that ran as fused kernels
+
+
+def _state_tensors(model: torch.nn.Module) -> list:
+    fused = [m.v for m in model.modules() if isinstance(m, FusedNeuron) and m.v is not None]
+    return model_state_tensors(model) + fused
+
+
+def _meta_inputs(profile: ModelProfile, n: int, t: int):
+    x = torch.empty((t, n) + tuple(profile.example_input.shape[2:]), dtype=profile.dtype, device="meta")
+    y = profile.labels
+    if y is not None:
+        y = torch.empty((n,) + tuple(y.shape[1:]), dtype=y.dtype, device="meta")
+    return x, y
+
+
+def _live_bytes(tensors) -> int:
+    return sum(allocated(st.nbytes()) for st in {id(s): s for s in (t.untyped_storage() for t in tensors)}.values())
+
+
+def trace_step(model: torch.nn.Module, x: torch.Tensor, labels, units=(), neuron_backend: str = "torch") -> GpuStep:
+    """Trace one forward and backward of a meta copy of ``model`` on meta ``x`` (module doc),
+    FSDP2's points logged for ``units``; the step starts, as a rank's does, with the last step's
+    neuron state of this size and no gradients."""
+    meter = DeviceMeter()
+    model = detached_copy(model).to("meta")
+    fused = swap_fused(model, neuron_backend, meter.fused)
+    with torch.no_grad():
+        forward_loss(model, x, labels)
+    model.zero_grad(set_to_none=True)
+    state_ids = {id(s) for s in _state_tensors(model)}
+    static = [p for p in model.parameters()] + [b for b in model.buffers() if id(b) not in state_ids] + [x]
+    meter.track(static + _state_tensors(model))
+    with meter, record(model, units, meter) as log:
+        entry = meter.current
+        loss = forward_loss(model, x, labels)
+        log.mark(meter, "forward_end")
+        saved = meter.current - entry
+        state = _live_bytes(_state_tensors(model))
+        meter.phase = "backward"
+        loss.backward()
+        del loss
+        log.mark(meter, "end")
+    grads = _live_bytes([p.grad for p in model.parameters() if p.grad is not None])
+    return GpuStep(tuple(meter.kernels), saved, state, entry, grads, log, fused)
+
+
+def gpu_step(profile: ModelProfile, n: int, t: int, tp_plan=None, tp: int = 1, neuron_backend: str = "torch",
+             units=()) -> GpuStep:
+    """:func:`trace_step` of the model one rank runs (``profile.rank_model``) at ``n`` samples and
+    ``t`` steps, FSDP2's points logged for the profile's units and ``units``; cached on the profile."""
+    cache = profile.__dict__.setdefault("_gpu_steps", {})
+    key = (n, t, neuron_backend) + profile.rank_model(tp_plan, tp)[0]
+    if key not in cache or not set(units) <= set(cache[key].log.units):
+        logged = set(cache[key].log.units) if key in cache else set(profile.fsdp_units)
+        x, y = _meta_inputs(profile, n, t)
+        model = profile.rank_model(tp_plan, tp)[1]
+        cache[key] = trace_step(model, x, y, sorted(logged | set(units)), neuron_backend)
+    return cache[key]
+
+
+def gpu_peaks(step: GpuStep, fsdp: Optional[FsdpTimeline] = None) -> Tuple[int, int, int, int]:
+    """The traced step's (forward peak, backward peak, left after it, FSDP2's most held) above its
+    start, the last two beside the gradients, as :func:`~.step_peak.dynamic_peak` gives them."""
+    fwd, bwd, after, held = replay_fsdp(step.log, step.entry, fsdp)
+    grads = 0 if fsdp else step.grads
+    return fwd, bwd - grads, after - grads, held
+
+
+def optimizer_kernels(profile: ModelProfile, tp_plan, tp: int, optimizer: str) -> Tuple[Kernel, ...]:
+    """The kernels of one ``optimizer`` step (its state already created) over the parameters of the
+    model one rank runs, as torch runs it on CUDA (``foreach``, the default there); cached."""
+    cache = profile.__dict__.setdefault("_gpu_optimizer", {})
+    layout, model = profile.rank_model(tp_plan, tp)
+    key = (layout, optimizer)
+    if key not in cache:
+        model = detached_copy(model).to("meta")
+        params = [p for name, p in model.named_parameters() if name in set(profile.grad_params) or tp > 1]
+        params = [p for p in params if p.requires_grad]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        cls, kw = OPTIMIZERS[optimizer]
+        opt = cls(params, lr=1e-3, foreach=True, **kw)
+        opt.step()
+        meter = DeviceMeter()
+        meter.phase = "optimizer"
+        with meter:
+            opt.step()
+        cache[key] = tuple(meter.kernels)
+    return cache[key]
