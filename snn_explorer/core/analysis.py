@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
@@ -241,6 +241,53 @@ def _layout(model: nn.Module, example_input, labels, data_layout) -> Tuple[Optio
     return layout, how, [f"data layout {layout}; {how}."]
 
 
+@dataclass
+class _Scan:
+    """What one walk over a model's modules finds (see :func:`_scan`)."""
+
+    memory: list = field(default_factory=list)  # stateful modules
+    libraries: list = field(default_factory=list)  # (path, snn library)
+    kinds: list = field(default_factory=list)  # (path, state kind)
+    per_feature: list = field(default_factory=list)  # neurons with per-feature state
+    norms: list = field(default_factory=list)  # BatchNorm-like layers
+    linears: list = field(default_factory=list)  # LinearShape under the roots
+    convs: list = field(default_factory=list)  # ConvShape under the roots
+    convs_named: list = field(default_factory=list)  # their paths
+
+
+def _scan(model: nn.Module, roots) -> _Scan:
+    """Stateful modules, norms and per-feature neurons of the whole model; Linears and convs under ``roots``."""
+    scan = _Scan()
+    for name, module in model.named_modules():
+        if isinstance(module, NORM_TYPES):
+            scan.norms.append(name)
+        library = neurons.snn_library(module)
+        if library and name:
+            scan.memory.append(name)
+            scan.libraries.append((name, library))
+            scan.kinds.append((name, neurons.state_kind(module)))
+        if neurons.is_spiking_neuron(module) and _has_per_feature_state(module):
+            scan.per_feature.append(name)
+        if not name or not under(name, roots):
+            continue
+        if isinstance(module, nn.Linear):
+            scan.linears.append(LinearShape(name, module.in_features, module.out_features))
+        elif isinstance(module, CONV_TYPES):
+            scan.convs_named.append(name)
+            scan.convs.append(ConvShape(name, module.in_channels, module.out_channels, module.groups,
+                                        len(module.kernel_size)))
+    return scan
+
+
+def _explicit_state_note(explicit: Sequence[str]) -> list:
+    if not explicit:
+        return []
+    return [f"{', '.join(explicit)}: snntorch neuron(s) with init_hidden=False; the model's forward passes "
+            "their membrane explicitly (spk, mem = lif(x, mem)), so their state lives in forward's local "
+            "variables, not in the module: nothing to reset between batches if forward starts it "
+            "fresh (mem = lif.init_leaky()), and it is sharded with the activations that carry it."]
+
+
 def analyze(model: nn.Module, *, model_family: Optional[str] = None, roots: Optional[Sequence[str]] = None,
             example_input=None, labels=None, data_layout=None) -> SNNDistributedAnalysis:
     """Find stateful neurons (whole model) and Linear TP candidates (under ``roots``); with an
@@ -252,31 +299,10 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None, roots: Opti
     layout, layout_how, notes = _layout(model, example_input, labels, data_layout)
     family, family_note = resolve_family(model, model_family)
     notes += [family_note] if family_note else []
-    memory, libraries, kinds, per_feature, linears, unsupported, norms, convs = [], [], [], [], [], [], [], []
-    for name, module in model.named_modules():
-        if isinstance(module, NORM_TYPES):
-            norms.append(name)
-        library = neurons.snn_library(module)
-        if library and name:
-            memory.append(name)
-            libraries.append((name, library))
-            kinds.append((name, neurons.state_kind(module)))
-        if neurons.is_spiking_neuron(module) and _has_per_feature_state(module):
-            per_feature.append(name)
-        if not name or not under(name, roots):
-            continue
-        if isinstance(module, nn.Linear):
-            linears.append(LinearShape(name, module.in_features, module.out_features))
-        elif isinstance(module, CONV_TYPES):
-            unsupported.append(name)
-            convs.append(ConvShape(name, module.in_channels, module.out_channels, module.groups,
-                                   len(module.kernel_size)))
+    scan = _scan(model, roots)
+    memory, linears, unsupported = scan.memory, scan.linears, scan.convs_named
     explicit = neurons.explicit_state_neurons(model)
-    if explicit:
-        notes.append(f"{', '.join(explicit)}: snntorch neuron(s) with init_hidden=False; the model's forward passes "
-                     "their membrane explicitly (spk, mem = lif(x, mem)), so their state lives in forward's local "
-                     "variables, not in the module: nothing to reset between batches if forward starts it "
-                     "fresh (mem = lif.init_leaky()), and it is sharded with the activations that carry it.")
+    notes.extend(_explicit_state_note(explicit))
     if not linears:
         notes.append("no Linear tensor-parallel candidates found" + (f" under roots {roots}" if roots else ""))
     candidates = tuple(s.name for s in linears)
@@ -293,14 +319,14 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None, roots: Opti
         notes=tuple(notes),
         tensor_parallel_roots=roots,
         model_family=family,
-        snn_libraries=tuple(libraries),
+        snn_libraries=tuple(scan.libraries),
         linear_shapes=tuple(linears),
         tp_chains=linear_chains,
         fsdp_unit_names=fsdp_units(model),
-        per_feature_neuron_names=tuple(per_feature),
+        per_feature_neuron_names=tuple(scan.per_feature),
         attention_blocks=attention_blocks(model, roots, memory),
-        batchnorm_names=tuple(norms),
-        conv_shapes=tuple(convs),
+        batchnorm_names=tuple(scan.norms),
+        conv_shapes=tuple(scan.convs),
         conv_chains=conv_runs,
         fused_attention_blocks=fused_attention_blocks(model, roots, memory),
         pointwise_chains=tuple(c for c in pointwise_chains(model, roots) if c not in linear_chains),
@@ -309,7 +335,7 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None, roots: Opti
         shared_parameter_groups=shared_parameters(model),
         trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         explicit_state_names=explicit,
-        state_kinds=tuple(kinds),
+        state_kinds=tuple(scan.kinds),
         pipeline_units=units,
         pipeline_problem=unit_problem,
         trainable_units=trainable_units(model, units),

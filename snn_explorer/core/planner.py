@@ -16,6 +16,7 @@ from .precision import choose_precision
 from .recommend import (UNSET, check_backend, check_batch_size, check_objective, neuron_backend_arg,
                         recommend_snn_distributed_strategy)
 from .topology import SNNDistributedTopology
+from .vocabulary import Checkpointing
 from .tp_plan import check_tied_parameters, check_tp_plan, default_tp_plan, has_attention, with_local_neurons
 
 #: Modes tried after the recommendation, per objective, when it does not fit (a mode missing
@@ -130,11 +131,8 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     notes.extend(_mode_notes(spec, analysis, topology, features, tensor_parallel_plan))
     pipeline = _pipeline_fields(analysis, topology, batch_size, notes, pp_schedule, pp_microbatches,
                                 pp_virtual_stages, pp_layout) if spec.pp else {}
-    if spec.pp and activation_checkpointing is None:  # the objective's choice; pipelines take none yet
-        activation_checkpointing, time_step_module = "none", None
-    levers = lever_fields(activation_checkpointing, checkpoint_every, cpu_offload, time_step_module,
-                          objective=objective, features=features, analysis=analysis)
-    notes.extend(lever_notes(levers))
+    levers = _levers(spec, activation_checkpointing, checkpoint_every, cpu_offload, time_step_module, objective,
+                     features, analysis, notes)
     chosen_precision, precision_note = choose_precision(precision, objective, features)
     notes.extend([precision_note] if precision_note else [])
     plan_ = SNNDistributedPlan(
@@ -151,6 +149,17 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
         check_pp_model(plan_, analysis.pipeline_units, analysis.pipeline_problem,
                        analysis.shared_parameter_groups, analysis.trainable_units)
     return plan_
+
+
+def _levers(spec: Mode, activation_checkpointing, checkpoint_every, cpu_offload, time_step_module, objective,
+            features, analysis, notes: List[str]) -> dict:
+    """The memory-lever fields of the plan (:func:`~.memory_levers.lever_fields`), their notes added to ``notes``."""
+    if spec.pp and activation_checkpointing is None:  # the objective's choice; pipelines take none yet
+        activation_checkpointing, time_step_module = Checkpointing.NONE, None
+    levers = lever_fields(activation_checkpointing, checkpoint_every, cpu_offload, time_step_module,
+                          objective=objective, features=features, analysis=analysis)
+    notes.extend(lever_notes(levers))
+    return levers
 
 
 def _check_features(features) -> DistributedFeatureSet:
