@@ -127,28 +127,22 @@ def _repeat_peak(tracker, step, device: torch.device) -> int:
 
 
 def _measure_plan(model, plan, run: MeasureSettings) -> dict:
-    cuda = run.device == "cuda"
+    """One plan measured on this rank: its timed steps, then one tracked step (peak, saved tensors,
+    neuron state, collectives); the rank's row of the per-rank table and its collectives."""
     model = copy.deepcopy(model)
     if run.cast is not None:
         model.to(run.cast)
     plan = run.plan_for(plan)
     if plan.uses_pp:
         return measure_pp_plan(model, plan, run)
-    runtime = apply(model=model, plan=plan, device_type=run.device)
-    x, y = batch_slice(run.example_input, run.labels, plan.per_rank_batch, run.example_input.shape[0],
-                       start=runtime.dp_rank * plan.per_rank_batch, layout=run.layout)
-    device = next(runtime.model.parameters()).device if cuda else torch.device("cpu")
-    x, y = x.to(device, run.dtype), None if y is None else y.to(device)
-    kind = OPTIMIZERS[run.optimizer]
-    opt = runtime.build_optimizer(kind.cls, lr=run.lr, **kind.kwargs)
+    runtime, x, y, opt = _rank_step_inputs(model, plan, run)
     module = runtime.module
 
     def step(recorder=None, saved=None, after_forward=None):
         opt.zero_grad(set_to_none=True)
         if recorder is not None:
             recorder.phase = "forward"
-        hooks = saving(saved) if saved else contextlib.nullcontext()
-        with hooks:
+        with saving(saved) if saved else contextlib.nullcontext():
             loss = forward_loss(runtime.model, x, y, run.layout)
         if after_forward:
             after_forward()
@@ -162,57 +156,77 @@ def _measure_plan(model, plan, run: MeasureSettings) -> dict:
 
     repeated = _called_twice(module, step)
     times = timed_steps(step, run.steps, plan.mode)
-
     recorder, saved, seen = CollectiveRecorder(), SavedAlive(), {}
-    static = storage_bytes(list(module.parameters()) + list(module.buffers()))
 
     def after_forward():
         seen["state"] = storage_bytes(model_state_tensors(module))
         seen["saved"] = saved.alive()
         seen["params"] = storage_bytes(module.parameters())  # FSDP2 without resharding: the unsharded ones
 
+    debug = compat.comm_debug_mode() if not repeated else contextlib.nullcontext()
+    static = storage_bytes(list(module.parameters()) + list(module.buffers()))
+    peak = _tracked_peak(runtime, opt, x, step, lambda: step(recorder, saved, after_forward), debug, recorder,
+                         run.device == "cuda")
+    heartbeat(step=run.steps + 1, total=run.steps + 1, message=f"{plan.mode}: measured step")
+    groups = {} if runtime.mesh is None else {d: runtime.mesh.get_group(d) for d in plan.mesh_dim_names}
+    return dict(
+        row=_rank_row(runtime, plan, opt, x, seen, static, peak),
+        collectives=_over_ranks(recorder.table(groups), groups), times=times, blocked_s=recorder.blocked_s,
+        debug=None if repeated else {str(k).rsplit(".", 1)[-1]: v for k, v in debug.get_comm_counts().items()})
+
+
+def _rank_step_inputs(model, plan, run: MeasureSettings):
+    """The distributed model of this rank, its share of the batch on its device, its optimizer."""
+    runtime = apply(model=model, plan=plan, device_type=run.device)
+    x, y = batch_slice(run.example_input, run.labels, plan.per_rank_batch, run.example_input.shape[0],
+                       start=runtime.dp_rank * plan.per_rank_batch, layout=run.layout)
+    device = next(runtime.model.parameters()).device if run.device == "cuda" else torch.device("cpu")
+    x, y = x.to(device, run.dtype), None if y is None else y.to(device)
+    kind = OPTIMIZERS[run.optimizer]
+    return runtime, x, y, runtime.build_optimizer(kind.cls, lr=run.lr, **kind.kwargs)
+
+
+def _tracked_peak(runtime, opt, x, step, measured_step, debug, recorder, cuda: bool) -> int:
+    """The peak of ``measured_step`` as torch's memory tracker sees it (on CUDA, the allocator's own
+    count), after a tracked warm-up ``step``: storages allocated outside any op (DDP's gradient
+    buckets) become visible to the tracker when an op first writes them, so the measured step sees
+    them from its start, not from the middle of its backward."""
     tracker = compat.mem_tracker_class()()
     tracker.track_external(runtime.model, getattr(opt, "optim", opt), x)  # ZeRO: its local optimizer
-    debug = compat.comm_debug_mode() if not repeated else contextlib.nullcontext()
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     with _spare_frozen(tracker), _quiet_tracker_hooks(), tracker:
-        # A tracked warm-up step first: storages allocated outside any op (DDP's gradient buckets)
-        # become visible to the tracker when an op first writes them, so the measured step sees them
-        # from its start, not from the middle of its backward.
         step()
         tracker.reset_mod_stats()
         compat.restart_mem_tracker_peak(tracker, x.device)
         with debug, recorder:
-            step(recorder, saved, after_forward)
+            measured_step()
         peak = tracker.get_tracker_snapshot("peak")[x.device]["Total"]
         if not cuda:
             peak = min(peak, _repeat_peak(tracker, step, x.device))
-    heartbeat(step=run.steps + 1, total=run.steps + 1, message=f"{plan.mode}: measured step")
     if cuda:  # the allocator's own count (block rounding, NCCL's tensors) over the two steps
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
+    return peak
 
-    buckets = 0
-    if plan.uses_ddp:
-        buckets = sum(compat.ddp_rebuilt_bucket_sizes(runtime.model))
+
+def _rank_row(runtime, plan, opt, x, seen: dict, static: dict, peak: int) -> dict:
+    """This rank's row of the per-rank table from what the tracked step saw."""
+    module = runtime.module
     input_ptr = x.untyped_storage().data_ptr()
     activations = sum(n for p, n in seen["saved"].items() if p not in static and p not in seen["state"]
                       and p not in seen["params"] and p != input_ptr) + x.numel() * x.element_size()
     params = list(module.parameters())
     state_dict = getattr(opt, "optim", opt).state
-    groups = {} if runtime.mesh is None else {d: runtime.mesh.get_group(d) for d in plan.mesh_dim_names}
     state_ids = state_tensor_ids(module)
-    return dict(
-        row=dict(rank=dist.get_rank(), params_bytes=sum(storage_bytes(params).values()),
-                 grads_bytes=sum(storage_bytes([p.grad for p in params]).values()),
-                 optimizer_bytes=sum(storage_bytes([v for s in state_dict.values() for v in s.values()]).values()),
-                 buffers_bytes=sum(storage_bytes([b for b in module.buffers() if id(b) not in state_ids]).values()),
-                 activations_bytes=activations, neuron_state_bytes=sum(seen["state"].values()),
-                 transient_bytes=buckets if plan.uses_ddp else float("nan"), peak_bytes=peak),
-        collectives=_over_ranks(recorder.table(groups), groups), times=times, blocked_s=recorder.blocked_s,
-        debug=None if repeated else {str(k).rsplit(".", 1)[-1]: v for k, v in debug.get_comm_counts().items()})
+    buckets = sum(compat.ddp_rebuilt_bucket_sizes(runtime.model)) if plan.uses_ddp else float("nan")
+    return dict(rank=dist.get_rank(), params_bytes=sum(storage_bytes(params).values()),
+                grads_bytes=sum(storage_bytes([p.grad for p in params]).values()),
+                optimizer_bytes=sum(storage_bytes([v for s in state_dict.values() for v in s.values()]).values()),
+                buffers_bytes=sum(storage_bytes([b for b in module.buffers() if id(b) not in state_ids]).values()),
+                activations_bytes=activations, neuron_state_bytes=sum(seen["state"].values()),
+                transient_bytes=buckets, peak_bytes=peak)
 
 
 def _over_ranks(rows: List[dict], groups: Dict[str, object]) -> List[dict]:
