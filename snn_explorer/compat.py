@@ -7,12 +7,10 @@ failing deep inside a step. Everything else in the package uses public torch API
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import importlib.util
 import inspect
-import time
 from typing import Any, Iterable, Optional
 
 import torch
@@ -302,56 +300,6 @@ def mem_tracker_skip_grad_hooks(tracker: Any, params: Iterable[Any]) -> None:
         handles[p] = (_NoHook(), _NoHook())
 
 
-def pipeline_recv_buffers(stage: Any) -> list:
-    """The receive buffers a ``torch.distributed.pipelining`` stage keeps between steps: one per
-    micro-batch and received activation (``args_recv_info``) and output gradient (``grad_recv_info``)."""
-    out = []
-    for infos in (getattr(stage, "args_recv_info", {}), getattr(stage, "grad_recv_info", {})):
-        _check("PipelineStage recv info", isinstance(infos, dict), "args_recv_info / grad_recv_info are no dicts")
-        out += [i.buffer for chunk in infos.values() for i in chunk
-                if not getattr(i, "is_root_arg", False) and isinstance(getattr(i, "buffer", None), torch.Tensor)]
-    return out
-
-
-def label_pipeline_p2p(stage: Any, labels: dict) -> None:
-    """Wrap ``stage``'s ``get_{fwd,bwd}_{send,recv}_ops`` (which torch's schedules call for every
-    micro-batch) so that ``labels[data_ptr]`` names the stage boundary of each op's tensor."""
-    s = stage.stage_index
-    phases = {"get_fwd_send_ops": f"forward {s}->{s + 1}", "get_fwd_recv_ops": f"forward {s - 1}->{s}",
-              "get_bwd_send_ops": f"backward {s}->{s - 1}", "get_bwd_recv_ops": f"backward {s + 1}->{s}"}
-    for name, phase in phases.items():
-        original = getattr(stage, name, None)
-        _check(f"PipelineStage.{name}", callable(original), "the schedules' p2p op builder is missing")
-
-        def labelled(chunk, _original=original, _phase=phase):
-            ops = _original(chunk)
-            for op in ops:
-                labels[op.tensor.data_ptr()] = _phase
-            return ops
-        setattr(stage, name, labelled)
-
-
-@contextlib.contextmanager
-def pipeline_waits():
-    """Seconds torch's pipeline schedules spend waiting for their sends and receives while the body
-    runs (every wait goes through ``schedules._wait_batch_p2p``), in the list yielded (one float)."""
-    schedules = importlib.import_module("torch.distributed.pipelining.schedules")
-    original = _require("torch.distributed.pipelining.schedules", "_wait_batch_p2p")
-    waited = [0.0]
-
-    def timed(work):
-        start = time.perf_counter()
-        try:
-            return original(work)
-        finally:
-            waited[0] += time.perf_counter() - start
-    schedules._wait_batch_p2p = timed
-    try:
-        yield waited
-    finally:
-        schedules._wait_batch_p2p = original
-
-
 _IS_VIEW = _require("torch", "Tensor._is_view")
 
 
@@ -360,173 +308,7 @@ def is_view(tensor: torch.Tensor) -> bool:
     return bool(_IS_VIEW(tensor))
 
 
-class _OrderStage:
-    """A stand-in for a ``PipelineStage`` that torch's schedules can be built on without a process
-    group: it holds the facts a schedule reads (stage index, stage count, group size and rank) and
-    records the compute its single-stage step runs."""
-
-    def __init__(self, index: int, stages: int, pp: int, rank: int, done: list):
-        self.stage_index, self.num_stages, self.group_size, self.group_rank = index, stages, pp, rank
-        self.is_first, self.is_last, self.submod, self.done = index == 0, index == stages - 1, None, done
-        self.stage_index_to_group_rank: dict = {}
-
-    def forward_one_chunk(self, chunk, *args, **kwargs):
-        self.done.append(("F", self.stage_index, chunk))
-
-    def backward_one_chunk(self, chunk, *args, **kwargs):
-        self.done.append(("B", self.stage_index, chunk))
-
-    def __getattr__(self, name):  # p2p op builders (none: no peers), per-step bookkeeping
-        if name.startswith(("get_fwd_", "get_bwd_")):
-            return lambda chunk: []
-        if name in ("clear_runtime_states", "perform_reduce_grad"):
-            return lambda *args, **kwargs: None
-        raise AttributeError(name)
-
-
-#: torch's compute action kinds (``_ComputationType`` values) the timeline shows.
-_COMPUTE = frozenset("FBIW")
-
-
 def comm_debug_mode():
     """A new ``torch.distributed.tensor.debug.CommDebugMode``, its module imported on first use (it
     loads torch's compiler, which sets TORCHINDUCTOR_CACHE_DIR and makes a folder under TMPDIR)."""
     return importlib.import_module("torch.distributed.tensor.debug").CommDebugMode()
-
-
-def pipelining():
-    """``torch.distributed.pipelining``, imported on first use: importing it loads torch's compiler,
-    which sets TORCHINDUCTOR_CACHE_DIR and makes a folder under TMPDIR, and only pp plans need it."""
-    return importlib.import_module("torch.distributed.pipelining")
-
-
-def pipeline_compute_order(cls: type, pp: int, micro: int, rank_stages) -> dict:
-    """``{rank: [(kind, stage, micro-batch), ...]}``: the forwards (F), backwards (B) and, for
-    zero-bubble schedules, input (I) and weight (W) backwards each rank runs under torch's schedule
-    class ``cls`` (``rank_stages(rank)``: the stages a rank holds), in its order."""
-    stages = sum(len(rank_stages(r)) for r in range(pp))
-    if issubclass(cls, pipelining().schedules.PipelineScheduleMulti):
-        return _multi_stage_order(cls, pp, micro, [_OrderStage(s, stages, pp, 0, []) for s in rank_stages(0)])
-    return {r: _single_stage_order(cls, micro, _OrderStage(r, stages, pp, r, [])) for r in range(pp)}
-
-
-def _multi_stage_order(cls: type, pp: int, micro: int, stubs: list) -> dict:
-    """A multi-stage schedule built on stand-ins reports every rank's ``pipeline_order``: the program
-    its runtime executes (with sends and receives added)."""
-    order = cls(stubs, n_microbatches=micro).pipeline_order
-    _check(f"{cls.__name__}.pipeline_order", isinstance(order, dict) and len(order) == pp,
-           "it is no longer a mapping of every rank to its actions")
-    return {r: [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in acts
-                if a is not None and a.computation_type.value in _COMPUTE] for r, acts in order.items()}
-
-
-def _single_stage_order(cls: type, micro: int, stub: _OrderStage) -> list:
-    """A single-stage schedule's ``pipeline_order`` is only a sketch (1F1B's names micro-batches it
-    never runs): its private ``_step_microbatches`` runs on a recording stand-in instead."""
-    schedule = cls(stub, n_microbatches=micro)
-    step = getattr(schedule, "_step_microbatches", None)
-    _check(f"{cls.__name__}._step_microbatches", callable(step), "the single-stage step is missing")
-    schedule._initialize_stage = lambda *args, **kwargs: None  # no shapes to exchange: nothing runs
-    step()
-    return stub.done
-
-
-# --- checkpoint metadata: DCP's .metadata read without running code from it (issue 35) --------
-# torch's FileSystemReader.read_metadata unpickles ``.metadata`` with plain ``pickle.load``: a
-# crafted file runs any callable it names. The unpickler below resolves only the classes DCP
-# writes for tensor checkpoints and torch's dtypes; anything else is refused, before it is built.
-# BytesStorageMetadata is refused too: torch reads a "bytes" entry with torch.load(weights_only=False).
-
-import collections as _collections
-import io as _io
-import pickle as _pickle
-from pathlib import PurePath as _PurePath
-
-import torch.distributed.checkpoint as _dcp
-from torch.distributed.checkpoint import metadata as _dcp_metadata
-
-_DCP_STORAGE_INFO = _require("torch.distributed.checkpoint.filesystem", "_StorageInfo")
-_METADATA_NAMES = ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
-                   "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-#: (module, name) -> the object a DCP metadata pickle may name; nothing else resolves.
-_METADATA_GLOBALS = {("torch.distributed.checkpoint.metadata", n): _require("torch.distributed.checkpoint.metadata",
-                                                                              n, callable_=False)
-                     for n in _METADATA_NAMES}
-_METADATA_GLOBALS.update({
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _DCP_STORAGE_INFO,
-    ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): _require("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"): _PurePath, ("pathlib", "WindowsPath"): _PurePath,
-    ("pathlib", "PurePosixPath"): _PurePath, ("pathlib", "PureWindowsPath"): _PurePath,
-    ("collections", "OrderedDict"): _collections.OrderedDict,
-})
-
-
-class UnsafeCheckpointError(_pickle.UnpicklingError):
-    """A checkpoint file names something that is not checkpoint data; it was not loaded."""
-
-
-class _MetadataUnpickler(_pickle.Unpickler):
-    """Resolves only the names of :data:`_METADATA_GLOBALS` and torch's dtypes."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = _METADATA_GLOBALS.get((module, name))
-        if found is None and module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            found = getattr(torch, name)
-        if found is None:
-            raise UnsafeCheckpointError(
-                f"it names {module}.{name}, which is not a class of DCP tensor metadata; refused before anything "
-                "was built (a pickle calls whatever it names)")
-        return found
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise UnsafeCheckpointError("it holds a persistent reference, which DCP metadata never does")
-
-
-def read_dcp_metadata(file) -> Any:
-    """DCP's ``Metadata`` from ``file`` (a path), unpickled with :class:`_MetadataUnpickler` and checked:
-    every entry a tensor, every storage a plain file name in the same folder. Raises
-    :class:`UnsafeCheckpointError` saying why otherwise."""
-    where = str(file)
-    with open(file, "rb") as fh:
-        data = fh.read()
-    try:
-        metadata = _MetadataUnpickler(_io.BytesIO(data)).load()
-    except UnsafeCheckpointError as exc:
-        raise UnsafeCheckpointError(f"{where} was not loaded: {exc}") from None
-    except Exception as exc:  # a damaged pickle: any error the unpickler meets
-        raise UnsafeCheckpointError(f"{where} is not readable DCP metadata ({type(exc).__name__}: {exc})") from None
-    _check_metadata(where, metadata)
-    return metadata
-
-
-def _check_metadata(where: str, metadata: Any) -> None:
-    if not isinstance(metadata, _dcp_metadata.Metadata):
-        raise UnsafeCheckpointError(f"{where} holds a {type(metadata).__name__}, not DCP Metadata")
-    entries = getattr(metadata, "state_dict_metadata", None)
-    if not isinstance(entries, dict) or not all(isinstance(v, _dcp_metadata.TensorStorageMetadata)
-                                                for v in entries.values()):
-        raise UnsafeCheckpointError(f"{where} describes entries that are not tensors (snn_explorer checkpoints hold "
-                                    "tensors only)")
-    storage = getattr(metadata, "storage_data", None)
-    if not isinstance(storage, dict):
-        raise UnsafeCheckpointError(f"{where} has no storage table")
-    for info in storage.values():
-        name = getattr(info, "relative_path", None)
-        if not isinstance(info, _DCP_STORAGE_INFO) or not isinstance(name, str) or "/" in name or "\\" in name \
-                or name in ("", ".", "..") or not name.endswith(".distcp"):
-            raise UnsafeCheckpointError(f"{where} points at storage {name!r}, not a .distcp file of its own folder")
-
-
-class SafeFileSystemReader(_dcp.FileSystemReader):
-    """torch's FileSystemReader with :func:`read_dcp_metadata` in place of ``pickle.load``. Tensors
-    themselves are read by torch with ``torch.load(weights_only=True)`` (no code runs)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("rank") is not None:
-            raise UnsafeCheckpointError("per-rank DCP metadata is not part of snn_explorer checkpoints")
-        metadata = read_dcp_metadata(_PurePath(str(self.path)) / ".metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = _dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = getattr(self, "load_id", None)
-        return metadata

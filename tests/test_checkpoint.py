@@ -11,7 +11,6 @@ process itself saves and loads under mode ``none``. The asserting tests read tho
   neurons spike at 2-98 %.
 """
 import json
-import os
 from pathlib import Path
 
 import pytest

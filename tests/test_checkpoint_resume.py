@@ -5,7 +5,6 @@ import signal
 
 import psutil
 import pytest
-import torch
 from torch import nn
 
 import snn_explorer as se

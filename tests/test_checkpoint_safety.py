@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer import compat
+from snn_explorer import compat_dcp
 from snn_explorer.core.checkpoint import CheckpointError, check_checkpoint, latest_checkpoint, step_path
 from snn_explorer.zoo import build
 
@@ -78,7 +78,7 @@ def test_metadata_routing_a_tensor_through_unrestricted_torch_load_is_refused(sa
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     path, runtime, optimizer, model = saved
-    metadata = compat.read_dcp_metadata(path / ".metadata")
+    metadata = compat_dcp.read_dcp_metadata(path / ".metadata")
     entries = {k: BytesStorageMetadata() if k.startswith("model.") else v
                for k, v in metadata.state_dict_metadata.items()}
     _plant(path, ".metadata", pickle.dumps(dataclasses.replace(metadata, state_dict_metadata=entries)))
@@ -96,7 +96,7 @@ def test_a_distcp_holding_a_command_is_read_with_weights_only_and_refused(saved,
     buffer = io.BytesIO()
     torch.save(_CreatesFile(marker), buffer)
     payload = buffer.getvalue()
-    metadata = compat.read_dcp_metadata(path / ".metadata")
+    metadata = compat_dcp.read_dcp_metadata(path / ".metadata")
     shard = next(p.name for p in path.iterdir() if p.suffix == ".distcp")
     storage = {index: dataclasses.replace(info, relative_path=shard, offset=0, length=len(payload))
                for index, info in metadata.storage_data.items()}
@@ -111,7 +111,7 @@ def test_a_distcp_holding_a_command_is_read_with_weights_only_and_refused(saved,
 
 def test_metadata_pointing_outside_its_folder_is_refused(saved, tmp_path):
     path, runtime, optimizer, model = saved
-    metadata = compat.read_dcp_metadata(path / ".metadata")
+    metadata = compat_dcp.read_dcp_metadata(path / ".metadata")
     storage = {i: dataclasses.replace(info, relative_path="../elsewhere.distcp")
                for i, info in metadata.storage_data.items()}
     _plant(path, ".metadata", pickle.dumps(dataclasses.replace(metadata, storage_data=storage)))

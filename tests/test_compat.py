@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer import compat
+from snn_explorer import compat, compat_dcp
 from snn_explorer.core.neurons import reset_all
 from snn_explorer.estimator import estimate, measure_many
 from snn_explorer.estimator.profile.step import forward_loss
@@ -364,12 +364,12 @@ def test_dcp_metadata_of_this_torch_reads_through_the_restricted_unpickler(tmp_p
     import torch.distributed.checkpoint as dcp
 
     folder, state = _dcp_folder(tmp_path)
-    metadata = compat.read_dcp_metadata(folder / ".metadata")
+    metadata = compat_dcp.read_dcp_metadata(folder / ".metadata")
     assert {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()} == \
         {k: tuple(v.shape) for k, v in state.items()}
     assert metadata.state_dict_metadata["d"].properties.dtype == torch.float64
     into = {k: torch.empty_like(v) for k, v in state.items()}
-    dcp.load(into, storage_reader=compat.SafeFileSystemReader(str(folder)), no_dist=True)
+    dcp.load(into, storage_reader=compat_dcp.SafeFileSystemReader(str(folder)), no_dist=True)
     assert all(torch.equal(into[k], state[k]) for k in state)
 
 
@@ -379,11 +379,11 @@ def test_a_metadata_pickle_naming_a_command_is_refused_before_it_runs(tmp_path):
     marker = tmp_path / "ran"
     evil = tmp_path / "evil.metadata"
     evil.write_bytes(pickle.dumps(_RunsCommand(marker)))
-    with pytest.raises(compat.UnsafeCheckpointError, match=r"names posix\.system, which is not a class of DCP"):
-        compat.read_dcp_metadata(evil)
+    with pytest.raises(compat_dcp.UnsafeCheckpointError, match=r"names posix\.system, which is not a class of DCP"):
+        compat_dcp.read_dcp_metadata(evil)
     assert not marker.exists()
     with pytest.raises(pickle.UnpicklingError):  # the error is an UnpicklingError for callers that catch those
-        compat.read_dcp_metadata(evil)
+        compat_dcp.read_dcp_metadata(evil)
 
 
 def test_metadata_with_bytes_entries_or_foreign_storage_is_refused(tmp_path):
@@ -393,14 +393,14 @@ def test_metadata_with_bytes_entries_or_foreign_storage_is_refused(tmp_path):
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     folder, _ = _dcp_folder(tmp_path)
-    metadata = compat.read_dcp_metadata(folder / ".metadata")
+    metadata = compat_dcp.read_dcp_metadata(folder / ".metadata")
     bytes_entry = dataclasses.replace(metadata, state_dict_metadata={**metadata.state_dict_metadata,
                                                                      "w": BytesStorageMetadata()})
     (tmp_path / "bytes.metadata").write_bytes(pickle.dumps(bytes_entry))
-    with pytest.raises(compat.UnsafeCheckpointError, match="BytesStorageMetadata"):
-        compat.read_dcp_metadata(tmp_path / "bytes.metadata")
+    with pytest.raises(compat_dcp.UnsafeCheckpointError, match="BytesStorageMetadata"):
+        compat_dcp.read_dcp_metadata(tmp_path / "bytes.metadata")
     index, info = next(iter(metadata.storage_data.items()))
     away = dataclasses.replace(metadata, storage_data={index: dataclasses.replace(info, relative_path="../x.distcp")})
     (tmp_path / "away.metadata").write_bytes(pickle.dumps(away))
-    with pytest.raises(compat.UnsafeCheckpointError, match=r"points at storage '\.\./x\.distcp', not a \.distcp file"):
-        compat.read_dcp_metadata(tmp_path / "away.metadata")
+    with pytest.raises(compat_dcp.UnsafeCheckpointError, match=r"points at storage '\.\./x\.distcp', not a \.distcp file"):
+        compat_dcp.read_dcp_metadata(tmp_path / "away.metadata")

@@ -6,8 +6,6 @@ BatchNorm's training statistics are per rank under data parallelism (the plan no
 """
 import pytest
 import snntorch
-import torch
-import torch.distributed as dist
 from torch import nn
 
 from distributed_harness import run_on_ranks

@@ -21,7 +21,6 @@ from test_launch_plan import tp_step  # travels by value, as that module registe
 from snn_explorer import analyze, plan
 from snn_explorer.estimator import measure, measure_many
 from snn_explorer.launcher import LaunchError, export_job, launch
-from snn_explorer.ranks.channel import DIR_ENV
 from snn_explorer.zoo import build
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.compat import SafeFileSystemReader
+from snn_explorer.compat_dcp import SafeFileSystemReader
 from snn_explorer.core.checkpoint import latest_checkpoint, read_manifest, step_path
 from snn_explorer.core.checkpoint_files import saved_tensor_metadata
 from snn_explorer.launcher import export_job

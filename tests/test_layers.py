@@ -1,6 +1,6 @@
 """The package's layers, read from its source with ``ast`` (imports inside functions included).
 
-Packages: ``compat`` <- ``core`` <- ``zoo``, ``ranks`` <- ``estimator``, ``launcher`` <- ``explorer``
+Packages: ``compat`` <- ``compat_dcp``, ``compat_pipelining`` <- ``core`` <- ``zoo``, ``ranks`` <- ``estimator``, ``launcher`` <- ``explorer``
 <- ``cli``, ``quickstart``; inside the estimator: ``instruments`` <- ``profile`` <- ``memory`` <-
 ``timing`` <- ``calibration``, ``measurement`` <- its public face. An import may point only down (or
 within its own part), no import may close a circle, and an import inside a function must say why
@@ -24,7 +24,7 @@ ROOT = pathlib.Path(snn_explorer.__file__).parent
 PACKAGE = "snn_explorer"
 
 #: Rank of each part of the package: an import must point to a lower rank (or stay in its part).
-LAYERS = {"compat": 0, "core": 1, "zoo": 2, "ranks": 2, "estimator": 3, "launcher": 3, "explorer": 4, "cli": 5,
+LAYERS = {"compat": 0, "compat_dcp": 0.5, "compat_pipelining": 0.5, "core": 1, "zoo": 2, "ranks": 2, "estimator": 3, "launcher": 3, "explorer": 4, "cli": 5,
           "quickstart": 5, "": 6}
 ESTIMATOR_LAYERS = {"instruments": 0, "profile": 1, "memory": 2, "timing": 3, "calibration": 4, "measurement": 4,
                     "": 5}

@@ -5,7 +5,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from distributed_harness import run_on_ranks

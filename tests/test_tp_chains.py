@@ -2,7 +2,6 @@
 import pytest
 import snntorch
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import snn_explorer as se

@@ -26,7 +26,7 @@ last and renames the directory after every rank finished, so a directory named l
 always holds a complete one; a write that fails on any rank (a full disk, an error) raises
 :class:`CheckpointError` on every rank naming the rank and the error, and leaves the previous
 checkpoint as it was. Loading reads DCP's metadata with a restricted unpickler
-(:func:`snn_explorer.compat.read_dcp_metadata`) and tensors with ``torch.load(weights_only=True)``:
+(:func:`snn_explorer.compat_dcp.read_dcp_metadata`) and tensors with ``torch.load(weights_only=True)``:
 nothing in a checkpoint runs as code. Every rank must call save and load (they are collectives);
 without a process group (mode ``none``) they run in this process alone.
 """
@@ -43,8 +43,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from ..compat import (SafeFileSystemReader, UnsafeCheckpointError, non_persistent_buffer_names, spikingjelly_memories,
-                      spikingjelly_reset_values)
+from ..compat import non_persistent_buffer_names, spikingjelly_memories, spikingjelly_reset_values
+from ..compat_dcp import SafeFileSystemReader, UnsafeCheckpointError
 from . import neurons
 from .checkpoint_files import (FORMAT, FORMAT_VERSION, MANIFEST, CheckpointError, check_target, latest_checkpoint, model_mismatch,
                                partial_path, publish, read_manifest, reshard_problem, saved_tensor_metadata,

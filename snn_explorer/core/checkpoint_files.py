@@ -2,7 +2,7 @@
 the atomic publication of a finished write, and a run's directory of step checkpoints.
 
 Nothing here unpickles with plain ``pickle``: DCP's ``.metadata`` is read by
-:func:`snn_explorer.compat.read_dcp_metadata`, which resolves only DCP's metadata classes.
+:func:`snn_explorer.compat_dcp.read_dcp_metadata`, which resolves only DCP's metadata classes.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-from ..compat import UnsafeCheckpointError, read_dcp_metadata
+from ..compat_dcp import UnsafeCheckpointError, read_dcp_metadata
 from .plan_types import SNNDistributedPlan
 from .styles import STYLES
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, Dict, List, Optional, Tuple
 
-from ..compat import pipeline_compute_order, pipelining
+from ..compat_pipelining import pipeline_compute_order, pipelining
 
 #: Time of one micro-batch's action through one stage, in forward units (a backward costs two
 #: forwards; a zero-bubble schedule splits it into input and weight halves).
@@ -40,7 +40,7 @@ class PipelineSchedule:
         return f"<pipeline schedule {self.name!r} (torch {self.torch_name})>"
 
     def torch_class(self) -> type:
-        """torch's schedule class (:func:`~..compat.pipelining` imports torch's module on first use)."""
+        """torch's schedule class (:func:`~..compat_pipelining.pipelining` imports torch's module on first use)."""
         return getattr(pipelining(), self.torch_name)
 
     def build(self, stages: list, **kwargs):

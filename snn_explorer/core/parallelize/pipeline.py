@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...compat import is_view, pipelining
+from ...compat import is_view
+from ...compat_pipelining import pipelining
 from .. import neurons
 from ..layouts import check_samples
 from ..pipeline_plan import resolve_layout, stage_units

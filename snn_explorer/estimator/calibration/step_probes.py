@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel
 
 from ... import ranks
-from ...compat import pipeline_waits
+from ...compat_pipelining import pipeline_waits
 from ...core import analyze, apply, plan
 from ...core.pipeline_schedules import SCHEDULES
 from ..instruments.isolation import collected
@@ -127,7 +127,7 @@ def probe_pipeline(p: int, schedule, heavy: int = 1):
 
 def pipeline_step_times(dist, device, schedule, heavy: int) -> dict:
     """Seconds of a training step of :func:`probe_pipeline` (``schedule``, ``heavy``) on this rank and
-    of its waits for sends and receives in it (:func:`~..compat.pipeline_waits`), of one
+    of its waits for sends and receives in it (:func:`~...compat_pipelining.pipeline_waits`), of one
     micro-batch's forward and backward of a block (and of a heavy block, where ``heavy > 1``) run
     alone (every rank at once, in turns with the steps), each the median of
     :data:`PIPELINE_REPEATS`; the plan, ``heavy`` and the bytes of one transfer."""

@@ -15,7 +15,7 @@ from typing import Dict, List, Sequence
 import torch
 import torch.distributed as dist
 
-from ... import compat
+from ... import compat_pipelining
 from ...core import apply
 from ...core.collectives import Collective
 from ...ranks.progress import heartbeat
@@ -48,8 +48,8 @@ def measure_pp_plan(model, plan, run: MeasureSettings) -> dict:
 
     labels: Dict[int, str] = {}
     for stage in pipe.pipeline_stages:
-        compat.label_pipeline_p2p(stage, labels)
-    recv = [b for stage in pipe.pipeline_stages for b in compat.pipeline_recv_buffers(stage)]
+        compat_pipelining.label_pipeline_p2p(stage, labels)
+    recv = [b for stage in pipe.pipeline_stages for b in compat_pipelining.pipeline_recv_buffers(stage)]
     params = list(pipe.parameters())
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     inputs = [x] if pipe.holds_first else []
