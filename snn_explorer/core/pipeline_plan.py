@@ -14,7 +14,6 @@ from typing import Any, Optional, Sequence, Tuple
 
 from torch import nn
 
-from .pipeline_schedules import schedule_of
 from .structure import forward_chain, is_plain_sequential
 
 
@@ -148,7 +147,7 @@ def check_pp_fields(plan) -> dict:
             raise ValueError(f"pipeline fields {set_} are only used by mode 'pp'; leave them unset for "
                              f"mode {plan.mode!r}")
         return fields
-    pp, schedule = plan.pp_size, schedule_of(plan.pp_schedule)
+    pp, schedule = plan.pp_size, plan.pp_schedule_spec
     m = _count("pp_microbatches", plan.pp_microbatches)
     v = _count("pp_virtual_stages", plan.pp_virtual_stages)
     schedule.check_stages(v)

@@ -22,7 +22,7 @@ import pandas as pd
 
 from ...core.collectives import Collective
 from ...core.pipeline_plan import check_pp_model, stage_units
-from ...core.pipeline_schedules import schedule_of
+from ...core.pipeline_schedules import PipelineSchedule, schedule_of
 from ..instruments.tables import boundary_phase, reduce_phase
 from .sharding import buffer_bytes, optimizer_temporaries, rank_bytes
 from .stage_memory import measure_stages
@@ -42,13 +42,7 @@ def in_flight(schedule: str, pp: int, pp_rank: int, micro: int, virtual: int = 1
     return schedule_of(schedule).in_flight(pp, pp_rank, micro, virtual)
 
 
-def rank_order(schedule: str, pp: int, pp_rank: int, micro: int, virtual: int = 1) -> List[Tuple[str, int, int]]:
-    """``(kind, stage, micro-batch)`` of rank ``pp_rank``'s compute actions in the order torch's
-    schedule runs them (``F`` forward, ``B`` backward; zero-bubble: ``I`` input and ``W`` weight backward)."""
-    return schedule_of(schedule).rank_actions(pp, micro, virtual)[pp_rank]
-
-
-def _walk(schedule: str, order, runs, last_stage: int, micro: int) -> Tuple[int, int, int]:
+def _walk(schedule: PipelineSchedule, order, runs, last_stage: int, micro: int) -> Tuple[int, int, int]:
     """(peak, bytes left at the end, most bytes saved for backward at once) that the schedule adds to a
     rank's static bytes, walking its actions in torch's order (``runs``: :class:`~.stage_memory.StageMemory`
     by stage).
@@ -64,7 +58,7 @@ def _walk(schedule: str, order, runs, last_stage: int, micro: int) -> Tuple[int,
     first micro-batch's output until the cool-down (``send_work``) and each input gradient until
     the next backward has ended (``bwd_sends``).
     """
-    keeps_sends = schedule_of(schedule).keeps_sent_tensors
+    keeps_sends = schedule.keeps_sent_tensors
     cur = peak = act = most_act = sent = gin_before = first_out = 0
     started, with_grads = set(), set()
     backwards, warm = 0, next(i for i, action in enumerate(order) if action[0] in "BI")
@@ -118,20 +112,21 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
     counts = check_pp_model(plan, units)
     stages = stage_units(units, counts)
     micro, n_micro = plan.pp_microbatches, plan.per_rank_batch // plan.pp_microbatches
+    schedule = plan.pp_schedule_spec
     costs = _stage_costs(profile, stages, n_micro, t)
     runs = measure_stages(profile, stages, n_micro, t, micro)
     last, has_labels = plan.pp_stages - 1, profile.labels is not None
     rows: Dict[int, dict] = {}
     table, collectives = [], []
     for pp_rank in range(plan.pp_size):
-        own = plan.pp_schedule_spec.rank_stages(pp_rank, plan.pp_size, plan.pp_virtual_stages)
+        own = schedule.rank_stages(pp_rank, plan.pp_size, plan.pp_virtual_stages)
         own_units = [u for s in own for u in stages[s]]
         mine = [p for p in params if under(p.name, own_units)]
         b = rank_bytes(mine, plan, 0, optimizer)
         buffers = buffer_bytes([b for b in profile.buffers if under(b[0], own_units)], profile.dtype, plan)
-        flying = in_flight(plan.pp_schedule, plan.pp_size, pp_rank, micro, plan.pp_virtual_stages)
-        order = rank_order(plan.pp_schedule, plan.pp_size, pp_rank, micro, plan.pp_virtual_stages)
-        schedule_peak, left, activations = _walk(plan.pp_schedule, order, runs, last, micro)
+        flying = schedule.in_flight(plan.pp_size, pp_rank, micro, plan.pp_virtual_stages)
+        order = schedule.rank_actions(plan.pp_size, micro, plan.pp_virtual_stages)[pp_rank]
+        schedule_peak, left, activations = _walk(schedule, order, runs, last, micro)
         state = sum(runs[s].held for s in own)
         recv = sum(micro * itemsize * ((costs[s][0] if s else 0) + (costs[s][1] if s < last else 0))
                    for s in own)
@@ -146,16 +141,15 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
                              peak_bytes=round(peak))
         table.append(dict(pp_rank=pp_rank, stages=",".join(map(str, own)), units=", ".join(own_units),
                           microbatches_in_flight=flying,
-                          bubble_fraction=bubble_fraction(plan.pp_schedule, plan.pp_size, micro,
-                                                          plan.pp_virtual_stages)))
+                          bubble_fraction=schedule.bubble_fraction(plan.pp_size, micro, plan.pp_virtual_stages)))
         if plan.dp_size > 1:
             collectives.append(dict(mesh_dim="dp", kind=Collective.ALL_REDUCE, count=1, bytes=b["grads_bytes"],
                                     phase=reduce_phase(own)))
-    rank_of = lambda s: plan.pp_schedule_spec.rank_of(s, plan.pp_size, plan.pp_virtual_stages)
+    rank_of = lambda s: schedule.rank_of(s, plan.pp_size, plan.pp_virtual_stages)
     for s in (s for s in range(plan.pp_stages - 1) if rank_of(s) != rank_of(s + 1)):  # V: one boundary is local
         nbytes = round(costs[s][1] * itemsize)
-        for kind, phase in ((Collective.SEND, boundary_phase("forward", s, s + 1)), (Collective.SEND, boundary_phase("backward", s + 1, s))):
-            collectives.append(dict(mesh_dim="pp", kind=kind, phase=phase, count=micro, bytes=micro * nbytes))
+        for phase in (boundary_phase("forward", s, s + 1), boundary_phase("backward", s + 1, s)):
+            collectives.append(dict(mesh_dim="pp", kind=Collective.SEND, phase=phase, count=micro, bytes=micro * nbytes))
     collectives.append(dict(mesh_dim="pp", kind=Collective.BROADCAST, phase="loss", count=1, bytes=itemsize))
     per_rank = [dict(rank=r, **rows[r // plan.dp_size]) for r in range(plan.world_size)]
     return per_rank, collectives, pd.DataFrame(table, columns=list(PIPELINE_COLUMNS))
