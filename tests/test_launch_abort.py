@@ -63,3 +63,24 @@ def test_peers_hanging_after_a_failure_are_ended_and_named_with_where_they_waite
         assert all(f.exitcode is None and f.type == "Ended" for f in peers.values()), peers
     else:
         assert all(f.exitcode == -signal.SIGTERM for f in peers.values()), peers
+
+
+def _hang_outside_collectives_on_rank_one():
+    if dist.get_rank() == 1:
+        time.sleep(3600)  # rank 0 waits for it in the all_reduce below: both go silent
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+@pytest.mark.timeout(120)
+def test_a_silent_group_names_the_rank_that_hangs_outside_collectives_first(clean_launch):
+    with pytest.raises(LaunchError) as info:
+        launch(_hang_outside_collectives_on_rank_one, nprocs=2, progress=False, timeout=4)
+    err = info.value
+    assert err.timed_out and sorted(err.failures) == [0, 1]
+    assert err.root_cause.rank == 1 and not err.root_cause.collateral
+    assert err.failures[0].collateral and "waiting for a peer" in err.failures[0].message
+    first_line = str(err).splitlines()[0]
+    assert "; first: rank 1 in _hang_outside_collectives_on_rank_one (test_launch_abort.py:" in first_line
+    assert "rank 0 in all_reduce (distributed_c10d.py:" in first_line

@@ -52,17 +52,28 @@ class RankFailure:
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 
 
+def _rank_frames(stack: str) -> list:
+    """The frames (innermost first) of the thread that runs the rank's function in a faulthandler dump."""
+    threads = [t for t in re.split(r"\n\s*\n", stack) if "in run_rank" in t] or [stack]
+    return [m.groupdict() for m in _FRAME.finditer(threads[0])]
+
+
 def waiting_in(stack: str) -> str:
     """Where a rank's dumped stack shows it: the innermost frame of the thread that runs the
     rank's function, and the innermost frame of the caller's code below it (outside torch), e.g.
     ``all_reduce (distributed_c10d.py:2950) from body (train.py:15)``; "" without a stack."""
-    threads = [t for t in re.split(r"\n\s*\n", stack) if "in run_rank" in t] or [stack]
-    frames = [m.groupdict() for m in _FRAME.finditer(threads[0])]
+    frames = _rank_frames(stack)
     if not frames:
         return ""
     text = lambda f: f"{f['func']} ({os.path.basename(f['file'])}:{f['line']})"  # noqa: E731
     own = next((f for f in frames if f"{os.sep}torch{os.sep}" not in f["file"]), None)
     return text(frames[0]) + (f" from {text(own)}" if own is not None and own is not frames[0] else "")
+
+
+def in_collective(stack: str) -> bool:
+    """True when the dumped stack shows the rank inside ``torch.distributed`` (waiting for peers)."""
+    frames = _rank_frames(stack)
+    return bool(frames) and f"{os.sep}torch{os.sep}distributed{os.sep}" in frames[0]["file"]
 
 
 def cause_order(failures) -> list:

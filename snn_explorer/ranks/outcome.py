@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional, Tuple
 import cloudpickle
 
 from . import channel
-from .errors import LaunchError, RankFailure, cause_order
+from .errors import LaunchError, RankFailure, cause_order, in_collective, waiting_in
 from .progress import Tracker
 from .result import LaunchResult
 
@@ -132,10 +132,20 @@ def headline(fails: Dict[int, RankFailure], nprocs: int) -> str:
 
 
 def timed_out(tracker: Tracker, hung, why: str, stacks, logs, joined, values) -> LaunchError:
-    fails = {r: RankFailure(r, None, "Timeout", why, stacks.get(r, ""), logs[r]["stderr"][-LOG_TAIL:]) for r in hung}
+    """The error of ranks without a heartbeat: each with its stack; when some hung ranks are inside
+    a collective and others are not, those others come first (the peers were waiting for them)."""
+    suspects = [r for r in sorted(hung) if not in_collective(stacks.get(r, ""))]
+    fails = {}
+    for r in hung:
+        waiting = bool(suspects) and r not in suspects
+        fails[r] = RankFailure(r, None, "Timeout", why + ("; waiting for a peer" if waiting else ""),
+                               stacks.get(r, ""), logs[r]["stderr"][-LOG_TAIL:], collateral=waiting,
+                               stack=stacks.get(r, ""))
+    order = suspects + [r for r in sorted(hung) if r not in suspects]
+    where = "; ".join(f"rank {r} in {waiting_in(stacks.get(r, ''))}" for r in order if waiting_in(stacks.get(r, "")))
     return LaunchError(f"launch timed out: rank(s) {sorted(tracker.unfinished())} had not finished ({why}; "
-                       f"rank(s) {sorted(hung)})", fails, unfinished=tracker.unfinished(), logs=joined,
-                       results=values, timed_out=True)
+                       f"rank(s) {sorted(hung)})" + (f"; first: {where}" if where else ""), fails,
+                       unfinished=tracker.unfinished(), logs=joined, results=values, timed_out=True)
 
 
 def outcome(run_dir, nprocs, backend, started, tracker, hung, why, stacks, log_dir) -> LaunchResult:
