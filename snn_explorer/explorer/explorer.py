@@ -360,6 +360,9 @@ class Explorer(ExplorerCharts):
         count = sum(1 for n, _ in self.model.named_modules() if n)
         other = len(a.memory_module_names) - len(a.neuron_names)  # dropout masks: stateful, but no neurons
         kinds = f" ({len(a.neuron_names)} neurons, {other} other)" if other else ""
+        if a.explicit_state_names:  # "0 stateful" alone reads as "no neurons found"
+            kinds += (f" + {len(a.explicit_state_names)} snntorch neurons whose membrane forward passes "
+                      "(init_hidden=False: no state in the module)")
         return (f"Explorer({type(self.model).__name__}: {count} modules, {len(a.memory_module_names)} stateful{kinds}, "
                 f"{len(a.tensor_parallel_candidate_names)} TP candidates, family={a.model_family}, "
                 f"{len(self._plans)} plans)")
