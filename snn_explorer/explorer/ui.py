@@ -141,6 +141,10 @@ class ExplorerUI:
                         w.HBox([self.pin_button, self.clear_button]),
                         w.HBox([self.estimate_button, self.auto_estimate])])
         self.widget = w.VBox([w.HBox([controls, gates]), self.progress, self.message, self.plan_list, self.tabs])
+        self._wire()
+
+    def _wire(self) -> None:
+        """Every control's effect: a mesh slider keeps the world size, the rest re-plan or re-render."""
         self.world_size.observe(self._on_world, "value")
         for name, slider in self.mesh.items():
             slider.observe(lambda _, moved=name: self._link(moved), "value")
