@@ -64,12 +64,23 @@ def test_a_terminal_gets_a_tqdm_line(monkeypatch):
 
 
 def test_a_notebook_cell_gets_the_widget_alone_without_text(monkeypatch):
-    shown = []
+    shown, updates = [], []
+
+    class Handle:
+        def update(self, data, raw):
+            updates.append(data)
+
+    def display(data, raw, display_id):
+        shown.append(data)
+        return Handle()
+
     monkeypatch.setattr(progress_module, "in_notebook", lambda: True)
-    monkeypatch.setattr(progress_module, "display", lambda data, raw: shown.append(data))
+    monkeypatch.setattr(progress_module, "display", display)
     with Progress("profiling", show_after=0.1):
         time.sleep(0.4)
+        assert updates == []
     assert len(shown) == 1 and list(shown[0]) == [progress_module.WIDGET_MIME]  # nbval compares no text of it
+    assert updates == [{}]  # emptied when the wait ends
 
 
 def test_the_ui_shows_a_slow_estimate_in_its_progress_box(monkeypatch):

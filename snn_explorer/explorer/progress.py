@@ -5,8 +5,9 @@ Nothing is shown for a shorter wait, so quick calls (and notebooks whose cells a
 nbval) print nothing. A background thread shows the bar once the wait passes the threshold and
 keeps its elapsed time current while the caller blocks.
 
-In a notebook the bar is published with the widget's mime type only (no ``text/plain``), so a
-saved notebook holds no text for it and nbval, which skips widget views, compares nothing extra.
+In a notebook the bar is published with the widget's mime type only (no ``text/plain``) and emptied
+when the wait ends, so a saved notebook holds no text for it and nbval, which skips widget views,
+compares nothing extra.
 """
 from __future__ import annotations
 
@@ -46,14 +47,14 @@ class _WidgetView:
     def __init__(self, box: Optional[w.Box]):
         self.bar = w.IntProgress(value=0, min=0, max=1, layout=w.Layout(width="300px"))
         self.label = w.Label()
-        self.row, self.box = w.HBox([self.bar, self.label]), box
+        self.row, self.box, self.handle = w.HBox([self.bar, self.label]), box, None
 
     def show(self) -> None:
         if self.box is not None:
             self.box.children = (self.row,)
         else:
             bundle = self.row._repr_mimebundle_() or {}
-            display({WIDGET_MIME: bundle[WIDGET_MIME]}, raw=True)
+            self.handle = display({WIDGET_MIME: bundle[WIDGET_MIME]}, raw=True, display_id=True)
 
     def update(self, done: int, total: Optional[int], text: str) -> None:
         self.bar.max = max(total or 1, 1)
@@ -64,6 +65,8 @@ class _WidgetView:
     def close(self) -> None:
         if self.box is not None:
             self.box.children = ()
+        elif self.handle is not None:
+            self.handle.update({}, raw=True)  # the cell keeps an empty output, not a dangling widget view
         self.row.close()
 
 
