@@ -69,3 +69,9 @@ def test_snntorch_neurons_with_explicit_membranes_are_explained_not_just_zero_st
         assert not table.loc[name, "stateful"] and "init_hidden=False" in table.loc[name, "note"]
     plain = Explorer.from_zoo(build("mlp"))
     assert "snntorch neurons whose membrane" not in repr(plain)
+
+
+def test_the_analysis_says_the_time_loop_is_why_a_model_has_no_pipeline_units():
+    analysis = analyze(build("mlp").model)
+    assert analysis.pipeline_units == () and "loops over the time steps" in analysis.pipeline_problem
+    assert analyze(build("mlp_all_steps").model).pipeline_problem == ""
