@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv with the CPU build of torch 2.13.0 first (so nothing pulls a CUDA build), then the package.
-#   bash scripts/setup.sh          what the main job needs (torch, the package and its dependencies)
-#   bash scripts/setup.sh --test   also the test extras, spikingjelly and chromium for the browser test
+#   bash scripts/setup.sh          what the main job and every notebook need: torch, the package and its
+#                                  dependencies, JupyterLab (the notebook extra) and spikingjelly
+#   bash scripts/setup.sh --test   also the test extras and chromium for the browser test
 # Re-running skips pip when neither pyproject.toml nor this script changed since the last install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,13 +16,14 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$digest" ]; then
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q torch==2.13.0
     if [ $target = test ]; then
-        .venv/bin/python -m pip install -q -e '.[test]'
-        # spikingjelly without its dependency list (which would replace the CPU torch); its core modules need only these.
-        .venv/bin/python -m pip install -q --no-deps spikingjelly==2.0.0
-        .venv/bin/python -m pip install -q loguru tqdm h5py
+        .venv/bin/python -m pip install -q -e '.[notebook,test]'
     else
-        .venv/bin/python -m pip install -q -e .
+        .venv/bin/python -m pip install -q -e '.[notebook]'
     fi
+    # spikingjelly (notebook 04, the spikingjelly tests) without its dependency list, which would
+    # replace the CPU torch with a CUDA build; its core modules need only loguru, tqdm and h5py.
+    .venv/bin/python -m pip install -q --no-deps spikingjelly==2.0.0
+    .venv/bin/python -m pip install -q loguru tqdm h5py
     # Build matplotlib's font cache now, not inside a notebook cell under nbval.
     .venv/bin/python -c 'import matplotlib.pyplot' 2>/dev/null
     echo "$digest" > "$stamp"

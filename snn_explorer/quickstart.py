@@ -101,7 +101,7 @@ def main(argv=None) -> None:
          "so their losses differ; their gradients are averaged every step. "
          f"Took {result.wall_time:.1f} s, of which {max(result.startup.values()):.1f} s starting the ranks.")
     print("\nNext")
-    _say("Explore the trade-offs interactively: .venv/bin/python -m pip install jupyterlab && "
+    _say("Explore the trade-offs interactively (the set-up installed JupyterLab): "
          ".venv/bin/jupyter lab notebooks/01_quickstart.ipynb (add --allow-root when running as root).")
     _say("Compare plans for your own model: .venv/bin/snn-explorer compare mypkg.models:make_net "
          "--topology dp=2,tp=2 --objective memory --input-shape T,N,F (your example input's shape)")

@@ -153,3 +153,68 @@ def test_objective_change_replans_in_the_browser(voila_url, tmp_path):
     assert after["memopt_level"][column] == "1"
     assert after["optimizer_strategy"][column] == "none"
     assert {k: after["mode"][k] for k in before["mode"]} == before["mode"]  # the pinned plans stay
+
+
+LAUNCH_TIMEOUT_MS = 240_000
+
+
+def test_launch_tab_launches_saves_loads_and_exports_in_the_browser(voila_url, tmp_path):
+    """The Launch tab's buttons in the page: a 4-rank gloo run shows its losses, the plan is saved
+    to JSON and loaded back (pinned), and a torchrun / Slurm job is exported."""
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} is missing: scripts/setup.sh installs it (apt-get install chromium)")
+    import json
+
+    from playwright.sync_api import expect, sync_playwright
+
+    url, log = voila_url
+    ARTIFACTS.mkdir(exist_ok=True)
+    plan_file, job_dir = tmp_path / "plan.json", tmp_path / "job"
+    with sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS,
+            viewport={"width": 1400, "height": 2400})
+        try:
+            page = context.pages[0] if context.pages else context.new_page()
+            page.goto(url, timeout=RENDER_TIMEOUT_MS)
+            page.locator(TABLE).wait_for(state="visible", timeout=RENDER_TIMEOUT_MS)
+            page.locator(".lm-TabBar-tab", has_text="Launch").first.click()
+            steps = page.locator(".widget-inline-hbox", has_text="steps").locator("input").first
+            steps.fill("3")
+            steps.press("Enter")
+            page.get_by_role("button", name="launch", exact=True).click()
+            status = page.locator("pre", has_text="done:")
+            try:
+                status.wait_for(state="visible", timeout=LAUNCH_TIMEOUT_MS)
+            except Exception:
+                page.screenshot(path=str(ARTIFACTS / "browser_launch_failed.png"), full_page=True)
+                raise AssertionError(f"the launch never finished; voila log:\n{log.read_text()[-4000:]}")
+            assert "3 steps" in status.inner_text()
+            losses = page.locator("table", has_text="rank 3").first
+            expect(losses).to_be_visible()
+            _launch_screenshot(page, "browser_launch_done")
+
+            plan_input = page.locator(".widget-text", has_text="plan file").locator("input")
+            plan_input.fill(str(plan_file))
+            plan_input.press("Enter")
+            page.get_by_role("button", name="save plan").click()
+            expect(page.locator("pre", has_text="saved")).to_be_visible(timeout=CHANGE_TIMEOUT_MS)
+            page.get_by_role("button", name="load plan").click()
+            expect(page.locator("pre", has_text="pinned as")).to_be_visible(timeout=CHANGE_TIMEOUT_MS)
+
+            job_input = page.locator(".widget-text", has_text="job folder").locator("input")
+            job_input.fill(str(job_dir))
+            job_input.press("Enter")
+            page.get_by_role("button", name="export job").click()
+            expect(page.locator("pre", has_text="exported to")).to_be_visible(timeout=CHANGE_TIMEOUT_MS)
+            _launch_screenshot(page, "browser_launch_files")
+        finally:
+            context.close()
+    saved = json.loads(plan_file.read_text())
+    assert saved["mode"] == "dp" and saved["topology"]["dims"] == {"dp": 4}  # the controls' plan, launched
+    assert sorted(os.listdir(job_dir)) == ["command.sh", "job.sbatch", "payload.pkl", "plan.json", "run.py"]
+    assert json.loads((job_dir / "plan.json").read_text()) == saved
+
+
+def _launch_screenshot(page, name: str) -> None:
+    page.locator(".widget-tab").first.screenshot(path=str(ARTIFACTS / f"{name}.png"))

@@ -19,11 +19,22 @@ from .structure import forward_chain, is_plain_sequential
 
 # ---- the model's sequence of units ---------------------------------------------------------------
 
+#: What torch.fx says when a forward iterates over a traced tensor (``for x_t in x``) or ranges over its
+#: length (``range(x.shape[0])``): in an SNN, the loop over time steps.
+TIME_LOOP_SIGNS = ("Proxy object cannot be iterated", "'Proxy' object cannot be interpreted as an integer")
+TIME_LOOP_HINT = (": the forward loops over the time steps of its input, which torch.fx cannot follow (a loop "
+                  "over a tensor has no fixed length). A pipeline stage takes the whole [T, N, ...] input: move "
+                  "the time loop into the layers (multi-step neurons such as spikingjelly step_mode='m', or a "
+                  "module stepping a single-step neuron over dim 0, stateless layers applied to time folded "
+                  "into the batch) and write the model as an nn.Sequential or a forward "
+                  "self.c(self.b(self.a(x))); or choose a mode without pp (dp, fsdp2, tp)")
+
+
 def pipeline_units(model: nn.Module) -> Tuple[Tuple[str, ...], str]:
     """The paths of the model's pipeline units and, when it has none, why (else '')."""
     chain, problem = forward_chain(model)
     if problem:
-        return (), problem
+        return (), problem + (TIME_LOOP_HINT if any(sign in problem for sign in TIME_LOOP_SIGNS) else "")
     units = []
     for name in chain:
         module = model.get_submodule(name)
@@ -170,6 +181,8 @@ def check_pp_fields(plan) -> dict:
 def units_problem(units: Sequence[str], problem: str, stages: int, what: str) -> Optional[str]:
     """Why a model with pipeline ``units`` cannot be cut into ``stages`` stages (``what`` names them), or None."""
     if not units:
+        if problem.endswith(TIME_LOOP_HINT):  # it says what to do
+            return f"mode 'pp' needs a model whose forward chains its top-level modules, but {problem}"
         return (f"mode 'pp' needs a model whose forward chains its top-level modules, but {problem}; write the "
                 "model as an nn.Sequential (nested Sequentials are cut further) or a module whose forward is "
                 "self.c(self.b(self.a(x)))")

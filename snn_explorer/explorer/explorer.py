@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -11,23 +13,25 @@ from torch import nn
 from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze, apply, plan as core_plan
 from ..core.memory_levers import find_time_step_module, objective_checkpoints
 from ..core.recommend import UNSET, check_backend, neuron_backend_arg
-from ..core.styles import STYLES
 from ..core.tp_plan import default_tp_plan
-from ..core.modes import names_text
 from ..core.validate import check_batch_tensor, positive_int
-from ..estimator import (PlanList, activation_curve, balanced_pp_plan, enumerate_plans, estimate as estimate_plan,
+from ..estimator import (PlanList, balanced_pp_plan, enumerate_plans, estimate as estimate_plan,
                          fastest_first, model_profile)
 from ..launcher import export_job, launch_plan
 from ..zoo import build
-from . import charts
-from .compare import compare_table, readable, style_compare, unique_labels
-from .layout import shard_layout
+from .compare import compare_table, plan_label, readable, style_compare
+from .explorer_charts import ExplorerCharts
+from .progress import Progress
 from .modules import candidates_table, modules_table
-from .pipeline_view import pipeline_chart
 from .steps import example_batch, example_step
 from .ui import ExplorerUI
 
 FeaturesLike = Union[DistributedFeatureSet, Mapping[str, bool], None]
+#: Said while estimating on this machine's calibration (``hardware=None``): its first estimate
+#: calibrates the machine (timed collectives on 2 and 4 ranks) unless a calibration is cached.
+CALIBRATION_NOTE = "; the first estimate on a machine also calibrates it (about a minute, cached after)"
+#: The estimator's variable naming the profile ``hardware=None`` means (then nothing is calibrated).
+HARDWARE_ENV = "SNN_EXPLORER_HARDWARE"
 
 
 def hardware_key(hardware: Any):
@@ -46,7 +50,7 @@ def as_features(features: FeaturesLike) -> DistributedFeatureSet:
     raise TypeError(f"features must be a DistributedFeatureSet or a mapping gate -> bool, got {features!r}")
 
 
-class Explorer:
+class Explorer(ExplorerCharts):
     """Analyse ``model`` once, then plan, estimate, compare, chart and launch without re-analysing.
 
     ``example_input`` ``[T, N, ...]`` (the global batch of one step) is what the estimator
@@ -85,6 +89,9 @@ class Explorer:
         self._profile = None
         self._modules: Dict[tuple, Any] = {}
         self._ui = None
+        self._wait: Optional[Progress] = None
+        #: Where waits over two seconds show their progress (the UI sets its own box; None: the cell or terminal).
+        self.progress_box = None
 
     @classmethod
     def from_zoo(cls, zoo, **kwargs) -> "Explorer":
@@ -192,12 +199,6 @@ class Explorer:
             self._step_module = find_time_step_module(self.model, self.example_input)
         return self._step_module
 
-    def activation_chart(self, plan: SNNDistributedPlan, time_steps: Sequence[int] = (4, 8, 16, 32)):
-        """Activation memory of one rank of ``plan`` against ``time_steps``, with and without checkpointing."""
-        self.estimate(plan)  # the profile, measured once
-        step_module = self.time_step_module if self.example_input is not None else None
-        return charts.activation_curve_chart(activation_curve(self._profile, plan, time_steps, step_module))
-
     def add_plan(self, **choices) -> SNNDistributedPlan:
         """:meth:`make_plan` and add the plan to :attr:`plans`; returns it."""
         return self.add(self.make_plan(**choices))
@@ -217,10 +218,11 @@ class Explorer:
         plans = enumerate_plans(self.analysis, world_size=world_size,
                                 batch_size=batch_size if batch_size is not None else self.batch_size,
                                 neuron_backend=self.neuron_backend, features=as_features(features), objective=objective)
-        plans = PlanList([self._balanced(p) for p in plans], plans.infeasible)
-        if objective == "speed" and self.example_input is not None:
-            ranked = fastest_first([self.estimate(p) for p in plans], memory_budget)
-            plans = PlanList([e.plan for e in ranked], plans.infeasible)
+        with self.waiting(f"searching the plans for {world_size} ranks", len(plans)) as wait:
+            plans = PlanList([self._balanced(p) for p in plans], plans.infeasible)
+            if objective == "speed" and self.example_input is not None:
+                ranked = fastest_first([self.estimate(p) for p in wait.each(plans)], memory_budget)
+                plans = PlanList([e.plan for e in ranked], plans.infeasible)
         for p in plans:
             self.add(p)
         return plans
@@ -231,14 +233,33 @@ class Explorer:
         if self.example_input is None:
             raise ValueError("estimates need an example input: Explorer(model, example_input=[T, N, ...] tensor)")
         key = self._estimate_key(plan, time_steps)
-        if key not in self._estimates:
+        if key in self._estimates:
+            return self._estimates[key]
+        with self.waiting("estimating") as wait:
             if self._profile is None:  # looked up once: the cache key reads every parameter's shape
+                wait.say("profiling the model (forward and backward at four batch sizes)")
                 self._profile = model_profile(self.model, self.example_input, self.labels,
                                               layout=self.analysis.data_layout)
-            self._estimates[key] = estimate_plan(self.model, plan, example_input=self.example_input, labels=self.labels,
-                                            time_steps=key[1], optimizer=self.optimizer, profile=self._profile,
-                                            hardware=self.hardware, layout=self.analysis.data_layout)
+            calibrates = self.hardware is None and not os.environ.get(HARDWARE_ENV)
+            wait.say(f"estimating {plan_label(plan)}" + (CALIBRATION_NOTE if calibrates else ""))
+            self._estimates[key] = estimate_plan(self.model, plan, example_input=self.example_input,
+                                                 labels=self.labels, time_steps=key[1], optimizer=self.optimizer,
+                                                 profile=self._profile, hardware=self.hardware,
+                                                 layout=self.analysis.data_layout)
         return self._estimates[key]
+
+    @contextmanager
+    def waiting(self, text: str, total: Optional[int] = None) -> Iterator[Progress]:
+        """A :class:`~snn_explorer.explorer.progress.Progress` of a wait (shown in :attr:`progress_box`
+        when set, the UI's); a wait inside another updates the outer one's line instead."""
+        if self._wait is not None:
+            yield self._wait
+            return
+        with Progress(text, total, box=self.progress_box) as self._wait:
+            try:
+                yield self._wait
+            finally:
+                self._wait = None
 
     def is_estimated(self, plan: SNNDistributedPlan, time_steps: Optional[int] = None) -> bool:
         """Whether :meth:`estimate` of ``plan`` is cached (returns without running the model)."""
@@ -267,13 +288,16 @@ class Explorer:
                                              objective=objective):
                         p = self._balanced(p)
                         plans.setdefault((p.tp_size, p.per_rank_batch, tuple(sorted(p.tensor_parallel_plan.items()))), p)
-        for p in plans.values():
-            self.estimate(p, time_steps)
+        with self.waiting(f"measuring the plans of {world_size} ranks", len(plans)) as wait:
+            for p in wait.each(plans.values()):
+                self.estimate(p, time_steps)
         return len(plans)
 
     def estimates(self, plans: Optional[Sequence[SNNDistributedPlan]] = None,
                   time_steps: Optional[int] = None) -> list:
-        return [self.estimate(p, time_steps) for p in (self._plans if plans is None else plans)]
+        plans = list(self._plans if plans is None else plans)
+        with self.waiting(f"estimating {len(plans)} plans", len(plans)) as wait:
+            return [self.estimate(p, time_steps) for p in wait.each(plans)]
 
     def compare(self, plans: Optional[Sequence[SNNDistributedPlan]] = None, *, time_steps: Optional[int] = None,
                 memory_budget: Optional[int] = None, labels: Optional[Sequence[str]] = None,
@@ -294,54 +318,6 @@ class Explorer:
                      **kwargs) -> str:
         """The comparison as a terminal table (bytes in KiB / MiB, text cut to ``max_text`` characters)."""
         return readable(self.compare(plans, **kwargs), max_text).to_string()
-
-    # ---- charts
-    def _chart(self, name, plans, time_steps, **kwargs):
-        ests = self.estimates(plans, time_steps)
-        return getattr(charts, name)(ests, unique_labels([e.plan for e in ests]), **kwargs)
-
-    def memory_chart(self, plans=None, *, time_steps=None, memory_budget=None):
-        """Stacked per-rank memory of each plan (a Figure), ``memory_budget`` (bytes) as a line."""
-        return self._chart("memory_chart", plans, time_steps, memory_budget=memory_budget)
-
-    def comm_chart(self, plans=None, *, time_steps=None):
-        """Communication per step of each plan (a Figure)."""
-        return self._chart("comm_chart", plans, time_steps)
-
-    def step_time_chart(self, plans=None, *, time_steps=None, measured=None):
-        """Predicted step time per plan split into compute / exposed communication / bubble;
-        ``measured`` (seconds per plan, None where not measured) marks the measured time."""
-        return self._chart("step_time_chart", plans, time_steps, measured=measured)
-
-    def pareto_chart(self, plans=None, *, time_steps=None, memory_budget=None):
-        """Peak memory against predicted step time, a Pareto front per world size (a Figure)."""
-        return self._chart("pareto_chart", plans, time_steps, memory_budget=memory_budget)
-
-    def default_module(self, plan: SNNDistributedPlan) -> str:
-        """The first module ``plan`` shards with TP, else the first TP candidate, else the first module with parameters."""
-        sharded = [p for p, s in plan.tensor_parallel_plan.items() if STYLES[s].shards_parameters]
-        if sharded:
-            return sharded[0]
-        if self.analysis.tensor_parallel_candidate_names:
-            return self.analysis.tensor_parallel_candidate_names[0]
-        return next((n for n, m in self.model.named_modules() if n and any(m.parameters(recurse=False))), "")
-
-    def layout(self, plan: SNNDistributedPlan, module: Optional[str] = None):
-        """Which rank holds which slice of ``module``'s parameters under ``plan`` (a DataFrame)."""
-        return shard_layout(self.model, plan, module or self.default_module(plan))
-
-    def mesh_chart(self, plan: SNNDistributedPlan, module: Optional[str] = None):
-        """The dp x tp grid of ranks and the slice of ``module`` each holds (a Figure)."""
-        module = module or self.default_module(plan)
-        return charts.mesh_chart(self.layout(plan, module), plan, module)
-
-    def pipeline_chart(self, plan: SNNDistributedPlan):
-        """Each rank's forwards, backwards and bubbles under ``plan``'s schedule, above its stage layout
-        over the model's pipeline units (a Figure); ValueError for a plan without a pipeline."""
-        if not plan.uses_pp:
-            raise ValueError(f"the plan has no pipeline: pp={plan.pp_size} (mode {plan.mode!r}); a pipeline chart "
-                             f"needs {names_text(lambda m: m.pp)} on a topology with pp > 1")
-        return pipeline_chart(plan, self.analysis.pipeline_units)
 
     # ---- running
     def apply(self, plan: SNNDistributedPlan, *, device_type: Optional[str] = None, device_mesh=None):
@@ -389,6 +365,9 @@ class Explorer:
         count = sum(1 for n, _ in self.model.named_modules() if n)
         other = len(a.memory_module_names) - len(a.neuron_names)  # dropout masks: stateful, but no neurons
         kinds = f" ({len(a.neuron_names)} neurons, {other} other)" if other else ""
+        if a.explicit_state_names:  # "0 stateful" alone reads as "no neurons found"
+            kinds += (f" + {len(a.explicit_state_names)} snntorch neurons whose membrane forward passes "
+                      "(init_hidden=False: no state in the module)")
         return (f"Explorer({type(self.model).__name__}: {count} modules, {len(a.memory_module_names)} stateful{kinds}, "
                 f"{len(a.tensor_parallel_candidate_names)} TP candidates, family={a.model_family}, "
                 f"{len(self._plans)} plans)")

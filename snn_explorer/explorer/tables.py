@@ -9,23 +9,31 @@ from ..core import SNNDistributedAnalysis, SNNDistributedPlan
 from ..core.styles import STYLES
 
 
+#: Why an snntorch neuron created with ``init_hidden=False`` is a neuron but not stateful.
+EXPLICIT_NOTE = ("neuron without module state: snntorch init_hidden=False, forward passes the membrane "
+                 "(spk, mem = lif(x, mem)); nothing to reset between batches")
+
+
 def analysis_table(analysis: SNNDistributedAnalysis) -> pd.DataFrame:
-    """One row per stateful module (neurons, dropout masks), TP candidate or unsupported conv, in model order."""
+    """One row per stateful module (neurons, dropout masks), snntorch neuron whose membrane forward
+    passes (not stateful, said in its note), TP candidate or unsupported conv, in model order."""
     library = dict(analysis.snn_libraries)
     shapes = {s.name: s for s in analysis.linear_shapes}
     rows = []
+    explicit = set(analysis.explicit_state_names)
     names = list(dict.fromkeys(analysis.memory_module_names + analysis.tensor_parallel_candidate_names
-                               + analysis.unsupported_tensor_parallel_names))
+                               + analysis.unsupported_tensor_parallel_names + analysis.explicit_state_names))
     for name in names:
         shape = shapes.get(name)
+        note = "conv: experimental TP only" if name in analysis.unsupported_tensor_parallel_names else ""
         rows.append({
             "path": name,
             "stateful": name in library,
-            "snn_library": library.get(name, ""),
+            "snn_library": library.get(name, "snntorch" if name in explicit else ""),
             "tp_candidate": shape is not None,
             "in_features": shape.in_features if shape else None,
             "out_features": shape.out_features if shape else None,
-            "note": "conv: experimental TP only" if name in analysis.unsupported_tensor_parallel_names else "",
+            "note": EXPLICIT_NOTE if name in explicit else note,
         })
     table = pd.DataFrame(rows, columns=["path", "stateful", "snn_library", "tp_candidate", "in_features",
                                         "out_features", "note"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import json
+from contextlib import contextmanager
 from math import gcd
 from typing import Dict, List, Optional
 
@@ -121,6 +122,7 @@ class ExplorerUI:
         self.estimate_button = w.Button(description="estimate", icon="calculator",
                                         tooltip="estimate the plans the comparison shows")
         self.message = w.HTML()
+        self.progress = w.VBox()  # a wait's bar while the controls wait over two seconds
         self.plan_list = w.HTML()
         self.outputs = {name: w.Output() for name in TABS}
         self.chart = w.Dropdown(options=CHARTS, value="memory", description="chart")
@@ -138,7 +140,11 @@ class ExplorerUI:
         gates = w.VBox([w.HTML("<b>feature gates</b>"), *self.gates.values(),
                         w.HBox([self.pin_button, self.clear_button]),
                         w.HBox([self.estimate_button, self.auto_estimate])])
-        self.widget = w.VBox([w.HBox([controls, gates]), self.message, self.plan_list, self.tabs])
+        self.widget = w.VBox([w.HBox([controls, gates]), self.progress, self.message, self.plan_list, self.tabs])
+        self._wire()
+
+    def _wire(self) -> None:
+        """Every control's effect: a mesh slider keeps the world size, the rest re-plan or re-render."""
         self.world_size.observe(self._on_world, "value")
         for name, slider in self.mesh.items():
             slider.observe(lambda _, moved=name: self._link(moved), "value")
@@ -252,10 +258,23 @@ class ExplorerUI:
         finally:
             self._estimating = False
 
+    @contextmanager
+    def _waits_here(self):
+        """While the UI acts, the Explorer's waits over two seconds show their progress in the UI."""
+        outer, self.ex.progress_box = self.ex.progress_box, self.progress
+        try:
+            yield
+        finally:
+            self.ex.progress_box = outer
+
     def refresh(self, *_) -> None:
         """Re-plan from the controls, re-estimate (cached), re-render the comparison and the visible tab."""
         if self._syncing:
             return
+        with self._waits_here():
+            self._refresh()
+
+    def _refresh(self) -> None:
         for control in (self.pp_schedule, self.pp_microbatches, self.pp_virtual_stages):
             control.disabled = self.pp.value == 1  # used by pipelines only
         try:
@@ -311,6 +330,10 @@ class ExplorerUI:
         self.plan_list.value = f"<b>plans</b><ul>{''.join(items)}</ul>" if items else "<b>plans</b>: none"
 
     def _render_tab(self, name: str) -> None:
+        with self._waits_here():
+            self._render(name)
+
+    def _render(self, name: str) -> None:
         if name == "Compare":
             return self._render_compare()
         out = self.outputs[name]

@@ -121,11 +121,8 @@ def export_job(plan, train_script_or_fn: Union[str, os.PathLike, Callable], path
     ``checkpoint_every`` a step function's job saves a checkpoint every that many steps and every
     (re)start resumes after the latest complete one, as :func:`launch_plan` does.
 
-    The job imports what the payload names (the model's classes, the step function's modules)
-    as the exporting process did: the directories of those not in the standard library or
-    site-packages (a notebook's folder, say) go first on ``PYTHONPATH`` in ``command.sh`` and
-    ``job.sbatch`` and on ``sys.path`` in ``run.py`` (``ExportedJob.python_path``); a training
-    script's own folder likewise. The nodes must see those directories.
+    Folders the job must import from (:func:`import_roots`: a notebook's ``mymodels.py``, a script's
+    folder) go first on its ``PYTHONPATH`` (``ExportedJob.python_path``); the nodes must see them.
     """
     if not isinstance(plan, SNNDistributedPlan):
         raise TypeError(f"plan must be an SNNDistributedPlan, got {type(plan).__name__}")
