@@ -114,13 +114,9 @@ class DataLayout:
 
     # ---- running the model
     def run(self, model: nn.Module, x: torch.Tensor):
-        """The model's output on batch ``x``: one call, or (``per_step``) one call per step, stacked."""
-        if not self.per_step:
-            return model(x)
-        outputs = [model(x[t]) for t in range(x.shape[0])]
-        if not all(isinstance(o, torch.Tensor) for o in outputs):
-            raise TypeError(f"a per_step model must return one tensor per step, got {type(outputs[0]).__name__}")
-        return torch.stack(outputs)
+        """The model's output on batch ``x``: one call, or (``per_step``) one call of a :class:`StepLoop`
+        calling it once per step, stacked."""
+        return StepLoop(model)(x) if self.per_step else model(x)
 
     def outputs_by_sample(self, outputs: torch.Tensor, n: int, t: Optional[int] = None,
                           reduce_time: Optional[str] = "mean") -> torch.Tensor:
@@ -153,6 +149,22 @@ class DataLayout:
         data = check_kind(data, "data_layout")
         check_keys(data, "data_layout", ("input", "output"), ("input", "output"))
         return cls(**data)
+
+
+class StepLoop(nn.Module):
+    """A per-step model run over ``[T, N, ...]`` as one module call: ``model`` called once per step
+    ``x[t]`` (its neuron state carrying over), the outputs stacked ``[T, N, ...]``. Tools that watch
+    top-level module calls (torch's ``MemTracker``) see one call per batch, the model's inside it."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outputs = [self.model(step) for step in x.unbind(0)]
+        if not all(isinstance(o, torch.Tensor) for o in outputs):
+            raise TypeError(f"a per_step model must return one tensor per step, got {type(outputs[0]).__name__}")
+        return torch.stack(outputs)
 
 
 def _hint(shape, n: int, t: Optional[int]) -> str:
