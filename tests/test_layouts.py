@@ -114,6 +114,19 @@ def test_layouts_are_detected_and_say_how():
     assert found == {"time_major": TIME_MAJOR, "batch_major": BATCH_MAJOR, "per_step": PER_STEP}
 
 
+def test_an_snntorch_single_step_model_is_detected_per_step():
+    """snntorch's tutorial form, ``net(x[step])`` with ``init_hidden=True``: one call took all T steps
+    as one (its membrane holds ``[T, 1, ...]``), so it is run per step."""
+    import snntorch as snn
+
+    x, y = data()
+    model = nn.Sequential(nn.Linear(F_IN, HIDDEN), snn.Leaky(beta=0.9, init_hidden=True), nn.Linear(HIDDEN, CLASSES))
+    analysis = se.analyze(model, example_input=x, labels=y)
+    assert analysis.data_layout == PER_STEP and "called per step" in analysis.data_layout_how
+    looping = nets()["time_major"][0]  # multi-step neurons: time-major, not per step
+    assert se.analyze(looping, example_input=x, labels=y).data_layout == TIME_MAJOR
+
+
 def _plan(model, layout, x, y, **kw):
     analysis = se.analyze(model, example_input=as_layout(x, layout), labels=y, data_layout=layout)
     return se.plan(analysis=analysis, objective="speed", batch_size=N, **kw)

@@ -291,18 +291,15 @@ def _input_by_state(model: nn.Module, x: torch.Tensor, reset, why: str) -> Tuple
 
 
 def _steps_taken_as_one(model: nn.Module, x: torch.Tensor, reset) -> bool:
-    """Whether a model of single-step spikingjelly neurons (``step_mode='s'``, none ``'m'``) takes a
-    whole time-major batch as one step: run on one sample of ``x`` (T >= 2), a neuron's membrane
-    ``v`` holds all ``[T, 1, ...]`` of it (a model that loops over T itself leaves ``[1, ...]``)."""
-    modes = {getattr(m, "step_mode", None) for m in model.modules()} - {None}
+    """Whether the model takes a whole time-major batch as one step (a single-step model, called per
+    step): run on one sample of ``x`` (T >= 2), a neuron's state holds all ``[T, 1, ...]`` of it (a
+    model that loops over T itself, or spikingjelly multi-step neurons, leave ``[1, ...]``)."""
     t = x.shape[0]
-    if modes != {"s"} or t < 2:
+    if t < 2 or any(getattr(m, "step_mode", None) == "m" for m in model.modules()):
         return False
-    singles = [m for m in model.modules() if getattr(m, "step_mode", None) == "s" and hasattr(m, "v")]
 
     def whole(_output) -> bool:
-        return any(isinstance(m.v, torch.Tensor) and m.v.dim() >= 2 and tuple(m.v.shape[:2]) == (t, 1)
-                   for m in singles)
+        return any(s.dim() >= 3 and tuple(s.shape[:2]) == (t, 1) for s in _state_tensors(model))
     return _dry_run(model, x, x[:, :1], TIME_MAJOR, reset, whole)
 
 
@@ -342,8 +339,8 @@ def detect_layout(model: nn.Module, x: torch.Tensor, reset, labels=None, time_st
     if found is None:
         found, how = assume, f"{how}; state data_layout to be sure"
     if found == "time_major" and _steps_taken_as_one(model, x, reset):
-        found, how = "per_step", how + ("; its neurons (spikingjelly step_mode 's') took all T steps of one sample "
-                                        "as one step, so it is called per step")
+        found, how = "per_step", how + ("; its neurons' state held all T steps of one sample after one call, so "
+                                        "it is a single-step model, called per step")
     output, out_how = output_layout_of(model, x, found, reset)
     layout = DataLayout(found, output)
     return layout, f"{layout.name}: {verb} ({how}; {out_how})"
