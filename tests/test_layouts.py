@@ -77,8 +77,9 @@ def as_layout(x: torch.Tensor, layout: DataLayout) -> torch.Tensor:
 def firing_and_outputs(model, layout, x):
     """Spike rate of every LIF neuron and the time-major outputs of one run of ``model``."""
     rates = {}
-    hooks = [m.register_forward_hook(lambda _m, _i, o, name=name: rates.setdefault(name, []).append(float(o.detach().mean())))
-             for name, m in model.named_modules() if hasattr(m, "v_threshold")]
+    def record(name):
+        return lambda _m, _i, out: rates.setdefault(name, []).append(float(out.detach().mean()))
+    hooks = [m.register_forward_hook(record(name)) for name, m in model.named_modules() if hasattr(m, "v_threshold")]
     reset_all(model)
     xs = as_layout(x, layout)
     out = torch.stack([model(step) for step in xs]) if layout.per_step else model(xs)

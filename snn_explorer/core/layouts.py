@@ -2,7 +2,8 @@
 
 One object every layer asks (:class:`DataLayout`): how to count a batch's samples and steps, cut a
 share of samples or steps, run the model on it (whole sequences, or one step at a time for a model
-that takes ``[N, ...]`` per call) and average its outputs over time. Analyses and plans carry it (``data_layout``), JSON as its ``to_dict``.
+that takes ``[N, ...]`` per call) and average its outputs over time. Analyses and plans carry it
+(``data_layout``), JSON as its ``to_dict``.
 
 - ``time_major``: input ``[T, N, ...]`` (spikingjelly multi-step models, most of this package's zoo);
 - ``batch_major``: input ``[N, T, ...]`` (as a DataLoader stacks samples ``[T, ...]``; e.g.
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from ..compat import non_persistent_buffer_names
-from .neurons import stateful_modules
+from .neurons import detached_copy, stateful_modules
 from .serialize import check_keys, check_kind
 
 INPUTS = ("time_major", "batch_major", "per_step")
@@ -54,7 +55,8 @@ class DataLayout:
         return self.input if same else f"{self.input}/{self.output}"
 
     def __str__(self) -> str:
-        return f"{self.name} (input {_TEXT[self.input]}, output {'[T, N, C]' if self.output == 'time_major' else '[N, T, C]'})"
+        output = "[T, N, C]" if self.output == "time_major" else "[N, T, C]"
+        return f"{self.name} (input {_TEXT[self.input]}, output {output})"
 
     # ---- dims of the data
     @property
@@ -322,14 +324,15 @@ def check_samples(layout: DataLayout, x: torch.Tensor, labels=None, what: str = 
 def detect_layout(model: nn.Module, x: torch.Tensor, reset, labels=None, time_steps: Optional[int] = None,
                   data_layout=None, assume: Optional[str] = None) -> Tuple[DataLayout, str]:
     """``(layout, how it was found)`` for batch ``x``: a given ``data_layout`` checked against the
-    labels; else the input's dims told apart by the labels' N or ``time_steps`` and the output's by
-    one run of the model. When the input's cannot be told: ``assume`` (an input layout, said so in
-    ``how``), or ValueError (name a data_layout)."""
+    labels; else the input's dims told apart by the labels' N or ``time_steps`` (else the neurons'
+    state), the output's by one run of a copy of the model. When the input's cannot be told:
+    ``assume`` (an input layout, said so in ``how``), or ValueError (name a data_layout)."""
     if data_layout is not None:
         layout = layout_of(data_layout)
         check_samples(layout, x, labels, "example_input")
         return layout, f"{layout.name}: given"
     found, how = input_layout_of(x, labels, time_steps)
+    model = detached_copy(model)  # the dry runs below leave the user's model, its neuron state included, untouched
     if found is None:
         found, how = _input_by_state(model, x, reset, how)
     if found is None and assume is None:
