@@ -77,8 +77,9 @@ def as_layout(x: torch.Tensor, layout: DataLayout) -> torch.Tensor:
 def firing_and_outputs(model, layout, x):
     """Spike rate of every LIF neuron and the time-major outputs of one run of ``model``."""
     rates = {}
-    hooks = [m.register_forward_hook(lambda _m, _i, o, name=name: rates.setdefault(name, []).append(float(o.detach().mean())))
-             for name, m in model.named_modules() if hasattr(m, "v_threshold")]
+    def record(name):
+        return lambda _m, _i, out: rates.setdefault(name, []).append(float(out.detach().mean()))
+    hooks = [m.register_forward_hook(record(name)) for name, m in model.named_modules() if hasattr(m, "v_threshold")]
     reset_all(model)
     xs = as_layout(x, layout)
     out = torch.stack([model(step) for step in xs]) if layout.per_step else model(xs)
@@ -112,6 +113,19 @@ def test_layouts_are_detected_and_say_how():
         found[name] = analysis.data_layout
         assert "detected" in analysis.data_layout_how and any("data layout" in n for n in analysis.notes)
     assert found == {"time_major": TIME_MAJOR, "batch_major": BATCH_MAJOR, "per_step": PER_STEP}
+
+
+def test_an_snntorch_single_step_model_is_detected_per_step():
+    """snntorch's tutorial form, ``net(x[step])`` with ``init_hidden=True``: one call took all T steps
+    as one (its membrane holds ``[T, 1, ...]``), so it is run per step."""
+    import snntorch as snn
+
+    x, y = data()
+    model = nn.Sequential(nn.Linear(F_IN, HIDDEN), snn.Leaky(beta=0.9, init_hidden=True), nn.Linear(HIDDEN, CLASSES))
+    analysis = se.analyze(model, example_input=x, labels=y)
+    assert analysis.data_layout == PER_STEP and "called per step" in analysis.data_layout_how
+    looping = nets()["time_major"][0]  # multi-step neurons: time-major, not per step
+    assert se.analyze(looping, example_input=x, labels=y).data_layout == TIME_MAJOR
 
 
 def _plan(model, layout, x, y, **kw):

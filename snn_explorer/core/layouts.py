@@ -2,7 +2,8 @@
 
 One object every layer asks (:class:`DataLayout`): how to count a batch's samples and steps, cut a
 share of samples or steps, run the model on it (whole sequences, or one step at a time for a model
-that takes ``[N, ...]`` per call) and average its outputs over time. Analyses and plans carry it (``data_layout``), JSON as its ``to_dict``.
+that takes ``[N, ...]`` per call) and average its outputs over time. Analyses and plans carry it
+(``data_layout``), JSON as its ``to_dict``.
 
 - ``time_major``: input ``[T, N, ...]`` (spikingjelly multi-step models, most of this package's zoo);
 - ``batch_major``: input ``[N, T, ...]`` (as a DataLoader stacks samples ``[T, ...]``; e.g.
@@ -24,7 +25,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from .neurons import state_tensors, stateful_modules
+from .neurons import detached_copy, state_tensors, stateful_modules
 from .serialize import check_keys, check_kind
 
 INPUTS = ("time_major", "batch_major", "per_step")
@@ -53,7 +54,8 @@ class DataLayout:
         return self.input if same else f"{self.input}/{self.output}"
 
     def __str__(self) -> str:
-        return f"{self.name} (input {_TEXT[self.input]}, output {'[T, N, C]' if self.output == 'time_major' else '[N, T, C]'})"
+        output = "[T, N, C]" if self.output == "time_major" else "[N, T, C]"
+        return f"{self.name} (input {_TEXT[self.input]}, output {output})"
 
     # ---- dims of the data
     @property
@@ -113,13 +115,9 @@ class DataLayout:
 
     # ---- running the model
     def run(self, model: nn.Module, x: torch.Tensor):
-        """The model's output on batch ``x``: one call, or (``per_step``) one call per step, stacked."""
-        if not self.per_step:
-            return model(x)
-        outputs = [model(x[t]) for t in range(x.shape[0])]
-        if not all(isinstance(o, torch.Tensor) for o in outputs):
-            raise TypeError(f"a per_step model must return one tensor per step, got {type(outputs[0]).__name__}")
-        return torch.stack(outputs)
+        """The model's output on batch ``x``: one call, or (``per_step``) one call of a :class:`StepLoop`
+        calling it once per step, stacked."""
+        return StepLoop(model)(x) if self.per_step else model(x)
 
     def outputs_by_sample(self, outputs: torch.Tensor, n: int, t: Optional[int] = None,
                           reduce_time: Optional[str] = "mean") -> torch.Tensor:
@@ -152,6 +150,22 @@ class DataLayout:
         data = check_kind(data, "data_layout")
         check_keys(data, "data_layout", ("input", "output"), ("input", "output"))
         return cls(**data)
+
+
+class StepLoop(nn.Module):
+    """A per-step model run over ``[T, N, ...]`` as one module call: ``model`` called once per step
+    ``x[t]`` (its neuron state carrying over), the outputs stacked ``[T, N, ...]``. Tools that watch
+    top-level module calls (torch's ``MemTracker``) see one call per batch, the model's inside it."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outputs = [self.model(step) for step in x.unbind(0)]
+        if not all(isinstance(o, torch.Tensor) for o in outputs):
+            raise TypeError(f"a per_step model must return one tensor per step, got {type(outputs[0]).__name__}")
+        return torch.stack(outputs)
 
 
 def _hint(shape, n: int, t: Optional[int]) -> str:
@@ -273,18 +287,15 @@ def _input_by_state(model: nn.Module, x: torch.Tensor, reset, why: str) -> Tuple
 
 
 def _steps_taken_as_one(model: nn.Module, x: torch.Tensor, reset) -> bool:
-    """Whether a model of single-step spikingjelly neurons (``step_mode='s'``, none ``'m'``) takes a
-    whole time-major batch as one step: run on one sample of ``x`` (T >= 2), a neuron's membrane
-    ``v`` holds all ``[T, 1, ...]`` of it (a model that loops over T itself leaves ``[1, ...]``)."""
-    modes = {getattr(m, "step_mode", None) for m in model.modules()} - {None}
+    """Whether the model takes a whole time-major batch as one step (a single-step model, called per
+    step): run on one sample of ``x`` (T >= 2), a neuron's state holds all ``[T, 1, ...]`` of it (a
+    model that loops over T itself, or spikingjelly multi-step neurons, leave ``[1, ...]``)."""
     t = x.shape[0]
-    if modes != {"s"} or t < 2:
+    if t < 2 or any(getattr(m, "step_mode", None) == "m" for m in model.modules()):
         return False
-    singles = [m for m in model.modules() if getattr(m, "step_mode", None) == "s" and hasattr(m, "v")]
 
     def whole(_output) -> bool:
-        return any(isinstance(m.v, torch.Tensor) and m.v.dim() >= 2 and tuple(m.v.shape[:2]) == (t, 1)
-                   for m in singles)
+        return any(s.dim() >= 3 and tuple(s.shape[:2]) == (t, 1) for s in _state_tensors(model))
     return _dry_run(model, x, x[:, :1], TIME_MAJOR, reset, whole)
 
 
@@ -307,14 +318,15 @@ def check_samples(layout: DataLayout, x: torch.Tensor, labels=None, what: str = 
 def detect_layout(model: nn.Module, x: torch.Tensor, reset, labels=None, time_steps: Optional[int] = None,
                   data_layout=None, assume: Optional[str] = None) -> Tuple[DataLayout, str]:
     """``(layout, how it was found)`` for batch ``x``: a given ``data_layout`` checked against the
-    labels; else the input's dims told apart by the labels' N or ``time_steps`` and the output's by
-    one run of the model. When the input's cannot be told: ``assume`` (an input layout, said so in
-    ``how``), or ValueError (name a data_layout)."""
+    labels; else the input's dims told apart by the labels' N or ``time_steps`` (else the neurons'
+    state), the output's by one run of a copy of the model. When the input's cannot be told:
+    ``assume`` (an input layout, said so in ``how``), or ValueError (name a data_layout)."""
     if data_layout is not None:
         layout = layout_of(data_layout)
         check_samples(layout, x, labels, "example_input")
         return layout, f"{layout.name}: given"
     found, how = input_layout_of(x, labels, time_steps)
+    model = detached_copy(model)  # the dry runs below leave the user's model, its neuron state included, untouched
     if found is None:
         found, how = _input_by_state(model, x, reset, how)
     if found is None and assume is None:
@@ -324,8 +336,8 @@ def detect_layout(model: nn.Module, x: torch.Tensor, reset, labels=None, time_st
     if found is None:
         found, how = assume, f"{how}; state data_layout to be sure"
     if found == "time_major" and _steps_taken_as_one(model, x, reset):
-        found, how = "per_step", how + ("; its neurons (spikingjelly step_mode 's') took all T steps of one sample "
-                                        "as one step, so it is called per step")
+        found, how = "per_step", how + ("; its neurons' state held all T steps of one sample after one call, so "
+                                        "it is a single-step model, called per step")
     output, out_how = output_layout_of(model, x, found, reset)
     layout = DataLayout(found, output)
     return layout, f"{layout.name}: {verb} ({how}; {out_how})"
