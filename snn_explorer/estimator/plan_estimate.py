@@ -31,7 +31,7 @@ from .instruments.isolation import as_found, one_thread
 from .instruments.tables import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
 from .memory.fsdp_timeline import FsdpTimeline
 from .memory.pipeline_memory import pipeline_rows
-from .memory.sharding import buffer_bytes, dp_roles, local_params, optimizer_temporaries, rank_bytes
+from .memory.sharding import as_gathered, buffer_bytes, dp_roles, local_params, optimizer_temporaries, rank_bytes
 from .memory.step_peak import dynamic_peak
 from .profile.checkpointed import levered_profile, recompute_fraction
 from .profile.profiling import ModelProfile, check_run_size, model_profile
@@ -151,7 +151,7 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
     profile = levered_profile(profile or model_profile(model, example_input, labels, dtype), plan)
     n = plan.per_rank_batch
     check_run_size(profile, n, t)
-    itemsize = torch.empty((), dtype=profile.dtype).element_size()
+    itemsize = profile.compute_itemsize  # activations sent between ranks: the precision's compute dtype
     params = local_params(profile.params, plan, profile.param_itemsizes or itemsize)
     if plan.uses_pp:  # the rank's stages, micro-batches in flight, sends between stages
         rows, collectives, pipeline = pipeline_rows(plan, profile, pipeline_units(model)[0], params, t, itemsize,
@@ -162,7 +162,8 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
     activations = saved_local + profile.input_bytes(n, t)
     # Activations and temporaries of the forward (the gradients were set to None), of the backward
     # and after it (both beside the gradients): measured on the model as one rank runs it.
-    timeline = FsdpTimeline.of(params, plan.dp_size, plan.reshard_after_forward) if plan.uses_fsdp else None
+    timeline = FsdpTimeline.of(as_gathered(params, plan), plan.dp_size, plan.reshard_after_forward) \
+        if plan.uses_fsdp else None
     fwd, bwd, after_bwd, fsdp_held = dynamic_peak(profile, n, t, plan.tensor_parallel_plan, plan.tp_size, timeline)
     buffers = buffer_bytes(profile.buffers, profile.dtype, plan)
     # DDP's flat gradient buckets are allocated once, every gradient's size, and live through the

@@ -32,6 +32,8 @@ from torch import nn
 
 from ...compat import tree_leaves
 from ...core.neurons import detached_copy, stateful_modules
+from ...core.parallelize.mixed_precision import autocast_forward, hold_neuron_state
+from ...core.precision import FP32, Precision
 from ...core.plans.families import fsdp_units
 from ..instruments.fsdp_events import record
 from ..instruments.isolation import as_found, one_thread
@@ -77,6 +79,7 @@ class ModuleProfile:
     in_elems: Fit
     out_elems: Fit
     input_requires_grad: bool
+    in_itemsize: int = 0  # bytes per element of its first input (a TP input gradient is reduced in its dtype)
 
 
 @dataclass
@@ -108,6 +111,13 @@ class ModelProfile:
     #: (by :class:`~.op_counter.OpCounter`s around the profile runs themselves); () where not counted
     step_counts: tuple = field(default=(), repr=False)
     grad_params: Tuple[str, ...] = ()  # the parameters a backward gives a gradient
+    #: the precision the model ran in (autocast, neuron state), as ``apply`` runs a plan of it
+    precision: Precision = FP32
+
+    @property
+    def compute_itemsize(self) -> int:
+        """Bytes per element the layers compute and communicate activations in (2 under bf16 / fp16)."""
+        return self.precision.itemsize("compute", self.dtype)
 
     def rank_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Tuple[tuple, nn.Module]:
         """The model one rank runs: the private copy, or its TP replica for ``tp_plan``."""
@@ -199,7 +209,7 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
     ``counts``, and ``with_grad`` the parameters it gave a gradient. ``warm_up=False`` skips the
     forward that first gives the neuron state this batch size (the last run had it already)."""
     names = {m: n for n, m in model.named_modules()}
-    stack, calls, ins, outs, rg = [], {}, {}, {}, {}
+    stack, calls, ins, outs, rg, isz = [], {}, {}, {}, {}, {}
     saved: Dict[int, tuple] = {}  # data_ptr -> (module, nbytes, the saved tensors)
 
     def pre(module, args):
@@ -208,6 +218,8 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
         calls[name] = calls.get(name, 0) + 1
         ins[name] = ins.get(name, 0) + _numel(args)
         rg[name] = rg.get(name, False) or _requires_grad(args)
+        if name not in isz and args and isinstance(args[0], torch.Tensor):
+            isz[name] = args[0].element_size()
 
     def post(module, args, out):
         name = stack.pop()
@@ -287,7 +299,7 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
     counts = [c.counts for c in counters] if count else None
     with_grad = grad_names(model) if count else ()
     return dict(saved=per_saved, state={n: sum(s.values()) for n, s in state.items()}, calls=calls, ins=ins,
-                outs=outs, rg=rg, log=log, entry=entry, grads=grads, order=tuple(order),
+                outs=outs, rg=rg, isz=isz, log=log, entry=entry, grads=grads, order=tuple(order),
                 input=x.numel() * x.element_size(), counts=counts, with_grad=with_grad)
 
 
@@ -296,13 +308,22 @@ def _fit(points, get) -> Fit:
 
 
 def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                    dtype: Optional[torch.dtype] = None) -> ModelProfile:
-    """Run a copy of ``model`` unsharded at :data:`SIZES` and fit the profile (see the module doc)."""
+                    dtype: Optional[torch.dtype] = None, precision: Precision = FP32,
+                    gathered: bool = False) -> ModelProfile:
+    """Run a copy of ``model`` unsharded at :data:`SIZES` and fit the profile (see the module doc); the copy
+    runs in ``precision`` as ``apply`` runs it (autocast around the forward, neurons in the state dtype),
+    with ``gathered`` its parameters in the compute dtype (see :func:`precision_profile`)."""
     check_inputs(model, example_input, labels, dtype)
     cast, dtype = run_dtypes(model, dtype, example_input)
     model = detached_copy(model).train()
     if cast is not None:
         model.to(cast)
+    if gathered and precision.mixed:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.data = param.data.to(precision.param_dtype)
+    hold_neuron_state(model, precision, "cpu")
+    autocast_forward(model, precision, "cpu")
     by_size, last_n = {}, None
     for n, t in sorted(SIZES):  # by batch size: a run leaves the neuron state the next one at that size starts from
         x, y = batch_slice(example_input, labels, n, t)
@@ -326,13 +347,15 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
             in_elems=_fit(points, lambda p: p["ins"].get(name, 0)),
             out_elems=_fit(points, lambda p: p["outs"].get(name, 0)),
             input_requires_grad=any(p["rg"].get(name, False) for p in points),
+            in_itemsize=points[-1]["isz"].get(name, 0),
         )
     return ModelProfile(modules=modules, input_bytes=_fit(points, lambda p: p["input"]),
                         grad_ready_order=points[-1]["order"], dtype=dtype,
                         params=trainable_shapes(model), buffers=plain_buffers(model), fsdp_units=fsdp_units(model),
                         param_itemsizes={n: p.element_size() for n, p in model.named_parameters()},
                         model=model, example_input=example_input, labels=labels,
-                        step_counts=tuple(p["counts"] for p in points), grad_params=points[-1]["with_grad"])
+                        step_counts=tuple(p["counts"] for p in points), grad_params=points[-1]["with_grad"],
+                        precision=precision)
 
 
 #: Profiles per live model object (a weak key: a freed model's id can be reused by a new one).
@@ -354,3 +377,21 @@ def model_profile(model: nn.Module, example_input: torch.Tensor, labels: Optiona
         with as_found(), one_thread():  # the runs draw random numbers (dropout) and may import torch's compiler
             per_model[key] = measure_profile(model, example_input, labels, dtype)
     return per_model[key]
+
+
+def precision_profile(profile: ModelProfile, precision: Precision, gathered: bool = False) -> ModelProfile:
+    """``profile``'s model measured again in ``precision`` (``profile`` itself when it ran in it), cached
+    on ``profile``: activations, neuron state, peaks and operator counts at the dtypes a rank of such a
+    plan runs them in. ``gathered``: as FSDP2's ``MixedPrecisionPolicy`` runs it, the parameters the
+    forward uses (and their unsharded gradients) in the compute dtype, so autocast copies none of them;
+    ``param_itemsizes`` stay the fp32 master copies'."""
+    gathered = gathered and precision.mixed
+    if profile.precision == precision and not gathered:
+        return profile
+    cache = profile.__dict__.setdefault("_precision_profiles", {})
+    if (precision, gathered) not in cache:
+        measured = measure_profile(profile.model, profile.example_input, profile.labels, profile.dtype, precision,
+                                   gathered)
+        measured.param_itemsizes = dict(profile.param_itemsizes)
+        cache[precision, gathered] = measured
+    return cache[precision, gathered]

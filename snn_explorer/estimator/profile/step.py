@@ -69,6 +69,8 @@ def _check_output(outputs) -> torch.Tensor:
 def loss_of(outputs: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
     """Cross-entropy of the time-mean output when ``labels`` are given, else the mean square output."""
     outputs = _check_output(outputs)
+    if outputs.dtype in (torch.bfloat16, torch.float16):  # mixed precision: the loss in fp32, as the runtime's
+        outputs = outputs.float()
     if labels is None:
         return outputs.square().mean()
     outputs, labels = SNNDistributedRuntime.prepare_classification_output(outputs, labels)
