@@ -34,7 +34,7 @@ from .instruments.tables import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
 from .memory.fsdp_timeline import FsdpTimeline
 from .memory.gpu_trace import gpu_peaks, gpu_step
 from .memory.pipeline_memory import pipeline_rows
-from .memory.sharding import buffer_bytes, dp_roles, local_params, optimizer_temporaries, rank_bytes
+from .memory.sharding import as_gathered, buffer_bytes, dp_roles, local_params, optimizer_temporaries, rank_bytes
 from .memory.step_peak import dynamic_peak
 from .profile.checkpointed import levered_profile, recompute_fraction
 from .profile.profiling import ModelProfile, check_run_size, model_profile
@@ -174,7 +174,7 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
     gpu = hardware.kernel_model and not plan.uses_pp  # the step as the GPU runs it (:mod:`.memory.gpu_trace`)
     if not gpu:
         check_run_size(profile, n, t)
-    itemsize = torch.empty((), dtype=profile.dtype).element_size()
+    itemsize = profile.compute_itemsize  # activations sent between ranks: the precision's compute dtype
     params = local_params(profile.params, plan, profile.param_itemsizes or itemsize)
     if plan.uses_pp:  # the rank's stages, micro-batches in flight, sends between stages
         rows, collectives, pipeline = pipeline_rows(plan, profile, pipeline_units(model)[0], params, t, itemsize,
@@ -183,7 +183,8 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
                        profile, hardware, pipeline)
     # Activations and temporaries of the forward (the gradients were set to None), of the backward
     # and after it (both beside the gradients): measured on the model as one rank runs it.
-    timeline = FsdpTimeline.of(params, plan.dp_size, plan.reshard_after_forward) if plan.uses_fsdp else None
+    timeline = FsdpTimeline.of(as_gathered(params, plan), plan.dp_size, plan.reshard_after_forward) \
+        if plan.uses_fsdp else None
     step = None
     if gpu:
         units = {u.path for u in timeline.units if u.path} if timeline else ()

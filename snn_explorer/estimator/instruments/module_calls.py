@@ -27,7 +27,7 @@ def _requires_grad(args) -> bool:
 
 class ModuleCalls:
     """Pre- and post-forward hooks on every module of ``model`` (removed by :meth:`remove`): ``calls``,
-    ``ins`` and ``outs`` (elements) and ``needs_grad`` per module name; :attr:`current` the innermost
+    ``ins`` and ``outs`` (elements), ``needs_grad`` and ``in_itemsize`` per module name; :attr:`current` the innermost
     module running now ('' outside any)."""
 
     def __init__(self, model: nn.Module):
@@ -37,6 +37,7 @@ class ModuleCalls:
         self.ins: Dict[str, int] = {}
         self.outs: Dict[str, int] = {}
         self.needs_grad: Dict[str, bool] = {}
+        self.in_itemsize: Dict[str, int] = {}  # bytes per element of each module's first input
         self.hooks = ([m.register_forward_pre_hook(self._pre) for m in self.names]
                       + [m.register_forward_hook(self._post) for m in self.names])
 
@@ -46,6 +47,8 @@ class ModuleCalls:
         self.calls[name] = self.calls.get(name, 0) + 1
         self.ins[name] = self.ins.get(name, 0) + _numel(args)
         self.needs_grad[name] = self.needs_grad.get(name, False) or _requires_grad(args)
+        if name not in self.in_itemsize and args and isinstance(args[0], torch.Tensor):
+            self.in_itemsize[name] = args[0].element_size()
 
     def _post(self, module, args, out):
         name = self.stack.pop()

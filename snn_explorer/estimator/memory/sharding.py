@@ -7,11 +7,12 @@ ZeroRedundancyOptimizer assigns whole parameters to ranks greedily, largest firs
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Sequence, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -72,9 +73,37 @@ def fsdp_groups(params: Sequence[Param]) -> Dict[str, List[Param]]:
     return groups
 
 
-def fsdp_group_bytes(group: Sequence[Param], dp: int) -> int:
-    """All-gather output = reduce-scatter input of one FSDP2 group: ``dp`` padded dim-0 chunks."""
-    return dp * sum(p.rows(dp, 0)[0] * p.row_numel * p.itemsize for p in group)
+def fsdp_group_bytes(group: Sequence[Param], dp: int, itemsize: Optional[int] = None) -> int:
+    """All-gather output = reduce-scatter input of one FSDP2 group: ``dp`` padded dim-0 chunks (of
+    ``itemsize`` bytes each when given: the plan's gather or reduce dtype, else each parameter's)."""
+    return dp * sum(p.rows(dp, 0)[0] * p.row_numel * (itemsize or p.itemsize) for p in group)
+
+
+def gather_itemsize(plan: SNNDistributedPlan) -> Optional[int]:
+    """Bytes per element FSDP2 all-gathers and computes parameters in under ``plan``'s precision
+    (``MixedPrecisionPolicy.param_dtype``); None: the parameters' own."""
+    return plan.precision.itemsize("param") if plan.precision.param_dtype is not None else None
+
+
+def reduce_itemsize(plan: SNNDistributedPlan) -> Optional[int]:
+    """Bytes per element gradients are reduced in over dp under ``plan``'s precision; None: their own."""
+    return plan.precision.itemsize("reduce") if plan.precision.reduce_dtype is not None else None
+
+
+def as_gathered(params: Sequence[Param], plan: SNNDistributedPlan) -> List[Param]:
+    """``params`` as FSDP2 holds them unsharded (all-gather output, the parameters the forward uses):
+    at the gather dtype of ``plan``'s precision."""
+    size = gather_itemsize(plan) if plan.uses_fsdp else None
+    return list(params) if size is None else [dataclasses.replace(p, itemsize=size) for p in params]
+
+
+def ddp_reduce_bytes(params: Sequence[Param], bucket_bytes: int, plan: SNNDistributedPlan) -> int:
+    """Bytes DDP all-reduces per step: its buckets' (``bucket_bytes``, the gradients at their own dtype),
+    or every gradient at ``plan``'s reduce dtype, to which its communication hook casts each bucket."""
+    size = reduce_itemsize(plan)
+    if size is None or all(p.itemsize == size for p in params):
+        return bucket_bytes
+    return sum(p.numel for p in params) * size
 
 
 def local_params(shapes: Sequence[Tuple[str, Tuple[int, ...]]], plan: SNNDistributedPlan,

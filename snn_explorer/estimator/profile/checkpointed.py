@@ -23,7 +23,7 @@ from ...core.parallelize.checkpointing import apply_activation_checkpointing
 from ...core.vocabulary import Checkpointing
 from ..instruments.meter import StorageMeter
 from ..instruments.storage import model_state_tensors, state_tensor_ids, total_bytes
-from .profiling import ModelProfile
+from .profiling import ModelProfile, precision_profile
 from .step import batch_slice, forward_loss
 
 
@@ -98,8 +98,10 @@ def _flops(model: nn.Module, x: torch.Tensor, labels) -> Tuple[float, float]:
 
 
 def levered_profile(profile: ModelProfile, plan) -> ModelProfile:
-    """The profile to estimate ``plan`` from: ``profile`` itself without checkpointing, else its
-    :class:`CheckpointedProfile` for the plan's checkpointing (cached on ``profile``)."""
+    """The profile to estimate ``plan`` from: ``profile`` in the plan's precision
+    (:func:`~.profiling.precision_profile`), and with checkpointing its :class:`CheckpointedProfile` for the
+    plan's checkpointing (cached on ``profile``)."""
+    profile = precision_profile(profile, plan.precision, gathered=plan.uses_fsdp)
     if not Checkpointing(plan.activation_checkpointing).recomputes:
         return profile
     key = (plan.activation_checkpointing, plan.checkpoint_every, plan.time_step_module)

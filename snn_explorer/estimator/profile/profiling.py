@@ -31,7 +31,9 @@ from torch import nn
 
 from ...core.layouts import TIME_MAJOR, DataLayout
 from ...core.neurons import detached_copy, state_tensors, stateful_modules
+from ...core.parallelize.mixed_precision import autocast_forward, hold_neuron_state
 from ...core.plans.families import fsdp_units
+from ...core.precision import FP32, Precision
 from ..instruments.fsdp_events import record
 from ..instruments.isolation import as_found, one_thread
 from ..instruments.meter import StorageMeter
@@ -77,6 +79,7 @@ class ModuleProfile:
     in_elems: Fit
     out_elems: Fit
     input_requires_grad: bool
+    in_itemsize: int = 0  # bytes per element of its first input (a TP input gradient is reduced in its dtype)
 
 
 @dataclass
@@ -111,6 +114,13 @@ class ModelProfile:
     #: where N and T sit in the model's input and output; ``example_input`` is kept time-major
     #: ``[T, N, ...]`` whatever it is, and :func:`~.step.batch_slice` cuts batches in this layout
     layout: DataLayout = TIME_MAJOR
+    #: the precision the model ran in (autocast, neuron state), as ``apply`` runs a plan of it
+    precision: Precision = FP32
+
+    @property
+    def compute_itemsize(self) -> int:
+        """Bytes per element the layers compute and communicate activations in (2 under bf16 / fp16)."""
+        return self.precision.itemsize("compute", self.dtype)
 
     def rank_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Tuple[tuple, nn.Module]:
         """The model one rank runs: the private copy, or its TP replica for ``tp_plan``."""
@@ -227,7 +237,7 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
             per_saved[name] = per_saved.get(name, 0) + nbytes
     del static_refs
     return dict(saved=per_saved, state={n: sum(s.values()) for n, s in run["state"].items()}, calls=trace.calls,
-                ins=trace.ins, outs=trace.outs, rg=trace.needs_grad, log=run["log"], entry=run["entry"],
+                ins=trace.ins, outs=trace.outs, rg=trace.needs_grad, isz=trace.in_itemsize, log=run["log"], entry=run["entry"],
                 grads=sum(storage_bytes([p.grad for p in model.parameters()]).values()), order=tuple(order),
                 input=x.numel() * x.element_size(), counts=run["counts"],
                 with_grad=grad_names(model) if count else ())
@@ -264,9 +274,12 @@ def _fit(points, get) -> Fit:
 
 
 def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                    dtype: Optional[torch.dtype] = None, layout: DataLayout = TIME_MAJOR) -> ModelProfile:
+                    dtype: Optional[torch.dtype] = None, layout: DataLayout = TIME_MAJOR,
+                    precision: Precision = FP32, gathered: bool = False) -> ModelProfile:
     """Run a copy of ``model`` unsharded at :data:`SIZES` and fit the profile (see the module doc);
-    ``example_input`` in ``layout``, which every run of the copy takes its batches in."""
+    ``example_input`` in ``layout``, which every run of the copy takes its batches in. The copy runs in
+    ``precision`` as ``apply`` runs it (autocast around the forward, neurons in the state dtype), with
+    ``gathered`` its parameters in the compute dtype (see :func:`precision_profile`)."""
     check_inputs(model, example_input, labels, dtype, layout=layout)
     cast, dtype = run_dtypes(model, dtype, example_input)
     example_input = layout.to_time_major(example_input)
@@ -274,6 +287,12 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
     setattr(model, RUN_LAYOUT, layout)
     if cast is not None:
         model.to(cast)
+    if gathered and precision.mixed:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.data = param.data.to(precision.param_dtype)
+    hold_neuron_state(model, precision, "cpu")
+    autocast_forward(model, precision, "cpu")
     by_size, last_n = {}, None
     for n, t in sorted(SIZES):  # by batch size: a run leaves the neuron state the next one at that size starts from
         x, y = batch_slice(example_input, labels, n, t, layout=layout)
@@ -298,6 +317,7 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
             in_elems=_fit(points, lambda p: p["ins"].get(name, 0)),
             out_elems=_fit(points, lambda p: p["outs"].get(name, 0)),
             input_requires_grad=any(p["rg"].get(name, False) for p in points),
+            in_itemsize=points[-1]["isz"].get(name, 0),
         )
     return ModelProfile(modules=modules, input_bytes=_fit(points, lambda p: p["input"]),
                         grad_ready_order=points[-1]["order"], dtype=dtype,
@@ -305,7 +325,7 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
                         param_itemsizes={n: p.element_size() for n, p in model.named_parameters()},
                         model=model, example_input=example_input, labels=labels,
                         step_counts=tuple(p["counts"] for p in points), grad_params=points[-1]["with_grad"],
-                        layout=layout)
+                        layout=layout, precision=precision)
 
 
 #: Profiles per live model object (a weak key: a freed model's id can be reused by a new one).
@@ -327,3 +347,22 @@ def model_profile(model: nn.Module, example_input: torch.Tensor, labels: Optiona
         with as_found(), one_thread():  # the runs draw random numbers (dropout) and may import torch's compiler
             per_model[key] = measure_profile(model, example_input, labels, dtype, layout)
     return per_model[key]
+
+
+def precision_profile(profile: ModelProfile, precision: Precision, gathered: bool = False) -> ModelProfile:
+    """``profile``'s model measured again in ``precision`` (``profile`` itself when it ran in it), cached
+    on ``profile``: activations, neuron state, peaks and operator counts at the dtypes a rank of such a
+    plan runs them in. ``gathered``: as FSDP2's ``MixedPrecisionPolicy`` runs it, the parameters the
+    forward uses (and their unsharded gradients) in the compute dtype, so autocast copies none of them;
+    ``param_itemsizes`` stay the fp32 master copies'."""
+    gathered = gathered and precision.mixed
+    if profile.precision == precision and not gathered:
+        return profile
+    cache = profile.__dict__.setdefault("_precision_profiles", {})
+    if (precision, gathered) not in cache:
+        example = profile.layout.from_time_major(profile.example_input)  # the profile keeps it time-major
+        measured = measure_profile(profile.model, example, profile.labels, profile.dtype, profile.layout,
+                                   precision, gathered)
+        measured.param_itemsizes = dict(profile.param_itemsizes)
+        cache[precision, gathered] = measured
+    return cache[precision, gathered]

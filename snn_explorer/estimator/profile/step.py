@@ -126,6 +126,8 @@ def loss_of(outputs: torch.Tensor, labels: Optional[torch.Tensor], layout: DataL
     """Cross-entropy of the time-mean output when ``labels`` are given, else the mean square output;
     the output's N and T where ``layout`` puts them."""
     outputs = _check_output(outputs)
+    if outputs.dtype in (torch.bfloat16, torch.float16):  # mixed precision: the loss in fp32, as the runtime's
+        outputs = outputs.float()
     if labels is None:
         return outputs.square().mean()
     outputs, labels = SNNDistributedRuntime.prepare_classification_output(outputs, labels, layout=layout)

@@ -15,7 +15,8 @@ from ...compat import DDP_FIRST_BUCKET_BYTES, ddp_bucket_assignment
 from ...core import SNNDistributedPlan
 from ...core.collectives import Collective
 from ...core.styles import STYLES
-from ..memory.sharding import Param, fsdp_group_bytes, fsdp_groups
+from ..memory.sharding import (Param, ddp_reduce_bytes, fsdp_group_bytes, fsdp_groups, gather_itemsize,
+                               reduce_itemsize)
 from ..profile.profiling import ModelProfile
 
 Row = Tuple[str, str, str]  # mesh_dim, kind, phase
@@ -44,7 +45,8 @@ def _dtype(itemsize: int) -> torch.dtype:
 def _fsdp(out, plan: SNNDistributedPlan, params, profile: ModelProfile, t: int) -> None:
     reshard = plan.reshard_after_forward
     for unit, group in fsdp_groups(params).items():
-        nbytes = fsdp_group_bytes(group, plan.dp_size)
+        nbytes = fsdp_group_bytes(group, plan.dp_size, gather_itemsize(plan))  # all-gathered in the param dtype
+        reduced = fsdp_group_bytes(group, plan.dp_size, reduce_itemsize(plan))
         module = profile.modules.get(unit)
         calls = round(module.calls(1, t)) if module and unit else 1
         hooked = bool(module and unit and module.input_requires_grad)  # post-backward hook per call
@@ -54,14 +56,18 @@ def _fsdp(out, plan: SNNDistributedPlan, params, profile: ModelProfile, t: int) 
             fwd, bwd = 1, calls - 1 if hooked else 0
         _add(out, ("dp", Collective.ALL_GATHER, "forward"), fwd, fwd * nbytes)
         _add(out, ("dp", Collective.ALL_GATHER, "backward"), bwd, bwd * nbytes)
-        _add(out, ("dp", Collective.REDUCE_SCATTER, "backward"), 1, nbytes)
+        _add(out, ("dp", Collective.REDUCE_SCATTER, "backward"), 1, reduced)
 
 
 def _tp(out, plan: SNNDistributedPlan, profile: ModelProfile, n: int, t: int, itemsize: int) -> None:
     for path, name in plan.tensor_parallel_plan.items():
         module = profile.modules.get(path)
         if module is not None:
-            for kind, phase, count, nbytes in STYLES[name].collectives(module, n, t, itemsize):
+            # backward rows reduce input gradients, in the dtype of the input (fp32 after an fp32-state neuron)
+            rows = [r for r in STYLES[name].collectives(module, n, t, itemsize) if r[1] != "backward"]
+            rows += [r for r in STYLES[name].collectives(module, n, t, module.in_itemsize or itemsize)
+                     if r[1] == "backward"]
+            for kind, phase, count, nbytes in rows:
                 _add(out, ("tp", kind, phase), count, nbytes)
 
 
@@ -80,7 +86,7 @@ def step_collectives(plan: SNNDistributedPlan, params: Sequence[Param], profile:
     n = plan.per_rank_batch
     if plan.uses_ddp:
         buckets = ddp_buckets(params, profile.grad_ready_order)
-        _add(out, ("dp", Collective.ALL_REDUCE, "backward"), len(buckets), sum(buckets))
+        _add(out, ("dp", Collective.ALL_REDUCE, "backward"), len(buckets), ddp_reduce_bytes(params, sum(buckets), plan))
         if plan.uses_zero:
             _add(out, ("dp", Collective.BROADCAST, "optimizer"), len(params), sum(p.numel * p.itemsize for p in params))
     if plan.uses_tp:

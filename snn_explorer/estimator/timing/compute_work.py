@@ -173,7 +173,7 @@ def local_correction(profile: ModelProfile, work: Work, hw: HardwareProfile, opt
             times["forward"].append(mid - start)
             times["backward"].append(end - mid)
             opt.zero_grad(set_to_none=True)
-    itemsize = torch.empty((), dtype=profile.dtype).element_size()
+    itemsize = profile.compute_itemsize
     cache[key] = {p: times[p][-1] / max(work.phase(p).seconds(hw, n, t, itemsize), 1e-9)
                   for p in PHASES}
     return cache[key]

@@ -26,7 +26,6 @@ import socket
 from typing import Dict, Tuple
 
 import pandas as pd
-import torch
 
 from ...core import SNNDistributedPlan
 from ...core.collectives import Collective
@@ -114,7 +113,7 @@ def plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, per_
               hw: HardwareProfile, t: int, optimizer: str) -> pd.DataFrame:
     """The time table of ``plan`` (see the module doc) from the estimate's other tables."""
     work = rank_work(profile, plan.tensor_parallel_plan, plan.tp_size, optimizer)
-    itemsize = torch.empty((), dtype=profile.dtype).element_size()
+    itemsize = profile.compute_itemsize  # the precision's compute dtype: half-precision FLOP rates under bf16
     correction = {}
     if is_local(hw):
         correction = local_correction(profile, rank_work(profile, None, 1, optimizer), hw, optimizer)
