@@ -211,6 +211,8 @@ def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profil
         verdict = f"does not fit: peak {_mib(peak)} exceeds the {_mib(memory_budget)} budget per device"
     if step is not None:
         time = gpu_plan_time(plan, profile, collectives, per_rank, hardware, optimizer, step)
+        verdict += (f"; as {hardware.name} runs it: {len(step.fused)} neuron layer(s) as fused kernels, "
+                    "the allocator's bytes")
     else:
         time = plan_time(plan, profile, collectives, per_rank, hardware, t, optimizer)
     return PlanEstimate(plan=plan, per_rank=per_rank, collectives=collectives, verdict=verdict, time_steps=t,

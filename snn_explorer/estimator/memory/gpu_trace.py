@@ -140,7 +140,11 @@ def _state_tensors(model: torch.nn.Module) -> list:
 
 
 def _meta_inputs(profile: ModelProfile, n: int, t: int):
+    """A meta batch of ``n`` samples and ``t`` steps as the model takes it, and meta labels."""
     x = torch.empty((t, n) + tuple(profile.example_input.shape[2:]), dtype=profile.dtype, device="meta")
+    layout = getattr(profile, "layout", None)  # the input layout, where the profile records one
+    if layout is not None:
+        x = layout.from_time_major(x)
     y = profile.labels
     if y is not None:
         y = torch.empty((n,) + tuple(y.shape[1:]), dtype=y.dtype, device="meta")
