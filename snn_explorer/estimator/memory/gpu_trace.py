@@ -216,7 +216,8 @@ def optimizer_kernels(profile: ModelProfile, tp_plan, tp: int, optimizer: str) -
         params = [p for p in params if p.requires_grad]
         for p in params:
             p.grad = torch.zeros_like(p)
-        cls, kw = OPTIMIZERS[optimizer]
+        kind = OPTIMIZERS[optimizer]  # (class, kwargs), or an OptimizerKind where the vocabulary has one
+        cls, kw = (kind.cls, dict(kind.kwargs)) if hasattr(kind, "cls") else kind
         opt = cls(params, lr=1e-3, foreach=True, **kw)
         opt.step()
         meter = DeviceMeter()
