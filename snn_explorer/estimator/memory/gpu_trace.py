@@ -13,7 +13,12 @@ replaced by :class:`~.fused_neurons.FusedNeuron` (what the GPU's kernel allocate
   neuron launch), FLOPs by torch's ``FlopCounterMode`` formulas, bytes read and written, launches.
   Views and allocations launch nothing; a convolution's backward launches one kernel per gradient
   it computes; a ``_foreach_`` operator one per 36 tensors (``depth_to_max_tensors[3]`` of torch's
-  ``ATen/native/cuda/MultiTensorApply.cuh``, Adam's four lists).
+  ``ATen/native/cuda/MultiTensorApply.cuh``, Adam's four lists). A training batch norm runs two
+  passes over its input, as torch's CUDA kernels do (``ATen/native/cuda/Normalization.cuh``:
+  ``batch_norm_collect_statistics_kernel`` then ``batch_norm_transform_input_kernel``; backward
+  ``batch_norm_backward_reduce_kernel`` then ``batch_norm_backward_elemt_kernel``): the statistics
+  must be complete before any element is normalised, so it reads its input (and, backward, the
+  output's gradient) twice, in two launches.
 
 FSDP2's points are logged as :func:`~..instruments.fsdp_events.record` logs them on the CPU profile
 run, so :func:`~.fsdp_timeline.replay_fsdp` replays its buffers on this run the same way.
@@ -46,6 +51,9 @@ FOREACH_TENSORS_PER_LAUNCH = 36
 _FLOPS = FlopCounterMode(display=False).flop_registry
 _ATEN = torch.ops.aten
 _CONV = {_ATEN.convolution, _ATEN.convolution_backward, _ATEN._convolution, _ATEN.cudnn_convolution}
+#: Operators run as two passes (module doc): the argument positions their second pass reads again.
+_TWO_PASS = {_ATEN.native_batch_norm: (0,), _ATEN._native_batch_norm_legit: (0,), _ATEN._batch_norm_with_update: (0,),
+             _ATEN.native_batch_norm_backward: (0, 1), _ATEN.batch_norm_backward: (0, 1)}
 _NO_KERNEL = {_ATEN.empty, _ATEN.empty_like, _ATEN.empty_strided, _ATEN.new_empty, _ATEN.new_empty_strided,
               _ATEN.detach, _ATEN.lift_fresh, _ATEN.alias, _ATEN._local_scalar_dense}
 
@@ -113,7 +121,10 @@ class DeviceMeter(StorageMeter):
             flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0.0
             kind = "conv" if func.overloadpacket in _CONV else ("matmul" if formula is not None else "memory")
             moved = tensor_bytes(args) + tensor_bytes(kwargs) + tensor_bytes(out)
-            self.kernels.append(Kernel(self.phase, kind, float(flops), moved, _itemsize(args), _launches(func, args)))
+            again = _TWO_PASS.get(func.overloadpacket, ())
+            moved += sum(tensor_bytes(args[i]) for i in again)
+            launches = _launches(func, args) + (1 if again else 0)
+            self.kernels.append(Kernel(self.phase, kind, float(flops), moved, _itemsize(args), launches))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._see(t)
