@@ -137,6 +137,9 @@ def print_model(name: str, rows: List[dict]) -> None:
 
 def print_pipeline(rows: List[dict]) -> None:
     print("\n## Pipeline (CIFAR10-DVS VGG, global batch 128, T = 10, 2 GPUs, 8 micro-batches)\n")
+    print("GPipe and 1F1B: not modelled. The GPU model traces one rank's whole step; pipeline plans keep the "
+          "CPU-measured stages, which would run each stage here at micro-batch 16 x T 10 and see the CPU path's "
+          "neurons, and on this branch CIFAR10DVSVGG's batch-major input cannot be cut into micro-batches.\n")
     print("| plan | published MB | predicted MiB | ratio | published throughput / 1 GPU | predicted |")
     print("|---|---|---|---|---|---|")
     for r in rows:
@@ -163,7 +166,9 @@ def main() -> int:
     print("CPU machine, predictions only, no GPU: every predicted figure comes from the GPU execution model "
           f"(torch {torch.__version__}). CIFAR10DVSVGG's batch-major input: "
           + ("estimate(layout='batch_major/time_major'), cross-entropy labels." if LAYOUTS else
-             "passed as it is with time_steps = N (estimate() reads [T, N, ...] on this branch), no labels."))
+             "passed as it is with time_steps = N (estimate() reads [T, N, ...] on this branch), no labels.")
+          + " Optimizer Adam (the reference runtime's build_optimizer default); published MB read as MiB "
+          "(max_memory_allocated / 1024 ** 2, as the package's own callbacks print MB).")
     vgg_rows = predict(vgg, VGG_ROWS)
     print_model("CIFAR10-DVS VGG (CIFAR10DVSVGG, batch 16 per rank, T = 10, 48 px)", vgg_rows)
     spik_rows = predict(spikformer, SPIKFORMER_ROWS)
