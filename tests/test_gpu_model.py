@@ -173,3 +173,14 @@ def test_batch_norm_reads_its_input_twice_in_two_launches():
     forward, backward = norms
     assert big * 3 <= forward.bytes < big * 3 + 4096  # x twice, y once; weight, bias, stats: C floats each
     assert big * 5 <= backward.bytes < big * 5 + 4096  # grad y and x twice each, grad x once
+
+
+def test_fills_and_copies_move_what_they_write_and_read():
+    meter = DeviceMeter()
+    a, b = torch.empty(1000, device="meta"), torch.empty(1000, device="meta")
+    with meter:
+        a.copy_(b)  # reads b, writes a
+        a.zero_()  # writes a
+        torch.zeros_like(b)  # writes a new tensor
+        a.add_(b)  # reads a and b, writes a
+    assert [k.bytes for k in meter.kernels] == [8000, 4000, 4000, 12000]

@@ -18,7 +18,8 @@ replaced by :class:`~.fused_neurons.FusedNeuron` (what the GPU's kernel allocate
   ``batch_norm_collect_statistics_kernel`` then ``batch_norm_transform_input_kernel``; backward
   ``batch_norm_backward_reduce_kernel`` then ``batch_norm_backward_elemt_kernel``): the statistics
   must be complete before any element is normalised, so it reads its input (and, backward, the
-  output's gradient) twice, in two launches.
+  output's gradient) twice, in two launches. Bytes moved are the operator's tensor arguments
+  (read; not the target of a fill or copy) and outputs (written).
 
 FSDP2's points are logged as :func:`~..instruments.fsdp_events.record` logs them on the CPU profile
 run, so :func:`~.fsdp_timeline.replay_fsdp` replays its buffers on this run the same way.
@@ -54,6 +55,9 @@ _CONV = {_ATEN.convolution, _ATEN.convolution_backward, _ATEN._convolution, _ATE
 #: Operators run as two passes (module doc): the argument positions their second pass reads again.
 _TWO_PASS = {_ATEN.native_batch_norm: (0,), _ATEN._native_batch_norm_legit: (0,), _ATEN._batch_norm_with_update: (0,),
              _ATEN.native_batch_norm_backward: (0, 1), _ATEN.batch_norm_backward: (0, 1)}
+#: Operators that write their first argument's shape without reading it (fills, copies into it).
+_FIRST_NOT_READ = {_ATEN.copy_, _ATEN.fill_, _ATEN.zero_, _ATEN.zeros_like, _ATEN.ones_like, _ATEN.full_like,
+                   _ATEN.new_zeros, _ATEN.new_ones, _ATEN.new_full}
 _NO_KERNEL = {_ATEN.empty, _ATEN.empty_like, _ATEN.empty_strided, _ATEN.new_empty, _ATEN.new_empty_strided,
               _ATEN.detach, _ATEN.lift_fresh, _ATEN.alias, _ATEN._local_scalar_dense}
 
@@ -120,7 +124,8 @@ class DeviceMeter(StorageMeter):
             formula = _FLOPS.get(func.overloadpacket)
             flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0.0
             kind = "conv" if func.overloadpacket in _CONV else ("matmul" if formula is not None else "memory")
-            moved = tensor_bytes(args) + tensor_bytes(kwargs) + tensor_bytes(out)
+            read = args[1:] if func.overloadpacket in _FIRST_NOT_READ else args
+            moved = tensor_bytes(read) + tensor_bytes(kwargs) + tensor_bytes(out)
             again = _TWO_PASS.get(func.overloadpacket, ())
             moved += sum(tensor_bytes(args[i]) for i in again)
             launches = _launches(func, args) + (1 if again else 0)
