@@ -155,3 +155,32 @@ def test_gpu_path_leaves_the_other_profiles_alone():
     gpu_side = se.estimate(model, plan, example_input=x, hardware=dataclasses.replace(
         se.hardware_profile("RTX-4090"), kernel_model=True))
     assert cpu_side.peak_bytes != gpu_side.peak_bytes  # the fused kernel and the allocator's blocks, not the CPU run
+
+
+def test_batch_norm_reads_its_input_twice_in_two_launches():
+    """Statistics first, then the normalisation: forward reads x twice and writes y (plus the small
+    per-channel tensors); backward reads the output's gradient and x twice and writes x's gradient."""
+    meter = DeviceMeter()
+    bn = nn.BatchNorm2d(C).to("meta")
+    x = torch.empty(N, C, HW, HW, device="meta", requires_grad=True)
+    with meter:
+        loss = bn(x).sum()
+        meter.phase = "backward"
+        loss.backward()
+    big = N * C * HW * HW * 4
+    norms = [k for k in meter.kernels if k.launches == 2 and k.kind == "memory"]
+    assert len(norms) == 2
+    forward, backward = norms
+    assert big * 3 <= forward.bytes < big * 3 + 4096  # x twice, y once; weight, bias, stats: C floats each
+    assert big * 5 <= backward.bytes < big * 5 + 4096  # grad y and x twice each, grad x once
+
+
+def test_fills_and_copies_move_what_they_write_and_read():
+    meter = DeviceMeter()
+    a, b = torch.empty(1000, device="meta"), torch.empty(1000, device="meta")
+    with meter:
+        a.copy_(b)  # reads b, writes a
+        a.zero_()  # writes a
+        torch.zeros_like(b)  # writes a new tensor
+        a.add_(b)  # reads a and b, writes a
+    assert [k.bytes for k in meter.kernels] == [8000, 4000, 4000, 12000]

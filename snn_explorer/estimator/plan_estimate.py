@@ -12,6 +12,12 @@ batch (and TP layout) on the model as one rank runs it (the unsharded model, or 
 the forward, the backward (beside the gradients the plan keeps there) and the optimizer step
 (Adam's scratch). DDP adds its gradient buckets; for FSDP2 the same run is replayed with FSDP2's
 all-gather and reduce-scatter buffers and unsharded parameters (:mod:`.memory.fsdp_timeline`).
+
+On a hardware profile with ``kernel_model`` (the built-in ``RTX-4090-PCIe-noP2P``), the phases and
+the step time come instead from the step as that GPU runs it, traced on the meta device at the
+rank's size (:mod:`.memory.gpu_trace`: fused neuron kernels, the caching allocator's bytes;
+:mod:`.timing.gpu_kernels`: each kernel's roofline and launch); nothing runs at that size here.
+Pipeline plans keep the CPU-measured stages.
 """
 from __future__ import annotations
 
@@ -126,7 +132,8 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     measurement is cached, so estimating many plans of one model is fast. ``dtype`` (default:
     the model's; a model that mixes dtypes is run as it is) is the parameter and activation dtype. ``memory_budget`` (bytes per device)
     turns the verdict into fits / does not fit. Every argument is checked before anything runs,
-    and a ``time_steps`` whose run cannot fit in this machine's memory is refused. The caller's
+    and a ``time_steps`` whose run cannot fit in this machine's memory is refused (not on a
+    ``kernel_model`` profile, which traces the step on the meta device). The caller's
     RNG, environment, temporary directory and thread count are left as they were (the model runs
     on one thread: :func:`~.instruments.isolation.one_thread`).
 
@@ -233,6 +240,8 @@ def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profil
         verdict = f"does not fit: peak {_mib(peak)} exceeds the {_mib(memory_budget)} budget per device"
     if step is not None:
         time = gpu_plan_time(plan, profile, collectives, per_rank, hardware, optimizer, step)
+        verdict += (f"; as {hardware.name} runs it: {len(step.fused)} neuron layer(s) as fused kernels, "
+                    "the allocator's bytes")
     else:
         time = plan_time(plan, profile, collectives, per_rank, hardware, t, optimizer)
     return PlanEstimate(plan=plan, per_rank=per_rank, collectives=collectives, verdict=verdict, time_steps=t,

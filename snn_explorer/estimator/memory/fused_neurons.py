@@ -102,8 +102,3 @@ def swap_fused(model: nn.Module, neuron_backend: str, sink: KernelSink) -> Tuple
         setattr(model.get_submodule(parent) if parent else model, name, FusedNeuron(sink))
     return paths
 
-
-def fused_saved_bytes(in_elems: int, in_itemsize: int, time_steps: int) -> int:
-    """Bytes the fused kernel keeps for backward for ``in_elems`` input elements over ``time_steps``
-    steps: ``h`` (4 B each), the input (by reference) and ``v_init`` (4 B per neuron)."""
-    return in_elems * 4 + in_elems * in_itemsize + (in_elems // time_steps) * 4

@@ -13,7 +13,13 @@ replaced by :class:`~.fused_neurons.FusedNeuron` (what the GPU's kernel allocate
   neuron launch), FLOPs by torch's ``FlopCounterMode`` formulas, bytes read and written, launches.
   Views and allocations launch nothing; a convolution's backward launches one kernel per gradient
   it computes; a ``_foreach_`` operator one per 36 tensors (``depth_to_max_tensors[3]`` of torch's
-  ``ATen/native/cuda/MultiTensorApply.cuh``, Adam's four lists).
+  ``ATen/native/cuda/MultiTensorApply.cuh``, Adam's four lists). A training batch norm runs two
+  passes over its input, as torch's CUDA kernels do (``ATen/native/cuda/Normalization.cuh``:
+  ``batch_norm_collect_statistics_kernel`` then ``batch_norm_transform_input_kernel``; backward
+  ``batch_norm_backward_reduce_kernel`` then ``batch_norm_backward_elemt_kernel``): the statistics
+  must be complete before any element is normalised, so it reads its input (and, backward, the
+  output's gradient) twice, in two launches. Bytes moved are the operator's tensor arguments
+  (read; not the target of a fill or copy) and outputs (written).
 
 FSDP2's points are logged as :func:`~..instruments.fsdp_events.record` logs them on the CPU profile
 run, so :func:`~.fsdp_timeline.replay_fsdp` replays its buffers on this run the same way.
@@ -46,6 +52,12 @@ FOREACH_TENSORS_PER_LAUNCH = 36
 _FLOPS = FlopCounterMode(display=False).flop_registry
 _ATEN = torch.ops.aten
 _CONV = {_ATEN.convolution, _ATEN.convolution_backward, _ATEN._convolution, _ATEN.cudnn_convolution}
+#: Operators run as two passes (module doc): the argument positions their second pass reads again.
+_TWO_PASS = {_ATEN.native_batch_norm: (0,), _ATEN._native_batch_norm_legit: (0,), _ATEN._batch_norm_with_update: (0,),
+             _ATEN.native_batch_norm_backward: (0, 1), _ATEN.batch_norm_backward: (0, 1)}
+#: Operators that write their first argument's shape without reading it (fills, copies into it).
+_FIRST_NOT_READ = {_ATEN.copy_, _ATEN.fill_, _ATEN.zero_, _ATEN.zeros_like, _ATEN.ones_like, _ATEN.full_like,
+                   _ATEN.new_zeros, _ATEN.new_ones, _ATEN.new_full}
 _NO_KERNEL = {_ATEN.empty, _ATEN.empty_like, _ATEN.empty_strided, _ATEN.new_empty, _ATEN.new_empty_strided,
               _ATEN.detach, _ATEN.lift_fresh, _ATEN.alias, _ATEN._local_scalar_dense}
 
@@ -112,8 +124,12 @@ class DeviceMeter(StorageMeter):
             formula = _FLOPS.get(func.overloadpacket)
             flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0.0
             kind = "conv" if func.overloadpacket in _CONV else ("matmul" if formula is not None else "memory")
-            moved = tensor_bytes(args) + tensor_bytes(kwargs) + tensor_bytes(out)
-            self.kernels.append(Kernel(self.phase, kind, float(flops), moved, _itemsize(args), _launches(func, args)))
+            read = args[1:] if func.overloadpacket in _FIRST_NOT_READ else args
+            moved = tensor_bytes(read) + tensor_bytes(kwargs) + tensor_bytes(out)
+            again = _TWO_PASS.get(func.overloadpacket, ())
+            moved += sum(tensor_bytes(args[i]) for i in again)
+            launches = _launches(func, args) + (1 if again else 0)
+            self.kernels.append(Kernel(self.phase, kind, float(flops), moved, _itemsize(args), launches))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._see(t)
@@ -140,7 +156,11 @@ def _state_tensors(model: torch.nn.Module) -> list:
 
 
 def _meta_inputs(profile: ModelProfile, n: int, t: int):
+    """A meta batch of ``n`` samples and ``t`` steps as the model takes it, and meta labels."""
     x = torch.empty((t, n) + tuple(profile.example_input.shape[2:]), dtype=profile.dtype, device="meta")
+    layout = getattr(profile, "layout", None)  # the input layout, where the profile records one
+    if layout is not None:
+        x = layout.from_time_major(x)
     y = profile.labels
     if y is not None:
         y = torch.empty((n,) + tuple(y.shape[1:]), dtype=y.dtype, device="meta")
@@ -212,7 +232,8 @@ def optimizer_kernels(profile: ModelProfile, tp_plan, tp: int, optimizer: str) -
         params = [p for p in params if p.requires_grad]
         for p in params:
             p.grad = torch.zeros_like(p)
-        cls, kw = OPTIMIZERS[optimizer]
+        kind = OPTIMIZERS[optimizer]  # (class, kwargs), or an OptimizerKind where the vocabulary has one
+        cls, kw = (kind.cls, dict(kind.kwargs)) if hasattr(kind, "cls") else kind
         opt = cls(params, lr=1e-3, foreach=True, **kw)
         opt.step()
         meter = DeviceMeter()

@@ -86,7 +86,12 @@ class HardwareProfile:
     #: True: memory and time come from the GPU execution model (:mod:`..memory.gpu_trace`,
     #: :mod:`.gpu_kernels`): the step traced as the GPU runs it, fused neuron kernels included
     kernel_model: bool = False
-    topology: str = ""  # the interconnect as configured: GPUs per node, P2P or not, NVLink, NICs
+    # The interconnect as configured (what the collective tables above were derived from): GPUs
+    # peer-to-peer or through host memory, NVLink or PCIe, NICs per node (None: not stated), in words too
+    peer_to_peer: Optional[bool] = None
+    nvlink: Optional[bool] = None
+    nics_per_node: Optional[int] = None
+    topology: str = ""
 
     def __post_init__(self):
         for attr in ("flops_per_s", "bytes_per_s"):
@@ -252,11 +257,16 @@ def _builtin(device: str, nodes: int) -> HardwareProfile:
                   tensor_flops_per_s=d["tensor_flops_per_s"],
                   collectives=link_table(INTRA_LATENCY_S, d["link"]), efficiency=DEFAULT_EFFICIENCY,
                   source="datasheet")
+    nvlink = d["link_name"].startswith("NVLink")
+    common.update(peer_to_peer=True, nvlink=nvlink)
     if nodes == 1:
-        return HardwareProfile(name=f"{device} + {d['link_name']}", **common)
+        return HardwareProfile(name=f"{device} + {d['link_name']}", topology=f"one node, {d['link_name']} between "
+                               "GPUs, peer-to-peer", **common)
     ib, ib_bw = _IB[device]
     return HardwareProfile(name=f"{nodes}x8 {device} + {d['link_name']}, {ib} between nodes", ranks_per_node=8,
-                           inter_node=link_table(INTER_LATENCY_S, ib_bw), **common)
+                           inter_node=link_table(INTER_LATENCY_S, ib_bw), nics_per_node=8,
+                           topology=f"{nodes} nodes of 8 GPUs, {d['link_name']} peer-to-peer in a node, one {ib} "
+                           "NIC per GPU between nodes", **common)
 
 
 def _builtins() -> Dict[str, HardwareProfile]:
@@ -287,7 +297,7 @@ RTX4090_NO_P2P = HardwareProfile(
     name="RTX-4090-PCIe-noP2P", device="cuda", flops_per_s=82.6e12, half_flops_per_s=165.2e12,
     tensor_flops_per_s=82.6e12, bytes_per_s=1008 * _GB, op_overhead_s=RTX4090_OP_S,
     collectives=link_table(RTX4090_NO_P2P_LINK_S, RTX4090_NO_P2P_LINK_BPS), efficiency=1.0, source="datasheet",
-    kernel_model=True, topology="up to 8 RTX 4090 per node on PCIe 4.0 x16, no peer-to-peer (NCCL_P2P_DISABLE=1: "
+    kernel_model=True, peer_to_peer=False, nvlink=False, topology="up to 8 RTX 4090 per node on PCIe 4.0 x16, no peer-to-peer (NCCL_P2P_DISABLE=1: "
     "NCCL's SHM transport through host memory), no NVLink, no NIC between nodes (one node)")
 BUILTIN_PROFILES = _builtins()
 
