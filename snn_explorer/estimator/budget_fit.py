@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze
-from ..core.memory_levers import copy_without_levers, find_time_step_module, lever_label
+from ..core.memory_levers import copy_without_levers, find_time_step_module, lever_label, spike_compression_variants
 from ..core.validate import positive_int, positive_number
 from ..core.vocabulary import Vocabulary
 from .calibration import resolve_hardware
@@ -83,7 +83,7 @@ def _row(plan, est: Optional[PlanEstimate], base: Optional[PlanEstimate], budget
 
 
 #: The gates :func:`fit_budget` opens when ``features`` is None: every lever the estimator can estimate.
-FIT_FEATURES = DistributedFeatureSet(allow_activation_checkpointing=True)
+FIT_FEATURES = DistributedFeatureSet(allow_activation_checkpointing=True, allow_spike_compression=True)
 
 
 def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int, world_size: int, *,
@@ -92,12 +92,12 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     """The fastest plan for ``world_size`` ranks whose estimated per-rank peak fits ``memory_budget`` bytes.
 
     Searches modes, meshes (dp x tp, pp x dp, ZeRO) and memory levers together; ``features`` are the gates
-    (default :data:`FIT_FEATURES`: activation checkpointing allowed). ``batch_size`` is the global batch
+    (default :data:`FIT_FEATURES`: activation checkpointing and spike compression allowed). ``batch_size`` is the global batch
     (default: the example input's). ``hardware`` is where step times are predicted (as for :func:`estimate`).
 
     How the search prunes: the plans without levers are estimated first (one profile for all of them:
     each per-rank batch and TP layout runs the model once) and walked fastest first. A lever never makes a
-    step faster in the estimator's time model (recomputation only adds work), so the first unlevered plan
+    step faster in the estimator's time model (recomputation, packing and unpacking only add work), so the first unlevered plan
     that fits ends the search: the lever variants of every plan at least as slow are not estimated
     (``pruned``), and neither are those of a plan that fits already. A lever variant is estimated only for
     an unlevered plan that does not fit and is faster than the best fitting plan found so far; it is kept
@@ -124,6 +124,8 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     variants: Dict[SNNDistributedPlan, List[SNNDistributedPlan]] = {}
     for p in plans:
         variants.setdefault(copy_without_levers(p), []).append(p)
+    for base, levered in variants.items():
+        levered.extend(spike_compression_variants([base]))
     bases = sorted(((b, estimate_of(b)) for b in variants), key=lambda be: be[1].step_time_s)
     rows, best = _search(bases, variants, estimate_of, budget)
     if best is None:
