@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from snn_explorer import DistributedFeatureSet, fit_budget, zoo
+from snn_explorer.cli import main
 from snn_explorer.core.memory_levers import copy_without_levers
 from snn_explorer.estimator import FitOutcome, estimate, model_profile
 
@@ -91,3 +92,13 @@ def test_no_fitting_plan_names_the_lowest_peak():
         fit_budget(z.model, z.example_input, 1000, 2, labels=z.labels, hardware=HARDWARE)
     with pytest.raises(ValueError, match="memory_budget"):
         fit_budget(z.model, z.example_input, -5, 2, labels=z.labels, hardware=HARDWARE)
+
+
+def test_cli_fit_prints_the_chosen_plan_and_the_runners_up(capsys):
+    assert main(["fit", "zoo:spikformer", "--world-size", "2", "--memory-budget", "1.8", "--hardware", HARDWARE]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first.startswith("chosen: ") and "of 1.800 MiB" in first
+    assert "over_budget" in out and "slower" in out
+    assert main(["fit", "zoo:spikformer", "--world-size", "2", "--memory-budget", "0.01", "--hardware", HARDWARE]) == 2
+    assert "lowest estimated peak" in capsys.readouterr().err
