@@ -17,7 +17,7 @@ _LAZY = {
                                                    "measure_many", "compare_estimate", "model_profile",
                                                    "PlanEstimate", "PlanMeasurement", "calibrate",
                                                    "HardwareProfile", "hardware_profile", "hardware_profiles",
-                                                   "balanced_pp_plan", "bubble_fraction")},
+                                                   "balanced_pp_plan", "bubble_fraction", "fit_budget", "FitResult")},
     **{name: "snn_explorer.launcher" for name in ("launch", "launch_plan", "export_job", "report", "LaunchError",
                                                   "LaunchResult", "TrainResult")},
     "Explorer": "snn_explorer.explorer",

@@ -7,6 +7,7 @@ module attribute holding one) or ``zoo:NAME`` for a built-in. Examples::
     snn-explorer compare mypkg.models:make_net --world-size 4 --objective memory
     snn-explorer compare zoo:mlp --world-size 8 --hardware A100-SXM-80GB --time-steps 32 --memory-budget 64
     snn-explorer compare zoo:mlp --topology dp=4 --gate allow_activation_checkpointing --checkpointing blocks
+    snn-explorer fit zoo:spikformer --world-size 2 --memory-budget 1.8 --hardware H100-SXM
     snn-explorer export zoo:mlp --topology dp=2,tp=2 --train mypkg.train:step --steps 100 --out job/
     snn-explorer checkpoint info runs/step-100
 """
@@ -16,6 +17,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from .budget import add_fit_parser
 from .inputs import CliError, Parser, load_model, load_model_and_batch, parse_topology
 from .jobs import cmd_checkpoint_info, cmd_export
 from .options import add_estimate_options, add_plan_options
@@ -47,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     add_estimate_options(p)
     p.set_defaults(run=cmd_compare)
+    add_fit_parser(sub)
     p = sub.add_parser("export", help="write a torchrun / Slurm job for one plan")
     model_args(p, plans=True)
     train = p.add_mutually_exclusive_group(required=True)

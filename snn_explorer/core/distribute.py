@@ -15,6 +15,7 @@ from .tp_plan import check_tied_parameters, check_tp_plan
 from .vocabulary import NeuronBackend
 from .memory_levers import check_cpu_offload_device
 from .parallelize.checkpointing import apply_activation_checkpointing
+from .spike_compression import apply_spike_compression
 from .parallelize.dp import apply_ddp
 from .parallelize.fsdp import apply_fsdp2
 from .parallelize.mixed_precision import autocast_forward, fsdp_policy, hold_neuron_state
@@ -110,6 +111,7 @@ def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: Optional[s
     if plan.uses_tp:
         apply_tp(model, mesh["tp"], plan.tensor_parallel_plan)
     apply_activation_checkpointing(model, plan, analysis.fsdp_unit_names)  # TP, then AC, then FSDP2 / DDP
+    apply_spike_compression(model, plan)  # hooks around the whole forward: every saved 0/1 tensor
     if plan.uses_fsdp:
         apply_fsdp2(model, mesh["dp"], plan.fsdp_units, reshard_after_forward=plan.reshard_after_forward,
                     cpu_offload=plan.cpu_offload, mp_policy=fsdp_policy(plan.precision))

@@ -1,4 +1,4 @@
-"""Memory levers of a plan: activation checkpointing and FSDP2 CPU offload, checked at plan time.
+"""Memory levers of a plan: activation checkpointing, FSDP2 CPU offload, spike compression, checked at plan time.
 
 ``activation_checkpointing`` names the granularity of recomputation:
 
@@ -13,6 +13,7 @@
 
 ``cpu_offload`` keeps FSDP2's sharded parameters, gradients and optimizer state in CPU memory
 (``torch.distributed.fsdp.CPUOffloadPolicy``); it needs a mode that uses FSDP2 and CUDA ranks.
+``spike_compression`` keeps the 0/1 tensors saved for backward as bits (:mod:`.spike_compression`).
 All of it is gated by :class:`~snn_explorer.core.plan_types.DistributedFeatureSet`.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import nn
 
 from . import neurons
 from .modes import names_text
+from .spike_compression import check_spike_compression
 from .vocabulary import Checkpointing
 
 #: The granularities of ``SNNDistributedPlan.activation_checkpointing`` (:class:`~.vocabulary.Checkpointing`).
@@ -65,6 +67,7 @@ def check_memory_levers(plan: Any) -> None:
         raise TypeError(f"cpu_offload must be a bool, got {plan.cpu_offload!r}")
     if plan.cpu_offload:
         _check_cpu_offload(plan)
+    check_spike_compression(plan)
 
 
 def _check_cpu_offload(plan: Any) -> None:
@@ -130,6 +133,8 @@ def lever_label(plan: Any) -> str:
         parts.append(f"+ac:{plan.activation_checkpointing}{every}")
     if plan.cpu_offload:
         parts.append("+offload")
+    if plan.spike_compression:
+        parts.append("+spikes:1bit")
     return "".join(parts)
 
 
@@ -194,10 +199,16 @@ def lever_notes(levers: dict) -> List[str]:
 
 
 def copy_without_levers(plan: Any) -> Any:
-    """``plan`` with activation checkpointing and CPU offload off (the same layout otherwise)."""
-    return dataclasses.replace(plan, **lever_fields())
+    """``plan`` with activation checkpointing, CPU offload and spike compression off (the same layout otherwise)."""
+    return dataclasses.replace(plan, **lever_fields(), spike_compression=False)
+
+
+def spike_compression_variants(plans: List[Any]) -> List[Any]:
+    """Each of ``plans`` with ``spike_compression=True`` where its gate allows it (not for pipeline plans)."""
+    return [dataclasses.replace(p, spike_compression=True) for p in plans
+            if p.experimental_features.allow_spike_compression and not p.spike_compression and not p.uses_pp]
 
 
 __all__: Tuple[str, ...] = ("ACTIVATION_CHECKPOINTING", "check_memory_levers", "check_time_step_module",
                             "check_cpu_offload_device", "find_time_step_module", "lever_label", "objective_checkpoints", "lever_fields", "lever_notes", "checkpointing_variants",
-                            "copy_without_levers")
+                            "copy_without_levers", "spike_compression_variants")

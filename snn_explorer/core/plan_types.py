@@ -33,6 +33,8 @@ class DistributedFeatureSet:
     allow_zero_optimizer: bool = True
     allow_activation_checkpointing: bool = False
     allow_cpu_offload: bool = False
+    #: saved 0/1 tensors packed 1 bit per element (``core.spike_compression``)
+    allow_spike_compression: bool = False
     #: bf16 / fp16 training (``core.precision``); off: every plan trains in fp32, as before
     allow_mixed_precision: bool = False
 
@@ -112,6 +114,7 @@ class SNNDistributedPlan:
     checkpoint_every: int = 1
     cpu_offload: bool = False
     time_step_module: Optional[str] = None
+    spike_compression: bool = False  # saved spikes packed 1 bit each (core.spike_compression)
     #: where N and T sit in the model's input and output (None: not stated; runs take time-major [T, N, ...])
     data_layout: Optional[DataLayout] = None
     #: the training precision (``core.precision.Precision``; a name is accepted and converted)

@@ -6,8 +6,9 @@ which the data-parallel ranks of a plan split between them.
 Layers, each importing only from those before it: ``instruments`` (meters, recorders, counters,
 isolation) <- ``profile`` (what one run of the model measures) <- ``memory`` and ``timing`` (shard
 arithmetic, peaks; hardware, compute, collectives, step and pipeline time) <- ``calibration`` and
-``measurement`` <- ``plan_estimate``, ``pp_layout``, ``enumerate``, ``compare`` (the public face).
+``measurement`` <- ``plan_estimate``, ``pp_layout``, ``enumerate``, ``compare``, ``budget_fit`` (the public face).
 """
+from .budget_fit import FitOutcome, FitResult, fit_budget
 from .calibration import calibrate, default_hardware
 from .compare import compare_estimate
 from .enumerate import PlanList, enumerate_plans
@@ -23,7 +24,7 @@ from .timing import HardwareProfile, hardware_profile, hardware_profiles
 from .timing.step_time import fastest_first
 
 __all__ = ["COLLECTIVE_COLUMNS", "PER_RANK_COLUMNS", "TIME_COLUMNS", "CollectiveRecorder", "HardwareProfile",
-           "ModelProfile", "PlanEstimate", "PlanList", "PlanMeasurement", "activation_curve", "balanced_pp_plan",
-           "bubble_fraction", "calibrate", "compare_estimate", "default_hardware", "enumerate_plans", "estimate",
-           "estimate_all", "fastest_first", "hardware_profile", "hardware_profiles", "measure", "measure_many",
-           "model_profile"]
+           "FitOutcome", "FitResult", "ModelProfile", "PlanEstimate", "PlanList", "PlanMeasurement",
+           "activation_curve", "balanced_pp_plan", "bubble_fraction", "calibrate", "compare_estimate",
+           "default_hardware", "enumerate_plans", "estimate", "estimate_all", "fastest_first", "fit_budget",
+           "hardware_profile", "hardware_profiles", "measure", "measure_many", "model_profile"]

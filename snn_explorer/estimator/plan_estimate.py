@@ -41,6 +41,7 @@ from .memory.fsdp_timeline import FsdpTimeline
 from .memory.gpu_trace import gpu_peaks, gpu_step
 from .memory.pipeline_memory import pipeline_rows
 from .memory.sharding import as_gathered, buffer_bytes, dp_roles, local_params, optimizer_temporaries, rank_bytes
+from .memory.spike_compression import compressed_profile, spike_saving
 from .memory.step_peak import dynamic_peak
 from .profile.checkpointed import levered_profile, recompute_fraction
 from .profile.profiling import ModelProfile, check_run_size, model_profile
@@ -178,6 +179,8 @@ def _per_rank(rows, roles, plan: SNNDistributedPlan) -> pd.DataFrame:
 def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_budget, profile, hardware):
     profile = levered_profile(profile or model_profile(model, example_input, labels, dtype), plan)
     n = plan.per_rank_batch
+    packed = spike_saving(profile, n, t, plan.tensor_parallel_plan, plan.tp_size) if plan.spike_compression else None
+    profile = compressed_profile(profile) if packed is not None else profile  # measured with spikes as bits
     gpu = hardware.kernel_model and not plan.uses_pp  # the step as the GPU runs it (:mod:`.memory.gpu_trace`)
     if not gpu:
         check_run_size(profile, n, t)
@@ -222,12 +225,13 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
                          neuron_state_bytes=round(state), transient_bytes=round(transient), peak_bytes=round(peak)))
     per_rank = _per_rank(rows, dp_roles(params, plan), plan)
     return _finish(plan, per_rank, step_collectives(plan, params, profile, t, itemsize), t, optimizer, memory_budget,
-                   profile, hardware, step=step)
+                   profile, hardware, step=step, extra_s=packed.seconds(hardware) if packed is not None else 0.0)
 
 
 def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profile, hardware,
-            pipeline=None, step=None) -> PlanEstimate:
-    """The estimate with its verdict and step time, from the per-rank table and the collective rows."""
+            pipeline=None, step=None, extra_s: float = 0.0) -> PlanEstimate:
+    """The estimate with its verdict and step time, from the per-rank table and the collective rows;
+    ``extra_s`` is compute a lever adds to every rank's step (spike compression's check, pack, unpack)."""
     collectives = pd.DataFrame(collective_rows, columns=COLLECTIVE_COLUMNS)
     peak = int(per_rank["peak_bytes"].max())
     if memory_budget is None:
@@ -244,6 +248,8 @@ def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profil
                     "the allocator's bytes")
     else:
         time = plan_time(plan, profile, collectives, per_rank, hardware, t, optimizer)
+    if extra_s:
+        time = time.assign(compute_s=time["compute_s"] + extra_s, step_s=time["step_s"] + extra_s)
     return PlanEstimate(plan=plan, per_rank=per_rank, collectives=collectives, verdict=verdict, time_steps=t,
                         optimizer=optimizer, memory_budget=memory_budget, time=time, hardware=hardware,
                         pipeline=pipeline, recompute_forward_fraction=recompute_fraction(profile, plan, t))

@@ -1,0 +1,183 @@
+"""fit_budget(): the fastest plan whose estimated peak fits a memory budget, levers chosen by their effect.
+
+Every plan :func:`~.enumerate.enumerate_plans` accepts for the world size is estimated without memory
+levers, and with each lever its gates allow (activation checkpointing by blocks or by time chunks,
+:func:`~snn_explorer.core.memory_levers.checkpointing_variants`), all from one shared
+:class:`~.profile.ModelProfile`. A lever stays in a plan only where the estimate says it lowers that
+plan's peak; a lever the estimate says raises the peak (a model whose memory is mostly parameters) is
+dropped and the table says by how much. CPU offload is not searched: the estimator does not model it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import pandas as pd
+import torch
+from torch import nn
+
+from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze
+from ..core.memory_levers import copy_without_levers, find_time_step_module, lever_label, spike_compression_variants
+from ..core.validate import positive_int, positive_number
+from ..core.vocabulary import Vocabulary
+from .calibration import resolve_hardware
+from .enumerate import enumerate_plans
+from .plan_estimate import PlanEstimate, estimate
+from .profile import model_profile
+
+#: The columns of :attr:`FitResult.table`, one row per candidate plan.
+FIT_COLUMNS = ("plan", "levers", "peak_bytes", "unlevered_peak_bytes", "step_time_s", "lever_time_s", "fits",
+               "outcome", "why")
+
+
+class FitOutcome(Vocabulary):
+    """What became of one candidate of :func:`fit_budget`."""
+
+    CHOSEN = "chosen"
+    SLOWER = "slower"                    # fits, but a faster plan fits too
+    OVER_BUDGET = "over_budget"          # estimated peak above the budget
+    LEVER_NO_GAIN = "lever_no_gain"      # the lever does not lower the plan's peak: dropped
+    PRUNED = "pruned"                    # not estimated: it cannot beat the chosen plan
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """The plan :func:`fit_budget` chose (``plan``, ``estimate``), the budget, and every candidate (``table``:
+    one row per plan, :data:`FIT_COLUMNS`, the chosen first, then the fitting ones fastest first)."""
+
+    plan: SNNDistributedPlan
+    estimate: PlanEstimate
+    memory_budget: int
+    table: pd.DataFrame
+    search_s: float
+    #: the enumerated candidates the core refused, and why (from :func:`enumerate_plans`)
+    infeasible: Dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def runners_up(self) -> pd.DataFrame:
+        """The candidates that lost, each with why."""
+        return self.table[self.table["outcome"] != FitOutcome.CHOSEN].reset_index(drop=True)
+
+    def _repr_html_(self) -> str:
+        head = (f"<p><b>{self.table['plan'].iloc[0]}</b>: peak {self.estimate.peak_bytes / 2 ** 20:.2f} MiB of a "
+                f"{self.memory_budget / 2 ** 20:.2f} MiB budget, {self.estimate.step_time_s * 1e3:.3f} ms per step; "
+                f"searched {len(self.table)} candidates in {self.search_s:.2f} s</p>")
+        return head + self.table.to_html(index=False)
+
+
+def _name(plan: SNNDistributedPlan) -> str:
+    mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.mesh_dim_names, plan.mesh_shape))
+    return f"{plan.mode}{'+zero' if plan.uses_zero else ''} {mesh}{lever_label(plan)}"
+
+
+def _row(plan, est: Optional[PlanEstimate], base: Optional[PlanEstimate], budget: int, outcome, why: str) -> dict:
+    peak = est.peak_bytes if est is not None else None
+    step = est.step_time_s if est is not None else None
+    levered = base is not None and base is not est
+    return dict(plan=_name(plan), levers=lever_label(plan) or "-", peak_bytes=peak,
+                unlevered_peak_bytes=base.peak_bytes if base is not None else None, step_time_s=step,
+                lever_time_s=(step - base.step_time_s) if levered and step is not None else 0.0,
+                fits=peak is not None and peak <= budget, outcome=outcome, why=why)
+
+
+#: The gates :func:`fit_budget` opens when ``features`` is None: every lever the estimator can estimate.
+FIT_FEATURES = DistributedFeatureSet(allow_activation_checkpointing=True, allow_spike_compression=True)
+
+
+def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int, world_size: int, *,
+        labels: Optional[torch.Tensor] = None, hardware=None, batch_size: Optional[int] = None,
+        features: Optional[DistributedFeatureSet] = None, optimizer: str = "adam") -> FitResult:
+    """The fastest plan for ``world_size`` ranks whose estimated per-rank peak fits ``memory_budget`` bytes.
+
+    Searches modes, meshes (dp x tp, pp x dp, ZeRO) and memory levers together; ``features`` are the gates
+    (default :data:`FIT_FEATURES`: activation checkpointing and spike compression allowed). ``batch_size`` is the global batch
+    (default: the example input's). ``hardware`` is where step times are predicted (as for :func:`estimate`).
+
+    How the search prunes: the plans without levers are estimated first (one profile for all of them:
+    each per-rank batch and TP layout runs the model once) and walked fastest first. A lever never makes a
+    step faster in the estimator's time model (recomputation, packing and unpacking only add work), so the first unlevered plan
+    that fits ends the search: the lever variants of every plan at least as slow are not estimated
+    (``pruned``), and neither are those of a plan that fits already. A lever variant is estimated only for
+    an unlevered plan that does not fit and is faster than the best fitting plan found so far; it is kept
+    only if its estimated peak is below its unlevered plan's (else ``lever_no_gain``). So the chosen
+    plan's estimated peak is never above the same plan's without levers. Raises ValueError when no plan fits,
+    naming the lowest estimated peak found.
+    """
+    started = time.perf_counter()
+    budget = int(positive_number("memory_budget", memory_budget, what="bytes per device"))
+    world_size = positive_int("world_size", world_size, what="the number of ranks")
+    hardware = resolve_hardware(hardware)
+    analysis = analyze(model, example_input=example_input, labels=labels)
+    layout = analysis.data_layout
+    batch_size = layout.samples(example_input) if batch_size is None else positive_int("batch_size", batch_size)
+    plans = enumerate_plans(analysis, world_size=world_size, batch_size=batch_size,
+                            features=FIT_FEATURES if features is None else features,
+                            time_step_module=find_time_step_module(model, example_input))
+    profile = model_profile(model, example_input, labels, layout=layout)
+
+    def estimate_of(p: SNNDistributedPlan) -> PlanEstimate:
+        return estimate(model, p, example_input=example_input, labels=labels, optimizer=optimizer, profile=profile,
+                        hardware=hardware, layout=layout)
+
+    variants: Dict[SNNDistributedPlan, List[SNNDistributedPlan]] = {}
+    for p in plans:
+        variants.setdefault(copy_without_levers(p), []).append(p)
+    for base, levered in variants.items():
+        levered.extend(spike_compression_variants([base]))
+    bases = sorted(((b, estimate_of(b)) for b in variants), key=lambda be: be[1].step_time_s)
+    rows, best = _search(bases, variants, estimate_of, budget)
+    if best is None:
+        lowest = min((r for r in rows if r["peak_bytes"] is not None), key=lambda r: r["peak_bytes"])
+        raise ValueError(f"no plan for world_size={world_size} fits memory_budget={budget} B per rank: the lowest "
+                         f"estimated peak is {lowest['peak_bytes']} B ({lowest['plan']}); raise the budget or the "
+                         f"world size, or open more levers in features")
+    table = _ranked(rows, best[0])
+    return FitResult(plan=best[0], estimate=best[1], memory_budget=budget, table=table,
+                     search_s=time.perf_counter() - started, infeasible=dict(plans.infeasible))
+
+
+def _search(bases, variants, estimate_of, budget: int):
+    """The candidate rows and the fastest fitting (plan, estimate), walking ``bases`` fastest first."""
+    rows, best = [], None
+    for base, base_est in bases:
+        levered = [v for v in variants[base] if v != base]
+        fits = base_est.peak_bytes <= budget
+        if fits and (best is None or base_est.step_time_s < best[1].step_time_s):
+            best = (base, base_est)
+        rows.append(_row(base, base_est, base_est, budget, FitOutcome.OVER_BUDGET if not fits else FitOutcome.SLOWER,
+                         "" if fits else f"peak {base_est.peak_bytes} B > budget {budget} B"))
+        if fits or (best is not None and base_est.step_time_s >= best[1].step_time_s):
+            why = ("its plan fits without levers, and levers only add time" if fits else
+                   "its plan without levers is no faster than a fitting plan, and levers only add time")
+            rows += [_row(v, None, base_est, budget, FitOutcome.PRUNED, why) for v in levered]
+            continue
+        for v in levered:
+            est = estimate_of(v)
+            if est.peak_bytes >= base_est.peak_bytes:
+                rows.append(_row(v, est, base_est, budget, FitOutcome.LEVER_NO_GAIN,
+                                 f"peak {est.peak_bytes} B >= {base_est.peak_bytes} B without the lever"))
+                continue
+            v_fits = est.peak_bytes <= budget
+            rows.append(_row(v, est, base_est, budget, FitOutcome.SLOWER if v_fits else FitOutcome.OVER_BUDGET,
+                             "" if v_fits else f"peak {est.peak_bytes} B > budget {budget} B"))
+            if v_fits and (best is None or est.step_time_s < best[1].step_time_s):
+                best = (v, est)
+    return rows, best
+
+
+def _ranked(rows: List[dict], chosen: SNNDistributedPlan) -> pd.DataFrame:
+    """The rows, the chosen first, then fitting ones fastest first, each loser saying why it lost."""
+    chosen_name = _name(chosen)
+    chosen_time = next(r["step_time_s"] for r in rows if r["plan"] == chosen_name)
+    for r in rows:
+        if r["plan"] == chosen_name:
+            r.update(outcome=FitOutcome.CHOSEN, why="the fastest plan whose estimated peak fits the budget")
+        elif r["outcome"] == FitOutcome.SLOWER:
+            r["why"] = f"fits, but {(r['step_time_s'] - chosen_time) * 1e3:.3f} ms slower per step than the chosen"
+    order = {FitOutcome.CHOSEN: 0, FitOutcome.SLOWER: 1, FitOutcome.OVER_BUDGET: 2, FitOutcome.LEVER_NO_GAIN: 3,
+             FitOutcome.PRUNED: 4}
+    rows = sorted(rows, key=lambda r: (order[r["outcome"]], r["step_time_s"] if r["step_time_s"] is not None
+                                       else float("inf")))
+    return pd.DataFrame(rows, columns=list(FIT_COLUMNS))

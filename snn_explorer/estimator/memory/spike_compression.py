@@ -1,0 +1,146 @@
+"""What spike compression (``plan.spike_compression``, :mod:`snn_explorer.core.spike_compression`) saves and costs.
+
+The model one rank runs (the profile's private copy, its TP replica, or its checkpointed copy) runs
+one forward under a detector: the profile's own saved-tensor hooks (:class:`SavedByModule`), which
+charge each saved storage once, plus the packer's test of each saved tensor (:func:`is_binary`, the
+same test the packer runs). After the forward, the storages autograd still holds that are 0/1 are the
+ones compression keeps as bits: each saves its bytes less ``numel / 8``. The check runs on every
+floating saved tensor, packing and unpacking on the 0/1 ones: their time is operator calls plus the
+bytes they read and write at the hardware's bandwidth.
+
+The peak of a plan with compression is measured as the checkpointed plans' is: the profile's runs
+repeated on a copy of the rank's model with the packer applied (:func:`compressed_profile`), so the
+check's and the packing's temporaries and backward's unpacked tensors are in it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ...core.neurons import detached_copy
+from ...core.spike_compression import apply_spike_compression, is_binary, packable
+from ..instruments.storage import SavedByModule, model_state_tensors, saving
+from ..profile.checkpointed import held_after_forward
+from ..profile.profiling import ModelProfile
+from ..profile.step import batch_slice, forward_loss
+
+#: Operators per tensor of the check (==1, ==0, signbit, ~, &, |, all), of packing (==1, to, cat, <<, sum)
+#: and unpacking (>>, &, to): torch's calls in core.spike_compression, counted.
+CHECK_OPS, PACK_OPS, UNPACK_OPS = 7, 5, 3
+
+
+@dataclass(frozen=True)
+class SpikeSaving:
+    """Per rank and step: bytes the packed 0/1 saved storages no longer take (``saved_bytes``), the largest one
+    unpacked in backward (``largest_bytes``), what was checked and packed (tensors, bytes)."""
+
+    saved_bytes: float
+    largest_bytes: float
+    checked: int
+    checked_bytes: float
+    checked_numel: float
+    packed: int
+    packed_bytes: float
+    packed_numel: float
+
+    def seconds(self, hardware) -> float:
+        """The check, pack and unpack time of one step on ``hardware`` (operator calls, then bytes at its bandwidth)."""
+        calls = self.checked * CHECK_OPS + self.packed * (PACK_OPS + UNPACK_OPS)
+        traffic = (3 * self.checked_bytes + 4 * self.checked_numel  # three reads, four bool temporaries
+                   + 2 * self.packed_bytes + 6 * self.packed_numel)  # one read, one write, uint8 temporaries
+        return calls * hardware.op_overhead_s + traffic / hardware.bandwidth()
+
+
+class _Detector(SavedByModule):
+    """The profile's saved-storage hooks, also noting which saved tensors the packer would pack."""
+
+    def __init__(self):
+        super().__init__(lambda: "")
+        self.binary: Dict[int, int] = {}  # data_ptr -> element size of a 0/1 storage
+        self.checked = [0, 0.0, 0.0]  # tensors, bytes, elements
+
+    def pack(self, t):
+        if packable(t):
+            self.checked[0] += 1
+            self.checked[1] += t.numel() * t.element_size()
+            self.checked[2] += t.numel()
+            if is_binary(t):
+                self.binary.setdefault(t.untyped_storage().data_ptr(), t.element_size())
+        return super().pack(t)
+
+
+def spike_saving(profile, n: int, t: int, tp_plan: Optional[Mapping[str, str]] = None, tp: int = 1) -> SpikeSaving:
+    """:class:`SpikeSaving` of ``n`` samples and ``t`` steps on the model one rank runs (measured once per size)."""
+    key_, model = profile.rank_model(tp_plan, tp)
+    cache = profile.__dict__.setdefault("_spike_savings", {})
+    key = (n, t) + key_
+    if key not in cache:
+        x, y = batch_slice(profile.example_input, profile.labels, n, t, layout=profile.layout)
+        x = x.to(profile.dtype)
+        with torch.no_grad():
+            forward_loss(model, x, y)  # the neuron state takes this size
+        detector = _Detector()
+        with saving(detector):
+            loss = forward_loss(model, x, y)
+        gc.collect()
+        held = detector.held()
+        state = {s.untyped_storage().data_ptr() for s in model_state_tensors(model)}  # alive anyway
+        sizes = [(nbytes, detector.binary[ptr]) for ptr, (_, nbytes) in held.items()
+                 if ptr in detector.binary and ptr not in state]
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        saved = sum(nbytes - -(-nbytes // (8 * itemsize)) for nbytes, itemsize in sizes)
+        cache[key] = SpikeSaving(saved_bytes=float(saved), largest_bytes=float(max((b for b, _ in sizes), default=0)),
+                                 checked=detector.checked[0], checked_bytes=detector.checked[1],
+                                 checked_numel=detector.checked[2], packed=len(sizes),
+                                 packed_bytes=float(sum(b for b, _ in sizes)),
+                                 packed_numel=float(sum(b / i for b, i in sizes)))
+    return cache[key]
+
+
+@dataclass
+class CompressedProfile(ModelProfile):
+    """A :class:`ModelProfile` whose rank models pack their saved spikes (copies of ``base``'s rank models)."""
+
+    base: ModelProfile = None
+    compressed: Dict[tuple, nn.Module] = field(default_factory=dict, repr=False)
+
+    def rank_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Tuple[tuple, nn.Module]:
+        key, model = self.base.rank_model(tp_plan, tp)
+        if key not in self.compressed:
+            copy_ = detached_copy(model)
+            apply_spike_compression(copy_, _COMPRESSED)
+            self.compressed[key] = copy_
+        return key, self.compressed[key]
+
+    def saved_and_state(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]] = None,
+                        tp: int = 1) -> Tuple[float, float]:
+        """Bytes a forward leaves for the backward (spikes as bits) and of neuron state, measured once per size."""
+        key = (n, t) + self.rank_model(tp_plan, tp)[0]
+        if key not in self.saved_state:
+            x, y = batch_slice(self.example_input, self.labels, n, t, layout=self.layout)
+            self.saved_state[key] = held_after_forward(self.rank_model(tp_plan, tp)[1], x.to(self.dtype), y)
+        return self.saved_state[key]
+
+
+@dataclass(frozen=True)
+class _Compression:
+    spike_compression: bool = True
+
+
+_COMPRESSED = _Compression()
+
+
+def compressed_profile(profile: ModelProfile) -> CompressedProfile:
+    """``profile``'s :class:`CompressedProfile` (cached on it): its step counts, its own measured runs."""
+    cache = profile.__dict__
+    if "_compressed_profile" not in cache:
+        base = {f.name: getattr(profile, f.name) for f in dataclasses.fields(ModelProfile)}
+        base.update(peaks={}, logs={}, replicas={}, saved_state={}, stage_memory={})
+        cache["_compressed_profile"] = CompressedProfile(**base, base=profile)
+    return cache["_compressed_profile"]

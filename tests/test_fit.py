@@ -1,0 +1,104 @@
+"""fit_budget(): the fastest plan whose estimated peak fits a budget; levers only where they lower the peak."""
+import pytest
+import torch
+from torch import nn
+
+from snn_explorer import DistributedFeatureSet, fit_budget, zoo
+from snn_explorer.cli import main
+from snn_explorer.core.memory_levers import copy_without_levers
+from snn_explorer.estimator import FitOutcome, estimate, model_profile
+
+from models import TimeLoop, leaky
+
+HARDWARE = "H100-SXM"  # a built-in datasheet profile: no calibration run
+ZOO = ("mlp", "mlp_all_steps", "mlp_tutorial", "vgg", "spikformer")
+FEATURES = DistributedFeatureSet(allow_activation_checkpointing=True)
+
+
+def _random_chain(seed: int):
+    """A per-time-step Linear/Leaky chain of random depth and widths, and its input [T, N, F]."""
+    g = torch.Generator().manual_seed(seed)
+    widths = [int(w) for w in torch.randint(8, 96, (int(torch.randint(2, 5, (1,), generator=g)) + 1,), generator=g)]
+    layers = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Linear(a, b), leaky()]
+    torch.manual_seed(seed)
+    model = TimeLoop(nn.Sequential(*layers, nn.Linear(widths[-1], 4)))
+    x = (torch.rand(int(torch.randint(2, 9, (1,), generator=g)), 4, widths[0], generator=g) < 0.5).float()
+    return model, x, None
+
+
+def _cases():
+    for name in ZOO:
+        z = zoo.build(name)
+        yield name, z.model, z.example_input, z.labels
+    for seed in range(3):
+        yield (f"chain{seed}",) + _random_chain(seed)
+
+
+def _check_choice(model, x, labels, result):
+    """The chosen plan fits, is the fastest fitting row, and its peak is not above the same plan's without levers."""
+    chosen = result.estimate
+    assert chosen.peak_bytes <= result.memory_budget
+    unlevered = estimate(model, copy_without_levers(result.plan), example_input=x, labels=labels,
+                         profile=model_profile(model, x, labels, layout=chosen.data_layout), hardware=HARDWARE,
+                         layout=chosen.data_layout)
+    assert chosen.peak_bytes <= unlevered.peak_bytes
+    fitting = result.table[result.table["fits"]]
+    assert chosen.step_time_s == pytest.approx(fitting["step_time_s"].min())
+    assert (result.table["outcome"] == FitOutcome.CHOSEN).sum() == 1
+    assert result.table.loc[result.table["outcome"] != FitOutcome.CHOSEN, "why"].str.len().min() > 0
+
+
+@pytest.mark.timeout(600)
+def test_the_chosen_plan_never_has_a_higher_peak_than_without_its_levers():
+    """Over the zoo and random chains, at the unlevered optimum's peak and 85 % and 65 % of it."""
+    outcomes = set()
+    for name, model, x, labels in _cases():
+        top = fit_budget(model, x, 10 ** 12, 2, labels=labels, hardware=HARDWARE, features=FEATURES)
+        assert top.plan == copy_without_levers(top.plan), name  # no budget pressure: no lever
+        for share in (1.0, 0.85, 0.65):
+            budget = int(top.estimate.peak_bytes * share)
+            try:
+                result = fit_budget(model, x, budget, 2, labels=labels, hardware=HARDWARE, features=FEATURES)
+            except ValueError as exc:
+                assert "no plan for world_size=2 fits" in str(exc), (name, share)
+                continue
+            _check_choice(model, x, labels, result)
+            outcomes |= set(result.table["outcome"])
+            outcomes.add(("levered" if result.plan != copy_without_levers(result.plan) else "plain", name))
+    # the property was exercised both ways: levers chosen somewhere, and dropped where they did not help
+    assert ("levered", "spikformer") in outcomes
+    assert FitOutcome.LEVER_NO_GAIN in outcomes and FitOutcome.PRUNED in outcomes
+
+
+def test_a_lever_that_raises_the_peak_is_dropped_and_stated():
+    """The zoo mlp's memory is mostly parameters: checkpointing raises each plan's estimated peak, so a budget
+    just under the fastest plan's peak is met by another plan, never by a levered one."""
+    z = zoo.build("mlp")
+    top = fit_budget(z.model, z.example_input, 10 ** 12, 2, labels=z.labels, hardware=HARDWARE, features=FEATURES)
+    result = fit_budget(z.model, z.example_input, top.estimate.peak_bytes - 1, 2, labels=z.labels, hardware=HARDWARE,
+                 features=FEATURES)
+    dropped = result.table[result.table["outcome"] == FitOutcome.LEVER_NO_GAIN]
+    assert len(dropped) > 0
+    assert (dropped["peak_bytes"] >= dropped["unlevered_peak_bytes"]).all()
+    assert result.plan == copy_without_levers(result.plan)
+    assert "<table" in result._repr_html_()
+
+
+def test_no_fitting_plan_names_the_lowest_peak():
+    z = zoo.build("vgg")
+    with pytest.raises(ValueError, match=r"memory_budget=1000 B .* lowest estimated peak is \d+ B"):
+        fit_budget(z.model, z.example_input, 1000, 2, labels=z.labels, hardware=HARDWARE)
+    with pytest.raises(ValueError, match="memory_budget"):
+        fit_budget(z.model, z.example_input, -5, 2, labels=z.labels, hardware=HARDWARE)
+
+
+def test_cli_fit_prints_the_chosen_plan_and_the_runners_up(capsys):
+    assert main(["fit", "zoo:spikformer", "--world-size", "2", "--memory-budget", "1.8", "--hardware", HARDWARE]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first.startswith("chosen: ") and "of 1.800 MiB" in first
+    assert "over_budget" in out and "slower" in out
+    assert main(["fit", "zoo:spikformer", "--world-size", "2", "--memory-budget", "0.01", "--hardware", HARDWARE]) == 2
+    assert "lowest estimated peak" in capsys.readouterr().err
