@@ -128,7 +128,8 @@ def _run_once(payload: bytes, spec: dict, limits: Tuple, env, progress, log_dir)
         agent = AgentProcess(run_dir, _rank_env(run_dir, backend, env))
         try:
             hung, why, stuck = _wait(agent, reader, tracker, display, started, *limits)
-            stacks = _dump_stacks(run_dir, tracker, hung + stuck) if hung or stuck else {}
+            # a silent rank ends the run: every unfinished rank shows where it was (the silent one's peers wait for it)
+            stacks = _dump_stacks(run_dir, tracker, tracker.unfinished() if hung else stuck) if hung or stuck else {}
         finally:
             agent.end(grace=0.0 if not tracker.unfinished() else 3.0)
             for event in reader.poll():

@@ -132,16 +132,18 @@ def headline(fails: Dict[int, RankFailure], nprocs: int) -> str:
 
 
 def timed_out(tracker: Tracker, hung, why: str, stacks, logs, joined, values) -> LaunchError:
-    """The error of ranks without a heartbeat: each with its stack; when some hung ranks are inside
-    a collective and others are not, those others come first (the peers were waiting for them)."""
-    suspects = [r for r in sorted(hung) if not in_collective(stacks.get(r, ""))]
+    """The error of ranks without a heartbeat (``hung``): every unfinished rank with its stack; when
+    some are inside a collective and others are not, those others come first (the peers were
+    waiting for them)."""
+    ended = sorted(set(hung) | {r for r in tracker.unfinished() if r in stacks})
+    suspects = [r for r in ended if not in_collective(stacks.get(r, ""))]
     fails = {}
-    for r in hung:
+    for r in ended:
         waiting = bool(suspects) and r not in suspects
         fails[r] = RankFailure(r, None, "Timeout", why + ("; waiting for a peer" if waiting else ""),
                                stacks.get(r, ""), logs[r]["stderr"][-LOG_TAIL:], collateral=waiting,
                                stack=stacks.get(r, ""))
-    order = suspects + [r for r in sorted(hung) if r not in suspects]
+    order = suspects + [r for r in ended if r not in suspects]
     where = "; ".join(f"rank {r} in {waiting_in(stacks.get(r, ''))}" for r in order if waiting_in(stacks.get(r, "")))
     return LaunchError(f"launch timed out: rank(s) {sorted(tracker.unfinished())} had not finished ({why}; "
                        f"rank(s) {sorted(hung)})" + (f"; first: {where}" if where else ""), fails,
