@@ -2,7 +2,8 @@
 
 Every plan :func:`~.enumerate.enumerate_plans` accepts for the world size is estimated without memory
 levers, and with each lever its gates allow (activation checkpointing by blocks or by time chunks,
-:func:`~snn_explorer.core.memory_levers.checkpointing_variants`), all from one shared
+:func:`~snn_explorer.core.memory_levers.checkpointing_variants`, each also every 2nd block / chunk;
+spike compression, :mod:`~snn_explorer.core.spike_compression`), all from one shared
 :class:`~.profile.ModelProfile`. A lever stays in a plan only where the estimate says it lowers that
 plan's peak; a lever the estimate says raises the peak (a model whose memory is mostly parameters) is
 dropped and the table says by how much. CPU offload is not searched: the estimator does not model it.
@@ -21,7 +22,7 @@ from torch import nn
 from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze
 from ..core.memory_levers import copy_without_levers, find_time_step_module, lever_label, spike_compression_variants
 from ..core.validate import positive_int, positive_number
-from ..core.vocabulary import Vocabulary
+from ..core.vocabulary import Checkpointing, Vocabulary
 from .calibration import resolve_hardware
 from .enumerate import enumerate_plans
 from .plan_estimate import PlanEstimate, estimate
@@ -82,6 +83,9 @@ def _row(plan, est: Optional[PlanEstimate], base: Optional[PlanEstimate], budget
                 fits=peak is not None and peak <= budget, outcome=outcome, why=why)
 
 
+#: Besides every block / time step, checkpoint every k-th one for these k (less recompute, more memory).
+EVERY = (2,)
+
 #: The gates :func:`fit_budget` opens when ``features`` is None: every lever the estimator can estimate.
 FIT_FEATURES = DistributedFeatureSet(allow_activation_checkpointing=True, allow_spike_compression=True)
 
@@ -125,6 +129,8 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     for p in plans:
         variants.setdefault(copy_without_levers(p), []).append(p)
     for base, levered in variants.items():
+        levered.extend([dataclasses.replace(v, checkpoint_every=k) for v in list(levered)
+                        if v.activation_checkpointing != Checkpointing.NONE for k in EVERY])
         levered.extend(spike_compression_variants([base]))
     bases = sorted(((b, estimate_of(b)) for b in variants), key=lambda be: be[1].step_time_s)
     rows, best = _search(bases, variants, estimate_of, budget)
