@@ -61,6 +61,17 @@ class FitResult:
         """The candidates that lost, each with why."""
         return self.table[self.table["outcome"] != FitOutcome.CHOSEN].reset_index(drop=True)
 
+    @property
+    def pareto(self) -> pd.DataFrame:
+        """The estimated candidates no other beats on both peak and step time, fastest first."""
+        rows = self.table.dropna(subset=["peak_bytes"]).sort_values(["step_time_s", "peak_bytes"])
+        front, lowest = [], float("inf")
+        for index, peak in rows["peak_bytes"].items():
+            if peak < lowest:
+                front.append(index)
+                lowest = peak
+        return rows.loc[front].reset_index(drop=True)
+
     def _repr_html_(self) -> str:
         head = (f"<p><b>{self.table['plan'].iloc[0]}</b>: peak {self.estimate.peak_bytes / 2 ** 20:.2f} MiB of a "
                 f"{self.memory_budget / 2 ** 20:.2f} MiB budget, {self.estimate.step_time_s * 1e3:.3f} ms per step; "
