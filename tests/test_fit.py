@@ -47,6 +47,11 @@ def _check_choice(model, x, labels, result):
     fitting = result.table[result.table["fits"]]
     assert chosen.step_time_s == pytest.approx(fitting["step_time_s"].min())
     assert (result.table["outcome"] == FitOutcome.CHOSEN).sum() == 1
+    # the pruning rests on this: no lever makes an estimated step faster than its plan without levers
+    assert (result.table["lever_time_s"] >= 0).all()
+    front = result.pareto
+    assert front["step_time_s"].is_monotonic_increasing and front["peak_bytes"].is_monotonic_decreasing
+    assert front["step_time_s"].iloc[0] == result.table["step_time_s"].min()
     assert result.table.loc[result.table["outcome"] != FitOutcome.CHOSEN, "why"].str.len().min() > 0
 
 

@@ -4,7 +4,8 @@ Spikes are 0 or 1, yet autograd saves them in the compute dtype (32 bits each in
 ``spike_compression=True`` every forward of the model runs under ``torch.autograd.graph.saved_tensors_hooks``
 whose pack hook checks each saved floating tensor: if every element is exactly ``+0`` or ``1`` it keeps
 the bits (``uint8``, 8 elements a byte) and unpack rebuilds the same values in the same dtype and shape,
-so gradients are bit-identical. Any other tensor is saved unchanged and counted (:class:`SpikePacker`
+so gradients are bit-identical (a DTensor's local values are tested and packed on its rank, and it is
+rebuilt with its mesh and placements). Any other tensor is saved unchanged and counted (:class:`SpikePacker`
 ``refused``): a value that is not 0/1 (a membrane, ``-0.0``) is never packed. Parameters and other
 leaves that need a gradient are left as they are (they stay alive anyway; packing would add a copy).
 
@@ -19,6 +20,7 @@ from typing import Any, List, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .vocabulary import Checkpointing
 
@@ -66,6 +68,16 @@ class PackedSpikes:
     shape: torch.Size
     dtype: torch.dtype
     requires_grad: bool
+    #: a DTensor's (mesh, placements, global shape, stride); its local tensor is what ``bits`` holds
+    dtensor: Optional[tuple] = None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (this rank's values: tests and packing stay on the rank), else ``t``."""
+    if not isinstance(t, DTensor):
+        return t
+    with torch.no_grad():
+        return t.to_local()
 
 
 class SpikePacker:
@@ -78,21 +90,27 @@ class SpikePacker:
     def pack(self, t: Any) -> Any:
         if not packable(t):
             return t
-        if not is_binary(t):
+        local = _local(t)
+        if not is_binary(local):
             self.refused += 1
-            self.refused_bytes += t.numel() * t.element_size()
+            self.refused_bytes += local.numel() * local.element_size()
             return t
-        bits = pack_bits(t)
+        bits = pack_bits(local)
         self.packed += 1
-        self.packed_bytes += t.numel() * t.element_size()
+        self.packed_bytes += local.numel() * local.element_size()
         self.stored_bytes += bits.numel()
-        return PackedSpikes(bits, t.shape, t.dtype, t.requires_grad)
+        spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
+        return PackedSpikes(bits, local.shape, local.dtype, t.requires_grad, spec)
 
     @staticmethod
     def unpack(saved: Any) -> Any:
         if not isinstance(saved, PackedSpikes):
             return saved
-        return unpack_bits(saved.bits, saved.shape, saved.dtype).requires_grad_(saved.requires_grad)
+        local = unpack_bits(saved.bits, saved.shape, saved.dtype)
+        if saved.dtensor is not None:
+            mesh, placements, shape, stride = saved.dtensor
+            local = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+        return local.requires_grad_(saved.requires_grad)
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)

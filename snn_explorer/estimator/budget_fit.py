@@ -2,7 +2,8 @@
 
 Every plan :func:`~.enumerate.enumerate_plans` accepts for the world size is estimated without memory
 levers, and with each lever its gates allow (activation checkpointing by blocks or by time chunks,
-:func:`~snn_explorer.core.memory_levers.checkpointing_variants`), all from one shared
+:func:`~snn_explorer.core.memory_levers.checkpointing_variants`, each also every 2nd block / chunk;
+spike compression, :mod:`~snn_explorer.core.spike_compression`), all from one shared
 :class:`~.profile.ModelProfile`. A lever stays in a plan only where the estimate says it lowers that
 plan's peak; a lever the estimate says raises the peak (a model whose memory is mostly parameters) is
 dropped and the table says by how much. CPU offload is not searched: the estimator does not model it.
@@ -21,7 +22,7 @@ from torch import nn
 from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze
 from ..core.memory_levers import copy_without_levers, find_time_step_module, lever_label, spike_compression_variants
 from ..core.validate import positive_int, positive_number
-from ..core.vocabulary import Vocabulary
+from ..core.vocabulary import Checkpointing, Vocabulary
 from .calibration import resolve_hardware
 from .enumerate import enumerate_plans
 from .plan_estimate import PlanEstimate, estimate
@@ -60,6 +61,17 @@ class FitResult:
         """The candidates that lost, each with why."""
         return self.table[self.table["outcome"] != FitOutcome.CHOSEN].reset_index(drop=True)
 
+    @property
+    def pareto(self) -> pd.DataFrame:
+        """The estimated candidates no other beats on both peak and step time, fastest first."""
+        rows = self.table.dropna(subset=["peak_bytes"]).sort_values(["step_time_s", "peak_bytes"])
+        front, lowest = [], float("inf")
+        for index, peak in rows["peak_bytes"].items():
+            if peak < lowest:
+                front.append(index)
+                lowest = peak
+        return rows.loc[front].reset_index(drop=True)
+
     def _repr_html_(self) -> str:
         head = (f"<p><b>{self.table['plan'].iloc[0]}</b>: peak {self.estimate.peak_bytes / 2 ** 20:.2f} MiB of a "
                 f"{self.memory_budget / 2 ** 20:.2f} MiB budget, {self.estimate.step_time_s * 1e3:.3f} ms per step; "
@@ -81,6 +93,9 @@ def _row(plan, est: Optional[PlanEstimate], base: Optional[PlanEstimate], budget
                 lever_time_s=(step - base.step_time_s) if levered and step is not None else 0.0,
                 fits=peak is not None and peak <= budget, outcome=outcome, why=why)
 
+
+#: Besides every block / time step, checkpoint every k-th one for these k (less recompute, more memory).
+EVERY = (2,)
 
 #: The gates :func:`fit_budget` opens when ``features`` is None: every lever the estimator can estimate.
 FIT_FEATURES = DistributedFeatureSet(allow_activation_checkpointing=True, allow_spike_compression=True)
@@ -125,6 +140,8 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     for p in plans:
         variants.setdefault(copy_without_levers(p), []).append(p)
     for base, levered in variants.items():
+        levered.extend([dataclasses.replace(v, checkpoint_every=k) for v in list(levered)
+                        if v.activation_checkpointing != Checkpointing.NONE for k in EVERY])
         levered.extend(spike_compression_variants([base]))
     bases = sorted(((b, estimate_of(b)) for b in variants), key=lambda be: be[1].step_time_s)
     rows, best = _search(bases, variants, estimate_of, budget)

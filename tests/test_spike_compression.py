@@ -1,0 +1,203 @@
+"""Spike compression: saved 0/1 tensors kept as bits, bit-exact training on real ranks, estimated as measured."""
+import dataclasses
+
+import pytest
+import snntorch
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import snn_explorer as se
+from distributed_harness import run_on_ranks
+from snn_explorer.core.neurons import detached_copy
+from snn_explorer.core.spike_compression import (SpikePacker, apply_spike_compression, pack_bits, spike_packer,
+                                                 unpack_bits)
+from snn_explorer.estimator import estimate, measure_many, model_profile
+from snn_explorer.estimator.memory.spike_compression import spike_saving
+from snn_explorer.estimator.profile.checkpointed import held_after_forward
+from snn_explorer.zoo import build
+
+STEPS = 20
+GATES = se.DistributedFeatureSet(allow_spike_compression=True)
+RANK_CASES = (("dp", {"dp": 2}, "mlp_all_steps"), ("fsdp2", {"dp": 2}, "vgg"), ("tp", {"tp": 2}, "mlp"))
+
+
+def _plan(zoo, mode, topology, compress):
+    base = se.plan(analysis=se.analyze(zoo.model), objective="speed", topology=topology, batch_size=zoo.batch_size,
+                   mode=mode, features=GATES, activation_checkpointing="none")
+    return dataclasses.replace(base, spike_compression=compress)
+
+
+# ---- the packer --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("numel", [1, 7, 8, 9, 1000])
+def test_bits_restore_the_tensor_exactly(dtype, numel):
+    g = torch.Generator().manual_seed(numel)
+    spikes = (torch.rand(numel, generator=g) < 0.3).to(dtype).reshape(-1, 1)
+    bits = pack_bits(spikes)
+    assert bits.dtype == torch.uint8 and bits.numel() == -(-numel // 8)
+    back = unpack_bits(bits, spikes.shape, dtype)
+    assert back.dtype == dtype and torch.equal(back, spikes)
+    assert 0 < spikes.sum() < numel or numel < 8  # both values present where there is room for them
+
+
+@pytest.mark.parametrize("value", [0.5, 2.0, -1.0, -0.0, float("nan"), float("inf"), 1e-30])
+def test_a_tensor_that_is_not_0_or_1_is_saved_unchanged_and_counted(value):
+    packer = SpikePacker()
+    t = torch.tensor([0.0, 1.0, 1.0, value]).requires_grad_(False) * 1  # not a leaf needing a gradient
+    assert packer.pack(t) is t
+    assert packer.counts() == dict(packed=0, packed_bytes=0, stored_bytes=0, refused=1, refused_bytes=16)
+
+
+def test_parameters_and_integer_tensors_are_left_alone():
+    packer = SpikePacker()
+    weight = nn.Parameter(torch.tensor([0.0, 1.0]))
+    index = torch.tensor([0, 1])
+    assert packer.pack(weight) is weight and packer.pack(index) is index
+    assert packer.counts()["packed"] == packer.counts()["refused"] == 0
+
+
+def test_gradients_are_bit_identical_in_one_process_and_both_kinds_are_seen():
+    zoo = build("spikformer")
+    model = zoo.model.double()
+    runs = []
+    for packer in (None, SpikePacker()):
+        model.zero_grad(set_to_none=True)
+        for m in model.modules():
+            if isinstance(m, snntorch.SpikingNeuron):
+                m.reset_mem()
+        hooks = packer.hooks() if packer else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        with hooks:
+            out = model(zoo.example_input.double())
+            loss = nn.functional.cross_entropy(out.mean(0), zoo.labels)
+        loss.backward()
+        runs.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        if packer:
+            assert packer.packed > 0 and packer.refused > 0  # spikes packed, membranes and the like not
+            assert packer.stored_bytes * 60 < packer.packed_bytes  # 1 bit for 64 (float64)
+    assert runs[0][0].std() > 1e-3
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(runs[0][1][n], runs[1][1][n]) for n in runs[0][1])
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(features=se.DistributedFeatureSet()), ValueError, "allow_spike_compression=True"),
+    (dict(mode="pp", topology={"pp": 2}), ValueError, "pipeline stages"),
+    (dict(activation_checkpointing="blocks",
+          features=se.DistributedFeatureSet(allow_spike_compression=True, allow_activation_checkpointing=True)),
+     ValueError, "activation_checkpointing='blocks'"),
+])
+def test_plan_time_refusals_name_the_values(kw, error, match):
+    zoo = build("mlp_all_steps")
+    args = dict(analysis=se.analyze(zoo.model), objective="speed", topology={"dp": 2}, batch_size=8, mode="dp",
+                features=GATES, activation_checkpointing="none")
+    args.update(kw)
+    base = se.plan(**args)
+    with pytest.raises(error, match=match):
+        dataclasses.replace(base, spike_compression=True)
+    with pytest.raises(TypeError, match="spike_compression must be a bool"):
+        dataclasses.replace(_plan(zoo, "dp", {"dp": 2}, False), spike_compression=1)
+
+
+# ---- real ranks --------------------------------------------------------------------------------------------
+def _train(runtime, zoo):
+    """STEPS Adam steps on this rank's share (float64); outputs and losses per step, last grads, final params,
+    and the mean spike rate of every neuron over the run."""
+    plan = runtime.plan
+    start = runtime.dp_rank * plan.per_rank_batch
+    inputs = zoo.example_input.double()[:, start:start + plan.per_rank_batch]
+    labels = zoo.labels[start:start + plan.per_rank_batch]
+    rates = {}
+    hooks = [m.register_forward_hook(lambda _m, _i, out, n=n: rates.setdefault(n, []).append(float(out.mean())))
+             for n, m in runtime.module.named_modules() if isinstance(m, snntorch.SpikingNeuron)]
+    optimizer = runtime.build_optimizer(torch.optim.Adam, lr=1e-2)
+    outs, losses, grads = [], [], None
+    for step in range(STEPS):
+        loss, out = runtime.forward_loss(nn.CrossEntropyLoss(), inputs, labels)
+        optimizer.zero_grad()
+        loss.backward()
+        if step == STEPS - 1:
+            grads = runtime.full_gradients()
+        optimizer.step()
+        outs.append(out.detach().clone())
+        losses.append(loss.detach().clone())
+    for hook in hooks:
+        hook.remove()
+    return dict(outs=outs, losses=losses, grads=grads, params=runtime.full_parameters(),
+                rates={n: sum(v) / len(v) for n, v in rates.items()})
+
+
+def _rank_runs():
+    results = []
+    for mode, topology, zoo_name in RANK_CASES:
+        runs = {}
+        for compress in (False, True):
+            zoo = build(zoo_name)
+            model = zoo.model.double()
+            runtime = se.apply(model=model, plan=_plan(zoo, mode, topology, compress), device_type="cpu")
+            runs[compress] = _train(runtime, zoo)
+            packer = spike_packer(model)
+            runs[compress]["counts"] = packer.counts() if packer else None
+        results.append(dict(case=(mode, zoo_name), rank=dist.get_rank(), plain=runs[False], packed=runs[True]))
+    return results
+
+
+@pytest.fixture(scope="module")
+def rank_results():
+    return [r for per_rank in run_on_ranks(_rank_runs, 2, timeout=300) for r in per_rank]
+
+
+def test_spikes_fire_and_training_moves(rank_results):
+    """What the equivalence compares is not trivial: every neuron fires at 2-98 %, outputs vary, the loss moves."""
+    for r in rank_results:
+        assert r["plain"]["rates"], r["case"]
+        for name, rate in r["plain"]["rates"].items():
+            assert 0.02 <= rate <= 0.98, f"{r['case']}: spike rate of {name} is {rate:.3f}"
+        assert all(out.std() > 1e-3 for out in r["plain"]["outs"]), r["case"]
+        assert r["plain"]["losses"][0] != r["plain"]["losses"][-1], r["case"]
+        counts = r["packed"]["counts"]
+        assert counts["packed"] > 0 and counts["refused"] > 0, (r["case"], counts)
+        assert r["plain"]["counts"] is None
+
+
+@pytest.mark.parametrize("what", ["outs", "losses", "grads", "params"])
+def test_compressed_training_equals_plain_training_exactly(rank_results, what):
+    """20 steps on 2 gloo ranks: every output, loss, gradient and parameter has 0 difference."""
+    for r in rank_results:
+        got, want = r["packed"][what], r["plain"][what]
+        pairs = [(n, got[n], want[n]) for n in want] if isinstance(want, dict) else list(zip(range(STEPS), got, want))
+        assert len(pairs) > 0
+        for name, g, w in pairs:
+            assert torch.equal(g, w), f"{r['case']} rank {r['rank']} {what} {name}: max diff {(g - w).abs().max()}"
+
+
+def test_estimated_peak_and_saving_match_the_measured_ones():
+    """The estimate of each plan with and without compression against measure() on 2 gloo ranks."""
+    for mode, topology, zoo_name in (("dp", {"dp": 2}, "mlp_all_steps"), ("fsdp2", {"dp": 2}, "vgg")):
+        zoo = build(zoo_name)
+        plans = [_plan(zoo, mode, topology, c) for c in (False, True)]
+        measured = [int(m.per_rank["peak_bytes"].max())
+                    for m in measure_many(zoo.model, plans, example_input=zoo.example_input, labels=zoo.labels)]
+        estimated = [estimate(zoo.model, p, example_input=zoo.example_input, labels=zoo.labels,
+                              hardware="H100-SXM") for p in plans]
+        for est, got in zip(estimated, measured):
+            assert abs(est.peak_bytes - got) <= 0.05 * got, f"{zoo_name} {mode}: estimated {est.peak_bytes}, measured {got}"
+        saving, saving_est = measured[0] - measured[1], estimated[0].peak_bytes - estimated[1].peak_bytes
+        assert saving > 0.05 * measured[0], f"{zoo_name} {mode}: compression saved only {saving} B"
+        assert abs(saving_est - saving) <= 0.1 * saving, f"{zoo_name}: estimated saving {saving_est} vs {saving}"
+        assert estimated[1].step_time_s > estimated[0].step_time_s  # its check, pack and unpack are stated
+
+
+def test_bytes_saved_after_the_forward_as_the_detector_predicts():
+    """spike_saving's bytes against what a compressed forward measurably no longer leaves for backward
+    (storage meter after the forward, plain copy against compressed copy), on three zoo models."""
+    for name in ("vgg", "spikformer", "mlp_all_steps"):
+        zoo = build(name)
+        n = zoo.batch_size // 2
+        x, y = zoo.example_input[:, :n], zoo.labels[:n]
+        plain, packed = detached_copy(zoo.model), detached_copy(zoo.model)
+        apply_spike_compression(packed, _plan(zoo, "dp", {"dp": 2}, True))
+        held = held_after_forward(plain, x, y)[0] - held_after_forward(packed, x, y)[0]
+        predicted = spike_saving(model_profile(zoo.model, zoo.example_input, zoo.labels), n, zoo.time_steps)
+        assert spike_packer(packed).packed > 0 and held > 0.2 * held_after_forward(plain, x, y)[0], name
+        assert abs(predicted.saved_bytes - held) <= 0.01 * held, (name, predicted, held)
