@@ -172,8 +172,9 @@ def test_compressed_training_equals_plain_training_exactly(rank_results, what):
 
 
 def test_estimated_peak_and_saving_match_the_measured_ones():
-    """The estimate of each plan with and without compression against measure() on 2 gloo ranks."""
-    for mode, topology, zoo_name in (("dp", {"dp": 2}, "mlp_all_steps"), ("fsdp2", {"dp": 2}, "vgg")):
+    """The estimate of each plan with and without compression against measure() on 2 gloo ranks, on models whose
+    peak is in the activations (where the parameters and optimizer set the peak, compression cannot lower it)."""
+    for mode, topology, zoo_name in (("fsdp2", {"dp": 2}, "vgg"), ("dp", {"dp": 2}, "spikformer")):
         zoo = build(zoo_name)
         plans = [_plan(zoo, mode, topology, c) for c in (False, True)]
         measured = [int(m.per_rank["peak_bytes"].max())
