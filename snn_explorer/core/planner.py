@@ -179,7 +179,8 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     levers = lever_fields(activation_checkpointing, checkpoint_every, cpu_offload, time_step_module,
                           objective=objective, features=features, analysis=analysis)
     notes.extend(lever_notes(levers))
-    chosen_precision, precision_note = choose_precision(precision, objective, features)
+    chosen_precision, precision_note = choose_precision(precision, objective, features, spec.fsdp,
+                                                        analysis.batchnorm_names)
     notes.extend([precision_note] if precision_note else [])
     plan_ = SNNDistributedPlan(
         mode=chosen, objective=objective, topology=topology, model_family=family,

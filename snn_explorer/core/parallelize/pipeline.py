@@ -26,13 +26,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.distributed.pipelining as pipelining
-from torch.distributed.pipelining.microbatch import TensorChunkSpec
 from torch import nn
+from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
 from ...compat import is_view
 from .. import neurons
 from ..pipeline_plan import resolve_layout, stage_units
 from .mixed_precision import autocast_forward, reduce_in
+
 #: The batch dim of SNN tensors ``[T, N, ...]``: micro-batches are cut and merged along it.
 BATCH_DIM = 1
 

@@ -33,8 +33,8 @@ from torch import nn
 from ...compat import tree_leaves
 from ...core.neurons import detached_copy, stateful_modules
 from ...core.parallelize.mixed_precision import autocast_forward, hold_neuron_state
-from ...core.precision import FP32, Precision
 from ...core.plans.families import fsdp_units
+from ...core.precision import FP32, Precision
 from ..instruments.fsdp_events import record
 from ..instruments.isolation import as_found, one_thread
 from ..instruments.meter import StorageMeter

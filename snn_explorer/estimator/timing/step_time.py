@@ -26,7 +26,6 @@ import socket
 from typing import Dict, Tuple
 
 import pandas as pd
-import torch
 
 from ...core import SNNDistributedPlan
 from ...core.styles import STYLES
