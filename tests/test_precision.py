@@ -6,14 +6,13 @@ import pytest
 import snntorch
 import torch
 import torch.distributed as dist
+from distributed_harness import run_on_ranks
 from torch import nn
 
 import snn_explorer as se
 from snn_explorer.core.precision import PRECISIONS, Precision, precision_of
 from snn_explorer.zoo import build
 from snn_explorer.zoo._neurons import ATanSurrogate, MultiStep
-
-from distributed_harness import run_on_ranks
 
 GATE = se.DistributedFeatureSet(allow_mixed_precision=True)
 

@@ -19,9 +19,8 @@ Tolerances, relative, from bf16's 8 significant bits (unit roundoff u = 2**-8 = 
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from distributed_harness import run_on_ranks
+from torch import nn
 
 STEPS = 4
 LR = 1e-2

@@ -133,7 +133,8 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
                                 pp_virtual_stages, pp_layout) if spec.pp else {}
     levers = _levers(spec, activation_checkpointing, checkpoint_every, cpu_offload, time_step_module, objective,
                      features, analysis, notes)
-    chosen_precision, precision_note = choose_precision(precision, objective, features)
+    chosen_precision, precision_note = choose_precision(precision, objective, features, spec.fsdp,
+                                                        analysis.batchnorm_names)
     notes.extend([precision_note] if precision_note else [])
     plan_ = SNNDistributedPlan(
         mode=chosen, objective=objective, topology=topology, model_family=family,

@@ -180,20 +180,37 @@ def precision_of(value: Union[str, Precision, None], keep_neuron_state_fp32: Opt
     return dataclasses.replace(found, **changes) if changes else found
 
 
-def choose_precision(requested: Union[str, Precision, None], objective: str, features: Any) -> Tuple[Precision, str]:
+def fsdp_norm_problem(precision: Precision, fsdp: bool, batchnorm_names) -> Optional[str]:
+    """Why FSDP2 cannot train ``precision`` on a model with these BatchNorm layers (None when it can)."""
+    if not (precision.mixed and fsdp and batchnorm_names):
+        return None
+    return (f"precision={precision.name!r} with FSDP2 casts the BatchNorm weights ({list(batchnorm_names)[:3]}) to "
+            f"{precision.name} while their running statistics stay fp32, which torch's batch_norm refuses (\"expected "
+            "scalar type\"); use mode 'dp' or 'tp' (autocast keeps fp32 weights) or precision='fp32'")
+
+
+def choose_precision(requested: Union[str, Precision, None], objective: str, features: Any,
+                     fsdp: bool = False, batchnorm_names=()) -> Tuple[Precision, str]:
     """The plan's precision and a note that explains it. ``requested=None`` lets the objective choose:
     with ``features.allow_mixed_precision`` every objective takes bf16 (activations and neuron
     inputs, the terms that grow with T, halve; GPUs run it on tensor cores; its fp32 exponent range
-    needs no loss scaler) with neuron state kept in fp32; with the gate closed, fp32."""
+    needs no loss scaler) with neuron state kept in fp32, unless FSDP2 cannot run it on the model
+    (:func:`fsdp_norm_problem`); with the gate closed, fp32."""
     gate = bool(getattr(features, "allow_mixed_precision", False))
     if requested is not None:
         chosen = precision_of(requested)
         if chosen.mixed and not gate:
             raise ValueError(f"precision={chosen.name!r} needs DistributedFeatureSet(allow_mixed_precision=True); "
                              "without it plans train in 'fp32'")
+        problem = fsdp_norm_problem(chosen, fsdp, batchnorm_names)
+        if problem:
+            raise ValueError(problem)
         return chosen, f"{chosen.describe()} (chosen explicitly)"
     if not gate:
         return FP32, ""
+    problem = fsdp_norm_problem(Precision("bf16"), fsdp, batchnorm_names)
+    if problem:
+        return FP32, f"precision fp32: {problem}."
     chosen = Precision("bf16")
     return chosen, (f"{chosen.describe()} Chosen for objective {objective!r}: bf16 halves activation and "
                     "all-gather bytes and runs on tensor cores, without fp16's loss scaler; precision='fp32' "

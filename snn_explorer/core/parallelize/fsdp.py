@@ -9,6 +9,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+#: Norm layers with running statistics: FSDP2's param_dtype casts their weights but not their statistics.
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
 
 def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, units: Sequence[str], reshard_after_forward: bool,
                 cpu_offload: bool = False, mp_policy: Optional[MixedPrecisionPolicy] = None) -> None:
@@ -18,6 +21,11 @@ def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, units: Sequence[str], res
     _quiet_view_warning(model, units)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     mp_policy = mp_policy or MixedPrecisionPolicy()
+    norms = [n for n, m in model.named_modules() if isinstance(m, _BATCH_NORMS)]
+    if mp_policy.param_dtype is not None and norms:
+        raise ValueError(f"FSDP2 with param_dtype={mp_policy.param_dtype} would cast the BatchNorm weights of {norms[:3]} "
+                         "while their running statistics stay fp32, which torch's batch_norm refuses; use mode 'dp' "
+                         "or 'tp' for mixed precision on this model, or precision='fp32'")
     for path in units:
         fully_shard(model.get_submodule(path), mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
                     offload_policy=offload, mp_policy=mp_policy)

@@ -25,8 +25,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from .. import neurons
 from ...compat import non_persistent_buffer_names
+from .. import neurons
 from ..precision import Precision
 
 

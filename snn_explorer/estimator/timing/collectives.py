@@ -15,8 +15,7 @@ from ...compat import DDP_FIRST_BUCKET_BYTES, ddp_bucket_assignment
 from ...core import SNNDistributedPlan
 from ...core.collectives import Collective
 from ...core.styles import STYLES
-from ..memory.sharding import (Param, ddp_reduce_bytes, fsdp_group_bytes, fsdp_groups, gather_itemsize,
-                               reduce_itemsize)
+from ..memory.sharding import Param, ddp_reduce_bytes, fsdp_group_bytes, fsdp_groups, gather_itemsize, reduce_itemsize
 from ..profile.profiling import ModelProfile
 
 Row = Tuple[str, str, str]  # mesh_dim, kind, phase

@@ -1,0 +1,100 @@
+"""bf16 plans estimated against measure() on real gloo ranks (2), as tests/test_estimate_accuracy.py does
+for fp32: parameter, gradient, optimizer-state and buffer bytes exact (fp32 master copies), every
+collective's count and bytes exact (at the reduce / gather / compute dtype), peak per rank within 5 %
+(the issue's bound; tighter than that file's 10 %), on the zoo's mlp_all_steps (dp, fsdp2 with and
+without resharding, tp), mlp (per-step, fsdp2 and dp) and vgg (dp, tp; FSDP2 refuses its BatchNorms
+in bf16)."""
+import dataclasses
+
+import pytest
+
+import snn_explorer as se
+from snn_explorer.estimator import compare_estimate, estimate, measure_many
+from snn_explorer.zoo import build
+
+PEAK_TOL = 0.05
+EXACT = ("params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes")
+GATE = se.DistributedFeatureSet(allow_mixed_precision=True)
+CASES = {
+    "mlp_all_steps": [("dp", "speed"), ("fsdp2", "speed"), ("fsdp2", "memory"), ("tp", "speed")],
+    "mlp": [("fsdp2", "speed"), ("dp", "speed")],
+    "vgg": [("dp", "speed"), ("tp", "speed")],
+}
+_RESULTS = {}
+
+
+def _plans(zoo, precision):
+    analysis = se.analyze(zoo.model, model_family=zoo.family)
+    return [se.plan(analysis=analysis, objective=objective, topology={"tp" if mode == "tp" else "dp": 2},
+                    batch_size=zoo.batch_size, mode=mode, features=GATE, precision=precision)
+            for mode, objective in CASES[zoo.name]]
+
+
+def results(name):
+    if name not in _RESULTS:
+        zoo = build(name)
+        plans = _plans(zoo, "bf16") + _plans(zoo, "fp32")
+        measured = measure_many(zoo.model, plans, example_input=zoo.example_input, labels=zoo.labels, steps=2,
+                                timeout=240)
+        estimated = [estimate(zoo.model, p, example_input=zoo.example_input, labels=zoo.labels) for p in plans]
+        _RESULTS[name] = list(zip(plans, estimated, measured))
+    return _RESULTS[name]
+
+
+def _rows(table):
+    return sorted(tuple(r) for r in table[["mesh_dim", "kind", "phase", "count", "bytes"]].itertuples(index=False))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bf16_estimates_match_measurements(name):
+    res = results(name)
+    bf16 = [r for r in res if r[0].precision.name == "bf16"]
+    assert {(p.mode, p.memopt_level) for p, _, _ in bf16} >= {(m, 0) for m, _ in CASES[name]}
+    for plan, est, meas in bf16:
+        for col in EXACT:
+            assert list(est.per_rank[col]) == list(meas.per_rank[col]), (plan, col)
+        assert _rows(est.collectives) == _rows(meas.collectives), plan
+        err = compare_estimate(est, meas)["per_rank"]["peak_bytes_rel_err"]
+        assert err.abs().max() <= PEAK_TOL, f"{plan}: peak errors per rank {list(err.round(3))}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bf16_halves_what_is_reduced_and_gathered(name):
+    """Non-trivial: the bf16 plans' collectives differ from the fp32 plans' where they carry gradients or
+    gathered parameters (half the bytes), and keep the fp32 master copies' bytes."""
+    res = results(name)
+    half = len(res) // 2
+    for (p16, e16, m16), (p32, e32, m32) in zip(res[:half], res[half:]):
+        assert (p16.mode, p16.memopt_level) == (p32.mode, p32.memopt_level)
+        assert list(m16.per_rank["params_bytes"]) == list(m32.per_rank["params_bytes"])
+        by_kind = lambda t: t.groupby("kind")["bytes"].sum().to_dict()
+        b16, b32 = by_kind(m16.collectives), by_kind(m32.collectives)
+        if p16.uses_fsdp:
+            assert b16["all_gather"] * 2 == b32["all_gather"] and b16["reduce_scatter"] * 2 == b32["reduce_scatter"]
+        if p16.uses_ddp:
+            dp16 = m16.collectives.query("kind == 'all_reduce'")["bytes"].sum()
+            assert dp16 * 2 == m32.collectives.query("kind == 'all_reduce'")["bytes"].sum()
+
+
+def test_fsdp2_refuses_bf16_on_batchnorm_models_with_the_reason():
+    zoo = build("vgg")
+    analysis = se.analyze(zoo.model, model_family=zoo.family)
+    with pytest.raises(ValueError, match="BatchNorm weights"):
+        se.plan(analysis=analysis, objective="speed", topology={"dp": 2}, batch_size=zoo.batch_size, mode="fsdp2",
+                features=GATE, precision="bf16")
+    auto = se.plan(analysis=analysis, objective="speed", topology={"dp": 2}, batch_size=zoo.batch_size,
+                   mode="fsdp2", features=GATE)
+    assert auto.precision.name == "fp32" and any("BatchNorm weights" in n for n in auto.notes)
+
+
+def test_half_precision_rate_is_used_for_bf16_compute():
+    """On an A100 profile made FLOP-bound (no operator overhead, unlimited bandwidth), the bf16 plan's compute
+    time is the fp32 plan's over the datasheet ratio 312 / 19.5 TFLOP/s, up to the casts autocast adds."""
+    zoo = build("mlp_all_steps")
+    plans = _plans(zoo, "bf16")[:1] + _plans(zoo, "fp32")[:1]
+    hw = dataclasses.replace(se.hardware_profile("A100-SXM-80GB"), op_overhead_s=0.0, bytes_per_s=1e30,
+                             framework_overhead={})
+    est = [estimate(zoo.model, p, example_input=zoo.example_input, labels=zoo.labels, hardware=hw) for p in plans]
+    compute16, compute32 = (float(e.time["compute_s"].max()) for e in est)
+    assert hw.flops(2) / hw.flops(4) == pytest.approx(312 / 19.5)
+    assert compute32 / compute16 == pytest.approx(312 / 19.5, rel=0.05), (compute16, compute32)
