@@ -72,13 +72,12 @@ def _listening(port: int) -> bool:
 
 def _node(job, name: str, tmp: Path) -> subprocess.Popen:
     """One node: the job's own command.sh in a session of its own (its process group is the node).
-
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with the rendezvous store shared with the ranks
-    (torch's default), a surviving agent that was rank 0 keeps the store address of its first round
-    and never publishes one for the next, so a replacement node waits for it until the 60 s store
-    timeout (torch 2.13, dynamic_rendezvous.next_rendezvous); without sharing, every round publishes it."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "SNN_TEST_NODE": name, "OMP_NUM_THREADS": "1",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    The script itself sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see ``export.RENDEZVOUS_LINES``):
+    with the rendezvous store shared with the ranks (torch's default), a surviving agent that was rank 0
+    keeps the store address of its first round and never publishes one for the next, so a replacement
+    node waits for it until the 60 s store timeout (torch 2.13, dynamic_rendezvous.next_rendezvous)."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    env = {**env, "MASTER_ADDR": "127.0.0.1", "SNN_TEST_NODE": name, "OMP_NUM_THREADS": "1",
            "GLOO_SOCKET_IFNAME": "lo", "TMPDIR": str(tmp), "PYTHONPATH": REPO,
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
     log = open(tmp / f"node-{name}.log", "ab")

@@ -76,6 +76,13 @@ def _port(port) -> int:
     return int(port)
 
 
+#: Shell lines every launch script runs before torchrun: torch 2.13's c10d rendezvous otherwise lets a
+#: surviving node keep the store of its first round, and a replacement node waits for it until its
+#: timeout, so a restart after a lost node fails (tests/test_launch_multinode.py).
+RENDEZVOUS_LINES = ("# a restarted round publishes its own store (a replacement node finds it)",
+                    "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+
+
 def torchrun_command(script: str, nnodes: int, nproc_per_node: int, endpoint: str, run_id: str,
                      max_restarts: int = 0) -> str:
     """The torchrun line; ``endpoint`` and ``run_id`` are shell words (quoted or expansions)."""
@@ -98,7 +105,7 @@ def _sbatch(job_name: str, nnodes: int, nproc_per_node: int, gpus_per_node: int,
     lines += ["# submit from this directory: sbatch job.sbatch", "set -euo pipefail",
               'cd "$SLURM_SUBMIT_DIR"',
               'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-              f"export MASTER_PORT={port}", *path_lines, f"srun {command}", ""]
+              f"export MASTER_PORT={port}", *path_lines, *RENDEZVOUS_LINES, f"srun {command}", ""]
     return "\n".join(lines)
 
 
@@ -251,7 +258,8 @@ def _write(job_dir: PrivateDir, plan, source: Optional[str], nnodes: int, nproc_
     endpoint = f"${{MASTER_ADDR:?set MASTER_ADDR to the first node}}:{port}"
     command = torchrun_command(script, nnodes, nproc_per_node, endpoint, words["job_name"], max_restarts)
     command_file = job_dir.write("command.sh", "\n".join(["#!/bin/bash", "# run on every node, from this directory",
-                                                          'cd "$(dirname "$0")"', *path_lines, command, ""]),
+                                                          'cd "$(dirname "$0")"', *path_lines,
+                                                          *RENDEZVOUS_LINES, command, ""]),
                                  SCRIPT_MODE)
     sbatch_file = job_dir.write("job.sbatch", _sbatch(words["job_name"], nnodes, nproc_per_node, gpus_per_node,
                                                       words["time_limit"], words["partition"], script, port,
