@@ -9,6 +9,7 @@ chromium or Playwright is a failure, not a skip: ``scripts/setup.sh`` installs b
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -178,13 +179,13 @@ def test_launch_tab_launches_saves_loads_and_exports_in_the_browser(voila_url, t
             page = context.pages[0] if context.pages else context.new_page()
             page.goto(url, timeout=RENDER_TIMEOUT_MS)
             page.locator(TABLE).wait_for(state="visible", timeout=RENDER_TIMEOUT_MS)
-            page.locator(".lm-TabBar-tab", has_text="Launch").first.click()
-            steps = page.locator(".widget-inline-hbox", has_text="steps").locator("input").first
-            steps.fill("3")
-            steps.press("Enter")
-            page.get_by_role("button", name="launch", exact=True).click()
-            status = page.locator("pre", has_text="done:")
             try:
+                page.get_by_role("tab", name="Launch").click()
+                steps = _labelled(page, ".widget-inline-hbox", "steps").locator("input")
+                steps.fill("3")
+                steps.press("Enter")
+                _button(page, "launch").click()
+                status = page.locator("pre", has_text="done:")
                 status.wait_for(state="visible", timeout=LAUNCH_TIMEOUT_MS)
             except Exception:
                 page.screenshot(path=str(ARTIFACTS / "browser_launch_failed.png"), full_page=True)
@@ -194,18 +195,18 @@ def test_launch_tab_launches_saves_loads_and_exports_in_the_browser(voila_url, t
             expect(losses).to_be_visible()
             _launch_screenshot(page, "browser_launch_done")
 
-            plan_input = page.locator(".widget-text", has_text="plan file").locator("input")
+            plan_input = _labelled(page, ".widget-text", "plan file").locator("input")
             plan_input.fill(str(plan_file))
             plan_input.press("Enter")
-            page.get_by_role("button", name="save plan").click()
+            _button(page, "save plan").click()
             expect(page.locator("pre", has_text="saved")).to_be_visible(timeout=CHANGE_TIMEOUT_MS)
-            page.get_by_role("button", name="load plan").click()
+            _button(page, "load plan").click()
             expect(page.locator("pre", has_text="pinned as")).to_be_visible(timeout=CHANGE_TIMEOUT_MS)
 
-            job_input = page.locator(".widget-text", has_text="job folder").locator("input")
+            job_input = _labelled(page, ".widget-text", "job folder").locator("input")
             job_input.fill(str(job_dir))
             job_input.press("Enter")
-            page.get_by_role("button", name="export job").click()
+            _button(page, "export job").click()
             expect(page.locator("pre", has_text="exported to")).to_be_visible(timeout=CHANGE_TIMEOUT_MS)
             _launch_screenshot(page, "browser_launch_files")
         finally:
@@ -214,6 +215,15 @@ def test_launch_tab_launches_saves_loads_and_exports_in_the_browser(voila_url, t
     assert saved["mode"] == "dp" and saved["topology"]["dims"] == {"dp": 4}  # the controls' plan, launched
     assert sorted(os.listdir(job_dir)) == ["command.sh", "job.sbatch", "payload.pkl", "plan.json", "run.py"]
     assert json.loads((job_dir / "plan.json").read_text()) == saved
+
+
+def _labelled(page, css: str, label: str):
+    """The widget (``css``) whose description label reads exactly ``label``."""
+    return page.locator(css).filter(has=page.locator("label", has_text=re.compile(rf"^\s*{re.escape(label)}\s*$")))
+
+
+def _button(page, text: str):
+    return page.locator("button.widget-button", has_text=re.compile(rf"^\s*{re.escape(text)}\s*$"))
 
 
 def _launch_screenshot(page, name: str) -> None:

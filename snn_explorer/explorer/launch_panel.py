@@ -203,7 +203,7 @@ class LaunchPanel:
         result = self.result
         self.status.value = _message(f"done: {plan_label(plan)} on {result.backend} ranks, "
                                      f"{len(result.values[0])} steps in {seconds:.1f} s", "done")
-        self.output.value = losses_table(result.values).to_html()
+        self.output.value = losses_table(result.values).reset_index().to_html(index=False)
 
     # ---- files
     def _path(self, text: w.Text) -> str:
