@@ -20,7 +20,6 @@ from torch.distributed.checkpoint import metadata as _dcp_metadata
 
 from .compat import _require
 
-
 _DCP_STORAGE_INFO = _require("torch.distributed.checkpoint.filesystem", "_StorageInfo")
 _METADATA_NAMES = ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
                    "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")

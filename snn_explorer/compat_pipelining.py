@@ -13,6 +13,7 @@ import torch
 
 from .compat import _check, _require
 
+
 def pipeline_recv_buffers(stage: Any) -> list:
     """The receive buffers a ``torch.distributed.pipelining`` stage keeps between steps: one per
     micro-batch and received activation (``args_recv_info``) and output gradient (``grad_recv_info``)."""

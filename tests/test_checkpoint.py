@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
 from distributed_harness import run_on_ranks
+from torch import nn
 
 pytestmark = pytest.mark.timeout(900)  # the shared rank groups run in the first test's setup
 
@@ -116,6 +115,7 @@ def _group(root, saves, loads):
 def _reference(name):
     """6 uninterrupted Adam steps of the unsharded model, with their spike rates."""
     import snntorch
+
     from snn_explorer.zoo import build, reset_state
 
     zoo = build(name)

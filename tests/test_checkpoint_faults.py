@@ -9,10 +9,10 @@ import signal
 import psutil
 import pytest
 import torch
+from distributed_harness import run_on_ranks
 from torch import nn
 
 import snn_explorer as se
-from distributed_harness import run_on_ranks
 from snn_explorer.core.checkpoint import CheckpointError, latest_checkpoint, read_manifest, step_path
 from snn_explorer.ranks import LaunchError
 from snn_explorer.zoo import build

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
 from distributed_harness import run_on_ranks
+from torch import nn
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -6,10 +6,10 @@ import re
 
 import pytest
 import torch
+from distributed_harness import run_on_ranks
 from torch import nn
 
 import snn_explorer as se
-from distributed_harness import run_on_ranks
 from snn_explorer.core.plan_types import topology_problem
 from snn_explorer.zoo import build
 

@@ -13,10 +13,10 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
+from distributed_harness import run_on_ranks
 from torch.distributed.tensor.debug import CommDebugMode
 
 import snn_explorer as se
-from distributed_harness import run_on_ranks
 from snn_explorer.compat import TorchDispatchMode, ddp_rebuilt_bucket_sizes
 from snn_explorer.estimator import enumerate_plans, estimate
 from snn_explorer.zoo import build

@@ -19,13 +19,13 @@ import snn_explorer as se
 from snn_explorer import compat, compat_dcp
 from snn_explorer.core.neurons import reset_all
 from snn_explorer.estimator import estimate, measure_many
-from snn_explorer.estimator.profile.step import forward_loss
-from snn_explorer.estimator.timing.collectives import ddp_buckets
 from snn_explorer.estimator.instruments.fsdp_events import record
 from snn_explorer.estimator.instruments.meter import StorageMeter
 from snn_explorer.estimator.instruments.recorder import CollectiveRecorder
-from snn_explorer.estimator.memory.sharding import Param, step_bytes
 from snn_explorer.estimator.instruments.storage import state_tensor_ids
+from snn_explorer.estimator.memory.sharding import Param, step_bytes
+from snn_explorer.estimator.profile.step import forward_loss
+from snn_explorer.estimator.timing.collectives import ddp_buckets
 from snn_explorer.zoo import build
 
 ROOT = Path(__file__).resolve().parents[1]

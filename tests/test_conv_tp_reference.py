@@ -5,9 +5,8 @@ import re
 
 import pytest
 import torch
-from torch import nn
-
 from distributed_harness import run_on_ranks
+from torch import nn
 
 pytest.importorskip("spikingjelly.activation_based.examples.memopt.models")  # installed by scripts/setup.sh
 
@@ -54,8 +53,9 @@ def conv_tp_plan_of(model, tp: int):
 def test_full_size_model_gets_every_conv_sharded_and_the_note_says_so():
     """The model as the package ships it: 8 convolutions, 4 pairs, BatchNorms and neurons between
     each pair on their shard; the note promises exactly what the plan does."""
-    import snn_explorer as se
     from spikingjelly.activation_based.examples.memopt.models import CIFAR10DVSVGG
+
+    import snn_explorer as se
 
     model = CIFAR10DVSVGG()
     analysis = se.analyze(model)

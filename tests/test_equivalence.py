@@ -6,9 +6,8 @@ outputs vary. Runs in float64 so a membrane sitting on the threshold cannot flip
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from distributed_harness import run_on_ranks
+from torch import nn
 
 STEPS = 3
 TOL = 1e-5

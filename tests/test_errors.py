@@ -8,13 +8,22 @@ from fractions import Fraction
 import pytest
 import torch
 import torch.distributed as dist
+from models import MLP, leaky
 from torch import nn
 
-from snn_explorer import (DistributedFeatureSet, SNNDistributedAnalysis, SNNDistributedPlan, SNNDistributedRuntime,
-                          SNNDistributedTopology, analyze, apply, plan, preflight,
-                          recommend_snn_distributed_strategy, register_stateful)
-from models import MLP, leaky
-
+from snn_explorer import (
+    DistributedFeatureSet,
+    SNNDistributedAnalysis,
+    SNNDistributedPlan,
+    SNNDistributedRuntime,
+    SNNDistributedTopology,
+    analyze,
+    apply,
+    plan,
+    preflight,
+    recommend_snn_distributed_strategy,
+    register_stateful,
+)
 
 # ---- models and helpers ------------------------------------------------------------------------
 

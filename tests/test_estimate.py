@@ -4,9 +4,15 @@ import pytest
 import torch
 
 import snn_explorer as se
-from snn_explorer.estimator import (COLLECTIVE_COLUMNS, PER_RANK_COLUMNS, enumerate_plans, estimate, estimate_all,
-                                   model_profile)
-from snn_explorer.estimator.profile.profiling import Fit, FIT_BATCHES, FIT_STEPS
+from snn_explorer.estimator import (
+    COLLECTIVE_COLUMNS,
+    PER_RANK_COLUMNS,
+    enumerate_plans,
+    estimate,
+    estimate_all,
+    model_profile,
+)
+from snn_explorer.estimator.profile.profiling import FIT_BATCHES, FIT_STEPS, Fit
 from snn_explorer.zoo import SpikingMLP, build
 
 
@@ -131,12 +137,11 @@ def test_fsdp2_replay_recovers_the_meters_peaks_and_frees_every_buffer():
     backward, which leaves the run's bytes minus the unsharded gradients plus the sharded ones, and
     resharding after forward lowers the forward's peak."""
     from snn_explorer.core.plans.families import fsdp_units
-    from snn_explorer.estimator.profile.step import forward_loss
-    from snn_explorer.estimator.memory.fsdp_timeline import FsdpTimeline, replay_fsdp
     from snn_explorer.estimator.instruments.meter import StorageMeter
-    from snn_explorer.estimator.profile.profiling import _run_point
+    from snn_explorer.estimator.memory.fsdp_timeline import FsdpTimeline, replay_fsdp
     from snn_explorer.estimator.memory.sharding import local_params
-    from snn_explorer.estimator.profile.profiling import trainable_shapes
+    from snn_explorer.estimator.profile.profiling import _run_point, trainable_shapes
+    from snn_explorer.estimator.profile.step import forward_loss
 
     zoo = build("mlp_all_steps")
     model, x, y = zoo.model, zoo.example_input[:, :4], zoo.labels[:4]

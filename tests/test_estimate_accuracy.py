@@ -6,13 +6,12 @@ is the same estimated and measured. The collective recorder agrees with torch's 
 """
 import pytest
 import torch
+from models import dominant_classifier, wide_jelly
 from torch import nn
 
 import snn_explorer as se
 from snn_explorer.estimator import compare_estimate, enumerate_plans, estimate, measure_many
 from snn_explorer.zoo import SpikingMLP, build
-
-from models import dominant_classifier, wide_jelly
 
 PEAK_TOL = 0.10
 EXACT = ("params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes")

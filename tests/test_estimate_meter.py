@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from snn_explorer.compat import mem_tracker_class
-from snn_explorer.estimator.profile.step import forward_loss
 from snn_explorer.estimator.instruments.meter import StorageMeter
+from snn_explorer.estimator.profile.step import forward_loss
 from snn_explorer.zoo import build
 
 

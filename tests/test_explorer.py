@@ -11,8 +11,7 @@ import torch
 from matplotlib.figure import Figure
 
 import snn_explorer as se
-from snn_explorer.explorer import (COMPARE_ROWS, FIGSIZE, Explorer, comm_chart, memory_chart, pareto_chart,
-                                   pareto_front)
+from snn_explorer.explorer import COMPARE_ROWS, FIGSIZE, Explorer, comm_chart, memory_chart, pareto_chart, pareto_front
 from snn_explorer.explorer.compare import BEST_LOW, MEMORY_ROWS, STYLER_UUID, best_columns, unique_labels
 from snn_explorer.zoo import SpikingMLP, build
 

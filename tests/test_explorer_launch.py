@@ -10,9 +10,9 @@ import time
 import cloudpickle
 import pytest
 import torch
+from launch_helpers import clean_launch, gone  # noqa: F401  (fixture)
 from torch import nn
 
-from launch_helpers import clean_launch, gone  # noqa: F401  (fixture)
 from snn_explorer.explorer import Explorer
 from snn_explorer.explorer.ui import TABS
 from snn_explorer.zoo import build, reset_state

@@ -6,10 +6,9 @@ BatchNorm's training statistics are per rank under data parallelism (the plan no
 """
 import pytest
 import snntorch
-from torch import nn
-
 from distributed_harness import run_on_ranks
 from models import gather_over_dp
+from torch import nn
 
 
 def _rates(model):

@@ -1,14 +1,13 @@
 """fit_budget(): the fastest plan whose estimated peak fits a budget; levers only where they lower the peak."""
 import pytest
 import torch
+from models import TimeLoop, leaky
 from torch import nn
 
 from snn_explorer import DistributedFeatureSet, fit_budget, zoo
 from snn_explorer.cli import main
 from snn_explorer.core.memory_levers import copy_without_levers
 from snn_explorer.estimator import FitOutcome, estimate, model_profile
-
-from models import TimeLoop, leaky
 
 HARDWARE = "H100-SXM"  # a built-in datasheet profile: no calibration run
 ZOO = ("mlp", "mlp_all_steps", "mlp_tutorial", "vgg", "spikformer")

@@ -471,8 +471,8 @@ def test_per_rank_table_equals_rank_by_rank(objective, topology):
     zoo = build("mlp", batch_size=56)
     p = plan(analysis=analyze(zoo.model), objective=objective, topology=topology, backend="torch", batch_size=56)
     est = estimate(zoo.model, p, example_input=zoo.example_input)
-    from snn_explorer.estimator.profile.profiling import model_profile
     from snn_explorer.estimator.memory.sharding import local_params
+    from snn_explorer.estimator.profile.profiling import model_profile
 
     prof = model_profile(zoo.model, zoo.example_input)
     params = local_params(prof.params, p, prof.param_itemsizes)

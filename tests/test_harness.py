@@ -7,7 +7,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from distributed_harness import RankFailure, RankTimeout, on_ranks, run_on_ranks
 
 pytestmark = pytest.mark.timeout(120)

@@ -12,8 +12,8 @@ import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
-
 from launch_helpers import clean_launch  # noqa: F401  (fixture)
+
 from snn_explorer.launcher import LaunchError, launch
 from snn_explorer.ranks.engine import FAILURE_GRACE_S
 

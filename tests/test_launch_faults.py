@@ -14,8 +14,8 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-
 from launch_helpers import clean_launch, gone, is_reused_helper, live_children  # noqa: F401  (fixture)
+
 from snn_explorer.launcher import LaunchError, launch, report
 from snn_explorer.ranks.channel import DIR_ENV
 

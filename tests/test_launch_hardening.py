@@ -15,9 +15,9 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-
 from launch_helpers import clean_launch, gone  # noqa: F401  (fixture)
 from test_launch_plan import tp_step  # travels by value, as that module registered itself
+
 from snn_explorer import analyze, plan
 from snn_explorer.estimator import measure, measure_many
 from snn_explorer.launcher import LaunchError, export_job, launch

@@ -10,10 +10,10 @@ import sys
 import cloudpickle
 import pytest
 import torch
+from launch_helpers import clean_launch  # noqa: F401  (fixture)
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from launch_helpers import clean_launch  # noqa: F401  (fixture)
 from snn_explorer import analyze, plan
 from snn_explorer.launcher import export_job, launch_plan
 from snn_explorer.zoo import build, reset_state

@@ -6,14 +6,13 @@ import json
 import os
 import threading
 
-
-from launch_helpers import live_children
 import pytest
+from launch_helpers import live_children
 
 from snn_explorer import analyze, plan
 from snn_explorer.launcher import LaunchError, RankFailure, export_job, launch, launch_plan, resolve_backend
 from snn_explorer.ranks import channel
-from snn_explorer.ranks.display import TextDisplay, choose_display, NullDisplay, CallbackDisplay
+from snn_explorer.ranks.display import CallbackDisplay, NullDisplay, TextDisplay, choose_display
 from snn_explorer.ranks.progress import Tracker, report
 from snn_explorer.zoo import build
 

@@ -9,10 +9,10 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from distributed_harness import run_on_ranks
 from torch import nn
 
 import snn_explorer as se
-from distributed_harness import run_on_ranks
 from snn_explorer.core.memory_levers import ACTIVATION_CHECKPOINTING, find_time_step_module
 from snn_explorer.core.parallelize.checkpointing import block_segments, checkpoint_blocks, checkpoint_time_chunks
 from snn_explorer.core.plan_types import SNNDistributedPlan

@@ -9,9 +9,8 @@ that vary, a loss that changes.
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from distributed_harness import run_on_ranks
+from torch import nn
 
 STEPS = 3
 TOL = 1e-5

@@ -236,9 +236,9 @@ def test_equal_stages_keep_the_schedules_bubble():
 
 def test_stage_work_adds_up_to_the_whole_models(vgg):
     """The stages' counted FLOPs are the whole model's, forward and backward (the loss on the last)."""
+    from snn_explorer.estimator.profile.profiling import model_profile
     from snn_explorer.estimator.timing.compute_work import rank_work
     from snn_explorer.estimator.timing.pipeline_time import plan_stages, stage_work
-    from snn_explorer.estimator.profile.profiling import model_profile
 
     profile = model_profile(vgg.model, vgg.example_input, vgg.labels)
     whole = rank_work(profile, None, 1, "adam")

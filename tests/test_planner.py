@@ -7,15 +7,23 @@ import json
 import pytest
 import snntorch as snn
 import torch
+from models import MLP, leaky
 from torch import nn
 
 import snn_explorer as se
+from snn_explorer import (
+    DistributedFeatureSet,
+    SNNDistributedAnalysis,
+    SNNDistributedPlan,
+    SNNDistributedRuntime,
+    SNNDistributedTopology,
+    StrategyRecommendation,
+    analyze,
+    plan,
+    recommend_snn_distributed_strategy,
+)
 from snn_explorer.core import neurons
 from snn_explorer.core.plan_types import topology_problem
-from snn_explorer import (DistributedFeatureSet, SNNDistributedAnalysis, SNNDistributedPlan,
-                          SNNDistributedRuntime, SNNDistributedTopology, StrategyRecommendation, analyze, plan,
-                          recommend_snn_distributed_strategy)
-from models import MLP, leaky
 
 OBJECTIVES = ("speed", "memory", "capacity")
 VGG_NAMES = ("cifar10dvs_vgg", "vgg16", "cifar10dvs_vgg_small")

@@ -1,11 +1,11 @@
 """Runtime helpers: data loading over the dp coordinate, output preparation, optimizer choice."""
 import pytest
 import torch
+from distributed_harness import run_on_ranks
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import snn_explorer as se
-from distributed_harness import run_on_ranks
 
 N_SAMPLES = 16
 

@@ -5,13 +5,18 @@ import pytest
 import snntorch
 import torch
 import torch.distributed as dist
+from distributed_harness import run_on_ranks
 from torch import nn
 
 import snn_explorer as se
-from distributed_harness import run_on_ranks
 from snn_explorer.core.neurons import detached_copy
-from snn_explorer.core.spike_compression import (SpikePacker, apply_spike_compression, pack_bits, spike_packer,
-                                                 unpack_bits)
+from snn_explorer.core.spike_compression import (
+    SpikePacker,
+    apply_spike_compression,
+    pack_bits,
+    spike_packer,
+    unpack_bits,
+)
 from snn_explorer.estimator import estimate, measure_many, model_profile
 from snn_explorer.estimator.memory.spike_compression import spike_saving
 from snn_explorer.estimator.profile.checkpointed import held_after_forward

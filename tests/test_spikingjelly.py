@@ -5,10 +5,9 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
-
 from distributed_harness import run_on_ranks
 from models import gather_over_dp
+from torch import nn
 
 sj = pytest.importorskip("spikingjelly.activation_based")  # installed by scripts/setup.sh
 
@@ -67,8 +66,9 @@ def test_detects_and_resets_spikingjelly_neurons():
 
 
 def _jelly_rank(step_mode, topology, mode):
-    import snn_explorer as se
     from spikingjelly.activation_based import functional
+
+    import snn_explorer as se
 
     x, y = jelly_input(), torch.arange(4) % 8
     ref = jelly_mlp(step_mode).double()
@@ -282,10 +282,11 @@ def test_explorer_tables_shard_what_plan_shards_on_the_spikformer():
 def test_dropout_masks_are_state_but_not_neurons():
     """A spikingjelly Dropout is reset with the neurons but counted, described and serialised as a
     dropout mask; an analysis saved before state kinds existed still loads (all its state neurons)."""
+    from spikingjelly.activation_based import functional, layer, neuron
+
     import snn_explorer as se
     from snn_explorer import Explorer
     from snn_explorer.core.neurons import reset_all
-    from spikingjelly.activation_based import functional, layer, neuron
 
     torch.manual_seed(0)
     model = nn.Sequential(layer.Linear(16, 32), neuron.LIFNode(), layer.Dropout(0.5), layer.Linear(32, 8))

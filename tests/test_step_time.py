@@ -9,14 +9,14 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import snn_explorer as se
-from snn_explorer.estimator import enumerate_plans, estimate
-from snn_explorer.estimator.calibration.fit import MIN_BETA, profile_from, fit_alpha_beta, median_profile
-from snn_explorer.estimator.calibration.probes import SIZES_BYTES
 from snn_explorer.core.topology import SNNDistributedTopology
+from snn_explorer.estimator import enumerate_plans, estimate
+from snn_explorer.estimator.calibration.fit import MIN_BETA, fit_alpha_beta, median_profile, profile_from
+from snn_explorer.estimator.calibration.probes import SIZES_BYTES
+from snn_explorer.estimator.profile.step import batch_slice, forward_loss
+from snn_explorer.estimator.profile.tp_replica import tp_replica
 from snn_explorer.estimator.timing.hardware import KINDS, HardwareProfile, link_table, ring_fraction, ring_steps
 from snn_explorer.estimator.timing.step_time import exposed_comm_s
-from snn_explorer.estimator.profile.tp_replica import tp_replica
-from snn_explorer.estimator.profile.step import batch_slice, forward_loss
 from snn_explorer.zoo import SpikingMLP, build
 
 FLOPS = 1e9
@@ -299,8 +299,8 @@ def test_work_count_does_not_depend_on_what_ran_before_and_the_profile_runs_coun
     batch size, gradients None): a run at another batch size that leaves gradients and neuron state
     behind changes nothing, and the count the profile runs took equals a count of its own."""
     from snn_explorer.estimator import model_profile
-    from snn_explorer.estimator.timing.compute_work import count_work, rank_work
     from snn_explorer.estimator.instruments.isolation import one_thread
+    from snn_explorer.estimator.timing.compute_work import count_work, rank_work
 
     zoo = build("spikformer")
     profile = model_profile(zoo.model, zoo.example_input, zoo.labels)
@@ -317,9 +317,9 @@ def test_work_count_does_not_depend_on_what_ran_before_and_the_profile_runs_coun
 def test_optimizer_count_on_zero_gradients_is_that_of_a_step_after_a_real_backward(optimizer):
     """The optimizer's second step counted on zero gradients of the parameters a backward reaches
     equals the second step counted after real backwards (operators and bytes follow shapes only)."""
+    from snn_explorer.estimator.instruments.op_counter import OpCounter, grad_names
     from snn_explorer.estimator.profile.step import OPTIMIZERS
     from snn_explorer.estimator.timing.compute_work import optimizer_work
-    from snn_explorer.estimator.instruments.op_counter import OpCounter, grad_names
 
     zoo = build("mlp")
     model = zoo.model

@@ -3,13 +3,13 @@ the estimator and the Explorer's tables and shard chart; plan-time refusals of T
 cannot compute (issue 19): tied weights, broken chains, styles of another layer kind, missing gates."""
 import pytest
 import torch
+from distributed_harness import run_on_ranks
+from models import MLP, SEWResNet, SpikeDrivenNet, TimeLoop
 from torch import nn
 
 import snn_explorer as se
-from distributed_harness import run_on_ranks
-from models import MLP, SEWResNet, SpikeDrivenNet, TimeLoop
-from snn_explorer.zoo import lif
 from snn_explorer.core.styles import STYLES
+from snn_explorer.zoo import lif
 
 TP = 2
 T, N = 3, 4

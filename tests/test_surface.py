@@ -9,11 +9,11 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+from models import MLP
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import snn_explorer as se
 from snn_explorer.core.parallelize.mesh import comm_backend_for, default_device_type
-from models import MLP
 
 
 @pytest.fixture

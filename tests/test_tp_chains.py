@@ -2,11 +2,11 @@
 import pytest
 import snntorch
 import torch
+from distributed_harness import run_on_ranks
+from models import TimeLoop
 from torch import nn
 
 import snn_explorer as se
-from distributed_harness import run_on_ranks
-from models import TimeLoop
 from snn_explorer.zoo import lif
 
 WIDTH = 16

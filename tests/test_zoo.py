@@ -11,8 +11,17 @@ import snntorch
 import torch
 from torch import nn
 
-from snn_explorer.zoo import (SIZES, ZOO_NAMES, ATanSurrogate, MultiStep, SpikingMLP, SpikingSelfAttention,
-                              ZooModel, build, reset_state)
+from snn_explorer.zoo import (
+    SIZES,
+    ZOO_NAMES,
+    ATanSurrogate,
+    MultiStep,
+    SpikingMLP,
+    SpikingSelfAttention,
+    ZooModel,
+    build,
+    reset_state,
+)
 
 FAMILIES = {"mlp": "mlp", "mlp_all_steps": "mlp", "mlp_tutorial": "generic", "vgg": "cifar10dvs_vgg", "spikformer": "spikformer"}
 

@@ -10,13 +10,20 @@ from torch import nn
 
 from ..compat import non_persistent_buffer_names
 from . import neurons
-from .attention import (AttentionBlock, BranchAttentionBlock, FusedAttentionBlock, attention_blocks,
-                        branch_attention_blocks, fused_attention_blocks, pointwise_chains)
-from .structure import CONV_TYPES, NORM_TYPES, block_conv_chains, chains, paired_layers, under
+from .attention import (
+    AttentionBlock,
+    BranchAttentionBlock,
+    FusedAttentionBlock,
+    attention_blocks,
+    branch_attention_blocks,
+    fused_attention_blocks,
+    pointwise_chains,
+)
 from .layouts import DataLayout, detect_layout, layout_of
 from .pipeline_plan import pipeline_units, trainable_units
 from .plans.families import fsdp_units, resolve_family
 from .serialize import check_keys, check_kind, dataclass_dict, string_tuple, tuplify
+from .structure import CONV_TYPES, NORM_TYPES, block_conv_chains, chains, paired_layers, under
 
 #: Analysis fields that hold module paths, and those that hold tuples of them (chains, (path, library)).
 _PATHS = ("memory_module_names", "tensor_parallel_candidate_names", "unsupported_tensor_parallel_names", "notes",

@@ -9,6 +9,7 @@ from torch import nn
 from .serialize import dataclass_dict
 from .structure import NORM_TYPES, flatten, runs, under
 
+
 @dataclass(frozen=True)
 class AttentionBlock:
     """Multi-head attention with separate q/k/v/output Linears; ``neurons`` sit between q and proj."""

@@ -46,12 +46,35 @@ from torch import nn
 from ..compat import non_persistent_buffer_names, spikingjelly_memories, spikingjelly_reset_values
 from ..compat_dcp import SafeFileSystemReader, UnsafeCheckpointError
 from . import neurons
-from .checkpoint_files import (FORMAT, FORMAT_VERSION, MANIFEST, CheckpointError, check_target, latest_checkpoint, model_mismatch,
-                               partial_path, publish, read_manifest, reshard_problem, saved_tensor_metadata,
-                               step_path)
-from .checkpoint_tensors import (destination, from_whole, group_settings, kept_whole, local_part,
-                                 model_tensor_shapes, model_tensors, optimizer_class, optimizer_destinations,
-                                 optimizer_entries, restore_optimizer, saveable)
+from .checkpoint_files import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    CheckpointError,
+    check_target,
+    latest_checkpoint,
+    model_mismatch,
+    partial_path,
+    publish,
+    read_manifest,
+    reshard_problem,
+    saved_tensor_metadata,
+    step_path,
+)
+from .checkpoint_tensors import (
+    destination,
+    from_whole,
+    group_settings,
+    kept_whole,
+    local_part,
+    model_tensor_shapes,
+    model_tensors,
+    optimizer_class,
+    optimizer_destinations,
+    optimizer_entries,
+    restore_optimizer,
+    saveable,
+)
 from .plan_types import SNNDistributedPlan
 
 __all__ = ["CheckpointError", "LoadedCheckpoint", "check_checkpoint", "check_plan_checkpointable",

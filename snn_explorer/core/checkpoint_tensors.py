@@ -11,8 +11,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..compat import non_persistent_buffer_names
-from .checkpoint_files import CheckpointError
 from .channel_styles import full_shape, full_tensor, local_shard
+from .checkpoint_files import CheckpointError
 from .parallelize.pipeline import PipelinedModel
 
 

@@ -7,21 +7,22 @@ import torch
 from torch import nn
 
 from .analysis import SNNDistributedAnalysis, analyze
-from .plan_types import SNNDistributedPlan
-from .pipeline_plan import check_pp_model
-from .plans.families import CONTAINERS
-from .runtime import SNNDistributedRuntime
-from .tp_plan import check_tied_parameters, check_tp_plan
-from .vocabulary import NeuronBackend
 from .memory_levers import check_cpu_offload_device
 from .parallelize.checkpointing import apply_activation_checkpointing
-from .spike_compression import apply_spike_compression
 from .parallelize.dp import apply_ddp
 from .parallelize.fsdp import apply_fsdp2
+from .parallelize.mesh import build_mesh, check_device_type, check_mesh_type, check_process_group, local_device
 from .parallelize.mixed_precision import autocast_forward, fsdp_policy, hold_neuron_state
 from .parallelize.pipeline import apply_pp
-from .parallelize.mesh import build_mesh, check_device_type, check_mesh_type, check_process_group, local_device
 from .parallelize.tp import apply_tp
+from .pipeline_plan import check_pp_model
+from .plan_types import SNNDistributedPlan
+from .plans.families import CONTAINERS
+from .runtime import SNNDistributedRuntime
+from .spike_compression import apply_spike_compression
+from .tp_plan import check_tied_parameters, check_tp_plan
+from .vocabulary import NeuronBackend
+
 
 def _unwrap(model: nn.Module) -> nn.Module:
     """The model inside a DDP / DataParallel wrapper (any other model as it is)."""

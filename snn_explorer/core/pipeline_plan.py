@@ -16,7 +16,6 @@ from torch import nn
 
 from .structure import forward_chain, is_plain_sequential
 
-
 # ---- the model's sequence of units ---------------------------------------------------------------
 
 #: What torch.fx says when a forward iterates over a traced tensor (``for x_t in x``) or ranges over its

@@ -7,17 +7,29 @@ from .analysis import SNNDistributedAnalysis
 from .layouts import layout_of
 from .memory_levers import check_time_step_module, lever_fields, lever_notes
 from .modes import MODE_TABLE, MODES, Mode, mode_of, names_text
-from .pipeline_plan import (check_pp_model, layout_text, microbatches_for, recommend_pipeline, resolve_layout,
-                            units_problem)
+from .pipeline_plan import (
+    check_pp_model,
+    layout_text,
+    microbatches_for,
+    recommend_pipeline,
+    resolve_layout,
+    units_problem,
+)
 from .pipeline_schedules import default_schedule, schedule_of
 from .plan_types import DistributedFeatureSet, SNNDistributedPlan
 from .plans.families import resolve_family
 from .precision import choose_precision
-from .recommend import (UNSET, check_backend, check_batch_size, check_objective, neuron_backend_arg,
-                        recommend_snn_distributed_strategy)
+from .recommend import (
+    UNSET,
+    check_backend,
+    check_batch_size,
+    check_objective,
+    neuron_backend_arg,
+    recommend_snn_distributed_strategy,
+)
 from .topology import SNNDistributedTopology
-from .vocabulary import Checkpointing
 from .tp_plan import check_tied_parameters, check_tp_plan, default_tp_plan, has_attention, with_local_neurons
+from .vocabulary import Checkpointing
 
 #: Modes tried after the recommendation, per objective, when it does not fit (a mode missing
 #: here is tried last).

@@ -6,16 +6,16 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
 from ..compat import uncompiled
 from . import neurons
 from .analysis import SNNDistributedAnalysis
+from .channel_styles import full_tensor
 from .checkpoint import load_checkpoint, save_checkpoint
 from .layouts import TIME_MAJOR, DataLayout, check_samples
-from .channel_styles import full_tensor
 from .parallelize.mixed_precision import LossScaler, loss_scaler_for
 from .plan_types import SNNDistributedPlan
 from .validate import positive_int

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import math
-import reprlib
 import numbers
+import reprlib
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Dict, List, Mapping, Optional

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import math
-import reprlib
 import numbers
+import reprlib
 import warnings
 from typing import Any, Optional
 

@@ -3,8 +3,7 @@
 It loads pandas, matplotlib, ipywidgets and the estimator when imported; ``import snn_explorer``
 stays light on every launched rank because ``snn_explorer.Explorer`` imports this package on first use.
 """
-from .charts import (FIGSIZE, comm_chart, memory_chart, mesh_chart, pareto_chart, pareto_front,
-                     step_time_chart)
+from .charts import FIGSIZE, comm_chart, memory_chart, mesh_chart, pareto_chart, pareto_front, step_time_chart
 from .compare import COMPARE_ROWS, compare_table, style_compare
 from .explorer import Explorer
 from .layout import shard_layout

@@ -6,8 +6,8 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
-from ..core.memory_levers import lever_label
 from ..core import SNNDistributedPlan
+from ..core.memory_levers import lever_label
 from ..estimator import PlanEstimate
 
 #: Per-rank memory components (each row holds the largest value over the plan's ranks).

@@ -10,19 +10,20 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 from torch import nn
 
-from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze, apply, plan as core_plan
+from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze, apply
+from ..core import plan as core_plan
 from ..core.memory_levers import find_time_step_module, objective_checkpoints
 from ..core.recommend import UNSET, check_backend, neuron_backend_arg
 from ..core.tp_plan import default_tp_plan
 from ..core.validate import check_batch_tensor, positive_int
-from ..estimator import (PlanList, balanced_pp_plan, enumerate_plans, estimate as estimate_plan,
-                         fastest_first, model_profile)
+from ..estimator import PlanList, balanced_pp_plan, enumerate_plans, fastest_first, model_profile
+from ..estimator import estimate as estimate_plan
 from ..launcher import export_job, launch_plan
 from ..zoo import build
 from .compare import compare_table, plan_label, readable, style_compare
 from .explorer_charts import ExplorerCharts
-from .progress import Progress
 from .modules import candidates_table, modules_table
+from .progress import Progress
 from .steps import example_batch, example_step
 from .ui import ExplorerUI
 

@@ -6,6 +6,7 @@ from typing import Optional, Sequence
 from ..core import SNNDistributedPlan
 from ..core.modes import names_text
 from ..core.styles import STYLES
+
 # The lead's estimator restructure exports this from ``..estimator`` itself (use that on merge).
 from ..estimator import activation_curve
 from . import charts
