@@ -23,7 +23,15 @@ from .layouts import DataLayout, detect_layout, layout_of
 from .pipeline_plan import pipeline_units, trainable_units
 from .plans.families import fsdp_units, resolve_family
 from .serialize import check_keys, check_kind, dataclass_dict, string_tuple, tuplify
-from .structure import CONV_TYPES, NORM_TYPES, block_conv_chains, chains, paired_layers, under
+from .structure import (
+    CONV_TYPES,
+    NORM_TYPES,
+    block_conv_chains,
+    chains,
+    paired_layers,
+    under,
+)
+from .walk import modules_by_name, one_walk
 
 #: Analysis fields that hold module paths, and those that hold tuples of them (chains, (path, library)).
 _PATHS = ("memory_module_names", "tensor_parallel_candidate_names", "unsupported_tensor_parallel_names", "notes",
@@ -188,7 +196,7 @@ def _validate_roots(model: nn.Module, roots: Optional[Sequence[str]]) -> Optiona
         return None
     if isinstance(roots, str):
         roots = (roots,)
-    names = dict(model.named_modules())
+    names = modules_by_name(model)
     out = []
     for root in roots:
         if not isinstance(root, str):
@@ -265,7 +273,7 @@ class _Scan:
 def _scan(model: nn.Module, roots) -> _Scan:
     """Stateful modules, norms and per-feature neurons of the whole model; Linears and convs under ``roots``."""
     scan = _Scan()
-    for name, module in model.named_modules():
+    for name, module in modules_by_name(model).items():
         if isinstance(module, NORM_TYPES):
             scan.norms.append(name)
         library = neurons.snn_library(module)
@@ -304,6 +312,12 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None, roots: Opti
         raise TypeError(f"analyze expects a torch.nn.Module, got {type(model).__name__}")
     roots = _validate_roots(model, roots)
     layout, layout_how, notes = _layout(model, example_input, labels, data_layout)
+    with one_walk():
+        return _analysis(model, model_family, roots, layout, layout_how, notes)
+
+
+def _analysis(model: nn.Module, model_family, roots, layout, layout_how, notes) -> SNNDistributedAnalysis:
+    """:func:`analyze` after its checks and the layout's detection (inside one structure walk)."""
     family, family_note = resolve_family(model, model_family)
     notes += [family_note] if family_note else []
     scan = _scan(model, roots)

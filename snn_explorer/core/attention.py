@@ -8,6 +8,7 @@ from torch import nn
 
 from .serialize import dataclass_dict
 from .structure import NORM_TYPES, flatten, runs, under
+from .walk import modules_by_name
 
 
 @dataclass(frozen=True)
@@ -110,14 +111,14 @@ def _fused_block(path: str, module: nn.Module, memory: Sequence[str]) -> Optiona
 
 def attention_blocks(model: nn.Module, roots, memory: Sequence[str]) -> Tuple[AttentionBlock, ...]:
     """Attention with separate q/k/v/proj Linears under ``roots``."""
-    found = (_attention_block(n, m, memory) for n, m in model.named_modules() if n and under(n, roots))
+    found = (_attention_block(n, m, memory) for n, m in modules_by_name(model).items() if n and under(n, roots))
     return tuple(b for b in found if b is not None)
 
 
 def fused_attention_blocks(model: nn.Module, roots, memory: Sequence[str]) -> Tuple[FusedAttentionBlock, ...]:
     """Attention with one fused q/k/v projection under ``roots`` (spikingjelly's Spikformer)."""
     found = []
-    for name, module in model.named_modules():
+    for name, module in modules_by_name(model).items():
         if name and under(name, roots) and _attention_block(name, module, memory) is None:
             block = _fused_block(name, module, memory)
             if block is not None and not any(block.path.startswith(b.path + ".") for b in found):
@@ -129,7 +130,7 @@ def pointwise_chains(model: nn.Module, roots) -> Tuple[Tuple[str, ...], ...]:
     """Runs of pointwise layers among the children of custom (non-Sequential) modules, taken in
     registration order: the MLPs of Spikformer-style blocks. Used only behind the spikformer gate,
     which trusts that order."""
-    modules = dict(model.named_modules())
+    modules = modules_by_name(model)
     found = []
     for name, module in modules.items():
         if isinstance(module, nn.Sequential) or _num_heads(module) is not None or not module._modules:
@@ -209,5 +210,5 @@ def _branch_block(path: str, module: nn.Module, memory: Sequence[str]) -> Option
 
 def branch_attention_blocks(model: nn.Module, roots, memory: Sequence[str]) -> Tuple[BranchAttentionBlock, ...]:
     """Spike-driven attention with q/k/v branches of 1x1 conv + BatchNorm + neuron under ``roots``."""
-    found = (_branch_block(n, m, memory) for n, m in model.named_modules() if n and under(n, roots))
+    found = (_branch_block(n, m, memory) for n, m in modules_by_name(model).items() if n and under(n, roots))
     return tuple(b for b in found if b is not None)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..compat import non_persistent_buffer_names, spikingjelly_memories, state_slot_table
+from .walk import memo
 
 ResetFn = Callable[[nn.Module], None]
 
@@ -78,6 +79,10 @@ def _reset_snntorch(module: nn.Module) -> None:
 
 def snn_library(module: nn.Module) -> Optional[str]:
     """``"registered"``, ``"spikingjelly"``, ``"snntorch"`` or None for a stateless module."""
+    return memo(("library", id(module)), lambda: _library_of(module))
+
+
+def _library_of(module: nn.Module) -> Optional[str]:
     if _registered_reset(module) is not None:
         return "registered"
     if spikingjelly_memories(module) is not None and callable(getattr(module, "reset", None)):

@@ -193,7 +193,12 @@ def units_problem(units: Sequence[str], problem: str, stages: int, what: str) ->
 
 def trainable_units(model: nn.Module, units: Sequence[str]) -> Tuple[str, ...]:
     """The ``units`` (module paths) that hold a parameter requiring grad."""
-    return tuple(u for u in units if any(p.requires_grad for p in model.get_submodule(u).parameters()))
+    holders = set()  # every module path above a trainable parameter
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param.requires_grad:
+            parts = name.split(".")
+            holders.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return tuple(u for u in units if u in holders)
 
 
 def _check_ranks_train(plan, units: Sequence[str], counts: Sequence[int], trainable: Sequence[str]) -> None:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from . import neurons
+from .walk import memo, modules_by_name
 
 #: Modules that act feature-wise, so a feature-sharded tensor can pass through them.
 ELEMENTWISE_TYPES = (
@@ -54,6 +55,10 @@ def _state_kept(model: nn.Module):
 
 def forward_chain(model: nn.Module) -> Tuple[Tuple[str, ...], str]:
     """The top-level modules ``model.forward`` chains, in call order, and why not ('' when it does)."""
+    return memo(("chain", id(model)), lambda: _traced_chain(model))
+
+
+def _traced_chain(model: nn.Module) -> Tuple[Tuple[str, ...], str]:
     if is_plain_sequential(model):
         return tuple(name for name, _ in model.named_children()), ""
     try:
@@ -137,7 +142,8 @@ def kind(module: nn.Module, name: str, roots) -> str:
 def flatten(container: nn.Module, prefix: str, roots) -> list:
     """``(path, kind)`` of a container's children in order, nested Sequentials, wrappers and chained
     blocks (:func:`opened_chain`) opened."""
-    return _flatten_children(container, [(n, c) for n, c in container.named_children()], prefix, roots)
+    key = ("flatten", id(container), prefix, None if roots is None else tuple(roots))
+    return memo(key, lambda: _flatten_children(container, list(container.named_children()), prefix, roots))
 
 
 def _flatten_children(container: nn.Module, children: list, prefix: str, roots) -> list:
@@ -181,7 +187,7 @@ def runs(sequence: Sequence[tuple], layer: str, is_layer=None) -> list:
 def chains(model: nn.Module, roots, layer: str, candidates: Sequence[str] = ()) -> Tuple[Tuple[str, ...], ...]:
     """Runs of ``layer`` modules (``"linear"`` or ``"conv"``) in ``nn.Sequential`` order with only
     pass-through modules between; other ``candidates`` become chains of their own."""
-    modules = dict(model.named_modules())
+    modules = modules_by_name(model)
     found = runs(flatten(model, "", roots), layer) if opened_chain(model) else []
     for name, module in modules.items():
         parent = modules.get(name.rpartition(".")[0]) if name else None
@@ -210,7 +216,7 @@ def block_conv_chains(model: nn.Module, roots) -> Tuple[Tuple[str, ...], ...]:
     (non-Sequential) modules, in registration order: the inside of SEW-ResNet-style residual blocks,
     whose forward adds the run's output to the block input. Both convs must have one group and the
     BN the first conv's channels; the run is cut after the second conv's BN and neuron."""
-    modules = dict(model.named_modules())
+    modules = modules_by_name(model)
     found = []
     for name, module in modules.items():
         if isinstance(module, nn.Sequential) or not module._modules or hasattr(module, "num_heads"):
