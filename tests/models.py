@@ -152,3 +152,31 @@ class SEWResNet(nn.Module):
 
     def forward(self, x):
         return self.head(self.blocks(self.stem(x)).flatten(2))
+
+
+#: channels of CIFAR10DVSVGG's 8 blocks, shrunk from (64, 128, 256, 256, 512, 512, 512, 512); pooling before 3, 5, 7
+SMALL_VGG_CHANNELS = (4, 4, 8, 8, 8, 8, 8, 8)
+
+
+def small_reference_vgg(kaiming: bool = False) -> nn.Module:
+    """spikingjelly 2.0.0's ``CIFAR10DVSVGG``, its own class and forward, with the package's own
+    ``VGGBlock``s of a few channels each for 16x16 inputs (four 2x2 poolings leave 1x1), in float64;
+    ``kaiming``: the convolutions re-initialised as the reference's training script does (more neurons fire)."""
+    from spikingjelly.activation_based import functional, surrogate  # optional dependency: only these tests need it
+    from spikingjelly.activation_based.examples.memopt.models import CIFAR10DVSVGG, VGGBlock
+
+    torch.manual_seed(0)
+    model = CIFAR10DVSVGG(dropout=0.0)
+    kwargs = dict(tau=1.333, decay_input=False, detach_reset=True, surrogate_function=surrogate.ATan(),
+                  step_mode="m")
+    blocks, c_in = [], 2
+    for i, c_out in enumerate(SMALL_VGG_CHANNELS):
+        blocks.append(VGGBlock(c_in, c_out, 3, 1, 1, i in (2, 4, 6), **kwargs))
+        c_in = c_out
+    model.features = nn.Sequential(*blocks, type(model.features[-1])(2))
+    model.classifier = nn.Sequential(nn.Linear(c_in, 10))
+    for module in model.modules() if kaiming else ():
+        if isinstance(module, nn.Conv2d):
+            nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+    functional.set_step_mode(model, "m")
+    return model.double()

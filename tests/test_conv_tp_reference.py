@@ -6,36 +6,10 @@ import re
 import pytest
 import torch
 from distributed_harness import run_on_ranks
+from models import SMALL_VGG_CHANNELS, small_reference_vgg
 from torch import nn
 
 pytest.importorskip("spikingjelly.activation_based.examples.memopt.models")  # installed by scripts/setup.sh
-
-#: channels of the 8 blocks, shrunk from (64, 128, 256, 256, 512, 512, 512, 512); pooling before 3, 5, 7
-SMALL = (4, 4, 8, 8, 8, 8, 8, 8)
-
-
-def small_reference_vgg() -> nn.Module:
-    """``CIFAR10DVSVGG`` with its own forward and the package's ``VGGBlock``s, a few channels each,
-    for 16x16 inputs (four 2x2 poolings leave 1x1), in float64."""
-    from spikingjelly.activation_based import functional, surrogate
-    from spikingjelly.activation_based.examples.memopt.models import CIFAR10DVSVGG, VGGBlock
-
-    torch.manual_seed(0)
-    model = CIFAR10DVSVGG(dropout=0.0)
-    kwargs = dict(tau=1.333, decay_input=False, detach_reset=True, surrogate_function=surrogate.ATan(),
-                  step_mode="m")
-    blocks, c_in = [], 2
-    for i, c_out in enumerate(SMALL):
-        blocks.append(VGGBlock(c_in, c_out, 3, 1, 1, i in (2, 4, 6), **kwargs))
-        c_in = c_out
-    model.features = nn.Sequential(*blocks, type(model.features[-1])(2))
-    model.classifier = nn.Sequential(nn.Linear(c_in, 10))
-    for m in model.modules():
-        if isinstance(m, nn.Conv2d):
-            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-    functional.set_step_mode(model, "m")
-    return model.double()
-
 
 def events() -> tuple:
     """A batch-major DVS-like batch ``[N=2, T=3, 2, 16, 16]`` of 0/1 events, and its labels."""
@@ -86,14 +60,14 @@ def _reference_vgg_rank(tp):
     import snn_explorer as se
 
     x, y = events()
-    ref = small_reference_vgg()
+    ref = small_reference_vgg(kaiming=True)
     rates = {}
     for name, m in ref.named_modules():
         if hasattr(m, "v_threshold"):
             m.register_forward_hook(lambda _m, _i, o, name=name: rates.__setitem__(name, float(o.mean())))
     ref_out = ref(x)
     nn.functional.cross_entropy(ref_out.mean(0), y).backward()
-    model = small_reference_vgg()
+    model = small_reference_vgg(kaiming=True)
     plan = conv_tp_plan_of(model, tp)
     runtime = se.apply(model=model, plan=plan, device_type="cpu")
     loss, out = runtime.forward_loss(nn.CrossEntropyLoss(), x, y)
@@ -113,7 +87,7 @@ def test_reference_vgg_channel_tp_equals_unsharded_on_2_ranks():
     for name, rate in first["rates"].items():  # non-trivial first: every neuron fires, outputs vary
         assert 0.02 <= rate <= 0.98, f"{name} spikes at {rate:.3f}: the comparison would be vacuous"
     assert first["out_std"] > 1e-3 and first["out_shape"] == (3, 2, 10)
-    assert first["local"] == SMALL[0] // 2  # really sharded
+    assert first["local"] == SMALL_VGG_CHANNELS[0] // 2  # really sharded
     assert sum(s.startswith("conv_") for s in first["styles"].values()) == 8
     for rank, res in enumerate(results):
         for what, err in res["errors"].items():

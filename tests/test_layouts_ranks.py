@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 from distributed_harness import run_on_ranks
+from models import small_reference_vgg
 from test_layouts import CLASSES, N, T, as_layout, data, nets
 from torch import nn
 
@@ -46,20 +47,28 @@ def test_layouts_give_the_same_measurement():
         assert abs(m.peak_bytes - ref.peak_bytes) <= slack, (name, m.peak_bytes, ref.peak_bytes)
 
 
+def _sgd_losses(runtime, inputs, labels, steps, lr) -> list:
+    """``steps`` SGD steps of ``runtime`` on its share: each step's loss."""
+    opt = runtime.build_optimizer(torch.optim.SGD, lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        losses.append(float(runtime.train_step(nn.CrossEntropyLoss(), inputs, labels)))
+        opt.step()
+    return losses
+
+
 def _train_rank(models, x_tm, y, steps, lr):
-    """Each model (its plan's layout) trained ``steps`` steps under dp=2 on its share of one global
-    batch, cut by ``runtime.rank_share``: the losses and the full parameters after."""
+    """Each model (its plan's layout) trained ``steps`` steps on its share of one global batch, cut by
+    ``runtime.rank_share``: the losses (under pp the mean of the micro-batches'), the full parameters
+    after, by name and by sorted name's position, and the share's shape."""
     out = {}
     for name, (model, plan) in models.items():
         runtime = se.apply(model=model, plan=plan, device_type="cpu")
         inputs, labels = runtime.rank_share(as_layout(x_tm, plan.layout), y)
-        opt = runtime.build_optimizer(torch.optim.SGD, lr=lr)
-        losses = []
-        for _ in range(steps):
-            opt.zero_grad()
-            losses.append(float(runtime.train_step(nn.CrossEntropyLoss(), inputs, labels)))
-            opt.step()
-        out[name] = dict(losses=losses, params={k: v.detach().clone() for k, v in runtime.full_parameters().items()},
+        losses = _sgd_losses(runtime, inputs, labels, steps, lr)
+        params = {k: v.detach().clone() for k, v in runtime.full_parameters().items()}
+        out[name] = dict(losses=losses, params=params, by_position=[params[k] for k in sorted(params)],
                          share=tuple(inputs.shape))
     return out
 
@@ -116,24 +125,6 @@ class SwapTN(nn.Module):
         return x.transpose(0, 1)
 
 
-def _pp_rank(models, x_tm, y, steps, lr):
-    """Each model trained ``steps`` steps under pp=2 (GPipe, 2 micro-batches cut on its layout's batch
-    dim): the mean micro-batch losses and the full parameters, by position."""
-    out = {}
-    for name, (model, plan) in models.items():
-        runtime = se.apply(model=model, plan=plan, device_type="cpu")
-        inputs, labels = runtime.rank_share(as_layout(x_tm, plan.layout), y)
-        opt = runtime.build_optimizer(torch.optim.SGD, lr=lr)
-        losses = []
-        for _ in range(steps):
-            opt.zero_grad()
-            losses.append(float(runtime.train_step(nn.CrossEntropyLoss(), inputs, labels)))
-            opt.step()
-        params = runtime.full_parameters()
-        out[name] = dict(losses=losses, params=[params[k].detach().clone() for k in sorted(params)])
-    return out
-
-
 @pytest.mark.timeout(200)
 def test_pipeline_micro_batches_follow_the_layout():
     """pp=2, 2 micro-batches: a batch-major ``nn.Sequential`` (micro-batches cut and outputs merged on
@@ -149,38 +140,14 @@ def test_pipeline_micro_batches_follow_the_layout():
         models[name] = (model, se.plan(analysis=se.analyze(model), objective="speed", topology={"pp": 2},
                                        batch_size=N, mode="pp", data_layout=layout, pp_schedule="gpipe",
                                        pp_microbatches=2, pp_virtual_stages=1, pp_layout=cut))
-    results = run_on_ranks(_pp_rank, 2, models, x, y, STEPS, LR, timeout=150)
+    results = run_on_ranks(_train_rank, 2, models, x, y, STEPS, LR, timeout=150)
     expected = [ref_params[k] for k in sorted(ref_params)]  # net.1.*, net.3.* sort as 1.*, 3.* do
     for rank, result in enumerate(results):
         for name, res in result.items():
             assert res["losses"] == pytest.approx([sum(step) / 2 for step in ref_losses], rel=1e-9), (rank, name)
-            assert len(res["params"]) == len(expected)
-            for got, want in zip(res["params"], expected):
+            assert len(res["by_position"]) == len(expected)
+            for got, want in zip(res["by_position"], expected):
                 assert torch.allclose(got, want, rtol=0, atol=1e-10), (rank, name)
-
-
-#: channels of the 8 blocks, shrunk from (64, 128, 256, 256, 512, 512, 512, 512); pooling before 3, 5, 7
-SMALL = (4, 4, 8, 8, 8, 8, 8, 8)
-
-
-def small_reference_vgg() -> nn.Module:
-    """spikingjelly 2.0.0's ``CIFAR10DVSVGG``, its own class and forward, with a few channels per
-    ``VGGBlock`` (the package's own) for 16x16 inputs, in float64."""
-    from spikingjelly.activation_based import functional, surrogate
-    from spikingjelly.activation_based.examples.memopt.models import CIFAR10DVSVGG, VGGBlock
-
-    torch.manual_seed(0)
-    model = CIFAR10DVSVGG(dropout=0.0)
-    kwargs = dict(tau=1.333, decay_input=False, detach_reset=True, surrogate_function=surrogate.ATan(),
-                  step_mode="m")
-    blocks, c_in = [], 2
-    for i, c_out in enumerate(SMALL):
-        blocks.append(VGGBlock(c_in, c_out, 3, 1, 1, i in (2, 4, 6), **kwargs))
-        c_in = c_out
-    model.features = nn.Sequential(*blocks, type(model.features[-1])(2))
-    model.classifier = nn.Sequential(nn.Linear(c_in, 10))
-    functional.set_step_mode(model, "m")
-    return model.double()
 
 
 def events(n: int = 4, t: int = 3):
@@ -197,12 +164,7 @@ def _vgg_rank(model, plan, x, y, steps, lr):
             m.register_forward_hook(lambda _m, _i, o, name=name: rates.__setitem__(name, float(o.detach().mean())))
     runtime = se.apply(model=model, plan=plan, device_type="cpu")
     inputs, labels = runtime.rank_share(x, y)
-    opt = runtime.build_optimizer(torch.optim.SGD, lr=lr)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        losses.append(float(runtime.train_step(nn.CrossEntropyLoss(), inputs, labels)))
-        opt.step()
+    losses = _sgd_losses(runtime, inputs, labels, steps, lr)
     return dict(losses=losses, rates=rates, share=tuple(inputs.shape),
                 params={k: v.detach().clone() for k, v in runtime.full_parameters().items()})
 
