@@ -159,7 +159,7 @@ def _fp16_overflow(mode, topology):
                 skipped=runtime.scaler.skipped_steps)
 
 
-@pytest.mark.parametrize("mode,topology", [("fsdp2", {"dp": 2}), ("dp", {"dp": 2}), ("tp", {"tp": 2})])
+@pytest.mark.parametrize("mode,topology", [("fsdp2", {"dp": 2}), ("dp", {"dp": 2}), ("tp", {"tp": 2}), ("pp", {"pp": 2})])
 def test_fp16_scaler_skips_an_overflow_on_every_rank_and_lowers_the_scale(mode, topology):
     """Rank 1 alone sees an inf in step 2: every rank skips that step (the decision is all-reduced, so
     the replicas stay equal), the scale halves, no weight turns inf or NaN, and step 3 trains again."""
