@@ -159,7 +159,7 @@ def _fp16_overflow(mode, topology):
                 skipped=runtime.scaler.skipped_steps)
 
 
-@pytest.mark.parametrize("mode,topology", [("fsdp2", {"dp": 2}), ("dp", {"dp": 2}), ("tp", {"tp": 2})])
+@pytest.mark.parametrize("mode,topology", [("fsdp2", {"dp": 2}), ("dp", {"dp": 2}), ("tp", {"tp": 2}), ("pp", {"pp": 2})])
 def test_fp16_scaler_skips_an_overflow_on_every_rank_and_lowers_the_scale(mode, topology):
     """Rank 1 alone sees an inf in step 2: every rank skips that step (the decision is all-reduced, so
     the replicas stay equal), the scale halves, no weight turns inf or NaN, and step 3 trains again."""
@@ -167,3 +167,27 @@ def test_fp16_scaler_skips_an_overflow_on_every_rank_and_lowers_the_scale(mode, 
         assert res["taken"] == [True, False, True], (rank, res)
         assert res["unchanged"] and res["finite"], (rank, res)
         assert res["scales"][2] == res["scales"][1] / 2 and res["skipped"] == 1, (rank, res)
+
+
+# ---- this machine's half-precision rates ----------------------------------------------------------------
+def test_calibration_measures_half_precision_rates_that_half_precision_plans_compute_at():
+    """The calibration's probes time bf16 (and fp16, which CPU autocast offers in torch 2.13) matmuls and adds
+    on tensors of that dtype; a bf16 plan's profile then takes the measured matmul rate, and the measured
+    elementwise rate where its neurons compute in bf16 too. Datasheet profiles and fp32 plans are unchanged."""
+    from snn_explorer.estimator.calibration.probes import half_probes
+    from snn_explorer.estimator.timing.hardware import HardwareProfile, hardware_profile
+
+    rates = half_probes(torch.device("cpu"))
+    assert set(rates) == {"bf16", "fp16"}, rates
+    assert all(v > 0 for r in rates.values() for v in r.values()), rates
+    base = hardware_profile("A100-SXM-80GB")
+    local = dataclasses.replace(base, device="cpu", half_flops_per_s=None, measured_half=rates)
+    assert HardwareProfile.from_dict(local.to_dict()) == local
+    bf16 = local.in_precision(Precision("bf16"))
+    assert bf16.flops(2) == rates["bf16"]["flops_per_s"] * local.efficiency and bf16.bytes_per_s == local.bytes_per_s
+    state16 = local.in_precision(Precision("bf16", keep_neuron_state_fp32=False))
+    assert state16.bytes_per_s == rates["bf16"]["bytes_per_s"]
+    assert local.in_precision(Precision("fp16")).half_flops_per_s == rates["fp16"]["flops_per_s"]
+    assert local.in_precision(Precision("fp32")) is local and base.in_precision(Precision("bf16")) is base
+    with pytest.raises(ValueError, match=r"measured_half\['fp8'\]"):
+        dataclasses.replace(local, measured_half={"fp8": rates["bf16"]})

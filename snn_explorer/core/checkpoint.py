@@ -15,7 +15,12 @@ tensor's path, shape and dtype, and the size of every file). Keys inside DCP:
   under ZeRO each rank saves the state of the parameters it owns, under pp the state of its stages.
 - ``rng.<rank>``: each rank's CPU (and CUDA) RNG state, restored when the world size is unchanged.
 
-The step (``step=``, the training step a pipeline schedule or any loop is at) is in the manifest.
+The step (``step=``, the training step a pipeline schedule or any loop is at) is in the manifest,
+and so is an fp16 plan's loss scaler (scale, clean steps, skipped steps: ``loss_scaler``).
+Parameters and optimizer state are always the fp32 master copies, whatever the plan's precision
+(autocast and FSDP2's ``param_dtype`` cast only what the forward computes with), so a checkpoint
+saved under fp32, bf16 or fp16 loads into a plan of any precision; a plan with a loss scaler
+resumes the saved one's state, or starts its own where the checkpoint has none.
 Neuron state (membranes, spikingjelly memories) is *not* saved: it is reset at the start of every
 batch (every micro-batch under pp), so a checkpoint is taken between batches. Saving while a neuron
 holds state is refused unless ``allow_mid_sequence=True``; that state is then dropped, and loading
@@ -75,6 +80,7 @@ from .checkpoint_tensors import (
     restore_optimizer,
     saveable,
 )
+from .parallelize.mixed_precision import LossScaler
 from .plan_types import SNNDistributedPlan
 
 __all__ = ["CheckpointError", "LoadedCheckpoint", "check_checkpoint", "check_plan_checkpointable",
@@ -91,6 +97,8 @@ class LoadedCheckpoint:
     plan: SNNDistributedPlan
     world_size: int
     rng_restored: bool
+    #: whether the runtime's fp16 loss scaler took the checkpoint's state (False: none saved, or no scaler)
+    scaler_restored: bool = False
 
 
 # ---- agreement between ranks ------------------------------------------------------------------------
@@ -200,6 +208,7 @@ def _manifest(runtime, optimizer, step: int, extra: Any) -> dict:
         "tensors": {p: {"shape": list(s), "dtype": d} for p, (s, d) in model_tensor_shapes(runtime.module).items()},
         "optimizer": None if optimizer is None else {"class": optimizer_class(optimizer),
                                                      "param_groups": group_settings(optimizer)},
+        "loss_scaler": None if runtime.scaler is None else runtime.scaler.state_dict(),
     }
 
 
@@ -256,6 +265,11 @@ def _check_load(runtime, path: Path, optimizer) -> Tuple[dict, Dict[str, Any]]:
         if len(saved_opt["param_groups"]) != len(optimizer.param_groups):
             raise CheckpointError(f"{path} has {len(saved_opt['param_groups'])} optimizer param group(s), the "
                                   f"optimizer given {len(optimizer.param_groups)}")
+    if runtime.scaler is not None and manifest.get("loss_scaler") is not None:
+        try:  # checked before any tensor is read, into a throw-away scaler
+            LossScaler().load_state_dict(manifest["loss_scaler"])
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
     return manifest, saved_tensor_metadata(path, manifest["files"])
 
 
@@ -294,7 +308,11 @@ def load_checkpoint(runtime, path, optimizer=None) -> LoadedCheckpoint:
         torch.set_rng_state(state[rng_keys[0]])
         if len(rng_keys) > 1:
             torch.cuda.set_rng_state(state[rng_keys[1]], runtime.device)
+    scaler_state = manifest.get("loss_scaler")
+    if runtime.scaler is not None and scaler_state is not None:
+        runtime.scaler.load_state_dict(scaler_state)
     runtime.reset_state()
     return LoadedCheckpoint(step=manifest["step"], extra=manifest["extra"],
                             plan=SNNDistributedPlan.from_dict(manifest["plan"]), world_size=manifest["world_size"],
-                            rng_restored=restore_rng)
+                            rng_restored=restore_rng,
+                            scaler_restored=runtime.scaler is not None and scaler_state is not None)

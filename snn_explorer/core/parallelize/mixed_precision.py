@@ -125,6 +125,23 @@ class LossScaler:
         self.scale, self.growth_factor, self.backoff_factor = float(init_scale), growth_factor, backoff_factor
         self.growth_interval, self.clean_steps, self.skipped_steps = growth_interval, 0, 0
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (plain JSON): the scale, the clean steps since the last change of it
+        (the growth tracker) and the steps skipped so far."""
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict`; ValueError naming a missing or bad value."""
+        if not isinstance(state, dict) or set(state) != {"scale", "clean_steps", "skipped_steps"}:
+            raise ValueError(f"loss scaler state {state!r}; expected a dict of scale, clean_steps, skipped_steps")
+        scale, clean, skipped = state["scale"], state["clean_steps"], state["skipped_steps"]
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
+            raise ValueError(f"loss scaler state scale={scale!r}; expected a finite number > 0")
+        for name, value in (("clean_steps", clean), ("skipped_steps", skipped)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"loss scaler state {name}={value!r}; expected an int >= 0")
+        self.scale, self.clean_steps, self.skipped_steps = float(scale), clean, skipped
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
 

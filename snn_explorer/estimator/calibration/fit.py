@@ -135,6 +135,7 @@ def profile_from(runs: Dict[int, List[dict]], backend: str, name: Optional[str],
     return HardwareProfile(name=name or f"{host} ({device}, {backend})", device=device, flops_per_s=alone["flops"],
                            bytes_per_s=alone["bandwidth"], op_overhead_s=alone["overhead"], collectives=table,
                            compute_sharing=sharing, framework_overhead=overheads, efficiency=1.0, host=host,
+                           measured_half=alone.get("half", {}),
                            source=f"calibrated on {host} {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC "
                                   f"({backend}, {max(runs)} ranks)")
 
@@ -150,7 +151,9 @@ def median_profile(profiles: Sequence[HardwareProfile]) -> HardwareProfile:
     sharing = {p: med(pr.compute_sharing[p] for pr in profiles) for p in first.compute_sharing}
     overheads = {p: {key: med(pr.framework_overhead[p][key] for pr in profiles) for key in costs}
                  for p, costs in first.framework_overhead.items()}
-    return replace(first, flops_per_s=med(pr.flops_per_s for pr in profiles),
+    half = {name: {key: med(pr.measured_half[name][key] for pr in profiles) for key in rates}
+            for name, rates in first.measured_half.items()}
+    return replace(first, flops_per_s=med(pr.flops_per_s for pr in profiles), measured_half=half,
                    bytes_per_s=med(pr.bytes_per_s for pr in profiles),
                    op_overhead_s=med(pr.op_overhead_s for pr in profiles), collectives=collectives,
                    compute_sharing=sharing, framework_overhead=overheads,

@@ -9,6 +9,8 @@ from typing import Dict, List
 import torch
 
 from ...core.collectives import Collective
+from ...core.precision import precision_of
+from ..timing.hardware import HALF_PRECISIONS
 
 #: Buffer sizes (bytes) each collective is timed at, repetitions per size, collectives per repetition.
 SIZES_BYTES = (4 * 2 ** 10, 256 * 2 ** 10, 2 ** 20, 4 * 2 ** 20, 16 * 2 ** 20)
@@ -51,7 +53,29 @@ def compute_probes(device) -> Dict[str, float]:
     bandwidth = 3 * big.numel() * 4 / median_time(lambda: big + big, 5, sync)
     loop = 200
     overhead = median_time(lambda: [tiny + tiny for _ in range(loop)], 3, sync) / loop
-    return dict(flops=flops, bandwidth=bandwidth, overhead=overhead, step=busy_time(probe_step(device), sync))
+    return dict(flops=flops, bandwidth=bandwidth, overhead=overhead, step=busy_time(probe_step(device), sync),
+                half=half_probes(device))
+
+
+def half_probes(device) -> Dict[str, Dict[str, float]]:
+    """Per half precision ``device``'s autocast runs (bf16; fp16 where offered): the FLOP/s of the
+    same square matmul as :func:`compute_probes` and the bytes/s of the same elementwise add, on
+    tensors of that dtype (the kernels autocast dispatches to; its casts are operators of their own)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    n = 1024 if device.type == "cuda" else 256
+    rates = {}
+    for name in HALF_PRECISIONS:
+        precision = precision_of(name)
+        try:
+            precision.check_device(device.type)
+        except ValueError:  # this device's autocast does not run it: no rate to measure
+            continue
+        dtype = precision.compute_dtype
+        a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
+        big = torch.randn(2 ** 22 if device.type == "cuda" else 2 ** 20, device=device).to(dtype)
+        rates[name] = dict(flops_per_s=2 * n ** 3 / median_time(lambda: a @ b, 5, sync),
+                           bytes_per_s=3 * big.numel() * big.element_size() / median_time(lambda: big + big, 5, sync))
+    return rates
 
 
 def leaky_spike(mem, current):

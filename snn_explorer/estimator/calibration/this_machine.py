@@ -5,7 +5,9 @@ GPU per rank) are started (in ``worlds`` fresh worlds one after another, every f
 median: :func:`median_profile`): a world of exactly the ranks a plan of that size runs, since
 ranks that only wait still take a share of the cores. In the first world rank 0 times alone a
 square matmul (FLOP/s), a large elementwise add (bytes/s) and a one-element add (the fixed cost of
-one operator);
+one operator), and the same matmul and add on bf16 and fp16 tensors where the device's autocast
+runs them (``measured_half``: the rates a bf16 or fp16 plan computes at here, see
+:meth:`HardwareProfile.in_precision`);
 then all ``p`` ranks run a small SNN training step together (:func:`_probe_step`), every
 collective kind at a few buffer sizes (each issued between a little compute, as in a step:
 :func:`_time_collective`), a burst of broadcasts as ZeroRedundancyOptimizer issues them
@@ -43,7 +45,7 @@ from .probes import busy_time, probe_step
 from .step_probes import calibrate_on_rank
 
 #: Bumped when what calibrate() measures changes, so that older cached calibrations are not reused.
-CALIBRATION_VERSION = 12
+CALIBRATION_VERSION = 13
 
 
 def calibrate(group_sizes: Sequence[int] = (2, 4), *, backend: str = "auto", name: Optional[str] = None,

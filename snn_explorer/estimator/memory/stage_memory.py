@@ -10,7 +10,8 @@ input is a received activation that requires grad (the backward accumulates its 
 as torch's ``stage_backward`` does) and the gradient of its output a buffer allocated before
 (torch's receive buffer); the first stage's input and the labels are views of the rank's batch,
 as torch's split gives them (a strided slice when there are several micro-batches and time steps).
-The forward runs under the saved-tensor hooks measure() counts activations with (:class:`~..instruments.storage.LiveSaved`),
+Each stage runs in the profile's precision (autocast around the stage, as ``apply`` wraps each
+stage; the profile's neurons already keep their state dtype). The forward runs under the saved-tensor hooks measure() counts activations with (:class:`~..instruments.storage.LiveSaved`),
 so both see the same tensors kept for backward.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ...core.parallelize.mixed_precision import autocast_forward
 from ...core.parallelize.pipeline import PipelineStageModule
 from ..instruments.meter import StorageMeter
 from ..instruments.storage import LiveSaved, saving, state_tensor_ids, total_bytes
@@ -75,6 +77,7 @@ def measure_stages(profile, stages: Sequence[Sequence[str]], n: int, t: int, mic
     for i, paths in enumerate(stages):
         stage = PipelineStageModule(i, paths, [profile.model.get_submodule(p) for p in paths],
                                     per_step=layout.per_step)
+        autocast_forward(stage, profile.precision, "cpu")  # as apply runs each stage (the root's autocast skips them)
         inp = x if i == 0 else x.detach().requires_grad_()
         grad_out: Optional[torch.Tensor] = None
         if i < len(stages) - 1:

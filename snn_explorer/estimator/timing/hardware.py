@@ -26,10 +26,13 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, Mapping, Optional, Tuple
 
 from ...core.collectives import TIMED, Collective
+from ...core.precision import PRECISIONS, Precision
 from ...core.validate import positive_int, positive_number
 
 #: The collective kinds a profile times.
 KINDS = TIMED
+#: The precisions a calibration can measure half-precision rates of.
+HALF_PRECISIONS = tuple(name for name in PRECISIONS if name != "fp32")
 
 
 def ring_steps(kind: str, p: int) -> int:
@@ -92,6 +95,10 @@ class HardwareProfile:
     nvlink: Optional[bool] = None
     nics_per_node: Optional[int] = None
     topology: str = ""
+    #: A calibration's own half-precision rates, per precision name (``"bf16"``, ``"fp16"``):
+    #: ``{"flops_per_s": matmul FLOP/s, "bytes_per_s": elementwise bytes/s}`` measured on tensors of
+    #: that dtype (:func:`~..calibration.probes.half_probes`); :meth:`in_precision` uses them
+    measured_half: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
     def __post_init__(self):
         for attr in ("flops_per_s", "bytes_per_s"):
@@ -109,6 +116,14 @@ class HardwareProfile:
             positive_int("ranks_per_node", self.ranks_per_node)
             if not self.inter_node:
                 raise ValueError("ranks_per_node is set but inter_node is empty; give the timings between nodes")
+        for name, rates in self.measured_half.items():
+            if name not in HALF_PRECISIONS or set(rates) != {"flops_per_s", "bytes_per_s"}:
+                raise ValueError(f"measured_half[{name!r}] = {rates!r}; expected a precision of {HALF_PRECISIONS} "
+                                 "mapped to its flops_per_s and bytes_per_s")
+            for key, value in rates.items():
+                positive_number(f"measured_half[{name!r}][{key!r}]", value, what="per second")
+        object.__setattr__(self, "measured_half", {str(n): {str(k): float(v) for k, v in r.items()}
+                                                   for n, r in self.measured_half.items()})
         object.__setattr__(self, "compute_sharing", {int(k): float(v) for k, v in self.compute_sharing.items()})
         object.__setattr__(self, "framework_overhead", {int(p): {str(k): float(v) for k, v in o.items()}
                                                         for p, o in self.framework_overhead.items()})
@@ -117,6 +132,19 @@ class HardwareProfile:
         """Achievable FLOP/s for floats of ``itemsize`` bytes, after ``efficiency``."""
         peak = self.half_flops_per_s if itemsize <= 2 and self.half_flops_per_s else self.flops_per_s
         return peak * self.efficiency
+
+    def in_precision(self, precision: Precision) -> "HardwareProfile":
+        """This profile as a plan of ``precision`` sees it: where the calibration measured that
+        precision (:attr:`measured_half`), its matmul rate is the 2-byte rate; and where the neurons
+        also compute in it (``keep_neuron_state_fp32=False``: the elementwise bulk of an SNN's step
+        then runs on 2-byte tensors), its elementwise rate is the bandwidth. Otherwise unchanged
+        (fp32 plans; datasheet profiles, whose ``half_flops_per_s`` already holds the half rate)."""
+        rates = self.measured_half.get(precision.name) if precision.mixed else None
+        if not rates:
+            return self
+        half_state = precision.neuron_state_dtype() == precision.compute_dtype
+        return replace(self, half_flops_per_s=rates["flops_per_s"],
+                       bytes_per_s=rates["bytes_per_s"] if half_state else self.bytes_per_s)
 
     def bandwidth(self) -> float:
         return self.bytes_per_s * self.efficiency

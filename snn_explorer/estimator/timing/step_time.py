@@ -112,6 +112,7 @@ def is_local(hw: HardwareProfile) -> bool:
 def plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, per_rank: pd.DataFrame,
               hw: HardwareProfile, t: int, optimizer: str) -> pd.DataFrame:
     """The time table of ``plan`` (see the module doc) from the estimate's other tables."""
+    hw = hw.in_precision(plan.precision)  # a calibration's own bf16 / fp16 rates for a half-precision plan
     work = rank_work(profile, plan.tensor_parallel_plan, plan.tp_size, optimizer)
     itemsize = profile.compute_itemsize  # the precision's compute dtype: half-precision FLOP rates under bf16
     correction = {}
