@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
@@ -16,7 +15,7 @@ from ..core.memory_levers import find_time_step_module, objective_checkpoints
 from ..core.recommend import UNSET, check_backend, neuron_backend_arg
 from ..core.tp_plan import default_tp_plan
 from ..core.validate import check_batch_tensor, positive_int
-from ..estimator import PlanList, balanced_pp_plan, enumerate_plans, fastest_first, model_profile
+from ..estimator import PlanList, balanced_pp_plan, cached_hardware, enumerate_plans, fastest_first, model_profile
 from ..estimator import estimate as estimate_plan
 from ..launcher import export_job, launch_plan
 from ..zoo import build
@@ -28,11 +27,9 @@ from .steps import example_batch, example_step
 from .ui import ExplorerUI
 
 FeaturesLike = Union[DistributedFeatureSet, Mapping[str, bool], None]
-#: Said while estimating on this machine's calibration (``hardware=None``): its first estimate
-#: calibrates the machine (timed collectives on 2 and 4 ranks) unless a calibration is cached.
-CALIBRATION_NOTE = "; the first estimate on a machine also calibrates it (about a minute, cached after)"
-#: The estimator's variable naming the profile ``hardware=None`` means (then nothing is calibrated).
-HARDWARE_ENV = "SNN_EXPLORER_HARDWARE"
+#: Said while an estimate on this machine's calibration (``hardware=None``) has to make it first
+#: (timed collectives on 2 and 4 ranks: 42-46 s on 2 cores, see ``calibrate``); the hook's pieces follow.
+CALIBRATION_NOTE = "; calibrating this machine first (once, about a minute; cached after)"
 
 
 def hardware_key(hardware: Any):
@@ -240,14 +237,19 @@ class Explorer(ExplorerCharts):
             if self._profile is None:  # looked up once: the cache key reads every parameter's shape
                 wait.say("profiling the model (forward and backward at four batch sizes)")
                 self._profile = model_profile(self.model, self.example_input, self.labels,
-                                              layout=self.analysis.data_layout)
-            calibrates = self.hardware is None and not os.environ.get(HARDWARE_ENV)
-            wait.say(f"estimating {plan_label(plan)}" + (CALIBRATION_NOTE if calibrates else ""))
+                                              layout=self.analysis.data_layout, on_progress=wait.hear)
+            wait.say(f"estimating {plan_label(plan)}" + (CALIBRATION_NOTE if self.will_calibrate else ""))
             self._estimates[key] = estimate_plan(self.model, plan, example_input=self.example_input,
                                                  labels=self.labels, time_steps=key[1], optimizer=self.optimizer,
                                                  profile=self._profile, hardware=self.hardware,
-                                                 layout=self.analysis.data_layout)
+                                                 layout=self.analysis.data_layout, on_progress=wait.hear)
         return self._estimates[key]
+
+    @property
+    def will_calibrate(self) -> bool:
+        """Whether the next estimate calibrates this machine first (``hardware`` None and no calibration
+        cached in the process or on disk, nor a profile named by ``SNN_EXPLORER_HARDWARE``)."""
+        return self.hardware is None and cached_hardware() is None
 
     @contextmanager
     def waiting(self, text: str, total: Optional[int] = None) -> Iterator[Progress]:
