@@ -14,6 +14,7 @@ from snn_explorer.explorer import Explorer
 from snn_explorer.explorer import explorer as explorer_module
 from snn_explorer.explorer import progress as progress_module
 from snn_explorer.explorer.progress import Progress
+from snn_explorer.explorer.ui import ExplorerUI
 from snn_explorer.zoo import build
 
 os.environ.setdefault("MPLBACKEND", "Agg")
@@ -155,3 +156,11 @@ def test_cached_hardware_names_the_env_profile_or_the_saved_calibration_without_
     os.makedirs(os.path.dirname(this_machine.cache_path()))
     saved.save(this_machine.cache_path())
     assert cached_hardware() == saved
+
+
+def test_the_ui_says_before_estimating_that_the_first_estimate_calibrates(monkeypatch):
+    monkeypatch.setattr(explorer_module, "cached_hardware", lambda: None)
+    ui = ExplorerUI(Explorer.from_zoo(build("mlp")), auto_estimate=False)  # nothing estimated: nothing calibrates
+    assert "the first estimate calibrates this machine" in ui.hardware_note.value
+    ui.hardware.value = "A100-SXM-80GB"
+    assert ui.hardware_note.value == ""

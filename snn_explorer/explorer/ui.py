@@ -114,6 +114,7 @@ class ExplorerUI:
         self.memory_budget = w.BoundedFloatText(value=0.0, min=0.0, max=1e9, step=64.0,
                                                 description="budget MiB", style=style)
         self.hardware = self._hardware_control(style)
+        self.hardware_note = w.HTML()  # says when the next estimate calibrates this machine first
         self.pin_button = w.Button(description="pin plan", icon="thumb-tack",
                                    tooltip="keep the current plan in the comparison")
         self.clear_button = w.Button(description="clear pins")
@@ -136,7 +137,7 @@ class ExplorerUI:
                            self.pp_microbatches, self.pp_virtual_stages,
                            w.HTML("<small>micro-batches, virtual stages: 0 = the planner's choice</small>"),
                            self.mode, self.batch_size, self.time_steps, self.memory_budget, self.hardware,
-                           self.checkpointing, self.checkpoint_every])
+                           self.hardware_note, self.checkpointing, self.checkpoint_every])
         gates = w.VBox([w.HTML("<b>feature gates</b>"), *self.gates.values(),
                         w.HBox([self.pin_button, self.clear_button]),
                         w.HBox([self.estimate_button, self.auto_estimate])])
@@ -275,6 +276,8 @@ class ExplorerUI:
             self._refresh()
 
     def _refresh(self) -> None:
+        self.hardware_note.value = ("<small>not calibrated yet: the first estimate calibrates this machine "
+                                    "(about a minute, once; progress below)</small>" if self.ex.will_calibrate else "")
         for control in (self.pp_schedule, self.pp_microbatches, self.pp_virtual_stages):
             control.disabled = self.pp.value == 1  # used by pipelines only
         try:
