@@ -20,13 +20,9 @@ from typing import Iterable, Iterator, Optional, Tuple
 
 import ipywidgets as w
 from IPython.display import display
+from tqdm import tqdm
 
 from ..ranks.display import in_notebook
-
-try:  # optional: not a dependency of the package; without it a terminal gets a plain rewritten line
-    from tqdm import tqdm
-except ImportError:
-    tqdm = None
 
 #: Seconds a wait lasts before its progress is shown.
 SHOW_AFTER_S = 2.0
@@ -91,25 +87,6 @@ class _TqdmView:
         self.bar.close()
 
 
-class _LineView:
-    """One ``\\r``-rewritten line on stderr (a terminal without tqdm)."""
-
-    def __init__(self):
-        self.width = 0
-
-    def show(self) -> None:
-        pass
-
-    def update(self, done: int, total: Optional[int], text: str) -> None:
-        sys.stderr.write("\r" + text.ljust(self.width))
-        sys.stderr.flush()
-        self.width = len(text)
-
-    def close(self) -> None:
-        sys.stderr.write("\r" + " " * self.width + "\r")
-        sys.stderr.flush()
-
-
 def _choose_view(box: Optional[w.Box]):
     """Where a long wait shows: the given box, a notebook cell, a terminal, or nowhere (None)."""
     if not _enabled():
@@ -118,7 +95,7 @@ def _choose_view(box: Optional[w.Box]):
         return _WidgetView(box)
     if not sys.stderr.isatty():
         return None
-    return _TqdmView() if tqdm is not None else _LineView()
+    return _TqdmView()
 
 
 class Progress:
