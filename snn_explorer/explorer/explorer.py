@@ -157,8 +157,10 @@ class Explorer(ExplorerCharts):
                   activation_checkpointing: Optional[str] = None, checkpoint_every: int = 1,
                   cpu_offload: bool = False, pp_schedule: Optional[str] = None,
                   pp_microbatches: Optional[int] = None, pp_virtual_stages: Optional[int] = None,
-                  pp_layout: Any = None) -> SNNDistributedPlan:
-        """The plan :func:`snn_explorer.plan` gives for these choices, without adding it (``time_chunks``
+                  pp_layout: Any = None, precision: Any = None) -> SNNDistributedPlan:
+        """The plan :func:`snn_explorer.plan` gives for these choices, without adding it (``precision``: a
+        :class:`~snn_explorer.core.precision.Precision` or its name, None: the objective's choice, bf16
+        only behind the ``allow_mixed_precision`` gate; ``time_chunks``
         checkpointing, and the objective's own choice for a model stepped per time step, steps
         :attr:`time_step_module`; the ``pp_*`` fields left None are the planner's choice, and a pipeline's
         stages are balanced by the profile unless ``pp_layout`` is given)."""
@@ -173,7 +175,8 @@ class Explorer(ExplorerCharts):
                             mode=mode, features=features, tensor_parallel_plan=tensor_parallel_plan,
                             activation_checkpointing=activation_checkpointing, checkpoint_every=checkpoint_every,
                             cpu_offload=cpu_offload, time_step_module=step_module, pp_schedule=pp_schedule,
-                            pp_microbatches=pp_microbatches, pp_virtual_stages=pp_virtual_stages, pp_layout=pp_layout)
+                            pp_microbatches=pp_microbatches, pp_virtual_stages=pp_virtual_stages, pp_layout=pp_layout,
+                            precision=precision)
         return planned if pp_layout is not None else self._balanced(planned)
 
     def _balanced(self, plan: SNNDistributedPlan) -> SNNDistributedPlan:

@@ -20,6 +20,7 @@ import ipywidgets as w
 
 from ..core import MODES, SNN_DISTRIBUTED_PREFERENCES, SNNDistributedPlan
 from ..core.pipeline_schedules import SCHEDULES
+from ..core.precision import PRECISIONS, precision_of
 from ..core.topology import LEADING_DIMS, dp_tp_splits
 from ..estimator import hardware_profiles
 from . import charts
@@ -31,7 +32,9 @@ from .render import figure_data, message_data, message_html, show, styler_data, 
 TABS = ("Modules", "Candidates", "Compare", "Charts", "Launch")
 CHARTS = ("memory", "communication", "step time", "pareto", "mesh", "activations vs T", "pipeline")
 GATES = ("allow_experimental_conv_tp", "allow_experimental_spikformer_tp", "allow_zero_optimizer",
-         "allow_activation_checkpointing", "allow_cpu_offload")
+         "allow_activation_checkpointing", "allow_cpu_offload", "allow_mixed_precision")
+#: The precision choices: "auto" is the objective's (bf16 behind allow_mixed_precision, else fp32).
+PRECISION_CHOICES = ("auto",) + PRECISIONS
 CHECKPOINTING = ("auto", "none", "blocks", "time_chunks")
 PP_SCHEDULE_CHOICES = ("auto",) + tuple(SCHEDULES)
 #: The mesh sliders in the order they keep their sizes when another one moves (dp takes what is left).
@@ -114,6 +117,10 @@ class ExplorerUI:
         self.memory_budget = w.BoundedFloatText(value=0.0, min=0.0, max=1e9, step=64.0,
                                                 description="budget MiB", style=style)
         self.hardware = self._hardware_control(style)
+        self.precision = w.Dropdown(options=PRECISION_CHOICES, value="auto", description="precision", style=style,
+                                    tooltip="bf16 / fp16 need the allow_mixed_precision gate; auto: the objective's")
+        self.neuron_state_fp32 = w.Checkbox(value=True, description="keep neuron state fp32", indent=False,
+                                            tooltip="membranes and traces in fp32 while layers compute in bf16 / fp16")
         self.hardware_note = w.HTML()  # says when the next estimate calibrates this machine first
         self.pin_button = w.Button(description="pin plan", icon="thumb-tack",
                                    tooltip="keep the current plan in the comparison")
@@ -137,7 +144,8 @@ class ExplorerUI:
                            self.pp_microbatches, self.pp_virtual_stages,
                            w.HTML("<small>micro-batches, virtual stages: 0 = the planner's choice</small>"),
                            self.mode, self.batch_size, self.time_steps, self.memory_budget, self.hardware,
-                           self.hardware_note, self.checkpointing, self.checkpoint_every])
+                           self.hardware_note, self.precision, self.neuron_state_fp32, self.checkpointing,
+                           self.checkpoint_every])
         gates = w.VBox([w.HTML("<b>feature gates</b>"), *self.gates.values(),
                         w.HBox([self.pin_button, self.clear_button]),
                         w.HBox([self.estimate_button, self.auto_estimate])])
@@ -151,7 +159,7 @@ class ExplorerUI:
             slider.observe(lambda _, moved=name: self._link(moved), "value")
         for control in (self.objective, self.mode, self.batch_size, self.time_steps, self.memory_budget,
                         self.checkpointing, self.checkpoint_every, self.pp_schedule, self.pp_microbatches,
-                        self.pp_virtual_stages, *self.gates.values()):
+                        self.pp_virtual_stages, self.precision, self.neuron_state_fp32, *self.gates.values()):
             control.observe(self.refresh, "value")
         self.hardware.observe(self._on_hardware, "value")
         self.chart.observe(lambda _: self._render_tab("Charts"), "value")
@@ -217,7 +225,14 @@ class ExplorerUI:
                     mode=None if self.mode.value == "auto" else self.mode.value,
                     activation_checkpointing=None if self.checkpointing.value == "auto" else self.checkpointing.value,
                     checkpoint_every=self.checkpoint_every.value,
-                    cpu_offload=self.gates["allow_cpu_offload"].value, **self._pipeline_choices())
+                    cpu_offload=self.gates["allow_cpu_offload"].value, precision=self._precision_choice(),
+                    **self._pipeline_choices())
+
+    def _precision_choice(self):
+        """The chosen :class:`~snn_explorer.core.precision.Precision` (None: "auto", the objective's)."""
+        if self.precision.value == "auto":
+            return None
+        return precision_of(self.precision.value, keep_neuron_state_fp32=self.neuron_state_fp32.value)
 
     def _pipeline_choices(self) -> dict:
         """The ``pp_*`` choices: None (the planner's) for "auto" / 0, and for all when pp is 1."""
@@ -280,6 +295,7 @@ class ExplorerUI:
                                     "(about a minute, once; progress below)</small>" if self.ex.will_calibrate else "")
         for control in (self.pp_schedule, self.pp_microbatches, self.pp_virtual_stages):
             control.disabled = self.pp.value == 1  # used by pipelines only
+        self.neuron_state_fp32.disabled = self.precision.value in ("auto", "fp32")  # a half precision's option
         try:
             self.current, self.error = self.ex.make_plan(**self.choices()), ""
         except ERRORS as exc:
