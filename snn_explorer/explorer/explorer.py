@@ -15,7 +15,16 @@ from ..core.memory_levers import find_time_step_module, objective_checkpoints
 from ..core.recommend import UNSET, check_backend, neuron_backend_arg
 from ..core.tp_plan import default_tp_plan
 from ..core.validate import check_batch_tensor, positive_int
-from ..estimator import PlanList, balanced_pp_plan, cached_hardware, enumerate_plans, fastest_first, model_profile
+from ..estimator import (
+    PlanList,
+    balanced_pp_plan,
+    cached_hardware,
+    default_hardware,
+    enumerate_plans,
+    fastest_first,
+    fit_budget,
+    model_profile,
+)
 from ..estimator import estimate as estimate_plan
 from ..launcher import export_job, launch_plan
 from ..zoo import build
@@ -247,6 +256,35 @@ class Explorer(ExplorerCharts):
                                                  profile=self._profile, hardware=self.hardware,
                                                  layout=self.analysis.data_layout, on_progress=wait.hear)
         return self._estimates[key]
+
+    def fit(self, memory_budget: int, world_size: int, *, batch_size: Optional[int] = None,
+            features: FeaturesLike = None):
+        """:func:`~snn_explorer.estimator.fit_budget` for this model on :attr:`hardware`: the fastest plan for
+        ``world_size`` ranks whose estimated peak fits ``memory_budget`` bytes per rank, the candidates
+        and why each lost (a :class:`~snn_explorer.estimator.FitResult`, cached per choice). ``features``:
+        the gates, so the levers searched (None: the fit's own, checkpointing and spike compression)."""
+        if self.example_input is None:
+            raise ValueError("fitting a budget estimates plans, which needs an example input: "
+                             "Explorer(model, example_input=[T, N, ...] tensor)")
+        batch = batch_size if batch_size is not None else self.batch_size
+        gates = None if features is None else as_features(features)
+        key = (int(memory_budget), int(world_size), batch, gates, hardware_key(self.hardware))
+        fits = self.__dict__.setdefault("_fits", {})
+        if key not in fits:
+            with self.waiting(f"fitting {memory_budget / 2 ** 20:.4g} MiB per rank on {world_size} ranks") as wait:
+                hardware = self.hardware
+                if self.will_calibrate:
+                    wait.say("fitting a budget" + CALIBRATION_NOTE)
+                    hardware = default_hardware(on_progress=wait.hear)
+                if self._profile is None:
+                    wait.say("profiling the model (forward and backward at four batch sizes)")
+                    self._profile = model_profile(self.model, self.example_input, self.labels,
+                                                  layout=self.analysis.data_layout, on_progress=wait.hear)
+                wait.say(f"fitting {memory_budget / 2 ** 20:.4g} MiB per rank on {world_size} ranks: "
+                         "estimating modes, meshes and levers")
+                fits[key] = fit_budget(self.model, self.example_input, memory_budget, world_size, labels=self.labels,
+                                       hardware=hardware, batch_size=batch, features=gates, optimizer=self.optimizer)
+        return fits[key]
 
     @property
     def will_calibrate(self) -> bool:

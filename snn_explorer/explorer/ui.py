@@ -14,7 +14,7 @@ import html
 import json
 from contextlib import contextmanager
 from math import gcd
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import ipywidgets as w
 
@@ -25,14 +25,15 @@ from ..core.topology import LEADING_DIMS, dp_tp_splits
 from ..estimator import hardware_profiles
 from . import charts
 from .compare import compare_table, plan_label, readable, style_compare
+from .fit_view import fit_chart, fit_summary, fit_summary_html, fit_table
 from .launch_panel import LaunchPanel
 from .modules import candidates_table
 from .render import figure_data, message_data, message_html, show, styler_data, table_data
 
-TABS = ("Modules", "Candidates", "Compare", "Charts", "Launch")
+TABS = ("Modules", "Candidates", "Compare", "Charts", "Launch", "Fit")
 CHARTS = ("memory", "communication", "step time", "pareto", "mesh", "activations vs T", "pipeline")
 GATES = ("allow_experimental_conv_tp", "allow_experimental_spikformer_tp", "allow_zero_optimizer",
-         "allow_activation_checkpointing", "allow_cpu_offload", "allow_mixed_precision")
+         "allow_activation_checkpointing", "allow_cpu_offload", "allow_mixed_precision", "allow_spike_compression")
 #: The precision choices: "auto" is the objective's (bf16 behind allow_mixed_precision, else fp32).
 PRECISION_CHOICES = ("auto",) + PRECISIONS
 CHECKPOINTING = ("auto", "none", "blocks", "time_chunks")
@@ -43,6 +44,9 @@ MAX_WORLD = 1024
 #: The hardware choice that means this machine's calibration (``Explorer.hardware = None``).
 THIS_MACHINE = "this machine (calibrated)"
 ERRORS = (ValueError, TypeError, KeyError, NotImplementedError)
+#: Said above the Fit tab: what it searches.
+FIT_HELP = ("<small>the fastest plan for the world size whose estimated peak fits 'budget MiB': modes, meshes "
+            "and the levers the gates allow (allow_activation_checkpointing, allow_spike_compression)</small>")
 #: Above this many modules the UI does not estimate by itself (see the module doc).
 AUTO_ESTIMATE_MAX_MODULES = 400
 
@@ -137,7 +141,10 @@ class ExplorerUI:
         modules = [n for n, m in self.ex.model.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
         self.chart_module = w.Dropdown(options=modules or [""], description="module")
         self.launcher = LaunchPanel(self)
-        above = {"Charts": w.HBox([self.chart, self.chart_module]), "Launch": self.launcher.widget}
+        self.fit_pin_button = w.Button(description="pin fitted plan", icon="thumb-tack",
+                                       tooltip="keep the plan the Fit tab found in the comparison")
+        above = {"Charts": w.HBox([self.chart, self.chart_module]), "Launch": self.launcher.widget,
+                 "Fit": w.HBox([self.fit_pin_button, w.HTML(FIT_HELP)])}
         self.tabs = w.Tab(children=[w.VBox([above[n], self.outputs[n]]) if n in above else self.outputs[n]
                                     for n in TABS], titles=TABS, selected_index=TABS.index("Compare"))
         controls = w.VBox([self.objective, self.world_size, self.dp, self.tp, self.pp, self.pp_schedule,
@@ -172,6 +179,7 @@ class ExplorerUI:
         self.estimate_button.on_click(lambda _: self.estimate())
         self.auto_estimate.observe(self.refresh, "value")
         self.clear_button.on_click(lambda _: self.clear())
+        self.fit_pin_button.on_click(lambda _: self.pin_fitted())
 
     def _hardware_control(self, style) -> "w.Dropdown":
         """Where step times are predicted: this machine, a built-in profile, or the Explorer's own profile."""
@@ -259,6 +267,24 @@ class ExplorerUI:
             self.refresh()
             return None
         pinned = self.ex.add(self.current)
+        self.refresh()
+        return pinned
+
+    def fit(self):
+        """The Fit tab's :meth:`Explorer.fit`: the budget, world size, batch and gates of the controls;
+        ValueError saying what is missing or that nothing fits."""
+        if self.budget_bytes is None:
+            raise ValueError("no memory budget: set 'budget MiB' above to find the fastest plan within it")
+        return self.ex.fit(self.budget_bytes, self.world_size.value, batch_size=self.batch_size.value,
+                           features={g: c.value for g, c in self.gates.items()})
+
+    def pin_fitted(self) -> Optional[SNNDistributedPlan]:
+        """Pin the plan the Fit tab found (what its button does); None, saying why, when there is none."""
+        try:
+            pinned = self.ex.add(self.fit().plan)
+        except ERRORS as exc:
+            self.message.value = message_html(f"no fitted plan to pin: {exc}", "error")
+            return None
         self.refresh()
         return pinned
 
@@ -357,7 +383,8 @@ class ExplorerUI:
             return self._render_compare()
         out = self.outputs[name]
         try:
-            show(out, self._tab_data(name))
+            data = self._tab_data(name)
+            show(out, *(data if isinstance(data, list) else [data]))
         except ERRORS as exc:
             show(out, message_data(f"cannot show {name}: {exc}", "error"))
         self._dirty.discard(name)
@@ -365,13 +392,17 @@ class ExplorerUI:
     def _shown_tab(self) -> Optional[str]:
         return None if self.tabs.selected_index is None else TABS[self.tabs.selected_index]
 
-    def _tab_data(self, name: str) -> dict:
+    def _tab_data(self, name: str) -> Union[dict, List[dict]]:
         plan = self.current
         if name in ("Modules", "Candidates"):
             table = self.ex.modules_for(plan)
             return table_data(table if name == "Modules" else candidates_table(table))
         if name == "Launch":
             return self._launch_code(self.launcher.plan.value or plan)
+        if name == "Fit":
+            result = self.fit()
+            return [{"text/html": fit_summary_html(result), "text/plain": fit_summary(result)},
+                    table_data(fit_table(result)), figure_data(fit_chart(result))]
         return figure_data(self.figure())
 
     def _launch_code(self, plan: Optional[SNNDistributedPlan]) -> dict:
