@@ -17,9 +17,15 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/snn-fresh-clone.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 git clone -q --no-hardlinks "$ROOT" "$work/clone"
 cd "$work/clone"
+# On a machine shared with other rank-spawning work, RANKS_LOCK names a lock file: the install then runs
+# first, outside the lock (scripts/setup.sh, which quickstart.sh runs and, installed, then skips), and
+# the rank-spawning parts (the main job, the notebooks) inside it. Unset (CI): exactly the README's command.
+locked=()
+[ -n "${RANKS_LOCK:-}" ] && locked=(flock "$RANKS_LOCK")
 start=$SECONDS
 echo "== fresh clone of $(git rev-parse --short HEAD): bash scripts/quickstart.sh (the README's set-up) =="
-bash scripts/quickstart.sh
+[ -n "${RANKS_LOCK:-}" ] && bash scripts/setup.sh
+"${locked[@]}" bash scripts/quickstart.sh
 setup_s=$((SECONDS - start))
 # A kernel spec naming the clone's python by its absolute path (jupyter_client would swap a bare
 # "python" for the tools' own interpreter).
@@ -31,7 +37,7 @@ EOF
 start=$SECONDS
 echo "== every notebook under nbval, in the fresh clone's .venv =="
 status=0
-JUPYTER_PATH="$work/jupyter" "$TOOLS" -m pytest "$@" --nbval \
+JUPYTER_PATH="$work/jupyter" "${locked[@]}" "$TOOLS" -m pytest "$@" --nbval \
     --nbval-kernel-name snn-fresh-clone --nbval-sanitize-with notebooks/nbval_sanitize.cfg notebooks/ || status=$?
 echo "fresh_clone_check: set-up ${setup_s} s, notebooks $((SECONDS - start)) s"
 exit $status
