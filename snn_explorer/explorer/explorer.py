@@ -93,6 +93,7 @@ class Explorer(ExplorerCharts):
         self.hardware = hardware
         self._plans: List[SNNDistributedPlan] = []
         self._estimates: Dict[tuple, Any] = {}
+        self._fits: Dict[tuple, Any] = {}  # Explorer.fit's results per choice
         self._profile = None
         self._modules: Dict[tuple, Any] = {}
         self._ui = None
@@ -269,7 +270,7 @@ class Explorer(ExplorerCharts):
         batch = batch_size if batch_size is not None else self.batch_size
         gates = None if features is None else as_features(features)
         key = (int(memory_budget), int(world_size), batch, gates, hardware_key(self.hardware))
-        fits = self.__dict__.setdefault("_fits", {})
+        fits = self._fits
         if key not in fits:
             with self.waiting(f"fitting {memory_budget / 2 ** 20:.4g} MiB per rank on {world_size} ranks") as wait:
                 hardware = self.hardware
