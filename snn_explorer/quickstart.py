@@ -9,10 +9,9 @@ import argparse
 import textwrap
 from typing import List
 
-from torch import nn
-
 from .core import analyze, plan
 from .estimator import enumerate_plans, estimate
+from .explorer.steps import example_step
 from .launcher import launch_plan
 from .zoo import ZOO_NAMES, build
 
@@ -22,15 +21,9 @@ OBJECTIVE = "memory"
 WIDTH = 96
 
 
-def train_step(runtime, step, batch, state, inputs, labels) -> float:
-    """One training step on one rank (``launch_plan``'s signature): this dp rank's share of the batch."""
-    share = runtime.plan.per_rank_batch
-    start = runtime.dp_rank * share
-    optimizer = state["optimizer"]
-    optimizer.zero_grad()
-    loss = runtime.train_step(nn.CrossEntropyLoss(), inputs[:, start:start + share], labels[start:start + share])
-    optimizer.step()
-    return round(loss.item(), 6)
+#: One training step on one rank (``launch_plan``'s signature): this dp rank's share of the batch,
+#: cross-entropy, an optimizer step; the loss rounded to 6 digits for the printed table.
+train_step = example_step(ndigits=6)
 
 
 def _size(n: float) -> str:

@@ -75,3 +75,19 @@ def test_bad_controls_are_one_line_errors(capsys, extra, named):
     assert main(["compare", "zoo:mlp", "--topology", "dp=2", *extra]) == 2
     err = capsys.readouterr().err
     assert err.startswith("snn-explorer: error: ") and err.count("\n") == 1 and named in err, err
+
+
+def test_precision_options_reach_the_plans_behind_their_gate(capsys):
+    base = ["compare", "zoo:mlp", "--topology", "dp=2", "--objective", "speed", *HW]
+    assert main(base + ["--gate", "allow_mixed_precision", "--precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert _rows(out)["precision"] == ["bf16"] and "dp=2 bf16" in out
+    assert main(base + ["--gate", "allow_mixed_precision", "--precision", "bf16", "--no-neuron-state-fp32",
+                        "--json"]) == 0
+    assert '"keep_neuron_state_fp32": false' in capsys.readouterr().out
+    assert main(base + ["--precision", "fp16"]) == 2
+    assert "--precision fp16 needs --gate allow_mixed_precision" in capsys.readouterr().err
+    assert main(base + ["--no-neuron-state-fp32"]) == 2
+    assert "give --precision too" in capsys.readouterr().err
+    assert main(base + ["--precision", "fp8"]) == 2  # argparse: not a choice
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err

@@ -145,8 +145,14 @@ def test_cpu_ranks_sharing_a_host_pay_the_costs_of_the_world_they_share_it_with(
 
 
 def test_calibrate_on_real_ranks_and_json_round_trip(tmp_path):
-    hw = se.calibrate(group_sizes=(2,), backend="gloo")
+    heard = []
+    hw = se.calibrate(group_sizes=(2,), backend="gloo", on_progress=lambda *piece: heard.append(piece))
     assert hw.source.startswith("calibrated on") and hw.host
+    # the hook heard rank 0's pieces as they came (a poll may bring two at once: the later is told), then the end
+    total = heard[-1][1]
+    assert [d for d, _, _ in heard] == sorted({d for d, _, _ in heard}) and heard[-1][0] == total > len(KINDS)
+    assert len(heard) >= 3 and all(label.startswith("calibrating this machine: ") for *_, label in heard), heard
+    assert any(label.endswith(f"2 ranks: {kind} timed") for *_, label in heard for kind in KINDS), heard
     for kind in KINDS:
         alpha, beta = hw.collectives[kind][2]
         assert alpha >= 0 and beta > 0

@@ -5,7 +5,7 @@ import json
 
 import pandas as pd
 
-from ..estimator import fit_budget
+from ..explorer import Explorer
 from .inputs import CliError, example_batch, load_model_and_batch, positive
 from .options import GATES, features, memory_budget_bytes
 from .plans import _hardware
@@ -35,9 +35,10 @@ def cmd_fit(args) -> int:
         raise CliError(f"fit estimates plans, so it needs an example input: {args.model!r} carries none; give "
                        "--input-shape T,N,F... (e.g. 8,16,784)")
     gates = features(args) if args.gate or args.no_gate else None
-    try:
-        result = fit_budget(model, example[0], memory_budget_bytes(args), positive("--world-size", args.world_size),
-                            labels=example[1], hardware=_hardware(args), batch_size=batch, features=gates)
+    try:  # through the Explorer: a wait over 2 s shows its progress on a terminal (tqdm), a calibration's pieces too
+        ex = Explorer(model, example_input=example[0], labels=example[1], batch_size=batch, hardware=_hardware(args))
+        result = ex.fit(memory_budget_bytes(args), positive("--world-size", args.world_size), batch_size=batch,
+                        features=gates)
     except (TypeError, ValueError) as exc:
         raise CliError(f"cannot fit {args.model!r}: {exc}") from None
     if args.json:

@@ -1,11 +1,13 @@
 """The Explorer's controls as command-line options: the choices the UI offers, by the same names."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from typing import Optional
 
 from ..core import MODES, SNN_DISTRIBUTED_PREFERENCES, DistributedFeatureSet
 from ..core.pipeline_schedules import SCHEDULES
+from ..core.precision import PRECISIONS, Precision, precision_of
 from .inputs import CliError, positive
 
 #: The feature gates, as ``DistributedFeatureSet`` names them (and ``--gate`` / ``--no-gate`` take).
@@ -32,6 +34,11 @@ def add_plan_options(p) -> None:
     p.add_argument("--pp-schedule", choices=tuple(SCHEDULES), help="pipeline schedule (a topology with pp)")
     p.add_argument("--pp-microbatches", type=int, help="pipeline micro-batches (default: the planner's)")
     p.add_argument("--pp-virtual-stages", type=int, help="stages per pipeline rank (default: the planner's)")
+    p.add_argument("--precision", choices=PRECISIONS,
+                   help="training precision (default: the objective's: bf16 with --gate allow_mixed_precision, "
+                        "else fp32); bf16 / fp16 need --gate allow_mixed_precision")
+    p.add_argument("--neuron-state-fp32", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep membranes and traces in fp32 while layers compute in bf16 / fp16 (default: on)")
 
 
 def add_estimate_options(p) -> None:
@@ -55,10 +62,28 @@ def _optional_positive(name: str, value) -> Optional[int]:
     return None if value is None else positive(name, value)
 
 
+def precision_choice(args, gates: DistributedFeatureSet) -> Optional[Precision]:
+    """The ``--precision`` / ``--neuron-state-fp32`` choice (None: the objective's); CliError for a
+    half precision without its gate, or a neuron-state choice without a half precision."""
+    if args.precision is None:
+        if args.neuron_state_fp32 is not None:
+            raise CliError("--neuron-state-fp32 / --no-neuron-state-fp32 is a choice of --precision bf16 or fp16; "
+                           "give --precision too")
+        return None
+    chosen = precision_of(args.precision, keep_neuron_state_fp32=args.neuron_state_fp32)
+    if chosen.mixed and not gates.allow_mixed_precision:
+        raise CliError(f"--precision {chosen.name} needs --gate allow_mixed_precision (plans train in fp32 without it)")
+    if not chosen.mixed and args.neuron_state_fp32 is not None:
+        raise CliError("--neuron-state-fp32 / --no-neuron-state-fp32 is a choice of --precision bf16 or fp16, "
+                       "not fp32 (the state is fp32 there)")
+    return chosen
+
+
 def plan_choices(args) -> dict:
     """The keyword arguments of ``Explorer.make_plan`` the options give (objective and topology aside)."""
     gates = features(args)
-    return dict(features=gates, mode=args.mode, activation_checkpointing=args.checkpointing,
+    return dict(features=gates, precision=precision_choice(args, gates), mode=args.mode,
+                activation_checkpointing=args.checkpointing,
                 checkpoint_every=positive("--checkpoint-every", args.checkpoint_every),
                 cpu_offload=gates.allow_cpu_offload, pp_schedule=args.pp_schedule,
                 pp_microbatches=_optional_positive("--pp-microbatches", args.pp_microbatches),

@@ -9,9 +9,10 @@ arithmetic, peaks; hardware, compute, collectives, step and pipeline time) <- ``
 ``measurement`` <- ``plan_estimate``, ``pp_layout``, ``enumerate``, ``compare``, ``budget_fit`` (the public face).
 """
 from .budget_fit import FitOutcome, FitResult, fit_budget
-from .calibration import calibrate, default_hardware
+from .calibration import cached_hardware, calibrate, default_hardware
 from .compare import compare_estimate
 from .enumerate import PlanList, enumerate_plans
+from .instruments.progress_hook import ProgressHook
 from .instruments.recorder import CollectiveRecorder
 from .instruments.tables import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS, TIME_COLUMNS
 from .measurement import PlanMeasurement, measure, measure_many
@@ -24,7 +25,7 @@ from .timing import HardwareProfile, hardware_profile, hardware_profiles
 from .timing.step_time import fastest_first
 
 __all__ = ["COLLECTIVE_COLUMNS", "PER_RANK_COLUMNS", "TIME_COLUMNS", "CollectiveRecorder", "HardwareProfile",
-           "FitOutcome", "FitResult", "ModelProfile", "PlanEstimate", "PlanList", "PlanMeasurement",
-           "activation_curve", "balanced_pp_plan", "bubble_fraction", "calibrate", "compare_estimate",
+           "FitOutcome", "FitResult", "ModelProfile", "ProgressHook", "PlanEstimate", "PlanList", "PlanMeasurement",
+           "activation_curve", "balanced_pp_plan", "bubble_fraction", "cached_hardware", "calibrate", "compare_estimate",
            "default_hardware", "enumerate_plans", "estimate", "estimate_all", "fastest_first", "fit_budget",
            "hardware_profile", "hardware_profiles", "measure", "measure_many", "model_profile"]

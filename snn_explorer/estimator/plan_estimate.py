@@ -36,6 +36,7 @@ from ..core.pipeline_plan import pipeline_units
 from ..core.validate import positive_int, positive_number
 from .calibration import resolve_hardware
 from .instruments.isolation import as_found, one_thread
+from .instruments.progress_hook import ProgressHook, check_hook
 from .instruments.tables import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
 from .memory.fsdp_timeline import FsdpTimeline
 from .memory.gpu_trace import gpu_peaks, gpu_step
@@ -123,7 +124,8 @@ class PlanEstimate:
 def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch.Tensor,
              labels: Optional[torch.Tensor] = None, time_steps: Optional[int] = None, optimizer: str = "adam",
              dtype: Optional[torch.dtype] = None, memory_budget: Optional[int] = None,
-             profile: Optional[ModelProfile] = None, hardware=None, layout=None) -> PlanEstimate:
+             profile: Optional[ModelProfile] = None, hardware=None, layout=None,
+             on_progress: Optional[ProgressHook] = None) -> PlanEstimate:
     """Estimate ``plan`` for ``model`` per rank of its mesh, for one optimizer step.
 
     ``example_input`` ``[T, N, ...]`` stands for the global batch of one optimizer step
@@ -146,8 +148,12 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     where N and T sit in ``example_input`` and the model's output; when neither states it, it is
     detected (:func:`~.profile.step.resolve_layout`). ``data_layout`` and ``data_layout_how`` say which
     and how.
+
+    ``on_progress(done, total, label)`` (:mod:`.instruments.progress_hook`) hears the calibration and
+    the profiling when this call makes them (each a phase of its own label).
     """
     optimizer = check_optimizer(optimizer)
+    check_hook(on_progress)
     check_inputs(model, example_input, None, dtype, plan)
     if time_steps is not None:
         positive_int("time_steps", time_steps)
@@ -160,9 +166,9 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     if profile is not None and profile.layout != layout:
         raise ValueError(f"the profile was measured in data layout {profile.layout}, not {layout}")
     t = layout.steps(example_input) if time_steps is None else time_steps
-    hardware = resolve_hardware(hardware)
+    hardware = resolve_hardware(hardware, on_progress)
     with as_found(), one_thread():  # the runs below draw random numbers and may import torch's compiler
-        profile = profile or model_profile(model, example_input, labels, dtype, layout)
+        profile = profile or model_profile(model, example_input, labels, dtype, layout, on_progress=on_progress)
         result = _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_budget, profile, hardware)
     return dataclasses.replace(result, data_layout=layout, data_layout_how=how)
 

@@ -24,6 +24,8 @@ COMPARE_ROWS = TEXT_ROWS + MEMORY_ROWS + ("peak_bytes_max", "comm_bytes_per_step
                                           "step_time_s", "samples_per_s", "fits_budget")
 #: Rows added after :data:`COMPARE_ROWS` when a compared plan is a pipeline (a plan without one: "" and 0).
 PIPELINE_ROWS = ("pipeline", "bubble_fraction")
+#: The row added after ``mesh`` when a compared plan trains in half precision (each plan's ``Precision.label``).
+PRECISION_ROW = "precision"
 #: The prefix of a styled comparison's table id; the rest is a digest of the table (see :func:`table_uuid`).
 STYLER_UUID = "snn-compare"
 #: The style of a best cell.
@@ -43,9 +45,12 @@ def pipeline_text(plan: SNNDistributedPlan) -> str:
 
 
 def plan_label(plan: SNNDistributedPlan) -> str:
-    """``dp+zero dp=4``, ``pp pp=2 x dp=2 1f1b m=8``: mode, ZeRO, levers, mesh and the pipeline's schedule."""
+    """``dp+zero dp=4``, ``pp pp=2 x dp=2 1f1b m=8``, ``tp tp=2 bf16``: mode, ZeRO, levers, mesh, the
+    pipeline's schedule and a half precision."""
     zero = "+zero" if plan.uses_zero else ""
-    return " ".join(filter(None, (f"{plan.mode}{zero}{lever_label(plan)}", mesh_text(plan), pipeline_text(plan))))
+    precision = plan.precision.label if plan.precision.mixed else ""
+    return " ".join(filter(None, (f"{plan.mode}{zero}{lever_label(plan)}", mesh_text(plan), pipeline_text(plan),
+                                  precision)))
 
 
 def unique_labels(plans: Sequence[SNNDistributedPlan]) -> list:
@@ -58,7 +63,8 @@ def _column(est: PlanEstimate, budget: Optional[int]) -> dict:
     col = dict(objective=p.objective, mode=p.mode, mesh=mesh_text(p), optimizer_strategy=p.optimizer_strategy,
                memopt_level=p.memopt_level, batch=p.batch_size, batch_per_rank=p.per_rank_batch,
                time_steps=est.time_steps, rationale=" ".join(p.rationale), notes=" ".join(p.notes),
-               verdict=est.verdict, hardware=est.hardware.name if est.hardware is not None else "")
+               verdict=est.verdict, hardware=est.hardware.name if est.hardware is not None else "",
+               precision=p.precision.label)
     col.update({name: int(per_rank[name].max()) for name in MEMORY_ROWS})
     col.update(peak_bytes_max=est.peak_bytes, comm_bytes_per_step=est.comm_bytes,
                collectives_per_step=int(est.collectives["count"].sum()) if len(est.collectives) else 0,
@@ -71,13 +77,17 @@ def _column(est: PlanEstimate, budget: Optional[int]) -> dict:
 
 def compare_table(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[str]] = None,
                   memory_budget: Optional[int] = None) -> pd.DataFrame:
-    """Rows :data:`COMPARE_ROWS` (and :data:`PIPELINE_ROWS` when a plan is a pipeline), one column per
-    estimate (labelled ``labels`` or ``#i mode mesh``)."""
+    """Rows :data:`COMPARE_ROWS` (with :data:`PRECISION_ROW` when a plan trains in half precision, and
+    :data:`PIPELINE_ROWS` when a plan is a pipeline), one column per estimate (labelled ``labels`` or
+    ``#i mode mesh``)."""
     labels = list(labels) if labels is not None else unique_labels([e.plan for e in estimates])
     if len(labels) != len(estimates) or len(set(labels)) != len(labels):
         raise ValueError(f"need one distinct label per estimate, got {labels!r} for {len(estimates)} estimates")
     data = {label: _column(e, memory_budget) for label, e in zip(labels, estimates)}
     rows = COMPARE_ROWS + (PIPELINE_ROWS if any(e.plan.uses_pp for e in estimates) else ())
+    if any(e.plan.precision.mixed for e in estimates):
+        at = rows.index("mesh") + 1
+        rows = rows[:at] + (PRECISION_ROW,) + rows[at:]
     return pd.DataFrame(data, index=list(rows), columns=labels, dtype=object)
 
 

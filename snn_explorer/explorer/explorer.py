@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
@@ -16,7 +15,16 @@ from ..core.memory_levers import find_time_step_module, objective_checkpoints
 from ..core.recommend import UNSET, check_backend, neuron_backend_arg
 from ..core.tp_plan import default_tp_plan
 from ..core.validate import check_batch_tensor, positive_int
-from ..estimator import PlanList, balanced_pp_plan, enumerate_plans, fastest_first, model_profile
+from ..estimator import (
+    PlanList,
+    balanced_pp_plan,
+    cached_hardware,
+    default_hardware,
+    enumerate_plans,
+    fastest_first,
+    fit_budget,
+    model_profile,
+)
 from ..estimator import estimate as estimate_plan
 from ..launcher import export_job, launch_plan
 from ..zoo import build
@@ -28,11 +36,9 @@ from .steps import example_batch, example_step
 from .ui import ExplorerUI
 
 FeaturesLike = Union[DistributedFeatureSet, Mapping[str, bool], None]
-#: Said while estimating on this machine's calibration (``hardware=None``): its first estimate
-#: calibrates the machine (timed collectives on 2 and 4 ranks) unless a calibration is cached.
-CALIBRATION_NOTE = "; the first estimate on a machine also calibrates it (about a minute, cached after)"
-#: The estimator's variable naming the profile ``hardware=None`` means (then nothing is calibrated).
-HARDWARE_ENV = "SNN_EXPLORER_HARDWARE"
+#: Said while an estimate on this machine's calibration (``hardware=None``) has to make it first
+#: (timed collectives on 2 and 4 ranks: 42-46 s on 2 cores, see ``calibrate``); the hook's pieces follow.
+CALIBRATION_NOTE = "; calibrating this machine first (once, about a minute; cached after)"
 
 
 def hardware_key(hardware: Any):
@@ -87,6 +93,7 @@ class Explorer(ExplorerCharts):
         self.hardware = hardware
         self._plans: List[SNNDistributedPlan] = []
         self._estimates: Dict[tuple, Any] = {}
+        self._fits: Dict[tuple, Any] = {}  # Explorer.fit's results per choice
         self._profile = None
         self._modules: Dict[tuple, Any] = {}
         self._ui = None
@@ -160,8 +167,10 @@ class Explorer(ExplorerCharts):
                   activation_checkpointing: Optional[str] = None, checkpoint_every: int = 1,
                   cpu_offload: bool = False, pp_schedule: Optional[str] = None,
                   pp_microbatches: Optional[int] = None, pp_virtual_stages: Optional[int] = None,
-                  pp_layout: Any = None) -> SNNDistributedPlan:
-        """The plan :func:`snn_explorer.plan` gives for these choices, without adding it (``time_chunks``
+                  pp_layout: Any = None, precision: Any = None) -> SNNDistributedPlan:
+        """The plan :func:`snn_explorer.plan` gives for these choices, without adding it (``precision``: a
+        :class:`~snn_explorer.core.precision.Precision` or its name, None: the objective's choice, bf16
+        only behind the ``allow_mixed_precision`` gate; ``time_chunks``
         checkpointing, and the objective's own choice for a model stepped per time step, steps
         :attr:`time_step_module`; the ``pp_*`` fields left None are the planner's choice, and a pipeline's
         stages are balanced by the profile unless ``pp_layout`` is given)."""
@@ -176,7 +185,8 @@ class Explorer(ExplorerCharts):
                             mode=mode, features=features, tensor_parallel_plan=tensor_parallel_plan,
                             activation_checkpointing=activation_checkpointing, checkpoint_every=checkpoint_every,
                             cpu_offload=cpu_offload, time_step_module=step_module, pp_schedule=pp_schedule,
-                            pp_microbatches=pp_microbatches, pp_virtual_stages=pp_virtual_stages, pp_layout=pp_layout)
+                            pp_microbatches=pp_microbatches, pp_virtual_stages=pp_virtual_stages, pp_layout=pp_layout,
+                            precision=precision)
         return planned if pp_layout is not None else self._balanced(planned)
 
     def _balanced(self, plan: SNNDistributedPlan) -> SNNDistributedPlan:
@@ -240,14 +250,48 @@ class Explorer(ExplorerCharts):
             if self._profile is None:  # looked up once: the cache key reads every parameter's shape
                 wait.say("profiling the model (forward and backward at four batch sizes)")
                 self._profile = model_profile(self.model, self.example_input, self.labels,
-                                              layout=self.analysis.data_layout)
-            calibrates = self.hardware is None and not os.environ.get(HARDWARE_ENV)
-            wait.say(f"estimating {plan_label(plan)}" + (CALIBRATION_NOTE if calibrates else ""))
+                                              layout=self.analysis.data_layout, on_progress=wait.hear)
+            wait.say(f"estimating {plan_label(plan)}" + (CALIBRATION_NOTE if self.will_calibrate else ""))
             self._estimates[key] = estimate_plan(self.model, plan, example_input=self.example_input,
                                                  labels=self.labels, time_steps=key[1], optimizer=self.optimizer,
                                                  profile=self._profile, hardware=self.hardware,
-                                                 layout=self.analysis.data_layout)
+                                                 layout=self.analysis.data_layout, on_progress=wait.hear)
         return self._estimates[key]
+
+    def fit(self, memory_budget: int, world_size: int, *, batch_size: Optional[int] = None,
+            features: FeaturesLike = None):
+        """:func:`~snn_explorer.estimator.fit_budget` for this model on :attr:`hardware`: the fastest plan for
+        ``world_size`` ranks whose estimated peak fits ``memory_budget`` bytes per rank, the candidates
+        and why each lost (a :class:`~snn_explorer.estimator.FitResult`, cached per choice). ``features``:
+        the gates, so the levers searched (None: the fit's own, checkpointing and spike compression)."""
+        if self.example_input is None:
+            raise ValueError("fitting a budget estimates plans, which needs an example input: "
+                             "Explorer(model, example_input=[T, N, ...] tensor)")
+        batch = batch_size if batch_size is not None else self.batch_size
+        gates = None if features is None else as_features(features)
+        key = (int(memory_budget), int(world_size), batch, gates, hardware_key(self.hardware))
+        fits = self._fits
+        if key not in fits:
+            with self.waiting(f"fitting {memory_budget / 2 ** 20:.4g} MiB per rank on {world_size} ranks") as wait:
+                hardware = self.hardware
+                if self.will_calibrate:
+                    wait.say("fitting a budget" + CALIBRATION_NOTE)
+                    hardware = default_hardware(on_progress=wait.hear)
+                if self._profile is None:
+                    wait.say("profiling the model (forward and backward at four batch sizes)")
+                    self._profile = model_profile(self.model, self.example_input, self.labels,
+                                                  layout=self.analysis.data_layout, on_progress=wait.hear)
+                wait.say(f"fitting {memory_budget / 2 ** 20:.4g} MiB per rank on {world_size} ranks: "
+                         "estimating modes, meshes and levers")
+                fits[key] = fit_budget(self.model, self.example_input, memory_budget, world_size, labels=self.labels,
+                                       hardware=hardware, batch_size=batch, features=gates, optimizer=self.optimizer)
+        return fits[key]
+
+    @property
+    def will_calibrate(self) -> bool:
+        """Whether the next estimate calibrates this machine first (``hardware`` None and no calibration
+        cached in the process or on disk, nor a profile named by ``SNN_EXPLORER_HARDWARE``)."""
+        return self.hardware is None and cached_hardware() is None
 
     @contextmanager
     def waiting(self, text: str, total: Optional[int] = None) -> Iterator[Progress]:

@@ -16,17 +16,13 @@ import os
 import sys
 import threading
 import time
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional, Tuple
 
 import ipywidgets as w
 from IPython.display import display
+from tqdm import tqdm
 
 from ..ranks.display import in_notebook
-
-try:  # optional: not a dependency of the package; without it a terminal gets a plain rewritten line
-    from tqdm import tqdm
-except ImportError:
-    tqdm = None
 
 #: Seconds a wait lasts before its progress is shown.
 SHOW_AFTER_S = 2.0
@@ -91,25 +87,6 @@ class _TqdmView:
         self.bar.close()
 
 
-class _LineView:
-    """One ``\\r``-rewritten line on stderr (a terminal without tqdm)."""
-
-    def __init__(self):
-        self.width = 0
-
-    def show(self) -> None:
-        pass
-
-    def update(self, done: int, total: Optional[int], text: str) -> None:
-        sys.stderr.write("\r" + text.ljust(self.width))
-        sys.stderr.flush()
-        self.width = len(text)
-
-    def close(self) -> None:
-        sys.stderr.write("\r" + " " * self.width + "\r")
-        sys.stderr.flush()
-
-
 def _choose_view(box: Optional[w.Box]):
     """Where a long wait shows: the given box, a notebook cell, a terminal, or nowhere (None)."""
     if not _enabled():
@@ -118,7 +95,7 @@ def _choose_view(box: Optional[w.Box]):
         return _WidgetView(box)
     if not sys.stderr.isatty():
         return None
-    return _TqdmView() if tqdm is not None else _LineView()
+    return _TqdmView()
 
 
 class Progress:
@@ -130,6 +107,8 @@ class Progress:
     def __init__(self, text: str, total: Optional[int] = None, *, box: Optional[w.Box] = None,
                  show_after: Optional[float] = None):
         self.text, self.total, self.done = text, total, 0
+        #: (done, total, label) of the phase an estimator hook last reported (:meth:`hear`), or None
+        self.phase: Optional[Tuple[int, int, str]] = None
         self.shown = False
         self._view = _choose_view(box)
         self._show_after = SHOW_AFTER_S if show_after is None else show_after
@@ -155,14 +134,20 @@ class Progress:
                 self._view.close()
 
     def advance(self, steps: int = 1, text: Optional[str] = None) -> None:
-        """``steps`` more of ``total`` done; ``text`` replaces the line."""
+        """``steps`` more of ``total`` done (the phase heard ends); ``text`` replaces the line."""
         self.done += steps
+        self.phase = None
         if text is not None:
             self.text = text
 
     def say(self, text: str) -> None:
-        """What is waited for now (the count and elapsed time stay)."""
-        self.text = text
+        """What is waited for now (the count and elapsed time stay; the phase heard ends)."""
+        self.text, self.phase = text, None
+
+    def hear(self, done: int, total: int, label: str) -> None:
+        """The estimator's ``on_progress`` hook (:mod:`snn_explorer.estimator.instruments.progress_hook`):
+        ``label``'s phase is at ``done`` of ``total``; the line adds it and the bar counts it."""
+        self.phase = (done, total, label)
 
     def each(self, items: Iterable) -> Iterator:
         """``items``, advancing after each."""
@@ -171,9 +156,14 @@ class Progress:
             self.advance()
 
     def line(self) -> str:
-        """The text shown: what is waited for, the count, the seconds so far."""
+        """The text shown: what is waited for, the count, the phase heard with its count, the seconds so far."""
         count = f" ({self.done}/{self.total})" if self.total else ""
-        return f"{self.text}{count}: {time.monotonic() - self._started:.0f} s"
+        phase = f"; {self.phase[2]} ({self.phase[0]}/{self.phase[1]})" if self.phase else ""
+        return f"{self.text}{count}{phase}: {time.monotonic() - self._started:.0f} s"
+
+    def counts(self) -> Tuple[int, Optional[int]]:
+        """What the bar shows: the phase heard, else the wait's own count."""
+        return (self.phase[0], self.phase[1]) if self.phase else (self.done, self.total)
 
     def _watch(self) -> None:
         if self._closed.wait(max(0.0, self._show_after - (time.monotonic() - self._started))):
@@ -183,6 +173,6 @@ class Progress:
             self.shown = True
         while True:
             with self._lock:
-                self._view.update(self.done, self.total, self.line())
+                self._view.update(*self.counts(), self.line())
             if self._closed.wait(TICK_S):
                 return

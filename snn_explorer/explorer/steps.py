@@ -7,19 +7,20 @@ import torch
 from torch import nn
 
 
-def example_step() -> Callable:
+def example_step(ndigits: Optional[int] = None) -> Callable:
     """A ``launch_plan`` step function (``train_fn(runtime, step, batch, state, inputs, labels)``):
-    this dp rank's share of the global ``inputs [T, N, ...]`` and ``labels [N]``, cross-entropy on
-    the outputs averaged over time, an optimizer step. Made inside this function so that it travels
-    to the ranks by value (a rank then does not import the notebook layer)."""
+    this dp rank's share of the global batch ``inputs`` and ``labels [N]`` (``runtime.rank_share``: cut
+    on the batch dim of the plan's data layout, refused unless it holds the plan's batch size),
+    cross-entropy on the outputs averaged over time, an optimizer step; the loss, rounded to
+    ``ndigits`` when given. Made inside this function so that it travels to the ranks by value (a rank
+    then does not import the notebook layer)."""
     def train_step(runtime, step, batch, state, inputs, labels) -> float:
-        share = runtime.plan.per_rank_batch
-        start = runtime.dp_rank * share
+        share, share_labels = runtime.rank_share(inputs, labels)
         optimizer = state["optimizer"]
         optimizer.zero_grad()
-        loss = runtime.train_step(nn.CrossEntropyLoss(), inputs[:, start:start + share], labels[start:start + share])
+        loss = runtime.train_step(nn.CrossEntropyLoss(), share, share_labels)
         optimizer.step()
-        return float(loss.item())
+        return float(loss.item()) if ndigits is None else round(loss.item(), ndigits)
     return train_step
 
 

@@ -14,24 +14,28 @@ import html
 import json
 from contextlib import contextmanager
 from math import gcd
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import ipywidgets as w
 
 from ..core import MODES, SNN_DISTRIBUTED_PREFERENCES, SNNDistributedPlan
 from ..core.pipeline_schedules import SCHEDULES
+from ..core.precision import PRECISIONS, precision_of
 from ..core.topology import LEADING_DIMS, dp_tp_splits
 from ..estimator import hardware_profiles
 from . import charts
 from .compare import compare_table, plan_label, readable, style_compare
+from .fit_view import fit_chart, fit_summary, fit_summary_html, fit_table
 from .launch_panel import LaunchPanel
 from .modules import candidates_table
 from .render import figure_data, message_data, message_html, show, styler_data, table_data
 
-TABS = ("Modules", "Candidates", "Compare", "Charts", "Launch")
+TABS = ("Modules", "Candidates", "Compare", "Charts", "Launch", "Fit")
 CHARTS = ("memory", "communication", "step time", "pareto", "mesh", "activations vs T", "pipeline")
 GATES = ("allow_experimental_conv_tp", "allow_experimental_spikformer_tp", "allow_zero_optimizer",
-         "allow_activation_checkpointing", "allow_cpu_offload")
+         "allow_activation_checkpointing", "allow_cpu_offload", "allow_mixed_precision", "allow_spike_compression")
+#: The precision choices: "auto" is the objective's (bf16 behind allow_mixed_precision, else fp32).
+PRECISION_CHOICES = ("auto",) + PRECISIONS
 CHECKPOINTING = ("auto", "none", "blocks", "time_chunks")
 PP_SCHEDULE_CHOICES = ("auto",) + tuple(SCHEDULES)
 #: The mesh sliders in the order they keep their sizes when another one moves (dp takes what is left).
@@ -40,6 +44,9 @@ MAX_WORLD = 1024
 #: The hardware choice that means this machine's calibration (``Explorer.hardware = None``).
 THIS_MACHINE = "this machine (calibrated)"
 ERRORS = (ValueError, TypeError, KeyError, NotImplementedError)
+#: Said above the Fit tab: what it searches.
+FIT_HELP = ("<small>the fastest plan for the world size whose estimated peak fits 'budget MiB': modes, meshes "
+            "and the levers the gates allow (allow_activation_checkpointing, allow_spike_compression)</small>")
 #: Above this many modules the UI does not estimate by itself (see the module doc).
 AUTO_ESTIMATE_MAX_MODULES = 400
 
@@ -114,6 +121,11 @@ class ExplorerUI:
         self.memory_budget = w.BoundedFloatText(value=0.0, min=0.0, max=1e9, step=64.0,
                                                 description="budget MiB", style=style)
         self.hardware = self._hardware_control(style)
+        self.precision = w.Dropdown(options=PRECISION_CHOICES, value="auto", description="precision", style=style,
+                                    tooltip="bf16 / fp16 need the allow_mixed_precision gate; auto: the objective's")
+        self.neuron_state_fp32 = w.Checkbox(value=True, description="keep neuron state fp32", indent=False,
+                                            tooltip="membranes and traces in fp32 while layers compute in bf16 / fp16")
+        self.hardware_note = w.HTML()  # says when the next estimate calibrates this machine first
         self.pin_button = w.Button(description="pin plan", icon="thumb-tack",
                                    tooltip="keep the current plan in the comparison")
         self.clear_button = w.Button(description="clear pins")
@@ -129,14 +141,18 @@ class ExplorerUI:
         modules = [n for n, m in self.ex.model.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
         self.chart_module = w.Dropdown(options=modules or [""], description="module")
         self.launcher = LaunchPanel(self)
-        above = {"Charts": w.HBox([self.chart, self.chart_module]), "Launch": self.launcher.widget}
+        self.fit_pin_button = w.Button(description="pin fitted plan", icon="thumb-tack",
+                                       tooltip="keep the plan the Fit tab found in the comparison")
+        above = {"Charts": w.HBox([self.chart, self.chart_module]), "Launch": self.launcher.widget,
+                 "Fit": w.HBox([self.fit_pin_button, w.HTML(FIT_HELP)])}
         self.tabs = w.Tab(children=[w.VBox([above[n], self.outputs[n]]) if n in above else self.outputs[n]
                                     for n in TABS], titles=TABS, selected_index=TABS.index("Compare"))
         controls = w.VBox([self.objective, self.world_size, self.dp, self.tp, self.pp, self.pp_schedule,
                            self.pp_microbatches, self.pp_virtual_stages,
                            w.HTML("<small>micro-batches, virtual stages: 0 = the planner's choice</small>"),
                            self.mode, self.batch_size, self.time_steps, self.memory_budget, self.hardware,
-                           self.checkpointing, self.checkpoint_every])
+                           self.hardware_note, self.precision, self.neuron_state_fp32, self.checkpointing,
+                           self.checkpoint_every])
         gates = w.VBox([w.HTML("<b>feature gates</b>"), *self.gates.values(),
                         w.HBox([self.pin_button, self.clear_button]),
                         w.HBox([self.estimate_button, self.auto_estimate])])
@@ -150,7 +166,7 @@ class ExplorerUI:
             slider.observe(lambda _, moved=name: self._link(moved), "value")
         for control in (self.objective, self.mode, self.batch_size, self.time_steps, self.memory_budget,
                         self.checkpointing, self.checkpoint_every, self.pp_schedule, self.pp_microbatches,
-                        self.pp_virtual_stages, *self.gates.values()):
+                        self.pp_virtual_stages, self.precision, self.neuron_state_fp32, *self.gates.values()):
             control.observe(self.refresh, "value")
         self.hardware.observe(self._on_hardware, "value")
         self.chart.observe(lambda _: self._render_tab("Charts"), "value")
@@ -163,6 +179,7 @@ class ExplorerUI:
         self.estimate_button.on_click(lambda _: self.estimate())
         self.auto_estimate.observe(self.refresh, "value")
         self.clear_button.on_click(lambda _: self.clear())
+        self.fit_pin_button.on_click(lambda _: self.pin_fitted())
 
     def _hardware_control(self, style) -> "w.Dropdown":
         """Where step times are predicted: this machine, a built-in profile, or the Explorer's own profile."""
@@ -216,7 +233,14 @@ class ExplorerUI:
                     mode=None if self.mode.value == "auto" else self.mode.value,
                     activation_checkpointing=None if self.checkpointing.value == "auto" else self.checkpointing.value,
                     checkpoint_every=self.checkpoint_every.value,
-                    cpu_offload=self.gates["allow_cpu_offload"].value, **self._pipeline_choices())
+                    cpu_offload=self.gates["allow_cpu_offload"].value, precision=self._precision_choice(),
+                    **self._pipeline_choices())
+
+    def _precision_choice(self):
+        """The chosen :class:`~snn_explorer.core.precision.Precision` (None: "auto", the objective's)."""
+        if self.precision.value == "auto":
+            return None
+        return precision_of(self.precision.value, keep_neuron_state_fp32=self.neuron_state_fp32.value)
 
     def _pipeline_choices(self) -> dict:
         """The ``pp_*`` choices: None (the planner's) for "auto" / 0, and for all when pp is 1."""
@@ -243,6 +267,24 @@ class ExplorerUI:
             self.refresh()
             return None
         pinned = self.ex.add(self.current)
+        self.refresh()
+        return pinned
+
+    def fit(self):
+        """The Fit tab's :meth:`Explorer.fit`: the budget, world size, batch and gates of the controls;
+        ValueError saying what is missing or that nothing fits."""
+        if self.budget_bytes is None:
+            raise ValueError("no memory budget: set 'budget MiB' above to find the fastest plan within it")
+        return self.ex.fit(self.budget_bytes, self.world_size.value, batch_size=self.batch_size.value,
+                           features={g: c.value for g, c in self.gates.items()})
+
+    def pin_fitted(self) -> Optional[SNNDistributedPlan]:
+        """Pin the plan the Fit tab found (what its button does); None, saying why, when there is none."""
+        try:
+            pinned = self.ex.add(self.fit().plan)
+        except ERRORS as exc:
+            self.message.value = message_html(f"no fitted plan to pin: {exc}", "error")
+            return None
         self.refresh()
         return pinned
 
@@ -275,8 +317,11 @@ class ExplorerUI:
             self._refresh()
 
     def _refresh(self) -> None:
+        self.hardware_note.value = ("<small>not calibrated yet: the first estimate calibrates this machine "
+                                    "(about a minute, once; progress below)</small>" if self.ex.will_calibrate else "")
         for control in (self.pp_schedule, self.pp_microbatches, self.pp_virtual_stages):
             control.disabled = self.pp.value == 1  # used by pipelines only
+        self.neuron_state_fp32.disabled = self.precision.value in ("auto", "fp32")  # a half precision's option
         try:
             self.current, self.error = self.ex.make_plan(**self.choices()), ""
         except ERRORS as exc:
@@ -338,7 +383,8 @@ class ExplorerUI:
             return self._render_compare()
         out = self.outputs[name]
         try:
-            show(out, self._tab_data(name))
+            data = self._tab_data(name)
+            show(out, *(data if isinstance(data, list) else [data]))
         except ERRORS as exc:
             show(out, message_data(f"cannot show {name}: {exc}", "error"))
         self._dirty.discard(name)
@@ -346,13 +392,17 @@ class ExplorerUI:
     def _shown_tab(self) -> Optional[str]:
         return None if self.tabs.selected_index is None else TABS[self.tabs.selected_index]
 
-    def _tab_data(self, name: str) -> dict:
+    def _tab_data(self, name: str) -> Union[dict, List[dict]]:
         plan = self.current
         if name in ("Modules", "Candidates"):
             table = self.ex.modules_for(plan)
             return table_data(table if name == "Modules" else candidates_table(table))
         if name == "Launch":
             return self._launch_code(self.launcher.plan.value or plan)
+        if name == "Fit":
+            result = self.fit()
+            return [{"text/html": fit_summary_html(result), "text/plain": fit_summary(result)},
+                    table_data(fit_table(result)), figure_data(fit_chart(result))]
         return figure_data(self.figure())
 
     def _launch_code(self, plan: Optional[SNNDistributedPlan]) -> dict:

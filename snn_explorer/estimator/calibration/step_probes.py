@@ -162,21 +162,41 @@ def pipeline_step_times(dist, device, schedule, heavy: int) -> dict:
             "bytes": micro.numel() * micro.element_size()}
 
 
+#: The pieces :func:`calibrate_on_rank` reports as it goes (``step`` of ``total`` in ``ranks.report``):
+#: the step's core sharing, each collective kind, the wrappers, the broadcast burst, each pipeline
+#: schedule, the end.
+RANK_PHASES = 4 + len(KINDS) + len(SCHEDULES)
+
+
 def calibrate_on_rank(with_compute: bool) -> dict:
-    """Everything timed in a world of ``p`` ranks (every rank of the world takes part, none idles)."""
+    """Everything timed in a world of ``p`` ranks (every rank of the world takes part, none idles);
+    each piece done is reported (``step`` of :data:`RANK_PHASES`, the piece as ``message``)."""
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     p = dist.get_world_size()
+    done = iter(range(1, RANK_PHASES + 1))
+
+    def piece(what: str) -> None:
+        ranks.report(step=next(done), total=RANK_PHASES, message=f"{p} ranks: {what}")
+
     alone = compute_probes(device) if with_compute and dist.get_rank() == 0 else None
     dist.barrier()
     probe, sync = probe_step(device), torch.cuda.synchronize if cuda else (lambda: None)
     shared = statistics.median(busy_time(probe, sync) for _ in range(3))  # one loop varied by 30 % here
+    piece("compute timed")
     gap = gap_compute(device)
-    collectives = {(kind, nbytes): time_collective(dist, collective_op(dist, kind, p, nbytes, device), device, gap)
-                   for kind in KINDS for nbytes in SIZES_BYTES}
+    collectives = {}
+    for kind in KINDS:
+        collectives.update({(kind, nbytes): time_collective(dist, collective_op(dist, kind, p, nbytes, device),
+                                                            device, gap) for nbytes in SIZES_BYTES})
+        piece(f"{kind} timed")
     framework = wrapped_step_times(dist, device)
+    piece("TP, FSDP2, DDP and ZeRO steps timed")
     framework["broadcast_burst"] = time_collective(dist, broadcast_burst(dist, device), device, gap)
-    framework["pipeline"] = {name: [pipeline_step_times(dist, device, spec, heavy) for heavy in (PIPELINE_HEAVY, 1)]
-                             for name, spec in SCHEDULES.items()}
-    ranks.report(message=f"calibrated {p} ranks")
+    piece("broadcast burst timed")
+    framework["pipeline"] = {}
+    for name, spec in SCHEDULES.items():
+        framework["pipeline"][name] = [pipeline_step_times(dist, device, spec, heavy) for heavy in (PIPELINE_HEAVY, 1)]
+        piece(f"{name} pipeline timed")
+    piece(f"calibrated {p} ranks")
     return {"alone": alone, "shared": shared, "collectives": collectives, "framework": framework}

@@ -39,34 +39,39 @@ from ... import ranks
 from ...core.collectives import Collective
 from ...core.validate import positive_int
 from ..instruments.isolation import one_thread
+from ..instruments.progress_hook import ProgressHook, check_hook, tell
 from ..timing.hardware import KINDS, HardwareProfile, hardware_profile
 from .fit import median_profile, profile_from
 from .probes import busy_time, probe_step
-from .step_probes import calibrate_on_rank
+from .step_probes import RANK_PHASES, calibrate_on_rank
 
 #: Bumped when what calibrate() measures changes, so that older cached calibrations are not reused.
 CALIBRATION_VERSION = 13
 
 
 def calibrate(group_sizes: Sequence[int] = (2, 4), *, backend: str = "auto", name: Optional[str] = None,
-              timeout: float = 120.0, worlds: int = 1) -> HardwareProfile:
+              timeout: float = 120.0, worlds: int = 1, on_progress: Optional[ProgressHook] = None) -> HardwareProfile:
     """Measure this machine into a :class:`HardwareProfile` (see the module doc; 42-46 s for sizes 2
     and 4 on a 2-core CPU machine). ``group_sizes`` (each >= 2): the collective group sizes to time, each in
     a world of its own size (ranks that only waited would still take the cores' time);
     ``backend``: ``"auto"`` (NCCL when there is a GPU per rank, else gloo), ``"gloo"`` or ``"nccl"``;
     ``worlds``: fresh worlds per size, the profile their median (:func:`median_profile`): on shared
-    CPU cores a collective's latency can differ several times between two worlds."""
+    CPU cores a collective's latency can differ several times between two worlds. ``on_progress(done,
+    total, label)`` (``instruments.progress_hook``) hears each piece rank 0 of a world finishes."""
     sizes = sorted({positive_int("group size", p) for p in group_sizes})
     worlds = positive_int("worlds", worlds, what="fresh worlds per group size")
     if not sizes or sizes[0] < 2:
         raise ValueError(f"group_sizes={list(group_sizes)}; expected sizes >= 2 (the ranks a collective spans)")
     if Collective.SEND in KINDS and sizes[0] % 2:
         raise ValueError(f"group_sizes={list(group_sizes)}: send/recv is timed between rank pairs; use even sizes")
-    all_runs, used = [], backend
-    for _ in range(worlds):
+    on_progress = check_hook(on_progress)
+    all_runs, used, total = [], backend, worlds * len(sizes) * RANK_PHASES + 1
+    for world in range(worlds):
         runs = {}
-        for p in sizes:
-            result = ranks.run(calibrate_on_rank, (p == sizes[0],), nprocs=p, backend=backend, timeout=timeout)
+        for index, p in enumerate(sizes):
+            heard = _rank_zero_pieces(on_progress, (world * len(sizes) + index) * RANK_PHASES, total)
+            result = ranks.run(calibrate_on_rank, (p == sizes[0],), nprocs=p, backend=backend, timeout=timeout,
+                               progress=heard)
             runs[p], used = result.values, result.backend
         all_runs.append(runs)
     reference = None
@@ -74,7 +79,24 @@ def calibrate(group_sizes: Sequence[int] = (2, 4), *, backend: str = "auto", nam
         with one_thread():
             probe = probe_step(torch.device("cpu"))
             reference = statistics.median(busy_time(probe, lambda: None) for _ in range(3))
+    tell(on_progress, total, total, "calibrating this machine: done")
     return median_profile([profile_from(runs, used, name, reference) for runs in all_runs])
+
+
+def _rank_zero_pieces(on_progress: Optional[ProgressHook], before: int, total: int):
+    """A ``ranks.run`` progress callback passing rank 0's reported pieces on as ``before + step`` of
+    ``total`` (False: no callback when there is no hook)."""
+    if on_progress is None:
+        return False
+
+    last = [0]
+
+    def heard(snapshot) -> None:  # called after every poll that brought any rank's events
+        step = snapshot[0].get("step") or 0
+        if step > last[0]:
+            last[0] = step
+            tell(on_progress, before + step, total, f"calibrating this machine: {snapshot[0]['message']}")
+    return heard
 
 
 _DEFAULT: Dict[str, HardwareProfile] = {}
@@ -88,27 +110,37 @@ def cache_path() -> str:
     return os.path.join(root, "snn_explorer", name)
 
 
-def default_hardware() -> HardwareProfile:
-    """The profile ``estimate`` uses without ``hardware=`` (see the module doc)."""
+def cached_hardware() -> Optional[HardwareProfile]:
+    """The profile :func:`default_hardware` would return without measuring anything: the one named by
+    ``SNN_EXPLORER_HARDWARE``, else this machine's calibration kept in the process or on disk; None
+    when getting it would calibrate."""
     chosen = os.environ.get(ENV_VAR)
     if chosen:
         return HardwareProfile.load(chosen) if os.path.exists(chosen) else hardware_profile(chosen)
-    if "local" not in _DEFAULT:
-        path = cache_path()
-        if os.path.exists(path):
-            _DEFAULT["local"] = HardwareProfile.load(path)
-        else:
-            profile = calibrate()
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            profile.save(path)
-            _DEFAULT["local"] = profile
-    return _DEFAULT["local"]
+    if "local" not in _DEFAULT and os.path.exists(cache_path()):
+        _DEFAULT["local"] = HardwareProfile.load(cache_path())
+    return _DEFAULT.get("local")
 
 
-def resolve_hardware(hardware) -> HardwareProfile:
-    """``hardware`` as a profile: None is :func:`default_hardware`, a string a built-in profile's name."""
+def default_hardware(on_progress: Optional[ProgressHook] = None) -> HardwareProfile:
+    """The profile ``estimate`` uses without ``hardware=`` (see the module doc); ``on_progress`` hears
+    the calibration when it has to be made."""
+    cached = cached_hardware()
+    if cached is not None:
+        return cached
+    profile = calibrate(on_progress=on_progress)
+    path = cache_path()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    profile.save(path)
+    _DEFAULT["local"] = profile
+    return profile
+
+
+def resolve_hardware(hardware, on_progress: Optional[ProgressHook] = None) -> HardwareProfile:
+    """``hardware`` as a profile: None is :func:`default_hardware` (``on_progress`` hears its calibration),
+    a string a built-in profile's name."""
     if hardware is None:
-        return default_hardware()
+        return default_hardware(on_progress)
     if isinstance(hardware, str):
         return hardware_profile(hardware)
     if not isinstance(hardware, HardwareProfile):

@@ -39,6 +39,7 @@ from ..instruments.isolation import as_found, one_thread
 from ..instruments.meter import StorageMeter
 from ..instruments.module_calls import ModuleCalls
 from ..instruments.op_counter import OpCounter, grad_names
+from ..instruments.progress_hook import ProgressHook, check_hook, tell
 from ..instruments.storage import SavedByModule, model_state_tensors, saving, state_tensor_ids, storage_bytes
 from .step import RUN_LAYOUT, batch_slice, check_inputs, forward_loss, run_dtypes
 from .tp_replica import tp_replica
@@ -275,11 +276,13 @@ def _fit(points, get) -> Fit:
 
 def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optional[torch.Tensor] = None,
                     dtype: Optional[torch.dtype] = None, layout: DataLayout = TIME_MAJOR,
-                    precision: Precision = FP32, gathered: bool = False) -> ModelProfile:
+                    precision: Precision = FP32, gathered: bool = False,
+                    on_progress: Optional[ProgressHook] = None) -> ModelProfile:
     """Run a copy of ``model`` unsharded at :data:`SIZES` and fit the profile (see the module doc);
     ``example_input`` in ``layout``, which every run of the copy takes its batches in. The copy runs in
     ``precision`` as ``apply`` runs it (autocast around the forward, neurons in the state dtype), with
-    ``gathered`` its parameters in the compute dtype (see :func:`precision_profile`)."""
+    ``gathered`` its parameters in the compute dtype (see :func:`precision_profile`). ``on_progress(done,
+    total, label)`` hears each size run."""
     check_inputs(model, example_input, labels, dtype, layout=layout)
     cast, dtype = run_dtypes(model, dtype, example_input)
     example_input = layout.to_time_major(example_input)
@@ -299,6 +302,7 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
         try:
             by_size[n, t] = _run_point(model, x.to(dtype), y, count=True, warm_up=n != last_n)
             last_n = n
+            tell(on_progress, len(by_size), len(SIZES), f"profiling the model: ran batch {n} x {t} time steps")
         except RuntimeError as exc:
             if by_size:
                 raise
@@ -338,14 +342,17 @@ def _key(model: nn.Module, example_input: torch.Tensor, labels, dtype, layout: D
 
 
 def model_profile(model: nn.Module, example_input: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                  dtype: Optional[torch.dtype] = None, layout: DataLayout = TIME_MAJOR) -> ModelProfile:
-    """:func:`measure_profile`, cached per model object, parameter shapes, sample shape, dtype and layout."""
+                  dtype: Optional[torch.dtype] = None, layout: DataLayout = TIME_MAJOR,
+                  on_progress: Optional[ProgressHook] = None) -> ModelProfile:
+    """:func:`measure_profile`, cached per model object, parameter shapes, sample shape, dtype and layout
+    (``on_progress(done, total, label)``, :mod:`~..instruments.progress_hook`: hears each run when it measures)."""
     check_inputs(model, example_input, labels, dtype, layout=layout)
+    check_hook(on_progress)
     per_model = _CACHE.setdefault(model, {})
     key = _key(model, example_input, labels, dtype, layout)
     if key not in per_model:
         with as_found(), one_thread():  # the runs draw random numbers (dropout) and may import torch's compiler
-            per_model[key] = measure_profile(model, example_input, labels, dtype, layout)
+            per_model[key] = measure_profile(model, example_input, labels, dtype, layout, on_progress=on_progress)
     return per_model[key]
 
 

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The README's set-up, as a new user meets it: clone this repository's HEAD into a temporary folder, run
+# the README's set-up command there (`bash scripts/quickstart.sh`: it installs .venv and runs the main
+# job), and run every notebook under nbval in a kernel of that fresh .venv, with nothing else installed
+# into it. nbval itself runs from this checkout's .venv (scripts/setup.sh --test installs it): it only
+# drives the kernel, whose python is the clone's. Prints the seconds each part took. Fails if either fails.
+#   bash scripts/fresh_clone_check.sh [pytest options]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+# As in scripts/test.sh: the notebooks' committed step times are predicted on a datasheet profile.
+export SNN_EXPLORER_HARDWARE="${SNN_EXPLORER_HARDWARE:-A100-SXM-80GB}"
+TOOLS=${TOOLS_PYTHON:-$ROOT/.venv/bin/python}
+"$TOOLS" -c 'import nbval' 2>/dev/null || {
+    echo "fresh_clone_check: $TOOLS has no nbval; run bash scripts/setup.sh --test first" >&2; exit 2; }
+work=$(mktemp -d "${TMPDIR:-/tmp}/snn-fresh-clone.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+git clone -q --no-hardlinks "$ROOT" "$work/clone"
+cd "$work/clone"
+# On a machine shared with other rank-spawning work, RANKS_LOCK names a lock file: the install then runs
+# first, outside the lock (scripts/setup.sh, which quickstart.sh runs and, installed, then skips), and
+# the rank-spawning parts (the main job, the notebooks) inside it. Unset (CI): exactly the README's command.
+locked=()
+[ -n "${RANKS_LOCK:-}" ] && locked=(flock "$RANKS_LOCK")
+start=$SECONDS
+echo "== fresh clone of $(git rev-parse --short HEAD): bash scripts/quickstart.sh (the README's set-up) =="
+[ -n "${RANKS_LOCK:-}" ] && bash scripts/setup.sh
+"${locked[@]}" bash scripts/quickstart.sh
+setup_s=$((SECONDS - start))
+# A kernel spec naming the clone's python by its absolute path (jupyter_client would swap a bare
+# "python" for the tools' own interpreter).
+mkdir -p "$work/jupyter/kernels/snn-fresh-clone"
+cat > "$work/jupyter/kernels/snn-fresh-clone/kernel.json" <<EOF
+{"argv": ["$work/clone/.venv/bin/python", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+ "display_name": "fresh clone", "language": "python"}
+EOF
+start=$SECONDS
+echo "== every notebook under nbval, in the fresh clone's .venv =="
+status=0
+JUPYTER_PATH="$work/jupyter" "${locked[@]}" "$TOOLS" -m pytest "$@" --nbval \
+    --nbval-kernel-name snn-fresh-clone --nbval-sanitize-with notebooks/nbval_sanitize.cfg notebooks/ || status=$?
+echo "fresh_clone_check: set-up ${setup_s} s, notebooks $((SECONDS - start)) s"
+exit $status
