@@ -27,6 +27,14 @@ echo "== fresh clone of $(git rev-parse --short HEAD): bash scripts/quickstart.s
 [ -n "${RANKS_LOCK:-}" ] && bash scripts/setup.sh
 "${locked[@]}" bash scripts/quickstart.sh
 setup_s=$((SECONDS - start))
+# The clone's .venv holds the clone's package and none of the test tools (nothing else was installed).
+.venv/bin/python - "$work/clone" <<'PY'
+import importlib.util, os, sys
+import snn_explorer
+assert os.path.realpath(snn_explorer.__file__).startswith(os.path.realpath(sys.argv[1])), snn_explorer.__file__
+extra = [m for m in ("nbval", "pytest", "playwright") if importlib.util.find_spec(m)]
+assert not extra, f"the set-up installed test tools: {extra}"
+PY
 # A kernel spec naming the clone's python by its absolute path (jupyter_client would swap a bare
 # "python" for the tools' own interpreter).
 mkdir -p "$work/jupyter/kernels/snn-fresh-clone"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install everything into .venv, lint, and run the whole test suite: tests/ (unit, multi-rank, browser),
-# then the example notebooks under nbval, both on torch 2.13.0; then the tests of every private
+# then the example notebooks under nbval, both on torch 2.13.0; then the README's set-up command in a
+# fresh clone of HEAD and every notebook in its .venv (scripts/fresh_clone_check.sh); then the tests of every private
 # torch name on torch 2.14.1 (scripts/test_torch_next.sh, a second venv). Fails if any run fails.
 # With test paths as arguments (e.g. tests/test_planner.py), runs only pytest on those.
 set -euo pipefail
@@ -21,6 +22,8 @@ echo "== lint (ruff, rules in pyproject.toml) =="
 echo "== example notebooks (nbval) =="
 .venv/bin/python -m pytest "$@" --nbval --nbval-current-env \
     --nbval-sanitize-with notebooks/nbval_sanitize.cfg notebooks/ || status=$?
+echo "== the README's set-up in a fresh clone, then every notebook in its .venv (scripts/fresh_clone_check.sh) =="
+bash scripts/fresh_clone_check.sh "$@" || status=$?
 echo "== private torch names (snn_explorer/compat.py) on torch 2.14.1 =="
 bash scripts/test_torch_next.sh || status=$?
 exit $status

@@ -2,7 +2,7 @@
 for fp32: parameter, gradient, optimizer-state and buffer bytes exact (fp32 master copies), every
 collective's count and bytes exact (at the reduce / gather / compute dtype), peak per rank within 5 %
 (the issue's bound; tighter than that file's 10 %), on the zoo's mlp_all_steps (dp, fsdp2 with and
-without resharding, tp), mlp (per-step, fsdp2 and dp) and vgg (dp, tp; FSDP2 refuses its BatchNorms
+without resharding, tp, pp: each stage under autocast, sending in bf16), mlp (per-step, fsdp2 and dp) and vgg (dp, tp; FSDP2 refuses its BatchNorms
 in bf16)."""
 import dataclasses
 
@@ -16,7 +16,7 @@ PEAK_TOL = 0.05
 EXACT = ("params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes")
 GATE = se.DistributedFeatureSet(allow_mixed_precision=True)
 CASES = {
-    "mlp_all_steps": [("dp", "speed"), ("fsdp2", "speed"), ("fsdp2", "memory"), ("tp", "speed")],
+    "mlp_all_steps": [("dp", "speed"), ("fsdp2", "speed"), ("fsdp2", "memory"), ("tp", "speed"), ("pp", "speed")],
     "mlp": [("fsdp2", "speed"), ("dp", "speed")],
     "vgg": [("dp", "speed"), ("tp", "speed")],
 }
@@ -25,7 +25,7 @@ _RESULTS = {}
 
 def _plans(zoo, precision):
     analysis = se.analyze(zoo.model, model_family=zoo.family)
-    return [se.plan(analysis=analysis, objective=objective, topology={"tp" if mode == "tp" else "dp": 2},
+    return [se.plan(analysis=analysis, objective=objective, topology={mode if mode in ("tp", "pp") else "dp": 2},
                     batch_size=zoo.batch_size, mode=mode, features=GATE, precision=precision)
             for mode, objective in CASES[zoo.name]]
 

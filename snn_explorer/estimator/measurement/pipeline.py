@@ -21,12 +21,19 @@ from ...core.collectives import Collective
 from ...ranks.progress import heartbeat
 from ..instruments.meter import StorageMeter
 from ..instruments.recorder import CollectiveRecorder
-from ..instruments.storage import LiveSaved, saving, total_bytes
+from ..instruments.storage import LiveSaved, saving, state_tensor_ids, total_bytes
 from ..instruments.tables import reduce_phase
 from ..profile.step import OPTIMIZERS, batch_slice
 from .settings import MeasureSettings, timed_steps
 
 _NAN = float("nan")
+
+
+def _buffers(pipe) -> list:
+    """The stages' buffers but the neuron state (snntorch's membranes), which measure() of other modes
+    leaves out of ``buffers_bytes`` too: the estimate counts that state apart."""
+    state = state_tensor_ids(pipe)
+    return [b for b in pipe.buffers() if id(b) not in state]
 
 
 def measure_pp_plan(model, plan, run: MeasureSettings) -> dict:
@@ -65,7 +72,7 @@ def measure_pp_plan(model, plan, run: MeasureSettings) -> dict:
     phases = {Collective.ALL_REDUCE: reduce_phase(pipe.stage_ids), Collective.BROADCAST: "loss"}
     rows = [dict(r, phase=phases.get(r["kind"], r["phase"])) for r in recorder.table(groups)]
     row = dict(rank=dist.get_rank(), params_bytes=total_bytes(params), grads_bytes=total_bytes(p.grad for p in params),
-               optimizer_bytes=total_bytes(state), buffers_bytes=total_bytes(pipe.buffers()), activations_bytes=saved.peak,
+               optimizer_bytes=total_bytes(state), buffers_bytes=total_bytes(_buffers(pipe)), activations_bytes=saved.peak,
                neuron_state_bytes=_NAN, transient_bytes=total_bytes(recv + inputs), peak_bytes=meter.peak)
     return dict(row=row, collectives=rows, times=times, blocked_s=_NAN, debug=None, pp_rank=pipe.pp_rank)
 

@@ -150,6 +150,7 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
         nbytes = round(costs[s][1] * itemsize)
         for phase in (boundary_phase("forward", s, s + 1), boundary_phase("backward", s + 1, s)):
             collectives.append(dict(mesh_dim="pp", kind=Collective.SEND, phase=phase, count=micro, bytes=micro * nbytes))
-    collectives.append(dict(mesh_dim="pp", kind=Collective.BROADCAST, phase="loss", count=1, bytes=itemsize))
+    # the loss is broadcast in its dtype promoted with fp32 (a bf16 / fp16 loss would lose digits)
+    collectives.append(dict(mesh_dim="pp", kind=Collective.BROADCAST, phase="loss", count=1, bytes=max(itemsize, 4)))
     per_rank = [dict(rank=r, **rows[r // plan.dp_size]) for r in range(plan.world_size)]
     return per_rank, collectives, pd.DataFrame(table, columns=list(PIPELINE_COLUMNS))

@@ -10,8 +10,8 @@ input is a received activation that requires grad (the backward accumulates its 
 as torch's ``stage_backward`` does) and the gradient of its output a buffer allocated before
 (torch's receive buffer); the first stage's input and the labels are views of the rank's batch,
 as torch's split gives them (a strided slice when there are several micro-batches and time steps).
-Each stage runs in the profile's precision (autocast around the stage, as ``apply`` wraps each
-stage; the profile's neurons already keep their state dtype). The forward runs under the saved-tensor hooks measure() counts activations with (:class:`~..instruments.storage.LiveSaved`),
+Each stage runs in the profile's precision as ``apply`` runs it: autocast around the stage, its
+output (what it sends on) in the compute dtype; the profile's neurons already keep their state dtype. The forward runs under the saved-tensor hooks measure() counts activations with (:class:`~..instruments.storage.LiveSaved`),
 so both see the same tensors kept for backward.
 """
 from __future__ import annotations
@@ -76,7 +76,7 @@ def measure_stages(profile, stages: Sequence[Sequence[str]], n: int, t: int, mic
     out: List[StageMemory] = []
     for i, paths in enumerate(stages):
         stage = PipelineStageModule(i, paths, [profile.model.get_submodule(p) for p in paths],
-                                    per_step=layout.per_step)
+                                    per_step=layout.per_step, output_dtype=profile.precision.compute_dtype)
         autocast_forward(stage, profile.precision, "cpu")  # as apply runs each stage (the root's autocast skips them)
         inp = x if i == 0 else x.detach().requires_grad_()
         grad_out: Optional[torch.Tensor] = None
