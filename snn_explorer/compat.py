@@ -312,3 +312,31 @@ def comm_debug_mode():
     """A new ``torch.distributed.tensor.debug.CommDebugMode``, its module imported on first use (it
     loads torch's compiler, which sets TORCHINDUCTOR_CACHE_DIR and makes a folder under TMPDIR)."""
     return importlib.import_module("torch.distributed.tensor.debug").CommDebugMode()
+
+
+# --- shape-only profiling (estimator/profile/shape_only.py) --------------------------------
+
+#: torch's FakeTensorMode: tensors with shapes, dtypes and devices but no data; each operator runs its meta kernel.
+FakeTensorMode = _require("torch._subclasses.fake_tensor", "FakeTensorMode", params=("allow_non_fake_inputs",))
+_FakeTensor = _require("torch._subclasses.fake_tensor", "FakeTensor")
+#: What FakeTensorMode raises where an operator's result depends on tensor values: ``.item()`` /
+#: ``bool(tensor)`` (data-dependent output), ``nonzero`` and friends (output shape from the data),
+#: an operator without a meta kernel. Each carries the operator as ``.func``.
+FAKE_DATA_DEPENDENT = tuple(_require("torch._subclasses.fake_tensor", name) for name in (
+    "DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException"))
+
+
+def is_fake(tensor: Any) -> bool:
+    """Whether ``tensor`` is a FakeTensor (its storage has no data; ``data_ptr`` is 0 for all of them)."""
+    return isinstance(tensor, _FakeTensor)
+
+
+def _fake_mode_works() -> bool:
+    with FakeTensorMode() as mode:
+        x = torch.empty(3, 4)
+        y = (x @ x.T).sum()
+    return is_fake(y) and y.shape == () and x.untyped_storage().nbytes() == 48 and mode is not None
+
+
+_check("torch._subclasses.fake_tensor.FakeTensorMode", _fake_mode_works(),
+       "tensors made under it are no longer FakeTensors with shapes and storage sizes")

@@ -14,8 +14,9 @@ from ...compat import DispatchMode
 
 _FLOP_FORMULAS = FlopCounterMode(display=False).flop_registry
 #: Not counted: a detach moves no bytes, and autograd adds one per saved tensor it unpacks when
-#: saved-tensor hooks are set (as in the profile's runs), which a training step does not do.
-_UNCOUNTED = frozenset({torch.ops.aten.detach.default})
+#: saved-tensor hooks are set (as in the profile's runs), which a training step does not do; a
+#: FakeTensor (shape-only profiling) answers ``tensor.device`` through ``prim.device``, no operator.
+_UNCOUNTED = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
 
 
 def tensor_bytes(values) -> int:
