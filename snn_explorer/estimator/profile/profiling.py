@@ -34,7 +34,7 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ...compat import FAKE_DATA_DEPENDENT
+from ...compat import data_dependent_op
 from ...core.layouts import TIME_MAJOR, DataLayout
 from ...core.neurons import detached_copy, state_tensors, stateful_modules
 from ...core.parallelize.mixed_precision import autocast_forward, hold_neuron_state
@@ -374,7 +374,7 @@ def _profile_runs(model, convert, example_input, labels, dtype, layout: DataLayo
             by_size[n, t] = _run_point(model, convert(x.to(dtype)), convert(y), count=True, warm_up=n != last_n)
             last_n = n
         except RuntimeError as exc:
-            if by_size or isinstance(exc, FAKE_DATA_DEPENDENT):  # the latter: step_runner's refusal
+            if by_size or data_dependent_op(exc):  # the latter: step_runner's refusal
                 raise
             raise ValueError(f"the model does not run on example_input of shape {tuple(example_input.shape)} "
                              f"(as [T, N, ...]; {example_input.dtype}; a slice {tuple(x.shape)} in data layout "

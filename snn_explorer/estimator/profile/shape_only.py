@@ -20,7 +20,7 @@ from typing import Callable, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ...compat import FAKE_DATA_DEPENDENT, FakeTensorMode
+from ...compat import data_dependent_op, fake_tensor_mode
 from ...core.neurons import reset_all
 
 
@@ -90,8 +90,7 @@ def _running_module(model: nn.Module) -> Iterator[List[str]]:
             hook.remove()
 
 
-def _refusal(exc: Exception, where: List[str]) -> ShapeOnlyError:
-    op = getattr(exc, "func", None) or type(exc).__name__
+def _refusal(op: str, exc: Exception, where: List[str]) -> ShapeOnlyError:
     place = f"in module {where[-1]!r} (forward)" if where else "outside any module's forward (the loss or the backward)"
     return ShapeOnlyError(
         f"shape-only profiling cannot follow this model: operator {op} {place} needs tensor values "
@@ -107,13 +106,16 @@ def step_runner(model: nn.Module, shape_only: bool) -> Iterator[Tuple[nn.Module,
     if not shape_only:
         yield model, _same
         return
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with fake_tensor_mode():
         fake = _copy_with(model, lambda t: _empty_like(t, "cpu"))
         with _running_module(fake) as where:
             try:
                 yield fake, _to_fake
-            except FAKE_DATA_DEPENDENT as exc:
-                raise _refusal(exc, where) from exc
+            except RuntimeError as exc:
+                op = data_dependent_op(exc)
+                if op is None:
+                    raise
+                raise _refusal(op, exc, where) from exc
 
 
 def _same(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
