@@ -47,7 +47,7 @@ from ..instruments.module_calls import ModuleCalls
 from ..instruments.op_counter import OpCounter, grad_names
 from ..instruments.storage import SavedByModule, model_state_tensors, saving, state_tensor_ids, storage_bytes
 from .shape_only import has_meta_tensors, meta_copy, step_runner
-from .step import RUN_LAYOUT, batch_slice, check_inputs, forward_loss, run_dtypes
+from .step import RUN_LAYOUT, batch_slice, check_inputs, forward_loss, input_as, run_dtypes
 from .tp_replica import tp_replica
 
 #: The per-rank batches and time steps the profile runs the model at, to fit each figure over (N, T).
@@ -142,7 +142,7 @@ class ModelProfile:
         _, model = self.rank_model(tp_plan, tp)
         x, y = batch_slice(self.example_input, self.labels, n, t, layout=self.layout)
         with step_runner(model, self.shape_only or not run_fits(self, n, t)) as (run_model, convert):
-            return _run_point(run_model, convert(x.to(self.dtype)), convert(y), saved_only=saved_only, units=units)
+            return _run_point(run_model, convert(input_as(x, self.dtype)), convert(y), saved_only=saved_only, units=units)
 
     def logged_run(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]], tp: int, units=()) -> dict:
         """The run of ``n`` samples and ``t`` steps of the model one rank runs, with its storage meter
@@ -371,7 +371,7 @@ def _profile_runs(model, convert, example_input, labels, dtype, layout: DataLayo
     for n, t in sorted(SIZES):
         x, y = batch_slice(example_input, labels, n, t, layout=layout)
         try:
-            by_size[n, t] = _run_point(model, convert(x.to(dtype)), convert(y), count=True, warm_up=n != last_n)
+            by_size[n, t] = _run_point(model, convert(input_as(x, dtype)), convert(y), count=True, warm_up=n != last_n)
             last_n = n
         except RuntimeError as exc:
             if by_size or data_dependent_op(exc):  # the latter: step_runner's refusal

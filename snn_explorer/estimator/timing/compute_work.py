@@ -28,7 +28,7 @@ from ..instruments.isolation import collected, one_thread
 from ..instruments.op_counter import OpCounter, grad_names
 from ..profile.profiling import SIZES, Fit, ModelProfile
 from ..profile.shape_only import step_runner
-from ..profile.step import OPTIMIZERS, batch_slice, forward_loss
+from ..profile.step import OPTIMIZERS, batch_slice, forward_loss, input_as
 from .hardware import HardwareProfile
 
 PHASES = ("forward", "backward", "optimizer")
@@ -129,7 +129,7 @@ def count_work(model: torch.nn.Module, profile: ModelProfile, optimizer: str, co
     points = []
     for n, t in SIZES:
         x, y = batch_slice(profile.example_input, profile.labels, n, t, layout=profile.layout)
-        points.append(counted_pass(model, convert(x.to(profile.dtype)), convert(y)))
+        points.append(counted_pass(model, convert(input_as(x, profile.dtype)), convert(y)))
     grads = grad_names(model)
     model.zero_grad(set_to_none=True)
     return fitted_work(points, optimizer_work(model, grads, optimizer), model)
