@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from snn_explorer.estimator.profile.profiling import measure_profile
-from snn_explorer.zoo.llm import LLM_CONFIGS, MultiStep, build_llm, token_batch
+from snn_explorer.zoo.llm import LLM_CONFIGS, MultiStepLIF, build_llm, token_batch
 
 
 def test_tiny_spiking_llm_forward_backward_with_spikes_firing():
@@ -13,7 +13,7 @@ def test_tiny_spiking_llm_forward_backward_with_spikes_firing():
     x = token_batch(model.config, 4, 2, 8)
     rates = {}
     for name, module in model.named_modules():
-        if isinstance(module, MultiStep):
+        if isinstance(module, MultiStepLIF):
             module.register_forward_hook(lambda m, a, out, name=name: rates.__setitem__(name, out.float().mean().item()))
     out = model(x)
     assert out.shape == (4, 2, 8, 64) and out.std() > 0

@@ -14,20 +14,24 @@ Each block is pre-norm (RMSNorm): ``x + attn(norm(x))`` then ``x + mlp(norm(x))`
   ``scaled_dot_product_attention`` with grouped k/v heads, SwiGLU MLP. :data:`LLM_CONFIGS` has
   Llama 3.1 8B's published shape for the estimator's check against published runs.
 
-Neurons are snntorch ``Leaky`` (the zoo's :func:`~._neurons.lif`), stepped over T by
-:class:`~._neurons.MultiStep`. Build large configs on the meta device (:func:`build_llm`).
+Neurons are :class:`MultiStepLIF` (a leaky integrate-and-fire layer stepping over T itself, arctan
+surrogate gradient, state registered with :func:`~snn_explorer.core.neurons.register_stateful`):
+about 7 operators per step where a per-step snntorch ``Leaky`` runs over 20, which is what a
+shape-only profile of a 7 B model spends its time on. Build large configs on the meta device
+(:func:`build_llm`).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Dict, Optional
 
 import torch
 from torch import nn
 
+from ..core.neurons import register_stateful
 from ..core.validate import positive_int
-from ._neurons import MultiStep, lif
 
 
 @dataclass(frozen=True)
@@ -87,10 +91,52 @@ LLM_CONFIGS: Dict[str, LLMConfig] = {
 }
 
 
-def _neuron(beta: float) -> MultiStep:
-    """A multi-step LIF; built on the CPU whatever the default device (snntorch reads its scalars then)."""
-    with torch.device("cpu"):
-        return MultiStep(lif(beta))
+class ATanSpike(torch.autograd.Function):
+    """Heaviside spike of ``v - threshold`` forward; arctan surrogate ``alpha / 2 / (1 + (pi/2 alpha x)^2)``
+    backward (as snntorch's and spikingjelly's ``ATan``)."""
+
+    @staticmethod
+    def forward(ctx, x, alpha):
+        ctx.save_for_backward(x)
+        ctx.alpha = alpha
+        return (x > 0).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * (ctx.alpha / 2) / (1 + (math.pi / 2 * ctx.alpha * x).square()), None
+
+
+class MultiStepLIF(nn.Module):
+    """LIF over dim 0 of ``[T, ...]``: ``v = beta v + x_t``, spike where ``v`` crosses ``threshold``,
+    ``v -= spike * threshold`` (reset by subtraction). The membrane ``v`` (a non-persistent buffer) is
+    kept between calls until :meth:`reset`, as a stateful neuron's."""
+
+    def __init__(self, beta: float = 0.9, threshold: float = 1.0, alpha: float = 2.0):
+        super().__init__()
+        self.beta, self.threshold, self.alpha = beta, threshold, alpha
+        self.register_buffer("v", None, persistent=False)
+
+    def reset(self) -> None:
+        self.v = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v = self.v if self.v is not None and self.v.shape == x.shape[1:] else torch.zeros_like(x[0])
+        spikes = []
+        for x_t in x.unbind(0):
+            v = v * self.beta + x_t
+            spike = ATanSpike.apply(v - self.threshold, self.alpha)
+            v = v - spike * self.threshold
+            spikes.append(spike)
+        self.v = v
+        return torch.stack(spikes)
+
+
+register_stateful(MultiStepLIF)
+
+
+def _neuron(beta: float) -> MultiStepLIF:
+    return MultiStepLIF(beta)
 
 
 class RMSNorm(nn.Module):
@@ -238,8 +284,7 @@ class SpikingLLM(nn.Module):
 
 def build_llm(name_or_config, *, device: Optional[str] = None, **overrides) -> SpikingLLM:
     """The model of a named config (:data:`LLM_CONFIGS`) or an :class:`LLMConfig`, with ``overrides``
-    of its fields; on ``device`` (``"meta"`` builds any size without memory: its neurons' own scalar
-    settings stay on the CPU, as snntorch reads them when it builds them)."""
+    of its fields; on ``device`` (``"meta"`` builds any size without memory)."""
     if isinstance(name_or_config, str):
         if name_or_config not in LLM_CONFIGS:
             raise ValueError(f"unknown LLM config {name_or_config!r}; expected one of {tuple(LLM_CONFIGS)} "
