@@ -32,7 +32,7 @@ from snn_explorer.zoo.llm import build_llm, token_batch
 
 PUBLISHED = dict(tokens_per_s=5762.0, memory_gib=82.4)
 HBM_BYTES = 96e9  # the card's 96 GB
-FEATURES = se.DistributedFeatureSet(allow_mixed_precision=True)
+FEATURES = se.DistributedFeatureSet(allow_mixed_precision=True, allow_activation_checkpointing=True)
 GIB = 2 ** 30
 
 
