@@ -56,16 +56,20 @@ def test_spikformer_on_meta_is_profiled_shape_only_and_estimates_as_the_real_mod
     meta_profile = model_profile(meta, z.example_input, z.labels, layout=se.TIME_MAJOR)
     _same_profile(real_profile, meta_profile, [(6, 5)])
     analysis = se.analyze(z.model)
-    for mode, topology, hw in (("dp", {"dp": 2}, "A100-SXM-80GB"), ("fsdp2", {"dp": 2}, "RTX-4090-PCIe-noP2P"),
-                               ("tp", {"tp": 2}, "A100-SXM-80GB")):
+    levers = se.DistributedFeatureSet(allow_activation_checkpointing=True)
+    for mode, topology, hw, checkpointing in (("dp", {"dp": 2}, "A100-SXM-80GB", None),
+                                              ("fsdp2", {"dp": 2}, "RTX-4090-PCIe-noP2P", None),
+                                              ("tp", {"tp": 2}, "A100-SXM-80GB", None),
+                                              ("fsdp2", {"dp": 2}, "A100-SXM-80GB", "blocks")):
         plan = se.plan(analysis=analysis, objective="memory", neuron_backend="torch", mode=mode,
-                       topology=topology, batch_size=4)
+                       topology=topology, batch_size=4, activation_checkpointing=checkpointing, features=levers)
         real = estimate(z.model, plan, example_input=z.example_input, labels=z.labels, hardware=hw)
         fake = estimate(meta, plan, example_input=z.example_input, labels=z.labels, hardware=hw,
                         profile=meta_profile, layout=se.TIME_MAJOR)
         assert real.peak_bytes > 0 and real.step_time_s > 0
         assert real.per_rank.equals(fake.per_rank), (mode, hw)
         assert real.time.equals(fake.time) and real.collectives.equals(fake.collectives), (mode, hw)
+        assert real.recompute_forward_fraction == fake.recompute_forward_fraction
 
 
 def test_a_model_that_would_not_fit_here_is_profiled_shape_only(monkeypatch):

@@ -138,10 +138,14 @@ class ModelProfile:
             self.replicas[(layout, tp)] = tp_replica(self.model, dict(layout), tp)
         return (layout, tp), self.replicas[(layout, tp)] if tp > 1 else self.model
 
+    def runner(self, tp_plan: Optional[Mapping[str, str]], tp: int, shape_only: bool):
+        """The context in which the model one rank runs is run: ``(model, convert inputs)``, on
+        FakeTensors with ``shape_only`` (:func:`~.shape_only.step_runner`)."""
+        return step_runner(self.rank_model(tp_plan, tp)[1], shape_only)
+
     def _run(self, n: int, t: int, tp_plan, tp: int, saved_only: bool, units: Sequence[str] = ()) -> dict:
-        _, model = self.rank_model(tp_plan, tp)
         x, y = batch_slice(self.example_input, self.labels, n, t, layout=self.layout)
-        with step_runner(model, self.shape_only or not run_fits(self, n, t)) as (run_model, convert):
+        with self.runner(tp_plan, tp, self.shape_only or not run_fits(self, n, t)) as (run_model, convert):
             return _run_point(run_model, convert(input_as(x, self.dtype)), convert(y), saved_only=saved_only, units=units)
 
     def logged_run(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]], tp: int, units=()) -> dict:

@@ -27,7 +27,6 @@ import torch
 from ..instruments.isolation import collected, one_thread
 from ..instruments.op_counter import OpCounter, grad_names
 from ..profile.profiling import SIZES, Fit, ModelProfile
-from ..profile.shape_only import step_runner
 from ..profile.step import OPTIMIZERS, batch_slice, forward_loss, input_as
 from .hardware import HardwareProfile
 
@@ -144,7 +143,7 @@ def rank_work(profile: ModelProfile, tp_plan, tp: int, optimizer: str) -> Work:
     layout, model = profile.rank_model(tp_plan, tp)
     key = (layout, optimizer)
     if key not in cache:
-        with step_runner(model, profile.shape_only) as (run_model, convert):
+        with profile.runner(tp_plan, tp, profile.shape_only) as (run_model, convert):
             if tp <= 1 and profile.step_counts:
                 cache[key] = fitted_work(profile.step_counts,
                                          optimizer_work(run_model, profile.grad_params, optimizer), run_model)
