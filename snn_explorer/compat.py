@@ -11,6 +11,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import sys
 from typing import Any, Iterable, Optional
 
 import torch
@@ -312,3 +313,46 @@ def comm_debug_mode():
     """A new ``torch.distributed.tensor.debug.CommDebugMode``, its module imported on first use (it
     loads torch's compiler, which sets TORCHINDUCTOR_CACHE_DIR and makes a folder under TMPDIR)."""
     return importlib.import_module("torch.distributed.tensor.debug").CommDebugMode()
+
+
+
+# --- shape-only profiling (estimator/profile/shape_only.py) --------------------------------
+# Imported on first use: torch._subclasses.fake_tensor loads torch's compiler stack, which sets
+# TORCHINDUCTOR_CACHE_DIR (tests/test_layers.py checks that importing snn_explorer does not).
+
+_FAKE = "torch._subclasses.fake_tensor"
+#: What FakeTensorMode raises where an operator's result depends on tensor values: ``.item()`` /
+#: ``bool(tensor)`` (data-dependent output), ``nonzero`` and friends (output shape from the data),
+#: an operator without a meta kernel. Each carries the operator as ``.func``.
+_DATA_DEPENDENT = ("DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException")
+
+
+@functools.lru_cache(maxsize=None)
+def _fake_names() -> tuple:
+    """``(FakeTensorMode, FakeTensor, the data-dependent exceptions)``, checked once, on first use."""
+    mode = _require(_FAKE, "FakeTensorMode", params=("allow_non_fake_inputs",))
+    names = (mode, _require(_FAKE, "FakeTensor"), tuple(_require(_FAKE, name) for name in _DATA_DEPENDENT))
+    with mode() as probe:
+        x = torch.empty(3, 4)
+        y = (x @ x.T).sum()
+    _check(f"{_FAKE}.FakeTensorMode", isinstance(y, names[1]) and x.untyped_storage().nbytes() == 48 and
+           probe is not None, "tensors made under it are no longer FakeTensors with shapes and storage sizes")
+    return names
+
+
+def fake_tensor_mode():
+    """A new torch ``FakeTensorMode`` (tensors with shapes, dtypes, devices and storage sizes but no data;
+    each operator runs its meta kernel) that also takes real tensors, as fake ones."""
+    return _fake_names()[0](allow_non_fake_inputs=True)
+
+
+def is_fake(tensor: Any) -> bool:
+    """Whether ``tensor`` is a FakeTensor (its storage has no data; ``data_ptr`` is 0 for all of them)."""
+    return _FAKE in sys.modules and isinstance(tensor, _fake_names()[1])
+
+
+def data_dependent_op(exc: BaseException) -> Optional[str]:
+    """The operator a FakeTensor run could not follow without tensor values, where ``exc`` says so; else None."""
+    if _FAKE not in sys.modules or not isinstance(exc, _fake_names()[2]):
+        return None
+    return str(getattr(exc, "func", None) or type(exc).__name__)

@@ -45,7 +45,7 @@ from .memory.sharding import as_gathered, buffer_bytes, dp_roles, local_params, 
 from .memory.spike_compression import compressed_profile, spike_saving
 from .memory.step_peak import dynamic_peak
 from .profile.checkpointed import levered_profile, recompute_fraction
-from .profile.profiling import ModelProfile, check_run_size, model_profile
+from .profile.profiling import ModelProfile, model_profile, run_fits
 from .profile.step import check_inputs, check_optimizer, resolve_layout
 from .timing.collectives import step_collectives
 from .timing.gpu_kernels import gpu_plan_time
@@ -188,8 +188,8 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
     packed = spike_saving(profile, n, t, plan.tensor_parallel_plan, plan.tp_size) if plan.spike_compression else None
     profile = compressed_profile(profile) if packed is not None else profile  # measured with spikes as bits
     gpu = hardware.kernel_model and not plan.uses_pp  # the step as the GPU runs it (:mod:`.memory.gpu_trace`)
-    if not gpu:
-        check_run_size(profile, n, t)
+    if not gpu:  # refuses a run too long even shape-only, before anything runs at this size
+        run_fits(profile, n, t)
     itemsize = profile.compute_itemsize  # activations sent between ranks: the precision's compute dtype
     params = local_params(profile.params, plan, profile.param_itemsizes or itemsize)
     if plan.uses_pp:  # the rank's stages, micro-batches in flight, sends between stages

@@ -13,9 +13,18 @@ from torch.utils.flop_counter import FlopCounterMode
 from ...compat import DispatchMode
 
 _FLOP_FORMULAS = FlopCounterMode(display=False).flop_registry
+# scaled_dot_product_attention runs as the CPU flash kernel here, which torch's table lacks: it takes
+# (and its backward returns) the arguments of the CUDA flash kernel in the same order, so the CUDA
+# kernel's formulas count it (a full, non-causal attention's FLOPs, as torch counts every variant).
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLOP_FORMULAS.setdefault(_FLASH_CPU, _FLOP_FORMULAS[_FLASH])
+_FLOP_FORMULAS.setdefault(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                          _FLOP_FORMULAS[torch.ops.aten._scaled_dot_product_flash_attention_backward])
 #: Not counted: a detach moves no bytes, and autograd adds one per saved tensor it unpacks when
-#: saved-tensor hooks are set (as in the profile's runs), which a training step does not do.
-_UNCOUNTED = frozenset({torch.ops.aten.detach.default})
+#: saved-tensor hooks are set (as in the profile's runs), which a training step does not do; a
+#: FakeTensor (shape-only profiling) answers ``tensor.device`` through ``prim.device``, no operator.
+_UNCOUNTED = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
 
 
 def tensor_bytes(values) -> int:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ...compat import is_fake
 from ...core.neurons import state_tensors, stateful_modules
 
 
@@ -25,14 +26,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local()
 
 
+def storage_key(t: torch.Tensor, storage) -> int:
+    """The key that tells ``t``'s storage from the others alive: its ``data_ptr``, or for a FakeTensor
+    (whose storages all have ``data_ptr`` 0) the storage object's id, which lasts as long as it does."""
+    return id(storage) if is_fake(t) else storage.data_ptr()
+
+
 def storage_bytes(tensors: Iterable) -> Dict[int, int]:
-    """``{storage data_ptr: bytes}`` of the distinct storages of ``tensors`` (non-tensors skipped,
-    meta tensors hold none, a DTensor counted by its local shard)."""
+    """``{storage key: bytes}`` of the distinct storages of ``tensors`` (:func:`storage_key`; non-tensors
+    skipped, meta tensors hold none, a DTensor counted by its local shard)."""
     out = {}
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             st = _local(t).untyped_storage()
-            out[st.data_ptr()] = st.nbytes()
+            out[storage_key(t, st)] = st.nbytes()
     return out
 
 
@@ -105,7 +112,7 @@ class SavedByModule:
     def pack(self, t):
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             st = t.untyped_storage()
-            self.saved.setdefault(st.data_ptr(), (self.where(), st.nbytes(), []))[2].append(t)
+            self.saved.setdefault(storage_key(t, st), (self.where(), st.nbytes(), []))[2].append(t)
         return t
 
     def held(self) -> Dict[int, tuple]:

@@ -9,6 +9,7 @@ with and without checkpointing give the recompute cost as a fraction of one forw
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 from dataclasses import dataclass, field
@@ -24,7 +25,8 @@ from ...core.vocabulary import Checkpointing
 from ..instruments.meter import StorageMeter
 from ..instruments.storage import model_state_tensors, state_tensor_ids, total_bytes
 from .profiling import ModelProfile, precision_profile
-from .step import batch_slice, forward_loss
+from .shape_only import step_runner
+from .step import batch_slice, forward_loss, input_as
 
 
 @dataclass
@@ -44,6 +46,18 @@ class CheckpointedProfile(ModelProfile):
             self.checkpointed[key] = copy_
         return key, self.checkpointed[key]
 
+    @contextlib.contextmanager
+    def runner(self, tp_plan: Optional[Mapping[str, str]], tp: int, shape_only: bool):
+        """As :meth:`ModelProfile.runner`; shape-only, the checkpointing is applied to the fake copy of the
+        plain rank model (a checkpointed model's forwards close over its own modules: a copy of it would
+        run the originals)."""
+        if not shape_only:
+            yield self.rank_model(tp_plan, tp)[1], lambda x: x
+            return
+        with step_runner(super().rank_model(tp_plan, tp)[1], True) as (model, convert):
+            apply_activation_checkpointing(model, self.plan, self.fsdp_units)
+            yield model, convert
+
     def saved_and_state(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]] = None,
                         tp: int = 1) -> Tuple[float, float]:
         """Bytes a forward leaves for the backward (the checkpointed blocks' inputs and entry-state copies,
@@ -51,7 +65,8 @@ class CheckpointedProfile(ModelProfile):
         key = (n, t) + self.rank_model(tp_plan, tp)[0]
         if key not in self.saved_state:
             x, y = batch_slice(self.example_input, self.labels, n, t, layout=self.layout)
-            self.saved_state[key] = held_after_forward(self.rank_model(tp_plan, tp)[1], x.to(self.dtype), y)
+            with self.runner(tp_plan, tp, self.shape_only) as (model, convert):
+                self.saved_state[key] = held_after_forward(model, convert(input_as(x, self.dtype)), convert(y))
         return self.saved_state[key]
 
     def recompute_fraction(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]] = None, tp: int = 1) -> float:
@@ -60,10 +75,11 @@ class CheckpointedProfile(ModelProfile):
         key = (n, t) + self.rank_model(tp_plan, tp)[0]
         if key not in self.flops:
             x, y = batch_slice(self.example_input, self.labels, n, t, layout=self.layout)
-            x = x.to(self.dtype)
-            plain = super().rank_model(tp_plan, tp)[1]
-            forward, plain_step = _flops(plain, x, y)
-            _, checkpointed_step = _flops(self.rank_model(tp_plan, tp)[1], x, y)
+            x = input_as(x, self.dtype)
+            with step_runner(super().rank_model(tp_plan, tp)[1], self.shape_only) as (plain, convert):
+                forward, plain_step = _flops(plain, convert(x), convert(y))
+            with self.runner(tp_plan, tp, self.shape_only) as (checkpointed, convert):
+                _, checkpointed_step = _flops(checkpointed, convert(x), convert(y))
             self.flops[key] = (checkpointed_step - plain_step) / forward if forward else 0.0
         return self.flops[key]
 

@@ -14,13 +14,18 @@ The peak of a step is a maximum over time, not linear in ``N`` and ``T``: it is 
 batch that is asked for, at that size, and cached with the rest. A tensor-parallel rank runs a
 different model, so for TP plans the peak, saved bytes and neuron state are measured the same way
 on :func:`~.tp_replica.tp_replica` (the model with each rank's local layer shapes), once per TP
-layout and size. Everything runs on real CPU tensors: the saved-tensor and state sizes of
+layout and size. Everything runs on CPU tensors: the saved-tensor and state sizes of
 snntorch/spikingjelly neurons come from executing them.
+
+A model this machine cannot hold (on the ``meta`` device, or whose copy and gradients would not fit
+in its memory) is profiled shape-only (:mod:`.shape_only`): the same runs, on FakeTensors, with
+the same numbers; so is any run whose size would not fit (:func:`run_fits`).
 """
 from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -29,6 +34,7 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ...compat import data_dependent_op
 from ...core.layouts import TIME_MAJOR, DataLayout
 from ...core.neurons import detached_copy, state_tensors, stateful_modules
 from ...core.parallelize.mixed_precision import autocast_forward, hold_neuron_state
@@ -41,7 +47,8 @@ from ..instruments.module_calls import ModuleCalls
 from ..instruments.op_counter import OpCounter, grad_names
 from ..instruments.progress_hook import ProgressHook, check_hook, tell
 from ..instruments.storage import SavedByModule, model_state_tensors, saving, state_tensor_ids, storage_bytes
-from .step import RUN_LAYOUT, batch_slice, check_inputs, forward_loss, run_dtypes
+from .shape_only import has_meta_tensors, meta_copy, step_runner
+from .step import RUN_LAYOUT, batch_slice, check_inputs, forward_loss, input_as, run_dtypes
 from .tp_replica import tp_replica
 
 #: The per-rank batches and time steps the profile runs the model at, to fit each figure over (N, T).
@@ -117,6 +124,8 @@ class ModelProfile:
     layout: DataLayout = TIME_MAJOR
     #: the precision the model ran in (autocast, neuron state), as ``apply`` runs a plan of it
     precision: Precision = FP32
+    #: measured on FakeTensors (:mod:`.shape_only`); ``model`` is then a copy on the meta device
+    shape_only: bool = False
 
     @property
     def compute_itemsize(self) -> int:
@@ -130,10 +139,15 @@ class ModelProfile:
             self.replicas[(layout, tp)] = tp_replica(self.model, dict(layout), tp)
         return (layout, tp), self.replicas[(layout, tp)] if tp > 1 else self.model
 
+    def runner(self, tp_plan: Optional[Mapping[str, str]], tp: int, shape_only: bool):
+        """The context in which the model one rank runs is run: ``(model, convert inputs)``, on
+        FakeTensors with ``shape_only`` (:func:`~.shape_only.step_runner`)."""
+        return step_runner(self.rank_model(tp_plan, tp)[1], shape_only)
+
     def _run(self, n: int, t: int, tp_plan, tp: int, saved_only: bool, units: Sequence[str] = ()) -> dict:
-        _, model = self.rank_model(tp_plan, tp)
         x, y = batch_slice(self.example_input, self.labels, n, t, layout=self.layout)
-        return _run_point(model, x.to(self.dtype), y, saved_only=saved_only, units=units)
+        with self.runner(tp_plan, tp, self.shape_only or not run_fits(self, n, t)) as (run_model, convert):
+            return _run_point(run_model, convert(input_as(x, self.dtype)), convert(y), saved_only=saved_only, units=units)
 
     def logged_run(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]], tp: int, units=()) -> dict:
         """The run of ``n`` samples and ``t`` steps of the model one rank runs, with its storage meter
@@ -179,15 +193,47 @@ def _physical_memory() -> Optional[int]:
         return None
 
 
-def check_run_size(profile: ModelProfile, n: int, t: int) -> None:
-    """Refuse, before running it, a measurement run of ``n`` samples and ``t`` steps that cannot fit
-    in this machine's memory (from the fitted input, saved-activation and neuron-state bytes)."""
+#: The most operators (forward and backward) a shape-only run of one step may take: 0.5-0.8 ms each
+#: measured here (spikformer tiny at T = 16 and 64, a warm-up forward and the step, 2 loaded cores),
+#: so about 5 minutes (multi-step neurons loop over a plan's time steps in Python).
+MAX_SHAPE_ONLY_OPS = 500_000
+
+
+def run_fits(profile: ModelProfile, n: int, t: int) -> bool:
+    """Whether a real run of ``n`` samples and ``t`` steps fits in this machine's memory (from the
+    fitted input, saved-activation and neuron-state bytes, twice for the backward, and the model);
+    where it does not, it runs shape-only. ValueError, before anything runs, where that shape-only
+    run would take longer than :data:`MAX_SHAPE_ONLY_OPS` operators."""
     fitted = profile.input_bytes(n, t) + sum(m.saved(n, t) + m.state(n, t) for m in profile.modules.values())
-    need, have = 2 * fitted, _physical_memory()  # the backward holds about as much again
-    if have is not None and need > have:
+    need, have = 2 * fitted + 2 * _param_bytes(profile), _physical_memory()
+    fits = have is None or need <= have
+    if fits and not profile.shape_only:
+        return True
+    ops = _fit_ops(profile, 0)(n, t) + _fit_ops(profile, 1)(n, t)
+    if ops > MAX_SHAPE_ONLY_OPS:
         raise ValueError(f"time_steps={t} with {n} samples per rank would need about {need / 2 ** 30:.1f} GiB to "
-                         f"measure on this machine's CPU, which has {have / 2 ** 30:.1f} GiB; use fewer time_steps "
-                         "(the step's memory grows linearly in them)")
+                         f"measure on this machine's CPU, which has {(have or 0) / 2 ** 30:.1f} GiB, and a shape-only run "
+                         f"would take about {ops:.3g} operators (more than {MAX_SHAPE_ONLY_OPS}); use fewer "
+                         "time_steps (the step's memory grows linearly in them)")
+    return fits and not profile.shape_only
+
+
+def _param_bytes(profile: ModelProfile) -> int:
+    return sum(math.prod(shape) * profile.param_itemsizes.get(name, 4) for name, shape in profile.params)
+
+
+def _fit_ops(profile: ModelProfile, phase: int) -> Fit:
+    """The operator count of one phase (0 forward, 1 backward) fitted over the profile's sizes."""
+    if not profile.step_counts:
+        return Fit()
+    return Fit.of(*(float(point[phase][3]) for point in profile.step_counts))
+
+
+def _holds_copy(model: nn.Module) -> bool:
+    """Whether a real copy of ``model`` and its gradients fit in this machine's memory (twice its tensors)."""
+    have = _physical_memory()
+    size = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    return have is None or 2 * size <= have
 
 
 def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor], saved_only: bool = True,
@@ -277,16 +323,19 @@ def _fit(points, get) -> Fit:
 def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optional[torch.Tensor] = None,
                     dtype: Optional[torch.dtype] = None, layout: DataLayout = TIME_MAJOR,
                     precision: Precision = FP32, gathered: bool = False,
-                    on_progress: Optional[ProgressHook] = None) -> ModelProfile:
+                    on_progress: Optional[ProgressHook] = None, shape_only: Optional[bool] = None) -> ModelProfile:
     """Run a copy of ``model`` unsharded at :data:`SIZES` and fit the profile (see the module doc);
     ``example_input`` in ``layout``, which every run of the copy takes its batches in. The copy runs in
     ``precision`` as ``apply`` runs it (autocast around the forward, neurons in the state dtype), with
     ``gathered`` its parameters in the compute dtype (see :func:`precision_profile`). ``on_progress(done,
-    total, label)`` hears each size run."""
+    total, label)`` hears each size run. ``shape_only`` (default: where ``model`` has meta tensors or a
+    copy of it would not fit here) runs on FakeTensors (:mod:`.shape_only`), the copy kept on the meta device."""
     check_inputs(model, example_input, labels, dtype, layout=layout)
     cast, dtype = run_dtypes(model, dtype, example_input)
     example_input = layout.to_time_major(example_input)
-    model = detached_copy(model).train()
+    if shape_only is None:
+        shape_only = has_meta_tensors(model) or not _holds_copy(model)
+    model = (meta_copy(model) if shape_only else detached_copy(model)).train()
     setattr(model, RUN_LAYOUT, layout)
     if cast is not None:
         model.to(cast)
@@ -296,20 +345,8 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
                 param.data = param.data.to(precision.param_dtype)
     hold_neuron_state(model, precision, "cpu")
     autocast_forward(model, precision, "cpu")
-    by_size, last_n = {}, None
-    for n, t in sorted(SIZES):  # by batch size: a run leaves the neuron state the next one at that size starts from
-        x, y = batch_slice(example_input, labels, n, t, layout=layout)
-        try:
-            by_size[n, t] = _run_point(model, x.to(dtype), y, count=True, warm_up=n != last_n)
-            last_n = n
-            tell(on_progress, len(by_size), len(SIZES), f"profiling the model: ran batch {n} x {t} time steps")
-        except RuntimeError as exc:
-            if by_size:
-                raise
-            raise ValueError(f"the model does not run on example_input of shape {tuple(example_input.shape)} "
-                             f"(as [T, N, ...]; {example_input.dtype}; a slice {tuple(x.shape)} in data layout "
-                             f"{layout} was tried): {exc}; give a batch the model's forward accepts, in the data "
-                             "layout it takes") from exc
+    with step_runner(model, shape_only) as (run_model, convert):
+        by_size, grad_names_ = _profile_runs(run_model, convert, example_input, labels, dtype, layout, on_progress)
     points = [by_size[size] for size in SIZES]
     names = set().union(*(p["calls"] for p in points), *(p["saved"] for p in points))
     modules = {}
@@ -328,8 +365,29 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
                         params=trainable_shapes(model), buffers=plain_buffers(model), fsdp_units=fsdp_units(model),
                         param_itemsizes={n: p.element_size() for n, p in model.named_parameters()},
                         model=model, example_input=example_input, labels=labels,
-                        step_counts=tuple(p["counts"] for p in points), grad_params=points[-1]["with_grad"],
-                        layout=layout, precision=precision)
+                        step_counts=tuple(p["counts"] for p in points), grad_params=grad_names_,
+                        layout=layout, precision=precision, shape_only=shape_only)
+
+
+def _profile_runs(model, convert, example_input, labels, dtype, layout: DataLayout, on_progress=None):
+    """The runs of :func:`measure_profile` at :data:`SIZES` (by batch size: a run leaves the neuron
+    state the next one at that size starts from; ``on_progress`` hears each), and the parameters the
+    last gave a gradient."""
+    by_size, last_n = {}, None
+    for n, t in sorted(SIZES):
+        x, y = batch_slice(example_input, labels, n, t, layout=layout)
+        try:
+            by_size[n, t] = _run_point(model, convert(input_as(x, dtype)), convert(y), count=True, warm_up=n != last_n)
+            last_n = n
+            tell(on_progress, len(by_size), len(SIZES), f"profiling the model: ran batch {n} x {t} time steps")
+        except RuntimeError as exc:
+            if by_size or data_dependent_op(exc):  # the latter: step_runner's refusal
+                raise
+            raise ValueError(f"the model does not run on example_input of shape {tuple(example_input.shape)} "
+                             f"(as [T, N, ...]; {example_input.dtype}; a slice {tuple(x.shape)} in data layout "
+                             f"{layout} was tried): {exc}; give a batch the model's forward accepts, in the data "
+                             "layout it takes") from exc
+    return by_size, by_size[SIZES[-1]]["with_grad"]
 
 
 #: Profiles per live model object (a weak key: a freed model's id can be reused by a new one).
@@ -343,16 +401,18 @@ def _key(model: nn.Module, example_input: torch.Tensor, labels, dtype, layout: D
 
 def model_profile(model: nn.Module, example_input: torch.Tensor, labels: Optional[torch.Tensor] = None,
                   dtype: Optional[torch.dtype] = None, layout: DataLayout = TIME_MAJOR,
-                  on_progress: Optional[ProgressHook] = None) -> ModelProfile:
-    """:func:`measure_profile`, cached per model object, parameter shapes, sample shape, dtype and layout
-    (``on_progress(done, total, label)``, :mod:`~..instruments.progress_hook`: hears each run when it measures)."""
+                  on_progress: Optional[ProgressHook] = None, shape_only: Optional[bool] = None) -> ModelProfile:
+    """:func:`measure_profile`, cached per model object, parameter shapes, sample shape, dtype, layout
+    and ``shape_only`` (None: chosen as :func:`measure_profile` chooses); ``on_progress(done, total,
+    label)`` (:mod:`~..instruments.progress_hook`) hears each run when it measures."""
     check_inputs(model, example_input, labels, dtype, layout=layout)
     check_hook(on_progress)
     per_model = _CACHE.setdefault(model, {})
-    key = _key(model, example_input, labels, dtype, layout)
+    key = _key(model, example_input, labels, dtype, layout) + (shape_only,)
     if key not in per_model:
         with as_found(), one_thread():  # the runs draw random numbers (dropout) and may import torch's compiler
-            per_model[key] = measure_profile(model, example_input, labels, dtype, layout, on_progress=on_progress)
+            per_model[key] = measure_profile(model, example_input, labels, dtype, layout, on_progress=on_progress,
+                                             shape_only=shape_only)
     return per_model[key]
 
 

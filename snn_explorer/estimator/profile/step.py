@@ -115,6 +115,11 @@ def run_dtypes(model: nn.Module, dtype: Optional[torch.dtype], example_input: to
     return (first if len(set(floats)) <= 1 else None), first
 
 
+def input_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The batch ``x`` in the run's float ``dtype``; integer inputs (token ids) stay as they are."""
+    return x.to(dtype) if x.is_floating_point() else x
+
+
 def _check_output(outputs) -> torch.Tensor:
     if not isinstance(outputs, torch.Tensor):
         raise TypeError(f"the model returned a {type(outputs).__name__}, not a tensor; estimate and measure need "

@@ -27,7 +27,7 @@ import torch
 from ..instruments.isolation import collected, one_thread
 from ..instruments.op_counter import OpCounter, grad_names
 from ..profile.profiling import SIZES, Fit, ModelProfile
-from ..profile.step import OPTIMIZERS, batch_slice, forward_loss
+from ..profile.step import OPTIMIZERS, batch_slice, forward_loss, input_as
 from .hardware import HardwareProfile
 
 PHASES = ("forward", "backward", "optimizer")
@@ -122,12 +122,13 @@ def fitted_work(points, optimizer: PhaseWork, model: torch.nn.Module) -> Work:
     return Work(*phases, optimizer, param_bytes=sum(p.numel() * p.element_size() for p in params))
 
 
-def count_work(model: torch.nn.Module, profile: ModelProfile, optimizer: str) -> Work:
-    """Count the step of ``model`` (the model one rank runs) at the profile's :data:`SIZES` and fit it."""
+def count_work(model: torch.nn.Module, profile: ModelProfile, optimizer: str, convert=lambda x: x) -> Work:
+    """Count the step of ``model`` (the model one rank runs) at the profile's :data:`SIZES` and fit it;
+    ``convert`` makes each batch the tensors ``model`` takes (fake ones for a shape-only run)."""
     points = []
     for n, t in SIZES:
         x, y = batch_slice(profile.example_input, profile.labels, n, t, layout=profile.layout)
-        points.append(counted_pass(model, x.to(profile.dtype), y))
+        points.append(counted_pass(model, convert(input_as(x, profile.dtype)), convert(y)))
     grads = grad_names(model)
     model.zero_grad(set_to_none=True)
     return fitted_work(points, optimizer_work(model, grads, optimizer), model)
@@ -136,15 +137,18 @@ def count_work(model: torch.nn.Module, profile: ModelProfile, optimizer: str) ->
 def rank_work(profile: ModelProfile, tp_plan, tp: int, optimizer: str) -> Work:
     """The :class:`Work` of the model one rank of a plan runs, cached on the profile per TP layout: the
     unsharded model's from the counts its profile runs took (``ModelProfile.step_counts``, taken in
-    the state :func:`counted_pass` sets), any other's by :func:`count_work`."""
+    the state :func:`counted_pass` sets), any other's by :func:`count_work`; on FakeTensors for a
+    shape-only profile."""
     cache = profile.__dict__.setdefault("_step_work", {})
     layout, model = profile.rank_model(tp_plan, tp)
     key = (layout, optimizer)
     if key not in cache:
-        if tp <= 1 and profile.step_counts:
-            cache[key] = fitted_work(profile.step_counts, optimizer_work(model, profile.grad_params, optimizer), model)
-        else:
-            cache[key] = count_work(model, profile, optimizer)
+        with profile.runner(tp_plan, tp, profile.shape_only) as (run_model, convert):
+            if tp <= 1 and profile.step_counts:
+                cache[key] = fitted_work(profile.step_counts,
+                                         optimizer_work(run_model, profile.grad_params, optimizer), run_model)
+            else:
+                cache[key] = count_work(run_model, profile, optimizer, convert)
     return cache[key]
 
 

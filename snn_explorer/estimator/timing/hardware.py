@@ -266,10 +266,21 @@ _DEVICES = {
                      link_name="NVLink4", tensor_flops_per_s=494.5e12),
     "H200-SXM": dict(flops_per_s=67e12, half_flops_per_s=989e12, bytes_per_s=4800 * _GB, link=450 * _GB,
                      link_name="NVLink4", tensor_flops_per_s=494.5e12),
+    # torchtitan's Llama 3.1 benchmark card (Grand Teton hosts): an H100 SXM with 96 GB HBM2e at
+    # 2.4 TB/s, NVLink within the host, 400 Gb/s RDMA per GPU, run at a 500 W power limit
+    # (github.com/pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, "Hardware"). Its
+    # FLOP/s are the H100 SXM datasheet's (NVIDIA H100 Tensor Core GPU datasheet: FP32 67, BF16
+    # dense 989 TFLOP/s); that benchmark notes the 500 W part's true peak lies between the SXM's and
+    # the NVL's (835 dense BF16), unpublished, so this is an upper bound.
+    "H100-SXM-96GB": dict(flops_per_s=67e12, half_flops_per_s=989e12, bytes_per_s=2400 * _GB, link=450 * _GB,
+                          link_name="NVLink4", tensor_flops_per_s=494.5e12),
     "RTX-4090": dict(flops_per_s=82.6e12, half_flops_per_s=165.2e12, bytes_per_s=1008 * _GB, link=32 * _GB,
                      link_name="PCIe4-x16", tensor_flops_per_s=82.6e12),
 }
-_IB = {"A100-SXM-80GB": ("IB-HDR", 25 * _GB), "H100-SXM": ("IB-NDR", 50 * _GB), "H200-SXM": ("IB-NDR", 50 * _GB)}
+_IB = {"A100-SXM-80GB": ("IB-HDR", 25 * _GB), "H100-SXM": ("IB-NDR", 50 * _GB), "H200-SXM": ("IB-NDR", 50 * _GB),
+       "H100-SXM-96GB": ("RDMA-400G", 50 * _GB)}  # 400 Gb/s per GPU (the torchtitan page above)
+#: Node counts of the multi-node built-ins, per device (default 2 and 8 nodes of 8 GPUs).
+_NODES = {"H100-SXM-96GB": (2, 8, 64)}
 #: Assumed (no datasheet gives them): one ring step's latency in a node and between nodes, and the
 #: cost of one eager PyTorch operator on a GPU (kernel launch and dispatch).
 INTRA_LATENCY_S, INTER_LATENCY_S, GPU_OP_OVERHEAD_S = 5e-6, 10e-6, 8e-6
@@ -302,7 +313,7 @@ def _builtins() -> Dict[str, HardwareProfile]:
     for device in _DEVICES:
         out[device] = _builtin(device, 1)
         if device in _IB:
-            for nodes in (2, 8):
+            for nodes in _NODES.get(device, (2, 8)):
                 out[f"{nodes}x8-{device}"] = _builtin(device, nodes)
     out[RTX4090_NO_P2P.name] = RTX4090_NO_P2P
     return out

@@ -116,7 +116,7 @@ def plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, per_
     work = rank_work(profile, plan.tensor_parallel_plan, plan.tp_size, optimizer)
     itemsize = profile.compute_itemsize  # the precision's compute dtype: half-precision FLOP rates under bf16
     correction = {}
-    if is_local(hw):
+    if is_local(hw) and not profile.shape_only:  # a shape-only profile has no real step to time
         correction = local_correction(profile, rank_work(profile, None, 1, optimizer), hw, optimizer)
     hw = hw.seen_by(ranks_on_host(plan, hw))
     if plan.uses_pp:
