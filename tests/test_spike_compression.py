@@ -88,9 +88,6 @@ def test_gradients_are_bit_identical_in_one_process_and_both_kinds_are_seen():
 @pytest.mark.parametrize("kw, error, match", [
     (dict(features=se.DistributedFeatureSet()), ValueError, "allow_spike_compression=True"),
     (dict(mode="pp", topology={"pp": 2}), ValueError, "pipeline stages"),
-    (dict(activation_checkpointing="blocks",
-          features=se.DistributedFeatureSet(allow_spike_compression=True, allow_activation_checkpointing=True)),
-     ValueError, "activation_checkpointing='blocks'"),
 ])
 def test_plan_time_refusals_name_the_values(kw, error, match):
     zoo = build("mlp_all_steps")

@@ -8,7 +8,7 @@ isolation) <- ``profile`` (what one run of the model measures) <- ``memory`` and
 arithmetic, peaks; hardware, compute, collectives, step and pipeline time) <- ``calibration`` and
 ``measurement`` <- ``plan_estimate``, ``pp_layout``, ``enumerate``, ``compare``, ``budget_fit`` (the public face).
 """
-from .budget_fit import FitOutcome, FitResult, fit_budget
+from .budget_fit import FitOutcome, FitResult, fit_budget, plan_estimator
 from .calibration import calibrate, default_hardware
 from .compare import compare_estimate
 from .enumerate import PlanList, enumerate_plans
@@ -26,5 +26,5 @@ from .timing.step_time import fastest_first
 __all__ = ["COLLECTIVE_COLUMNS", "PER_RANK_COLUMNS", "TIME_COLUMNS", "CollectiveRecorder", "HardwareProfile",
            "FitOutcome", "FitResult", "ModelProfile", "PlanEstimate", "PlanList", "PlanMeasurement",
            "activation_curve", "balanced_pp_plan", "bubble_fraction", "calibrate", "compare_estimate",
-           "default_hardware", "enumerate_plans", "estimate", "estimate_all", "fastest_first", "fit_budget",
+           "default_hardware", "enumerate_plans", "estimate", "estimate_all", "fastest_first", "fit_budget", "plan_estimator",
            "hardware_profile", "hardware_profiles", "measure", "measure_many", "model_profile"]
