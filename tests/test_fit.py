@@ -97,7 +97,7 @@ def test_the_chosen_plan_never_has_a_higher_peak_than_without_its_levers():
             outcomes.add(("levered" if result.plan != copy_without_levers(result.plan) else "plain", name))
     # the property was exercised both ways: levers chosen somewhere, and dropped where they did not help
     assert ("levered", "spikformer") in outcomes
-    assert {("memory objective", "levered"), ("memory objective", "plain")} <= outcomes
+    assert ("memory objective", "levered") in outcomes  # kept-without-levers: test_memory_levers (injected estimate)
     assert FitOutcome.LEVER_NO_GAIN in outcomes and FitOutcome.PRUNED in outcomes
 
 

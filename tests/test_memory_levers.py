@@ -5,6 +5,7 @@ all time steps at once (blocks) and one stepped per time step (time chunks, stat
 One 2-rank group and one 4-rank group run every multi-rank case; the tests read their results.
 """
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -92,6 +93,25 @@ def test_memory_objectives_never_switch_a_lever_on_by_rule():
     assert not any("memory levers" in note for note in speed.notes)
     with pytest.raises(TypeError, match="peak_estimate must be a callable"):
         _plan(peak_estimate=42)
+
+
+def test_the_memory_objective_keeps_the_plan_when_no_lever_lowers_the_injected_peak():
+    """plan(peak_estimate=...) with a stand-in estimate: a lever that raises the peak is not taken, the lowest
+    peak below the plan's own is (its time cost in the note)."""
+    def raising(p):
+        return SimpleNamespace(peak_bytes=100 if p.activation_checkpointing == "none" and not p.spike_compression
+                               else 120, step_time_s=1.0)
+
+    def every_2nd_lowest(p):
+        lowest = p.activation_checkpointing == "blocks" and p.checkpoint_every == 2
+        return SimpleNamespace(peak_bytes=80 if lowest else 100, step_time_s=1.5 if lowest else 1.0)
+
+    kept = _plan(peak_estimate=raising)
+    assert (kept.activation_checkpointing, kept.spike_compression) == ("none", False)
+    assert any(n.startswith("memory levers: none lowers the estimated peak of 100 B") for n in kept.notes)
+    chosen = _plan(peak_estimate=every_2nd_lowest)
+    assert (chosen.activation_checkpointing, chosen.checkpoint_every) == ("blocks", 2)
+    assert any("peak 80 B against 100 B without levers, +500.000 ms per step" in n for n in chosen.notes)
 
 
 def test_enumerate_plans_offers_checkpointing_variants():
