@@ -1,20 +1,29 @@
 """fit_budget at shrinking memory budgets: the plan found, its estimated (and measured) peak, step time, search time.
 
 Run: ``python benchmarks/memory_fit.py [--models spikformer vgg] [--world-size 2] [--hardware H100-SXM]
-[--size tiny] [--time-steps 16] [--measure]``. Per model, the budget is 100 %, 75 %, 50 % and 35 % of the unlevered peak (the estimated
-peak of the fastest plan without memory levers); each row is what :func:`snn_explorer.fit_budget` returns
-there, or the lowest estimated peak when no plan fits. ``--measure`` also trains each chosen plan on
-``world_size`` gloo ranks (``measure``) and prints its measured peak.
+[--size tiny] [--time-steps 16] [--measure] [--generated 10000] [--reference]``. Per model, the budget is 100 %,
+75 %, 50 % and 35 % of the unlevered peak (the estimated peak of the fastest plan without memory levers); each row
+is what :func:`snn_explorer.fit_budget` returns there (levers: checkpointing by blocks / time chunks, every 1st or
+2nd, spike compression, both), or the lowest estimated peak when no plan fits. ``--measure`` also trains each
+chosen plan on ``world_size`` gloo ranks (``measure``) and prints its measured peak. ``--generated M`` adds the
+search on a generated all-steps MLP of about M modules (``explorer_latency``'s builder) at 100 % and 50 %.
 
-The reference project's ``memopt`` search is not run side by side: it needs CUDA and its own package
-(the 2.0.0 ``examples/memopt``), neither of which this benchmark's CPU machines have.
+``--reference`` says whether the reference project's ``memopt`` (spikingjelly 2.0.0,
+``spikingjelly.activation_based.memopt.optimize_memory``) runs here, on its own CIFAR10-DVS VGG
+(``examples/memopt/models.py`` ``CIFAR10DVSVGG``): it calls each level on this machine and prints what
+happened (levels 2-4 profile CUDA memory and raise on a machine without CUDA; levels 0-1 run on CPU).
 """
 from __future__ import annotations
 
 import argparse
 import re
+import time
 
 import pandas as pd
+import torch
+from explorer_latency import _generated
+from spikingjelly.activation_based import memopt, neuron
+from spikingjelly.activation_based.examples.memopt.models import CIFAR10DVSVGG, VGGBlock
 
 from snn_explorer import fit_budget
 from snn_explorer.estimator import measure
@@ -41,6 +50,47 @@ def _row(name, share, budget, zoo, args) -> dict:
     return row
 
 
+def _generated_rows(modules: int, args) -> list:
+    """The search on a generated all-steps MLP of about ``modules`` modules, at 100 % and 50 % of its unlevered peak."""
+    model, x, _ = _generated(modules)
+    count = sum(1 for _ in model.modules())
+    top = fit_budget(model, x, 2 ** 50, args.world_size, hardware=args.hardware)
+    rows = [dict(model=f"generated ({count} modules)", budget_share=1.0, budget_bytes=top.estimate.peak_bytes,
+                 plan=top.table["plan"].iloc[0], est_peak=top.estimate.peak_bytes,
+                 step_ms=round(top.estimate.step_time_s * 1e3, 3), search_s=round(top.search_s, 2),
+                 candidates=len(top.table))]
+    budget = int(top.estimate.peak_bytes * 0.5)
+    started = time.perf_counter()
+    try:
+        found = fit_budget(model, x, budget, args.world_size, hardware=args.hardware)
+        rows.append(dict(rows[0], budget_share=0.5, budget_bytes=budget, plan=found.table["plan"].iloc[0],
+                         est_peak=found.estimate.peak_bytes, step_ms=round(found.estimate.step_time_s * 1e3, 3),
+                         search_s=round(found.search_s, 2), candidates=len(found.table)))
+    except ValueError as exc:
+        lowest = re.search(r"lowest estimated peak is (\d+) B \((.*)\)", str(exc))
+        rows.append(dict(rows[0], budget_share=0.5, budget_bytes=budget, plan=f"none fits (lowest: {lowest.group(2)})",
+                         est_peak=int(lowest.group(1)), step_ms=None,
+                         search_s=round(time.perf_counter() - started, 2), candidates=None))
+    return rows
+
+
+def _reference_levels() -> list:
+    """What each level of the reference memopt does on this machine, on its own VGG (a 1-sample, 2-step input:
+    only whether it runs is asked here)."""
+    rows = []
+    for level in (0, 1, 2, 3, 4):
+        model = CIFAR10DVSVGG()
+        dummy = torch.zeros(1, 2, 2, 48, 48)
+        try:
+            memopt.optimize_memory(model, VGGBlock, lambda current: current(dummy), level=level,
+                                   split_fn=lambda module: (module.proj_bn, module.neuron),
+                                   can_chunk=lambda module: isinstance(module, neuron.BaseNode))
+            rows.append(dict(level=level, runs_here=True, result="returned the model"))
+        except RuntimeError as exc:
+            rows.append(dict(level=level, runs_here=False, result=f"RuntimeError: {exc}"))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="+", default=["spikformer", "mlp_all_steps"])
@@ -49,7 +99,12 @@ def main() -> None:
     parser.add_argument("--time-steps", type=int, default=16, help="T: activations and neuron state grow with it")
     parser.add_argument("--hardware", default="H100-SXM", help="a built-in hardware profile for the step times")
     parser.add_argument("--measure", action="store_true", help="measure each chosen plan on gloo ranks too")
+    parser.add_argument("--generated", type=int, default=0, help="also search a generated model of this many modules")
+    parser.add_argument("--reference", action="store_true", help="try each level of the reference memopt here")
     args = parser.parse_args()
+    if args.reference:
+        print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
+        print(pd.DataFrame(_reference_levels()).to_string(index=False))
     rows = []
     for name in args.models:
         zoo = build(name, args.size, time_steps=args.time_steps)
@@ -57,6 +112,8 @@ def main() -> None:
                          hardware=args.hardware)
         for share in SHARES:
             rows.append(_row(name, share, int(top.estimate.peak_bytes * share), zoo, args))
+    if args.generated:
+        rows += _generated_rows(args.generated, args)
     with pd.option_context("display.width", 250, "display.max_colwidth", 60):
         print(pd.DataFrame(rows).to_string(index=False))
 

@@ -234,6 +234,17 @@ def mem_tracker_class() -> type:
     return cls
 
 
+@functools.lru_cache(maxsize=None)
+def fsdp_mem_tracker_class() -> type:
+    """torch's ``FSDPMemTracker`` (``torch.distributed._tools.fsdp2_mem_tracker``, a private module), checked on
+    first use: it categorises FSDP2's sharded / unsharded parameters and gradients as it tracks memory."""
+    cls = _require("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker", params=("mod", "optm"))
+    for name in ("track_inputs", "get_tracker_snapshot", "reset_mod_stats"):
+        _check(f"torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker.{name}", callable(getattr(cls, name, None)),
+               "it is missing")
+    return cls
+
+
 def restart_mem_tracker_peak(tracker: Any, device: torch.device) -> None:
     """Restart a MemTracker's peak from the current memory (it has no public reset)."""
     snapshot = tracker.get_tracker_snapshot()[device]

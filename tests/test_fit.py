@@ -4,14 +4,15 @@ import torch
 from models import TimeLoop, leaky
 from torch import nn
 
-from snn_explorer import DistributedFeatureSet, fit_budget, zoo
+from snn_explorer import DistributedFeatureSet, analyze, find_time_step_module, fit_budget, plan, plan_estimator, zoo
 from snn_explorer.cli import main
-from snn_explorer.core.memory_levers import copy_without_levers
+from snn_explorer.core.memory_levers import copy_without_levers, lever_variants
 from snn_explorer.estimator import FitOutcome, estimate, model_profile
 
 HARDWARE = "H100-SXM"  # a built-in datasheet profile: no calibration run
 ZOO = ("mlp", "mlp_all_steps", "mlp_tutorial", "vgg", "spikformer")
 FEATURES = DistributedFeatureSet(allow_activation_checkpointing=True)
+ALL_GATES = DistributedFeatureSet(allow_activation_checkpointing=True, allow_spike_compression=True)
 
 
 def _random_chain(seed: int):
@@ -54,11 +55,34 @@ def _check_choice(model, x, labels, result):
     assert result.table.loc[result.table["outcome"] != FitOutcome.CHOSEN, "why"].str.len().min() > 0
 
 
-@pytest.mark.timeout(600)
+def _check_memory_objective(name, model, x, labels, outcomes):
+    """plan(objective="memory") with the estimator injected: its estimated peak is not above the same plan's
+    without levers, nor above any other lever combination of that plan (each lever alone included)."""
+    analysis = analyze(model, example_input=x, labels=labels)
+    estimate_of = plan_estimator(model, x, labels, hardware=HARDWARE)
+    for topology in ({"dp": 2}, {"tp": 2}):
+        try:
+            chosen = plan(analysis=analysis, objective="memory", topology=topology, features=ALL_GATES,
+                          batch_size=analysis.data_layout.samples(x), peak_estimate=estimate_of,
+                          time_step_module=find_time_step_module(model, x))
+        except ValueError:  # no TP candidates
+            continue
+        base = copy_without_levers(chosen)
+        peak = estimate_of(chosen).peak_bytes
+        others = [estimate_of(v).peak_bytes for v in lever_variants(base, find_time_step_module(model, x))]
+        assert others, name
+        assert peak <= estimate_of(base).peak_bytes and peak <= min(others), (name, topology)
+        assert any(note.startswith("memory levers: ") for note in chosen.notes), name
+        outcomes.add(("memory objective", "levered" if chosen != base else "plain"))
+
+
+@pytest.mark.timeout(900)
 def test_the_chosen_plan_never_has_a_higher_peak_than_without_its_levers():
-    """Over the zoo and random chains, at the unlevered optimum's peak and 85 % and 65 % of it."""
+    """fit_budget over the zoo and random chains, at the unlevered optimum's peak and 85 % and 65 % of it;
+    and the planner's memory objective, its levers chosen by the injected estimate."""
     outcomes = set()
     for name, model, x, labels in _cases():
+        _check_memory_objective(name, model, x, labels, outcomes)
         top = fit_budget(model, x, 10 ** 12, 2, labels=labels, hardware=HARDWARE, features=FEATURES)
         assert top.plan == copy_without_levers(top.plan), name  # no budget pressure: no lever
         for share in (1.0, 0.85, 0.65):
@@ -73,6 +97,7 @@ def test_the_chosen_plan_never_has_a_higher_peak_than_without_its_levers():
             outcomes.add(("levered" if result.plan != copy_without_levers(result.plan) else "plain", name))
     # the property was exercised both ways: levers chosen somewhere, and dropped where they did not help
     assert ("levered", "spikformer") in outcomes
+    assert ("memory objective", "levered") in outcomes  # kept-without-levers: test_memory_levers (injected estimate)
     assert FitOutcome.LEVER_NO_GAIN in outcomes and FitOutcome.PRUNED in outcomes
 
 

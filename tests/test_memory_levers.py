@@ -5,6 +5,7 @@ all time steps at once (blocks) and one stepped per time step (time chunks, stat
 One 2-rank group and one 4-rank group run every multi-rank case; the tests read their results.
 """
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -76,14 +77,41 @@ def test_plan_time_errors_name_the_values(kw, match):
         _plan(**kw)
 
 
-def test_memory_objectives_checkpoint_when_the_gate_is_on():
-    assert _plan().activation_checkpointing == "blocks"
-    assert _plan(features=se.DistributedFeatureSet()).activation_checkpointing == "none"
-    assert _plan("mlp", time_step_module="net").activation_checkpointing == "time_chunks"
+def test_memory_objectives_never_switch_a_lever_on_by_rule():
+    """Left to the objective, checkpointing is on only by its estimated effect: without an estimator none, and
+    the plan's note says how to let the estimate choose; explicit choices stand."""
+    for zoo_name, kw in (("mlp_all_steps", {}), ("mlp", dict(time_step_module="net"))):
+        plan = _plan(zoo_name, **kw)
+        assert plan.activation_checkpointing == "none" and plan.time_step_module is None
+        assert any("peak_estimate=snn_explorer.plan_estimator" in note for note in plan.notes)
+    assert _plan(activation_checkpointing="blocks").activation_checkpointing == "blocks"
+    assert not any("memory levers" in note for note in _plan(features=se.DistributedFeatureSet()).notes)
     zoo = build("mlp_all_steps")
     speed = se.plan(analysis=se.analyze(zoo.model), objective="speed", batch_size=8, topology={"dp": 2},
                     features=GATES)
     assert speed.activation_checkpointing == "none"
+    assert not any("memory levers" in note for note in speed.notes)
+    with pytest.raises(TypeError, match="peak_estimate must be a callable"):
+        _plan(peak_estimate=42)
+
+
+def test_the_memory_objective_keeps_the_plan_when_no_lever_lowers_the_injected_peak():
+    """plan(peak_estimate=...) with a stand-in estimate: a lever that raises the peak is not taken, the lowest
+    peak below the plan's own is (its time cost in the note)."""
+    def raising(p):
+        return SimpleNamespace(peak_bytes=100 if p.activation_checkpointing == "none" and not p.spike_compression
+                               else 120, step_time_s=1.0)
+
+    def every_2nd_lowest(p):
+        lowest = p.activation_checkpointing == "blocks" and p.checkpoint_every == 2
+        return SimpleNamespace(peak_bytes=80 if lowest else 100, step_time_s=1.5 if lowest else 1.0)
+
+    kept = _plan(peak_estimate=raising)
+    assert (kept.activation_checkpointing, kept.spike_compression) == ("none", False)
+    assert any(n.startswith("memory levers: none lowers the estimated peak of 100 B") for n in kept.notes)
+    chosen = _plan(peak_estimate=every_2nd_lowest)
+    assert (chosen.activation_checkpointing, chosen.checkpoint_every) == ("blocks", 2)
+    assert any("peak 80 B against 100 B without levers, +500.000 ms per step" in n for n in chosen.notes)
 
 
 def test_enumerate_plans_offers_checkpointing_variants():
@@ -307,12 +335,12 @@ def test_granularities_listed():
     assert ACTIVATION_CHECKPOINTING == ("none", "blocks", "time_chunks")
 
 
-def test_explorer_chooses_time_chunks_and_charts_activations_against_time_steps():
+def test_explorer_charts_time_chunk_activations_against_time_steps():
     from snn_explorer.estimator.memory.activation_curve import activation_curve
 
     ex = se.Explorer.from_zoo(build("mlp"))
     plan = ex.make_plan(objective="memory", topology={"dp": 2}, features={"allow_activation_checkpointing": True},
-                        checkpoint_every=4)
+                        activation_checkpointing="time_chunks", checkpoint_every=4)
     assert (plan.activation_checkpointing, plan.time_step_module) == ("time_chunks", "net")
     figure = ex.activation_chart(plan, (4, 8))
     lines = figure.axes[0].get_lines()
@@ -320,7 +348,7 @@ def test_explorer_chooses_time_chunks_and_charts_activations_against_time_steps(
     plain, chunked = (line.get_ydata() for line in lines)
     assert (chunked < plain).all() and plain[1] > plain[0]
     all_steps = se.Explorer.from_zoo(build("mlp_all_steps"))
-    blocks = all_steps.make_plan(objective="memory", topology={"dp": 2}, features=GATES)
+    blocks = all_steps.make_plan(objective="memory", topology={"dp": 2}, features=GATES, activation_checkpointing="blocks")
     all_steps.estimate(blocks)
     curve = activation_curve(all_steps._profile, blocks, (4, 8))
     by = {k: rows["activations_bytes"].to_numpy() for k, rows in curve.groupby("plan")}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -139,35 +139,31 @@ def lever_label(plan: Any) -> str:
 
 
 def lever_fields(activation_checkpointing: Optional[str] = Checkpointing.NONE, checkpoint_every: int = 1,
-                 cpu_offload: bool = False, time_step_module: Optional[str] = None, *, objective: str = "speed",
-                 features: Any = None, analysis: Any = None) -> dict:
+                 cpu_offload: bool = False, time_step_module: Optional[str] = None) -> dict:
     """The plan fields of the memory levers, as ``plan(...)`` passes them on (checked by the plan itself).
 
-    ``activation_checkpointing=None`` lets the objective choose: with the gate on, the ``memory`` and
-    ``capacity`` objectives checkpoint ``time_chunks`` when ``time_step_module`` is given, else ``blocks``
-    when the model has blocks; ``speed`` (and a closed gate) ``none``, and then ignore ``time_step_module``.
-    (A model stepped per time step wants ``time_chunks``: its blocks run once per step, and checkpointing
-    them keeps their inputs and an entry-state copy for every step.)
+    ``activation_checkpointing=None`` (the objective's choice) is ``none`` here: no lever is switched on by a
+    rule. The ``memory`` and ``capacity`` objectives switch levers on only by their estimated effect
+    (:func:`choose_levers`, with the ``peak_estimate`` given to ``plan``); ``time_step_module`` is kept
+    in the plan only with ``time_chunks``.
     """
-    if activation_checkpointing is None:
-        activation_checkpointing = _chosen_granularity(objective, features, analysis, time_step_module)
-        time_step_module = time_step_module if activation_checkpointing == Checkpointing.TIME_CHUNKS else None
+    if activation_checkpointing is None:  # the choice left open: time_step_module and k only serve the search
+        activation_checkpointing, time_step_module, checkpoint_every = Checkpointing.NONE, None, 1
     return dict(activation_checkpointing=activation_checkpointing, checkpoint_every=checkpoint_every,
                 cpu_offload=cpu_offload, time_step_module=time_step_module)
 
 
 def objective_checkpoints(objective: str, features: Any) -> bool:
-    """Whether ``activation_checkpointing=None`` lets ``objective`` checkpoint: its gate is open and
+    """Whether ``activation_checkpointing=None`` lets ``objective`` consider checkpointing: its gate is open and
     the objective is not ``speed`` (only then can the choice need ``time_step_module``)."""
     return objective != "speed" and features is not None and features.allow_activation_checkpointing
 
 
-def _chosen_granularity(objective: str, features: Any, analysis: Any, time_step_module: Optional[str]) -> str:
-    if not objective_checkpoints(objective, features):
-        return Checkpointing.NONE
-    if time_step_module is not None:
-        return Checkpointing.TIME_CHUNKS
-    return Checkpointing.BLOCKS if analysis is not None and analysis.fsdp_unit_names else Checkpointing.NONE
+def objective_chooses_levers(objective: str, features: Any) -> bool:
+    """Whether ``objective`` looks for memory levers (checkpointing, spike compression) when the caller left
+    the choice open: it is not ``speed`` and a lever's gate is open."""
+    return objective != "speed" and features is not None and (
+        features.allow_activation_checkpointing or features.allow_spike_compression)
 
 
 def checkpointing_variants(plan: Any, time_step_module: Optional[str] = None) -> List[Any]:
@@ -183,6 +179,44 @@ def checkpointing_variants(plan: Any, time_step_module: Optional[str] = None) ->
         variants.append(dataclasses.replace(plan, activation_checkpointing=Checkpointing.TIME_CHUNKS,
                                             time_step_module=time_step_module))
     return variants
+
+
+#: Checkpoint every k-th block / time step for these k: 1 recomputes most and saves most; 2 recomputes half.
+CHECKPOINT_EVERY = (1, 2)
+
+
+def lever_variants(plan: Any, time_step_module: Optional[str] = None,
+                   every: Tuple[int, ...] = CHECKPOINT_EVERY) -> List[Any]:
+    """``plan`` (without levers) with each combination of memory levers its gates allow: each checkpointing
+    granularity (:func:`checkpointing_variants`) for each k of ``every``, and spike compression alone and
+    together with each of those ([] for pipeline plans)."""
+    checkpointed = [dataclasses.replace(v, checkpoint_every=k) for v in checkpointing_variants(plan, time_step_module)
+                    for k in every]
+    return checkpointed + spike_compression_variants([plan] + checkpointed)
+
+
+def choose_levers(plan: Any, candidates: List[Any], peak_estimate: Callable[[Any], Any]) -> Tuple[Any, str]:
+    """The candidate of lowest estimated peak when that is below ``plan``'s own (ties: the faster), else
+    ``plan``; and a note that says what was chosen, by how much it lowers the peak and what it costs per step.
+
+    ``peak_estimate(plan)`` returns an object with ``peak_bytes`` and ``step_time_s`` (the estimator's
+    ``PlanEstimate``): the core does not estimate, the caller injects the estimator.
+    """
+    base = peak_estimate(plan)
+    best, best_est = plan, base
+    for candidate in candidates:
+        est = peak_estimate(candidate)
+        lower = est.peak_bytes < best_est.peak_bytes
+        tie = best is not plan and est.peak_bytes == best_est.peak_bytes and est.step_time_s < best_est.step_time_s
+        if lower or tie:
+            best, best_est = candidate, est
+    tried = ", ".join(sorted({lever_label(c).lstrip("+") for c in candidates})) or "none allowed"
+    if best is plan:
+        return plan, (f"memory levers: none lowers the estimated peak of {base.peak_bytes} B (tried {tried}), "
+                      "so none is on")
+    return best, (f"memory levers: {lever_label(best).lstrip('+')} chosen by estimate: peak {best_est.peak_bytes} B "
+                  f"against {base.peak_bytes} B without levers, {(best_est.step_time_s - base.step_time_s) * 1e3:+.3f} "
+                  f"ms per step (tried {tried})")
 
 
 def lever_notes(levers: dict) -> List[str]:
@@ -210,5 +244,6 @@ def spike_compression_variants(plans: List[Any]) -> List[Any]:
 
 
 __all__: Tuple[str, ...] = ("ACTIVATION_CHECKPOINTING", "check_memory_levers", "check_time_step_module",
-                            "check_cpu_offload_device", "find_time_step_module", "lever_label", "objective_checkpoints", "lever_fields", "lever_notes", "checkpointing_variants",
-                            "copy_without_levers", "spike_compression_variants")
+                            "check_cpu_offload_device", "find_time_step_module", "lever_label", "objective_checkpoints", "objective_chooses_levers", "lever_fields",
+                            "lever_notes", "checkpointing_variants", "CHECKPOINT_EVERY", "lever_variants",
+                            "choose_levers", "copy_without_levers", "spike_compression_variants")

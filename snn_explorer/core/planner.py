@@ -1,11 +1,20 @@
 """plan(): fit the recommended strategy to the topology, the model and the feature gates."""
 from __future__ import annotations
 
-from typing import Any, List, Mapping, Optional, Tuple, Union
+import dataclasses
+from typing import Any, Callable, List, Mapping, Optional, Tuple, Union
 
 from .analysis import SNNDistributedAnalysis
 from .layouts import layout_of
-from .memory_levers import check_time_step_module, lever_fields, lever_notes
+from .memory_levers import (
+    CHECKPOINT_EVERY,
+    check_time_step_module,
+    choose_levers,
+    lever_fields,
+    lever_notes,
+    lever_variants,
+    objective_chooses_levers,
+)
 from .modes import MODE_TABLE, MODES, Mode, mode_of, names_text
 from .pipeline_plan import (
     check_pp_model,
@@ -104,7 +113,8 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
          pp_virtual_stages: Optional[int] = None, pp_layout: Any = None,
          activation_checkpointing: Optional[str] = None, checkpoint_every: int = 1, cpu_offload: bool = False,
          time_step_module: Optional[str] = None, data_layout: Any = None,
-         precision: Any = None) -> SNNDistributedPlan:
+         precision: Any = None, peak_estimate: Optional[Callable[[SNNDistributedPlan], Any]] = None
+         ) -> SNNDistributedPlan:
     """Choose a mode for ``objective`` on ``topology`` and return a plan that ``apply`` accepts.
 
     ``batch_size`` is the global batch of one optimizer step; the ``dp`` ranks split it. An
@@ -115,8 +125,14 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     ``pp_virtual_stages`` and ``pp_layout`` (``"3|4"`` or the unit paths where stages 2.. begin);
     those left None follow :func:`~snn_explorer.core.pipeline_plan.recommend_pipeline`.
     ``activation_checkpointing``, ``checkpoint_every``, ``cpu_offload`` and ``time_step_module`` are the
-    memory levers (see ``core.memory_levers``), each behind its ``features`` gate; with the gate on and
-    ``activation_checkpointing=None`` the ``memory`` and ``capacity`` objectives checkpoint, ``speed`` does not.
+    memory levers (see ``core.memory_levers``), each behind its ``features`` gate. ``activation_checkpointing=None``
+    leaves the choice to the objective: ``speed`` takes none; ``memory`` and ``capacity`` never take a lever by
+    rule, only by its estimated effect: given ``peak_estimate`` (a callable plan -> an object with ``peak_bytes``
+    and ``step_time_s``, e.g. ``snn_explorer.plan_estimator(model, example_input)``), each lever combination the
+    gates allow (checkpointing by blocks, or by time chunks of ``time_step_module``, every 1st / 2nd or every
+    ``checkpoint_every``-th when given; spike
+    compression; both) is estimated and the one of lowest peak is kept if it is below the plan's peak without
+    levers (a note says by how much and its time cost); without ``peak_estimate`` no lever is on (a note says so).
     ``data_layout`` (a :class:`~snn_explorer.core.layouts.DataLayout`; default: the analysis's) says
     where N and T sit in the model's input and output; the plan carries it to ``apply`` and the launcher.
     """
@@ -143,8 +159,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     notes.extend(_mode_notes(spec, analysis, topology, features, tensor_parallel_plan))
     pipeline = _pipeline_fields(analysis, topology, batch_size, notes, pp_schedule, pp_microbatches,
                                 pp_virtual_stages, pp_layout) if spec.pp else {}
-    levers = _levers(spec, activation_checkpointing, checkpoint_every, cpu_offload, time_step_module, objective,
-                     features, analysis, notes)
+    levers = _levers(spec, activation_checkpointing, checkpoint_every, cpu_offload, time_step_module, notes)
     chosen_precision, precision_note = choose_precision(precision, objective, features, spec.fsdp,
                                                         analysis.batchnorm_names)
     notes.extend([precision_note] if precision_note else [])
@@ -161,16 +176,37 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     if spec.pp:
         check_pp_model(plan_, analysis.pipeline_units, analysis.pipeline_problem,
                        analysis.shared_parameter_groups, analysis.trainable_units)
+    if activation_checkpointing is None and objective_chooses_levers(objective, features):
+        every = CHECKPOINT_EVERY if checkpoint_every == 1 else (checkpoint_every,)
+        plan_ = _levers_by_estimate(plan_, lever_variants(plan_, time_step_module, every), peak_estimate)
     return plan_
 
 
-def _levers(spec: Mode, activation_checkpointing, checkpoint_every, cpu_offload, time_step_module, objective,
-            features, analysis, notes: List[str]) -> dict:
+def _levers_by_estimate(plan_: SNNDistributedPlan, candidates: List[SNNDistributedPlan],
+                        peak_estimate: Optional[Callable[[SNNDistributedPlan], Any]]) -> SNNDistributedPlan:
+    """``plan_`` with the lever combination of lowest estimated peak, if it lowers the peak (:func:`choose_levers`);
+    without ``peak_estimate``, ``plan_`` unchanged with a note (no lever by rule)."""
+    if not candidates:
+        return plan_
+    if peak_estimate is None:
+        note = (f"memory levers: none on; the {plan_.objective!r} objective switches one on only where its estimated "
+                "effect lowers the peak: pass peak_estimate=snn_explorer.plan_estimator(model, example_input), or "
+                "use snn_explorer.fit_budget")
+        return dataclasses.replace(plan_, notes=plan_.notes + (note,))
+    if not callable(peak_estimate):
+        raise TypeError(f"peak_estimate must be a callable plan -> estimate (peak_bytes, step_time_s), got "
+                        f"{peak_estimate!r}")
+    chosen, note = choose_levers(plan_, candidates, peak_estimate)
+    levers = dict(activation_checkpointing=chosen.activation_checkpointing, cpu_offload=chosen.cpu_offload)
+    return dataclasses.replace(chosen, notes=plan_.notes + (note,) + tuple(lever_notes(levers)))
+
+
+def _levers(spec: Mode, activation_checkpointing, checkpoint_every, cpu_offload, time_step_module,
+            notes: List[str]) -> dict:
     """The memory-lever fields of the plan (:func:`~.memory_levers.lever_fields`), their notes added to ``notes``."""
     if spec.pp and activation_checkpointing is None:  # the objective's choice; pipelines take none yet
         activation_checkpointing, time_step_module = Checkpointing.NONE, None
-    levers = lever_fields(activation_checkpointing, checkpoint_every, cpu_offload, time_step_module,
-                          objective=objective, features=features, analysis=analysis)
+    levers = lever_fields(activation_checkpointing, checkpoint_every, cpu_offload, time_step_module)
     notes.extend(lever_notes(levers))
     return levers
 

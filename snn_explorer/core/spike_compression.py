@@ -3,26 +3,26 @@
 Spikes are 0 or 1, yet autograd saves them in the compute dtype (32 bits each in fp32). With a plan's
 ``spike_compression=True`` every forward of the model runs under ``torch.autograd.graph.saved_tensors_hooks``
 whose pack hook checks each saved floating tensor: if every element is exactly ``+0`` or ``1`` it keeps
-the bits (``uint8``, 8 elements a byte) and unpack rebuilds the same values in the same dtype and shape,
+the bits (``uint8``, 8 elements a byte) and unpack rebuilds the same values in the same dtype, shape and
+strides (a checkpoint's recompute compares what it saves again, and ops choose kernels by strides),
 so gradients are bit-identical (a DTensor's local values are tested and packed on its rank, and it is
 rebuilt with its mesh and placements). Any other tensor is saved unchanged and counted (:class:`SpikePacker`
 ``refused``): a value that is not 0/1 (a membrane, ``-0.0``) is never packed. Parameters and other
 leaves that need a gradient are left as they are (they stay alive anyway; packing would add a copy).
 
 The saved spikes of every neuron library are caught (snntorch, spikingjelly, a registered neuron): the
-hooks look at what is saved, not at who saves it. Not combined with activation checkpointing or
-pipeline stages yet (refused at plan time).
+hooks look at what is saved, not at who saves it. With activation checkpointing, the tensors saved outside
+checkpointed regions are packed (inside one, torch's checkpoint keeps nothing but the region's inputs,
+which it holds itself, unpacked). Not combined with pipeline stages yet (refused at plan time).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-
-from .vocabulary import Checkpointing
 
 __all__ = ["SpikePacker", "PackedSpikes", "is_binary", "packable", "pack_bits", "unpack_bits",
            "apply_spike_compression", "check_spike_compression", "spike_packer"]
@@ -70,6 +70,8 @@ class PackedSpikes:
     requires_grad: bool
     #: a DTensor's (mesh, placements, global shape, stride); its local tensor is what ``bits`` holds
     dtensor: Optional[tuple] = None
+    #: the saved tensor's strides: ops pick their kernels by them (a recompute under checkpointing compares)
+    stride: Optional[Tuple[int, ...]] = None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -78,6 +80,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
         return t
     with torch.no_grad():
         return t.to_local()
+
+
+def _layout(t: torch.Tensor) -> Optional[Tuple[int, ...]]:
+    """``t``'s strides when they are not the contiguous ones and no two elements share memory (else None:
+    unpacked contiguous)."""
+    if t.is_contiguous() or 0 in t.stride():
+        return None
+    return tuple(t.stride())
 
 
 class SpikePacker:
@@ -100,13 +110,15 @@ class SpikePacker:
         self.packed_bytes += local.numel() * local.element_size()
         self.stored_bytes += bits.numel()
         spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
-        return PackedSpikes(bits, local.shape, local.dtype, t.requires_grad, spec)
+        return PackedSpikes(bits, local.shape, local.dtype, t.requires_grad, spec, _layout(local))
 
     @staticmethod
     def unpack(saved: Any) -> Any:
         if not isinstance(saved, PackedSpikes):
             return saved
         local = unpack_bits(saved.bits, saved.shape, saved.dtype)
+        if saved.stride is not None:  # the saved tensor's memory layout (a transposed view stays transposed)
+            local = torch.empty_strided(saved.shape, saved.stride, dtype=saved.dtype, device=local.device).copy_(local)
         if saved.dtensor is not None:
             mesh, placements, shape, stride = saved.dtensor
             local = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
@@ -148,9 +160,6 @@ def check_spike_compression(plan: Any) -> None:
     if plan.uses_pp:
         raise ValueError("spike_compression=True is not combined with pipeline stages (mode 'pp') yet: a "
                          "pipeline runs its stages outside the model's forward; use a dp / tp / fsdp2 plan")
-    if plan.activation_checkpointing != Checkpointing.NONE:
-        raise ValueError(f"spike_compression=True is not combined with activation_checkpointing="
-                         f"{plan.activation_checkpointing!r} yet (untested together); pick one of the two levers")
 
 
 def apply_spike_compression(model: nn.Module, plan: Any) -> Optional[SpikePacker]:

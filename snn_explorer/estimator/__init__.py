@@ -8,7 +8,7 @@ isolation) <- ``profile`` (what one run of the model measures) <- ``memory`` and
 arithmetic, peaks; hardware, compute, collectives, step and pipeline time) <- ``calibration`` and
 ``measurement`` <- ``plan_estimate``, ``pp_layout``, ``enumerate``, ``compare``, ``budget_fit`` (the public face).
 """
-from .budget_fit import FitOutcome, FitResult, fit_budget
+from .budget_fit import FitOutcome, FitResult, fit_budget, plan_estimator
 from .calibration import cached_hardware, calibrate, default_hardware
 from .compare import compare_estimate
 from .enumerate import PlanList, enumerate_plans
@@ -28,4 +28,5 @@ __all__ = ["COLLECTIVE_COLUMNS", "PER_RANK_COLUMNS", "TIME_COLUMNS", "Collective
            "FitOutcome", "FitResult", "ModelProfile", "ProgressHook", "PlanEstimate", "PlanList", "PlanMeasurement",
            "activation_curve", "balanced_pp_plan", "bubble_fraction", "cached_hardware", "calibrate", "compare_estimate",
            "default_hardware", "enumerate_plans", "estimate", "estimate_all", "fastest_first", "fit_budget",
+           "plan_estimator",
            "hardware_profile", "hardware_profiles", "measure", "measure_many", "model_profile"]

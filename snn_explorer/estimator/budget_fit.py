@@ -1,9 +1,9 @@
 """fit_budget(): the fastest plan whose estimated peak fits a memory budget, levers chosen by their effect.
 
 Every plan :func:`~.enumerate.enumerate_plans` accepts for the world size is estimated without memory
-levers, and with each lever its gates allow (activation checkpointing by blocks or by time chunks,
-:func:`~snn_explorer.core.memory_levers.checkpointing_variants`, each also every 2nd block / chunk;
-spike compression, :mod:`~snn_explorer.core.spike_compression`), all from one shared
+levers, and with each lever combination its gates allow (activation checkpointing by blocks or by time
+chunks, every 1st or 2nd block / chunk; spike compression, :mod:`~snn_explorer.core.spike_compression`;
+both together: :func:`~snn_explorer.core.memory_levers.lever_variants`), all from one shared
 :class:`~.profile.ModelProfile`. A lever stays in a plan only where the estimate says it lowers that
 plan's peak; a lever the estimate says raises the peak (a model whose memory is mostly parameters) is
 dropped and the table says by how much. CPU offload is not searched: the estimator does not model it.
@@ -13,16 +13,16 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import pandas as pd
 import torch
 from torch import nn
 
 from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze
-from ..core.memory_levers import copy_without_levers, find_time_step_module, lever_label, spike_compression_variants
+from ..core.memory_levers import copy_without_levers, find_time_step_module, lever_label, lever_variants
 from ..core.validate import positive_int, positive_number
-from ..core.vocabulary import Checkpointing, Vocabulary
+from ..core.vocabulary import Vocabulary
 from .calibration import resolve_hardware
 from .enumerate import enumerate_plans
 from .plan_estimate import PlanEstimate, estimate
@@ -94,11 +94,25 @@ def _row(plan, est: Optional[PlanEstimate], base: Optional[PlanEstimate], budget
                 fits=peak is not None and peak <= budget, outcome=outcome, why=why)
 
 
-#: Besides every block / time step, checkpoint every k-th one for these k (less recompute, more memory).
-EVERY = (2,)
-
 #: The gates :func:`fit_budget` opens when ``features`` is None: every lever the estimator can estimate.
 FIT_FEATURES = DistributedFeatureSet(allow_activation_checkpointing=True, allow_spike_compression=True)
+
+
+def plan_estimator(model: nn.Module, example_input: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
+                   hardware=None, optimizer: str = "adam", layout=None) -> Callable[[SNNDistributedPlan], PlanEstimate]:
+    """A callable plan -> :func:`estimate` of it for ``model``, every call sharing one profile (measured once).
+
+    It is what ``snn_explorer.plan(..., peak_estimate=...)`` takes: the core's planner cannot import the
+    estimator, so the ``memory`` objective gets its lever estimates injected."""
+    hardware = resolve_hardware(hardware)
+    layout = layout if layout is not None else analyze(model, example_input=example_input, labels=labels).data_layout
+    profile = model_profile(model, example_input, labels, layout=layout)
+
+    def estimate_of(p: SNNDistributedPlan) -> PlanEstimate:
+        return estimate(model, p, example_input=example_input, labels=labels, optimizer=optimizer, profile=profile,
+                        hardware=hardware, layout=layout)
+
+    return estimate_of
 
 
 def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int, world_size: int, *,
@@ -109,6 +123,8 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     Searches modes, meshes (dp x tp, pp x dp, ZeRO) and memory levers together; ``features`` are the gates
     (default :data:`FIT_FEATURES`: activation checkpointing and spike compression allowed). ``batch_size`` is the global batch
     (default: the example input's). ``hardware`` is where step times are predicted (as for :func:`estimate`).
+    The lever combinations of each plan are :func:`~snn_explorer.core.memory_levers.lever_variants`
+    (checkpointing by blocks / time chunks, every 1st or 2nd; spike compression; both).
 
     How the search prunes: the plans without levers are estimated first (one profile for all of them:
     each per-rank batch and TP layout runs the model once) and walked fastest first. A lever never makes a
@@ -123,26 +139,14 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     started = time.perf_counter()
     budget = int(positive_number("memory_budget", memory_budget, what="bytes per device"))
     world_size = positive_int("world_size", world_size, what="the number of ranks")
-    hardware = resolve_hardware(hardware)
     analysis = analyze(model, example_input=example_input, labels=labels)
     layout = analysis.data_layout
     batch_size = layout.samples(example_input) if batch_size is None else positive_int("batch_size", batch_size)
+    step_module = find_time_step_module(model, example_input)
     plans = enumerate_plans(analysis, world_size=world_size, batch_size=batch_size,
-                            features=FIT_FEATURES if features is None else features,
-                            time_step_module=find_time_step_module(model, example_input))
-    profile = model_profile(model, example_input, labels, layout=layout)
-
-    def estimate_of(p: SNNDistributedPlan) -> PlanEstimate:
-        return estimate(model, p, example_input=example_input, labels=labels, optimizer=optimizer, profile=profile,
-                        hardware=hardware, layout=layout)
-
-    variants: Dict[SNNDistributedPlan, List[SNNDistributedPlan]] = {}
-    for p in plans:
-        variants.setdefault(copy_without_levers(p), []).append(p)
-    for base, levered in variants.items():
-        levered.extend([dataclasses.replace(v, checkpoint_every=k) for v in list(levered)
-                        if v.activation_checkpointing != Checkpointing.NONE for k in EVERY])
-        levered.extend(spike_compression_variants([base]))
+                            features=FIT_FEATURES if features is None else features)
+    estimate_of = plan_estimator(model, example_input, labels, hardware=hardware, optimizer=optimizer, layout=layout)
+    variants = {base: lever_variants(base, step_module) for base in dict.fromkeys(copy_without_levers(p) for p in plans)}
     bases = sorted(((b, estimate_of(b)) for b in variants), key=lambda be: be[1].step_time_s)
     rows, best = _search(bases, variants, estimate_of, budget)
     if best is None:
@@ -159,7 +163,7 @@ def _search(bases, variants, estimate_of, budget: int):
     """The candidate rows and the fastest fitting (plan, estimate), walking ``bases`` fastest first."""
     rows, best = [], None
     for base, base_est in bases:
-        levered = [v for v in variants[base] if v != base]
+        levered = variants[base]
         fits = base_est.peak_bytes <= budget
         if fits and (best is None or base_est.step_time_s < best[1].step_time_s):
             best = (base, base_est)

@@ -7,7 +7,9 @@ gradients, flat and padded) and the sharded gradient it produces; it frees them 
 unit's copy-out has ended, a unit is resharded after its forward when ``reshard_after_forward`` (never the
 root), re-gathered before its backward, resharded after it (before its reduce-scatter input is
 allocated), and the last reduce-scatter input is kept until the next one; in the backward, the unit whose forward ended before is all-gathered
-ahead (implicit prefetch).
+ahead (implicit prefetch). A checkpointed unit's recompute in the backward runs its forward hooks again:
+torch's pre-forward all-gathers it if it is sharded, its post-forward neither reshards nor records the unit
+in the order the backward prefetches by (``is_bw()``).
 
 The model runs once per batch size and TP layout: :func:`~..instruments.fsdp_events.record` hooks the same points (forward
 pre/post, gradients of a call's outputs and of its inputs, each gradient accumulated, the end of
@@ -75,6 +77,7 @@ class _Replay:
         self.order: List[str] = []  # units by the end of each forward call
         self.forward_ends: Dict[str, List[int]] = {}  # unit -> its indices in ``order``
         self.prefetched = set()  # all-gathered ahead of their backward, not yet copied out
+        self.in_backward = False  # after the forward's end: forward hooks are a checkpoint's recompute
 
     def _add(self, nbytes: int, buffer: bool = True) -> None:
         """``buffer``: FSDP2's own buffers and unsharded parameters (else a gradient adjustment)."""
@@ -88,7 +91,8 @@ class _Replay:
         if path in self.unsharded:
             return
         unit = self.units[path]
-        if path in self.prefetched:  # its all-gather output is already there
+        prefetched = path in self.prefetched
+        if prefetched:  # its all-gather output is already there
             self.prefetched.discard(path)
         else:
             self._add(unit.flat)
@@ -97,10 +101,11 @@ class _Replay:
             # torch drops its reference to the previous all-gather output before the copy-out, but
             # the local variable that checked it (``prev_all_gather_state``) holds it to the end
             self._add(-self.kept_gather)
+            self.kept_gather = None
         self.unsharded.add(path)
-        if forward:
+        if forward and not prefetched:
             self.kept_gather = unit.flat
-        else:
+        else:  # in backward, or a prefetched (asynchronous) all-gather: freed after its copy-out
             self._add(-unit.flat)
 
     def prefetch(self, path: str) -> None:
@@ -125,6 +130,9 @@ class _Replay:
 
     def post_forward(self, path: str) -> None:
         if path not in self.units:
+            return
+        if self.in_backward:  # a checkpointed unit's recompute: torch's post_forward skips all under is_bw()
+            self.state[path] = "idle"
             return
         if self.reshard and path:
             self.reshard_unit(path)
@@ -205,4 +213,5 @@ def replay_fsdp(log: EventLog, entry: int, timeline: Optional[FsdpTimeline] = No
         peak = max(peak, sim.peak)
         if kind == "forward_end":
             peak_fwd, peak = peak, current + sim.offset
+            sim.in_backward = True
     return peak_fwd - entry, peak - entry, current + sim.offset - entry, sim.most_held

@@ -23,9 +23,10 @@ import torch
 from torch import nn
 
 from ...core.neurons import detached_copy
+from ...core.parallelize.checkpointing import apply_activation_checkpointing
 from ...core.spike_compression import apply_spike_compression, is_binary, packable
 from ..instruments.storage import SavedByModule, model_state_tensors, saving
-from ..profile.checkpointed import held_after_forward
+from ..profile.checkpointed import CheckpointedProfile, held_after_forward
 from ..profile.profiling import ModelProfile
 from ..profile.step import batch_slice, forward_loss
 
@@ -111,11 +112,9 @@ class CompressedProfile(ModelProfile):
     compressed: Dict[tuple, nn.Module] = field(default_factory=dict, repr=False)
 
     def rank_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Tuple[tuple, nn.Module]:
-        key, model = self.base.rank_model(tp_plan, tp)
+        key, _ = self.base.rank_model(tp_plan, tp)
         if key not in self.compressed:
-            copy_ = detached_copy(model)
-            apply_spike_compression(copy_, _COMPRESSED)
-            self.compressed[key] = copy_
+            self.compressed[key] = _compressed_copy(self.base, tp_plan, tp)
         return key, self.compressed[key]
 
     def saved_and_state(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]] = None,
@@ -126,6 +125,18 @@ class CompressedProfile(ModelProfile):
             x, y = batch_slice(self.example_input, self.labels, n, t, layout=self.layout)
             self.saved_state[key] = held_after_forward(self.rank_model(tp_plan, tp)[1], x.to(self.dtype), y)
         return self.saved_state[key]
+
+
+def _compressed_copy(base: ModelProfile, tp_plan: Optional[Mapping[str, str]], tp: int) -> nn.Module:
+    """A copy of the model one rank runs, checkpointed as ``base``'s plan says when ``base`` is a
+    :class:`CheckpointedProfile`, then packing its saved spikes, in the order ``apply`` takes them. The copy is
+    of the plain rank model: checkpointing replaces forwards by closures over their modules, which a deep copy
+    of a checkpointed model would share with the original."""
+    copy_ = detached_copy(ModelProfile.rank_model(base, tp_plan, tp)[1])
+    if isinstance(base, CheckpointedProfile):
+        apply_activation_checkpointing(copy_, base.plan, base.fsdp_units)
+    apply_spike_compression(copy_, _COMPRESSED)
+    return copy_
 
 
 @dataclass(frozen=True)

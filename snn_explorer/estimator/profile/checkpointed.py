@@ -132,6 +132,7 @@ def levered_profile(profile: ModelProfile, plan) -> ModelProfile:
 def recompute_fraction(profile: ModelProfile, plan, t: int) -> float:
     """Extra forward work of ``plan``'s checkpointing per step of ``t`` time steps, as a fraction of one
     forward (0.0 without checkpointing)."""
+    profile = getattr(profile, "base", profile)  # a compressed profile: the checkpointed one it packs
     if not isinstance(profile, CheckpointedProfile):
         return 0.0
     return profile.recompute_fraction(plan.per_rank_batch, t, plan.tensor_parallel_plan, plan.tp_size)
