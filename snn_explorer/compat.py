@@ -312,3 +312,21 @@ def comm_debug_mode():
     """A new ``torch.distributed.tensor.debug.CommDebugMode``, its module imported on first use (it
     loads torch's compiler, which sets TORCHINDUCTOR_CACHE_DIR and makes a folder under TMPDIR)."""
     return importlib.import_module("torch.distributed.tensor.debug").CommDebugMode()
+
+
+# DTensor's caches keyed on DeviceMesh / DTensorSpec (each holds its mesh, whose registry holds its
+# process groups): torch keeps them for the process's life, so without clearing them a destroyed
+# group's gloo / store threads live until interpreter teardown (ranks/teardown.py).
+_MESH_TOPO_CACHE = _require("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh")
+_TRANSFORM_INFOS_CACHE = _require("torch.distributed.tensor._redistribute", "_gen_transform_infos")
+_CLEAR_PLANNER_CACHE = _require("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache")
+_DTENSOR_CLASS = _require("torch.distributed.tensor", "DTensor", callable_=False)
+
+
+def clear_dtensor_mesh_caches() -> None:
+    """Empty torch's DTensor caches that hold meshes: mesh topology, redistribute plans and
+    transforms, and the sharding propagator's cache."""
+    _MESH_TOPO_CACHE.cache_clear()
+    _TRANSFORM_INFOS_CACHE.cache_clear()
+    _CLEAR_PLANNER_CACHE()
+    _DTENSOR_CLASS._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
