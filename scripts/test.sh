@@ -18,7 +18,7 @@ done
 status=0
 echo "== lint (ruff, rules in pyproject.toml) =="
 .venv/bin/ruff check snn_explorer tests benchmarks || status=$?
-.venv/bin/python -m pytest "$@" || status=$?
+.venv/bin/python -m pytest --durations=25 "$@" || status=$?
 echo "== example notebooks (nbval) =="
 .venv/bin/python -m pytest "$@" --nbval --nbval-current-env \
     --nbval-sanitize-with notebooks/nbval_sanitize.cfg notebooks/ || status=$?

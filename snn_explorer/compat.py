@@ -367,3 +367,21 @@ def data_dependent_op(exc: BaseException) -> Optional[str]:
     if _FAKE not in sys.modules or not isinstance(exc, _fake_names()[2]):
         return None
     return str(getattr(exc, "func", None) or type(exc).__name__)
+
+
+# DTensor's caches keyed on DeviceMesh / DTensorSpec (each holds its mesh, whose registry holds its
+# process groups): torch keeps them for the process's life, so without clearing them a destroyed
+# group's gloo / store threads live until interpreter teardown (ranks/teardown.py).
+_MESH_TOPO_CACHE = _require("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh")
+_TRANSFORM_INFOS_CACHE = _require("torch.distributed.tensor._redistribute", "_gen_transform_infos")
+_CLEAR_PLANNER_CACHE = _require("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache")
+_DTENSOR_CLASS = _require("torch.distributed.tensor", "DTensor", callable_=False)
+
+
+def clear_dtensor_mesh_caches() -> None:
+    """Empty torch's DTensor caches that hold meshes: mesh topology, redistribute plans and
+    transforms, and the sharding propagator's cache."""
+    _MESH_TOPO_CACHE.cache_clear()
+    _TRANSFORM_INFOS_CACHE.cache_clear()
+    _CLEAR_PLANNER_CACHE()
+    _DTENSOR_CLASS._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()

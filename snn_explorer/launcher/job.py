@@ -18,6 +18,7 @@ from ..core.neurons import restore_stateful
 from ..core.parallelize.mesh import device_type_for
 from ..core.serialize import loads
 from ..ranks import init_process_group, resolve_backend, run
+from ..ranks.teardown import end_process_groups
 from .plan_run import train_plan_rank
 from .private_files import read_private
 
@@ -27,9 +28,9 @@ def _backend() -> str:
     return resolve_backend("auto", int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def _train(job: dict, plan_data: dict, backend: str) -> list:
-    """One rank of the job, inside its process group: apply the plan and run the steps."""
-    return train_plan_rank(job["model"], plan_data, job["train_fn"], job["steps"], job["dataset"],
+def _train(model, job: dict, plan_data: dict, backend: str) -> list:
+    """One rank of the job, inside its process group: apply the plan to ``model`` and run the steps."""
+    return train_plan_rank(model, plan_data, job["train_fn"], job["steps"], job["dataset"],
                            device_type_for(backend), job["optimizer"], job["seed"], job["train_kwargs"],
                            job.get("checkpoints"))
 
@@ -53,23 +54,39 @@ def _fail_now(rank: int) -> None:
 
 
 def _torchrun_rank(job: dict, plan_data: dict, out: str) -> None:
-    """Under torchrun: join its process group (the rank runner's entry), train, write this rank's metrics."""
+    """Under torchrun: join its process group (the rank runner's entry), train, write this rank's
+    metrics, end the process groups. ``job["model"]`` is taken out of ``job``: the model (its
+    DTensor parameters hold the groups) must be gone before they end."""
     backend = _backend()
     init_process_group(backend)
     rank = dist.get_rank()
     try:
-        history = _train(job, plan_data, backend)
+        history = _train(job.pop("model"), job, plan_data, backend)
     except BaseException:  # noqa: BLE001 - any failure, KeyboardInterrupt included, ends this rank now
         _fail_now(rank)
     _write(out, rank, history)
-    dist.destroy_process_group()  # every rank got here: no collective is left in flight
+    _end(rank)
+
+
+def _end(rank: int) -> None:
+    """Every rank got here, so no collective is left in flight: a barrier (the rank serving the store
+    keeps it until all are done), then every group destroyed and its threads joined while the
+    interpreter is whole. If a live object still holds a group, its c10d threads would meet the
+    interpreter's teardown: leave without it (the metrics are written)."""
+    left = end_process_groups(barrier=True)
+    if left:
+        print(f"[rank {rank}] c10d threads still alive after destroy_process_group ({', '.join(left)}): "
+              "leaving without interpreter teardown", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _local_run(job: dict, plan_data: dict, out: str) -> None:
     """Without torchrun: every rank on this machine through ``snn_explorer.ranks`` (loopback only)."""
     world = SNNDistributedPlan.from_dict(plan_data).world_size
     backend = resolve_backend("auto", world)
-    result = run(_train, (job, plan_data, backend), nprocs=world, backend=backend, progress=True)
+    result = run(_train, (job["model"], job, plan_data, backend), nprocs=world, backend=backend, progress=True)
     for rank, history in enumerate(result.values):
         _write(out, rank, history)
 

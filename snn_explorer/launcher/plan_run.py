@@ -82,6 +82,7 @@ def train_plan_rank(model, plan_data: dict, train_fn: Callable, steps: int, data
         history.append(metrics)
         report(step=step + 1, total=steps, loss=metrics.get("loss"))
         _checkpoint(runtime, state, checkpoints, step + 1, steps)
+    runtime.reset_state()  # the neurons' state holds the last step's graph, and through it the FSDP2 state
     return history
 
 

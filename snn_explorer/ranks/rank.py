@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..core.neurons import restore_stateful
 from . import channel
+from .teardown import end_process_groups
 
 
 def exit_with_parent(parent: int, on_orphan) -> None:
@@ -93,8 +94,21 @@ def _default_signals() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _run_payload(run_dir: str, backend: str, pg_timeout: Optional[float], phase: list) -> Tuple[bytes, float]:
+    """Load the payload, join the process group, run it: its pickled value and when it started to
+    run. ``phase[0]`` says how far it got. The function, its arguments (the model) and its value
+    are freed when this returns."""
+    fn, args, kwargs = _load_payload(channel.path(run_dir, "payload.pkl"))
+    phase[0] = "init"
+    init_process_group(backend, pg_timeout)
+    phase[0] = "run"
+    started = time.time()
+    return cloudpickle.dumps(fn(*args, **kwargs)), started
+
+
 def run_rank(run_dir: str, backend: str, pg_timeout: Optional[float] = None) -> None:
-    """One rank: heartbeat, load the payload, init the process group, run, store the value."""
+    """One rank: heartbeat, load the payload, init the process group, run, store the value, end
+    the process groups (see :func:`~snn_explorer.ranks.teardown.end_process_groups`), exit."""
     _default_signals()
     rank = int(os.environ["RANK"])
     os.environ[channel.DIR_ENV] = run_dir
@@ -102,15 +116,9 @@ def run_rank(run_dir: str, backend: str, pg_timeout: Optional[float] = None) -> 
     stacks = open(channel.path(run_dir, "stacks", f"{rank}.txt"), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     channel.emit(run_dir, rank, "start", pid=os.getpid())
-    phase = "load"  # then "init" (joining the process group), then "run" (the function)
+    phase = ["load"]  # then "init" (joining the process group), then "run" (the function)
     try:
-        fn, args, kwargs = _load_payload(channel.path(run_dir, "payload.pkl"))
-        phase = "init"
-        init_process_group(backend, pg_timeout)
-        phase = "run"
-        started = time.time()
-        value = fn(*args, **kwargs)
-        data = cloudpickle.dumps(value)
+        data, started = _run_payload(run_dir, backend, pg_timeout, phase)
     except SystemExit as exc:
         code, text = exit_status(exc.code)
         if text:
@@ -118,9 +126,9 @@ def run_rank(run_dir: str, backend: str, pg_timeout: Optional[float] = None) -> 
         channel.emit(run_dir, rank, "exit", code=code, how="SystemExit", text=text)
         _leave(code)
     except BaseException as exc:  # the peers may be blocked in a collective: leave at once
-        _write_error(run_dir, rank, exc, phase)
+        _write_error(run_dir, rank, exc, phase[0])
         _leave(1)
     channel.write_atomic(channel.path(run_dir, "results", f"{rank}.pkl"), data)
     channel.emit(run_dir, rank, "end", seconds=time.time() - started)
-    dist.destroy_process_group()
+    end_process_groups()  # no barrier: a peer that failed would hold this rank until the group's timeout
     _leave(0)  # the value is stored; a torch interpreter teardown only delays the launcher
