@@ -173,7 +173,8 @@ class Explorer(ExplorerCharts):
         only behind the ``allow_mixed_precision`` gate; ``time_chunks``
         checkpointing, and the objective's own choice for a model stepped per time step, steps
         :attr:`time_step_module`; the ``pp_*`` fields left None are the planner's choice, and a pipeline's
-        stages are balanced by the profile unless ``pp_layout`` is given)."""
+        stages are balanced by the profile unless ``pp_layout`` is given). Memory levers the objective
+        may choose are kept only where this Explorer's estimate says they lower the peak."""
         features = as_features(features)
         chunks = activation_checkpointing == "time_chunks" or (
             activation_checkpointing is None and self.example_input is not None and
@@ -186,7 +187,8 @@ class Explorer(ExplorerCharts):
                             activation_checkpointing=activation_checkpointing, checkpoint_every=checkpoint_every,
                             cpu_offload=cpu_offload, time_step_module=step_module, pp_schedule=pp_schedule,
                             pp_microbatches=pp_microbatches, pp_virtual_stages=pp_virtual_stages, pp_layout=pp_layout,
-                            precision=precision)
+                            precision=precision,
+                            peak_estimate=self.estimate if self.example_input is not None else None)
         return planned if pp_layout is not None else self._balanced(planned)
 
     def _balanced(self, plan: SNNDistributedPlan) -> SNNDistributedPlan:
