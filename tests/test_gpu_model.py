@@ -11,6 +11,7 @@ import snn_explorer as se
 from snn_explorer.estimator.memory.fused_neurons import FusedNeuron, runs_fused, swap_fused
 from snn_explorer.estimator.memory.gpu_trace import ALLOCATOR_BLOCK, DeviceMeter, Kernel, allocated, trace_step
 from snn_explorer.estimator.timing.gpu_kernels import kernel_seconds, phase_seconds
+from snn_explorer.zoo import build
 
 sj = pytest.importorskip("spikingjelly.activation_based")  # installed by scripts/setup.sh
 from spikingjelly.activation_based import layer, neuron, surrogate  # noqa: E402
@@ -184,3 +185,22 @@ def test_fills_and_copies_move_what_they_write_and_read():
         torch.zeros_like(b)  # writes a new tensor
         a.add_(b)  # reads a and b, writes a
     assert [k.bytes for k in meter.kernels] == [8000, 4000, 4000, 12000]
+
+
+def test_gpu_trace_of_a_checkpointed_plan_recomputes_its_blocks():
+    """Block checkpointing on the GPU path: the trace runs the checkpointed meta copy (a copy of an
+    already checkpointed model would run the original's modules and fail on the meta device): fewer
+    saved activations, and the recompute adds kernels to the step."""
+    zoo = build("vgg")
+    analysis = se.analyze(zoo.model)
+    gates = se.DistributedFeatureSet(allow_activation_checkpointing=True)
+    steps = {}
+    for checkpointing in ("none", "blocks"):
+        plan = se.plan(analysis=analysis, objective="speed", topology={"dp": 2}, mode="fsdp2", features=gates,
+                       batch_size=zoo.example_input.shape[1], activation_checkpointing=checkpointing)
+        steps[checkpointing] = se.estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels,
+                                           hardware=RTX)
+    plain, recomputed = steps["none"], steps["blocks"]
+    assert recomputed.per_rank["activations_bytes"].iloc[0] < plain.per_rank["activations_bytes"].iloc[0] / 2
+    assert recomputed.peak_bytes < plain.peak_bytes
+    assert recomputed.step_time_s > plain.step_time_s  # the forward of every block runs again in the backward

@@ -171,12 +171,14 @@ def _live_bytes(tensors) -> int:
     return sum(allocated(st.nbytes()) for st in {id(s): s for s in (t.untyped_storage() for t in tensors)}.values())
 
 
-def trace_step(model: torch.nn.Module, x: torch.Tensor, labels, units=(), neuron_backend: str = "torch") -> GpuStep:
+def trace_step(model: torch.nn.Module, x: torch.Tensor, labels, units=(), neuron_backend: str = "torch",
+               copy: bool = True) -> GpuStep:
     """Trace one forward and backward of a meta copy of ``model`` on meta ``x`` (module doc),
     FSDP2's points logged for ``units``; the step starts, as a rank's does, with the last step's
-    neuron state of this size and no gradients."""
+    neuron state of this size and no gradients. ``copy=False``: ``model`` is a meta copy already,
+    which the trace may change (:meth:`~..profile.profiling.ModelProfile.meta_model`)."""
     meter = DeviceMeter()
-    model = detached_copy(model).to("meta")
+    model = detached_copy(model).to("meta") if copy else model
     fused = swap_fused(model, neuron_backend, meter.fused)
     with torch.no_grad():
         forward_loss(model, x, labels)
@@ -207,8 +209,8 @@ def gpu_step(profile: ModelProfile, n: int, t: int, tp_plan=None, tp: int = 1, n
     if key not in cache or not set(units) <= set(cache[key].log.units):
         logged = set(cache[key].log.units) if key in cache else set(profile.fsdp_units)
         x, y = _meta_inputs(profile, n, t)
-        model = profile.rank_model(tp_plan, tp)[1]
-        cache[key] = trace_step(model, x, y, sorted(logged | set(units)), neuron_backend)
+        model = profile.meta_model(tp_plan, tp)
+        cache[key] = trace_step(model, x, y, sorted(logged | set(units)), neuron_backend, copy=False)
     return cache[key]
 
 

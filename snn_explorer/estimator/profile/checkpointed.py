@@ -46,6 +46,13 @@ class CheckpointedProfile(ModelProfile):
             self.checkpointed[key] = copy_
         return key, self.checkpointed[key]
 
+    def meta_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> nn.Module:
+        """As :meth:`ModelProfile.meta_model`, the checkpointing applied to the meta copy of the plain rank
+        model (a copy of a checkpointed model would run the original's modules, as :meth:`runner` says)."""
+        model = detached_copy(super().rank_model(tp_plan, tp)[1]).to("meta")
+        apply_activation_checkpointing(model, self.plan, self.fsdp_units)
+        return model
+
     @contextlib.contextmanager
     def runner(self, tp_plan: Optional[Mapping[str, str]], tp: int, shape_only: bool):
         """As :meth:`ModelProfile.runner`; shape-only, the checkpointing is applied to the fake copy of the

@@ -139,6 +139,10 @@ class ModelProfile:
             self.replicas[(layout, tp)] = tp_replica(self.model, dict(layout), tp)
         return (layout, tp), self.replicas[(layout, tp)] if tp > 1 else self.model
 
+    def meta_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> nn.Module:
+        """A copy of the model one rank runs on the meta device, for the GPU trace to run and change."""
+        return detached_copy(self.rank_model(tp_plan, tp)[1]).to("meta")
+
     def runner(self, tp_plan: Optional[Mapping[str, str]], tp: int, shape_only: bool):
         """The context in which the model one rank runs is run: ``(model, convert inputs)``, on
         FakeTensors with ``shape_only`` (:func:`~.shape_only.step_runner`)."""
