@@ -86,10 +86,11 @@ def test_every_plan_applies_or_raises_clearly():
 def _apply_all(world):
     """Apply every distinct (family, mode, mesh) plan for ``world`` ranks and take one training step."""
     seen, done = set(), []
+    analyses = {family: se.analyze(build(name, batch_size=2 * world).model, model_family=family)
+                for family, name in FAMILY_MODELS.items()}  # planning needs only the analysis of each model
     for _, topology, family, objective, mode in all_cases([world]):
-        zoo = build(FAMILY_MODELS[family], batch_size=2 * world)
         try:
-            plan = se.plan(analysis=se.analyze(zoo.model, model_family=family), objective=objective,
+            plan = se.plan(analysis=analyses[family], objective=objective,
                            topology=topology, neuron_backend="torch", batch_size=2 * world, mode=mode)
         except (ValueError, NotImplementedError):
             continue
@@ -97,6 +98,7 @@ def _apply_all(world):
         if key in seen:
             continue
         seen.add(key)
+        zoo = build(FAMILY_MODELS[family], batch_size=2 * world)  # a fresh model for each plan applied
         runtime = se.apply(model=zoo.model, plan=plan, device_type="cpu")
         share, start = plan.per_rank_batch, runtime.dp_rank * plan.per_rank_batch
         optimizer = runtime.build_optimizer(lr=1e-3)
@@ -112,7 +114,6 @@ def _apply_all(world):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [2, 4])
 def test_representative_plans_apply_on_real_ranks(world):
-    # 4 ranks on 2 cores apply every representative plan one after another: 241 s in one loaded CI run
     done = run_on_ranks(_apply_all, world, world, timeout=480)[0]
     modes = {key[1] for key in done}
     assert {"dp", "fsdp2", "tp"} <= modes, done
