@@ -1,5 +1,5 @@
-"""What the agent process runs (``agent.py`` is its script): torch elastic on its own main thread,
-in its own session, with loopback-only stores.
+"""What the agent process runs (``python -m snn_explorer.ranks.elastic_agent RUN_DIR``): torch elastic
+on its own main thread, in its own session, with loopback-only stores.
 
 It imports torch and the package once, then elastic *forks* the ranks from it (so no rank imports
 torch again), each entering :func:`snn_explorer.ranks.rank.run_rank`. Every port it opens listens
@@ -8,10 +8,12 @@ on 127.0.0.1. When a rank fails, the ranks still running are asked for their Pyt
 that failure. It ends every descendant before it exits, and removes the run directory if its
 parent dies.
 """
+import json
 import os
 import shutil
 import signal
 import socket
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -169,3 +171,16 @@ def main(run_dir: str, spec: dict) -> int:
     finally:
         process.kill_tree(os.getpid())  # adopted orphans: a rank's grandchildren in their own session
     return 0 if status["ok"] else 1
+
+
+def _caller_path(spec: dict) -> None:
+    """The caller's ``sys.path`` (the payload's modules are found on it), this package's root kept."""
+    missing = [process.PACKAGE_ROOT] if process.PACKAGE_ROOT not in spec["sys_path"] else []
+    sys.path[:] = spec["sys_path"] + missing
+
+
+if __name__ == "__main__":
+    with open(os.path.join(sys.argv[1], "spec.json")) as fh:
+        agent_spec = json.load(fh)
+    _caller_path(agent_spec)
+    sys.exit(main(sys.argv[1], agent_spec))

@@ -16,7 +16,9 @@ from typing import Dict, List, Mapping, Optional
 
 from . import channel
 
-AGENT_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent.py")
+#: The directory that holds the ``snn_explorer`` package: on the agent's PYTHONPATH, so ``python -m`` finds it.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+AGENT_MODULE = "snn_explorer.ranks.elastic_agent"
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -83,11 +85,14 @@ def kill_tree(root: int, extra=()) -> None:
 
 
 class AgentProcess:
-    """``python agent.py RUN_DIR`` as a session leader, so its process group is the whole tree."""
+    """``python -m snn_explorer.ranks.elastic_agent RUN_DIR`` as a session leader, so its process group
+    is the whole tree."""
 
     def __init__(self, run_dir: str, env: Mapping[str, str]):
         self._log = open(channel.path(run_dir, "agent.log"), "wb")
-        self.popen = subprocess.Popen([sys.executable, AGENT_SCRIPT, run_dir], env=dict(env), cwd=os.getcwd(),
+        env = dict(env)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        self.popen = subprocess.Popen([sys.executable, "-m", AGENT_MODULE, run_dir], env=env, cwd=os.getcwd(),
                                       stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
                                       start_new_session=True)
         self.pid = self.popen.pid
