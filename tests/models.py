@@ -180,3 +180,31 @@ def small_reference_vgg(kaiming: bool = False) -> nn.Module:
             nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
     functional.set_step_mode(model, "m")
     return model.double()
+
+
+def train_share(runtime, zoo, steps: int) -> dict:
+    """``steps`` Adam steps of an applied zoo model on this rank's share of its batch (float64): outputs
+    and losses per step, the last step's gradients, the final parameters, and each snntorch neuron's
+    mean spike rate over the run."""
+    plan = runtime.plan
+    start = runtime.dp_rank * plan.per_rank_batch
+    inputs = zoo.example_input.double()[:, start:start + plan.per_rank_batch]
+    labels = zoo.labels[start:start + plan.per_rank_batch]
+    rates = {}
+    hooks = [m.register_forward_hook(lambda _m, _i, out, n=n: rates.setdefault(n, []).append(float(out.detach().mean())))
+             for n, m in runtime.module.named_modules() if isinstance(m, snn.SpikingNeuron)]
+    optimizer = runtime.build_optimizer(torch.optim.Adam, lr=1e-2)
+    outs, losses, grads = [], [], None
+    for step in range(steps):
+        loss, out = runtime.forward_loss(nn.CrossEntropyLoss(), inputs, labels)
+        optimizer.zero_grad()
+        loss.backward()
+        if step == steps - 1:
+            grads = runtime.full_gradients()
+        optimizer.step()
+        outs.append(out.detach().clone())
+        losses.append(loss.detach().clone())
+    for hook in hooks:
+        hook.remove()
+    return dict(outs=outs, losses=losses, grads=grads, params=runtime.full_parameters(),
+                rates={n: sum(v) / len(v) for n, v in rates.items()})

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_harness import run_on_ranks
+from models import train_share
 from torch import nn
 
 import snn_explorer as se
@@ -172,35 +173,6 @@ def test_recompute_without_state_restore_differs(zoo_name):
 
 
 # ---- real ranks ------------------------------------------------------------------------------------------
-def _train(runtime, zoo, rates=None):
-    """STEPS Adam steps on this rank's share; outputs and losses per step, last step's grads, final params."""
-    plan = runtime.plan
-    start = runtime.dp_rank * plan.per_rank_batch
-    inputs = zoo.example_input.double()[:, start:start + plan.per_rank_batch]
-    labels = zoo.labels[start:start + plan.per_rank_batch]
-    optimizer = runtime.build_optimizer(torch.optim.Adam, lr=1e-2)
-    outs, losses, grads = [], [], None
-    for step in range(STEPS):
-        loss, out = runtime.forward_loss(nn.CrossEntropyLoss(), inputs, labels)
-        optimizer.zero_grad()
-        loss.backward()
-        if step == STEPS - 1:
-            grads = runtime.full_gradients()
-        optimizer.step()
-        outs.append(out.detach().clone())
-        losses.append(loss.detach().clone())
-    return dict(outs=outs, losses=losses, grads=grads, params=runtime.full_parameters())
-
-
-def _spike_rates(model):
-    import snntorch
-
-    rates = {}
-    hooks = [m.register_forward_hook(lambda _m, _i, out, n=n: rates.setdefault(n, []).append(float(out.detach().mean())))
-             for n, m in model.named_modules() if isinstance(m, snntorch.SpikingNeuron)]
-    return rates, hooks
-
-
 #: Memory cases (2 ranks, T=MEMORY_T): the measured peak with and without checkpointing, beside the estimate.
 MEMORY_T = 16
 MEMORY_CASES = (("dp", {"dp": 2}, "mlp_all_steps", dict(activation_checkpointing="blocks")),
@@ -247,11 +219,7 @@ def _rank_group(cases, memory_cases=()):
                 plan = se.plan(analysis=se.analyze(model), objective="memory", topology=topology,
                                batch_size=zoo.batch_size, mode=mode, features=GATES, **levers)
                 runtime = se.apply(model=model, plan=plan, device_type="cpu")
-                rates, hooks = _spike_rates(runtime.module)
-                runs[checkpointing] = _train(runtime, zoo)
-                runs[checkpointing]["rates"] = {n: sum(v) / len(v) for n, v in rates.items()}
-                for hook in hooks:
-                    hook.remove()
+                runs[checkpointing] = train_share(runtime, zoo, STEPS)
             results.append(dict(mode=mode, topology=topology, model=zoo_name, granularity=granularity,
                                 every=every, rank=dist.get_rank(), plain=runs[False], checkpointed=runs[True]))
     return results, _measured_peaks(memory_cases)

@@ -6,6 +6,7 @@ import snntorch
 import torch
 import torch.distributed as dist
 from distributed_harness import run_on_ranks
+from models import train_share
 from torch import nn
 
 import snn_explorer as se
@@ -107,33 +108,6 @@ def test_plan_time_refusals_name_the_values(kw, error, match):
 
 
 # ---- real ranks --------------------------------------------------------------------------------------------
-def _train(runtime, zoo):
-    """STEPS Adam steps on this rank's share (float64); outputs and losses per step, last grads, final params,
-    and the mean spike rate of every neuron over the run."""
-    plan = runtime.plan
-    start = runtime.dp_rank * plan.per_rank_batch
-    inputs = zoo.example_input.double()[:, start:start + plan.per_rank_batch]
-    labels = zoo.labels[start:start + plan.per_rank_batch]
-    rates = {}
-    hooks = [m.register_forward_hook(lambda _m, _i, out, n=n: rates.setdefault(n, []).append(float(out.mean())))
-             for n, m in runtime.module.named_modules() if isinstance(m, snntorch.SpikingNeuron)]
-    optimizer = runtime.build_optimizer(torch.optim.Adam, lr=1e-2)
-    outs, losses, grads = [], [], None
-    for step in range(STEPS):
-        loss, out = runtime.forward_loss(nn.CrossEntropyLoss(), inputs, labels)
-        optimizer.zero_grad()
-        loss.backward()
-        if step == STEPS - 1:
-            grads = runtime.full_gradients()
-        optimizer.step()
-        outs.append(out.detach().clone())
-        losses.append(loss.detach().clone())
-    for hook in hooks:
-        hook.remove()
-    return dict(outs=outs, losses=losses, grads=grads, params=runtime.full_parameters(),
-                rates={n: sum(v) / len(v) for n, v in rates.items()})
-
-
 def _rank_runs():
     results = []
     for mode, topology, zoo_name, checkpointing in RANK_CASES:
@@ -142,7 +116,7 @@ def _rank_runs():
             zoo = build(zoo_name)
             model = zoo.model.double()
             runtime = se.apply(model=model, plan=_plan(zoo, mode, topology, compress, checkpointing), device_type="cpu")
-            runs[compress] = _train(runtime, zoo)
+            runs[compress] = train_share(runtime, zoo, STEPS)
             packer = spike_packer(model)
             runs[compress]["counts"] = packer.counts() if packer else None
         results.append(dict(case=(mode, zoo_name, checkpointing), rank=dist.get_rank(), plain=runs[False],
