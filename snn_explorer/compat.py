@@ -7,6 +7,7 @@ failing deep inside a step. Everything else in the package uses public torch API
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -15,6 +16,7 @@ import sys
 from typing import Any, Iterable, Optional
 
 import torch
+import torch.distributed as dist
 
 #: The torch releases CI runs the suite (or the tests of every name below) on; pyproject.toml says the same.
 TESTED_TORCH = ">=2.13,<2.15"
@@ -367,6 +369,24 @@ def data_dependent_op(exc: BaseException) -> Optional[str]:
     if _FAKE not in sys.modules or not isinstance(exc, _fake_names()[2]):
         return None
     return str(getattr(exc, "func", None) or type(exc).__name__)
+
+
+# A process group that communicates nothing: each collective returns at once with its tensors as
+# they are (torch's own "fake" backend, registered by a module of its testing package). One process
+# plays one rank of any world size; estimator/measurement/fake_ranks.py records its collectives.
+_FAKE_PG = "torch.testing._internal.distributed.fake_pg"
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int):
+    """The default process group of this process, for the body: rank ``rank`` of ``world_size`` on
+    torch's fake backend (nothing is sent or received; collectives complete at once)."""
+    store = _require(_FAKE_PG, "FakeStore")()  # importing the module registers the "fake" backend
+    dist.init_process_group("fake", store=store, rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 # DTensor's caches keyed on DeviceMesh / DTensorSpec (each holds its mesh, whose registry holds its

@@ -242,6 +242,16 @@ def test_recorder_sees_the_base_gather_and_scatter_ops(one_rank):
     assert compat.resolve_process_group(one_rank.group_name) is one_rank  # a group known by name only
 
 
+def test_fake_process_group_plays_one_rank_of_any_world_and_records_its_collectives():
+    with compat.fake_process_group(3, 512):
+        assert (dist.get_rank(), dist.get_world_size()) == (3, 512)
+        recorder = CollectiveRecorder()
+        with recorder:
+            dist.all_gather_into_tensor(torch.empty(512 * 4), torch.ones(4))
+        assert [e[2:] for e in recorder.events] == [("all_gather", "forward", 512 * 16)]
+    assert not dist.is_initialized()
+
+
 def test_mem_tracker_peak_restarts_from_the_current_memory():
     tracker = compat.mem_tracker_class()()
     cpu = torch.device("cpu")

@@ -31,6 +31,13 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def _already_on(model: nn.Module, device: torch.device) -> bool:
+    """Whether every parameter and buffer of ``model`` is on ``device`` (``.to`` would not move any)."""
+    wanted = torch.device(device)
+    return all(t.device.type == wanted.type and (wanted.index is None or t.device.index == wanted.index)
+               for t in list(model.parameters()) + list(model.buffers()))
+
+
 def preflight(model: nn.Module, plan: SNNDistributedPlan) -> SNNDistributedAnalysis:
     """Everything ``apply`` checks about the model before touching a process group.
 
@@ -103,7 +110,7 @@ def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: Optional[s
     check_process_group(plan)
     device = local_device(device_type)
     mesh = build_mesh(plan, device_type, device_mesh)
-    if not plan.uses_pp:  # a pipeline keeps only the rank's own stages on its device
+    if not plan.uses_pp and not _already_on(model, device):  # a pipeline keeps only its own stages on its device
         model.to(device)
     _set_neuron_backend(model, plan.neuron_backend)
     hold_neuron_state(model, plan.precision, device_type)  # before pp copies the units

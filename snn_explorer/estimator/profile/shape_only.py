@@ -98,31 +98,46 @@ def _refusal(op: str, exc: Exception, where: List[str]) -> ShapeOnlyError:
         "on real tensors (a smaller size that fits this machine), or make that step depend on shapes only")
 
 
+def fake_copy(model: nn.Module):
+    """``(copy, mode)``: a copy of ``model`` (real, meta or fake) whose tensors are FakeTensors of a new fake
+    mode, and that mode; run the copy inside :func:`following`."""
+    mode = fake_tensor_mode()
+    with mode:
+        return _copy_with(model, lambda t: _empty_like(t, "cpu")), mode
+
+
+@contextlib.contextmanager
+def following(fake: nn.Module, mode) -> Iterator[None]:
+    """The body under the fake ``mode``; a data-dependent operator in it raises :class:`ShapeOnlyError`
+    naming the operator and the module of ``fake`` that ran it (module doc)."""
+    with mode, _running_module(fake) as where:
+        try:
+            yield
+        except RuntimeError as exc:
+            op = data_dependent_op(exc)
+            if op is None:
+                raise
+            raise _refusal(op, exc, where) from exc
+
+
 @contextlib.contextmanager
 def step_runner(model: nn.Module, shape_only: bool) -> Iterator[Tuple[nn.Module, Callable]]:
     """``(model to run, convert)``: ``model`` itself and the identity, or with ``shape_only`` a fake copy
     of it (real or meta) and the conversion of its inputs to fake tensors, the body run under the
-    fake mode; a data-dependent operator in it raises :class:`ShapeOnlyError` (module doc)."""
+    fake mode (:func:`following`)."""
     if not shape_only:
         yield model, _same
         return
-    with fake_tensor_mode():
-        fake = _copy_with(model, lambda t: _empty_like(t, "cpu"))
-        with _running_module(fake) as where:
-            try:
-                yield fake, _to_fake
-            except RuntimeError as exc:
-                op = data_dependent_op(exc)
-                if op is None:
-                    raise
-                raise _refusal(op, exc, where) from exc
+    fake, mode = fake_copy(model)
+    with following(fake, mode):
+        yield fake, to_fake
 
 
 def _same(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return x
 
 
-def _to_fake(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def to_fake(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """A fake tensor of ``x``'s shape, strides and dtype (call under the fake mode); None stays None."""
     return None if x is None else _empty_like(x, "cpu")
 
