@@ -9,6 +9,7 @@ from torch import nn
 import snn_explorer as se
 from snn_explorer.core.layouts import BATCH_MAJOR, PER_STEP, TIME_MAJOR, DataLayout
 from snn_explorer.core.neurons import reset_all
+from snn_explorer.estimator.profile.shape_only import meta_copy
 
 pytest.importorskip("spikingjelly.activation_based.neuron")  # installed by scripts/setup.sh
 
@@ -113,6 +114,20 @@ def test_layouts_are_detected_and_say_how():
         found[name] = analysis.data_layout
         assert "detected" in analysis.data_layout_how and any("data layout" in n for n in analysis.notes)
     assert found == {"time_major": TIME_MAJOR, "batch_major": BATCH_MAJOR, "per_step": PER_STEP}
+
+
+def test_models_built_on_meta_get_the_layouts_of_their_real_twins():
+    """A model on the meta device has no data to run, yet its dry runs on shapes alone find what the
+    real model's find: with the labels' N, and without labels (read from the neurons' state)."""
+    x, y = data()
+    for name, (model, layout) in nets().items():
+        twin = meta_copy(model)
+        assert next(twin.parameters()).device.type == "meta"
+        for labels in (y, None):
+            real = se.analyze(model, example_input=as_layout(x, layout), labels=labels)
+            meta = se.analyze(twin, example_input=as_layout(x, layout), labels=labels)
+            assert (meta.data_layout, meta.data_layout_how) == (real.data_layout, real.data_layout_how), (name, labels)
+        assert meta.data_layout == layout, name
 
 
 def test_an_snntorch_single_step_model_is_detected_per_step():

@@ -227,6 +227,8 @@ def _dry_run(model: nn.Module, x: torch.Tensor, part: torch.Tensor, layout: "Dat
     first = next((p for p in model.parameters() if p.is_floating_point()), None)
     if first is not None and part.is_floating_point():  # the model's dtype, as the estimator runs it
         part = part.to(first.dtype)
+    if first is not None and first.device.type == "meta":  # a model built on meta runs on shapes alone
+        part = part.to("meta")
     modes = {m: m.training for m in model.modules()}
     model.eval()
     try:
