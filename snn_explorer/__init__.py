@@ -18,7 +18,7 @@ _LAZY = {
                                                    "PlanEstimate", "PlanMeasurement", "calibrate",
                                                    "HardwareProfile", "hardware_profile", "hardware_profiles",
                                                    "balanced_pp_plan", "bubble_fraction", "fit_budget", "FitResult",
-                                                   "plan_estimator", "record_collectives")},
+                                                   "plan_estimator", "record_rank_step")},
     **{name: "snn_explorer.launcher" for name in ("launch", "launch_plan", "export_job", "report", "LaunchError",
                                                   "LaunchResult", "TrainResult")},
     "Explorer": "snn_explorer.explorer",

@@ -15,7 +15,7 @@ from .enumerate import PlanList, enumerate_plans
 from .instruments.progress_hook import ProgressHook
 from .instruments.recorder import CollectiveRecorder
 from .instruments.tables import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS, TIME_COLUMNS
-from .measurement import PlanMeasurement, measure, measure_many, record_collectives
+from .measurement import FakeRankStep, PlanMeasurement, measure, measure_many, record_rank_step
 from .memory.activation_curve import activation_curve
 from .memory.pipeline_memory import bubble_fraction
 from .plan_estimate import PlanEstimate, estimate, estimate_all
@@ -25,8 +25,8 @@ from .timing import HardwareProfile, hardware_profile, hardware_profiles
 from .timing.step_time import fastest_first
 
 __all__ = ["COLLECTIVE_COLUMNS", "PER_RANK_COLUMNS", "TIME_COLUMNS", "CollectiveRecorder", "HardwareProfile",
-           "FitOutcome", "FitResult", "ModelProfile", "ProgressHook", "PlanEstimate", "PlanList", "PlanMeasurement",
+           "FakeRankStep", "FitOutcome", "FitResult", "ModelProfile", "ProgressHook", "PlanEstimate", "PlanList", "PlanMeasurement",
            "activation_curve", "balanced_pp_plan", "bubble_fraction", "cached_hardware", "calibrate", "compare_estimate",
            "default_hardware", "enumerate_plans", "estimate", "estimate_all", "fastest_first", "fit_budget",
            "plan_estimator",
-           "hardware_profile", "hardware_profiles", "measure", "measure_many", "model_profile", "record_collectives"]
+           "hardware_profile", "hardware_profiles", "measure", "measure_many", "model_profile", "record_rank_step"]

@@ -165,7 +165,7 @@ def _measure_plan(model, plan, run: MeasureSettings) -> dict:
 
     debug = compat.comm_debug_mode() if not repeated else contextlib.nullcontext()
     static = storage_bytes(list(module.parameters()) + list(module.buffers()))
-    peak = _tracked_peak(runtime, opt, x, step, lambda: step(recorder, saved, after_forward), debug, recorder,
+    peak = tracked_peak(runtime, opt, x, step, lambda: step(recorder, saved, after_forward), debug, recorder,
                          run.device == "cuda")
     heartbeat(step=run.steps + 1, total=run.steps + 1, message=f"{plan.mode}: measured step")
     groups = {} if runtime.mesh is None else {d: runtime.mesh.get_group(d) for d in plan.mesh_dim_names}
@@ -186,7 +186,7 @@ def _rank_step_inputs(model, plan, run: MeasureSettings):
     return runtime, x, y, runtime.build_optimizer(kind.cls, lr=run.lr, **kind.kwargs)
 
 
-def _tracked_peak(runtime, opt, x, step, measured_step, debug, recorder, cuda: bool) -> int:
+def tracked_peak(runtime, opt, x, step, measured_step, debug, recorder, cuda: bool) -> int:
     """The peak of ``measured_step`` as torch's memory tracker sees it (on CUDA, the allocator's own
     count), after a tracked warm-up ``step``: storages allocated outside any op (DDP's gradient
     buckets) become visible to the tracker when an op first writes them, so the measured step sees
