@@ -112,13 +112,13 @@ def offloaded_profile(profile: ModelProfile) -> OffloadedProfile:
 
 def check_offload_hardware(hardware: Any) -> None:
     """Refuse a hardware profile the offload cannot be estimated on: no host link, or the GPU trace model."""
+    if hardware.kernel_model:
+        raise ValueError(f"activation_offload=True is not modelled in {hardware.name!r}'s GPU execution trace "
+                         "(kernel_model) yet; estimate it on a datasheet profile such as 'H100-SXM' or 'RTX-4090'")
     if hardware.host_link_bytes_per_s is None:
         raise ValueError(f"activation_offload=True copies saved activations over the host link, and hardware "
                          f"{hardware.name!r} (device {hardware.device!r}) states none (host_link_bytes_per_s=None; "
                          "a CPU's memory is the host's): estimate it on a GPU profile such as 'H100-SXM'")
-    if hardware.kernel_model:
-        raise ValueError(f"activation_offload=True is not modelled in {hardware.name!r}'s GPU execution trace "
-                         "(kernel_model) yet; estimate it on a datasheet profile such as 'H100-SXM' or 'RTX-4090'")
 
 
 def offload_seconds(copies: Tuple[int, float], hardware: Any) -> float:
