@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import re
 import time
+from types import SimpleNamespace
 
 import pandas as pd
 import torch
@@ -26,6 +27,7 @@ from spikingjelly.activation_based import memopt, neuron
 from spikingjelly.activation_based.examples.memopt.models import CIFAR10DVSVGG, VGGBlock
 
 from snn_explorer import fit_budget
+from snn_explorer.compat import mem_tracker_class
 from snn_explorer.estimator import measure
 from snn_explorer.zoo import build
 
@@ -43,7 +45,9 @@ def _row(name, share, budget, zoo, args) -> dict:
     row.update(plan=found.table["plan"].iloc[0], est_peak=found.estimate.peak_bytes,
                step_ms=round(found.estimate.step_time_s * 1e3, 3), search_s=round(found.search_s, 2),
                candidates=len(found.table))
-    if args.measure:
+    if args.measure and found.plan.activation_offload:
+        row.update(measured_peak="- (CUDA only)")  # apply refuses it on CPU ranks: their memory is the host's
+    elif args.measure:
         got = measure(zoo.model, found.plan, example_input=zoo.example_input, labels=zoo.labels)
         row.update(measured_peak=got.peak_bytes,
                    rel_error=round((found.estimate.peak_bytes - got.peak_bytes) / got.peak_bytes, 3))
@@ -74,6 +78,44 @@ def _generated_rows(modules: int, args) -> list:
     return rows
 
 
+def memopt_vgg(seed: int = 0) -> SimpleNamespace:
+    """The reference's own VGG (``CIFAR10DVSVGG``, its default dropout 0.25) on its input ``[N=8, T=10, 2, 48,
+    48]`` (N first, as its forward takes it), 0/1 event frames and 10 class labels."""
+    torch.manual_seed(seed)
+    return SimpleNamespace(model=CIFAR10DVSVGG(), example_input=(torch.rand(8, 10, 2, 48, 48) < 0.2).float(),
+                           labels=torch.randint(0, 10, (8,)))
+
+
+def _memopt_step(model, x, labels) -> float:
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loss = torch.nn.functional.cross_entropy(model(x).mean(0), labels)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def _reference_side_by_side(per_rank: int) -> list:
+    """The reference memopt's levels 0 and 1 (the ones that run without CUDA) on its VGG with ``per_rank`` of the 8
+    samples (what one of our dp ranks holds): torch's MemTracker peak of one training step (forward, backward,
+    Adam) after a warm-up step, and that step's wall time on this CPU."""
+    rows = []
+    for level in (0, 1):
+        ref = memopt_vgg()
+        x, y = ref.example_input[:per_rank], ref.labels[:per_rank]
+        model = memopt.optimize_memory(ref.model, VGGBlock, lambda current: current(x), level=level)
+        _memopt_step(model, x, y)  # warm-up: Adam's state exists
+        tracker = mem_tracker_class()()
+        tracker.track_external(model, x)
+        with tracker:
+            started = time.perf_counter()
+            _memopt_step(model, x, y)
+            wall = time.perf_counter() - started
+        rows.append(dict(level=level, samples=per_rank, measured_peak=tracker.get_tracker_snapshot("peak")[x.device]["Total"],
+                         cpu_step_s=round(wall, 2)))
+    return rows
+
+
 def _reference_levels() -> list:
     """What each level of the reference memopt does on this machine, on its own VGG (a 1-sample, 2-step input:
     only whether it runs is asked here)."""
@@ -93,7 +135,8 @@ def _reference_levels() -> list:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--models", nargs="+", default=["spikformer", "mlp_all_steps"])
+    parser.add_argument("--models", nargs="+", default=["spikformer", "mlp_all_steps"],
+                        help="zoo models, and memopt_vgg: the reference's VGG on its [8, 10, 2, 48, 48] input")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--size", default="tiny", help="zoo size (tiny, small, full)")
     parser.add_argument("--time-steps", type=int, default=16, help="T: activations and neuron state grow with it")
@@ -105,9 +148,10 @@ def main() -> None:
     if args.reference:
         print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
         print(pd.DataFrame(_reference_levels()).to_string(index=False))
+        print(pd.DataFrame(_reference_side_by_side(8 // args.world_size)).to_string(index=False))
     rows = []
     for name in args.models:
-        zoo = build(name, args.size, time_steps=args.time_steps)
+        zoo = memopt_vgg() if name == "memopt_vgg" else build(name, args.size, time_steps=args.time_steps)
         top = fit_budget(zoo.model, zoo.example_input, 2 ** 50, args.world_size, labels=zoo.labels,
                          hardware=args.hardware)
         for share in SHARES:

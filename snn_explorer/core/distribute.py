@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .activation_offload import apply_activation_offload, check_activation_offload_device
 from .analysis import SNNDistributedAnalysis, analyze
 from .memory_levers import check_cpu_offload_device
 from .parallelize.checkpointing import apply_activation_checkpointing
@@ -106,6 +107,7 @@ def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: Optional[s
     analysis = preflight(model, plan)
     device_type = check_device_type(device_type)
     check_cpu_offload_device(plan, device_type)
+    check_activation_offload_device(plan, device_type)
     plan.precision.check_device(device_type)
     check_process_group(plan)
     device = local_device(device_type)
@@ -120,6 +122,7 @@ def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: Optional[s
         apply_tp(model, mesh["tp"], plan.tensor_parallel_plan)
     apply_activation_checkpointing(model, plan, analysis.fsdp_unit_names)  # TP, then AC, then FSDP2 / DDP
     apply_spike_compression(model, plan)  # hooks around the whole forward: every saved 0/1 tensor
+    apply_activation_offload(model, plan)  # the same, every saved activation to host memory
     if plan.uses_fsdp:
         apply_fsdp2(model, mesh["dp"], plan.fsdp_units, reshard_after_forward=plan.reshard_after_forward,
                     cpu_offload=plan.cpu_offload, mp_policy=fsdp_policy(plan.precision))

@@ -13,7 +13,8 @@
 
 ``cpu_offload`` keeps FSDP2's sharded parameters, gradients and optimizer state in CPU memory
 (``torch.distributed.fsdp.CPUOffloadPolicy``); it needs a mode that uses FSDP2 and CUDA ranks.
-``spike_compression`` keeps the 0/1 tensors saved for backward as bits (:mod:`.spike_compression`).
+``spike_compression`` keeps the 0/1 tensors saved for backward as bits (:mod:`.spike_compression`);
+``activation_offload`` keeps them in host memory until backward (:mod:`.activation_offload`, CUDA ranks).
 All of it is gated by :class:`~snn_explorer.core.plan_types.DistributedFeatureSet`.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from . import neurons
+from .activation_offload import check_activation_offload
 from .modes import names_text
 from .spike_compression import check_spike_compression
 from .vocabulary import Checkpointing
@@ -68,6 +70,7 @@ def check_memory_levers(plan: Any) -> None:
     if plan.cpu_offload:
         _check_cpu_offload(plan)
     check_spike_compression(plan)
+    check_activation_offload(plan)
 
 
 def _check_cpu_offload(plan: Any) -> None:
@@ -135,6 +138,8 @@ def lever_label(plan: Any) -> str:
         parts.append("+offload")
     if plan.spike_compression:
         parts.append("+spikes:1bit")
+    if plan.activation_offload:
+        parts.append("+offload:activations")
     return "".join(parts)
 
 
@@ -186,13 +191,24 @@ CHECKPOINT_EVERY = (1, 2)
 
 
 def lever_variants(plan: Any, time_step_module: Optional[str] = None,
-                   every: Tuple[int, ...] = CHECKPOINT_EVERY) -> List[Any]:
+                   every: Tuple[int, ...] = CHECKPOINT_EVERY, offload: bool = False) -> List[Any]:
     """``plan`` (without levers) with each combination of memory levers its gates allow: each checkpointing
     granularity (:func:`checkpointing_variants`) for each k of ``every``, and spike compression alone and
-    together with each of those ([] for pipeline plans)."""
+    together with each of those ([] for pipeline plans); with ``offload`` (the caller's hardware has a host
+    link to offload over) also activation offload, alone (:func:`activation_offload_variants`)."""
     checkpointed = [dataclasses.replace(v, checkpoint_every=k) for v in checkpointing_variants(plan, time_step_module)
                     for k in every]
-    return checkpointed + spike_compression_variants([plan] + checkpointed)
+    offloaded = activation_offload_variants(plan) if offload else []
+    return checkpointed + spike_compression_variants([plan] + checkpointed) + offloaded
+
+
+def activation_offload_variants(plan: Any) -> List[Any]:
+    """``plan`` with ``activation_offload=True`` where its gate allows it and it is tested (no other lever,
+    no tensor parallelism, no pipeline stages), else []."""
+    if (not plan.experimental_features.allow_cpu_offload or plan.uses_pp or plan.tp_size > 1
+            or plan.activation_checkpointing != Checkpointing.NONE or plan.spike_compression):
+        return []
+    return [dataclasses.replace(plan, activation_offload=True)]
 
 
 def choose_levers(plan: Any, candidates: List[Any], peak_estimate: Callable[[Any], Any]) -> Tuple[Any, str]:
@@ -233,8 +249,8 @@ def lever_notes(levers: dict) -> List[str]:
 
 
 def copy_without_levers(plan: Any) -> Any:
-    """``plan`` with activation checkpointing, CPU offload and spike compression off (the same layout otherwise)."""
-    return dataclasses.replace(plan, **lever_fields(), spike_compression=False)
+    """``plan`` with activation checkpointing, CPU offload, spike compression and activation offload off (the same layout otherwise)."""
+    return dataclasses.replace(plan, **lever_fields(), spike_compression=False, activation_offload=False)
 
 
 def spike_compression_variants(plans: List[Any]) -> List[Any]:
@@ -246,4 +262,5 @@ def spike_compression_variants(plans: List[Any]) -> List[Any]:
 __all__: Tuple[str, ...] = ("ACTIVATION_CHECKPOINTING", "check_memory_levers", "check_time_step_module",
                             "check_cpu_offload_device", "find_time_step_module", "lever_label", "objective_checkpoints", "objective_chooses_levers", "lever_fields",
                             "lever_notes", "checkpointing_variants", "CHECKPOINT_EVERY", "lever_variants",
-                            "choose_levers", "copy_without_levers", "spike_compression_variants")
+                            "choose_levers", "copy_without_levers", "spike_compression_variants",
+                            "activation_offload_variants")

@@ -115,6 +115,7 @@ class SNNDistributedPlan:
     cpu_offload: bool = False
     time_step_module: Optional[str] = None
     spike_compression: bool = False  # saved spikes packed 1 bit each (core.spike_compression)
+    activation_offload: bool = False  # saved activations in host memory (core.activation_offload)
     #: where N and T sit in the model's input and output (None: not stated; runs take time-major [T, N, ...])
     data_layout: Optional[DataLayout] = None
     #: the training precision (``core.precision.Precision``; a name is accepted and converted)

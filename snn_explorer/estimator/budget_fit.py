@@ -6,7 +6,9 @@ chunks, every 1st or 2nd block / chunk; spike compression, :mod:`~snn_explorer.c
 both together: :func:`~snn_explorer.core.memory_levers.lever_variants`), all from one shared
 :class:`~.profile.ModelProfile`. A lever stays in a plan only where the estimate says it lowers that
 plan's peak; a lever the estimate says raises the peak (a model whose memory is mostly parameters) is
-dropped and the table says by how much. CPU offload is not searched: the estimator does not model it.
+dropped and the table says by how much. On a hardware profile with a host link (the GPU datasheet
+profiles) activation offload (:mod:`~snn_explorer.core.activation_offload`) is searched too, alone. FSDP2's
+CPU offload of its shards is not searched: the estimator does not model it.
 """
 from __future__ import annotations
 
@@ -95,7 +97,8 @@ def _row(plan, est: Optional[PlanEstimate], base: Optional[PlanEstimate], budget
 
 
 #: The gates :func:`fit_budget` opens when ``features`` is None: every lever the estimator can estimate.
-FIT_FEATURES = DistributedFeatureSet(allow_activation_checkpointing=True, allow_spike_compression=True)
+FIT_FEATURES = DistributedFeatureSet(allow_activation_checkpointing=True, allow_spike_compression=True,
+                                     allow_cpu_offload=True)
 
 
 def plan_estimator(model: nn.Module, example_input: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
@@ -145,8 +148,11 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     step_module = find_time_step_module(model, example_input)
     plans = enumerate_plans(analysis, world_size=world_size, batch_size=batch_size,
                             features=FIT_FEATURES if features is None else features)
+    hardware = resolve_hardware(hardware)
+    offload = hardware.host_link_bytes_per_s is not None and not hardware.kernel_model  # what the estimate models
     estimate_of = plan_estimator(model, example_input, labels, hardware=hardware, optimizer=optimizer, layout=layout)
-    variants = {base: lever_variants(base, step_module) for base in dict.fromkeys(copy_without_levers(p) for p in plans)}
+    variants = {base: lever_variants(base, step_module, offload=offload)
+                for base in dict.fromkeys(copy_without_levers(p) for p in plans)}
     bases = sorted(((b, estimate_of(b)) for b in variants), key=lambda be: be[1].step_time_s)
     rows, best = _search(bases, variants, estimate_of, budget)
     if best is None:

@@ -38,6 +38,7 @@ from .calibration import resolve_hardware
 from .instruments.isolation import as_found, one_thread
 from .instruments.progress_hook import ProgressHook, check_hook
 from .instruments.tables import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
+from .memory.activation_offload import check_offload_hardware, offload_seconds, offloaded_profile
 from .memory.fsdp_timeline import FsdpTimeline
 from .memory.gpu_trace import gpu_peaks, gpu_step
 from .memory.pipeline_memory import pipeline_rows
@@ -187,6 +188,11 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
     n = plan.per_rank_batch
     packed = spike_saving(profile, n, t, plan.tensor_parallel_plan, plan.tp_size) if plan.spike_compression else None
     profile = compressed_profile(profile) if packed is not None else profile  # measured with spikes as bits
+    extra_s = packed.seconds(hardware) if packed is not None else 0.0
+    if plan.activation_offload:  # measured with the saved tensors outside the device's memory
+        check_offload_hardware(hardware)
+        profile = offloaded_profile(profile)
+        extra_s += offload_seconds(profile.copies(n, t, plan.tensor_parallel_plan, plan.tp_size), hardware)
     gpu = hardware.kernel_model and not plan.uses_pp  # the step as the GPU runs it (:mod:`.memory.gpu_trace`)
     if not gpu:  # refuses a run too long even shape-only, before anything runs at this size
         run_fits(profile, n, t)
@@ -231,13 +237,14 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
                          neuron_state_bytes=round(state), transient_bytes=round(transient), peak_bytes=round(peak)))
     per_rank = _per_rank(rows, dp_roles(params, plan), plan)
     return _finish(plan, per_rank, step_collectives(plan, params, profile, t, itemsize), t, optimizer, memory_budget,
-                   profile, hardware, step=step, extra_s=packed.seconds(hardware) if packed is not None else 0.0)
+                   profile, hardware, step=step, extra_s=extra_s)
 
 
 def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profile, hardware,
             pipeline=None, step=None, extra_s: float = 0.0) -> PlanEstimate:
     """The estimate with its verdict and step time, from the per-rank table and the collective rows;
-    ``extra_s`` is compute a lever adds to every rank's step (spike compression's check, pack, unpack)."""
+    ``extra_s`` is time a lever adds to every rank's step (spike compression's check, pack, unpack; activation
+    offload's copies to the host and back)."""
     collectives = pd.DataFrame(collective_rows, columns=COLLECTIVE_COLUMNS)
     peak = int(per_rank["peak_bytes"].max())
     if memory_budget is None:

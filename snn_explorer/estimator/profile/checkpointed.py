@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import gc
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -91,10 +91,14 @@ class CheckpointedProfile(ModelProfile):
         return self.flops[key]
 
 
-def held_after_forward(model: nn.Module, x: torch.Tensor, labels) -> Tuple[float, float]:
-    """(bytes the forward leaves alive besides neuron state, neuron-state bytes), then the backward runs."""
+def held_after_forward(model: nn.Module, x: torch.Tensor, labels,
+                       on_forward: Optional[Callable[[], None]] = None) -> Tuple[float, float]:
+    """(bytes the forward leaves alive besides neuron state, neuron-state bytes), then the backward runs;
+    ``on_forward()`` is called just before the measured forward (after the warm-up step)."""
     forward_loss(model, x, labels).backward()  # warm-up: state tensors take this size
     model.zero_grad(set_to_none=True)
+    if on_forward is not None:
+        on_forward()
     state_ids = state_tensor_ids(model)
     meter = StorageMeter()
     meter.track([t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in state_ids] + [x])

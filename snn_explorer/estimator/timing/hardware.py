@@ -99,10 +99,14 @@ class HardwareProfile:
     #: ``{"flops_per_s": matmul FLOP/s, "bytes_per_s": elementwise bytes/s}`` measured on tensors of
     #: that dtype (:func:`~..calibration.probes.half_probes`); :meth:`in_precision` uses them
     measured_half: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    #: Bytes/s one way between the device and host memory (PCIe), for copies to and from the host
+    #: (activation offload); None: not stated (a CPU device has no host link: its memory is the host's)
+    host_link_bytes_per_s: Optional[float] = None
 
     def __post_init__(self):
         for attr in ("flops_per_s", "bytes_per_s"):
             positive_number(attr, getattr(self, attr), what="per second")
+        positive_number("host_link_bytes_per_s", self.host_link_bytes_per_s, allow_none=True, what="bytes per second")
         if self.op_overhead_s < 0:
             raise ValueError(f"op_overhead_s={self.op_overhead_s}; expected seconds >= 0")
         if not 0 < self.efficiency <= 1:
@@ -258,14 +262,18 @@ def link_table(latency_s: float, bytes_per_s: float, group_size: int = 2) -> Dic
 # Datasheet figures (dense, no sparsity): FP32 and BF16/FP16 tensor FLOP/s, memory bandwidth, and
 # per-direction link bandwidth. NVLink3 600 GB/s and NVLink4 900 GB/s are both directions together;
 # InfiniBand HDR 200 Gb/s and NDR 400 Gb/s are one NIC per GPU (DGX A100 / DGX H100 layout).
+# ``host``: the host link one way. H100 SXM and H200 SXM: "PCIe Gen5: 128 GB/s" (NVIDIA H100 and H200
+# datasheets, both directions together), 64 GB/s each way; A100 SXM: "PCIe Gen4: 64 GB/s" (A100
+# datasheet), 32 each way; RTX 4090: PCIe 4.0 x16 (Ada whitepaper), 16 GT/s x 16 lanes, 128b/130b
+# encoding = 31.5 GB/s each way.
 _GB = 1e9
 _DEVICES = {
     "A100-SXM-80GB": dict(flops_per_s=19.5e12, half_flops_per_s=312e12, bytes_per_s=2039 * _GB, link=300 * _GB,
-                          link_name="NVLink3", tensor_flops_per_s=156e12),
+                          link_name="NVLink3", tensor_flops_per_s=156e12, host=32 * _GB),
     "H100-SXM": dict(flops_per_s=67e12, half_flops_per_s=989e12, bytes_per_s=3350 * _GB, link=450 * _GB,
-                     link_name="NVLink4", tensor_flops_per_s=494.5e12),
+                     link_name="NVLink4", tensor_flops_per_s=494.5e12, host=64 * _GB),
     "H200-SXM": dict(flops_per_s=67e12, half_flops_per_s=989e12, bytes_per_s=4800 * _GB, link=450 * _GB,
-                     link_name="NVLink4", tensor_flops_per_s=494.5e12),
+                     link_name="NVLink4", tensor_flops_per_s=494.5e12, host=64 * _GB),
     # torchtitan's Llama 3.1 benchmark card (Grand Teton hosts): an H100 SXM with 96 GB HBM2e at
     # 2.4 TB/s, NVLink within the host, 400 Gb/s RDMA per GPU, run at a 500 W power limit
     # (github.com/pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, "Hardware"). Its
@@ -273,9 +281,9 @@ _DEVICES = {
     # dense 989 TFLOP/s); that benchmark notes the 500 W part's true peak lies between the SXM's and
     # the NVL's (835 dense BF16), unpublished, so this is an upper bound.
     "H100-SXM-96GB": dict(flops_per_s=67e12, half_flops_per_s=989e12, bytes_per_s=2400 * _GB, link=450 * _GB,
-                          link_name="NVLink4", tensor_flops_per_s=494.5e12),
+                          link_name="NVLink4", tensor_flops_per_s=494.5e12, host=64 * _GB),
     "RTX-4090": dict(flops_per_s=82.6e12, half_flops_per_s=165.2e12, bytes_per_s=1008 * _GB, link=32 * _GB,
-                     link_name="PCIe4-x16", tensor_flops_per_s=82.6e12),
+                     link_name="PCIe4-x16", tensor_flops_per_s=82.6e12, host=31.5 * _GB),
 }
 _IB = {"A100-SXM-80GB": ("IB-HDR", 25 * _GB), "H100-SXM": ("IB-NDR", 50 * _GB), "H200-SXM": ("IB-NDR", 50 * _GB),
        "H100-SXM-96GB": ("RDMA-400G", 50 * _GB)}  # 400 Gb/s per GPU (the torchtitan page above)
@@ -293,7 +301,7 @@ def _builtin(device: str, nodes: int) -> HardwareProfile:
     d = _DEVICES[device]
     common = dict(device="cuda", flops_per_s=d["flops_per_s"], half_flops_per_s=d["half_flops_per_s"],
                   bytes_per_s=d["bytes_per_s"], op_overhead_s=GPU_OP_OVERHEAD_S,
-                  tensor_flops_per_s=d["tensor_flops_per_s"],
+                  tensor_flops_per_s=d["tensor_flops_per_s"], host_link_bytes_per_s=d["host"],
                   collectives=link_table(INTRA_LATENCY_S, d["link"]), efficiency=DEFAULT_EFFICIENCY,
                   source="datasheet")
     nvlink = d["link_name"].startswith("NVLink")
