@@ -12,7 +12,7 @@ from distributed_harness import run_on_ranks
 
 import snn_explorer as se
 from snn_explorer.compat import SAC_MM
-from snn_explorer.core.parallelize.checkpointing import checkpoint_blocks
+from snn_explorer.core.parallelize.checkpointing import checkpoint_blocks, repeated_blocks
 from snn_explorer.core.parallelize.saved_ops import TORCHTITAN_OPS
 from snn_explorer.core.plan_types import SNNDistributedPlan
 from snn_explorer.zoo.llm import MultiStepLIF, build_llm, token_batch
@@ -154,3 +154,11 @@ def test_estimated_peak_within_5_percent_of_the_measured_one(ranks):
             err = est.peak_bytes / measured[i] - 1
             assert abs(err) <= 0.05, f"{levers} shape_only={shape_only}: estimated {est.peak_bytes} vs {measured[i]}"
     assert measured[1] < measured[0]
+
+
+def test_ops_checkpoint_the_repeated_blocks_only():
+    """As torchtitan wraps ``model.layers``: the decoder blocks, not the embedding, final norm or output layer."""
+    model = _model()
+    units = ("embed", "blocks.0", "blocks.1", "norm", "head")
+    assert repeated_blocks(model, units) == ["blocks.0", "blocks.1"]
+    assert repeated_blocks(model, ("embed", "head")) == ["embed", "head"]

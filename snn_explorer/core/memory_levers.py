@@ -11,7 +11,8 @@
   (``time_step_module``), each step keeps its input, each chunk of ``checkpoint_every`` steps a
   copy of the neuron state at its start, and backward recomputes the steps;
 - ``"ops"``: torchtitan's op-level selective checkpointing (its ``selective`` option ``op``): every
-  block keeps the outputs of its expensive operators -- matrix products (but every second one),
+  repeated block (a transformer's layers, not its embedding or output layer, as torchtitan wraps
+  ``model.layers``) keeps the outputs of its expensive operators -- matrix products (but every second one),
   attention kernels, reduce-scatters: the policy object
   :data:`~.parallelize.saved_ops.TORCHTITAN_OPS` -- and recomputes the rest in backward (with a copy
   of its neurons' entry state, as ``"blocks"``). It applies to every block (``checkpoint_every=1``);

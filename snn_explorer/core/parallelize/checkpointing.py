@@ -10,8 +10,9 @@ Regions (see ``core.memory_levers``): ``"blocks"`` checkpoints each block -- an 
 parameter-free modules that follow it in its ``nn.Sequential`` -- or every k-th one; ``"time_chunks"``
 checkpoints each call of the module the model steps once per time step, one copy of the state per chunk
 of k steps (the recompute of a later step of a chunk replays the steps before it without gradients);
-``"ops"`` checkpoints every block with torchtitan's op policy (:mod:`.saved_ops`): the outputs of its
-matrix products (but every second), attention kernels and reduce-scatters are kept, the rest recomputed.
+``"ops"`` checkpoints every repeated block (:func:`repeated_blocks`: a transformer's layers, as torchtitan
+wraps ``model.layers``) with torchtitan's op policy (:mod:`.saved_ops`): the outputs of its matrix
+products (but every second), attention kernels and reduce-scatters are kept, the rest recomputed.
 Applied after TP and before FSDP2 / DDP, as torchtitan orders them.
 """
 from __future__ import annotations
@@ -29,7 +30,8 @@ from ..plans.families import CONTAINERS
 from ..vocabulary import Checkpointing
 from .saved_ops import TORCHTITAN_OPS, SavedOps
 
-__all__ = ["apply_activation_checkpointing", "checkpoint_blocks", "checkpoint_time_chunks", "block_segments"]
+__all__ = ["apply_activation_checkpointing", "checkpoint_blocks", "checkpoint_time_chunks", "block_segments",
+           "repeated_blocks"]
 
 #: A neuron's state: (module, {slot: value}) per stateful module.
 State = List[Tuple[nn.Module, Dict[Tuple[str, str], object]]]
@@ -105,6 +107,18 @@ def block_segments(model: nn.Module, units: Sequence[str]) -> List[Tuple[str, Tu
             members.append(follower)
         blocks.append((parent_path, tuple(members)))
     return blocks
+
+
+def repeated_blocks(model: nn.Module, units: Sequence[str]) -> List[str]:
+    """The units that are one of several of one class in one ``nn.ModuleList`` / ``nn.Sequential`` (a
+    transformer's layers; not its embedding, final norm or output layer); all ``units`` when none is."""
+    groups: Dict[Tuple[str, type], List[str]] = {}
+    for path in units:
+        parent = path.rpartition(".")[0]
+        if path and isinstance(model.get_submodule(parent), (nn.ModuleList, nn.Sequential)):
+            groups.setdefault((parent, type(model.get_submodule(path))), []).append(path)
+    repeated = {p for paths in groups.values() if len(paths) > 1 for p in paths}
+    return [u for u in units if u in repeated] or list(units)
 
 
 def checkpoint_blocks(model: nn.Module, units: Sequence[str], every: int = 1, restore: bool = True,
@@ -295,6 +309,7 @@ def apply_activation_checkpointing(model: nn.Module, plan, units: Sequence[str],
     if plan.activation_checkpointing == Checkpointing.BLOCKS:
         checkpoint_blocks(model, units, plan.checkpoint_every)
     elif plan.activation_checkpointing == Checkpointing.OPS:
-        checkpoint_blocks(model, units, plan.checkpoint_every, saved_ops=TORCHTITAN_OPS, tally=tally)
+        checkpoint_blocks(model, repeated_blocks(model, units), plan.checkpoint_every, saved_ops=TORCHTITAN_OPS,
+                          tally=tally)
     elif plan.activation_checkpointing == Checkpointing.TIME_CHUNKS:
         checkpoint_time_chunks(model, plan.time_step_module, plan.checkpoint_every)
