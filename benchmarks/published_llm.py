@@ -8,11 +8,17 @@
    and 82.4 GiB, where the memory is ``torch.cuda.memory_stats()["reserved_bytes.all.peak"]``
    (torchtitan ``train.py`` logs ``max_reserved_gib``; the caching allocator's reserved peak, not
    the bytes allocated). Targets: memory within 10 %, throughput within 20 %. Nothing here is
-   fitted to that row. The row used selective *op* activation checkpointing; the plans here express
-   activation checkpointing per block (every k-th block, torchtitan's "selective layer"), so the
-   row is estimated without checkpointing, with every 2nd block and with every block checkpointed.
-2. The 7 B spiking LLM (``zoo.llm``, T time steps of sequence S) on 8, 64 and 512 GPUs of that
-   kind: FSDP2 and FSDP2 x TP (TP = 8, inside a node) plans, fastest first among those that fit
+   fitted to that row. The row used selective *op* activation checkpointing, which the plan states
+   as ``activation_checkpointing="ops"`` (torchtitan's policy: each decoder block keeps the outputs
+   of its matrix products but every second one, and of its attention kernel; the rest is
+   recomputed); the loss is torchtitan's, cross-entropy of the fp32 scores of every position
+   against next-token labels. Rows without checkpointing, every 2nd and every block bracket it.
+   Beside the row: what the op policy keeps of one block (counted by running it on a small model of
+   the same block shape), the activations kept, and the recompute (FLOPs as a fraction of a forward,
+   seconds per step against the row without checkpointing).
+2. The 7 B spiking LLM (``zoo.llm``, T time steps of sequence S, next-token cross-entropy of the
+   time-mean scores) on 8, 64 and 512 GPUs of that kind: FSDP2 (no checkpointing, every block,
+   op-level) and FSDP2 x TP (TP = 8, inside a node) plans, fastest first among those that fit
    in 96 GB, with predicted peak and step time. The first estimate (512 ranks) is timed, with the
    process's peak memory (target: under 30 s and 2 GiB on this machine).
 
@@ -20,15 +26,20 @@ Run: ``PYTHONPATH=. python benchmarks/published_llm.py`` (several minutes on 2 c
 """
 from __future__ import annotations
 
+import dataclasses
 import resource
 import sys
 import time
+from collections import Counter
 
 import pandas as pd
+import torch
 
 import snn_explorer as se
+from snn_explorer.core.parallelize.checkpointing import checkpoint_blocks
+from snn_explorer.core.parallelize.saved_ops import TORCHTITAN_OPS
 from snn_explorer.estimator import estimate
-from snn_explorer.zoo.llm import build_llm, token_batch
+from snn_explorer.zoo.llm import LLM_CONFIGS, build_llm, token_batch
 
 PUBLISHED = dict(tokens_per_s=5762.0, memory_gib=82.4)
 HBM_BYTES = 96e9  # the card's 96 GB
@@ -42,21 +53,47 @@ def _plan(model, mode, topology, batch, checkpointing=None, every=1):
                    activation_checkpointing=checkpointing, checkpoint_every=every)
 
 
+def next_tokens(cfg, batch: int, seq: int, seed: int = 1) -> torch.Tensor:
+    """Next-token labels ``[N, S]`` (random ids: only their shape matters to the estimate)."""
+    return torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def op_policy_of_one_block(name: str) -> str:
+    """What torchtitan's op policy keeps of one decoder block of config ``name``: the forward decisions
+    counted while a one-block model of that block's code (small widths: the operators do not depend on
+    them) runs forward and backward checkpointed with the policy."""
+    cfg = dataclasses.replace(LLM_CONFIGS[name], vocab_size=64, dim=64, n_heads=4, ffn_dim=128, n_layers=1,
+                              n_kv_heads=None if LLM_CONFIGS[name].spiking else 2)
+    model = build_llm(cfg)
+    tally: Counter = Counter()
+    checkpoint_blocks(model, ["blocks.0"], saved_ops=TORCHTITAN_OPS, tally=tally)
+    model(token_batch(cfg, 2 if cfg.spiking else 1, 1, 16)).float().square().mean().backward()
+    kept = ", ".join(f"{op.split('.')[1]} {n}" for (op, d), n in sorted(tally.items()) if d == "save")
+    mm = f"{tally[('aten.mm.default', 'save')]} of {tally[('aten.mm.default', 'save')] + tally[('aten.mm.default', 'recompute')]}"
+    others = sum(n for (op, d), n in tally.items() if d == "recompute" and op != "aten.mm.default")
+    return f"kept: {kept} (matrix products {mm}); recomputed: {others} other operator calls (views included)"
+
+
 def llama_rows() -> pd.DataFrame:
     model = build_llm("llama3.1-8b", device="meta")
     tokens = token_batch(model.config, 1, 16, 8192)  # global batch 16 = 8 ranks x 2, T = 1 (not spiking)
-    rows = []
+    labels = next_tokens(model.config, 16, 8192)  # torchtitan's loss: cross-entropy of every position
+    rows, plain_s = [], None
     for label, checkpointing, every in (("none", None, 1), ("every 2nd block", "blocks", 2),
-                                        ("every block", "blocks", 1)):
+                                        ("every block", "blocks", 1), ("ops (torchtitan's)", "ops", 1)):
         plan = _plan(model, "fsdp2", {"dp": 8}, 16, checkpointing, every)
         start = time.perf_counter()
-        est = estimate(model, plan, example_input=tokens, hardware="H100-SXM-96GB", optimizer="adamw",
-                       layout=se.TIME_MAJOR)
+        est = estimate(model, plan, example_input=tokens, labels=labels, hardware="H100-SXM-96GB",
+                       optimizer="adamw", layout=se.TIME_MAJOR)
+        plain_s = est.step_time_s if plain_s is None else plain_s
         tps = 2 * 8192 / est.step_time_s
         peak = est.peak_bytes / GIB
         rows.append(dict(checkpointing=label, peak_gib=round(peak, 1), published_gib=PUBLISHED["memory_gib"],
                          memory_err=f"{peak / PUBLISHED['memory_gib'] - 1:+.1%}", tokens_per_s_gpu=round(tps),
                          published_tps=PUBLISHED["tokens_per_s"], tps_err=f"{tps / PUBLISHED['tokens_per_s'] - 1:+.1%}",
+                         activations_gib=round(est.per_rank["activations_bytes"].max() / GIB, 1),
+                         recompute_fwd=round(est.recompute_forward_fraction, 2),
+                         recompute_s=round(est.step_time_s - plain_s, 3),
                          estimate_s=round(time.perf_counter() - start, 1)))
     return pd.DataFrame(rows)
 
@@ -65,7 +102,8 @@ def spiking_plans(model, world: int, time_steps: int, seq: int) -> pd.DataFrame:
     """FSDP2 (one sample per rank) and FSDP2 x TP=8 plans of ``model`` on ``world`` GPUs, fastest first."""
     hardware = {8: "H100-SXM-96GB", 64: "8x8-H100-SXM-96GB", 512: "64x8-H100-SXM-96GB"}[world]
     tokens = token_batch(model.config, time_steps, world, seq)
-    candidates = [("fsdp2", {"dp": world}, None), ("fsdp2", {"dp": world}, "blocks"),
+    labels = next_tokens(model.config, world, seq)
+    candidates = [("fsdp2", {"dp": world}, None), ("fsdp2", {"dp": world}, "blocks"), ("fsdp2", {"dp": world}, "ops"),
                   ("fsdp2_tp", {"dp": world // 8, "tp": 8}, None)]
     rows = []
     for mode, topology, checkpointing in candidates:
@@ -75,7 +113,7 @@ def spiking_plans(model, world: int, time_steps: int, seq: int) -> pd.DataFrame:
                            topology=topology, batch_size=world, precision="bf16", features=FEATURES,
                            tensor_parallel_plan=model.tensor_parallel_plan())
         start = time.perf_counter()
-        est = estimate(model, plan, example_input=tokens, hardware=hardware, optimizer="adamw",
+        est = estimate(model, plan, example_input=tokens, labels=labels, hardware=hardware, optimizer="adamw",
                        layout=se.TIME_MAJOR)
         row = est.summary()
         rows.append(dict(world=world, mode=row["mode"], mesh=row["mesh"], checkpointing=checkpointing or "none",
@@ -94,12 +132,14 @@ def main(time_steps: int = 4, seq: int = 2048) -> None:
     start = time.perf_counter()
     plan = _plan(model, "fsdp2", {"dp": 512}, 512)
     estimate(model, plan, example_input=token_batch(model.config, time_steps, 512, seq),
-             hardware="64x8-H100-SXM-96GB", optimizer="adamw", layout=se.TIME_MAJOR)
+             labels=next_tokens(model.config, 512, seq), hardware="64x8-H100-SXM-96GB", optimizer="adamw",
+             layout=se.TIME_MAJOR)
     took, rss = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
     print(f"first estimate of the 7 B spiking LLM for 512 ranks: {took:.1f} s (target < 30 s), process peak "
           f"{rss:.2f} GiB (target < 2 GiB)\n")
     print("Llama 3.1 8B, 8 x H100-SXM-96GB, FSDP2 bf16, local batch 2 x 8192 (torchtitan Table 1: 5,762 tokens/s, "
           "82.4 GiB reserved, selective op checkpointing)")
+    print(f"op policy, one Llama 3.1 block: {op_policy_of_one_block('llama3.1-8b')}")
     print(llama_rows().to_string(index=False), "\n")
     for world in (8, 64, 512):
         print(spiking_plans(model, world, time_steps, seq).to_string(index=False), "\n")
