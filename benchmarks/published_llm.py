@@ -21,6 +21,11 @@
    op-level) and FSDP2 x TP (TP = 8, inside a node) plans, fastest first among those that fit
    in 96 GB, with predicted peak and step time. The first estimate (512 ranks) is timed, with the
    process's peak memory (target: under 30 s and 2 GiB on this machine).
+3. spikingjelly's LLM planner (``spikingjelly.activation_based.distributed.llm``, which imports here;
+   Megatron Core, which its configs are made of, does not): its static memory figure for the same
+   spiking LLM config beside ours, and what each counts. Its ``plan_training`` needs Megatron's
+   ``TransformerConfig``; the formulas it holds against the budget are evaluated on the fields it
+   reads (:func:`snn_explorer.compat.spikingjelly_llm_planner_bytes`).
 
 Run: ``PYTHONPATH=. python benchmarks/published_llm.py`` (several minutes on 2 cores).
 """
@@ -31,11 +36,14 @@ import resource
 import sys
 import time
 from collections import Counter
+from importlib.metadata import version
+from types import SimpleNamespace
 
 import pandas as pd
 import torch
 
 import snn_explorer as se
+from snn_explorer import compat
 from snn_explorer.core.parallelize.checkpointing import checkpoint_blocks
 from snn_explorer.core.parallelize.saved_ops import TORCHTITAN_OPS
 from snn_explorer.estimator import estimate
@@ -118,11 +126,57 @@ def spiking_plans(model, world: int, time_steps: int, seq: int) -> pd.DataFrame:
         row = est.summary()
         rows.append(dict(world=world, mode=row["mode"], mesh=row["mesh"], checkpointing=checkpointing or "none",
                          batch_per_rank=row["batch_per_rank"], peak_gib=round(est.peak_bytes / GIB, 1),
+                         activations_gib=round(est.per_rank["activations_bytes"].max() / GIB, 1),
                          fits=est.peak_bytes <= HBM_BYTES, step_s=round(est.step_time_s, 3),
                          tokens_per_s_gpu=round(world * seq / est.step_time_s / world),
                          estimate_s=round(time.perf_counter() - start, 1)))
     table = pd.DataFrame(rows)
     return table.sort_values(["fits", "step_s"], ascending=[False, True]).reset_index(drop=True)
+
+
+def spikingjelly_version() -> str:
+    return version("spikingjelly")
+
+
+def megatron_fields(cfg, time_steps: int, seq: int) -> SimpleNamespace:
+    """The fields of a spikingjelly ``TrainingConfig`` its LLM planner reads, for our config ``cfg`` trained
+    as here: bf16 (Megatron's bf16 parameters), one sequence per micro-batch, RMSNorm, rotary positions."""
+    transformer = SimpleNamespace(hidden_size=cfg.dim, ffn_hidden_size=cfg.ffn_dim, num_attention_heads=cfg.n_heads,
+                                  num_query_groups=cfg.kv_heads, kv_channels=cfg.head_dim,
+                                  gated_linear_unit=not cfg.spiking, normalization="RMSNorm", fp16=False, bf16=True,
+                                  num_layers=cfg.n_layers, params_dtype=torch.bfloat16)
+    model = SimpleNamespace(transformer=transformer, vocab_size=cfg.vocab_size, max_sequence_length=seq,
+                            time_steps=time_steps, share_embeddings_and_output_weights=cfg.tied_embeddings,
+                            position_embedding_type="rope")
+    return SimpleNamespace(model=model, sequence_length=seq, micro_batch_size=1)
+
+
+def reference_side_by_side(model, plans8: pd.DataFrame, time_steps: int, seq: int) -> pd.DataFrame:
+    """spikingjelly 2.0.0's LLM planner (``activation_based.distributed.llm``) beside our estimate, the 7 B
+    spiking LLM on 8 GPUs with data-parallel sharding over 8 (its distributed optimizer; our FSDP2), without
+    recompute and with its selective recompute (Megatron's ``core_attn``) against our op-level checkpointing."""
+    fields = megatron_fields(model.config, time_steps, seq)
+    rows = []
+    for selective, ours in ((False, "none"), (True, "ops")):
+        params, activations = compat.spikingjelly_llm_planner_bytes(fields, 1, 1, 1, 8, selective)
+        row = plans8[plans8["checkpointing"] == ours].iloc[0]
+        rows.append(dict(reference=f"selective recompute={selective}", reference_gib=round((params + activations) / GIB, 1),
+                         reference_params_optim_gib=round(params / GIB, 1),
+                         reference_activations_gib=round(activations / GIB, 1), ours=f"fsdp2 {ours}",
+                         ours_peak_gib=row["peak_gib"], ours_activations_gib=row["activations_gib"]))
+    return pd.DataFrame(rows)
+
+
+REFERENCE_COUNTS = """what each counts:
+  spikingjelly's planner: static formulas per GPU. Parameters x (6 + 12 / dp) bytes in bf16 (bf16 weight, fp32
+    gradient, fp32 master and Adam moments sharded over dp). Activations: sequence x (micro-batch x T) x hidden x
+    (10 + 24 / tp) per layer without recompute, (18 + 4 ffn / hidden) with selective recompute, plus the embedding and
+    the output layer's scores; no neuron state, no temporaries of the backward, no communication buffers, not the
+    caching allocator's reserve.
+  ours: the shape-only run of the model as a rank runs it: every parameter, gradient and optimizer-state tensor of
+    the rank's FSDP2 shard, each tensor autograd saves (neuron state and spikes included, checkpointing applied),
+    FSDP2's all-gather / reduce-scatter buffers replayed at torch's points, and the peak of the forward, backward
+    and optimizer step (allocated bytes; the allocator's reserve is not modelled)."""
 
 
 def main(time_steps: int = 4, seq: int = 2048) -> None:
@@ -141,8 +195,13 @@ def main(time_steps: int = 4, seq: int = 2048) -> None:
           "82.4 GiB reserved, selective op checkpointing)")
     print(f"op policy, one Llama 3.1 block: {op_policy_of_one_block('llama3.1-8b')}")
     print(llama_rows().to_string(index=False), "\n")
-    for world in (8, 64, 512):
-        print(spiking_plans(model, world, time_steps, seq).to_string(index=False), "\n")
+    tables = {world: spiking_plans(model, world, time_steps, seq) for world in (8, 64, 512)}
+    for table in tables.values():
+        print(table.to_string(index=False), "\n")
+    print(f"spikingjelly {spikingjelly_version()}'s LLM planner and ours, spiking-llm-7b, T = {time_steps}, "
+          f"sequence {seq}, 8 GPUs")
+    print(reference_side_by_side(model, tables[8], time_steps, seq).to_string(index=False))
+    print(REFERENCE_COUNTS)
 
 
 if __name__ == "__main__":

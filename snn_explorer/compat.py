@@ -398,3 +398,20 @@ SAC_SAVED_OPS = (SAC_MM, _ATEN._scaled_dot_product_efficient_attention.default,
                  _ATEN._scaled_dot_product_flash_attention.default,
                  _ATEN._scaled_dot_product_flash_attention_for_cpu.default,
                  torch.ops._c10d_functional.reduce_scatter_tensor.default)
+
+
+# --- the reference project's LLM planner (benchmarks/published_llm.py, side by side) ---------------
+_SJ_LLM_PLANNING = "spikingjelly.activation_based.distributed.llm.planning"
+
+
+def spikingjelly_llm_planner_bytes(config: Any, tp: int, pp: int, cp: int, dp_shard: int,
+                                   selective_recompute: bool) -> tuple:
+    """``(parameter and optimizer bytes, activation bytes)`` per GPU by spikingjelly's LLM planner: the static
+    formulas its ``plan_training`` holds against the memory budget (``planning._parameter_memory_bytes`` and
+    ``_activation_memory_bytes``, spikingjelly 2.0.0). ``config`` carries the fields they read of a
+    ``TrainingConfig`` (whose transformer part is a Megatron Core ``TransformerConfig``). Imported on first use."""
+    analyze = _require(_SJ_LLM_PLANNING, "_analyze_model")
+    params = _require(_SJ_LLM_PLANNING, "_parameter_memory_bytes")
+    activations = _require(_SJ_LLM_PLANNING, "_activation_memory_bytes")
+    return (float(params(config, analyze(config), tp, pp, dp_shard)),
+            float(activations(config, tp, pp, cp, selective_recompute)))

@@ -15,6 +15,7 @@ from snn_explorer.compat import SAC_MM
 from snn_explorer.core.parallelize.checkpointing import checkpoint_blocks, repeated_blocks
 from snn_explorer.core.parallelize.saved_ops import TORCHTITAN_OPS
 from snn_explorer.core.plan_types import SNNDistributedPlan
+from snn_explorer.estimator.profile.step import is_token_labels, loss_of
 from snn_explorer.zoo.llm import MultiStepLIF, build_llm, token_batch
 
 GATES = se.DistributedFeatureSet(allow_activation_checkpointing=True)
@@ -91,8 +92,8 @@ def _measured_peaks():
 
     model = _model(torch.float32)
     plans = [_plan(model, activation_checkpointing=a) for a in ("none", "ops")]
-    tokens = token_batch(model.config, T, BATCH, SEQ)
-    run = measure_settings(model, plans, tokens, None, 1, "adam", None, 1e-3, "cpu", layout=se.TIME_MAJOR)
+    tokens, targets = _batch()
+    run = measure_settings(model, plans, tokens, targets, 1, "adam", None, 1e-3, "cpu", layout=se.TIME_MAJOR)
     return [m["row"]["peak_bytes"] for m in measure_on_rank(model, plans, run)]
 
 
@@ -145,15 +146,27 @@ def test_op_checkpointed_training_equals_plain_training_bit_for_bit(ranks):
 def test_estimated_peak_within_5_percent_of_the_measured_one(ranks):
     measured = [max(peaks[i] for _, peaks in ranks) for i in (0, 1)]
     model = _model(torch.float32)
-    tokens = token_batch(model.config, T, BATCH, SEQ)
+    tokens, targets = _batch()
     for i, levers in enumerate(("none", "ops")):
         for shape_only in (False, True):
-            profile = se.model_profile(model, tokens, layout=se.TIME_MAJOR, shape_only=shape_only)
+            profile = se.model_profile(model, tokens, targets, layout=se.TIME_MAJOR, shape_only=shape_only)
             est = se.estimate(model, _plan(model, activation_checkpointing=levers), example_input=tokens,
-                              layout=se.TIME_MAJOR, profile=profile)
+                              labels=targets, layout=se.TIME_MAJOR, profile=profile)
             err = est.peak_bytes / measured[i] - 1
             assert abs(err) <= 0.05, f"{levers} shape_only={shape_only}: estimated {est.peak_bytes} vs {measured[i]}"
     assert measured[1] < measured[0]
+
+
+def test_next_token_labels_give_the_cross_entropy_of_every_position():
+    """The estimator's loss for a language model's labels [N, S]: torchtitan's, per position (T = 1: the scores
+    as they are; T > 1: their time mean)."""
+    scores, labels = torch.randn(1, 2, 5, 7), torch.randint(0, 7, (2, 5))
+    want = torch.nn.functional.cross_entropy(scores[0].reshape(10, 7), labels.reshape(10))
+    assert is_token_labels(scores, labels) and not is_token_labels(scores[0, :, 0], labels[:, 0])
+    assert torch.equal(loss_of(scores, labels), want)
+    steps = torch.randn(3, 2, 5, 7)
+    assert torch.allclose(loss_of(steps, labels), torch.nn.functional.cross_entropy(
+        steps.mean(0).reshape(10, 7), labels.reshape(10)))
 
 
 def test_ops_checkpoint_the_repeated_blocks_only():
