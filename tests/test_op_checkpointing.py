@@ -175,3 +175,20 @@ def test_ops_checkpoint_the_repeated_blocks_only():
     units = ("embed", "blocks.0", "blocks.1", "norm", "head")
     assert repeated_blocks(model, units) == ["blocks.0", "blocks.1"]
     assert repeated_blocks(model, ("embed", "head")) == ["embed", "head"]
+
+
+def test_gpu_trace_counts_op_checkpointing_as_the_cpu_profile_does():
+    """On a kernel_model profile (the step traced on meta as the GPU runs it) the kept activations are the
+    CPU profile's, up to the CUDA allocator's 512-byte rounding, and below those without checkpointing."""
+    model = _model(torch.float32)
+    tokens, targets = _batch()
+    kept = {}
+    for hardware in (None, "RTX-4090-PCIe-noP2P"):
+        for levers in ("none", "ops"):
+            est = se.estimate(model, _plan(model, activation_checkpointing=levers), example_input=tokens,
+                              labels=targets, layout=se.TIME_MAJOR, hardware=hardware or se.hardware_profile("H100-SXM"))
+            kept[(hardware, levers)] = est.per_rank["activations_bytes"].max()
+    for levers in ("none", "ops"):
+        cpu, gpu = kept[(None, levers)], kept[("RTX-4090-PCIe-noP2P", levers)]
+        assert cpu <= gpu <= cpu * 1.05, (levers, cpu, gpu)
+    assert kept[("RTX-4090-PCIe-noP2P", "ops")] < 0.6 * kept[("RTX-4090-PCIe-noP2P", "none")]
