@@ -1,7 +1,7 @@
 """Op-level selective activation checkpointing (``activation_checkpointing="ops"``, torchtitan's op policy):
 the plan expresses it, its policy keeps the 1st, 3rd, ... matrix product of each block and recomputes the
 rest, and on real gloo ranks (one 2-rank spawn) training with it equals training without it bit for bit
-(float64, spikes firing) under dp, fsdp2 and tp, while the measured peak drops as the estimate says
+(float64, spikes firing) under fsdp2 and tp, while the measured peak drops as the estimate says
 (within 5 %, the real and the shape-only profile)."""
 from collections import Counter
 
@@ -21,7 +21,7 @@ from snn_explorer.zoo.llm import MultiStepLIF, build_llm, token_batch
 GATES = se.DistributedFeatureSet(allow_activation_checkpointing=True)
 SHAPE = dict(dim=64, n_heads=4, ffn_dim=256, n_layers=2, vocab_size=128, tied_embeddings=False)
 T, BATCH, SEQ, STEPS = 4, 4, 16, 2
-CASES = (("dp", {"dp": 2}), ("fsdp2", {"dp": 2}), ("tp", {"tp": 2}))
+CASES = (("fsdp2", {"dp": 2}), ("tp", {"tp": 2}))  # dp's wrapping is the plain model's: blocks tests cover it
 
 
 def _model(dtype=torch.float64):
@@ -143,18 +143,27 @@ def test_op_checkpointed_training_equals_plain_training_bit_for_bit(ranks):
                 assert not bad, f"{label}: {what} differ in {bad[:3]}"
 
 
-def test_estimated_peak_within_5_percent_of_the_measured_one(ranks):
+@pytest.fixture(scope="module")
+def small():
+    """The float32 model the ranks measured, and its batch: one object, so its profiles are measured once."""
+    return _model(torch.float32), _batch()
+
+
+def _estimate(small, levers, hardware=None, shape_only=None):
+    model, (tokens, targets) = small
+    profile = se.model_profile(model, tokens, targets, layout=se.TIME_MAJOR, shape_only=shape_only)
+    return se.estimate(model, _plan(model, activation_checkpointing=levers), example_input=tokens, labels=targets,
+                       layout=se.TIME_MAJOR, profile=profile, hardware=hardware or se.hardware_profile("H100-SXM"))
+
+
+def test_estimated_peak_within_5_percent_of_the_measured_one(ranks, small):
+    """The op-checkpointed plan's estimate (the real and the shape-only profile) against measure()'s peak; the
+    peak without checkpointing is measured higher (the estimate of that plan is tested with the other levers)."""
     measured = [max(peaks[i] for _, peaks in ranks) for i in (0, 1)]
-    model = _model(torch.float32)
-    tokens, targets = _batch()
-    for i, levers in enumerate(("none", "ops")):
-        for shape_only in (False, True):
-            profile = se.model_profile(model, tokens, targets, layout=se.TIME_MAJOR, shape_only=shape_only)
-            est = se.estimate(model, _plan(model, activation_checkpointing=levers), example_input=tokens,
-                              labels=targets, layout=se.TIME_MAJOR, profile=profile)
-            err = est.peak_bytes / measured[i] - 1
-            assert abs(err) <= 0.05, f"{levers} shape_only={shape_only}: estimated {est.peak_bytes} vs {measured[i]}"
-    assert measured[1] < measured[0]
+    assert measured[1] < 0.9 * measured[0], measured
+    for shape_only in (False, True):
+        est = _estimate(small, "ops", shape_only=shape_only)
+        assert abs(est.peak_bytes / measured[1] - 1) <= 0.05, f"shape_only={shape_only}: {est.peak_bytes} vs {measured[1]}"
 
 
 def test_next_token_labels_give_the_cross_entropy_of_every_position():
@@ -177,18 +186,9 @@ def test_ops_checkpoint_the_repeated_blocks_only():
     assert repeated_blocks(model, ("embed", "head")) == ["embed", "head"]
 
 
-def test_gpu_trace_counts_op_checkpointing_as_the_cpu_profile_does():
+def test_gpu_trace_counts_op_checkpointing_as_the_cpu_profile_does(small):
     """On a kernel_model profile (the step traced on meta as the GPU runs it) the kept activations are the
-    CPU profile's, up to the CUDA allocator's 512-byte rounding, and below those without checkpointing."""
-    model = _model(torch.float32)
-    tokens, targets = _batch()
-    kept = {}
-    for hardware in (None, "RTX-4090-PCIe-noP2P"):
-        for levers in ("none", "ops"):
-            est = se.estimate(model, _plan(model, activation_checkpointing=levers), example_input=tokens,
-                              labels=targets, layout=se.TIME_MAJOR, hardware=hardware or se.hardware_profile("H100-SXM"))
-            kept[(hardware, levers)] = est.per_rank["activations_bytes"].max()
-    for levers in ("none", "ops"):
-        cpu, gpu = kept[(None, levers)], kept[("RTX-4090-PCIe-noP2P", levers)]
-        assert cpu <= gpu <= cpu * 1.05, (levers, cpu, gpu)
-    assert kept[("RTX-4090-PCIe-noP2P", "ops")] < 0.6 * kept[("RTX-4090-PCIe-noP2P", "none")]
+    CPU profile's, up to the CUDA allocator's 512-byte rounding."""
+    cpu = _estimate(small, "ops", shape_only=False).per_rank["activations_bytes"].max()
+    gpu = _estimate(small, "ops", hardware="RTX-4090-PCIe-noP2P", shape_only=False).per_rank["activations_bytes"].max()
+    assert cpu <= gpu <= cpu * 1.05, (cpu, gpu)
