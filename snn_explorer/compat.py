@@ -405,3 +405,33 @@ def clear_dtensor_mesh_caches() -> None:
     _TRANSFORM_INFOS_CACHE.cache_clear()
     _CLEAR_PLANNER_CACHE()
     _DTENSOR_CLASS._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+
+
+# --- op-level selective activation checkpointing (core/parallelize/saved_ops.py) ------------------
+# The operators torchtitan's "selective op" policy keeps (torchtitan parallelize_llama.py ``_save_list``,
+# December 2024: ``aten.mm``, the efficient and flash SDPA kernels, ``_c10d_functional.reduce_scatter_tensor``),
+# plus the CPU flash kernel ``scaled_dot_product_attention`` dispatches to on CPU tensors (the same op on
+# another device: on CPU ranks and in CPU / FakeTensor profiles it stands where the CUDA kernel runs on a GPU).
+_ATEN = torch.ops.aten
+SAC_MM = _ATEN.mm.default
+SAC_SAVED_OPS = (SAC_MM, _ATEN._scaled_dot_product_efficient_attention.default,
+                 _ATEN._scaled_dot_product_flash_attention.default,
+                 _ATEN._scaled_dot_product_flash_attention_for_cpu.default,
+                 torch.ops._c10d_functional.reduce_scatter_tensor.default)
+
+
+# --- the reference project's LLM planner (benchmarks/published_llm.py, side by side) ---------------
+_SJ_LLM_PLANNING = "spikingjelly.activation_based.distributed.llm.planning"
+
+
+def spikingjelly_llm_planner_bytes(config: Any, tp: int, pp: int, cp: int, dp_shard: int,
+                                   selective_recompute: bool) -> tuple:
+    """``(parameter and optimizer bytes, activation bytes)`` per GPU by spikingjelly's LLM planner: the static
+    formulas its ``plan_training`` holds against the memory budget (``planning._parameter_memory_bytes`` and
+    ``_activation_memory_bytes``, spikingjelly 2.0.0). ``config`` carries the fields they read of a
+    ``TrainingConfig`` (whose transformer part is a Megatron Core ``TransformerConfig``). Imported on first use."""
+    analyze = _require(_SJ_LLM_PLANNING, "_analyze_model")
+    params = _require(_SJ_LLM_PLANNING, "_parameter_memory_bytes")
+    activations = _require(_SJ_LLM_PLANNING, "_activation_memory_bytes")
+    return (float(params(config, analyze(config), tp, pp, dp_shard)),
+            float(activations(config, tp, pp, cp, selective_recompute)))

@@ -5,14 +5,14 @@ import argparse
 import dataclasses
 from typing import Optional
 
-from ..core import MODES, SNN_DISTRIBUTED_PREFERENCES, DistributedFeatureSet
+from ..core import ACTIVATION_CHECKPOINTING, MODES, SNN_DISTRIBUTED_PREFERENCES, DistributedFeatureSet
 from ..core.pipeline_schedules import SCHEDULES
 from ..core.precision import PRECISIONS, Precision, precision_of
 from .inputs import CliError, positive
 
 #: The feature gates, as ``DistributedFeatureSet`` names them (and ``--gate`` / ``--no-gate`` take).
 GATES = tuple(f.name for f in dataclasses.fields(DistributedFeatureSet))
-CHECKPOINTING = ("none", "blocks", "time_chunks")
+CHECKPOINTING = ACTIVATION_CHECKPOINTING
 
 
 def add_plan_options(p) -> None:

@@ -9,7 +9,15 @@
   checkpoints every k-th block (the first, the (k+1)-th, ...);
 - ``"time_chunks"``: for a model whose ``forward`` calls one module once per time step
   (``time_step_module``), each step keeps its input, each chunk of ``checkpoint_every`` steps a
-  copy of the neuron state at its start, and backward recomputes the steps.
+  copy of the neuron state at its start, and backward recomputes the steps;
+- ``"ops"``: torchtitan's op-level selective checkpointing (its ``selective`` option ``op``): every
+  repeated block (a transformer's layers, not its embedding or output layer, as torchtitan wraps
+  ``model.layers``) keeps the outputs of its expensive operators -- matrix products (but every second one),
+  attention kernels, reduce-scatters: the policy object
+  :data:`~.parallelize.saved_ops.TORCHTITAN_OPS` -- and recomputes the rest in backward (with a copy
+  of its neurons' entry state, as ``"blocks"``). It applies to every block (``checkpoint_every=1``);
+  torchtitan's "selective layer" option is ``"blocks"`` with ``checkpoint_every=k``. It is taken when
+  asked for, never enumerated or chosen by the memory objective (:func:`checkpointing_variants`).
 
 ``cpu_offload`` keeps FSDP2's sharded parameters, gradients and optimizer state in CPU memory
 (``torch.distributed.fsdp.CPUOffloadPolicy``); it needs a mode that uses FSDP2 and CUDA ranks.
@@ -45,6 +53,10 @@ def check_memory_levers(plan: Any) -> None:
     if type(every) is not int or every < 1:
         raise ValueError(f"checkpoint_every={every!r} must be an int >= 1 (checkpoint every k-th block or "
                          "chunk k time steps)")
+    if granularity == Checkpointing.OPS and every != 1:
+        raise ValueError(f"checkpoint_every={every} does not go with activation_checkpointing='ops', which keeps "
+                         "the expensive operators' outputs of every block (torchtitan's op policy); leave "
+                         "checkpoint_every=1, or checkpoint every k-th block with activation_checkpointing='blocks'")
     if granularity == Checkpointing.NONE and every != 1:
         raise ValueError(f"checkpoint_every={every} has no effect with activation_checkpointing='none'; "
                          "pick 'blocks' or 'time_chunks', or leave checkpoint_every=1")

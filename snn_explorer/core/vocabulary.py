@@ -56,6 +56,7 @@ class Checkpointing(Vocabulary):
     NONE = "none"
     BLOCKS = "blocks"
     TIME_CHUNKS = "time_chunks"
+    OPS = "ops"
 
     @property
     def recomputes(self) -> bool:

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Union
 
 import ipywidgets as w
 
-from ..core import MODES, SNN_DISTRIBUTED_PREFERENCES, SNNDistributedPlan
+from ..core import ACTIVATION_CHECKPOINTING, MODES, SNN_DISTRIBUTED_PREFERENCES, SNNDistributedPlan
 from ..core.pipeline_schedules import SCHEDULES
 from ..core.precision import PRECISIONS, precision_of
 from ..core.topology import LEADING_DIMS, dp_tp_splits
@@ -36,7 +36,7 @@ GATES = ("allow_experimental_conv_tp", "allow_experimental_spikformer_tp", "allo
          "allow_activation_checkpointing", "allow_cpu_offload", "allow_mixed_precision", "allow_spike_compression")
 #: The precision choices: "auto" is the objective's (bf16 behind allow_mixed_precision, else fp32).
 PRECISION_CHOICES = ("auto",) + PRECISIONS
-CHECKPOINTING = ("auto", "none", "blocks", "time_chunks")
+CHECKPOINTING = ("auto",) + ACTIVATION_CHECKPOINTING
 PP_SCHEDULE_CHOICES = ("auto",) + tuple(SCHEDULES)
 #: The mesh sliders in the order they keep their sizes when another one moves (dp takes what is left).
 KEEP = ("pp", "tp", "dp")

@@ -9,23 +9,29 @@ of the backward (and the next forward) sees. Recomputed results then equal the o
 Regions (see ``core.memory_levers``): ``"blocks"`` checkpoints each block -- an FSDP2 unit with the
 parameter-free modules that follow it in its ``nn.Sequential`` -- or every k-th one; ``"time_chunks"``
 checkpoints each call of the module the model steps once per time step, one copy of the state per chunk
-of k steps (the recompute of a later step of a chunk replays the steps before it without gradients).
+of k steps (the recompute of a later step of a chunk replays the steps before it without gradients);
+``"ops"`` checkpoints every repeated block (:func:`repeated_blocks`: a transformer's layers, as torchtitan
+wraps ``model.layers``) with torchtitan's op policy (:mod:`.saved_ops`): the outputs of its matrix
+products (but every second), attention kernels and reduce-scatters are kept, the rest recomputed.
 Applied after TP and before FSDP2 / DDP, as torchtitan orders them.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from .. import neurons
 from ..plans.families import CONTAINERS
 from ..vocabulary import Checkpointing
+from .saved_ops import TORCHTITAN_OPS, SavedOps
 
-__all__ = ["apply_activation_checkpointing", "checkpoint_blocks", "checkpoint_time_chunks", "block_segments"]
+__all__ = ["apply_activation_checkpointing", "checkpoint_blocks", "checkpoint_time_chunks", "block_segments",
+           "repeated_blocks"]
 
 #: A neuron's state: (module, {slot: value}) per stateful module.
 State = List[Tuple[nn.Module, Dict[Tuple[str, str], object]]]
@@ -103,46 +109,63 @@ def block_segments(model: nn.Module, units: Sequence[str]) -> List[Tuple[str, Tu
     return blocks
 
 
-def checkpoint_blocks(model: nn.Module, units: Sequence[str], every: int = 1, restore: bool = True) -> int:
-    """Checkpoint every ``every``-th block of ``model`` (see :func:`block_segments`); returns how many."""
+def repeated_blocks(model: nn.Module, units: Sequence[str]) -> List[str]:
+    """The units that are one of several of one class in one ``nn.ModuleList`` / ``nn.Sequential`` (a
+    transformer's layers; not its embedding, final norm or output layer); all ``units`` when none is."""
+    groups: Dict[Tuple[str, type], List[str]] = {}
+    for path in units:
+        parent = path.rpartition(".")[0]
+        if path and isinstance(model.get_submodule(parent), (nn.ModuleList, nn.Sequential)):
+            groups.setdefault((parent, type(model.get_submodule(path))), []).append(path)
+    repeated = {p for paths in groups.values() if len(paths) > 1 for p in paths}
+    return [u for u in units if u in repeated] or list(units)
+
+
+def checkpoint_blocks(model: nn.Module, units: Sequence[str], every: int = 1, restore: bool = True,
+                      saved_ops: Optional[SavedOps] = None, tally: Optional[Counter] = None) -> int:
+    """Checkpoint every ``every``-th block of ``model`` (see :func:`block_segments`); returns how many.
+    With ``saved_ops`` each block keeps the outputs of those operators (:mod:`.saved_ops`; ``tally`` hears
+    its decisions) and recomputes the rest, else it keeps only its inputs."""
     chosen = block_segments(model, units)[::every]
+    context_fn = saved_ops.context_fn(tally) if saved_ops is not None else noop_context_fn
     by_parent: Dict[str, List[Tuple[str, ...]]] = {}
     for parent, members in chosen:
         if not members:
-            _checkpoint_module(model.get_submodule(parent), restore)
+            _checkpoint_module(model.get_submodule(parent), restore, context_fn)
         else:
             by_parent.setdefault(parent, []).append(members)
     for parent, segments in by_parent.items():
-        _checkpoint_sequential_segments(model.get_submodule(parent), segments, restore)
+        _checkpoint_sequential_segments(model.get_submodule(parent), segments, restore, context_fn)
     return len(chosen)
 
 
-def _checkpointed(region: nn.Module, run: Callable, restore: bool) -> Callable:
+def _checkpointed(region: nn.Module, run: Callable, restore: bool, context_fn: Callable = noop_context_fn) -> Callable:
     """``run`` (the forward of ``region`` or of a run of its children) as one checkpointed region."""
     stateful = _stateful_in(region)
 
     def forward(*args, **kwargs):
         entry = capture_state(stateful)
         body = _run_from(lambda: entry, stateful, run, restore)
-        return checkpoint(body, *args, use_reentrant=False, **kwargs)
+        return checkpoint(body, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     return forward
 
 
-def _checkpoint_module(module: nn.Module, restore: bool) -> None:
+def _checkpoint_module(module: nn.Module, restore: bool, context_fn: Callable) -> None:
     if isinstance(module, CONTAINERS):
         raise ValueError(f"cannot checkpoint a {type(module).__name__}: it has no forward of its own")
-    module.forward = _checkpointed(module, module.forward, restore)
+    module.forward = _checkpointed(module, module.forward, restore, context_fn)
 
 
-def _checkpoint_sequential_segments(seq: nn.Sequential, segments: List[Tuple[str, ...]], restore: bool) -> None:
+def _checkpoint_sequential_segments(seq: nn.Sequential, segments: List[Tuple[str, ...]], restore: bool,
+                                    context_fn: Callable) -> None:
     """Replace ``seq``'s forward by one that runs each of ``segments`` (runs of its children) checkpointed."""
     starts = {members[0]: members for members in segments}
     regions = {}
     for members in segments:
         children = [seq._modules[n] for n in members]
         holder = nn.Sequential(*children)  # only to find the state of the region's neurons
-        regions[members[0]] = _checkpointed(holder, _run_children(children), restore)
+        regions[members[0]] = _checkpointed(holder, _run_children(children), restore, context_fn)
 
     def forward(x):
         names = list(seq._modules)
@@ -280,9 +303,13 @@ def _check_stepped(chunks: _TimeChunks, path: str) -> None:
                          "activation_checkpointing='blocks'")
 
 
-def apply_activation_checkpointing(model: nn.Module, plan, units: Sequence[str]) -> None:
-    """Checkpoint ``model`` as ``plan.activation_checkpointing`` says (``units``: the model's blocks)."""
+def apply_activation_checkpointing(model: nn.Module, plan, units: Sequence[str], tally: Optional[Counter] = None) -> None:
+    """Checkpoint ``model`` as ``plan.activation_checkpointing`` says (``units``: the model's blocks; ``tally``
+    hears the op policy's decisions with ``"ops"``)."""
     if plan.activation_checkpointing == Checkpointing.BLOCKS:
         checkpoint_blocks(model, units, plan.checkpoint_every)
+    elif plan.activation_checkpointing == Checkpointing.OPS:
+        checkpoint_blocks(model, repeated_blocks(model, units), plan.checkpoint_every, saved_ops=TORCHTITAN_OPS,
+                          tally=tally)
     elif plan.activation_checkpointing == Checkpointing.TIME_CHUNKS:
         checkpoint_time_chunks(model, plan.time_step_module, plan.checkpoint_every)

@@ -36,7 +36,7 @@ from ..instruments.isolation import as_found
 from ..instruments.recorder import CollectiveRecorder
 from ..instruments.storage import SavedAlive, model_state_tensors, saving, state_tensor_ids, storage_bytes
 from ..instruments.tables import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS, TIME_COLUMNS
-from ..profile.step import OPTIMIZERS, batch_slice, forward_loss
+from ..profile.step import OPTIMIZERS, batch_slice, forward_loss, input_as
 from .pipeline import measure_pp_plan, pp_collectives
 from .settings import MeasureSettings, measure_settings, timed_steps
 
@@ -181,7 +181,7 @@ def _rank_step_inputs(model, plan, run: MeasureSettings):
     x, y = batch_slice(run.example_input, run.labels, plan.per_rank_batch, run.example_input.shape[0],
                        start=runtime.dp_rank * plan.per_rank_batch, layout=run.layout)
     device = next(runtime.model.parameters()).device if run.device == "cuda" else torch.device("cpu")
-    x, y = x.to(device, run.dtype), None if y is None else y.to(device)
+    x, y = input_as(x, run.dtype).to(device), None if y is None else y.to(device)  # token ids stay integers
     kind = OPTIMIZERS[run.optimizer]
     return runtime, x, y, runtime.build_optimizer(kind.cls, lr=run.lr, **kind.kwargs)
 

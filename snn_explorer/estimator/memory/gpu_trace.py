@@ -157,7 +157,9 @@ def _state_tensors(model: torch.nn.Module) -> list:
 
 def _meta_inputs(profile: ModelProfile, n: int, t: int):
     """A meta batch of ``n`` samples and ``t`` steps as the model takes it, and meta labels."""
-    x = torch.empty((t, n) + tuple(profile.example_input.shape[2:]), dtype=profile.dtype, device="meta")
+    example = profile.example_input
+    dtype = profile.dtype if example.is_floating_point() else example.dtype  # token ids stay integers
+    x = torch.empty((t, n) + tuple(example.shape[2:]), dtype=dtype, device="meta")
     layout = getattr(profile, "layout", None)  # the input layout, where the profile records one
     if layout is not None:
         x = layout.from_time_major(x)

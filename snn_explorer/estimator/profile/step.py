@@ -128,15 +128,31 @@ def _check_output(outputs) -> torch.Tensor:
 
 
 def loss_of(outputs: torch.Tensor, labels: Optional[torch.Tensor], layout: DataLayout = TIME_MAJOR) -> torch.Tensor:
-    """Cross-entropy of the time-mean output when ``labels`` are given, else the mean square output;
+    """Cross-entropy of the time-mean output when ``labels`` are given (of every position's scores for a
+    language model's next-token ``labels``: :func:`token_cross_entropy`), else the mean square output;
     the output's N and T where ``layout`` puts them."""
     outputs = _check_output(outputs)
     if outputs.dtype in (torch.bfloat16, torch.float16):  # mixed precision: the loss in fp32, as the runtime's
         outputs = outputs.float()
     if labels is None:
         return outputs.square().mean()
+    if is_token_labels(outputs, labels):
+        return token_cross_entropy(outputs, labels, layout)
     outputs, labels = SNNDistributedRuntime.prepare_classification_output(outputs, labels, layout=layout)
     return nn.functional.cross_entropy(outputs, labels)
+
+
+def is_token_labels(outputs: torch.Tensor, labels: torch.Tensor) -> bool:
+    """Whether ``labels`` are a language model's next-token ids ``[N, S]`` for scores ``[T, N, S, V]``."""
+    return labels.dim() >= 2 and not labels.is_floating_point() and outputs.dim() == labels.dim() + 2
+
+
+def token_cross_entropy(outputs: torch.Tensor, labels: torch.Tensor, layout: DataLayout = TIME_MAJOR) -> torch.Tensor:
+    """Cross-entropy of every position's scores against ``labels`` ``[N, S]``: of the time-mean scores, one
+    step's taken as they are (torchtitan's loss: ``cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))``)."""
+    time_dim = 0 if layout.output == "time_major" else 1
+    scores = outputs.select(time_dim, 0) if outputs.shape[time_dim] == 1 else outputs.mean(time_dim)
+    return nn.functional.cross_entropy(scores.flatten(0, -2), labels.flatten())
 
 
 def run_layout(model: nn.Module) -> DataLayout:
