@@ -1,10 +1,20 @@
 """The estimator's fast paths equal the slow paths they replace, on small models (numbers exact)."""
-import torch
+import dataclasses
+import gc
 
+import torch
+from models import wide_jelly
+
+import snn_explorer as se
 from snn_explorer.core.neurons import stateful_modules
 from snn_explorer.estimator.instruments import op_counter
-from snn_explorer.estimator.profile.step import batch_slice
-from snn_explorer.estimator.timing.compute_work import counted_pass
+from snn_explorer.estimator.instruments.meter import StorageMeter
+from snn_explorer.estimator.instruments.storage import model_state_tensors, state_tensor_ids, total_bytes
+from snn_explorer.estimator.memory.spike_compression import compressed_profile
+from snn_explorer.estimator.profile.checkpointed import held_after_forward, levered_profile
+from snn_explorer.estimator.profile.profiling import SIZES, model_profile
+from snn_explorer.estimator.profile.step import batch_slice, forward_loss
+from snn_explorer.estimator.timing.compute_work import counted_pass, counted_points
 from snn_explorer.zoo import build
 
 
@@ -39,3 +49,55 @@ def test_shape_key_tells_lists_tuples_and_tensors_apart():
     t = torch.zeros(2, 3)
     assert op_counter.shape_key((t, [1, 2])) != op_counter.shape_key((t, (1, 2)))
     assert op_counter.shape_key(t) == op_counter.shape_key(torch.ones(2, 3)) != op_counter.shape_key(torch.ones(3, 2))
+
+
+def test_counted_points_with_one_warm_up_per_batch_size_equal_a_warm_up_before_each():
+    """count_work's counts at the profile's sizes, warming the neuron state once per batch size, equal those of
+    warming it before every size (snntorch's Leaky in the zoo MLP, spikingjelly's multi-step LIF)."""
+    zoo = build("mlp")
+    for name, (model, x, labels) in (("mlp", (zoo.model, zoo.example_input, zoo.labels)), ("jelly", wide_jelly())):
+        profile = model_profile(model, x, labels)
+        fast = counted_points(profile.model, profile)
+        slow = []
+        for n, t in SIZES:
+            x, y = batch_slice(profile.example_input, profile.labels, n, t, layout=profile.layout)
+            slow.append(counted_pass(profile.model, x.to(profile.dtype), y, warm_up=True))
+        assert fast == slow, name
+        assert all(point[0][0] > 0 and point[1][3] > 0 for point in fast), name
+
+
+def _held_after_a_training_step(model, x, labels):
+    """held_after_forward as it was: warmed up by a whole forward and backward instead of a forward without
+    autograd, then the same measurement."""
+    forward_loss(model, x, labels).backward()
+    model.zero_grad(set_to_none=True)
+    state_ids = state_tensor_ids(model)
+    meter = StorageMeter()
+    meter.track([t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in state_ids] + [x])
+    with meter:
+        entry = meter.current
+        loss = forward_loss(model, x, labels)
+        gc.collect()
+        held = meter.current - entry
+    state = total_bytes(model_state_tensors(model))
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return float(max(0, held - state)), float(state)
+
+
+def test_held_after_forward_warmed_without_autograd_equals_warmed_by_a_step():
+    """The bytes a checkpointed (and a spike-compressed) model's forward leaves for backward, and its neuron state,
+    are the same after a warm-up forward without autograd as after a whole training step."""
+    zoo = build("spikformer")
+    base = model_profile(zoo.model, zoo.example_input, zoo.labels)
+    x, y = batch_slice(base.example_input, base.labels, 2, 3)
+    gates = se.DistributedFeatureSet(allow_activation_checkpointing=True, allow_spike_compression=True)
+    plain = se.plan(analysis=se.analyze(zoo.model), objective="speed", topology={"dp": 2}, batch_size=4,
+                    features=gates)
+    for c, k, s in (("blocks", 1, False), ("blocks", 2, True), ("none", 1, True)):
+        p = dataclasses.replace(plain, activation_checkpointing=c, checkpoint_every=k, spike_compression=s)
+        profile = levered_profile(base, p)
+        profile = compressed_profile(profile) if p.spike_compression else profile
+        model = profile.rank_model(None, 1)[1]
+        slow = _held_after_a_training_step(model, x, y)
+        assert held_after_forward(model, x, y) == slow and slow[0] > 0 and slow[1] > 0, p

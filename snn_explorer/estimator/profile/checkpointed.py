@@ -93,7 +93,8 @@ class CheckpointedProfile(ModelProfile):
 
 def held_after_forward(model: nn.Module, x: torch.Tensor, labels) -> Tuple[float, float]:
     """(bytes the forward leaves alive besides neuron state, neuron-state bytes), then the backward runs."""
-    forward_loss(model, x, labels).backward()  # warm-up: state tensors take this size
+    with torch.no_grad():  # warm-up: state tensors take this size (as every profile run warms up)
+        forward_loss(model, x, labels)
     model.zero_grad(set_to_none=True)
     state_ids = state_tensor_ids(model)
     meter = StorageMeter()
