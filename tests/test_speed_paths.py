@@ -1,21 +1,26 @@
 """The estimator's fast paths equal the slow paths they replace, on small models (numbers exact)."""
+import copy
 import dataclasses
 import gc
 
+import pandas as pd
 import torch
 from models import wide_jelly
 
 import snn_explorer as se
 from snn_explorer.core.neurons import stateful_modules
+from snn_explorer.estimator import estimate
 from snn_explorer.estimator.instruments import op_counter
 from snn_explorer.estimator.instruments.meter import StorageMeter
 from snn_explorer.estimator.instruments.storage import model_state_tensors, state_tensor_ids, total_bytes
 from snn_explorer.estimator.memory.spike_compression import compressed_profile
+from snn_explorer.estimator.profile import profiling
 from snn_explorer.estimator.profile.checkpointed import held_after_forward, levered_profile
 from snn_explorer.estimator.profile.profiling import SIZES, model_profile
 from snn_explorer.estimator.profile.step import batch_slice, forward_loss
 from snn_explorer.estimator.timing.compute_work import counted_pass, counted_points
 from snn_explorer.zoo import build
+from snn_explorer.zoo.llm import build_llm, token_batch
 
 
 def _counts(model, x, y) -> list:
@@ -101,3 +106,28 @@ def test_held_after_forward_warmed_without_autograd_equals_warmed_by_a_step():
         model = profile.rank_model(None, 1)[1]
         slow = _held_after_a_training_step(model, x, y)
         assert held_after_forward(model, x, y) == slow and slow[0] > 0 and slow[1] > 0, p
+
+
+def test_a_bf16_plan_estimated_without_the_fp32_profile_equals_one_estimated_from_it():
+    """estimate() of a bf16 plan without a profile measures the model in bf16 directly (the fp32 runs it would
+    not read are skipped): per-rank memory, collectives and step time equal those from the fp32 profile's
+    precision_profile, for FSDP2 (parameters gathered in bf16) and DDP, on the tiny spiking LLM and the zoo MLP."""
+    gate = se.DistributedFeatureSet(allow_mixed_precision=True)
+    zoo = build("mlp")
+    torch.manual_seed(0)
+    llm = build_llm("spiking-llm-tiny", tied_embeddings=False)
+    for name, model, x, labels, layout in (("mlp", zoo.model, zoo.example_input, zoo.labels, None),
+                                           ("llm", llm, token_batch(llm.config, 3, 4, 8), None, se.TIME_MAJOR)):
+        analysis = se.analyze(model)
+        for mode in ("fsdp2", "dp"):
+            p = se.plan(analysis=analysis, objective="speed", topology={"dp": 2}, batch_size=x.shape[1], mode=mode,
+                        features=gate, precision="bf16")
+            kw = dict(example_input=x, labels=labels, hardware="H100-SXM", layout=layout)
+            own = copy.deepcopy(model)
+            direct = estimate(own, p, **kw)
+            assert {pr.precision.name for pr in profiling._CACHE[own].values()} == {"bf16"}  # no fp32 runs
+            twin = copy.deepcopy(model)
+            from_fp32 = estimate(twin, p, profile=model_profile(twin, x, labels, layout=direct.data_layout), **kw)
+            assert direct.peak_bytes > 0 and direct.step_time_s > 0, (name, mode)
+            for table in ("per_rank", "collectives", "time"):
+                pd.testing.assert_frame_equal(getattr(direct, table), getattr(from_fp32, table), check_exact=True)
