@@ -15,8 +15,8 @@ from snn_explorer.estimator.instruments.meter import StorageMeter
 from snn_explorer.estimator.instruments.storage import model_state_tensors, state_tensor_ids, total_bytes
 from snn_explorer.estimator.memory.spike_compression import compressed_profile
 from snn_explorer.estimator.profile import profiling
-from snn_explorer.estimator.profile.checkpointed import held_after_forward, levered_profile
-from snn_explorer.estimator.profile.profiling import SIZES, model_profile
+from snn_explorer.estimator.profile.checkpointed import CheckpointedProfile, held_after_forward, levered_profile
+from snn_explorer.estimator.profile.profiling import SIZES, ModelProfile, model_profile
 from snn_explorer.estimator.profile.step import batch_slice, forward_loss
 from snn_explorer.estimator.timing.compute_work import counted_pass, counted_points
 from snn_explorer.zoo import build
@@ -131,3 +131,24 @@ def test_a_bf16_plan_estimated_without_the_fp32_profile_equals_one_estimated_fro
             assert direct.peak_bytes > 0 and direct.step_time_s > 0, (name, mode)
             for table in ("per_rank", "collectives", "time"):
                 pd.testing.assert_frame_equal(getattr(direct, table), getattr(from_fp32, table), check_exact=True)
+
+
+def test_recompute_fraction_with_the_plain_flops_shared_equals_its_own_count():
+    """The checkpointed profiles of one profile share the plain model's FLOPs: each granularity's recompute
+    fraction equals that of a checkpointed profile counting them itself (blocks every 1st and 2nd, spikformer)."""
+    zoo = build("spikformer")
+    base = model_profile(zoo.model, zoo.example_input, zoo.labels)
+    gates = se.DistributedFeatureSet(allow_activation_checkpointing=True)
+    plain = se.plan(analysis=se.analyze(zoo.model), objective="speed", topology={"dp": 2}, batch_size=4,
+                    features=gates)
+    fractions = []
+    for every in (1, 2):
+        p = dataclasses.replace(plain, activation_checkpointing="blocks", checkpoint_every=every)
+        shared = levered_profile(base, p).recompute_fraction(2, 3)
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ModelProfile)}
+        fields.update(peaks={}, logs={}, replicas={}, saved_state={}, step_counts=())
+        alone = CheckpointedProfile(**fields, plan=p).recompute_fraction(2, 3)
+        assert shared == alone > 0, every
+        fractions.append(shared)
+    assert fractions[0] > fractions[1]  # every 2nd block recomputes less
+    assert len(base.__dict__["_plain_flops"]) == 1
