@@ -17,6 +17,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.utils.flop_counter import shape_wrapper
 
 #: The torch releases CI runs the suite (or the tests of every name below) on; pyproject.toml says the same.
 TESTED_TORCH = ">=2.13,<2.15"
@@ -133,8 +134,24 @@ def non_persistent_buffer_names(module: torch.nn.Module) -> set:
 
 def spikingjelly_memories(module: torch.nn.Module) -> Optional[dict]:
     """spikingjelly's per-module state dict (``MemoryModule._memories``: name -> tensor or initial value), or None."""
-    memories = getattr(module, "_memories", None)
+    memories = plain_attribute(module, "_memories")
     return memories if isinstance(memories, dict) else None
+
+
+def plain_attribute(module: torch.nn.Module, name: str) -> Any:
+    """``getattr(module, name, None)`` for an attribute that is no parameter, buffer or sub-module: read from
+    the instance or its class, so that a miss costs no ``nn.Module.__getattr__`` (which raises and catches
+    an AttributeError; walks over every module of a 10 000-module model ask this of each)."""
+    if name in module.__dict__:
+        return module.__dict__[name]
+    return getattr(module, name, None) if hasattr(type(module), name) else None
+
+
+def own_tensors(module: torch.nn.Module) -> list:
+    """``(name, tensor)`` of ``module``'s own parameters, then its own buffers (``named_parameters`` /
+    ``named_buffers`` with ``recurse=False``, without their generic member walk)."""
+    return ([(n, t) for n, t in module._parameters.items() if t is not None]
+            + [(n, t) for n, t in module._buffers.items() if t is not None])
 
 
 def spikingjelly_reset_values(module: torch.nn.Module) -> dict:
@@ -435,3 +452,13 @@ def spikingjelly_llm_planner_bytes(config: Any, tp: int, pp: int, cp: int, dp_sh
     activations = _require(_SJ_LLM_PLANNING, "_activation_memory_bytes")
     return (float(params(config, analyze(config), tp, pp, dp_shard)),
             float(activations(config, tp, pp, cp, selective_recompute)))
+
+#: The code object of the wrapper torch's ``register_flop_formula`` puts around every formula not registered
+#: with ``get_raw=True``: it hands the formula the shapes of the tensors, never the tensors.
+_SHAPE_WRAPPED = shape_wrapper(lambda *a, **k: 0).__code__
+
+
+def flop_formula_reads_shapes_only(formula) -> bool:
+    """Whether a ``FlopCounterMode`` formula sees only its arguments' shapes and non-tensor values (wrapped by
+    ``torch.utils.flop_counter.shape_wrapper``), so that its result is a function of those."""
+    return getattr(formula, "__code__", None) is _SHAPE_WRAPPED

@@ -8,6 +8,8 @@ from snn_explorer import DistributedFeatureSet, analyze, find_time_step_module, 
 from snn_explorer.cli import main
 from snn_explorer.core.memory_levers import copy_without_levers, lever_variants
 from snn_explorer.estimator import FitOutcome, estimate, model_profile
+from snn_explorer.estimator.budget_fit import FIT_FEATURES, lever_floor
+from snn_explorer.estimator.enumerate import enumerate_plans
 
 HARDWARE = "H100-SXM"  # a built-in datasheet profile: no calibration run
 ZOO = ("mlp", "mlp_all_steps", "mlp_tutorial", "vgg", "spikformer")
@@ -131,3 +133,51 @@ def test_cli_fit_prints_the_chosen_plan_and_the_runners_up(capsys):
     assert "over_budget" in out and "slower" in out
     assert main(["fit", "zoo:spikformer", "--world-size", "2", "--memory-budget", "0.01", "--hardware", HARDWARE]) == 2
     assert "lowest estimated peak" in capsys.readouterr().err
+
+
+
+def _brute_force(model, x, labels, budget):
+    """Every plan fit_budget enumerates, and every lever variant of each, estimated: the fastest fitting one
+    whose levers lower its plan's peak (None when none fits), and per variant (its plan, the plan's estimate,
+    its own)."""
+    analysis = analyze(model, example_input=x, labels=labels)
+    plans = enumerate_plans(analysis, world_size=2, batch_size=analysis.data_layout.samples(x), features=FIT_FEATURES)
+    estimate_of = plan_estimator(model, x, labels, hardware=HARDWARE)
+    best, variants = None, {}
+    for base in dict.fromkeys(copy_without_levers(p) for p in plans):
+        base_est = estimate_of(base)
+        options = [base_est] if base_est.peak_bytes <= budget else []
+        for v in lever_variants(base, find_time_step_module(model, x)):
+            variants[v] = (base, base_est, estimate_of(v))
+            if variants[v][2].peak_bytes < base_est.peak_bytes:
+                options += [variants[v][2]] if variants[v][2].peak_bytes <= budget else []
+        best = min([best] * (best is not None) + options, key=lambda e: e.step_time_s, default=None)
+    return best, variants
+
+
+def test_pruning_lever_variants_by_what_they_leave_alone_changes_no_choice():
+    """The search leaves a lever variant unestimated where its plan's parameters, optimizer state and buffers
+    alone exceed the budget: each such variant's own estimate is over the budget (those columns equal its
+    plan's), and the plan chosen (or the refusal) equals that of estimating every variant."""
+    z = zoo.build("mlp")  # memory mostly parameters: the dp plans' variants cannot fit at half the peak
+    top = fit_budget(z.model, z.example_input, 10 ** 12, 2, labels=z.labels, hardware=HARDWARE)
+    seen = set()
+    for share in (0.7, 0.5):
+        budget = int(top.estimate.peak_bytes * share)
+        expected, variants = _brute_force(z.model, z.example_input, z.labels, budget)
+        try:
+            result = fit_budget(z.model, z.example_input, budget, 2, labels=z.labels, hardware=HARDWARE)
+        except ValueError as exc:
+            assert expected is None and "not estimated hold more than the budget" in str(exc), share
+            seen.add("none fits")
+        else:
+            assert (result.plan, result.estimate.peak_bytes) == (expected.plan, expected.peak_bytes), share
+            assert result.estimate.step_time_s == expected.step_time_s
+            seen.add("levered" if result.plan != copy_without_levers(result.plan) else "plain")
+        for v, (base, base_est, est) in variants.items():
+            floor = lever_floor(base, base_est, v)
+            columns = ["params_bytes", "optimizer_bytes", "buffers_bytes"]
+            assert est.per_rank[columns].equals(base_est.per_rank[columns]), v
+            assert est.peak_bytes >= floor > 0, v
+            seen |= {"floored"} if floor > budget else set()
+    assert {"floored", "levered", "none fits"} <= seen

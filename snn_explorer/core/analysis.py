@@ -8,7 +8,7 @@ from typing import Any, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ..compat import non_persistent_buffer_names
+from ..compat import non_persistent_buffer_names, own_tensors
 from . import neurons
 from .attention import (
     AttentionBlock,
@@ -212,8 +212,8 @@ def _validate_roots(model: nn.Module, roots: Optional[Sequence[str]]) -> Optiona
 
 
 def _has_per_feature_state(module: nn.Module) -> bool:
-    tensors = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
-    persistent = [t for n, t in tensors if n not in non_persistent_buffer_names(module)]
+    state = non_persistent_buffer_names(module)
+    persistent = [t for n, t in own_tensors(module) if n not in state]
     return any(t.numel() > 1 for t in persistent)
 
 

@@ -6,6 +6,7 @@ from typing import Optional, Sequence, Tuple
 
 from torch import nn
 
+from ..compat import plain_attribute
 from .serialize import dataclass_dict
 from .structure import NORM_TYPES, flatten, runs, under
 from .walk import modules_by_name
@@ -32,7 +33,7 @@ _QKV_NAMES = {"q": ("q", "q_linear", "q_proj", "wq"), "k": ("k", "k_linear", "k_
 
 
 def _attention_block(path: str, module: nn.Module, memory: Sequence[str]) -> Optional[AttentionBlock]:
-    heads = getattr(module, "num_heads", None)
+    heads = plain_attribute(module, "num_heads")
     if not isinstance(heads, int) or isinstance(heads, bool):
         return None
     children = dict(module.named_children())
@@ -69,7 +70,7 @@ class FusedAttentionBlock:
 
 
 def _num_heads(module: nn.Module) -> Optional[int]:
-    heads = getattr(module, "num_heads", None)
+    heads = plain_attribute(module, "num_heads")
     return heads if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 else None
 
 

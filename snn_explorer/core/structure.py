@@ -7,6 +7,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..compat import own_tensors
 from . import neurons
 from .walk import memo, modules_by_name
 
@@ -114,10 +115,7 @@ def inner(module: nn.Module, path: str) -> Tuple[nn.Module, str]:
 
 def _holds_tensors(module: nn.Module) -> bool:
     """Whether ``module`` has parameters or buffers of its own."""
-    for _ in module.parameters(recurse=False):
-        return True
-    for _ in module.buffers(recurse=False):
-        return True
+    return bool(own_tensors(module))
     return False
 
 

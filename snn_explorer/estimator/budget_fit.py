@@ -134,7 +134,11 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     step faster in the estimator's time model (recomputation, packing and unpacking only add work), so the first unlevered plan
     that fits ends the search: the lever variants of every plan at least as slow are not estimated
     (``pruned``), and neither are those of a plan that fits already. A lever variant is estimated only for
-    an unlevered plan that does not fit and is faster than the best fitting plan found so far; it is kept
+    an unlevered plan that does not fit and is faster than the best fitting plan found so far, and only if
+    it can fit at all: a variant whose rank holds more than the budget in what its levers leave as they are
+    (parameters, optimizer state and buffers for checkpointing and spike compression, :func:`lever_floor`,
+    read off the unlevered estimate) is ``pruned`` unestimated; on a 10,000-module model each estimate
+    of a lever variant profiles the levered model again. A variant is kept
     only if its estimated peak is below its unlevered plan's (else ``lever_no_gain``). So the chosen
     plan's estimated peak is never above the same plan's without levers. Raises ValueError when no plan fits,
     naming the lowest estimated peak found.
@@ -157,9 +161,12 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     rows, best = _search(bases, variants, estimate_of, budget)
     if best is None:
         lowest = min((r for r in rows if r["peak_bytes"] is not None), key=lambda r: r["peak_bytes"])
+        floored = sum(r["outcome"] == FitOutcome.PRUNED for r in rows)
         raise ValueError(f"no plan for world_size={world_size} fits memory_budget={budget} B per rank: the lowest "
-                         f"estimated peak is {lowest['peak_bytes']} B ({lowest['plan']}); raise the budget or the "
-                         f"world size, or open more levers in features")
+                         f"estimated peak is {lowest['peak_bytes']} B ({lowest['plan']})"
+                         + (f"; {floored} lever variant(s) not estimated hold more than the budget in parameters, "
+                            "optimizer state and buffers" if floored else "")
+                         + "; raise the budget or the world size, or open more levers in features")
     table = _ranked(rows, best[0])
     return FitResult(plan=best[0], estimate=best[1], memory_budget=budget, table=table,
                      search_s=time.perf_counter() - started, infeasible=dict(plans.infeasible))
@@ -181,6 +188,12 @@ def _search(bases, variants, estimate_of, budget: int):
             rows += [_row(v, None, base_est, budget, FitOutcome.PRUNED, why) for v in levered]
             continue
         for v in levered:
+            floor = lever_floor(base, base_est, v)
+            if floor > budget:
+                rows.append(_row(v, None, base_est, budget, FitOutcome.PRUNED,
+                                 f"cannot fit: {floor} B per rank that its levers do not lower (parameters, "
+                                 f"optimizer state, buffers) > budget {budget} B"))
+                continue
             est = estimate_of(v)
             if est.peak_bytes >= base_est.peak_bytes:
                 rows.append(_row(v, est, base_est, budget, FitOutcome.LEVER_NO_GAIN,
@@ -192,6 +205,32 @@ def _search(bases, variants, estimate_of, budget: int):
             if v_fits and (best is None or est.step_time_s < best[1].step_time_s):
                 best = (v, est)
     return rows, best
+
+
+#: Per memory lever, the plan fields that switch it on and the per-rank memory columns it leaves as they are
+#: (:func:`lever_floor`). A lever that lowers a column must not list it; a lever missing here (a new one)
+#: prunes nothing until it is listed.
+LEVER_KEEPS = (
+    (("activation_checkpointing", "checkpoint_every", "time_step_module"),
+     ("params_bytes", "optimizer_bytes", "buffers_bytes")),  # recomputes activations, shards nothing
+    (("spike_compression",), ("params_bytes", "optimizer_bytes", "buffers_bytes")),  # packs saved 0/1 tensors
+)
+
+
+def lever_floor(base: SNNDistributedPlan, base_est: PlanEstimate, variant: SNNDistributedPlan) -> int:
+    """Bytes of some rank that ``variant``'s estimated peak cannot go below: the per-rank columns of ``base``'s
+    estimate that every lever ``variant`` adds to ``base`` leaves as they are (:data:`LEVER_KEEPS`; each column
+    is a summand of the peak, the rest of which is never negative). 0 where ``variant`` changes a field no
+    listed lever names."""
+    changed = {f.name for f in dataclasses.fields(base) if getattr(base, f.name) != getattr(variant, f.name)}
+    kept = None
+    for fields, columns in LEVER_KEEPS:
+        if changed & set(fields):
+            kept = set(columns) if kept is None else kept & set(columns)
+            changed -= set(fields)
+    if changed or not kept:
+        return 0
+    return int(base_est.per_rank[sorted(kept)].sum(axis=1).max())
 
 
 def _ranked(rows: List[dict], chosen: SNNDistributedPlan) -> pd.DataFrame:

@@ -46,7 +46,7 @@ from .memory.sharding import as_gathered, buffer_bytes, dp_roles, local_params, 
 from .memory.spike_compression import compressed_profile, spike_saving
 from .memory.step_peak import dynamic_peak
 from .profile.checkpointed import levered_profile, recompute_fraction
-from .profile.profiling import ModelProfile, model_profile, run_fits
+from .profile.profiling import ModelProfile, model_profile, plan_profile, run_fits
 from .profile.step import check_inputs, check_optimizer, resolve_layout
 from .timing.collectives import step_collectives
 from .timing.gpu_kernels import gpu_plan_time
@@ -169,7 +169,8 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     t = layout.steps(example_input) if time_steps is None else time_steps
     hardware = resolve_hardware(hardware, on_progress)
     with as_found(), one_thread():  # the runs below draw random numbers and may import torch's compiler
-        profile = profile or model_profile(model, example_input, labels, dtype, layout, on_progress=on_progress)
+        profile = profile or plan_profile(model, example_input, labels, dtype, layout, plan.precision, plan.uses_fsdp,
+                                          on_progress=on_progress)
         result = _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_budget, profile, hardware)
     return dataclasses.replace(result, data_layout=layout, data_layout_how=how)
 

@@ -7,10 +7,12 @@ forward and backward with it and fits the counts.
 """
 from __future__ import annotations
 
+from typing import Dict
+
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ...compat import DispatchMode
+from ...compat import DispatchMode, flop_formula_reads_shapes_only
 
 _FLOP_FORMULAS = FlopCounterMode(display=False).flop_registry
 # scaled_dot_product_attention runs as the CPU flash kernel here, which torch's table lacks: it takes
@@ -47,6 +49,42 @@ def tensor_bytes(values) -> int:
     return total
 
 
+def shape_key(values):
+    """``values`` (an operator's arguments or outputs) with each tensor replaced by its shape, lists and dicts
+    by tagged tuples: what a shape-wrapped FLOP formula sees, as a dict key (TypeError where unhashable)."""
+    if isinstance(values, torch.Tensor):
+        return ("T", tuple(values.shape))
+    if isinstance(values, (tuple, list)):
+        return (type(values).__name__,) + tuple(shape_key(v) for v in values)
+    if isinstance(values, dict):
+        return ("D",) + tuple((k, shape_key(v)) for k, v in values.items())
+    hash(values)
+    return values
+
+
+#: FLOPs of a shape-wrapped formula per (operator, shapes and other arguments): a deep model runs the same
+#: few shapes through thousands of layers, and torch's wrapper flattens every call's arguments with pytree.
+_FLOPS_OF_SHAPES: Dict[tuple, int] = {}
+_FLOPS_CACHE_MAX = 100_000
+
+
+def _flops(func, formula, args, kwargs, out) -> int:
+    """``formula(*args, **kwargs, out_val=out)``, from :data:`_FLOPS_OF_SHAPES` where it reads shapes only."""
+    if not flop_formula_reads_shapes_only(formula):
+        return formula(*args, **kwargs, out_val=out)
+    try:
+        key = (func, shape_key(args), shape_key(kwargs), shape_key(out))
+        hash(key)
+    except TypeError:  # an argument that is no number, string, tensor or container of them
+        return formula(*args, **kwargs, out_val=out)
+    flops = _FLOPS_OF_SHAPES.get(key)
+    if flops is None:
+        if len(_FLOPS_OF_SHAPES) >= _FLOPS_CACHE_MAX:
+            _FLOPS_OF_SHAPES.clear()
+        flops = _FLOPS_OF_SHAPES[key] = formula(*args, **kwargs, out_val=out)
+    return flops
+
+
 class OpCounter(DispatchMode):
     """Per operator but ``detach``: FLOPs (torch's formulas), bytes of its tensors, and one operator."""
 
@@ -62,7 +100,7 @@ class OpCounter(DispatchMode):
         formula = _FLOP_FORMULAS.get(func.overloadpacket)
         moved = tensor_bytes(args) + tensor_bytes(out) + (tensor_bytes(kwargs) if kwargs else 0)
         if formula is not None:
-            self.counts[0] += formula(*args, **kwargs, out_val=out)
+            self.counts[0] += _flops(func, formula, args, kwargs, out)
             self.counts[1] += moved
         else:
             self.counts[2] += moved

@@ -37,6 +37,9 @@ class CheckpointedProfile(ModelProfile):
     plan: object = None
     checkpointed: Dict[tuple, nn.Module] = field(default_factory=dict, repr=False)
     flops: Dict[tuple, float] = field(default_factory=dict, repr=False)
+    #: (forward, step) FLOPs of the plain rank model per size and layout: the same for every granularity, so
+    #: :func:`levered_profile` gives all checkpointed profiles of one profile one dict
+    plain_flops: Dict[tuple, Tuple[float, float]] = field(default_factory=dict, repr=False)
 
     def rank_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Tuple[tuple, nn.Module]:
         key, model = super().rank_model(tp_plan, tp)
@@ -83,8 +86,10 @@ class CheckpointedProfile(ModelProfile):
         if key not in self.flops:
             x, y = batch_slice(self.example_input, self.labels, n, t, layout=self.layout)
             x = input_as(x, self.dtype)
-            with step_runner(super().rank_model(tp_plan, tp)[1], self.shape_only) as (plain, convert):
-                forward, plain_step = _flops(plain, convert(x), convert(y))
+            if key not in self.plain_flops:
+                with step_runner(super().rank_model(tp_plan, tp)[1], self.shape_only) as (plain, convert):
+                    self.plain_flops[key] = _flops(plain, convert(x), convert(y))
+            forward, plain_step = self.plain_flops[key]
             with self.runner(tp_plan, tp, self.shape_only) as (checkpointed, convert):
                 _, checkpointed_step = _flops(checkpointed, convert(x), convert(y))
             self.flops[key] = (checkpointed_step - plain_step) / forward if forward else 0.0
@@ -94,8 +99,9 @@ class CheckpointedProfile(ModelProfile):
 def held_after_forward(model: nn.Module, x: torch.Tensor, labels,
                        on_forward: Optional[Callable[[], None]] = None) -> Tuple[float, float]:
     """(bytes the forward leaves alive besides neuron state, neuron-state bytes), then the backward runs;
-    ``on_forward()`` is called just before the measured forward (after the warm-up step)."""
-    forward_loss(model, x, labels).backward()  # warm-up: state tensors take this size
+    ``on_forward()`` is called just before the measured forward (after the warm-up)."""
+    with torch.no_grad():  # warm-up: state tensors take this size (as every profile run warms up)
+        forward_loss(model, x, labels)
     model.zero_grad(set_to_none=True)
     if on_forward is not None:
         on_forward()
@@ -136,7 +142,7 @@ def levered_profile(profile: ModelProfile, plan) -> ModelProfile:
     if key not in cache:
         base = {f.name: getattr(profile, f.name) for f in dataclasses.fields(ModelProfile)}
         base.update(peaks={}, logs={}, replicas={}, saved_state={}, step_counts=())  # counted on its own models
-        cache[key] = CheckpointedProfile(**base, plan=plan)
+        cache[key] = CheckpointedProfile(**base, plan=plan, plain_flops=profile.__dict__.setdefault("_plain_flops", {}))
     return cache[key]
 
 

@@ -126,6 +126,8 @@ class ModelProfile:
     precision: Precision = FP32
     #: measured on FakeTensors (:mod:`.shape_only`); ``model`` is then a copy on the meta device
     shape_only: bool = False
+    #: measured with the parameters in the compute dtype, as FSDP2 gathers them (:func:`precision_profile`)
+    gathered: bool = False
 
     @property
     def compute_itemsize(self) -> int:
@@ -370,7 +372,8 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
                         param_itemsizes={n: p.element_size() for n, p in model.named_parameters()},
                         model=model, example_input=example_input, labels=labels,
                         step_counts=tuple(p["counts"] for p in points), grad_params=grad_names_,
-                        layout=layout, precision=precision, shape_only=shape_only)
+                        layout=layout, precision=precision, shape_only=shape_only,
+                        gathered=gathered and precision.mixed)
 
 
 def _profile_runs(model, convert, example_input, labels, dtype, layout: DataLayout, on_progress=None):
@@ -427,8 +430,11 @@ def precision_profile(profile: ModelProfile, precision: Precision, gathered: boo
     forward uses (and their unsharded gradients) in the compute dtype, so autocast copies none of them;
     ``param_itemsizes`` stay the fp32 master copies'."""
     gathered = gathered and precision.mixed
-    if profile.precision == precision and not gathered:
+    if profile.precision == precision and profile.gathered == gathered:
         return profile
+    if profile.precision != FP32 or profile.gathered:
+        raise ValueError(f"a profile measured in {profile.precision} (gathered={profile.gathered}) is not measured "
+                         f"again in {precision} (gathered={gathered}); start from the fp32 one (model_profile)")
     cache = profile.__dict__.setdefault("_precision_profiles", {})
     if (precision, gathered) not in cache:
         example = profile.layout.from_time_major(profile.example_input)  # the profile keeps it time-major
@@ -437,3 +443,37 @@ def precision_profile(profile: ModelProfile, precision: Precision, gathered: boo
         measured.param_itemsizes = dict(profile.param_itemsizes)
         cache[precision, gathered] = measured
     return cache[precision, gathered]
+
+
+def plan_profile(model: nn.Module, example_input: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                 dtype: Optional[torch.dtype] = None, layout: DataLayout = TIME_MAJOR, precision: Precision = FP32,
+                 gathered: bool = False, on_progress: Optional[ProgressHook] = None) -> ModelProfile:
+    """The profile an estimate of a plan in ``precision`` (``gathered``: FSDP2's) reads: the cached
+    :func:`model_profile` itself for fp32; else :func:`precision_profile` of it where that is cached, and
+    otherwise measured in ``precision`` directly from ``model`` (the same runs, without first measuring the
+    fp32 profile, which such an estimate would not read), cached per model as :func:`model_profile` caches."""
+    gathered = gathered and precision.mixed
+    if precision == FP32 and not gathered:
+        return model_profile(model, example_input, labels, dtype, layout, on_progress=on_progress)
+    check_inputs(model, example_input, labels, dtype, layout=layout)
+    check_hook(on_progress)
+    per_model = _CACHE.setdefault(model, {})
+    key = _key(model, example_input, labels, dtype, layout) + (None,)
+    if key in per_model:
+        return precision_profile(per_model[key], precision, gathered)
+    own_key = key + (precision, gathered)
+    if own_key not in per_model:
+        cast, run_dtype = run_dtypes(model, dtype, example_input)
+        with as_found(), one_thread():
+            measured = measure_profile(model, example_input, labels, run_dtype, layout, precision, gathered,
+                                       on_progress=on_progress)
+        measured.param_itemsizes = {n: _itemsize_as_run(p, cast) for n, p in model.named_parameters()}
+        per_model[own_key] = measured
+    return per_model[own_key]
+
+
+def _itemsize_as_run(param: torch.Tensor, cast: Optional[torch.dtype]) -> int:
+    """Bytes per element of ``param`` in the fp32 profile's copy: cast to ``cast`` there where floating."""
+    if cast is None or not param.is_floating_point():
+        return param.element_size()
+    return torch.empty((), dtype=cast).element_size()

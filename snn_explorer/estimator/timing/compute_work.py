@@ -85,14 +85,16 @@ def count_step(model: torch.nn.Module, x: torch.Tensor, labels) -> list:
     return [forward.counts, backward.counts]
 
 
-def counted_pass(model: torch.nn.Module, x: torch.Tensor, labels) -> list:
+def counted_pass(model: torch.nn.Module, x: torch.Tensor, labels, warm_up: bool = True) -> list:
     """Counts of the forward (with the loss) and of the backward of one step of ``model``.
 
     Counted in the state of a training step: after a forward at the same size (the neuron state
     has the size of this batch; without autograd, as only sizes matter here) and with the gradients
-    set to None, so the count does not depend on what ran before."""
-    with torch.no_grad():
-        forward_loss(model, x, labels)
+    set to None, so the count does not depend on what ran before. ``warm_up=False`` skips that
+    forward where the last step run had this batch size already (as the profile's own runs do)."""
+    if warm_up:
+        with torch.no_grad():
+            forward_loss(model, x, labels)
     model.zero_grad(set_to_none=True)
     return count_step(model, x, labels)
 
@@ -125,13 +127,21 @@ def fitted_work(points, optimizer: PhaseWork, model: torch.nn.Module) -> Work:
 def count_work(model: torch.nn.Module, profile: ModelProfile, optimizer: str, convert=lambda x: x) -> Work:
     """Count the step of ``model`` (the model one rank runs) at the profile's :data:`SIZES` and fit it;
     ``convert`` makes each batch the tensors ``model`` takes (fake ones for a shape-only run)."""
-    points = []
-    for n, t in SIZES:
-        x, y = batch_slice(profile.example_input, profile.labels, n, t, layout=profile.layout)
-        points.append(counted_pass(model, convert(input_as(x, profile.dtype)), convert(y)))
+    points = counted_points(model, profile, convert)
     grads = grad_names(model)
     model.zero_grad(set_to_none=True)
     return fitted_work(points, optimizer_work(model, grads, optimizer), model)
+
+
+def counted_points(model: torch.nn.Module, profile: ModelProfile, convert=lambda x: x) -> list:
+    """:func:`counted_pass` of ``model`` at each of the profile's :data:`SIZES` (in that order), run by batch
+    size so that a step warms the neuron state for the next one at its size (one warm-up per batch size)."""
+    by_size, last_n = {}, None
+    for n, t in sorted(SIZES):
+        x, y = batch_slice(profile.example_input, profile.labels, n, t, layout=profile.layout)
+        by_size[n, t] = counted_pass(model, convert(input_as(x, profile.dtype)), convert(y), warm_up=n != last_n)
+        last_n = n
+    return [by_size[size] for size in SIZES]
 
 
 def rank_work(profile: ModelProfile, tp_plan, tp: int, optimizer: str) -> Work:
