@@ -19,7 +19,8 @@ from ...compat import is_fake
 from ...core.neurons import state_tensors, stateful_modules
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s local shard when it is a DTensor (TP, FSDP2), else ``t``."""
     if not isinstance(t, DTensor):
         return t
     with torch.no_grad():
@@ -38,7 +39,7 @@ def storage_bytes(tensors: Iterable) -> Dict[int, int]:
     out = {}
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            st = _local(t).untyped_storage()
+            st = local_tensor(t).untyped_storage()
             out[storage_key(t, st)] = st.nbytes()
     return out
 
@@ -65,7 +66,7 @@ class LiveSaved:
         self.skip, self.live, self.current, self.peak = skip, {}, 0, 0
 
     def pack(self, t):
-        st = t.untyped_storage()
+        st = local_tensor(t).untyped_storage()
         key = st.data_ptr()
         if key not in self.skip and key not in self.live:
             self.live[key] = st.nbytes()
@@ -85,7 +86,7 @@ class SavedAlive:
         self.refs: Dict[int, tuple] = {}
 
     def pack(self, t):
-        st = _local(t).untyped_storage()
+        st = local_tensor(t).untyped_storage()
         old = self.refs.get(st.data_ptr())
         if old is None or old[1]() is None:
             self.refs[st.data_ptr()] = (st.nbytes(), weakref.ref(st))

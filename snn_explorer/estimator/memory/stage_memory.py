@@ -17,7 +17,7 @@ so both see the same tensors kept for backward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence
 
 import torch
 
@@ -63,10 +63,13 @@ def _micro(meter: StorageMeter, stage, inp, labels, grad_out, layout) -> tuple:
     return kept, packed, forward, backward, out.detach()
 
 
-def measure_stages(profile, stages: Sequence[Sequence[str]], n: int, t: int, micro: int) -> List[StageMemory]:
+def measure_stages(profile, stages: Sequence[Sequence[str]], n: int, t: int, micro: int,
+                   tp_plan: Optional[Mapping[str, str]] = None, tp: int = 1) -> List[StageMemory]:
     """:class:`StageMemory` of every stage (``stages``: unit paths) at ``n`` samples, ``t`` steps, the
-    micro-batch cut out of a batch of ``micro`` of them."""
-    key = (tuple(map(tuple, stages)), n, t, micro)
+    micro-batch cut out of a batch of ``micro`` of them; with ``tp_plan`` over ``tp`` ranks, as one TP
+    rank runs the stage (the profile's TP replica, ``profile.rank_model``)."""
+    shapes, model = profile.rank_model(tp_plan, tp)
+    key = (tuple(map(tuple, stages)), n, t, micro) + shapes
     if key in profile.stage_memory:
         return profile.stage_memory[key]
     layout = profile.layout
@@ -75,7 +78,7 @@ def measure_stages(profile, stages: Sequence[Sequence[str]], n: int, t: int, mic
     x, y = layout.share(x.to(profile.dtype), 0, n), None if y is None else y[:n]
     out: List[StageMemory] = []
     for i, paths in enumerate(stages):
-        stage = PipelineStageModule(i, paths, [profile.model.get_submodule(p) for p in paths],
+        stage = PipelineStageModule(i, paths, [model.get_submodule(p) for p in paths],
                                     per_step=layout.per_step, output_dtype=profile.precision.compute_dtype)
         autocast_forward(stage, profile.precision, "cpu")  # as apply runs each stage (the root's autocast skips them)
         inp = x if i == 0 else x.detach().requires_grad_()
