@@ -184,3 +184,64 @@ def test_tp_needs_candidates_and_a_stage_never_ends_on_a_shard():
                 pp_layout="2|3")
     plan = _plan(model)
     assert plan.pp_layout == "3|2"  # the planner ends the first stage after the row-split layer
+
+
+def _llm(device=None, **overrides):
+    from snn_explorer.zoo.llm import build_llm
+
+    return build_llm("spiking-llm-tiny", device=device, tied_embeddings=False, **overrides)
+
+
+def _llm_plan(model, topology, batch):
+    import snn_explorer as se
+
+    return se.plan(analysis=se.analyze(model), objective="speed", mode="pp_tp", topology=topology, batch_size=batch,
+                   tensor_parallel_plan=model.tensor_parallel_plan())
+
+
+def test_a_3d_estimate_of_a_meta_model_equals_the_real_one():
+    """The spiking LLM's pp x dp x tp estimate, profiled shape-only on a meta copy, equals the real profile's:
+    every rank's bytes, the collectives and the step time (the stage walk runs on FakeTensors)."""
+    import snn_explorer as se
+    from snn_explorer.zoo.llm import token_batch
+
+    ests = []
+    for device in (None, "meta"):
+        model = _llm(device)
+        tokens = token_batch(model.config, 2, 8, 16)
+        ests.append(se.estimate(model, _llm_plan(model, TOPOLOGY, 8), example_input=tokens,
+                                hardware="8x8-H100-SXM-96GB", optimizer="adamw", layout=se.TIME_MAJOR))
+    real, shape_only = ests
+    assert real.plan.pp_layout == shape_only.plan.pp_layout and real.peak_bytes > 0
+    assert real.per_rank.equals(shape_only.per_rank)
+    assert real.collectives.equals(shape_only.collectives) and set(real.collectives["mesh_dim"]) == {"pp", "dp", "tp"}
+    assert real.step_time_s == pytest.approx(shape_only.step_time_s, rel=1e-9)
+
+
+def test_tp_stays_inside_a_node_and_pp_dp_cross_nodes():
+    """Mesh order pp, dp, tp whatever order the topology names them: on 8 nodes of 8 GPUs, a pp=4 x dp=2 x tp=8
+    plan keeps each tp group on one node (its collectives on NVLink) and sends pp and dp between nodes."""
+    from snn_explorer.estimator.timing.hardware import hardware_profile
+    from snn_explorer.estimator.timing.placement import spans_nodes
+
+    model = _llm(dim=64, n_heads=8, ffn_dim=128, n_layers=4)
+    plan = _llm_plan(model, {"tp": 8, "pp": 4, "dp": 2}, 16)
+    hw = hardware_profile("8x8-H100-SXM-96GB")
+    assert plan.mesh_dim_names == ("pp", "dp", "tp") and plan.mesh_shape == (4, 2, 8)
+    assert (spans_nodes(plan, "tp", hw), spans_nodes(plan, "dp", hw), spans_nodes(plan, "pp", hw, 2)) == \
+        (False, True, True)
+
+
+def test_enumerate_and_the_explorer_offer_3d_plans():
+    import snn_explorer as se
+
+    zoo = _zoo()
+    listed = se.enumerate_plans(se.analyze(zoo.model), world_size=8, batch_size=BATCH)
+    three_d = [p for p in listed if p.mode == "pp_tp"]
+    assert [dict(p.topology.dims) for p in three_d] == [TOPOLOGY, {"pp": 2, "tp": 4}]
+    assert {p.pp_layout for p in three_d} == {"3|2"}
+    assert "tensor parallelism leaves whole" in listed.infeasible["pp_tp pp=4 x tp=2"]
+    explorer = se.Explorer(zoo.model, example_input=zoo.example_input, labels=zoo.labels)
+    plan = explorer.make_plan(objective="speed", topology=TOPOLOGY, batch_size=BATCH)  # mode auto: the one that fits
+    assert plan.mode == "pp_tp" and plan.pp_layout == "3|2"  # balanced by the profile, ending on whole tensors
+    assert explorer.estimate(plan).summary()["mesh"] == "pp=2 x dp=2 x tp=2"

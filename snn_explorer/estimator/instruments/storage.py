@@ -59,15 +59,22 @@ def state_tensor_ids(model: nn.Module) -> set:
     return {id(t) for t in model_state_tensors(model)}
 
 
+def storage_keys(tensors: Iterable) -> set:
+    """The :func:`storage_key` of each tensor's (local) storage, for :class:`LiveSaved` to skip."""
+    return {storage_key(local_tensor(t), local_tensor(t).untyped_storage()) for t in tensors}
+
+
 class LiveSaved:
-    """saved_tensors_hooks counting the bytes of the saved storages alive at once (peak in ``peak``)."""
+    """saved_tensors_hooks counting the bytes of the saved storages alive at once (peak in ``peak``;
+    ``skip``: :func:`storage_keys` of tensors not counted)."""
 
     def __init__(self, skip: set):
         self.skip, self.live, self.current, self.peak = skip, {}, 0, 0
 
     def pack(self, t):
-        st = local_tensor(t).untyped_storage()
-        key = st.data_ptr()
+        t = local_tensor(t)
+        st = t.untyped_storage()
+        key = storage_key(t, st)
         if key not in self.skip and key not in self.live:
             self.live[key] = st.nbytes()
             self.current += st.nbytes()

@@ -22,7 +22,7 @@ from ...core.collectives import Collective
 from ...ranks.progress import heartbeat
 from ..instruments.meter import StorageMeter
 from ..instruments.recorder import CollectiveRecorder
-from ..instruments.storage import LiveSaved, local_tensor, saving, state_tensor_ids, total_bytes
+from ..instruments.storage import LiveSaved, local_tensor, saving, state_tensor_ids, storage_keys, total_bytes
 from ..instruments.tables import reduce_phase, tp_phase
 from ..profile.step import OPTIMIZERS, batch_slice
 from .settings import MeasureSettings, timed_steps
@@ -64,7 +64,7 @@ def measure_pp_plan(model, plan, run: MeasureSettings) -> dict:
     opt.zero_grad(set_to_none=True)
     meter, recorder = StorageMeter(), CollectiveRecorder(phase="step", labels=labels)
     meter.track(params + state + list(pipe.buffers()) + recv + inputs + ([y] if pipe.holds_last else []))
-    saved = LiveSaved({t.untyped_storage().data_ptr() for t in params + recv + [x]})
+    saved = LiveSaved(storage_keys(params + recv + [x]))
     with meter, recorder, saving(saved):
         runtime.train_step(criterion, x, y)
         opt.step()

@@ -35,7 +35,7 @@ from ...core.styles import STYLES
 from ..instruments.op_counter import OpCounter
 from ..instruments.tables import TIME_COLUMNS, boundary_stages, reduce_phase
 from ..profile.profiling import Fit
-from ..profile.step import batch_slice, loss_of
+from ..profile.step import batch_slice, input_as, loss_of
 from .collectives import stage_tp_rows
 from .compute_work import PhaseWork
 from .hardware import HardwareProfile
@@ -68,7 +68,7 @@ def stage_work(profile, stages: Sequence[Sequence[str]], n: int, t: int, tp_plan
     if key in cache:
         return cache[key]
     x, y = batch_slice(profile.example_input, profile.labels, n, t, layout=profile.layout)
-    x, out = x.to(profile.dtype), []
+    x, out = input_as(x, profile.dtype), []  # token ids stay ints
     for i, paths in enumerate(stages):
         stage = PipelineStageModule(i, paths, [model.get_submodule(p) for p in paths],
                                     per_step=profile.layout.per_step)
