@@ -72,9 +72,9 @@ class LiveSaved:
         self.skip, self.live, self.current, self.peak = skip, {}, 0, 0
 
     def pack(self, t):
-        t = local_tensor(t)
-        st = t.untyped_storage()
-        key = storage_key(t, st)
+        local = local_tensor(t)  # a DTensor's shard is counted; the saved tensor itself is kept as it is
+        st = local.untyped_storage()
+        key = storage_key(local, st)
         if key not in self.skip and key not in self.live:
             self.live[key] = st.nbytes()
             self.current += st.nbytes()
