@@ -18,8 +18,9 @@
    seconds per step against the row without checkpointing).
 2. The 7 B spiking LLM (``zoo.llm``, T time steps of sequence S, next-token cross-entropy of the
    time-mean scores) on 8, 64 and 512 GPUs of that kind: FSDP2 (no checkpointing, every block,
-   op-level) and FSDP2 x TP (TP = 8, inside a node) plans, fastest first among those that fit
-   in 96 GB, with predicted peak and step time. The first estimate (512 ranks) is timed, with the
+   op-level), FSDP2 x TP (TP = 8, inside a node) and, from 64 GPUs, the 3-D plan pp x dp x tp
+   (mode ``pp_tp``: pp = 2 stages across nodes, TP = 8 inside a node, the rest dp), fastest first
+   among those that fit in 96 GB, with predicted peak and step time. The first estimate (512 ranks) is timed, with the
    process's peak memory (target: under 30 s and 2 GiB on this machine).
 3. spikingjelly's LLM planner (``spikingjelly.activation_based.distributed.llm``, which imports here;
    Megatron Core, which its configs are made of, does not): its static memory figure for the same
@@ -107,19 +108,23 @@ def llama_rows() -> pd.DataFrame:
 
 
 def spiking_plans(model, world: int, time_steps: int, seq: int) -> pd.DataFrame:
-    """FSDP2 (one sample per rank) and FSDP2 x TP=8 plans of ``model`` on ``world`` GPUs, fastest first."""
+    """FSDP2 (one sample per rank), FSDP2 x TP=8 and (from 64 GPUs) pp=2 x dp x TP=8 plans of ``model`` on
+    ``world`` GPUs, one global batch of ``world`` sequences, fastest first."""
     hardware = {8: "H100-SXM-96GB", 64: "8x8-H100-SXM-96GB", 512: "64x8-H100-SXM-96GB"}[world]
     tokens = token_batch(model.config, time_steps, world, seq)
     labels = next_tokens(model.config, world, seq)
     candidates = [("fsdp2", {"dp": world}, None), ("fsdp2", {"dp": world}, "blocks"), ("fsdp2", {"dp": world}, "ops"),
                   ("fsdp2_tp", {"dp": world // 8, "tp": 8}, None)]
+    if world >= 64:
+        candidates.append(("pp_tp", {"pp": 2, "dp": world // 16, "tp": 8}, None))
     rows = []
     for mode, topology, checkpointing in candidates:
-        plan = _plan(model, mode, topology, world, checkpointing)
-        if mode == "fsdp2_tp":
+        if mode in ("fsdp2_tp", "pp_tp"):
             plan = se.plan(analysis=se.analyze(model), objective="speed", neuron_backend="torch", mode=mode,
                            topology=topology, batch_size=world, precision="bf16", features=FEATURES,
                            tensor_parallel_plan=model.tensor_parallel_plan())
+        else:
+            plan = _plan(model, mode, topology, world, checkpointing)
         start = time.perf_counter()
         est = estimate(model, plan, example_input=tokens, labels=labels, hardware=hardware, optimizer="adamw",
                        layout=se.TIME_MAJOR)

@@ -272,7 +272,8 @@ def test_a_rank_without_trainable_parameters_is_refused_at_plan_time():
         se.plan(analysis=analysis, objective="capacity", topology={"pp": 4}, batch_size=8, mode="pp")
     listed = se.enumerate_plans(analysis, world_size=4, batch_size=8)
     assert "without a trainable parameter" in listed.infeasible["pp pp=4"]
-    assert [p.pp_layout for p in listed if p.uses_pp] == ["2|1|1|1"] and listed[-1].dp_size == 2  # pp=2 x dp=2
+    pipes = [p for p in listed if p.mode == "pp"]
+    assert [p.pp_layout for p in pipes] == ["2|1|1|1"] and pipes[-1].dp_size == 2  # pp=2 x dp=2
 
 
 def test_balanced_layout_gives_every_stage_an_eligible_unit():

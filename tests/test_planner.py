@@ -415,7 +415,7 @@ def test_explicit_tp_plan_without_mode_when_recommendation_is_not_tp():
 
 
 def test_explicit_tp_plan_on_one_rank_is_not_silently_dropped():
-    with pytest.raises(ValueError, match="explicit tensor_parallel_plan allows only 'tp' and 'fsdp2_tp'"):
+    with pytest.raises(ValueError, match="explicit tensor_parallel_plan allows only 'tp', 'fsdp2_tp' and 'pp_tp'"):
         mk_plan(objective="memory", topology=1, tensor_parallel_plan={"head": "colwise_gather"})
     p = mk_plan(objective="memory", topology={"tp": 1}, tensor_parallel_plan={"head": "colwise_gather"})
     assert p.mode == "tp" and dict(p.tensor_parallel_plan) == {"head": "colwise_gather"}
@@ -759,6 +759,7 @@ MODE_FACTS = {
     "fsdp2": (("dp",), False, True, False),
     "fsdp2_tp": (("dp", "tp"), False, True, True),
     "pp": (("pp", "dp"), False, False, False),
+    "pp_tp": (("pp", "dp", "tp"), False, False, True),
 }
 
 
@@ -773,7 +774,8 @@ def test_mode_table_rows():
     with pytest.raises(ValueError, match=r"unsupported mode='ddp'; expected one of \('none', 'dp'"):
         mode_of("ddp")
     assert mode_of("pp").pp and mode_of("pp").optional_dims == ("dp",) and not any(
-        m.pp for m in MODE_TABLE if m.name != "pp")
+        m.pp for m in MODE_TABLE if m.name not in ("pp", "pp_tp"))
+    assert mode_of("pp_tp").pp and mode_of("pp_tp").optional_dims == ("dp",)
 
 
 @pytest.mark.parametrize("name,topology,memopt,sizes", [

@@ -14,7 +14,7 @@ from .parallelize.dp import apply_ddp
 from .parallelize.fsdp import apply_fsdp2
 from .parallelize.mesh import build_mesh, check_device_type, check_mesh_type, check_process_group, local_device
 from .parallelize.mixed_precision import autocast_forward, fsdp_policy, hold_neuron_state
-from .parallelize.pipeline import apply_pp
+from .parallelize.pipeline import apply_pp, own_tp_plan, split_stages
 from .parallelize.tp import apply_tp
 from .pipeline_plan import check_pp_model
 from .plan_types import SNNDistributedPlan
@@ -118,8 +118,10 @@ def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: Optional[s
     hold_neuron_state(model, plan.precision, device_type)  # before pp copies the units
     if not plan.uses_pp:  # a pipeline runs its stages under autocast instead
         autocast_forward(model, plan.precision, device_type)
-    if plan.uses_tp:
-        apply_tp(model, mesh["tp"], plan.tensor_parallel_plan)
+    stages = split_stages(model, plan, analysis.pipeline_units, mesh, device) if plan.uses_pp else None
+    if plan.uses_tp:  # a pipeline shards only its own stages' layers (the rest is on meta)
+        apply_tp(model, mesh["tp"], own_tp_plan(plan, analysis.pipeline_units, mesh) if plan.uses_pp
+                 else plan.tensor_parallel_plan)
     apply_activation_checkpointing(model, plan, analysis.fsdp_unit_names)  # TP, then AC, then FSDP2 / DDP
     apply_spike_compression(model, plan)  # hooks around the whole forward: every saved 0/1 tensor
     apply_activation_offload(model, plan)  # the same, every saved activation to host memory
@@ -128,7 +130,7 @@ def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: Optional[s
                     cpu_offload=plan.cpu_offload, mp_policy=fsdp_policy(plan.precision))
     wrapped = apply_ddp(model, mesh["dp"], device, plan.precision.reduce_dtype) if plan.uses_ddp else model
     if plan.uses_pp:
-        wrapped = apply_pp(model, plan, analysis.pipeline_units, mesh, device)
+        wrapped = apply_pp(model, plan, analysis.pipeline_units, mesh, device, stages)
     if plan.distributed:
         model.__dict__[_APPLIED] = repr(plan)
     if NeuronBackend(plan.neuron_backend).compiled:

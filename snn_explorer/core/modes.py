@@ -19,7 +19,9 @@ class Mode:
     those of them the topology may leave out. ``ddp``: replicate the model over ``dp`` with
     DistributedDataParallel; ``fsdp``: shard parameters, gradients and optimizer state over ``dp``
     with FSDP2; ``tp``: split layers over ``tp`` with DTensor TP; ``pp``: cut the model's sequence
-    of modules into stages over ``pp`` (torch.distributed.pipelining), replicated over ``dp``.
+    of modules into stages over ``pp`` (torch.distributed.pipelining), replicated over ``dp`` (and,
+    with ``tp`` too, each stage's layers split over ``tp``: a 3-D mesh pp x dp x tp, in that order,
+    tp innermost).
     """
 
     name: str
@@ -71,13 +73,13 @@ class Mode:
 def _not_yet(mode: Mode, topology: SNNDistributedTopology) -> Optional[str]:
     """Why pipeline parallelism cannot be combined with what ``mode`` does on ``topology`` yet."""
     sizes = topology.dims
-    if mode.pp and sizes.get("tp", 1) > 1:
-        return (f"mode {mode.name!r} does not combine pipeline stages with tensor parallelism (tp={sizes['tp']}) "
-                "yet (pp with tp may come later); use a topology of pp and dp only, e.g. {'pp': 2, 'dp': 2}")
+    if mode.pp and sizes.get("tp", 1) > 1 and not mode.tp:
+        return (f"mode {mode.name!r} does not split the stages' layers over tp={sizes['tp']}; use mode 'pp_tp' "
+                "(pipeline stages over pp, each stage tensor-parallel over tp, replicated over dp)")
     if not mode.pp and sizes.get("pp", 1) > 1 and mode.distributed:
         later = " (pp with fsdp2 may come later)" if mode.fsdp else ""
         return (f"mode {mode.name!r} does not cut the model into pipeline stages{later}; with pp={sizes['pp']} use "
-                "mode 'pp', which also replicates the stages over dp, or give pp size 1")
+                "mode 'pp' (stages replicated over dp) or 'pp_tp' (stages also split over tp), or give pp size 1")
     return None
 
 
@@ -101,6 +103,12 @@ MODE_TABLE: Tuple[Mode, ...] = (
          summary="pipeline stages over pp (torch.distributed.pipelining), replicated over dp",
          benefit="cuts the model's sequence of modules into stages, so each rank holds only its stages' "
                  "parameters and activations, at the cost of pipeline bubbles and point-to-point sends"),
+    Mode("pp_tp", ("pp", "dp", "tp"), tp=True, pp=True, optional_dims=("dp",),
+         summary="pipeline stages over pp, each stage's layers split over tp, replicated over dp "
+                 "(mesh pp x dp x tp, tp innermost)",
+         benefit="cuts the model into stages and splits each stage's layers and neuron state over tp, so a rank "
+                 "holds 1/(pp*tp) of the parameters; tp's collectives stay among neighbouring ranks (inside a "
+                 "node), pp's sends and dp's gradient all-reduce cross nodes"),
 )
 MODES_BY_NAME: Dict[str, Mode] = {m.name: m for m in MODE_TABLE}
 #: Mode names, in display order.

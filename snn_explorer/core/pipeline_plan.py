@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence, Tuple
 from torch import nn
 
 from .structure import forward_chain, is_plain_sequential
+from .styles import SHARDED, STYLES
 
 # ---- the model's sequence of units ---------------------------------------------------------------
 
@@ -69,11 +70,14 @@ def even_layout(units: int, stages: int) -> Tuple[int, ...]:
     return tuple(units // stages + (1 if s < units % stages else 0) for s in range(stages))
 
 
-def balanced_layout(costs: Sequence[float], stages: int, eligible: Optional[Sequence[bool]] = None) -> Tuple[int, ...]:
+def balanced_layout(costs: Sequence[float], stages: int, eligible: Optional[Sequence[bool]] = None,
+                    cuts: Optional[Sequence[bool]] = None) -> Tuple[int, ...]:
     """Consecutive runs of ``costs`` (one per unit) in ``stages`` stages minimising the largest stage's
     total cost (exact, by dynamic programming over cut points); ties keep stages even in count. With
-    ``eligible`` (one flag per unit) every stage holds an eligible unit; ValueError when none can."""
+    ``eligible`` (one flag per unit) every stage holds an eligible unit; with ``cuts`` (one flag per unit)
+    a stage may end only after a flagged unit (:func:`whole_cuts`); ValueError when none can."""
     n = len(costs)
+    cut_ok = [True] * n if cuts is None else [bool(c) for c in cuts]
     if stages > n:
         raise ValueError(f"{n} pipeline unit(s) cannot fill {stages} stages")
     prefix, marks = [0.0], [0]
@@ -87,13 +91,16 @@ def balanced_layout(costs: Sequence[float], stages: int, eligible: Optional[Sequ
     for s in range(1, stages + 1):
         for i in range(s, n - (stages - s) + 1):
             options = [(max(best[s - 1][j][0], prefix[i] - prefix[j]), abs(i - j - n / stages), j)
-                       for j in range(s - 1, i) if best[s - 1][j][0] < inf and marks[i] > marks[j]]
+                       for j in range(s - 1, i) if best[s - 1][j][0] < inf and marks[i] > marks[j]
+                       and (i == n or cut_ok[i - 1])]
             if options:
                 cost, _, cut = min(options)
                 best[s][i] = (cost, cut)
     if best[stages][n][0] == inf:
+        where = "" if cuts is None else (f" and end after a unit whose output tensor parallelism leaves whole "
+                                         f"({sum(cut_ok)} of them): use fewer pp stages or a smaller tp")
         raise ValueError(f"{n} pipeline unit(s), {marks[-1]} of them eligible, cannot be cut into {stages} stages "
-                         "that each hold an eligible one")
+                         f"that each hold an eligible one{where}")
     counts, i = [], n
     for s in range(stages, 0, -1):
         cut = best[s][i][1]
@@ -154,7 +161,7 @@ def check_pp_fields(plan) -> dict:
     if not plan.uses_pp:
         if fields != dict(pp_schedule=None, pp_microbatches=None, pp_virtual_stages=1, pp_layout=""):
             set_ = {k: v for k, v in fields.items() if v not in (None, 1, "")}
-            raise ValueError(f"pipeline fields {set_} are only used by mode 'pp'; leave them unset for "
+            raise ValueError(f"pipeline fields {set_} are only used by mode 'pp' (and 'pp_tp'); leave them unset for "
                              f"mode {plan.mode!r}")
         return fields
     pp, schedule = plan.pp_size, plan.pp_schedule_spec
@@ -227,6 +234,7 @@ def check_pp_model(plan, units: Sequence[str], problem: str = "", shared: Sequen
     counts = resolve_layout(plan.pp_layout, units, stages)
     if trainable is not None:
         _check_ranks_train(plan, units, counts, trainable)
+    check_tp_boundaries(plan.tensor_parallel_plan, units, counts)
     stage_of = {u: s for s, run in enumerate(stage_units(units, counts)) for u in run}
     for group in shared:
         owners = {s for path in group for u, s in stage_of.items() if path.startswith(u + ".")}
@@ -234,6 +242,49 @@ def check_pp_model(plan, units: Sequence[str], problem: str = "", shared: Sequen
             raise ValueError(f"the tied parameter {list(group)} would be split over pipeline stages {sorted(owners)}, "
                              "whose copies would train apart; choose a pp_layout that keeps its modules in one stage")
     return counts
+
+
+def whole_cuts(tp_plan, units: Sequence[str]) -> Tuple[bool, ...]:
+    """Per unit: whether its output is whole under ``tp_plan`` (path -> style name, in module order), so
+    a pipeline stage may end after it (a tensor-parallel shard cannot be sent)."""
+    return tuple(state != SHARDED for state, _ in _unit_states(tp_plan, units))
+
+
+def _unit_states(tp_plan, units: Sequence[str]):
+    """Per unit: (the sharding of its output, the styled path that set it). A style that takes and gives
+    the same sharding (a neuron keeping local state) passes its input's on."""
+    state, setter, out = None, None, []
+    for unit in units:
+        for path, name in tp_plan.items():
+            style, inside = STYLES[name], path == unit or path.startswith(unit + ".")
+            if inside and (style.takes != style.gives or state is None):
+                state, setter = style.gives, path
+        out.append((state, setter))
+    return out
+
+
+def check_tp_boundaries(tp_plan, units: Sequence[str], counts: Sequence[int]) -> None:
+    """ValueError when a stage would end on a tensor-parallel shard (a column-split layer whose row-split
+    partner sits in the next stage): a stage sends whole tensors. ``tp_plan``: path -> style name, in
+    module order (the planner's)."""
+    if not tp_plan:
+        return
+    boundaries = _boundaries(counts)
+    for k, (state, setter) in enumerate(_unit_states(tp_plan, units)):
+        if k in boundaries and state == SHARDED:
+            raise ValueError(f"the pipeline stage ending with unit {units[k]!r} would send a tensor-parallel shard: "
+                             f"{setter!r} ({tp_plan[setter]}) gives a sharded output that a layer of the next "
+                             f"stage gathers; choose a pp_layout whose stages end after a whole-output layer "
+                             f"(stage boundaries now after units {[units[b] for b in boundaries]})")
+
+
+def _boundaries(counts: Sequence[int]) -> Tuple[int, ...]:
+    """Indices of the units that end a stage (all but the last stage's)."""
+    ends, total = [], 0
+    for c in counts[:-1]:
+        total += c
+        ends.append(total - 1)
+    return tuple(ends)
 
 
 def recommend_pipeline(batch_size: int, world_size: int) -> Optional[Tuple[int, int]]:

@@ -17,12 +17,14 @@ from .memory_levers import (
 )
 from .modes import MODE_TABLE, MODES, Mode, mode_of, names_text
 from .pipeline_plan import (
+    balanced_layout,
     check_pp_model,
     layout_text,
     microbatches_for,
     recommend_pipeline,
     resolve_layout,
     units_problem,
+    whole_cuts,
 )
 from .pipeline_schedules import default_schedule, schedule_of
 from .plan_types import DistributedFeatureSet, SNNDistributedPlan
@@ -158,7 +160,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     zero = _uses_zero(spec, topology, features, notes)
     notes.extend(_mode_notes(spec, analysis, topology, features, tensor_parallel_plan))
     pipeline = _pipeline_fields(analysis, topology, batch_size, notes, pp_schedule, pp_microbatches,
-                                pp_virtual_stages, pp_layout) if spec.pp else {}
+                                pp_virtual_stages, pp_layout, tp_plan) if spec.pp else {}
     levers = _levers(spec, activation_checkpointing, checkpoint_every, cpu_offload, time_step_module, notes)
     chosen_precision, precision_note = choose_precision(precision, objective, features, spec.fsdp,
                                                         analysis.batchnorm_names)
@@ -293,16 +295,19 @@ def _mode_notes(spec: Mode, analysis, topology, features, explicit_tp) -> List[s
 
 
 def _pipeline_fields(analysis: SNNDistributedAnalysis, topology: SNNDistributedTopology, batch_size: int,
-                     notes: List[str], schedule, micro, virtual, layout) -> dict:
+                     notes: List[str], schedule, micro, virtual, layout, tp_plan: Mapping[str, str]) -> dict:
     """The pp fields: those given, the rest as ``recommend_pipeline`` picks them for this topology
     (its pp stages, each dp replica's batch), with one stage per rank when the model has too few units."""
     pp, per_replica, units = topology.size("pp"), batch_size // topology.size("dp"), analysis.pipeline_units
     picked = recommend_pipeline(per_replica, pp) or (1, per_replica)
     if virtual is None:
         virtual = picked[0] if schedule is None else _stages_per_rank(schedule_of(schedule), picked[0])
-        if virtual * pp > len(units):
+        cuttable = sum(whole_cuts(tp_plan, units)[:-1]) + 1 if tp_plan and units else len(units)
+        if virtual * pp > cuttable:
+            what = f"{len(units)}" if cuttable == len(units) else \
+                f"{len(units)}, which tensor parallelism lets end a stage at {cuttable - 1} place(s)"
             notes.append(f"{virtual} virtual stages per rank need {virtual * pp} pipeline units; the model has "
-                         f"{len(units)}, so one stage per rank.")
+                         f"{what}, so one stage per rank.")
             virtual = 1
     if micro is None:
         micro = picked[1] if virtual == picked[0] else microbatches_for(per_replica, pp * virtual) or per_replica
@@ -310,7 +315,10 @@ def _pipeline_fields(analysis: SNNDistributedAnalysis, topology: SNNDistributedT
         notes.append(f"{len(analysis.batchnorm_names)} BatchNorm layer(s) normalise over each micro-batch, not "
                      "over the whole batch.")
     stages = pp * virtual
-    counts = resolve_layout(layout, units, stages) if stages <= len(units) else ()
+    if tp_plan and layout is None and stages <= len(units):  # stages end on whole tensors, even in count
+        counts = balanced_layout([1.0] * len(units), stages, cuts=whole_cuts(tp_plan, units))
+    else:
+        counts = resolve_layout(layout, units, stages) if stages <= len(units) else ()
     return dict(pp_schedule=default_schedule(virtual) if schedule is None else schedule, pp_microbatches=micro,
                 pp_virtual_stages=virtual, pp_layout=layout_text(counts))
 

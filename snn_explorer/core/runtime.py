@@ -271,8 +271,9 @@ class SNNDistributedRuntime:
 
     # ---- inspection ---------------------------------------------------------------------------
     def _full_tensors(self, pick: Callable) -> Dict[str, Optional[torch.Tensor]]:
-        if self.plan.uses_pp:  # gathered over the pipeline stages
-            return self.model.full_tensors(pick)
+        if self.plan.uses_pp:  # gathered over the pipeline stages (and tp)
+            return self.model.full_tensors(pick, lambda owner, name, t: full_tensor(owner, name,
+                                                                                    _full(t.detach()).contiguous()))
         out = {}
         for owner_name, owner in self.module.named_modules():
             for name, param in owner.named_parameters(recurse=False):

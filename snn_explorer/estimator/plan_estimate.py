@@ -48,7 +48,7 @@ from .memory.step_peak import dynamic_peak
 from .profile.checkpointed import levered_profile, recompute_fraction
 from .profile.profiling import ModelProfile, model_profile, plan_profile, run_fits
 from .profile.step import check_inputs, check_optimizer, resolve_layout
-from .timing.collectives import step_collectives
+from .timing.collectives import pipeline_tp_collectives, step_collectives
 from .timing.gpu_kernels import gpu_plan_time
 from .timing.step_time import plan_time
 
@@ -200,8 +200,9 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
     itemsize = profile.compute_itemsize  # activations sent between ranks: the precision's compute dtype
     params = local_params(profile.params, plan, profile.param_itemsizes or itemsize)
     if plan.uses_pp:  # the rank's stages, micro-batches in flight, sends between stages
-        rows, collectives, pipeline = pipeline_rows(plan, profile, pipeline_units(model)[0], params, t, itemsize,
-                                                    optimizer)
+        units = pipeline_units(model)[0]
+        rows, collectives, pipeline = pipeline_rows(plan, profile, units, params, t, itemsize, optimizer)
+        collectives += pipeline_tp_collectives(plan, profile, units, t, itemsize)  # 3-D: TP inside the stages
         return _finish(plan, pd.DataFrame(rows)[list(PER_RANK_COLUMNS)], collectives, t, optimizer, memory_budget,
                        profile, hardware, pipeline)
     # Activations and temporaries of the forward (the gradients were set to None), of the backward

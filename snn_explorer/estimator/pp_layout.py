@@ -6,7 +6,14 @@ import math
 from typing import Optional, Sequence
 
 from ..core.analysis import shared_parameters
-from ..core.pipeline_plan import balanced_layout, check_pp_model, layout_text, pipeline_units, trainable_units
+from ..core.pipeline_plan import (
+    balanced_layout,
+    check_pp_model,
+    layout_text,
+    pipeline_units,
+    trainable_units,
+    whole_cuts,
+)
 from .memory.pipeline_memory import under
 from .profile.profiling import model_profile
 
@@ -30,7 +37,8 @@ def layout_by_profile(profile, plan, units: Sequence[str], t: int, trainable: Op
     """A ``pp_layout`` balancing the stages by what the profile measured per unit: the bytes each unit
     saves for backward plus its parameters (memory), and its input and output elements (a proxy
     for its time, which the profile does not time), each as a share of the model's total; with
-    ``trainable`` (unit paths) every stage holds one of them (ValueError when it cannot)."""
+    ``trainable`` (unit paths) every stage holds one of them (ValueError when it cannot); under TP
+    (mode ``pp_tp``) a stage ends only after a unit whose output is whole."""
     n = max(1, plan.per_rank_batch // (plan.pp_microbatches or 1))
     memory, work = [], []
     for unit in units:
@@ -41,4 +49,5 @@ def layout_by_profile(profile, plan, units: Sequence[str], t: int, trainable: Op
     total_m, total_w = sum(memory) or 1.0, sum(work) or 1.0
     costs = [m / total_m + w / total_w for m, w in zip(memory, work)]
     eligible = None if trainable is None else [u in trainable for u in units]
-    return layout_text(balanced_layout(costs, plan.pp_stages, eligible))
+    cuts = whole_cuts(plan.tensor_parallel_plan, units) if plan.uses_tp else None  # 3-D: stages send whole tensors
+    return layout_text(balanced_layout(costs, plan.pp_stages, eligible, cuts))

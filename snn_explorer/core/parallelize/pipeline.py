@@ -21,6 +21,12 @@ its dp replicas with one all-reduce of the flattened gradients. That is simpler 
 than DDP on the stage module: the schedule calls backward once per micro-batch, and DDP would
 all-reduce on every one of them unless each but the last ran under ``no_sync``; the explicit
 all-reduce runs exactly once per step, after all micro-batches, whatever the schedule.
+
+Tensor parallelism inside the stages (mode ``pp_tp``, mesh pp x dp x tp): the stages' shapes are
+taken from the unsharded model (:func:`split_stages`, before TP), then only the rank's own units are
+sharded over its tp group; a stage sends whole tensors (the plan refuses a layout that ends a stage on
+a shard, ``core.pipeline_plan.check_tp_boundaries``), so every tp peer of a stage receives and sends the
+same activations on its own pp group. dp averages the local shards of the gradients.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ...compat import is_view
 from ...compat_pipelining import pipelining
@@ -83,6 +90,37 @@ def _to_meta(module: nn.Module) -> nn.Module:
     return module.to("meta")
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's local shard (a TP DTensor's), else the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def own_stage_ids(plan, mesh) -> Tuple[int, ...]:
+    """The stages this rank's pp coordinate holds."""
+    return tuple(plan.pp_schedule_spec.rank_stages(mesh.get_local_rank("pp"), plan.pp_size, plan.pp_virtual_stages))
+
+
+def split_stages(model: nn.Module, plan, units: Sequence[str], mesh, device: torch.device) -> List[nn.Sequential]:
+    """Every stage's units as shapes only (meta copies, taken before TP shards anything): the rank's own
+    units copied, the model's other units moved to ``meta`` themselves (no data); the own units go to
+    ``device``."""
+    paths = stage_units(units, resolve_layout(plan.pp_layout, units, plan.pp_stages))
+    own = {p for s in own_stage_ids(plan, mesh) for p in paths[s]}
+    meta = [nn.Sequential(*[_to_meta(neurons.detached_copy(model.get_submodule(p))) if p in own
+                            else _to_meta(model.get_submodule(p)) for p in run]) for run in paths]
+    for p in own:
+        model.get_submodule(p).to(device)
+    return meta
+
+
+def own_tp_plan(plan, units: Sequence[str], mesh) -> Dict[str, str]:
+    """The plan's TP styles of the modules in this rank's own stages (the others are on meta)."""
+    paths = stage_units(units, resolve_layout(plan.pp_layout, units, plan.pp_stages))
+    own = [p for s in own_stage_ids(plan, mesh) for p in paths[s]]
+    return {path: style for path, style in plan.tensor_parallel_plan.items()
+            if any(path == u or path.startswith(u + ".") for u in own)}
+
+
 class PipelinedModel(nn.Module):
     """This rank's pipeline stages of the user's model and the torch schedule that runs them.
 
@@ -90,7 +128,8 @@ class PipelinedModel(nn.Module):
     ``last_outputs``: the last step's outputs merged over micro-batches, on the rank holding the
     last stage (None elsewhere).
     """
-    def __init__(self, model: nn.Module, plan, units: Sequence[str], mesh, device: torch.device):
+    def __init__(self, model: nn.Module, plan, units: Sequence[str], mesh, device: torch.device,
+                 meta_stages: Sequence[nn.Module]):
         super().__init__()
         self.plan = plan
         self.layout = plan.layout
@@ -102,11 +141,7 @@ class PipelinedModel(nn.Module):
         counts = resolve_layout(plan.pp_layout, units, plan.pp_stages)
         self.stage_paths = stage_units(units, counts)
         self.stage_ids = self.schedule.rank_stages(self.pp_rank, plan.pp_size, plan.pp_virtual_stages)
-        own = {p for s in self.stage_ids for p in self.stage_paths[s]}
-        # shapes only: every stage on the meta device, the rank's own ones as detached copies
-        self._meta_stages = [nn.Sequential(*[_to_meta(neurons.detached_copy(model.get_submodule(p)))
-                                             if p in own else _to_meta(model.get_submodule(p)) for p in paths])
-                             for paths in self.stage_paths]
+        self._meta_stages = list(meta_stages)  # shapes only (split_stages)
         self.stages = nn.ModuleList(
             PipelineStageModule(s, self.stage_paths[s], [model.get_submodule(p).to(device)
                                                          for p in self.stage_paths[s]], self.schedule.splits_backward,
@@ -195,7 +230,7 @@ class PipelinedModel(nn.Module):
         return self._broadcast_loss(losses)
 
     def _average_gradients(self) -> None:
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        grads = [_local(p.grad) for p in self.parameters() if p.grad is not None]
         if not grads:
             return
         flat = reduce_in(torch.cat([g.reshape(-1) for g in grads]), self.plan.precision)
@@ -220,15 +255,18 @@ class PipelinedModel(nn.Module):
         return loss
 
     # ---- inspection ---------------------------------------------------------------------------
-    def full_tensors(self, pick: Callable) -> Dict[str, Optional[torch.Tensor]]:
-        """``pick(param)`` of every parameter of the whole model, by its path, gathered over the stages."""
+    def full_tensors(self, pick: Callable, gather: Callable) -> Dict[str, Optional[torch.Tensor]]:
+        """``pick(param)`` of every parameter of the whole model, by its path, gathered over the stages
+        (``gather(owner, name, tensor)``: the full tensor of a TP-sharded one; a collective over tp)."""
         local = {}
         for stage in self.stages:
             tensors = {}
             for path, unit in zip(stage.paths, stage.units):
-                for name, param in unit.named_parameters():
-                    tensor = pick(param)
-                    tensors[f"{path}.{name}"] = None if tensor is None else tensor.detach().cpu().clone()
+                for owner_name, owner in unit.named_modules():
+                    for name, param in owner.named_parameters(recurse=False):
+                        tensor = pick(param)
+                        key = ".".join(p for p in (path, owner_name, name) if p)
+                        tensors[key] = None if tensor is None else gather(owner, name, tensor).cpu().clone()
             local[stage.index] = tensors
         parts: List[Optional[dict]] = [None] * self.plan.pp_size
         dist.all_gather_object(parts, local, group=self.pp_group)
@@ -240,6 +278,8 @@ class PipelinedModel(nn.Module):
         return out
 
 
-def apply_pp(model: nn.Module, plan, units: Sequence[str], mesh, device: torch.device) -> PipelinedModel:
-    """This rank's stages of ``model`` on ``device`` (the rest of its units moved to ``meta``)."""
-    return PipelinedModel(model, plan, units, mesh, device)
+def apply_pp(model: nn.Module, plan, units: Sequence[str], mesh, device: torch.device,
+             meta_stages: Sequence[nn.Module]) -> PipelinedModel:
+    """This rank's stages of ``model`` on ``device`` (the rest of its units on ``meta``; ``meta_stages``
+    from :func:`split_stages`)."""
+    return PipelinedModel(model, plan, units, mesh, device, meta_stages)

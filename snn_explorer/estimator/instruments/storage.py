@@ -19,7 +19,8 @@ from ...compat import is_fake
 from ...core.neurons import state_tensors, stateful_modules
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s local shard when it is a DTensor (TP, FSDP2), else ``t``."""
     if not isinstance(t, DTensor):
         return t
     with torch.no_grad():
@@ -38,7 +39,7 @@ def storage_bytes(tensors: Iterable) -> Dict[int, int]:
     out = {}
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            st = _local(t).untyped_storage()
+            st = local_tensor(t).untyped_storage()
             out[storage_key(t, st)] = st.nbytes()
     return out
 
@@ -58,15 +59,22 @@ def state_tensor_ids(model: nn.Module) -> set:
     return {id(t) for t in model_state_tensors(model)}
 
 
+def storage_keys(tensors: Iterable) -> set:
+    """The :func:`storage_key` of each tensor's (local) storage, for :class:`LiveSaved` to skip."""
+    return {storage_key(local_tensor(t), local_tensor(t).untyped_storage()) for t in tensors}
+
+
 class LiveSaved:
-    """saved_tensors_hooks counting the bytes of the saved storages alive at once (peak in ``peak``)."""
+    """saved_tensors_hooks counting the bytes of the saved storages alive at once (peak in ``peak``;
+    ``skip``: :func:`storage_keys` of tensors not counted)."""
 
     def __init__(self, skip: set):
         self.skip, self.live, self.current, self.peak = skip, {}, 0, 0
 
     def pack(self, t):
-        st = t.untyped_storage()
-        key = st.data_ptr()
+        local = local_tensor(t)  # a DTensor's shard is counted; the saved tensor itself is kept as it is
+        st = local.untyped_storage()
+        key = storage_key(local, st)
         if key not in self.skip and key not in self.live:
             self.live[key] = st.nbytes()
             self.current += st.nbytes()
@@ -85,7 +93,7 @@ class SavedAlive:
         self.refs: Dict[int, tuple] = {}
 
     def pack(self, t):
-        st = _local(t).untyped_storage()
+        st = local_tensor(t).untyped_storage()
         old = self.refs.get(st.data_ptr())
         if old is None or old[1]() is None:
             self.refs[st.data_ptr()] = (st.nbytes(), weakref.ref(st))

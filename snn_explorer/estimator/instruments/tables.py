@@ -23,6 +23,11 @@ def reduce_phase(stages: Sequence[int]) -> str:
     return f"after backward (stages {','.join(map(str, stages))})"
 
 
+def tp_phase(stages: Sequence[int]) -> str:
+    """The ``phase`` of a pp rank's tensor-parallel collectives inside its ``stages`` (mode ``pp_tp``)."""
+    return f"inside stages {','.join(map(str, stages))}"
+
+
 def boundary_stages(phase: str) -> Tuple[int, int]:
     """``(src, dst)`` stages of a :func:`boundary_phase`."""
     src, dst = phase.split(" ", 1)[1].split("->")

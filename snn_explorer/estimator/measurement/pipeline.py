@@ -1,4 +1,4 @@
-"""measure() of a pipeline plan (mode ``pp``): one rank's stages under torch's schedule.
+"""measure() of a pipeline plan (modes ``pp``, ``pp_tp``): one rank's stages under torch's schedule.
 
 torch's MemTracker refuses a module called more than once per step, and every stage runs once
 per micro-batch, so the peak here is a :class:`StorageMeter`'s over the measured step (the
@@ -6,7 +6,8 @@ rank's parameters, optimizer state, buffers, input and the schedule's receive bu
 from its start). Activations are the most bytes saved for backward alive at once (parameters,
 the input and receive buffers left out); neuron state is NaN (each stage replaces it per
 micro-batch, so no one moment shows "the" state). The sends and receives are recorded as the
-schedule issues them, each named by the stage boundary it crosses.
+schedule issues them, each named by the stage boundary it crosses; a 3-D plan's tensor-parallel
+collectives by the stages they run inside (:func:`~..instruments.tables.tp_phase`).
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from ...core.collectives import Collective
 from ...ranks.progress import heartbeat
 from ..instruments.meter import StorageMeter
 from ..instruments.recorder import CollectiveRecorder
-from ..instruments.storage import LiveSaved, saving, state_tensor_ids, total_bytes
-from ..instruments.tables import reduce_phase
+from ..instruments.storage import LiveSaved, local_tensor, saving, state_tensor_ids, storage_keys, total_bytes
+from ..instruments.tables import reduce_phase, tp_phase
 from ..profile.step import OPTIMIZERS, batch_slice
 from .settings import MeasureSettings, timed_steps
 
@@ -57,21 +58,23 @@ def measure_pp_plan(model, plan, run: MeasureSettings) -> dict:
     for stage in pipe.pipeline_stages:
         compat_pipelining.label_pipeline_p2p(stage, labels)
     recv = [b for stage in pipe.pipeline_stages for b in compat_pipelining.pipeline_recv_buffers(stage)]
-    params = list(pipe.parameters())
-    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    params = [local_tensor(p) for p in pipe.parameters()]  # a 3-D plan's TP shards: their local tensors
+    state = [local_tensor(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     inputs = [x] if pipe.holds_first else []
     opt.zero_grad(set_to_none=True)
     meter, recorder = StorageMeter(), CollectiveRecorder(phase="step", labels=labels)
     meter.track(params + state + list(pipe.buffers()) + recv + inputs + ([y] if pipe.holds_last else []))
-    saved = LiveSaved({t.untyped_storage().data_ptr() for t in params + recv + [x]})
+    saved = LiveSaved(storage_keys(params + recv + [x]))
     with meter, recorder, saving(saved):
         runtime.train_step(criterion, x, y)
         opt.step()
     heartbeat(step=run.steps + 1, total=run.steps + 1, message=f"{plan.mode}: measured step")
     groups = {d: runtime.mesh.get_group(d) for d in plan.mesh_dim_names}
-    phases = {Collective.ALL_REDUCE: reduce_phase(pipe.stage_ids), Collective.BROADCAST: "loss"}
-    rows = [dict(r, phase=phases.get(r["kind"], r["phase"])) for r in recorder.table(groups)]
-    row = dict(rank=dist.get_rank(), params_bytes=total_bytes(params), grads_bytes=total_bytes(p.grad for p in params),
+    phases = {("dp", Collective.ALL_REDUCE): reduce_phase(pipe.stage_ids), ("pp", Collective.BROADCAST): "loss"}
+    rows = [dict(r, phase=tp_phase(pipe.stage_ids) if r["mesh_dim"] == "tp" else
+                 phases.get((r["mesh_dim"], r["kind"]), r["phase"])) for r in recorder.table(groups)]
+    row = dict(rank=dist.get_rank(), params_bytes=total_bytes(params),
+               grads_bytes=total_bytes(p.grad for p in pipe.parameters()),
                optimizer_bytes=total_bytes(state), buffers_bytes=total_bytes(_buffers(pipe)), activations_bytes=saved.peak,
                neuron_state_bytes=_NAN, transient_bytes=total_bytes(recv + inputs), peak_bytes=meter.peak)
     return dict(row=row, collectives=rows, times=times, blocked_s=_NAN, debug=None, pp_rank=pipe.pp_rank)
@@ -82,7 +85,7 @@ def pp_collectives(plan, results: Sequence[dict]):
     ranks, each pp rank's gradient all-reduce, the loss broadcast; ``agree`` when every boundary's
     receives equal its sends and every dp replica issued what replica 0 did."""
     key = lambda rows: sorted((r["mesh_dim"], r["kind"], r["phase"], r["count"], r["bytes"]) for r in rows)
-    first = {r["pp_rank"]: r for r in results[::plan.dp_size]}
+    first = {r["pp_rank"]: r for r in results[::plan.dp_size * plan.tp_size]}  # mesh order pp, dp, tp
     agree = all(key(r["collectives"]) == key(first[r["pp_rank"]]["collectives"]) for r in results)
     sums: Dict[tuple, List[int]] = {}
     for pp_rank, result in sorted(first.items()):

@@ -114,7 +114,7 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
     micro, n_micro = plan.pp_microbatches, plan.per_rank_batch // plan.pp_microbatches
     schedule = plan.pp_schedule_spec
     costs = _stage_costs(profile, stages, n_micro, t)
-    runs = measure_stages(profile, stages, n_micro, t, micro)
+    runs = measure_stages(profile, stages, n_micro, t, micro, plan.tensor_parallel_plan, plan.tp_size)
     last, has_labels = plan.pp_stages - 1, profile.labels is not None
     rows: Dict[int, dict] = {}
     table, collectives = [], []
@@ -152,5 +152,5 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
             collectives.append(dict(mesh_dim="pp", kind=Collective.SEND, phase=phase, count=micro, bytes=micro * nbytes))
     # the loss is broadcast in its dtype promoted with fp32 (a bf16 / fp16 loss would lose digits)
     collectives.append(dict(mesh_dim="pp", kind=Collective.BROADCAST, phase="loss", count=1, bytes=max(itemsize, 4)))
-    per_rank = [dict(rank=r, **rows[r // plan.dp_size]) for r in range(plan.world_size)]
+    per_rank = [dict(rank=r, **rows[r // (plan.dp_size * plan.tp_size)]) for r in range(plan.world_size)]  # pp, dp, tp
     return per_rank, collectives, pd.DataFrame(table, columns=list(PIPELINE_COLUMNS))

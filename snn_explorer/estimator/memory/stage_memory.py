@@ -17,15 +17,15 @@ so both see the same tensors kept for backward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence
 
 import torch
 
 from ...core.parallelize.mixed_precision import autocast_forward
 from ...core.parallelize.pipeline import PipelineStageModule
 from ..instruments.meter import StorageMeter
-from ..instruments.storage import LiveSaved, saving, state_tensor_ids, total_bytes
-from ..profile.step import batch_slice, loss_of
+from ..instruments.storage import LiveSaved, saving, state_tensor_ids, storage_keys, total_bytes
+from ..profile.step import batch_slice, input_as, loss_of
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class StageMemory:
 def _micro(meter: StorageMeter, stage, inp, labels, grad_out, layout) -> tuple:
     """(kept, saved for backward, forward peak, backward peak, output) of one micro-batch's forward
     and backward (saved: the storages packed for backward, its input and the parameters left out)."""
-    saved = LiveSaved({t.untyped_storage().data_ptr() for t in [inp] + list(stage.parameters())})
+    saved = LiveSaved(storage_keys([inp] + list(stage.parameters())))
     with meter:
         meter.restart_peak()
         base = meter.current
@@ -63,19 +63,27 @@ def _micro(meter: StorageMeter, stage, inp, labels, grad_out, layout) -> tuple:
     return kept, packed, forward, backward, out.detach()
 
 
-def measure_stages(profile, stages: Sequence[Sequence[str]], n: int, t: int, micro: int) -> List[StageMemory]:
+def measure_stages(profile, stages: Sequence[Sequence[str]], n: int, t: int, micro: int,
+                   tp_plan: Optional[Mapping[str, str]] = None, tp: int = 1) -> List[StageMemory]:
     """:class:`StageMemory` of every stage (``stages``: unit paths) at ``n`` samples, ``t`` steps, the
-    micro-batch cut out of a batch of ``micro`` of them."""
-    key = (tuple(map(tuple, stages)), n, t, micro)
-    if key in profile.stage_memory:
-        return profile.stage_memory[key]
+    micro-batch cut out of a batch of ``micro`` of them; with ``tp_plan`` over ``tp`` ranks, as one TP
+    rank runs the stage (the profile's TP replica, ``profile.rank_model``)."""
+    key = (tuple(map(tuple, stages)), n, t, micro) + profile.rank_model(tp_plan, tp)[0]
+    if key not in profile.stage_memory:
+        with profile.runner(tp_plan, tp, profile.shape_only) as (model, convert):  # FakeTensors when shape-only
+            profile.stage_memory[key] = _measure(profile, model, convert, stages, n, t, micro)
+    return profile.stage_memory[key]
+
+
+def _measure(profile, model, convert, stages, n: int, t: int, micro: int) -> List[StageMemory]:
     layout = profile.layout
     x, y = batch_slice(profile.example_input, profile.labels, n * micro, t, layout=layout)
+    x, y = convert(input_as(x, profile.dtype)), convert(y)  # token ids stay ints
     # views of the batch on its batch dim, as torch's split gives the first stage and the loss
-    x, y = layout.share(x.to(profile.dtype), 0, n), None if y is None else y[:n]
+    x, y = layout.share(x, 0, n), None if y is None else y[:n]
     out: List[StageMemory] = []
     for i, paths in enumerate(stages):
-        stage = PipelineStageModule(i, paths, [profile.model.get_submodule(p) for p in paths],
+        stage = PipelineStageModule(i, paths, [model.get_submodule(p) for p in paths],
                                     per_step=layout.per_step, output_dtype=profile.precision.compute_dtype)
         autocast_forward(stage, profile.precision, "cpu")  # as apply runs each stage (the root's autocast skips them)
         inp = x if i == 0 else x.detach().requires_grad_()
@@ -102,5 +110,4 @@ def measure_stages(profile, stages: Sequence[Sequence[str]], n: int, t: int, mic
                                forward=forward, backward_first=first - held, backward_next=after, grads=grads))
         for p in params:
             p.grad = None
-    profile.stage_memory[key] = out
     return out

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ...compat import DDP_FIRST_BUCKET_BYTES, ddp_bucket_assignment
 from ...core import SNNDistributedPlan
 from ...core.collectives import Collective
+from ...core.pipeline_plan import check_pp_model, stage_units
 from ...core.styles import STYLES
+from ..instruments.tables import tp_phase
 from ..memory.sharding import Param, ddp_reduce_bytes, fsdp_group_bytes, fsdp_groups, gather_itemsize, reduce_itemsize
 from ..profile.profiling import ModelProfile
 
@@ -58,10 +60,13 @@ def _fsdp(out, plan: SNNDistributedPlan, params, profile: ModelProfile, t: int) 
         _add(out, ("dp", Collective.REDUCE_SCATTER, "backward"), 1, reduced)
 
 
-def _tp(out, plan: SNNDistributedPlan, profile: ModelProfile, n: int, t: int, itemsize: int) -> None:
+def _tp(out, plan: SNNDistributedPlan, profile: ModelProfile, n: int, t: int, itemsize: int,
+        units: Optional[Sequence[str]] = None) -> None:
+    """TP rows of every styled module (with ``units``: of those under these module paths only)."""
     for path, name in plan.tensor_parallel_plan.items():
         module = profile.modules.get(path)
-        if module is not None:
+        inside = units is None or any(path == u or path.startswith(u + ".") for u in units)
+        if module is not None and inside:
             # backward rows reduce input gradients, in the dtype of the input (fp32 after an fp32-state neuron)
             rows = [r for r in STYLES[name].collectives(module, n, t, itemsize) if r[1] != "backward"]
             rows += [r for r in STYLES[name].collectives(module, n, t, module.in_itemsize or itemsize)
@@ -94,3 +99,33 @@ def step_collectives(plan: SNNDistributedPlan, params: Sequence[Param], profile:
         _fsdp(out, plan, params, profile, time_steps)
     return [dict(mesh_dim=d, kind=k, phase=p, count=c, bytes=b) for (d, k, p), (c, b) in out.items()
             if plan.dim_size(d) > 1]
+
+
+def stage_tp_rows(plan: SNNDistributedPlan, profile: ModelProfile, units: Sequence[str], n: int, t: int,
+                  itemsize: int) -> List[dict]:
+    """Rows ``kind, phase, count, bytes`` (phase ``forward`` / ``backward``) of the tensor-parallel collectives
+    one micro-batch of ``n`` samples issues inside a pipeline stage of ``units`` (mode ``pp_tp``)."""
+    out: Dict[Row, List[int]] = defaultdict(lambda: [0, 0])
+    _tp(out, plan, profile, n, t, itemsize, units)
+    return [dict(kind=k, phase=p, count=c, bytes=b) for (_, k, p), (c, b) in out.items()]
+
+
+def pipeline_tp_collectives(plan: SNNDistributedPlan, profile: ModelProfile, units: Sequence[str], t: int,
+                            itemsize: int) -> List[dict]:
+    """Rows ``mesh_dim, kind, phase, count, bytes`` of each pp rank's tensor-parallel collectives over a step
+    of a 3-D plan: its stages' rows (:func:`stage_tp_rows`) for every micro-batch, the phase naming its stages
+    (:func:`~..instruments.tables.tp_phase`); none without tp."""
+    if plan.tp_size == 1:
+        return []
+    stages = stage_units(units, check_pp_model(plan, units))
+    spec, micro = plan.pp_schedule_spec, plan.pp_microbatches
+    out = []
+    for pp_rank in range(plan.pp_size):
+        own = spec.rank_stages(pp_rank, plan.pp_size, plan.pp_virtual_stages)
+        acc: Dict[str, List[int]] = defaultdict(lambda: [0, 0])
+        for s in own:
+            for row in stage_tp_rows(plan, profile, stages[s], plan.per_rank_batch // micro, t, itemsize):
+                acc[row["kind"]][0] += row["count"] * micro
+                acc[row["kind"]][1] += row["bytes"] * micro
+        out += [dict(mesh_dim="tp", kind=k, phase=tp_phase(own), count=c, bytes=b) for k, (c, b) in acc.items()]
+    return out

@@ -31,10 +31,12 @@ from ...core.collectives import Collective
 from ...core.parallelize.pipeline import PipelineStageModule
 from ...core.pipeline_plan import check_pp_model, pipeline_units, stage_units
 from ...core.pipeline_schedules import needs, passes, replay
+from ...core.styles import STYLES
 from ..instruments.op_counter import OpCounter
 from ..instruments.tables import TIME_COLUMNS, boundary_stages, reduce_phase
 from ..profile.profiling import Fit
-from ..profile.step import batch_slice, loss_of
+from ..profile.step import batch_slice, input_as, loss_of
+from .collectives import stage_tp_rows
 from .compute_work import PhaseWork
 from .hardware import HardwareProfile
 from .placement import spans_nodes
@@ -55,19 +57,20 @@ def _phase_work(counts: Sequence[float]) -> PhaseWork:
     return PhaseWork(*(Fit(c0=v) for v in counts))
 
 
-def stage_work(profile, stages: Sequence[Sequence[str]], n: int, t: int) -> List[StageWork]:
+def stage_work(profile, stages: Sequence[Sequence[str]], n: int, t: int, tp_plan=None, tp: int = 1) -> List[StageWork]:
     """:class:`StageWork` of every stage (``stages``: unit paths) for ``n`` samples and ``t`` steps,
-    cached on the profile. Counted in the state of a step: after a forward at the same size, the
-    stage's gradients None, its input a received activation that requires grad (the first stage's
-    the batch), the gradient of its output given."""
+    cached on the profile (with ``tp_plan`` over ``tp`` ranks: on one TP rank's replica). Counted in the
+    state of a step: after a forward at the same size, the stage's gradients None, its input a received
+    activation that requires grad (the first stage's the batch), the gradient of its output given."""
     cache = profile.__dict__.setdefault("_stage_work", {})
-    key = (tuple(map(tuple, stages)), n, t)
+    shapes, model = profile.rank_model(tp_plan, tp)
+    key = (tuple(map(tuple, stages)), n, t) + shapes
     if key in cache:
         return cache[key]
     x, y = batch_slice(profile.example_input, profile.labels, n, t, layout=profile.layout)
-    x, out = x.to(profile.dtype), []
+    x, out = input_as(x, profile.dtype), []  # token ids stay ints
     for i, paths in enumerate(stages):
-        stage = PipelineStageModule(i, paths, [profile.model.get_submodule(p) for p in paths],
+        stage = PipelineStageModule(i, paths, [model.get_submodule(p) for p in paths],
                                     per_step=profile.layout.per_step)
         inp = x if i == 0 else x.detach().requires_grad_()
         with torch.no_grad():
@@ -152,19 +155,21 @@ def pipeline_time_table(plan, profile, collectives: pd.DataFrame, per_rank: pd.D
     module doc); ``optimizer_s(params_bytes)``: seconds of the optimizer step over that many bytes,
     before the host's slow-down."""
     stages = plan_stages(plan, profile)
-    work = stage_work(profile, stages, plan.per_rank_batch // plan.pp_microbatches, t)
+    n = plan.per_rank_batch // plan.pp_microbatches
+    work = stage_work(profile, stages, n, t, plan.tensor_parallel_plan, plan.tp_size)
     unit = {p: correction.get(p, 1.0) for p in ("forward", "backward", "optimizer")}
     slow = hw.sharing(ranks_on_host * busy_share(plan, _action_costs(plan, work, hw, t, itemsize, unit)))
     per_action = hw.overhead(f"pp_action:{plan.pp_schedule}", plan.pp_size)
-    costs = {k: c + per_action for k, c in _action_costs(plan, work, hw, t, itemsize,
-                                                          {p: c * slow for p, c in unit.items()}).items()}
+    inside = stage_tp_s(plan, profile, stages, hw, n, t, itemsize)
+    costs = {k: c + per_action + inside.get(k, 0.0)
+             for k, c in _action_costs(plan, work, hw, t, itemsize, {p: c * slow for p, c in unit.items()}).items()}
     extra = hw.overhead(f"pp_link:{plan.pp_schedule}", plan.pp_size)
     links = {boundary: seconds + extra for boundary, seconds in transfer_s(plan, collectives, hw).items()}
     lines = replay_plan(plan, costs, links)
     reduce_s, broadcast = _collectives_after(plan, collectives, hw)
     rows = []
     for pp_rank, spans in sorted(lines.items()):
-        params = float(per_rank["params_bytes"].iloc[pp_rank * plan.dp_size])
+        params = float(per_rank["params_bytes"].iloc[pp_rank * plan.dp_size * plan.tp_size])
         optimizer = optimizer_s(params) * unit["optimizer"] * slow
         rows.append(dict(end=spans[-1][-1] + reduce_s[pp_rank], optimizer=optimizer,
                          compute=sum(costs[(kind, s)] for kind, s, *_ in spans) + optimizer,
@@ -172,11 +177,32 @@ def pipeline_time_table(plan, profile, collectives: pd.DataFrame, per_rank: pd.D
     joined = max(r["end"] for r in rows) + broadcast  # the loss broadcast: every rank waits for the last
     table = []
     for rank in range(plan.world_size):
-        r = rows[rank // plan.dp_size]
+        r = rows[rank // (plan.dp_size * plan.tp_size)]  # mesh order pp, dp, tp
         step = joined + r["optimizer"]
         table.append(dict(rank=rank, compute_s=r["compute"], exposed_comm_s=r["comm"],
                           bubble_s=max(0.0, step - r["compute"] - r["comm"]), step_s=step))
     return pd.DataFrame(table, columns=list(TIME_COLUMNS))
+
+
+def stage_tp_s(plan, profile, stages: Sequence[Sequence[str]], hw: HardwareProfile, n: int, t: int,
+               itemsize: int) -> Dict[Tuple[str, int], float]:
+    """Seconds each action of a 3-D plan spends in its stage's tensor-parallel collectives (on the critical
+    path, over the tp group's link: inside a node when tp fits in one) and in the calibrated DTensor
+    dispatch of each call of a module a TP style wraps (counted with the forward); empty without tp."""
+    if plan.tp_size == 1:
+        return {}
+    out: Dict[Tuple[str, int], float] = {}
+    link = spans_nodes(plan, "tp", hw)
+    for s, units in enumerate(stages):
+        phase_s = {"forward": 0.0, "backward": 0.0}
+        for row in stage_tp_rows(plan, profile, units, n, t, itemsize):
+            phase_s[row["phase"]] += hw.collective_time(row["kind"], plan.tp_size, row["bytes"], row["count"], link)
+        calls = sum(profile.modules[path].calls(n, t) for path, style in plan.tensor_parallel_plan.items()
+                    if path in profile.modules and STYLES[style].wraps_calls
+                    and any(path == u or path.startswith(u + ".") for u in units))
+        out[("F", s)] = phase_s["forward"] + calls * hw.overhead("tp_module", plan.tp_size)
+        out.update({(kind, s): share * phase_s["backward"] for kind, share in BACKWARD_SHARE.items()})
+    return out
 
 
 def _collectives_after(plan, collectives: pd.DataFrame, hw: HardwareProfile) -> Tuple[List[float], float]:
