@@ -30,8 +30,8 @@ from ...core.validate import check_instance
 from ..instruments.recorder import CollectiveRecorder
 from ..instruments.tables import COLLECTIVE_COLUMNS
 from ..profile.shape_only import fake_copy, following, to_fake
-from ..profile.step import OPTIMIZERS, batch_slice, check_optimizer, forward_loss, resolve_layout
-from .plan_measurement import tracked_peak
+from ..profile.step import OPTIMIZERS, batch_slice, check_optimizer, resolve_layout
+from .plan_measurement import tracked_peak, training_step
 
 
 def _check_recordable(plan: SNNDistributedPlan, rank: int) -> None:
@@ -80,26 +80,11 @@ def record_rank_step(model: nn.Module, plan: SNNDistributedPlan, example_input: 
             kind = OPTIMIZERS[optimizer]
             opt = runtime.build_optimizer(kind.cls, lr=1e-3, **kind.kwargs)
             recorder = CollectiveRecorder()
-            step = _step(runtime.model, opt, x, y, layout)
+            step = training_step(runtime.model, opt, x, y, layout)
             peak = tracked_peak(runtime, opt, x, step, lambda: step(recorder), contextlib.nullcontext(), recorder,
                                 cuda=False)
         rows = _rows(recorder, runtime.mesh, plan) if plan.distributed else []
     return FakeRankStep(plan, rank, pd.DataFrame(rows, columns=list(COLLECTIVE_COLUMNS)), peak)
-
-
-def _step(model: nn.Module, opt, x, y, layout):
-    """One training step, its phases told to the recorder when one is given."""
-    def step(recorder: Optional[CollectiveRecorder] = None):
-        opt.zero_grad(set_to_none=True)
-        loss = forward_loss(model, x, y, layout)
-        if recorder is not None:
-            recorder.phase = "backward"
-        loss.backward()
-        del loss
-        if recorder is not None:
-            recorder.phase = "optimizer"
-        opt.step()
-    return step
 
 
 def _rows(recorder: CollectiveRecorder, mesh, plan: SNNDistributedPlan) -> list:

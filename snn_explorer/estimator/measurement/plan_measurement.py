@@ -126,6 +126,28 @@ def _repeat_peak(tracker, step, device: torch.device) -> int:
     return tracker.get_tracker_snapshot("peak")[device]["Total"]
 
 
+def training_step(model, opt, x, y, layout):
+    """``step(recorder=None, saved=None, after_forward=None)``: one training step of ``model`` on ``x``,
+    its phases told to ``recorder``, its forward's saved tensors to ``saved``, ``after_forward()``
+    called between forward and backward."""
+    def step(recorder=None, saved=None, after_forward=None):
+        opt.zero_grad(set_to_none=True)
+        if recorder is not None:
+            recorder.phase = "forward"
+        with saving(saved) if saved else contextlib.nullcontext():
+            loss = forward_loss(model, x, y, layout)
+        if after_forward:
+            after_forward()
+        if recorder is not None:
+            recorder.phase = "backward"
+        loss.backward()
+        del loss
+        if recorder is not None:
+            recorder.phase = "optimizer"
+        opt.step()
+    return step
+
+
 def _measure_plan(model, plan, run: MeasureSettings) -> dict:
     """One plan measured on this rank: its timed steps, then one tracked step (peak, saved tensors,
     neuron state, collectives); the rank's row of the per-rank table and its collectives."""
@@ -138,22 +160,7 @@ def _measure_plan(model, plan, run: MeasureSettings) -> dict:
     runtime, x, y, opt = _rank_step_inputs(model, plan, run)
     module = runtime.module
 
-    def step(recorder=None, saved=None, after_forward=None):
-        opt.zero_grad(set_to_none=True)
-        if recorder is not None:
-            recorder.phase = "forward"
-        with saving(saved) if saved else contextlib.nullcontext():
-            loss = forward_loss(runtime.model, x, y, run.layout)
-        if after_forward:
-            after_forward()
-        if recorder is not None:
-            recorder.phase = "backward"
-        loss.backward()
-        del loss
-        if recorder is not None:
-            recorder.phase = "optimizer"
-        opt.step()
-
+    step = training_step(runtime.model, opt, x, y, run.layout)
     repeated = _called_twice(module, step)
     times = timed_steps(step, run.steps, plan.mode)
     recorder, saved, seen = CollectiveRecorder(), SavedAlive(), {}
