@@ -3,7 +3,7 @@ for fp32: parameter, gradient, optimizer-state and buffer bytes exact (fp32 mast
 collective's count and bytes exact (at the reduce / gather / compute dtype), peak per rank within 5 %
 (the issue's bound; tighter than that file's 10 %), on the zoo's mlp_all_steps (dp, fsdp2 with and
 without resharding, tp, pp: each stage under autocast, sending in bf16), mlp (per-step, fsdp2 and dp) and vgg (dp, tp,
-fsdp2 with and without resharding: each BatchNorm an FSDP2 unit of its own, gathered in fp32)."""
+fsdp2 resharding after forward, so each BatchNorm's own fp32 unit is gathered in the forward and the backward)."""
 import dataclasses
 
 import pytest
@@ -19,7 +19,7 @@ GATE = se.DistributedFeatureSet(allow_mixed_precision=True)
 CASES = {
     "mlp_all_steps": [("dp", "speed"), ("fsdp2", "speed"), ("fsdp2", "memory"), ("tp", "speed"), ("pp", "speed")],
     "mlp": [("fsdp2", "speed"), ("dp", "speed")],
-    "vgg": [("dp", "speed"), ("tp", "speed"), ("fsdp2", "speed"), ("fsdp2", "memory")],
+    "vgg": [("dp", "speed"), ("tp", "speed"), ("fsdp2", "memory")],
 }
 _RESULTS = {}
 
