@@ -331,6 +331,14 @@ def mem_tracker_skip_grad_hooks(tracker: Any, params: Iterable[Any]) -> None:
         handles[p] = (_NoHook(), _NoHook())
 
 
+#: torch's base of every normalisation layer with running statistics (BatchNorm*d, SyncBatchNorm, LazyBatchNorm,
+#: InstanceNorm*d, and spikingjelly's BatchNorm variants that subclass the private ``_BatchNorm``).
+NORM_BASE = _require("torch.nn.modules.batchnorm", "_NormBase")
+_check("torch.nn.modules.batchnorm._NormBase",
+       isinstance(NORM_BASE, type) and issubclass(torch.nn.BatchNorm2d, NORM_BASE)
+       and issubclass(torch.nn.InstanceNorm2d, NORM_BASE), "it is no longer the base of BatchNorm2d and InstanceNorm2d")
+
+
 _IS_VIEW = _require("torch", "Tensor._is_view")
 
 

@@ -13,7 +13,7 @@ from .parallelize.checkpointing import apply_activation_checkpointing
 from .parallelize.dp import apply_ddp
 from .parallelize.fsdp import apply_fsdp2
 from .parallelize.mesh import build_mesh, check_device_type, check_mesh_type, check_process_group, local_device
-from .parallelize.mixed_precision import autocast_forward, fsdp_policy, hold_neuron_state
+from .parallelize.mixed_precision import autocast_forward, hold_neuron_state
 from .parallelize.pipeline import apply_pp, own_tp_plan, split_stages
 from .parallelize.tp import apply_tp
 from .pipeline_plan import check_pp_model
@@ -127,7 +127,7 @@ def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: Optional[s
     apply_activation_offload(model, plan)  # the same, every saved activation to host memory
     if plan.uses_fsdp:
         apply_fsdp2(model, mesh["dp"], plan.fsdp_units, reshard_after_forward=plan.reshard_after_forward,
-                    cpu_offload=plan.cpu_offload, mp_policy=fsdp_policy(plan.precision))
+                    cpu_offload=plan.cpu_offload, precision=plan.precision)
     wrapped = apply_ddp(model, mesh["dp"], device, plan.precision.reduce_dtype) if plan.uses_ddp else model
     if plan.uses_pp:
         wrapped = apply_pp(model, plan, analysis.pipeline_units, mesh, device, stages)

@@ -181,12 +181,26 @@ def precision_of(value: Union[str, Precision, None], keep_neuron_state_fp32: Opt
 
 
 def fsdp_norm_problem(precision: Precision, fsdp: bool, batchnorm_names) -> Optional[str]:
-    """Why FSDP2 cannot train ``precision`` on a model with these BatchNorm layers (None when it can)."""
-    if not (precision.mixed and fsdp and batchnorm_names):
+    """Why FSDP2 cannot train ``precision`` on a model with these BatchNorm layers (None when it can).
+
+    FSDP2 gathers every unit's parameters in the compute dtype, which a BatchNorm cannot compute with
+    beside its fp32 running statistics; ``apply`` makes each norm layer a unit of its own gathered in
+    fp32 (``core.parallelize.fsdp``). The root unit cannot be that: a model that is itself a BatchNorm."""
+    if not (precision.mixed and fsdp) or "" not in tuple(batchnorm_names):
         return None
-    return (f"precision={precision.name!r} with FSDP2 casts the BatchNorm weights ({list(batchnorm_names)[:3]}) to "
-            f"{precision.name} while their running statistics stay fp32, which torch's batch_norm refuses (\"expected "
-            "scalar type\"); use mode 'dp' or 'tp' (autocast keeps fp32 weights) or precision='fp32'")
+    return (f"precision={precision.name!r} with FSDP2 gathers the root module's parameters in {precision.name}, and "
+            "this model is itself a BatchNorm layer, whose fp32 running statistics torch's batch_norm refuses beside "
+            "half-precision weights; wrap it in a module of its own, use mode 'dp', or precision='fp32'")
+
+
+def fsdp_norm_note(precision: Precision, fsdp: bool, batchnorm_names) -> str:
+    """What a half-precision FSDP2 plan does with the model's BatchNorm layers ('' when nothing)."""
+    if not (precision.mixed and fsdp and tuple(batchnorm_names)):
+        return ""
+    return ("Under FSDP2 each BatchNorm with parameters (and any norm layer with running statistics) is an FSDP2 "
+            f"unit of its own that gathers its weights in fp32, beside its fp32 running statistics, and computes "
+            f"on the {precision.name} input as autocast does; each adds one all-gather and one reduce-scatter per "
+            "step.")
 
 
 def choose_precision(requested: Union[str, Precision, None], objective: str, features: Any,
@@ -205,13 +219,17 @@ def choose_precision(requested: Union[str, Precision, None], objective: str, fea
         problem = fsdp_norm_problem(chosen, fsdp, batchnorm_names)
         if problem:
             raise ValueError(problem)
-        return chosen, f"{chosen.describe()} (chosen explicitly)"
+        return chosen, _joined(f"{chosen.describe()} (chosen explicitly)", fsdp_norm_note(chosen, fsdp, batchnorm_names))
     if not gate:
         return FP32, ""
     problem = fsdp_norm_problem(Precision("bf16"), fsdp, batchnorm_names)
     if problem:
         return FP32, f"precision fp32: {problem}."
     chosen = Precision("bf16")
-    return chosen, (f"{chosen.describe()} Chosen for objective {objective!r}: bf16 halves activation and "
-                    "all-gather bytes and runs on tensor cores, without fp16's loss scaler; precision='fp32' "
-                    "or 'fp16' to override.")
+    return chosen, _joined(f"{chosen.describe()} Chosen for objective {objective!r}: bf16 halves activation and "
+                           "all-gather bytes and runs on tensor cores, without fp16's loss scaler; precision='fp32' "
+                           "or 'fp16' to override.", fsdp_norm_note(chosen, fsdp, batchnorm_names))
+
+
+def _joined(*sentences: str) -> str:
+    return " ".join(s for s in sentences if s)

@@ -42,7 +42,7 @@ from .memory.activation_offload import check_offload_hardware, offload_seconds, 
 from .memory.fsdp_timeline import FsdpTimeline
 from .memory.gpu_trace import gpu_peaks, gpu_step
 from .memory.pipeline_memory import pipeline_rows
-from .memory.sharding import as_gathered, buffer_bytes, dp_roles, local_params, optimizer_temporaries, rank_bytes
+from .memory.sharding import buffer_bytes, dp_roles, local_params, optimizer_temporaries, rank_bytes, reduce_itemsize
 from .memory.spike_compression import compressed_profile, spike_saving
 from .memory.step_peak import dynamic_peak
 from .profile.checkpointed import levered_profile, recompute_fraction
@@ -198,7 +198,7 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
     if not gpu:  # refuses a run too long even shape-only, before anything runs at this size
         run_fits(profile, n, t)
     itemsize = profile.compute_itemsize  # activations sent between ranks: the precision's compute dtype
-    params = local_params(profile.params, plan, profile.param_itemsizes or itemsize)
+    params = local_params(profile.params, plan, profile.param_itemsizes or itemsize, profile.norm_layers)
     if plan.uses_pp:  # the rank's stages, micro-batches in flight, sends between stages
         units = pipeline_units(model)[0]
         rows, collectives, pipeline = pipeline_rows(plan, profile, units, params, t, itemsize, optimizer)
@@ -207,7 +207,7 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
                        profile, hardware, pipeline)
     # Activations and temporaries of the forward (the gradients were set to None), of the backward
     # and after it (both beside the gradients): measured on the model as one rank runs it.
-    timeline = FsdpTimeline.of(as_gathered(params, plan), plan.dp_size, plan.reshard_after_forward) \
+    timeline = FsdpTimeline.of(params, plan.dp_size, plan.reshard_after_forward, reduce_itemsize(plan)) \
         if plan.uses_fsdp else None
     step = None
     if gpu:

@@ -1,36 +1,74 @@
-"""FSDP2: ``fully_shard`` the plan's units, then the root, over the dp sub-mesh."""
+"""FSDP2: ``fully_shard`` the plan's units, then the root, over the dp sub-mesh.
+
+Under a half-precision plan FSDP2 gathers the parameters in the compute dtype
+(``MixedPrecisionPolicy.param_dtype``). A normalisation layer with running statistics (BatchNorm and
+its subclasses, InstanceNorm) cannot compute with bf16 / fp16 weights beside its fp32 statistics
+(torch's ``batch_norm``: "expected scalar type"), so each one that holds parameters becomes an FSDP2
+unit of its own that gathers them in their own dtype (fp32 masters) (:func:`fsdp_units_of`, :func:`.mixed_precision.fsdp_norm_policy`):
+it then runs as under plain autocast (the single process, dp, tp), on its half-precision input with
+fp32 weights and statistics.
+"""
 from __future__ import annotations
 
 import re
 import warnings
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import FrozenSet, Sequence, Tuple
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-#: Norm layers with running statistics: FSDP2's param_dtype casts their weights but not their statistics.
-_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+from ...compat import NORM_BASE
+from ..precision import FP32, Precision, fsdp_norm_problem
+from .mixed_precision import fsdp_norm_policy, fsdp_policy
+
+
+def norm_layer_paths(model: nn.Module) -> Tuple[str, ...]:
+    """Paths of ``model``'s normalisation layers with running statistics (torch's ``_NormBase``: every
+    BatchNorm, spikingjelly's included, and InstanceNorm) that hold parameters of their own."""
+    return tuple(name for name, module in model.named_modules()
+                 if name and isinstance(module, NORM_BASE) and next(module.parameters(recurse=False), None) is not None)
+
+
+@dataclass(frozen=True)
+class FsdpUnits:
+    """The modules FSDP2 shards under a plan before the root, in the order ``fully_shard`` takes them
+    (the norm units first: they are leaves), and the units that gather in their own dtype, not the compute dtype."""
+
+    paths: Tuple[str, ...]
+    fp32: FrozenSet[str] = frozenset()
+
+
+def fsdp_units_of(units: Sequence[str], norm_paths: Sequence[str], precision: Precision) -> FsdpUnits:
+    """The FSDP2 units of a plan with ``units`` and ``precision`` on a model with these norm layers
+    (:func:`norm_layer_paths`): under a precision that gathers in half precision, each norm layer
+    is a unit of its own, gathered in its own dtype (fp32); otherwise ``units`` as they are."""
+    if precision.param_dtype is None or not norm_paths:
+        return FsdpUnits(tuple(units))
+    norms = tuple(norm_paths)
+    return FsdpUnits(norms + tuple(u for u in units if u not in norms), frozenset(norms))
 
 
 def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, units: Sequence[str], reshard_after_forward: bool,
-                cpu_offload: bool = False, mp_policy: Optional[MixedPrecisionPolicy] = None) -> None:
+                cpu_offload: bool = False, precision: Precision = FP32) -> FsdpUnits:
     """Shard parameters, gradients and optimizer state of each unit (and the root) over ``dp_mesh``;
-    ``cpu_offload`` keeps the shards in CPU memory (``CPUOffloadPolicy``); ``mp_policy`` sets the dtypes it
-    all-gathers and reduce-scatters in (``mixed_precision.fsdp_policy``)."""
-    _quiet_view_warning(model, units)
+    ``cpu_offload`` keeps the shards in CPU memory (``CPUOffloadPolicy``); ``precision`` sets the dtypes
+    it all-gathers and reduce-scatters in (:func:`.mixed_precision.fsdp_policy`; norm layers their own
+    fp32 units). Returns the units it sharded."""
+    problem = fsdp_norm_problem(precision, True, ("",) if isinstance(model, NORM_BASE) else ())
+    if problem:
+        raise ValueError(problem)
+    chosen = fsdp_units_of(units, norm_layer_paths(model), precision)
+    _quiet_view_warning(model, chosen.paths)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
-    mp_policy = mp_policy or MixedPrecisionPolicy()
-    norms = [n for n, m in model.named_modules() if isinstance(m, _BATCH_NORMS)]
-    if mp_policy.param_dtype is not None and norms:
-        raise ValueError(f"FSDP2 with param_dtype={mp_policy.param_dtype} would cast the BatchNorm weights of {norms[:3]} "
-                         "while their running statistics stay fp32, which torch's batch_norm refuses; use mode 'dp' "
-                         "or 'tp' for mixed precision on this model, or precision='fp32'")
-    for path in units:
+    policy, norm_policy = fsdp_policy(precision), fsdp_norm_policy(precision)
+    for path in chosen.paths:
         fully_shard(model.get_submodule(path), mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
-                    offload_policy=offload, mp_policy=mp_policy)
+                    offload_policy=offload, mp_policy=norm_policy if path in chosen.fp32 else policy)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload,
-                mp_policy=mp_policy)
+                mp_policy=policy)
+    return chosen
 
 
 def _quiet_view_warning(model: nn.Module, units: Sequence[str]) -> None:

@@ -9,7 +9,7 @@ gradients reduced in the reduce dtype, and a dynamic loss scaler for fp16.
   sums small inputs over T exact to fp32's 24 bits; bf16 keeps 8.
 - :func:`ddp_reduce_hook` is a DDP communication hook that all-reduces each gradient bucket in
   the reduce dtype (torch's ``bf16_compress_hook`` refuses anything but NCCL); FSDP2 takes
-  :func:`fsdp_policy`, pipelines cast their flat gradients themselves.
+  :func:`fsdp_policy` (:func:`fsdp_norm_policy` for norm layers), pipelines cast their flat gradients themselves.
 - :class:`LossScaler`: fp16's loss scaling, with the overflow decision taken over all ranks (a
   sharded or pipelined model holds different gradients on each rank, and a step skipped on one
   rank but taken on another would part the replicas).
@@ -86,6 +86,18 @@ def fsdp_policy(precision: Precision) -> MixedPrecisionPolicy:
     if not precision.mixed:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype)
+
+
+def fsdp_norm_policy(precision: Precision) -> MixedPrecisionPolicy:
+    """FSDP2's policy for a norm layer's own unit (``fsdp.fsdp_units_of``): parameters gathered in
+    their own dtype (``param_dtype=None``; fp32 masters), as autocast leaves them, so they match the
+    running statistics; gradients reduce-scattered in the plan's reduce dtype, as every other unit's.
+    Its input is not cast (``cast_forward_inputs=False``): the layer computes on what the layer before
+    it gives, as under plain autocast, where torch's batch_norm takes a bf16 / fp16 input with fp32
+    weights and statistics and returns the input's dtype."""
+    if not precision.mixed:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=precision.reduce_dtype, cast_forward_inputs=False)
 
 
 def ddp_reduce_hook(reduce_dtype: torch.dtype):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..instruments.fsdp_events import EventLog
-from .sharding import Param, fsdp_group_bytes, fsdp_groups
+from .sharding import Param, fsdp_gather_bytes, fsdp_group_bytes, fsdp_groups
 
 
 @dataclass(frozen=True)
@@ -32,9 +32,15 @@ class Unit:
     """One FSDP2 group: its module path ('' = the root) and its bytes on a rank."""
 
     path: str
-    unsharded: int  # the parameters as the forward uses them
-    flat: int  # all-gather output = reduce-scatter input: dp padded chunks
-    shard: int  # the reduce-scatter output: the rank's padded gradient chunk
+    unsharded: int  # the parameters as the forward uses them (at the unit's gather dtype)
+    flat: int  # all-gather output: dp padded chunks, at the gather dtype
+    shard: int  # the rank's padded sharded gradient (the master parameters' dtype)
+    scatter: int = -1  # reduce-scatter input: dp padded chunks at the reduce dtype (-1: ``flat``)
+    reduced: int = 0  # reduce-scatter output at the reduce dtype, when it differs from the gradient's (cast after)
+
+    @property
+    def scatter_bytes(self) -> int:
+        return self.flat if self.scatter < 0 else self.scatter
 
 
 @dataclass(frozen=True)
@@ -46,11 +52,16 @@ class FsdpTimeline:
     reshard_after_forward: bool
 
     @classmethod
-    def of(cls, params: Sequence[Param], dp: int, reshard_after_forward: bool) -> "FsdpTimeline":
+    def of(cls, params: Sequence[Param], dp: int, reshard_after_forward: bool,
+           reduce_itemsize: Optional[int] = None) -> "FsdpTimeline":
+        """The timeline of ``params`` (``sharding.local_params``: each in its unit, with its gather dtype)
+        sharded over ``dp``, gradients reduce-scattered at ``reduce_itemsize`` bytes (None: their own)."""
         units = []
         for path, group in fsdp_groups(params).items():
-            flat = fsdp_group_bytes(group, dp)
-            units.append(Unit(path, sum(p.numel * p.itemsize for p in group), flat, flat // dp))
+            scatter, master = fsdp_group_bytes(group, dp, reduce_itemsize), fsdp_group_bytes(group, dp)
+            shard, reduced = master // dp, (scatter // dp if scatter != master else 0)
+            units.append(Unit(path, sum(p.numel * p.gathered_itemsize for p in group), fsdp_gather_bytes(group, dp),
+                              shard, scatter, reduced))
         return cls(tuple(units), tuple((p.name, p.group) for p in params), reshard_after_forward)
 
 
@@ -171,14 +182,16 @@ class _Replay:
             unit = self.units[path]
             if self.kept_scatter is not None:
                 self._add(-self.kept_scatter)
-            self._add(unit.flat)
+            self._add(unit.scatter_bytes)
             self._add(-sum(self.grad_bytes[n] for n in ready), buffer=False)
             self.pending.difference_update(ready)
             self.stood_down.update(ready)
             if path not in self.scattered:
+                self._add(unit.reduced)  # the reduce-scatter output, cast to the gradient's dtype, then freed
                 self._add(unit.shard, buffer=False)
+                self._add(-unit.reduced)
                 self.scattered.add(path)
-            self.kept_scatter = unit.flat
+            self.kept_scatter = unit.scatter_bytes
 
     def end_backward(self) -> None:
         for path in reversed(list(self.units)):

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ...core import SNNDistributedPlan
+from ...core.parallelize.fsdp import fsdp_units_of
 from ...core.styles import STYLES
 from ..profile.step import OPTIMIZERS, check_optimizer
 
@@ -32,6 +33,11 @@ class Param:
     shape: Tuple[int, ...]
     itemsize: int
     group: str = ""  # FSDP2 unit path ('' = the root group); None-like '' also for non-FSDP plans
+    gather_size: int = 0  # bytes per element FSDP2 all-gathers and computes it in (0: ``itemsize``)
+
+    @property
+    def gathered_itemsize(self) -> int:
+        return self.gather_size or self.itemsize
 
     @functools.cached_property
     def numel(self) -> int:
@@ -74,14 +80,21 @@ def fsdp_groups(params: Sequence[Param]) -> Dict[str, List[Param]]:
 
 
 def fsdp_group_bytes(group: Sequence[Param], dp: int, itemsize: Optional[int] = None) -> int:
-    """All-gather output = reduce-scatter input of one FSDP2 group: ``dp`` padded dim-0 chunks (of
-    ``itemsize`` bytes each when given: the plan's gather or reduce dtype, else each parameter's)."""
+    """Reduce-scatter input of one FSDP2 group: ``dp`` padded dim-0 chunks (of ``itemsize`` bytes each
+    when given: the plan's reduce dtype, else each parameter's)."""
     return dp * sum(p.rows(dp, 0)[0] * p.row_numel * (itemsize or p.itemsize) for p in group)
+
+
+def fsdp_gather_bytes(group: Sequence[Param], dp: int) -> int:
+    """All-gather output of one FSDP2 group: ``dp`` padded dim-0 chunks, each parameter at the dtype it
+    is gathered in (:attr:`Param.gathered_itemsize`)."""
+    return dp * sum(p.rows(dp, 0)[0] * p.row_numel * p.gathered_itemsize for p in group)
 
 
 def gather_itemsize(plan: SNNDistributedPlan) -> Optional[int]:
     """Bytes per element FSDP2 all-gathers and computes parameters in under ``plan``'s precision
-    (``MixedPrecisionPolicy.param_dtype``); None: the parameters' own."""
+    (``MixedPrecisionPolicy.param_dtype``); None: the parameters' own. Norm layers' own units gather
+    in the parameters' own dtype (``core.parallelize.fsdp``; :func:`local_params` leaves them so)."""
     return plan.precision.itemsize("param") if plan.precision.param_dtype is not None else None
 
 
@@ -90,11 +103,10 @@ def reduce_itemsize(plan: SNNDistributedPlan) -> Optional[int]:
     return plan.precision.itemsize("reduce") if plan.precision.reduce_dtype is not None else None
 
 
-def as_gathered(params: Sequence[Param], plan: SNNDistributedPlan) -> List[Param]:
+def as_gathered(params: Sequence[Param]) -> List[Param]:
     """``params`` as FSDP2 holds them unsharded (all-gather output, the parameters the forward uses):
-    at the gather dtype of ``plan``'s precision."""
-    size = gather_itemsize(plan) if plan.uses_fsdp else None
-    return list(params) if size is None else [dataclasses.replace(p, itemsize=size) for p in params]
+    each at the dtype it is gathered in."""
+    return [p if not p.gather_size else dataclasses.replace(p, itemsize=p.gather_size) for p in params]
 
 
 def ddp_reduce_bytes(params: Sequence[Param], bucket_bytes: int, plan: SNNDistributedPlan) -> int:
@@ -107,13 +119,21 @@ def ddp_reduce_bytes(params: Sequence[Param], bucket_bytes: int, plan: SNNDistri
 
 
 def local_params(shapes: Sequence[Tuple[str, Tuple[int, ...]]], plan: SNNDistributedPlan,
-                 itemsize: Union[int, Mapping[str, int]]) -> List[Param]:
+                 itemsize: Union[int, Mapping[str, int]], norm_layers: Sequence[str] = ()) -> List[Param]:
     """Every trainable parameter (``profile.profiling.trainable_shapes``) as one rank holds it before FSDP2 sharding
-    (TP applied); ``itemsize``: one for all, or per parameter name (models that mix dtypes)."""
-    units = set(plan.fsdp_units) if plan.uses_fsdp else None
+    (TP applied); ``itemsize``: one for all, or per parameter name (models that mix dtypes). Under FSDP2 each
+    is in the unit ``apply`` gives it (``core.parallelize.fsdp.fsdp_units_of``: the plan's units, and under half
+    precision each of ``norm_layers`` its own) and gathered in that unit's dtype."""
     size_of = itemsize.__getitem__ if isinstance(itemsize, Mapping) else (lambda _: itemsize)
-    return [Param(n, tp_local_shape(plan, n, shape), size_of(n), fsdp_group_of(units, n) if units else "")
-            for n, shape in shapes]
+    if not plan.uses_fsdp:
+        return [Param(n, tp_local_shape(plan, n, shape), size_of(n)) for n, shape in shapes]
+    units = fsdp_units_of(plan.fsdp_units, norm_layers, plan.precision)
+    paths, gather = set(units.paths), gather_itemsize(plan) or 0
+    params = []
+    for n, shape in shapes:
+        group = fsdp_group_of(paths, n)
+        params.append(Param(n, tp_local_shape(plan, n, shape), size_of(n), group, 0 if group in units.fp32 else gather))
+    return params
 
 
 def zero_partition(params: Sequence[Param], world: int) -> List[List[Param]]:

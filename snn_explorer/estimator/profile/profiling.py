@@ -37,6 +37,7 @@ from torch import nn
 from ...compat import data_dependent_op
 from ...core.layouts import TIME_MAJOR, DataLayout
 from ...core.neurons import detached_copy, state_tensors, stateful_modules
+from ...core.parallelize.fsdp import norm_layer_paths
 from ...core.parallelize.mixed_precision import autocast_forward, hold_neuron_state
 from ...core.plans.families import fsdp_units
 from ...core.precision import FP32, Precision
@@ -110,6 +111,8 @@ class ModelProfile:
     example_input: torch.Tensor = field(repr=False, default=None)
     labels: Optional[torch.Tensor] = field(repr=False, default=None)
     fsdp_units: Tuple[str, ...] = ()  # the units FSDP2 plans shard (``core.plans.families.fsdp_units``)
+    #: norm layers FSDP2 makes units of their own under half precision (``core.parallelize.fsdp.norm_layer_paths``)
+    norm_layers: Tuple[str, ...] = ()
     peaks: Dict[tuple, Tuple[int, int, int, int]] = field(default_factory=dict, repr=False)
     logs: Dict[tuple, dict] = field(default_factory=dict, repr=False)  # per size and layout: one logged run
     replicas: Dict[tuple, nn.Module] = field(default_factory=dict, repr=False)
@@ -346,9 +349,7 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
     if cast is not None:
         model.to(cast)
     if gathered and precision.mixed:
-        with torch.no_grad():
-            for param in model.parameters():
-                param.data = param.data.to(precision.param_dtype)
+        _cast_gathered(model, precision)
     hold_neuron_state(model, precision, "cpu")
     autocast_forward(model, precision, "cpu")
     with step_runner(model, shape_only) as (run_model, convert):
@@ -369,11 +370,22 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
     return ModelProfile(modules=modules, input_bytes=_fit(points, lambda p: p["input"]),
                         grad_ready_order=points[-1]["order"], dtype=dtype,
                         params=trainable_shapes(model), buffers=plain_buffers(model), fsdp_units=fsdp_units(model),
+                        norm_layers=norm_layer_paths(model),
                         param_itemsizes={n: p.element_size() for n, p in model.named_parameters()},
                         model=model, example_input=example_input, labels=labels,
                         step_counts=tuple(p["counts"] for p in points), grad_params=grad_names_,
                         layout=layout, precision=precision, shape_only=shape_only,
                         gathered=gathered and precision.mixed)
+
+
+def _cast_gathered(model: nn.Module, precision: Precision) -> None:
+    """``model``'s parameters as FSDP2 gathers them under ``precision``: in its param dtype, but the norm
+    layers' (their own units, gathered in their own dtype: ``core.parallelize.fsdp``)."""
+    norms = {id(p) for path in norm_layer_paths(model) for p in model.get_submodule(path).parameters(recurse=False)}
+    with torch.no_grad():
+        for param in model.parameters():
+            if id(param) not in norms:
+                param.data = param.data.to(precision.param_dtype)
 
 
 def _profile_runs(model, convert, example_input, labels, dtype, layout: DataLayout, on_progress=None):

@@ -17,7 +17,14 @@ from ...core.collectives import Collective
 from ...core.pipeline_plan import check_pp_model, stage_units
 from ...core.styles import STYLES
 from ..instruments.tables import tp_phase
-from ..memory.sharding import Param, ddp_reduce_bytes, fsdp_group_bytes, fsdp_groups, gather_itemsize, reduce_itemsize
+from ..memory.sharding import (
+    Param,
+    ddp_reduce_bytes,
+    fsdp_gather_bytes,
+    fsdp_group_bytes,
+    fsdp_groups,
+    reduce_itemsize,
+)
 from ..profile.profiling import ModelProfile
 
 Row = Tuple[str, str, str]  # mesh_dim, kind, phase
@@ -46,7 +53,7 @@ def _dtype(itemsize: int) -> torch.dtype:
 def _fsdp(out, plan: SNNDistributedPlan, params, profile: ModelProfile, t: int) -> None:
     reshard = plan.reshard_after_forward
     for unit, group in fsdp_groups(params).items():
-        nbytes = fsdp_group_bytes(group, plan.dp_size, gather_itemsize(plan))  # all-gathered in the param dtype
+        nbytes = fsdp_gather_bytes(group, plan.dp_size)  # in the unit's gather dtype (norm layers: their own)
         reduced = fsdp_group_bytes(group, plan.dp_size, reduce_itemsize(plan))
         module = profile.modules.get(unit)
         calls = round(module.calls(1, t)) if module and unit else 1
