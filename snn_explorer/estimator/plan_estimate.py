@@ -184,9 +184,10 @@ def _per_rank(rows, roles, plan: SNNDistributedPlan) -> pd.DataFrame:
     return table[list(PER_RANK_COLUMNS)]
 
 
-def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_budget, profile, hardware):
-    profile = levered_profile(profile or model_profile(model, example_input, labels, dtype), plan)
-    n = plan.per_rank_batch
+def _with_levers(profile, plan, n: int, t: int, hardware):
+    """``(profile of the plan's model with its memory levers, seconds the levers add per step)``:
+    checkpointing, spikes saved as bits, saved tensors offloaded to host memory."""
+    profile = levered_profile(profile, plan)
     packed = spike_saving(profile, n, t, plan.tensor_parallel_plan, plan.tp_size) if plan.spike_compression else None
     profile = compressed_profile(profile) if packed is not None else profile  # measured with spikes as bits
     extra_s = packed.seconds(hardware) if packed is not None else 0.0
@@ -194,6 +195,13 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
         check_offload_hardware(hardware)
         profile = offloaded_profile(profile)
         extra_s += offload_seconds(profile.copies(n, t, plan.tensor_parallel_plan, plan.tp_size), hardware)
+    return profile, extra_s
+
+
+def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_budget, profile, hardware):
+    n = plan.per_rank_batch
+    profile, extra_s = _with_levers(profile or model_profile(model, example_input, labels, dtype), plan, n, t,
+                                    hardware)
     gpu = hardware.kernel_model and not plan.uses_pp  # the step as the GPU runs it (:mod:`.memory.gpu_trace`)
     if not gpu:  # refuses a run too long even shape-only, before anything runs at this size
         run_fits(profile, n, t)
