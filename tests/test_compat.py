@@ -242,14 +242,26 @@ def test_recorder_sees_the_base_gather_and_scatter_ops(one_rank):
     assert compat.resolve_process_group(one_rank.group_name) is one_rank  # a group known by name only
 
 
+_FAKE_GROUP_PROBE = """
+import torch, torch.distributed as dist
+from snn_explorer import compat
+from snn_explorer.estimator.instruments.recorder import CollectiveRecorder
+with compat.fake_process_group(3, 512):
+    print(dist.get_rank(), dist.get_world_size())
+    recorder = CollectiveRecorder()
+    with recorder:
+        dist.all_gather_into_tensor(torch.empty(512 * 4), torch.ones(4))
+    print([e[2:] for e in recorder.events])
+print(dist.is_initialized())
+"""
+
+
 def test_fake_process_group_plays_one_rank_of_any_world_and_records_its_collectives():
-    with compat.fake_process_group(3, 512):
-        assert (dist.get_rank(), dist.get_world_size()) == (3, 512)
-        recorder = CollectiveRecorder()
-        with recorder:
-            dist.all_gather_into_tensor(torch.empty(512 * 4), torch.ones(4))
-        assert [e[2:] for e in recorder.events] == [("all_gather", "forward", 512 * 16)]
-    assert not dist.is_initialized()
+    """In a fresh interpreter: this module's one-rank gloo group is the default group of this one."""
+    out = subprocess.run([sys.executable, "-c", _FAKE_GROUP_PROBE], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:3] == ["3 512", "[('all_gather', 'forward', 8192)]", "False"], out.stdout
 
 
 def test_mem_tracker_peak_restarts_from_the_current_memory():

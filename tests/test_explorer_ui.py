@@ -255,10 +255,10 @@ def test_pp_slider_gives_a_pipeline_plan_with_its_row_in_the_comparison(pp_ui):
     assert ui.compare_table.loc["pipeline"].tolist() == [f"interleaved m=4 v=2 stages {ui.current.pp_layout}"]
     assert ui.compare_table.loc["bubble_fraction"].tolist() == [pytest.approx(1 / (2 * 4 + 1))]  # (pp-1)/(Vm+pp-1)
     assert "11.1%" in _data(ui)["text/plain"]
-    ui.tp.value = 2  # dp gives way, pp stays; pipelines with TP are refused at plan time
-    assert (ui.pp.value, ui.dp.value) == (2, 1) and ui.current is None
-    assert "does not combine pipeline stages with tensor parallelism (tp=2)" in ui.message.value
-    assert "invalid choice" in ui.message.value and "Traceback" not in ui.message.value
+    ui.tp.value = 2  # dp gives way, pp stays: a 3-D plan, its stages tensor-parallel
+    assert (ui.pp.value, ui.dp.value) == (2, 1) and ui.error == ""
+    assert ui.current.mode == "pp_tp" and ui.current.topology.dims == {"pp": 2, "tp": 2}
+    assert _columns(ui) == [f"current pp_tp pp=2 x tp=2 {ui.current.pp_schedule} m={ui.current.pp_microbatches}"]
     ui.dp.value = 4
     assert (ui.pp.value, ui.tp.value) == (1, 1) and ui.current.mode == "dp"
     ui.mode.value = "pp"
