@@ -94,7 +94,17 @@ class ExplorerUI:
 
     # ---- widgets
     def _build(self, world: int, auto_estimate: bool) -> None:
+        """Every widget, then the layout that holds them and their wiring."""
         style = {"description_width": "125px"}  # "checkpoint every" whole
+        self._build_mesh_controls(world, style)
+        self._build_step_controls(style)
+        self._build_actions(auto_estimate)
+        self._build_views()
+        self._lay_out()
+        self._wire()
+
+    def _build_mesh_controls(self, world: int, style: dict) -> None:
+        """The objective, the world size, the mesh sliders, the pipeline's fields and the mode."""
         self.objective = w.Dropdown(options=SNN_DISTRIBUTED_PREFERENCES, value="speed", description="objective",
                                     style=style)
         self.world_size = w.IntSlider(value=world, min=1, max=MAX_WORLD, description="world size", style=style)
@@ -109,6 +119,9 @@ class ExplorerUI:
         self.pp_virtual_stages = w.BoundedIntText(value=0, min=0, max=1024, description="virtual stages",
                                                   tooltip="0: the planner's choice", style=style)
         self.mode = w.Dropdown(options=("auto",) + tuple(MODES), value="auto", description="mode", style=style)
+
+    def _build_step_controls(self, style: dict) -> None:
+        """The gates and what shapes a rank's step: levers, batch, time steps, budget, hardware, precision."""
         self.gates = {g: w.Checkbox(value=g == "allow_zero_optimizer", description=g, indent=False) for g in GATES}
         self.checkpointing = w.Dropdown(options=CHECKPOINTING, value="auto", description="checkpointing",
                                         style=style)
@@ -126,6 +139,9 @@ class ExplorerUI:
         self.neuron_state_fp32 = w.Checkbox(value=True, description="keep neuron state fp32", indent=False,
                                             tooltip="membranes and traces in fp32 while layers compute in bf16 / fp16")
         self.hardware_note = w.HTML()  # says when the next estimate calibrates this machine first
+
+    def _build_actions(self, auto_estimate: bool) -> None:
+        """The pin, clear and estimate buttons and the estimate-on-change switch."""
         self.pin_button = w.Button(description="pin plan", icon="thumb-tack",
                                    tooltip="keep the current plan in the comparison")
         self.clear_button = w.Button(description="clear pins")
@@ -133,6 +149,9 @@ class ExplorerUI:
                                         tooltip="re-estimate after every change (off: only when 'estimate' is pressed)")
         self.estimate_button = w.Button(description="estimate", icon="calculator",
                                         tooltip="estimate the plans the comparison shows")
+
+    def _build_views(self) -> None:
+        """Where results show: the message, the plan list, the tabs' outputs, the chart pickers, the launcher."""
         self.message = w.HTML()
         self.progress = w.VBox()  # a wait's bar while the controls wait over two seconds
         self.plan_list = w.HTML()
@@ -143,6 +162,9 @@ class ExplorerUI:
         self.launcher = LaunchPanel(self)
         self.fit_pin_button = w.Button(description="pin fitted plan", icon="thumb-tack",
                                        tooltip="keep the plan the Fit tab found in the comparison")
+
+    def _lay_out(self) -> None:
+        """The controls beside the gates, above the messages and the tabs."""
         above = {"Charts": w.HBox([self.chart, self.chart_module]), "Launch": self.launcher.widget,
                  "Fit": w.HBox([self.fit_pin_button, w.HTML(FIT_HELP)])}
         self.tabs = w.Tab(children=[w.VBox([above[n], self.outputs[n]]) if n in above else self.outputs[n]
@@ -157,7 +179,6 @@ class ExplorerUI:
                         w.HBox([self.pin_button, self.clear_button]),
                         w.HBox([self.estimate_button, self.auto_estimate])])
         self.widget = w.VBox([w.HBox([controls, gates]), self.progress, self.message, self.plan_list, self.tabs])
-        self._wire()
 
     def _wire(self) -> None:
         """Every control's effect: a mesh slider keeps the world size, the rest re-plan or re-render."""
