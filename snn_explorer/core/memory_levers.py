@@ -36,6 +36,7 @@ from torch import nn
 
 from . import neurons
 from .activation_offload import check_activation_offload
+from .block_choice import block_label, check_block_choice
 from .modes import names_text
 from .spike_compression import check_spike_compression
 from .vocabulary import Checkpointing
@@ -77,6 +78,7 @@ def check_memory_levers(plan: Any) -> None:
     if granularity != Checkpointing.TIME_CHUNKS and step_module is not None:
         raise ValueError(f"time_step_module={step_module!r} is only used by activation_checkpointing="
                          f"'time_chunks', not {granularity!r}")
+    check_block_choice(plan)
     if type(plan.cpu_offload) is not bool:
         raise TypeError(f"cpu_offload must be a bool, got {plan.cpu_offload!r}")
     if plan.cpu_offload:
@@ -145,7 +147,7 @@ def lever_label(plan: Any) -> str:
     parts = []
     if plan.activation_checkpointing != Checkpointing.NONE:
         every = f"/{plan.checkpoint_every}" if plan.checkpoint_every > 1 else ""
-        parts.append(f"+ac:{plan.activation_checkpointing}{every}")
+        parts.append(f"+ac:{plan.activation_checkpointing}{every}{block_label(plan)}")
     if plan.cpu_offload:
         parts.append("+offload")
     if plan.spike_compression:
@@ -262,7 +264,8 @@ def lever_notes(levers: dict) -> List[str]:
 
 def copy_without_levers(plan: Any) -> Any:
     """``plan`` with activation checkpointing, CPU offload, spike compression and activation offload off (the same layout otherwise)."""
-    return dataclasses.replace(plan, **lever_fields(), spike_compression=False, activation_offload=False)
+    return dataclasses.replace(plan, **lever_fields(), spike_compression=False, activation_offload=False,
+                               checkpoint_blocks=())
 
 
 def spike_compression_variants(plans: List[Any]) -> List[Any]:

@@ -5,6 +5,7 @@ import dataclasses
 from typing import Any, Callable, List, Mapping, Optional, Tuple, Union
 
 from .analysis import SNNDistributedAnalysis
+from .block_choice import choose_blocks
 from .layouts import layout_of
 from .memory_levers import (
     CHECKPOINT_EVERY,
@@ -133,8 +134,9 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     and ``step_time_s``, e.g. ``snn_explorer.plan_estimator(model, example_input)``), each lever combination the
     gates allow (checkpointing by blocks, or by time chunks of ``time_step_module``, every 1st / 2nd or every
     ``checkpoint_every``-th when given; spike
-    compression; both) is estimated and the one of lowest peak is kept if it is below the plan's peak without
-    levers (a note says by how much and its time cost); without ``peak_estimate`` no lever is on (a note says so).
+    compression; both; and the blocks chosen one by one, :func:`~.block_choice.choose_blocks`) is estimated and
+    the one of lowest peak is kept if it is below the plan's peak without levers (a note says by how much and its
+    time cost); without ``peak_estimate`` no lever is on (a note says so).
     ``data_layout`` (a :class:`~snn_explorer.core.layouts.DataLayout`; default: the analysis's) says
     where N and T sit in the model's input and output; the plan carries it to ``apply`` and the launcher.
     """
@@ -180,13 +182,16 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
                        analysis.shared_parameter_groups, analysis.trainable_units)
     if activation_checkpointing is None and objective_chooses_levers(objective, features):
         every = CHECKPOINT_EVERY if checkpoint_every == 1 else (checkpoint_every,)
-        plan_ = _levers_by_estimate(plan_, lever_variants(plan_, time_step_module, every), peak_estimate)
+        plan_ = _levers_by_estimate(plan_, lever_variants(plan_, time_step_module, every), peak_estimate,
+                                    analysis.fsdp_unit_names)
     return plan_
 
 
 def _levers_by_estimate(plan_: SNNDistributedPlan, candidates: List[SNNDistributedPlan],
-                        peak_estimate: Optional[Callable[[SNNDistributedPlan], Any]]) -> SNNDistributedPlan:
-    """``plan_`` with the lever combination of lowest estimated peak, if it lowers the peak (:func:`choose_levers`);
+                        peak_estimate: Optional[Callable[[SNNDistributedPlan], Any]],
+                        blocks: Tuple[str, ...] = ()) -> SNNDistributedPlan:
+    """``plan_`` with the lever combination of lowest estimated peak, if it lowers the peak (:func:`choose_levers`;
+    the candidates include the blocks chosen one by one, :func:`~.block_choice.choose_blocks` over ``blocks``);
     without ``peak_estimate``, ``plan_`` unchanged with a note (no lever by rule)."""
     if not candidates:
         return plan_
@@ -198,9 +203,25 @@ def _levers_by_estimate(plan_: SNNDistributedPlan, candidates: List[SNNDistribut
     if not callable(peak_estimate):
         raise TypeError(f"peak_estimate must be a callable plan -> estimate (peak_bytes, step_time_s), got "
                         f"{peak_estimate!r}")
+    peak_estimate = _remembered(peak_estimate)
+    by_block = choose_blocks(plan_, blocks, peak_estimate)
+    if by_block is not None and by_block.plan is not None:
+        candidates = candidates + [by_block.plan]
     chosen, note = choose_levers(plan_, candidates, peak_estimate)
     levers = dict(activation_checkpointing=chosen.activation_checkpointing, cpu_offload=chosen.cpu_offload)
     return dataclasses.replace(chosen, notes=plan_.notes + (note,) + tuple(lever_notes(levers)))
+
+
+def _remembered(peak_estimate: Callable[[SNNDistributedPlan], Any]) -> Callable[[SNNDistributedPlan], Any]:
+    """``peak_estimate`` estimating each plan once (the block choice and :func:`choose_levers` ask for some twice)."""
+    seen: dict = {}
+
+    def remembered(p: SNNDistributedPlan) -> Any:
+        if p not in seen:
+            seen[p] = peak_estimate(p)
+        return seen[p]
+
+    return remembered
 
 
 def _levers(spec: Mode, activation_checkpointing, checkpoint_every, cpu_offload, time_step_module,

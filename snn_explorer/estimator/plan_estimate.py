@@ -95,6 +95,11 @@ class PlanEstimate:
         return int(self.per_rank["peak_bytes"].max())
 
     @property
+    def activations_bytes(self) -> int:
+        """The most bytes a rank keeps saved for backward (and its input), over the ranks."""
+        return int(self.per_rank["activations_bytes"].max())
+
+    @property
     def comm_bytes(self) -> int:
         return int(self.collectives["bytes"].sum()) if len(self.collectives) else 0
 
