@@ -81,12 +81,17 @@ class BlockChoice:
                 f"{base_peak} B")
 
 
+def _saved(est: Any) -> int:
+    """The estimate's saved-activation bytes (its peak where it states none: an injected stand-in)."""
+    return getattr(est, "activations_bytes", est.peak_bytes)
+
+
 def _greedy_order(plan: Any, units: Sequence[str], base: Any, peak_estimate: Callable[[Any], Any]):
     """The blocks that free saved bytes alone, by bytes freed per second added (most first), and their estimates."""
     alone = {u: peak_estimate(with_blocks(plan, (u,))) for u in units}
     gains = {}
     for u, est in alone.items():
-        freed = base.activations_bytes - est.activations_bytes
+        freed = _saved(base) - _saved(est)
         added = est.step_time_s - base.step_time_s
         if freed > 0:
             gains[u] = (freed / added if added > 0 else float("inf"), freed)
@@ -107,7 +112,7 @@ def choose_blocks(plan: Any, units: Sequence[str], peak_estimate: Callable[[Any]
     """The blocks of ``plan`` (no checkpointing yet; ``units``: the model's blocks) to recompute, by estimate.
 
     ``peak_estimate(plan)`` returns an object with ``peak_bytes``, ``step_time_s`` and ``activations_bytes`` (the
-    estimator's ``PlanEstimate``). None where the choice does not apply: its gate closed, a pipeline plan, a plan
+    estimator's ``PlanEstimate``; without ``activations_bytes`` the blocks are ordered by the peak they lower). None where the choice does not apply: its gate closed, a pipeline plan, a plan
     already checkpointed, fewer than 2 or more than :data:`MAX_CHOICE_BLOCKS` blocks."""
     if not block_choice_applies(plan, units):
         return None

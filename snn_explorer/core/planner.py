@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .analysis import SNNDistributedAnalysis
-from .block_choice import choose_blocks
+from .block_choice import check_checkpoint_blocks, choose_blocks
 from .layouts import layout_of
 from .memory_levers import (
     CHECKPOINT_EVERY,
@@ -115,7 +115,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
          pp_schedule: Optional[str] = None, pp_microbatches: Optional[int] = None,
          pp_virtual_stages: Optional[int] = None, pp_layout: Any = None,
          activation_checkpointing: Optional[str] = None, checkpoint_every: int = 1, cpu_offload: bool = False,
-         time_step_module: Optional[str] = None, data_layout: Any = None,
+         time_step_module: Optional[str] = None, data_layout: Any = None, checkpoint_blocks: Sequence[str] = (),
          precision: Any = None, peak_estimate: Optional[Callable[[SNNDistributedPlan], Any]] = None
          ) -> SNNDistributedPlan:
     """Choose a mode for ``objective`` on ``topology`` and return a plan that ``apply`` accepts.
@@ -137,6 +137,8 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     compression; both; and the blocks chosen one by one, :func:`~.block_choice.choose_blocks`) is estimated and
     the one of lowest peak is kept if it is below the plan's peak without levers (a note says by how much and its
     time cost); without ``peak_estimate`` no lever is on (a note says so).
+    ``checkpoint_blocks`` (with ``activation_checkpointing='blocks'``) recomputes exactly the named blocks (each by its
+    first unit's path, :mod:`.block_choice`) instead of every ``checkpoint_every``-th.
     ``data_layout`` (a :class:`~snn_explorer.core.layouts.DataLayout`; default: the analysis's) says
     where N and T sit in the model's input and output; the plan carries it to ``apply`` and the launcher.
     """
@@ -174,9 +176,11 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
         rationale=(_rationale(objective, chosen, topology, zero, explicit=mode is not None, recommended=rec.mode),),
         notes=tuple(notes), tensor_parallel_roots=analysis.tensor_parallel_roots,
         tensor_parallel_plan=tp_plan, fsdp_units=analysis.fsdp_unit_names if spec.fsdp else (),
-        experimental_features=features, **pipeline, **levers, precision=chosen_precision,
+        experimental_features=features, **pipeline, **levers, checkpoint_blocks=checkpoint_blocks,
+        precision=chosen_precision,
         data_layout=layout_of(data_layout) if data_layout is not None else analysis.data_layout,
     )
+    check_checkpoint_blocks(plan_.checkpoint_blocks, analysis.fsdp_unit_names)
     if spec.pp:
         check_pp_model(plan_, analysis.pipeline_units, analysis.pipeline_problem,
                        analysis.shared_parameter_groups, analysis.trainable_units)
