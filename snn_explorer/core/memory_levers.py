@@ -209,11 +209,19 @@ def lever_variants(plan: Any, time_step_module: Optional[str] = None,
     """``plan`` (without levers) with each combination of memory levers its gates allow: each checkpointing
     granularity (:func:`checkpointing_variants`) for each k of ``every``, and spike compression alone and
     together with each of those ([] for pipeline plans); with ``offload`` (the caller's hardware has a host
-    link to offload over) also activation offload, alone (:func:`activation_offload_variants`)."""
+    link to offload over) also activation offload, alone (:func:`activation_offload_variants`), and FSDP2's CPU
+    offload alone and with each checkpointing variant (:func:`fsdp_offload_variants`)."""
     checkpointed = [dataclasses.replace(v, checkpoint_every=k) for v in checkpointing_variants(plan, time_step_module)
                     for k in every]
-    offloaded = activation_offload_variants(plan) if offload else []
+    offloaded = activation_offload_variants(plan) + fsdp_offload_variants([plan] + checkpointed) if offload else []
     return checkpointed + spike_compression_variants([plan] + checkpointed) + offloaded
+
+
+def fsdp_offload_variants(plans: List[Any]) -> List[Any]:
+    """Each of ``plans`` with ``cpu_offload=True`` (FSDP2's shards, gradients and optimizer state in host memory)
+    where its gate allows it: FSDP2 plans that do not pipeline (the estimator models it there)."""
+    return [dataclasses.replace(p, cpu_offload=True) for p in plans
+            if p.experimental_features.allow_cpu_offload and p.uses_fsdp and not p.uses_pp and not p.cpu_offload]
 
 
 def activation_offload_variants(plan: Any) -> List[Any]:
@@ -278,4 +286,4 @@ __all__: Tuple[str, ...] = ("ACTIVATION_CHECKPOINTING", "check_memory_levers", "
                             "check_cpu_offload_device", "find_time_step_module", "lever_label", "objective_checkpoints", "objective_chooses_levers", "lever_fields",
                             "lever_notes", "checkpointing_variants", "CHECKPOINT_EVERY", "lever_variants",
                             "choose_levers", "copy_without_levers", "spike_compression_variants",
-                            "activation_offload_variants")
+                            "activation_offload_variants", "fsdp_offload_variants")

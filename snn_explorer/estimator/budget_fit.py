@@ -9,8 +9,8 @@ plan's peak; a lever the estimate says raises the peak (a model whose memory is 
 dropped and the table says by how much. Checkpointing is also chosen block by block
 (:func:`~snn_explorer.core.block_choice.choose_blocks`: blocks ordered by saved bytes freed per recompute second,
 added until the budget fits or the peak stops falling; one row per set tried). On a hardware profile with a host link (the GPU datasheet
-profiles) activation offload (:mod:`~snn_explorer.core.activation_offload`) is searched too, alone. FSDP2's
-CPU offload of its shards is not searched: the estimator does not model it.
+profiles) activation offload (:mod:`~snn_explorer.core.activation_offload`) is searched too, alone, and FSDP2's CPU
+offload of its shards (``cpu_offload``, :mod:`.memory.fsdp_offload`), alone and with each checkpointing variant.
 """
 from __future__ import annotations
 
@@ -244,6 +244,7 @@ LEVER_KEEPS = (
     (("activation_checkpointing", "checkpoint_every", "time_step_module", "checkpoint_blocks"),
      ("params_bytes", "optimizer_bytes", "buffers_bytes")),  # recomputes activations, shards nothing
     (("spike_compression",), ("params_bytes", "optimizer_bytes", "buffers_bytes")),  # packs saved 0/1 tensors
+    (("cpu_offload",), ("buffers_bytes",)),  # FSDP2's shards, gradients and optimizer state to host memory
 )
 
 
