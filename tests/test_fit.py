@@ -76,12 +76,15 @@ def _check_memory_objective(name, model, x, labels, outcomes):
         assert peak <= estimate_of(base).peak_bytes and peak <= min(others), (name, topology)
         assert any(note.startswith("memory levers: ") for note in chosen.notes), name
         outcomes.add(("memory objective", "levered" if chosen != base else "plain"))
+        if chosen.checkpoint_blocks:
+            outcomes.add(("memory objective", "per-block"))
 
 
 @pytest.mark.timeout(900)
 def test_the_chosen_plan_never_has_a_higher_peak_than_without_its_levers():
     """fit_budget over the zoo and random chains, at the unlevered optimum's peak and 85 % and 65 % of it;
-    and the planner's memory objective, its levers chosen by the injected estimate."""
+    and the planner's memory objective, its levers chosen by the injected estimate (blocks chosen one by one
+    included)."""
     outcomes = set()
     for name, model, x, labels in _cases():
         _check_memory_objective(name, model, x, labels, outcomes)
@@ -97,9 +100,13 @@ def test_the_chosen_plan_never_has_a_higher_peak_than_without_its_levers():
             _check_choice(model, x, labels, result)
             outcomes |= set(result.table["outcome"])
             outcomes.add(("levered" if result.plan != copy_without_levers(result.plan) else "plain", name))
+            if result.plan.checkpoint_blocks:
+                outcomes.add(("per-block", "fit"))
     # the property was exercised both ways: levers chosen somewhere, and dropped where they did not help
     assert ("levered", "spikformer") in outcomes
     assert ("memory objective", "levered") in outcomes  # kept-without-levers: test_memory_levers (injected estimate)
+    # checkpointing chosen block by block (core.block_choice) is among the candidates of both, and wins somewhere
+    assert ("memory objective", "per-block") in outcomes and ("per-block", "fit") in outcomes
     assert FitOutcome.LEVER_NO_GAIN in outcomes and FitOutcome.PRUNED in outcomes
 
 
