@@ -8,7 +8,8 @@ block). ``apply`` checkpoints exactly the named blocks, the estimator profiles e
 :func:`choose_blocks` picks the set by estimate (the core does not estimate: the caller injects ``peak_estimate``,
 as for :func:`~.memory_levers.choose_levers`). Greedy: each block is estimated checkpointed alone; the blocks that
 free saved-activation bytes are ordered by bytes freed per second of recompute added, and added in that order
-until the budget fits or the estimated peak stops falling. The set of lowest estimated peak (with a budget: the
+until the budget fits or the estimated peak stops falling (searched only where checkpointing every block lowers the
+peak at all). The set of lowest estimated peak (with a budget: the
 first that fits) is the choice, and only if its peak is below the plan's own.
 """
 from __future__ import annotations
@@ -73,6 +74,9 @@ class BlockChoice:
     probes: int  # estimates of one block alone
 
     def note(self, base_peak: int) -> str:
+        if self.plan is None and not self.probes:
+            return (f"checkpointing block by block: not searched, checkpointing every block does not lower the "
+                    f"estimated peak of {base_peak} B")
         if self.plan is None:
             return (f"checkpointing block by block: no set of blocks lowers the estimated peak of {base_peak} B "
                     f"({self.probes} blocks probed)")
@@ -112,11 +116,17 @@ def choose_blocks(plan: Any, units: Sequence[str], peak_estimate: Callable[[Any]
     """The blocks of ``plan`` (no checkpointing yet; ``units``: the model's blocks) to recompute, by estimate.
 
     ``peak_estimate(plan)`` returns an object with ``peak_bytes``, ``step_time_s`` and ``activations_bytes`` (the
-    estimator's ``PlanEstimate``; without ``activations_bytes`` the blocks are ordered by the peak they lower). None where the choice does not apply: its gate closed, a pipeline plan, a plan
-    already checkpointed, fewer than 2 or more than :data:`MAX_CHOICE_BLOCKS` blocks."""
+    estimator's ``PlanEstimate``; without ``activations_bytes`` the blocks are ordered by the peak they lower).
+    None where the choice does not apply: its gate closed, a pipeline plan, a plan already checkpointed, fewer
+    than 2 or more than :data:`MAX_CHOICE_BLOCKS` blocks. Not searched (a choice of no plan, nothing probed) where
+    checkpointing every block does not lower the plan's estimated peak (a model whose memory is mostly
+    parameters): a rule of thumb that saves the probes, not a bound (a subset could still lower it).
+    """
     if not block_choice_applies(plan, units):
         return None
     base = peak_estimate(plan)
+    if peak_estimate(with_blocks(plan, ())).peak_bytes >= base.peak_bytes:
+        return BlockChoice(plan=None, estimate=None, tried=(), order=(), probes=0)  # see the doc: not searched
     order, alone = _greedy_order(plan, units, base, peak_estimate)
     tried, best, last = [], None, base.peak_bytes
     for i in range(1, len(order) + 1):

@@ -191,6 +191,7 @@ def _search(bases, variants, estimate_of, budget: int, blocks=()):
                    "its plan without levers is no faster than a fitting plan, and levers only add time")
             rows += [_row(v, None, base_est, budget, FitOutcome.PRUNED, why) for v in levered]
             continue
+        known = {base: base_est}  # estimates of this plan's variants, for the block-by-block choice
         for v in levered:
             floor = lever_floor(base, base_est, v)
             if floor > budget:
@@ -198,7 +199,7 @@ def _search(bases, variants, estimate_of, budget: int, blocks=()):
                                  f"cannot fit: {floor} B per rank that its levers do not lower (parameters, "
                                  f"optimizer state, buffers) > budget {budget} B"))
                 continue
-            est = estimate_of(v)
+            est = known[v] = estimate_of(v)
             if est.peak_bytes >= base_est.peak_bytes:
                 rows.append(_row(v, est, base_est, budget, FitOutcome.LEVER_NO_GAIN,
                                  f"peak {est.peak_bytes} B >= {base_est.peak_bytes} B without the lever"))
@@ -206,7 +207,8 @@ def _search(bases, variants, estimate_of, budget: int, blocks=()):
             rows.append(_levered_row(v, est, base_est, budget))
             if est.peak_bytes <= budget and (best is None or est.step_time_s < best[1].step_time_s):
                 best = (v, est)
-        best = _block_rows(base, base_est, blocks, estimate_of, budget, rows, best)
+        best = _block_rows(base, base_est, blocks, lambda p: known[p] if p in known else estimate_of(p), budget, rows,
+                           best)
     return rows, best
 
 
@@ -223,7 +225,7 @@ def _block_rows(base, base_est: PlanEstimate, blocks, estimate_of, budget: int, 
     buffers) is over the budget."""
     if not block_choice_applies(base, blocks) or lever_floor(base, base_est, with_blocks(base, blocks[:1])) > budget:
         return best
-    choice = choose_blocks(base, blocks, lambda p: base_est if p == base else estimate_of(p), budget)
+    choice = choose_blocks(base, blocks, estimate_of, budget)
     for v, est in choice.tried if choice is not None else ():
         if any(r["plan"] == _name(v) for r in rows):  # one block's set equals a uniform variant's: estimated already
             continue
