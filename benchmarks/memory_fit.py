@@ -4,7 +4,8 @@ Run: ``python benchmarks/memory_fit.py [--models spikformer vgg] [--world-size 2
 [--size tiny] [--time-steps 16] [--measure] [--generated 10000] [--reference]``. Per model, the budget is 100 %,
 75 %, 50 % and 35 % of the unlevered peak (the estimated peak of the fastest plan without memory levers); each row
 is what :func:`snn_explorer.fit_budget` returns there (levers: checkpointing by blocks / time chunks, every 1st or
-2nd, spike compression, both), or the lowest estimated peak when no plan fits. ``--measure`` also trains each
+2nd, or block by block; spike compression; both; on a profile with a host link activation offload and FSDP2's CPU
+offload), or the lowest estimated peak when no plan fits. ``--measure`` also trains each
 chosen plan on ``world_size`` gloo ranks (``measure``) and prints its measured peak. ``--generated M`` adds the
 search on a generated all-steps MLP of about M modules (``explorer_latency``'s builder) at 100 % and 50 %.
 
@@ -45,8 +46,8 @@ def _row(name, share, budget, zoo, args) -> dict:
     row.update(plan=found.table["plan"].iloc[0], est_peak=found.estimate.peak_bytes,
                step_ms=round(found.estimate.step_time_s * 1e3, 3), search_s=round(found.search_s, 2),
                candidates=len(found.table))
-    if args.measure and found.plan.activation_offload:
-        row.update(measured_peak="- (CUDA only)")  # apply refuses it on CPU ranks: their memory is the host's
+    if args.measure and (found.plan.activation_offload or found.plan.cpu_offload):
+        row.update(measured_peak="- (CUDA only)")  # apply refuses both on CPU ranks: their memory is the host's
     elif args.measure:
         got = measure(zoo.model, found.plan, example_input=zoo.example_input, labels=zoo.labels)
         row.update(measured_peak=got.peak_bytes,

@@ -6,6 +6,7 @@ from torch import nn
 
 from snn_explorer import DistributedFeatureSet, analyze, find_time_step_module, fit_budget, plan, plan_estimator, zoo
 from snn_explorer.cli import main
+from snn_explorer.core.block_choice import choose_blocks
 from snn_explorer.core.memory_levers import copy_without_levers, lever_variants
 from snn_explorer.estimator import FitOutcome, estimate, model_profile
 from snn_explorer.estimator.budget_fit import FIT_FEATURES, lever_floor
@@ -76,12 +77,15 @@ def _check_memory_objective(name, model, x, labels, outcomes):
         assert peak <= estimate_of(base).peak_bytes and peak <= min(others), (name, topology)
         assert any(note.startswith("memory levers: ") for note in chosen.notes), name
         outcomes.add(("memory objective", "levered" if chosen != base else "plain"))
+        if chosen.checkpoint_blocks:
+            outcomes.add(("memory objective", "per-block"))
 
 
 @pytest.mark.timeout(900)
 def test_the_chosen_plan_never_has_a_higher_peak_than_without_its_levers():
     """fit_budget over the zoo and random chains, at the unlevered optimum's peak and 85 % and 65 % of it;
-    and the planner's memory objective, its levers chosen by the injected estimate."""
+    and the planner's memory objective, its levers chosen by the injected estimate (blocks chosen one by one
+    included)."""
     outcomes = set()
     for name, model, x, labels in _cases():
         _check_memory_objective(name, model, x, labels, outcomes)
@@ -97,9 +101,13 @@ def test_the_chosen_plan_never_has_a_higher_peak_than_without_its_levers():
             _check_choice(model, x, labels, result)
             outcomes |= set(result.table["outcome"])
             outcomes.add(("levered" if result.plan != copy_without_levers(result.plan) else "plain", name))
+            if result.plan.checkpoint_blocks:
+                outcomes.add(("per-block", "fit"))
     # the property was exercised both ways: levers chosen somewhere, and dropped where they did not help
     assert ("levered", "spikformer") in outcomes
     assert ("memory objective", "levered") in outcomes  # kept-without-levers: test_memory_levers (injected estimate)
+    # checkpointing chosen block by block (core.block_choice) is among the candidates of both, and wins somewhere
+    assert ("memory objective", "per-block") in outcomes and ("per-block", "fit") in outcomes
     assert FitOutcome.LEVER_NO_GAIN in outcomes and FitOutcome.PRUNED in outcomes
 
 
@@ -147,7 +155,9 @@ def _brute_force(model, x, labels, budget):
     for base in dict.fromkeys(copy_without_levers(p) for p in plans):
         base_est = estimate_of(base)
         options = [base_est] if base_est.peak_bytes <= budget else []
-        for v in lever_variants(base, find_time_step_module(model, x)):
+        by_block = choose_blocks(base, analysis.fsdp_unit_names, estimate_of, budget)  # the search's greedy sets
+        tried = [v for v, _ in by_block.tried] if by_block is not None else []
+        for v in lever_variants(base, find_time_step_module(model, x), offload=True) + tried:  # H100: a host link
             variants[v] = (base, base_est, estimate_of(v))
             if variants[v][2].peak_bytes < base_est.peak_bytes:
                 options += [variants[v][2]] if variants[v][2].peak_bytes <= budget else []
@@ -177,7 +187,8 @@ def test_pruning_lever_variants_by_what_they_leave_alone_changes_no_choice():
         for v, (base, base_est, est) in variants.items():
             floor = lever_floor(base, base_est, v)
             columns = ["params_bytes", "optimizer_bytes", "buffers_bytes"]
-            assert est.per_rank[columns].equals(base_est.per_rank[columns]), v
-            assert est.peak_bytes >= floor > 0, v
+            assert est.per_rank[columns].equals(base_est.per_rank[columns]), v  # (CPU offload: in host memory)
+            # the levers that move memory to the host prune by buffers only (cpu_offload) or not at all
+            assert est.peak_bytes >= floor and (floor > 0 or v.cpu_offload or v.activation_offload), v
             seen |= {"floored"} if floor > budget else set()
     assert {"floored", "levered", "none fits"} <= seen

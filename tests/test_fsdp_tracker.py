@@ -1,4 +1,7 @@
-"""fsdp2 with activation checkpointing: the estimated peak against torch's FSDPMemTracker and measure(), on 2 gloo ranks.
+"""fsdp2 with activation checkpointing: the estimated peak against torch's FSDPMemTracker and measure(), on 2 gloo ranks;
+and FSDP2's CPU offload (CPUOffloadPolicy, CUDA ranks only) as far as these CPU ranks can check it: the bytes it
+moves to the host as FSDPMemTracker counts them, the offloaded estimate between the bounds the tracked peak sets,
+its host-copy time, and its refusals.
 
 The model is the one the issue reported (four 512-wide Linear/LIF layers run all T = 4 steps at once, batch 4,
 float32, Adam): its memory is mostly parameters and optimizer state, so FSDP2's all-gather and reshard
@@ -14,14 +17,16 @@ from distributed_harness import run_on_ranks
 
 import snn_explorer as se
 from snn_explorer import compat
+from snn_explorer.core.memory_levers import check_cpu_offload_device
 from snn_explorer.estimator import estimate
 from snn_explorer.estimator.measurement.plan_measurement import measure_on_rank
 from snn_explorer.estimator.measurement.settings import measure_settings
+from snn_explorer.estimator.timing.hardware import hardware_profile
 from snn_explorer.zoo import reset_state
 from snn_explorer.zoo.mlp import SpikingMLP
 
 T, N, WIDTH = 4, 4, 512
-GATES = se.DistributedFeatureSet(allow_activation_checkpointing=True)
+GATES = se.DistributedFeatureSet(allow_activation_checkpointing=True, allow_cpu_offload=True)
 
 
 def _model_and_input():
@@ -58,20 +63,28 @@ def _tracked_peak(plan) -> int:
         tracker.reset_mod_stats()
         compat.restart_mem_tracker_peak(tracker, x.device)
         step()
-    return tracker.get_tracker_snapshot("peak")[x.device]["Total"]
+    return {str(getattr(k, "value", k)): v for k, v in tracker.get_tracker_snapshot("peak")[x.device].items()}
 
 
 def _rank_peaks():
+    """Per plan: FSDPMemTracker's peak (its snapshot by category, for test_fsdp_offload too) and measure()'s."""
     model, x = _model_and_input()
     plans = _plans(model)
-    tracked = [_tracked_peak(p) for p in plans]
+    snapshots = [_tracked_peak(p) for p in plans]
     run = measure_settings(model, plans, x, None, 1, "adam", None, 1e-3, "cpu")
-    return tracked, [m["row"]["peak_bytes"] for m in measure_on_rank(model, plans, run)]
+    return [s["Total"] for s in snapshots], [m["row"]["peak_bytes"] for m in measure_on_rank(model, plans, run)], \
+        snapshots
+
+
+@pytest.fixture(scope="module")
+def tracked_ranks():
+    """Each rank's (tracked peaks, measured peaks, tracked peak snapshots) of every plan, from one 2-rank spawn."""
+    return run_on_ranks(_rank_peaks, 2, timeout=300)
 
 
 @pytest.mark.timeout(400)
-def test_fsdp2_checkpointing_estimate_matches_fsdp_mem_tracker_and_measure():
-    per_rank = run_on_ranks(_rank_peaks, 2, timeout=300)
+def test_fsdp2_checkpointing_estimate_matches_fsdp_mem_tracker_and_measure(tracked_ranks):
+    per_rank = tracked_ranks
     model, x = _model_and_input()
     plans = _plans(model)
     for i, plan in enumerate(plans):
@@ -83,3 +96,58 @@ def test_fsdp2_checkpointing_estimate_matches_fsdp_mem_tracker_and_measure():
         assert abs(est - measured) <= 0.05 * measured, f"{label}: estimated {est}, measured {measured}"
     # non-trivial: resharding after the forward lowers the tracked peak by about a unit's parameters
     assert max(r[0][3] for r in per_rank) < max(r[0][0] for r in per_rank) - WIDTH * WIDTH * 4 // 2
+
+
+def test_cpu_offload_estimate_between_the_tracked_bounds(tracked_ranks):
+    """Without CUDA the offloaded step cannot run here; what can be checked: the sharded parameters and Adam state
+    offload moves to the host equal FSDPMemTracker's categories at the tracked peak of the same plan without it
+    (within 1 %), and the offloaded estimate lies within 5 % of the bounds that peak sets: at least the tracked
+    peak less its sharded parameters, sharded gradients and optimizer state at that moment, at most the tracked
+    peak less its sharded parameters and optimizer state (constant over the step) plus one unit's shard copied in
+    before its all-gather."""
+    model, x = _model_and_input()
+    plans = _plans(model)
+    for i in (0, 3):  # without checkpointing; memopt 0 and 1
+        off = estimate(model, dataclasses.replace(plans[i], cpu_offload=True), example_input=x, hardware="H100-SXM")
+        plain = estimate(model, plans[i], example_input=x, hardware="H100-SXM")
+        columns = ["params_bytes", "grads_bytes", "optimizer_bytes"]  # stated, in host memory under offload
+        assert (off.per_rank[columns] == plain.per_rank[columns]).all().all()
+        shard = max(p.numel() * p.element_size() for p in model.parameters()) // 2  # the largest unit's shard
+        for rank, per_rank in enumerate(tracked_ranks):
+            snap = per_rank[2][i]
+            row = plain.per_rank.iloc[rank]
+            assert abs(snap["Sharded Param"] - row["params_bytes"]) <= 0.01 * row["params_bytes"], (i, rank, snap)
+            assert abs(snap["OptState"] - row["optimizer_bytes"]) <= 0.01 * row["optimizer_bytes"], (i, rank, snap)
+            low = snap["Total"] - snap["Sharded Param"] - snap["Sharded Grad"] - snap["OptState"]
+            high = snap["Total"] - snap["Sharded Param"] - snap["OptState"] + shard
+            ours = int(off.per_rank["peak_bytes"].iloc[rank])
+            print(f"memopt {plans[i].memopt_level} rank {rank}: tracked peak {snap['Total']} B, offloaded device "
+                  f"peak bounds [{low}, {high}] B, estimated {ours} B (without offload {int(row['peak_bytes'])} B)")
+            assert 0.95 * low <= ours <= 1.05 * high, (i, rank, low, ours, high)
+        assert off.peak_bytes < 0.7 * plain.peak_bytes  # a model of mostly parameters: offload lowers its peak
+
+
+def test_cpu_offload_copy_time_and_refusals():
+    """The step time offload adds: each shard in per all-gather, each sharded gradient out, over the H100's host
+    link (bytes from the parameter shapes here); refused where it cannot run or be estimated."""
+    model, x = _model_and_input()
+    hardware = hardware_profile("H100-SXM")
+    for memopt in (0, 1):
+        plan = dataclasses.replace(_plans(model)[0], memopt_level=memopt)
+        plain, off = (estimate(model, p, example_input=x, hardware=hardware)
+                      for p in (plan, dataclasses.replace(plan, cpu_offload=True)))
+        params = list(model.parameters())
+        shards = sum(-(-p.shape[0] // 2) * p[0].numel() * 4 for p in params)  # padded dim-0 halves, float32
+        gathers = 1 + memopt  # resharded after forward: gathered again in backward (every unit but the root)
+        copies = (gathers + 1) * len(params)
+        want = copies * hardware.op_overhead_s + (gathers + 1) * shards / (hardware.host_link_bytes_per_s *
+                                                                            hardware.efficiency)
+        assert off.step_time_s - plain.step_time_s == pytest.approx(want, rel=1e-6), memopt
+    offloaded = dataclasses.replace(plan, cpu_offload=True)
+    with pytest.raises(ValueError, match="host_link_bytes_per_s=None.*nothing to offload"):
+        estimate(model, offloaded, example_input=x, hardware=dataclasses.replace(hardware, host_link_bytes_per_s=None))
+    with pytest.raises(ValueError, match="kernel_model"):
+        estimate(model, offloaded, example_input=x, hardware="RTX-4090-PCIe-noP2P")
+    with pytest.raises(ValueError, match="device_type='cpu'.*nothing to offload"):
+        check_cpu_offload_device(offloaded, "cpu")
+    check_cpu_offload_device(offloaded, "cuda")

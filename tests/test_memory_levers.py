@@ -15,6 +15,7 @@ from models import train_share
 from torch import nn
 
 import snn_explorer as se
+from snn_explorer.core.block_choice import choose_blocks
 from snn_explorer.core.memory_levers import ACTIVATION_CHECKPOINTING, find_time_step_module
 from snn_explorer.core.parallelize.checkpointing import block_segments, checkpoint_blocks, checkpoint_time_chunks
 from snn_explorer.core.plan_types import SNNDistributedPlan
@@ -28,6 +29,8 @@ GATES = se.DistributedFeatureSet(allow_activation_checkpointing=True, allow_cpu_
 #: (zoo model, granularity, k, time_step_module): per-step mlp in chunks of 3 of its 8 steps (state carried
 #: across chunks), the all-steps mlp per block and every 2nd block.
 MODELS = (("mlp", "time_chunks", 3, "net"), ("mlp_all_steps", "blocks", 1, None), ("mlp_all_steps", "blocks", 2, None))
+#: a block chosen on its own (core.block_choice): trained on the 2-rank group's modes, compared to 0 difference
+PER_BLOCK = dict(activation_checkpointing="blocks", checkpoint_blocks=("net.2",))
 RANK_CASES = {2: (("dp", {"dp": 2}), ("fsdp2", {"dp": 2}), ("tp", {"tp": 2})),
               4: (("fsdp2_tp", {"dp": 2, "tp": 2}), ("fsdp2", {"dp": 4}))}
 
@@ -180,7 +183,9 @@ MEMORY_CASES = (("dp", {"dp": 2}, "mlp_all_steps", dict(activation_checkpointing
                 ("tp", {"tp": 2}, "mlp_all_steps", dict(activation_checkpointing="blocks")),
                 ("fsdp2", {"dp": 2}, "mlp_all_steps", dict(activation_checkpointing="blocks", checkpoint_every=2)),
                 ("dp", {"dp": 2}, "mlp", dict(activation_checkpointing="time_chunks", checkpoint_every=4,
-                                               time_step_module="net")))
+                                               time_step_module="net")),
+                # the blocks choose_blocks picks for it (test_the_measured_per_block_case_is_the_estimators_choice)
+                ("dp", {"dp": 2}, "mlp_all_steps", dict(activation_checkpointing="blocks", checkpoint_blocks=("net.0",))))
 
 
 def _memory_plans(case):
@@ -221,9 +226,21 @@ def _rank_group(cases, memory_cases=()):
                                batch_size=zoo.batch_size, mode=mode, features=GATES, **levers)
                 runtime = se.apply(model=model, plan=plan, device_type="cpu")
                 runs[checkpointing] = train_share(runtime, zoo, STEPS)
+            per_block = (_per_block_run(mode, topology) if dist.get_world_size() == 2 and zoo_name == "mlp_all_steps"
+                         and every == 1 else None)
             results.append(dict(mode=mode, topology=topology, model=zoo_name, granularity=granularity,
-                                every=every, rank=dist.get_rank(), plain=runs[False], checkpointed=runs[True]))
+                                every=every, rank=dist.get_rank(), plain=runs[False], checkpointed=runs[True],
+                                per_block=per_block))
     return results, _measured_peaks(memory_cases)
+
+
+def _per_block_run(mode, topology):
+    """mlp_all_steps trained with PER_BLOCK (apply as the plan says; compared with the case's plain run)."""
+    zoo = build("mlp_all_steps")
+    model = zoo.model.double()
+    plan = se.plan(analysis=se.analyze(model), objective="memory", topology=topology, batch_size=zoo.batch_size,
+                   mode=mode, features=GATES, **PER_BLOCK)
+    return train_share(se.apply(model=model, plan=plan, device_type="cpu"), zoo, STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -256,12 +273,35 @@ def test_checkpointing_lowers_the_measured_peak_as_estimated(memory_rows):
         (plain_est, ckpt_est), (plain, ckpt) = row["estimates"], row["measured"]
         label = f"{row['case'][0]} {row['case'][2]} {row['case'][3]}"
         assert ckpt < plain, f"{label}: checkpointing did not lower the measured peak ({ckpt} >= {plain})"
+        print(f"{label}: estimated {plain_est.peak_bytes} -> {ckpt_est.peak_bytes} B, measured {plain} -> {ckpt} B")
         for est, got in ((plain_est.peak_bytes, plain), (ckpt_est.peak_bytes, ckpt)):
             assert abs(est - got) <= 0.1 * got, f"{label}: estimated peak {est} vs measured {got}"
         saving_est, saving = plain_est.peak_bytes - ckpt_est.peak_bytes, plain - ckpt
         assert abs(saving_est - saving) <= 0.1 * saving, f"{label}: estimated saving {saving_est} vs measured {saving}"
         assert ckpt_est.per_rank["activations_bytes"].max() < plain_est.per_rank["activations_bytes"].max()
         assert plain_est.recompute_forward_fraction == 0.0 and 0.1 < ckpt_est.recompute_forward_fraction < 3
+
+
+def test_the_measured_per_block_case_is_the_estimators_choice():
+    zoo, (plain, chosen) = _memory_plans(MEMORY_CASES[-1])
+    choice = choose_blocks(plain, se.analyze(zoo.model).fsdp_unit_names,
+                           se.plan_estimator(zoo.model, zoo.example_input, zoo.labels))
+    assert choice.plan.layout_key() == chosen.layout_key()  # the same plan, its notes aside
+
+
+def test_per_block_checkpointing_trains_as_without_it_to_0_difference(rank_groups):
+    """mlp_all_steps with one of its three blocks recomputed, applied on 2 gloo ranks in dp, fsdp2 and tp: outputs,
+    losses, gradients and parameters after 3 Adam steps equal the run without, bit for bit; spikes fire."""
+    runs = [r for results, _ in rank_groups[2] for r in results if r["per_block"] is not None]
+    assert len(runs) == 2 * len(RANK_CASES[2])
+    for r in runs:
+        plain, got = r["plain"], r["per_block"]
+        assert all(0.02 <= rate <= 0.98 for rate in plain["rates"].values()) and plain["rates"]
+        assert plain["losses"][0] != plain["losses"][-1]
+        for what in ("outs", "losses"):
+            assert all(torch.equal(g, w) for g, w in zip(got[what], plain[what])), (r["mode"], what)
+        for what in ("grads", "params"):
+            assert all(torch.equal(got[what][n], plain[what][n]) for n in plain[what]), (r["mode"], what)
 
 
 def _close(name, got, want):

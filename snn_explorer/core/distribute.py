@@ -8,6 +8,7 @@ from torch import nn
 
 from .activation_offload import apply_activation_offload, check_activation_offload_device
 from .analysis import SNNDistributedAnalysis, analyze
+from .block_choice import check_checkpoint_blocks
 from .memory_levers import check_cpu_offload_device
 from .parallelize.checkpointing import apply_activation_checkpointing
 from .parallelize.dp import apply_ddp
@@ -60,6 +61,7 @@ def preflight(model: nn.Module, plan: SNNDistributedPlan) -> SNNDistributedAnaly
         if NeuronBackend(plan.neuron_backend).compiled:
             raise ValueError("neuron_backend='inductor' (torch.compile) with mode 'pp' may come later; use "
                              "neuron_backend='torch'")
+    check_checkpoint_blocks(plan.checkpoint_blocks, analysis.fsdp_unit_names)  # the blocks apply_activation_checkpointing names
     modules = dict(model.named_modules())
     missing = [u for u in plan.fsdp_units if u not in modules]
     if missing:

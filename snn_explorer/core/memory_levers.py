@@ -36,6 +36,7 @@ from torch import nn
 
 from . import neurons
 from .activation_offload import check_activation_offload
+from .block_choice import block_label, check_block_choice
 from .modes import names_text
 from .spike_compression import check_spike_compression
 from .vocabulary import Checkpointing
@@ -77,6 +78,7 @@ def check_memory_levers(plan: Any) -> None:
     if granularity != Checkpointing.TIME_CHUNKS and step_module is not None:
         raise ValueError(f"time_step_module={step_module!r} is only used by activation_checkpointing="
                          f"'time_chunks', not {granularity!r}")
+    check_block_choice(plan)
     if type(plan.cpu_offload) is not bool:
         raise TypeError(f"cpu_offload must be a bool, got {plan.cpu_offload!r}")
     if plan.cpu_offload:
@@ -145,7 +147,7 @@ def lever_label(plan: Any) -> str:
     parts = []
     if plan.activation_checkpointing != Checkpointing.NONE:
         every = f"/{plan.checkpoint_every}" if plan.checkpoint_every > 1 else ""
-        parts.append(f"+ac:{plan.activation_checkpointing}{every}")
+        parts.append(f"+ac:{plan.activation_checkpointing}{every}{block_label(plan)}")
     if plan.cpu_offload:
         parts.append("+offload")
     if plan.spike_compression:
@@ -207,11 +209,19 @@ def lever_variants(plan: Any, time_step_module: Optional[str] = None,
     """``plan`` (without levers) with each combination of memory levers its gates allow: each checkpointing
     granularity (:func:`checkpointing_variants`) for each k of ``every``, and spike compression alone and
     together with each of those ([] for pipeline plans); with ``offload`` (the caller's hardware has a host
-    link to offload over) also activation offload, alone (:func:`activation_offload_variants`)."""
+    link to offload over) also activation offload, alone (:func:`activation_offload_variants`), and FSDP2's CPU
+    offload alone and with each checkpointing variant (:func:`fsdp_offload_variants`)."""
     checkpointed = [dataclasses.replace(v, checkpoint_every=k) for v in checkpointing_variants(plan, time_step_module)
                     for k in every]
-    offloaded = activation_offload_variants(plan) if offload else []
+    offloaded = activation_offload_variants(plan) + fsdp_offload_variants([plan] + checkpointed) if offload else []
     return checkpointed + spike_compression_variants([plan] + checkpointed) + offloaded
+
+
+def fsdp_offload_variants(plans: List[Any]) -> List[Any]:
+    """Each of ``plans`` with ``cpu_offload=True`` (FSDP2's shards, gradients and optimizer state in host memory)
+    where its gate allows it: FSDP2 plans that do not pipeline (the estimator models it there)."""
+    return [dataclasses.replace(p, cpu_offload=True) for p in plans
+            if p.experimental_features.allow_cpu_offload and p.uses_fsdp and not p.uses_pp and not p.cpu_offload]
 
 
 def activation_offload_variants(plan: Any) -> List[Any]:
@@ -262,7 +272,8 @@ def lever_notes(levers: dict) -> List[str]:
 
 def copy_without_levers(plan: Any) -> Any:
     """``plan`` with activation checkpointing, CPU offload, spike compression and activation offload off (the same layout otherwise)."""
-    return dataclasses.replace(plan, **lever_fields(), spike_compression=False, activation_offload=False)
+    return dataclasses.replace(plan, **lever_fields(), spike_compression=False, activation_offload=False,
+                               checkpoint_blocks=())
 
 
 def spike_compression_variants(plans: List[Any]) -> List[Any]:
@@ -275,4 +286,4 @@ __all__: Tuple[str, ...] = ("ACTIVATION_CHECKPOINTING", "check_memory_levers", "
                             "check_cpu_offload_device", "find_time_step_module", "lever_label", "objective_checkpoints", "objective_chooses_levers", "lever_fields",
                             "lever_notes", "checkpointing_variants", "CHECKPOINT_EVERY", "lever_variants",
                             "choose_levers", "copy_without_levers", "spike_compression_variants",
-                            "activation_offload_variants")
+                            "activation_offload_variants", "fsdp_offload_variants")

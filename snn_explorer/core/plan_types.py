@@ -116,6 +116,9 @@ class SNNDistributedPlan:
     time_step_module: Optional[str] = None
     spike_compression: bool = False  # saved spikes packed 1 bit each (core.spike_compression)
     activation_offload: bool = False  # saved activations in host memory (core.activation_offload)
+    #: with activation_checkpointing='blocks': the blocks to recompute, each by its first unit's path (core.block_choice);
+    #: () recomputes every ``checkpoint_every``-th block
+    checkpoint_blocks: Tuple[str, ...] = ()
     #: where N and T sit in the model's input and output (None: not stated; runs take time-major [T, N, ...])
     data_layout: Optional[DataLayout] = None
     #: the training precision (``core.precision.Precision``; a name is accepted and converted)
@@ -152,7 +155,7 @@ class SNNDistributedPlan:
         if not mode.tp and tp_plan:
             raise ValueError(f"tensor_parallel_plan is only used by {names_text(lambda m: m.tp)}, not {self.mode!r}")
         object.__setattr__(self, "tensor_parallel_plan", MappingProxyType(tp_plan))
-        for name in ("rationale", "notes", "fsdp_units", "tensor_parallel_roots"):
+        for name in ("rationale", "notes", "fsdp_units", "tensor_parallel_roots", "checkpoint_blocks"):
             value = string_tuple("SNNDistributedPlan", name, getattr(self, name),
                                  optional=name == "tensor_parallel_roots")
             object.__setattr__(self, name, value)

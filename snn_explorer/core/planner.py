@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .analysis import SNNDistributedAnalysis
+from .block_choice import check_checkpoint_blocks, choose_blocks
 from .layouts import layout_of
 from .memory_levers import (
     CHECKPOINT_EVERY,
@@ -114,7 +115,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
          pp_schedule: Optional[str] = None, pp_microbatches: Optional[int] = None,
          pp_virtual_stages: Optional[int] = None, pp_layout: Any = None,
          activation_checkpointing: Optional[str] = None, checkpoint_every: int = 1, cpu_offload: bool = False,
-         time_step_module: Optional[str] = None, data_layout: Any = None,
+         time_step_module: Optional[str] = None, data_layout: Any = None, checkpoint_blocks: Sequence[str] = (),
          precision: Any = None, peak_estimate: Optional[Callable[[SNNDistributedPlan], Any]] = None
          ) -> SNNDistributedPlan:
     """Choose a mode for ``objective`` on ``topology`` and return a plan that ``apply`` accepts.
@@ -133,8 +134,11 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     and ``step_time_s``, e.g. ``snn_explorer.plan_estimator(model, example_input)``), each lever combination the
     gates allow (checkpointing by blocks, or by time chunks of ``time_step_module``, every 1st / 2nd or every
     ``checkpoint_every``-th when given; spike
-    compression; both) is estimated and the one of lowest peak is kept if it is below the plan's peak without
-    levers (a note says by how much and its time cost); without ``peak_estimate`` no lever is on (a note says so).
+    compression; both; and the blocks chosen one by one, :func:`~.block_choice.choose_blocks`) is estimated and
+    the one of lowest peak is kept if it is below the plan's peak without levers (a note says by how much and its
+    time cost); without ``peak_estimate`` no lever is on (a note says so).
+    ``checkpoint_blocks`` (with ``activation_checkpointing='blocks'``) recomputes exactly the named blocks (each by its
+    first unit's path, :mod:`.block_choice`) instead of every ``checkpoint_every``-th.
     ``data_layout`` (a :class:`~snn_explorer.core.layouts.DataLayout`; default: the analysis's) says
     where N and T sit in the model's input and output; the plan carries it to ``apply`` and the launcher.
     """
@@ -172,21 +176,26 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
         rationale=(_rationale(objective, chosen, topology, zero, explicit=mode is not None, recommended=rec.mode),),
         notes=tuple(notes), tensor_parallel_roots=analysis.tensor_parallel_roots,
         tensor_parallel_plan=tp_plan, fsdp_units=analysis.fsdp_unit_names if spec.fsdp else (),
-        experimental_features=features, **pipeline, **levers, precision=chosen_precision,
+        experimental_features=features, **pipeline, **levers, checkpoint_blocks=checkpoint_blocks,
+        precision=chosen_precision,
         data_layout=layout_of(data_layout) if data_layout is not None else analysis.data_layout,
     )
+    check_checkpoint_blocks(plan_.checkpoint_blocks, analysis.fsdp_unit_names)
     if spec.pp:
         check_pp_model(plan_, analysis.pipeline_units, analysis.pipeline_problem,
                        analysis.shared_parameter_groups, analysis.trainable_units)
     if activation_checkpointing is None and objective_chooses_levers(objective, features):
         every = CHECKPOINT_EVERY if checkpoint_every == 1 else (checkpoint_every,)
-        plan_ = _levers_by_estimate(plan_, lever_variants(plan_, time_step_module, every), peak_estimate)
+        plan_ = _levers_by_estimate(plan_, lever_variants(plan_, time_step_module, every), peak_estimate,
+                                    analysis.fsdp_unit_names)
     return plan_
 
 
 def _levers_by_estimate(plan_: SNNDistributedPlan, candidates: List[SNNDistributedPlan],
-                        peak_estimate: Optional[Callable[[SNNDistributedPlan], Any]]) -> SNNDistributedPlan:
-    """``plan_`` with the lever combination of lowest estimated peak, if it lowers the peak (:func:`choose_levers`);
+                        peak_estimate: Optional[Callable[[SNNDistributedPlan], Any]],
+                        blocks: Tuple[str, ...] = ()) -> SNNDistributedPlan:
+    """``plan_`` with the lever combination of lowest estimated peak, if it lowers the peak (:func:`choose_levers`;
+    the candidates include the blocks chosen one by one, :func:`~.block_choice.choose_blocks` over ``blocks``);
     without ``peak_estimate``, ``plan_`` unchanged with a note (no lever by rule)."""
     if not candidates:
         return plan_
@@ -198,9 +207,25 @@ def _levers_by_estimate(plan_: SNNDistributedPlan, candidates: List[SNNDistribut
     if not callable(peak_estimate):
         raise TypeError(f"peak_estimate must be a callable plan -> estimate (peak_bytes, step_time_s), got "
                         f"{peak_estimate!r}")
+    peak_estimate = _remembered(peak_estimate)
+    by_block = choose_blocks(plan_, blocks, peak_estimate)
+    if by_block is not None and by_block.plan is not None:
+        candidates = candidates + [by_block.plan]
     chosen, note = choose_levers(plan_, candidates, peak_estimate)
     levers = dict(activation_checkpointing=chosen.activation_checkpointing, cpu_offload=chosen.cpu_offload)
     return dataclasses.replace(chosen, notes=plan_.notes + (note,) + tuple(lever_notes(levers)))
+
+
+def _remembered(peak_estimate: Callable[[SNNDistributedPlan], Any]) -> Callable[[SNNDistributedPlan], Any]:
+    """``peak_estimate`` estimating each plan once (the block choice and :func:`choose_levers` ask for some twice)."""
+    seen: dict = {}
+
+    def remembered(p: SNNDistributedPlan) -> Any:
+        if p not in seen:
+            seen[p] = peak_estimate(p)
+        return seen[p]
+
+    return remembered
 
 
 def _levers(spec: Mode, activation_checkpointing, checkpoint_every, cpu_offload, time_step_module,

@@ -6,9 +6,11 @@ chunks, every 1st or 2nd block / chunk; spike compression, :mod:`~snn_explorer.c
 both together: :func:`~snn_explorer.core.memory_levers.lever_variants`), all from one shared
 :class:`~.profile.ModelProfile`. A lever stays in a plan only where the estimate says it lowers that
 plan's peak; a lever the estimate says raises the peak (a model whose memory is mostly parameters) is
-dropped and the table says by how much. On a hardware profile with a host link (the GPU datasheet
-profiles) activation offload (:mod:`~snn_explorer.core.activation_offload`) is searched too, alone. FSDP2's
-CPU offload of its shards is not searched: the estimator does not model it.
+dropped and the table says by how much. Checkpointing is also chosen block by block
+(:func:`~snn_explorer.core.block_choice.choose_blocks`: blocks ordered by saved bytes freed per recompute second,
+added until the budget fits or the peak stops falling; one row per set tried). On a hardware profile with a host link (the GPU datasheet
+profiles) activation offload (:mod:`~snn_explorer.core.activation_offload`) is searched too, alone, and FSDP2's CPU
+offload of its shards (``cpu_offload``, :mod:`.memory.fsdp_offload`), alone and with each checkpointing variant.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze
+from ..core.block_choice import block_choice_applies, choose_blocks, with_blocks
 from ..core.memory_levers import copy_without_levers, find_time_step_module, lever_label, lever_variants
 from ..core.validate import positive_int, positive_number
 from ..core.vocabulary import Vocabulary
@@ -158,7 +161,7 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     variants = {base: lever_variants(base, step_module, offload=offload)
                 for base in dict.fromkeys(copy_without_levers(p) for p in plans)}
     bases = sorted(((b, estimate_of(b)) for b in variants), key=lambda be: be[1].step_time_s)
-    rows, best = _search(bases, variants, estimate_of, budget)
+    rows, best = _search(bases, variants, estimate_of, budget, analysis.fsdp_unit_names)
     if best is None:
         lowest = min((r for r in rows if r["peak_bytes"] is not None), key=lambda r: r["peak_bytes"])
         floored = sum(r["outcome"] == FitOutcome.PRUNED for r in rows)
@@ -172,8 +175,9 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
                      search_s=time.perf_counter() - started, infeasible=dict(plans.infeasible))
 
 
-def _search(bases, variants, estimate_of, budget: int):
-    """The candidate rows and the fastest fitting (plan, estimate), walking ``bases`` fastest first."""
+def _search(bases, variants, estimate_of, budget: int, blocks=()):
+    """The candidate rows and the fastest fitting (plan, estimate), walking ``bases`` fastest first (``blocks``: the
+    model's blocks, for the block-by-block checkpointing choice, :func:`_block_rows`)."""
     rows, best = [], None
     for base, base_est in bases:
         levered = variants[base]
@@ -187,6 +191,7 @@ def _search(bases, variants, estimate_of, budget: int):
                    "its plan without levers is no faster than a fitting plan, and levers only add time")
             rows += [_row(v, None, base_est, budget, FitOutcome.PRUNED, why) for v in levered]
             continue
+        known = {base: base_est}  # estimates of this plan's variants, for the block-by-block choice
         for v in levered:
             floor = lever_floor(base, base_est, v)
             if floor > budget:
@@ -194,26 +199,54 @@ def _search(bases, variants, estimate_of, budget: int):
                                  f"cannot fit: {floor} B per rank that its levers do not lower (parameters, "
                                  f"optimizer state, buffers) > budget {budget} B"))
                 continue
-            est = estimate_of(v)
+            est = known[v] = estimate_of(v)
             if est.peak_bytes >= base_est.peak_bytes:
                 rows.append(_row(v, est, base_est, budget, FitOutcome.LEVER_NO_GAIN,
                                  f"peak {est.peak_bytes} B >= {base_est.peak_bytes} B without the lever"))
                 continue
-            v_fits = est.peak_bytes <= budget
-            rows.append(_row(v, est, base_est, budget, FitOutcome.SLOWER if v_fits else FitOutcome.OVER_BUDGET,
-                             "" if v_fits else f"peak {est.peak_bytes} B > budget {budget} B"))
-            if v_fits and (best is None or est.step_time_s < best[1].step_time_s):
+            rows.append(_levered_row(v, est, base_est, budget))
+            if est.peak_bytes <= budget and (best is None or est.step_time_s < best[1].step_time_s):
                 best = (v, est)
+        best = _block_rows(base, base_est, blocks, lambda p: known[p] if p in known else estimate_of(p), budget, rows,
+                           best)
     return rows, best
+
+
+def _levered_row(v, est: PlanEstimate, base_est: PlanEstimate, budget: int) -> dict:
+    fits = est.peak_bytes <= budget
+    return _row(v, est, base_est, budget, FitOutcome.SLOWER if fits else FitOutcome.OVER_BUDGET,
+                "" if fits else f"peak {est.peak_bytes} B > budget {budget} B")
+
+
+def _block_rows(base, base_est: PlanEstimate, blocks, estimate_of, budget: int, rows: List[dict], best):
+    """Checkpointing chosen block by block for ``base`` (:func:`~snn_explorer.core.block_choice.choose_blocks`, greedy
+    until the budget fits or the peak stops falling): a row per set of blocks tried, appended to ``rows``; returns
+    the fastest fitting (plan, estimate) so far. Not tried where the blocks' floor (parameters, optimizer state,
+    buffers) is over the budget."""
+    if not block_choice_applies(base, blocks) or lever_floor(base, base_est, with_blocks(base, blocks[:1])) > budget:
+        return best
+    choice = choose_blocks(base, blocks, estimate_of, budget)
+    for v, est in choice.tried if choice is not None else ():
+        if any(r["plan"] == _name(v) for r in rows):  # one block's set equals a uniform variant's: estimated already
+            continue
+        if est.peak_bytes >= base_est.peak_bytes:
+            rows.append(_row(v, est, base_est, budget, FitOutcome.LEVER_NO_GAIN,
+                             f"peak {est.peak_bytes} B >= {base_est.peak_bytes} B without the lever"))
+            continue
+        rows.append(_levered_row(v, est, base_est, budget))
+        if est.peak_bytes <= budget and (best is None or est.step_time_s < best[1].step_time_s):
+            best = (v, est)
+    return best
 
 
 #: Per memory lever, the plan fields that switch it on and the per-rank memory columns it leaves as they are
 #: (:func:`lever_floor`). A lever that lowers a column must not list it; a lever missing here (a new one)
 #: prunes nothing until it is listed.
 LEVER_KEEPS = (
-    (("activation_checkpointing", "checkpoint_every", "time_step_module"),
+    (("activation_checkpointing", "checkpoint_every", "time_step_module", "checkpoint_blocks"),
      ("params_bytes", "optimizer_bytes", "buffers_bytes")),  # recomputes activations, shards nothing
     (("spike_compression",), ("params_bytes", "optimizer_bytes", "buffers_bytes")),  # packs saved 0/1 tensors
+    (("cpu_offload",), ("buffers_bytes",)),  # FSDP2's shards, gradients and optimizer state to host memory
 )
 
 

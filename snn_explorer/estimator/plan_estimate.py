@@ -39,6 +39,7 @@ from .instruments.isolation import as_found, one_thread
 from .instruments.progress_hook import ProgressHook, check_hook
 from .instruments.tables import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
 from .memory.activation_offload import check_offload_hardware, offload_seconds, offloaded_profile
+from .memory.fsdp_offload import HOST_COLUMNS, check_fsdp_offload_hardware, fsdp_offload_seconds
 from .memory.fsdp_timeline import FsdpTimeline
 from .memory.gpu_trace import gpu_peaks, gpu_step
 from .memory.pipeline_memory import pipeline_rows
@@ -93,6 +94,11 @@ class PlanEstimate:
     @property
     def peak_bytes(self) -> int:
         return int(self.per_rank["peak_bytes"].max())
+
+    @property
+    def activations_bytes(self) -> int:
+        """The most bytes a rank keeps saved for backward (and its input), over the ranks."""
+        return int(self.per_rank["activations_bytes"].max())
 
     @property
     def comm_bytes(self) -> int:
@@ -191,6 +197,10 @@ def _with_levers(profile, plan, n: int, t: int, hardware):
     packed = spike_saving(profile, n, t, plan.tensor_parallel_plan, plan.tp_size) if plan.spike_compression else None
     profile = compressed_profile(profile) if packed is not None else profile  # measured with spikes as bits
     extra_s = packed.seconds(hardware) if packed is not None else 0.0
+    if plan.cpu_offload:  # FSDP2's shards over the host link (the slowest role's copies: dp rank 0 holds most)
+        check_fsdp_offload_hardware(hardware, plan)
+        extra_s += fsdp_offload_seconds(local_params(profile.params, plan, profile.param_itemsizes or
+                                                     profile.compute_itemsize, profile.norm_layers), plan, hardware)
     if plan.activation_offload:  # measured with the saved tensors outside the device's memory
         check_offload_hardware(hardware)
         profile = offloaded_profile(profile)
@@ -215,8 +225,8 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
                        profile, hardware, pipeline)
     # Activations and temporaries of the forward (the gradients were set to None), of the backward
     # and after it (both beside the gradients): measured on the model as one rank runs it.
-    timeline = FsdpTimeline.of(params, plan.dp_size, plan.reshard_after_forward, reduce_itemsize(plan)) \
-        if plan.uses_fsdp else None
+    timeline = FsdpTimeline.of(params, plan.dp_size, plan.reshard_after_forward, reduce_itemsize(plan),
+                               plan.cpu_offload) if plan.uses_fsdp else None
     step = None
     if gpu:
         units = {u.path for u in timeline.units if u.path} if timeline else ()
@@ -237,12 +247,16 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
     for dp_rank in dp_roles(params, plan):
         b = rank_bytes(params, plan, dp_rank * plan.tp_size, optimizer)
         scratch = optimizer_temporaries(params, plan, dp_rank * plan.tp_size, optimizer)
+        # CPU offload: shards, gradients, optimizer state and its step in host memory (.memory.fsdp_offload); the
+        # columns keep their bytes (the optimizer step's time reads them), the device's peak goes without them
+        held = dict(b, **dict.fromkeys(HOST_COLUMNS, 0)) if plan.cpu_offload else b
+        scratch = 0 if plan.cpu_offload else scratch
         if timeline:  # FSDP2's buffers and gradients are in the replayed phases
             phases = (fwd, bwd, after_bwd + scratch)
         else:
             phases = (fwd + transient, bwd + b["grads_bytes"] + transient,
                       after_bwd + b["grads_bytes"] + transient + scratch)
-        peak = b["params_bytes"] + b["optimizer_bytes"] + static + max(phases)
+        peak = held["params_bytes"] + held["optimizer_bytes"] + static + max(phases)
         rows.append(dict(**b, buffers_bytes=buffers, activations_bytes=round(activations),
                          neuron_state_bytes=round(state), transient_bytes=round(transient), peak_bytes=round(peak)))
     per_rank = _per_rank(rows, dp_roles(params, plan), plan)

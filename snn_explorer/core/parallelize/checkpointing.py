@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from .. import neurons
+from ..block_choice import check_checkpoint_blocks
 from ..plans.families import CONTAINERS
 from ..vocabulary import Checkpointing
 from .saved_ops import TORCHTITAN_OPS, SavedOps
@@ -122,11 +123,18 @@ def repeated_blocks(model: nn.Module, units: Sequence[str]) -> List[str]:
 
 
 def checkpoint_blocks(model: nn.Module, units: Sequence[str], every: int = 1, restore: bool = True,
-                      saved_ops: Optional[SavedOps] = None, tally: Optional[Counter] = None) -> int:
-    """Checkpoint every ``every``-th block of ``model`` (see :func:`block_segments`); returns how many.
+                      saved_ops: Optional[SavedOps] = None, tally: Optional[Counter] = None,
+                      only: Sequence[str] = ()) -> int:
+    """Checkpoint every ``every``-th block of ``model`` (see :func:`block_segments`), or with ``only`` exactly the
+    blocks whose first unit it names (:mod:`..block_choice`); returns how many.
     With ``saved_ops`` each block keeps the outputs of those operators (:mod:`.saved_ops`; ``tally`` hears
     its decisions) and recomputes the rest, else it keeps only its inputs."""
-    chosen = block_segments(model, units)[::every]
+    segments = block_segments(model, units)
+    if only:
+        check_checkpoint_blocks(only, units)
+        chosen = [segment for unit, segment in zip(units, segments) if unit in set(only)]
+    else:
+        chosen = segments[::every]
     context_fn = saved_ops.context_fn(tally) if saved_ops is not None else noop_context_fn
     by_parent: Dict[str, List[Tuple[str, ...]]] = {}
     for parent, members in chosen:
@@ -307,7 +315,7 @@ def apply_activation_checkpointing(model: nn.Module, plan, units: Sequence[str],
     """Checkpoint ``model`` as ``plan.activation_checkpointing`` says (``units``: the model's blocks; ``tally``
     hears the op policy's decisions with ``"ops"``)."""
     if plan.activation_checkpointing == Checkpointing.BLOCKS:
-        checkpoint_blocks(model, units, plan.checkpoint_every)
+        checkpoint_blocks(model, units, plan.checkpoint_every, only=plan.checkpoint_blocks)
     elif plan.activation_checkpointing == Checkpointing.OPS:
         checkpoint_blocks(model, repeated_blocks(model, units), plan.checkpoint_every, saved_ops=TORCHTITAN_OPS,
                           tally=tally)

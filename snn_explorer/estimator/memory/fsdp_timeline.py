@@ -50,19 +50,23 @@ class FsdpTimeline:
     units: Tuple[Unit, ...]
     param_units: Tuple[Tuple[str, str], ...]  # (parameter name, unit path)
     reshard_after_forward: bool
+    #: CPU offload (``CPUOffloadPolicy``): shards live on the host; each is copied in before its all-gather and
+    #: each sharded gradient leaves the device after its reduce-scatter (:mod:`.fsdp_offload`)
+    offload: bool = False
 
     @classmethod
     def of(cls, params: Sequence[Param], dp: int, reshard_after_forward: bool,
-           reduce_itemsize: Optional[int] = None) -> "FsdpTimeline":
+           reduce_itemsize: Optional[int] = None, offload: bool = False) -> "FsdpTimeline":
         """The timeline of ``params`` (``sharding.local_params``: each in its unit, with its gather dtype)
-        sharded over ``dp``, gradients reduce-scattered at ``reduce_itemsize`` bytes (None: their own)."""
+        sharded over ``dp``, gradients reduce-scattered at ``reduce_itemsize`` bytes (None: their own); with
+        ``offload`` the shards kept in host memory."""
         units = []
         for path, group in fsdp_groups(params).items():
             scatter, master = fsdp_group_bytes(group, dp, reduce_itemsize), fsdp_group_bytes(group, dp)
             shard, reduced = master // dp, (scatter // dp if scatter != master else 0)
             units.append(Unit(path, sum(p.numel * p.gathered_itemsize for p in group), fsdp_gather_bytes(group, dp),
                               shard, scatter, reduced))
-        return cls(tuple(units), tuple((p.name, p.group) for p in params), reshard_after_forward)
+        return cls(tuple(units), tuple((p.name, p.group) for p in params), reshard_after_forward, offload)
 
 
 class _Replay:
@@ -70,6 +74,7 @@ class _Replay:
 
     def __init__(self, timeline: FsdpTimeline, grad_bytes: Dict[str, int]):
         self.reshard = timeline.reshard_after_forward
+        self.offload = timeline.offload
         self.base = self.offset = self.peak = 0  # the model's bytes at the current point
         self.held = self.most_held = 0
         self.units = {"": Unit("", 0, 0, 0)}  # the root's hooks run even when it holds no parameter
@@ -98,6 +103,12 @@ class _Replay:
             self.held += nbytes
             self.most_held = max(self.most_held, self.held)
 
+    def _gather(self, unit: Unit) -> None:
+        """The all-gather output; with offload, the shard copied to the device first (freed after the copy-in)."""
+        self._add(unit.shard if self.offload else 0)
+        self._add(unit.flat)
+        self._add(-unit.shard if self.offload else 0)
+
     def unshard(self, path: str, forward: bool) -> None:
         if path in self.unsharded:
             return
@@ -106,7 +117,7 @@ class _Replay:
         if prefetched:  # its all-gather output is already there
             self.prefetched.discard(path)
         else:
-            self._add(unit.flat)
+            self._gather(unit)
         self._add(unit.unsharded)  # copied out of the all-gather output
         if forward and self.kept_gather is not None:
             # torch drops its reference to the previous all-gather output before the copy-out, but
@@ -125,7 +136,7 @@ class _Replay:
             index = self.forward_ends[path].pop()
             target = self.order[index - 1] if index > 0 else None
             if target is not None and target not in self.unsharded and target not in self.prefetched:
-                self._add(self.units[target].flat)
+                self._gather(self.units[target])
                 self.prefetched.add(target)
 
     def reshard_unit(self, path: str) -> None:
@@ -186,10 +197,12 @@ class _Replay:
             self._add(-sum(self.grad_bytes[n] for n in ready), buffer=False)
             self.pending.difference_update(ready)
             self.stood_down.update(ready)
-            if path not in self.scattered:
+            if path not in self.scattered or self.offload:  # offload: every output goes to the host's gradient
                 self._add(unit.reduced)  # the reduce-scatter output, cast to the gradient's dtype, then freed
                 self._add(unit.shard, buffer=False)
                 self._add(-unit.reduced)
+                if self.offload:  # copied to the host: the device copy goes
+                    self._add(-unit.shard, buffer=False)
                 self.scattered.add(path)
             self.kept_scatter = unit.scatter_bytes
 

@@ -137,7 +137,7 @@ def levered_profile(profile: ModelProfile, plan) -> ModelProfile:
     profile = precision_profile(profile, plan.precision, gathered=plan.uses_fsdp)
     if not Checkpointing(plan.activation_checkpointing).recomputes:
         return profile
-    key = (plan.activation_checkpointing, plan.checkpoint_every, plan.time_step_module)
+    key = (plan.activation_checkpointing, plan.checkpoint_every, plan.time_step_module, plan.checkpoint_blocks)
     cache = profile.__dict__.setdefault("_checkpointed_profiles", {})
     if key not in cache:
         base = {f.name: getattr(profile, f.name) for f in dataclasses.fields(ModelProfile)}
