@@ -168,7 +168,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     plan_ = SNNDistributedPlan(
         mode=chosen, objective=objective, topology=topology, model_family=family,
         neuron_backend=neuron_backend, batch_size=batch_size, optimizer_strategy="zero" if zero else "none",
-        memopt_level=rec.memopt_level,
+        memopt_level=0 if spec.pp else rec.memopt_level,  # a pipeline keeps its stages gathered for the step
         rationale=(_rationale(objective, chosen, topology, zero, explicit=mode is not None, recommended=rec.mode),),
         notes=tuple(notes), tensor_parallel_roots=analysis.tensor_parallel_roots,
         tensor_parallel_plan=tp_plan, fsdp_units=analysis.fsdp_unit_names if spec.fsdp else (),
