@@ -46,8 +46,8 @@ from .vocabulary import Checkpointing
 #: here is tried last).
 FALLBACKS = {
     "speed": ("dp", "fsdp2", "fsdp2_tp", "tp"),
-    "memory": ("fsdp2_tp", "tp", "fsdp2", "dp"),
-    "capacity": ("fsdp2_tp", "tp", "fsdp2", "dp"),
+    "memory": ("fsdp2_tp", "tp", "fsdp2", "dp", "pp_fsdp2_tp", "pp_fsdp2"),  # pipelines: sharded stages first
+    "capacity": ("fsdp2_tp", "tp", "fsdp2", "dp", "pp_fsdp2_tp", "pp_fsdp2"),
 }
 
 

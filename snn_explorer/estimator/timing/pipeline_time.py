@@ -13,7 +13,8 @@ step, not their average. A transfer between ranks delays the action that waits f
 alpha-beta time plus the schedule's calibrated latency beyond it (``pp_link:<schedule>``). Ranks
 sharing a host slow each other by as many as are busy at once on average (:func:`busy_share`).
 
-After the schedule each rank all-reduces its stages' gradients over dp, every rank joins the
+After the schedule each rank all-reduces its stages' gradients over dp (FSDP2 stages: reduce-scatters them,
+and their once-per-step all-gathers are counted there too, unhidden), every rank joins the
 loss broadcast (so all end the schedule together) and steps its optimizer over its stages'
 parameters. Per rank: ``compute_s`` its actions and its optimizer step, ``exposed_comm_s`` the
 waits for transfers (:func:`waited_on_transfers`) and its collectives, ``bubble_s`` the rest of
@@ -33,7 +34,7 @@ from ...core.pipeline_plan import check_pp_model, pipeline_units, stage_units
 from ...core.pipeline_schedules import needs, passes, replay
 from ...core.styles import STYLES
 from ..instruments.op_counter import OpCounter
-from ..instruments.tables import TIME_COLUMNS, boundary_stages, reduce_phase
+from ..instruments.tables import TIME_COLUMNS, boundary_stages, gather_phase, reduce_phase
 from ..profile.profiling import Fit
 from ..profile.step import batch_slice, input_as, loss_of
 from .collectives import stage_tp_rows
@@ -206,12 +207,14 @@ def stage_tp_s(plan, profile, stages: Sequence[Sequence[str]], hw: HardwareProfi
 
 
 def _collectives_after(plan, collectives: pd.DataFrame, hw: HardwareProfile) -> Tuple[List[float], float]:
-    """Seconds of each pp rank's dp all-reduce of its stages' gradients, and of the loss broadcast."""
+    """Seconds of each pp rank's dp all-reduce of its stages' gradients (FSDP2 stages: their reduce-scatters and
+    all-gathers, once per step each), and of the loss broadcast."""
     spec = plan.pp_schedule_spec
     reduce_s = []
     for pp_rank in range(plan.pp_size):
-        phase = reduce_phase(spec.rank_stages(pp_rank, plan.pp_size, plan.pp_virtual_stages))
-        rows = collectives[(collectives["mesh_dim"] == "dp") & (collectives["phase"] == phase)]
+        own = spec.rank_stages(pp_rank, plan.pp_size, plan.pp_virtual_stages)
+        rows = collectives[(collectives["mesh_dim"] == "dp")  # FSDP2 stages: their gathers, exposed, too
+                           & collectives["phase"].isin((reduce_phase(own), gather_phase(own)))]
         reduce_s.append(sum(hw.collective_time(r.kind, plan.dp_size, r.bytes, r.count, spans_nodes(plan, "dp", hw))
                             for r in rows.itertuples()))
     loss = collectives[(collectives["mesh_dim"] == "pp") & (collectives["kind"] == Collective.BROADCAST)]
