@@ -253,30 +253,34 @@ def _llm(device=None, **overrides):
     return build_llm("spiking-llm-tiny", device=device, tied_embeddings=False, **overrides)
 
 
-def _llm_plan(model, topology, batch):
+def _llm_plan(model, topology, batch, mode="pp_tp"):
     import snn_explorer as se
 
-    return se.plan(analysis=se.analyze(model), objective="speed", mode="pp_tp", topology=topology, batch_size=batch,
+    return se.plan(analysis=se.analyze(model), objective="speed", mode=mode, topology=topology, batch_size=batch,
                    tensor_parallel_plan=model.tensor_parallel_plan())
 
 
 def test_a_3d_estimate_of_a_meta_model_equals_the_real_one():
-    """The spiking LLM's pp x dp x tp estimate, profiled shape-only on a meta copy, equals the real profile's:
-    every rank's bytes, the collectives and the step time (the stage walk runs on FakeTensors)."""
+    """The spiking LLM's pp x dp x tp and pp x fsdp2 x tp estimates, profiled shape-only on a meta copy, equal the
+    real profile's: every rank's bytes, the collectives and the step time (the stage walk runs on FakeTensors)."""
     import snn_explorer as se
     from snn_explorer.zoo.llm import token_batch
 
-    ests = []
+    ests = {}
     for device in (None, "meta"):
         model = _llm(device)
         tokens = token_batch(model.config, 2, 8, 16)
-        ests.append(se.estimate(model, _llm_plan(model, TOPOLOGY, 8), example_input=tokens,
-                                hardware="8x8-H100-SXM-96GB", optimizer="adamw", layout=se.TIME_MAJOR))
-    real, shape_only = ests
-    assert real.plan.pp_layout == shape_only.plan.pp_layout and real.peak_bytes > 0
-    assert real.per_rank.equals(shape_only.per_rank)
-    assert real.collectives.equals(shape_only.collectives) and set(real.collectives["mesh_dim"]) == {"pp", "dp", "tp"}
-    assert real.step_time_s == pytest.approx(shape_only.step_time_s, rel=1e-9)
+        for mode in ("pp_tp", "pp_fsdp2_tp"):
+            ests[device, mode] = se.estimate(model, _llm_plan(model, TOPOLOGY, 8, mode), example_input=tokens,
+                                             hardware="8x8-H100-SXM-96GB", optimizer="adamw", layout=se.TIME_MAJOR)
+    for mode in ("pp_tp", "pp_fsdp2_tp"):
+        real, shape_only = ests[None, mode], ests["meta", mode]
+        assert real.plan.pp_layout == shape_only.plan.pp_layout and real.peak_bytes > 0
+        assert real.per_rank.equals(shape_only.per_rank)
+        assert real.collectives.equals(shape_only.collectives) and set(real.collectives["mesh_dim"]) == {"pp", "dp", "tp"}
+        assert real.step_time_s == pytest.approx(shape_only.step_time_s, rel=1e-9)
+    sharded, replicated = ests[None, "pp_fsdp2_tp"].per_rank, ests[None, "pp_tp"].per_rank
+    assert (sharded["optimizer_bytes"] < replicated["optimizer_bytes"]).all()
 
 
 def test_tp_stays_inside_a_node_and_pp_dp_cross_nodes():
