@@ -221,13 +221,21 @@ def test_bad_3d_meshes_are_refused_at_plan_time(topology, mode, match):
 
 def test_pp_fsdp2_refuses_resharding_after_every_forward():
     """A pipeline's FSDP2 stages stay gathered for the step (one all-gather, not one per micro-batch): memopt_level=1
-    is refused when the plan is built, not silently dropped; the planner gives these modes 0."""
+    is refused when the plan is built, not silently dropped; the planner gives these modes 0. CPU offload of the
+    shards and activation checkpointing are refused with pipeline stages too."""
     import dataclasses
 
     plan = _plan(_zoo().model, TOPOLOGY, "pp_fsdp2_tp")
     assert plan.memopt_level == 0 and not plan.reshard_after_forward
     with pytest.raises(ValueError, match="memopt_level=1 .* is not used by mode 'pp_fsdp2_tp'.* use memopt_level=0"):
         dataclasses.replace(plan, memopt_level=1)
+    import snn_explorer as se
+
+    gates = se.DistributedFeatureSet(allow_cpu_offload=True, allow_activation_checkpointing=True)
+    with pytest.raises(ValueError, match="offloads FSDP2's shards .* needs modes 'fsdp2' and 'fsdp2_tp', not mode='pp_fsdp2'"):
+        dataclasses.replace(_plan(_zoo().model, PP_FSDP2, "pp_fsdp2"), cpu_offload=True, experimental_features=gates)
+    with pytest.raises(ValueError, match="'blocks' is not combined with pipeline stages \\(mode 'pp_fsdp2_tp'\\)"):
+        dataclasses.replace(plan, activation_checkpointing="blocks", experimental_features=gates)
 
 
 def test_tp_needs_candidates_and_a_stage_never_ends_on_a_shard():

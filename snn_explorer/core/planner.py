@@ -253,8 +253,8 @@ def _choose_mode(mode: Optional[str], recommended: str, objective: str, analysis
         order = [m for m in order if mode_of(m).tp]
     elif topology.world_size == 1:
         order = ["none"] + [m for m in order if m != "none"]
-    if cpu_offload:  # offload moves FSDP2's shards: only FSDP2 modes can take it
-        order = [m for m in order if mode_of(m).fsdp]
+    if cpu_offload:  # offload moves FSDP2's shards: only FSDP2 modes without pipeline stages can take it
+        order = [m for m in order if mode_of(m).fsdp and not mode_of(m).pp]
     reasons = []
     for chosen in order:
         tp_plan, problem = _problem(chosen, analysis, topology, explicit_tp, features)
