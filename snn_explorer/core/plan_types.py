@@ -215,7 +215,8 @@ class SNNDistributedPlan:
 
     @property
     def reshard_after_forward(self) -> bool:
-        """FSDP2 frees gathered parameters after forward (``memopt_level >= 1``) and gathers again in backward."""
+        """FSDP2 frees gathered parameters after forward (``memopt_level >= 1``) and gathers again in backward
+        (never under ``pp_fsdp2`` / ``pp_fsdp2_tp``, whose stages stay gathered through the step's micro-batches)."""
         return self.uses_fsdp and self.memopt_level >= 1
 
     @property
