@@ -29,6 +29,7 @@ import pandas as pd
 import torch
 
 from ...core.collectives import Collective
+from ...core.parallelize.mixed_precision import autocast_forward
 from ...core.parallelize.pipeline import PipelineStageModule
 from ...core.pipeline_plan import check_pp_model, pipeline_units, stage_units
 from ...core.pipeline_schedules import needs, passes, replay
@@ -73,6 +74,7 @@ def stage_work(profile, stages: Sequence[Sequence[str]], n: int, t: int, tp_plan
     for i, paths in enumerate(stages):
         stage = PipelineStageModule(i, paths, [model.get_submodule(p) for p in paths],
                                     per_step=profile.layout.per_step)
+        autocast_forward(stage, profile.precision, "cpu")  # as apply runs it (FSDP2's bf16 / fp16 gathered weights)
         inp = x if i == 0 else x.detach().requires_grad_()
         with torch.no_grad():
             grad_out = torch.ones_like(stage(inp))
