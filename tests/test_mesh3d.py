@@ -4,8 +4,8 @@ tensor-parallel over tp, replicated over dp) and mode 'pp_fsdp2_tp' (the same st
 
 One rank group: 2 Adam steps of the zoo's mlp_all_steps in float64 under each (losses, gradients and parameters
 equal the single process's; its neurons spike at 2-98 %), a pp_tp checkpoint loaded under dp=8 and a pp_fsdp2_tp
-one under pp_fsdp2, and measure()'s recorded collectives and bytes of both 2 x 2 x 2 plans, which must equal the
-estimate's rows.
+one under pp_fsdp2, and measure()'s recorded collectives and bytes of both 2 x 2 x 2 plans and of a bf16 pp_fsdp2
+plan, which must equal the estimate's rows.
 """
 import pytest
 import torch
@@ -106,7 +106,14 @@ def three_d(tmp):
     loaded = se.apply(model=other, plan=_plan(other, PP_FSDP2, "pp_fsdp2"), device_type="cpu")
     loaded.load_checkpoint(f"{tmp}/pp_fsdp2_tp")
     fsdp_tp.update(loaded=loaded.full_parameters(), measured=_measure("pp_fsdp2_tp"))
-    return dict(pp_tp=out, pp_fsdp2_tp=fsdp_tp, pp_fsdp2=_train("pp_fsdp2", PP_FSDP2)[2])
+    return dict(pp_tp=out, pp_fsdp2_tp=fsdp_tp, pp_fsdp2=_train("pp_fsdp2", PP_FSDP2)[2], bf16=_measure("bf16"))
+
+
+def _bf16_plan(model):
+    import snn_explorer as se
+
+    return se.plan(analysis=se.analyze(model), objective="capacity", topology=PP_FSDP2, batch_size=BATCH,
+                   mode="pp_fsdp2", precision="bf16", features=se.DistributedFeatureSet(allow_mixed_precision=True))
 
 
 def _measure(mode="pp_tp"):
@@ -114,7 +121,7 @@ def _measure(mode="pp_tp"):
     from snn_explorer.estimator.measurement.settings import measure_settings
 
     zoo = _zoo()
-    plan = _plan(zoo.model, TOPOLOGY, mode)
+    plan = _bf16_plan(zoo.model) if mode == "bf16" else _plan(zoo.model, TOPOLOGY, mode)
     return measure_on_rank(zoo.model, [plan], measure_settings(zoo.model, [plan], zoo.example_input, zoo.labels,
                                                                1, "adam", None, 1e-3, "cpu"))[0]
 
@@ -196,6 +203,25 @@ def test_3d_collectives_equal_the_estimate(eight_ranks, mode, kinds):
     assert (comm["count_est"] == comm["count_meas"]).all() and (comm["bytes_est"] == comm["bytes_meas"]).all(), comm
     per_rank = se.compare_estimate(est, meas)["per_rank"]
     for col in ("params_bytes", "grads_bytes", "optimizer_bytes", "transient_bytes"):  # local shards, per stage
+        assert (per_rank[f"{col}_est"] == per_rank[f"{col}_meas"]).all(), col
+    est_peak, meas_peak = per_rank["peak_bytes_est"], per_rank["peak_bytes_meas"]
+    assert ((est_peak - meas_peak).abs() <= 0.10 * meas_peak).all(), (est_peak.tolist(), meas_peak.tolist())
+
+
+def test_a_bf16_pp_fsdp2_estimate_equals_its_measurement(eight_ranks):
+    """pp_fsdp2 in bf16 (FSDP2 gathers bf16 weights, the stages run under autocast): measure()'s collectives equal the
+    estimate's exactly, the sharded parameter and gradient bytes too, the peak within 10 %."""
+    import snn_explorer as se
+    from snn_explorer.estimator.measurement.plan_measurement import _assemble
+
+    zoo = _zoo()
+    plan = _bf16_plan(zoo.model)
+    meas = _assemble(plan, [r["bf16"] for r in eight_ranks], 1)
+    est = se.estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels)
+    comm, per_rank = se.compare_estimate(est, meas)["collectives"], se.compare_estimate(est, meas)["per_rank"]
+    assert meas.collectives_agree and {"all_gather", "reduce_scatter"} <= set(comm["kind"])
+    assert (comm["count_est"] == comm["count_meas"]).all() and (comm["bytes_est"] == comm["bytes_meas"]).all(), comm
+    for col in ("params_bytes", "grads_bytes"):
         assert (per_rank[f"{col}_est"] == per_rank[f"{col}_meas"]).all(), col
     est_peak, meas_peak = per_rank["peak_bytes_est"], per_rank["peak_bytes_meas"]
     assert ((est_peak - meas_peak).abs() <= 0.10 * meas_peak).all(), (est_peak.tolist(), meas_peak.tolist())
