@@ -304,9 +304,11 @@ def test_a_3d_estimate_of_a_meta_model_equals_the_real_one():
     for device in (None, "meta"):
         model = _llm(device)
         tokens = token_batch(model.config, 2, 8, 16)
-        for mode in ("pp_tp", "pp_fsdp2_tp"):
+        labels = torch.randint(0, model.config.vocab_size, (8, 16), generator=torch.Generator().manual_seed(1))
+        for mode in ("pp_tp", "pp_fsdp2_tp"):  # next-token labels: the last stage's loss on meta, too
             ests[device, mode] = se.estimate(model, _llm_plan(model, TOPOLOGY, 8, mode), example_input=tokens,
-                                             hardware="8x8-H100-SXM-96GB", optimizer="adamw", layout=se.TIME_MAJOR)
+                                             labels=labels, hardware="8x8-H100-SXM-96GB", optimizer="adamw",
+                                             layout=se.TIME_MAJOR)
     for mode in ("pp_tp", "pp_fsdp2_tp"):
         real, shape_only = ests[None, mode], ests["meta", mode]
         assert real.plan.pp_layout == shape_only.plan.pp_layout and real.peak_bytes > 0

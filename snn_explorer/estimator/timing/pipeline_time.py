@@ -80,7 +80,9 @@ def stage_work(profile, stages: Sequence[Sequence[str]], n: int, t: int, tp_plan
             grad_out = torch.ones_like(stage(inp))
         with OpCounter() as forward:
             y_stage = stage(inp)
-            loss = loss_of(y_stage, y, profile.layout) if i == len(stages) - 1 else None
+            # labels beside the outputs: a meta (shape-only) model's are on meta, the batch's on the CPU
+            loss = loss_of(y_stage, y if y is None else y.to(y_stage.device), profile.layout) \
+                if i == len(stages) - 1 else None
         with OpCounter() as backward:
             if loss is not None:
                 loss.backward()
