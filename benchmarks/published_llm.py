@@ -18,8 +18,9 @@
    seconds per step against the row without checkpointing).
 2. The 7 B spiking LLM (``zoo.llm``, T time steps of sequence S, next-token cross-entropy of the
    time-mean scores) on 8, 64 and 512 GPUs of that kind: FSDP2 (no checkpointing, every block,
-   op-level), FSDP2 x TP (TP = 8, inside a node) and, from 64 GPUs, the 3-D plan pp x dp x tp
-   (mode ``pp_tp``: pp = 2 stages across nodes, TP = 8 inside a node, the rest dp), fastest first
+   op-level), FSDP2 x TP (TP = 8, inside a node) and, from 64 GPUs, the 3-D plans pp x dp x tp
+   (mode ``pp_tp``: pp = 2 stages across nodes, TP = 8 inside a node, the rest dp replicating the stages)
+   and pp x fsdp2 x tp (mode ``pp_fsdp2_tp``: the same stages FSDP2-sharded over dp), fastest first
    among those that fit in 96 GB, with predicted peak and step time. The first estimate (512 ranks) is timed, with the
    process's peak memory (target: under 30 s and 2 GiB on this machine).
 3. spikingjelly's LLM planner (``spikingjelly.activation_based.distributed.llm``, which imports here;
@@ -108,7 +109,7 @@ def llama_rows() -> pd.DataFrame:
 
 
 def spiking_plans(model, world: int, time_steps: int, seq: int) -> pd.DataFrame:
-    """FSDP2 (one sample per rank), FSDP2 x TP=8 and (from 64 GPUs) pp=2 x dp x TP=8 plans of ``model`` on
+    """FSDP2 (one sample per rank), FSDP2 x TP=8 and (from 64 GPUs) pp=2 x (dp | fsdp2) x TP=8 plans of ``model`` on
     ``world`` GPUs, one global batch of ``world`` sequences, fastest first."""
     hardware = {8: "H100-SXM-96GB", 64: "8x8-H100-SXM-96GB", 512: "64x8-H100-SXM-96GB"}[world]
     tokens = token_batch(model.config, time_steps, world, seq)
@@ -116,10 +117,10 @@ def spiking_plans(model, world: int, time_steps: int, seq: int) -> pd.DataFrame:
     candidates = [("fsdp2", {"dp": world}, None), ("fsdp2", {"dp": world}, "blocks"), ("fsdp2", {"dp": world}, "ops"),
                   ("fsdp2_tp", {"dp": world // 8, "tp": 8}, None)]
     if world >= 64:
-        candidates.append(("pp_tp", {"pp": 2, "dp": world // 16, "tp": 8}, None))
+        candidates += [(mode, {"pp": 2, "dp": world // 16, "tp": 8}, None) for mode in ("pp_tp", "pp_fsdp2_tp")]
     rows = []
     for mode, topology, checkpointing in candidates:
-        if mode in ("fsdp2_tp", "pp_tp"):
+        if mode in ("fsdp2_tp", "pp_tp", "pp_fsdp2_tp"):
             plan = se.plan(analysis=se.analyze(model), objective="speed", neuron_backend="torch", mode=mode,
                            topology=topology, batch_size=world, precision="bf16", features=FEATURES,
                            tensor_parallel_plan=model.tensor_parallel_plan())

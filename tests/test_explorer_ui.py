@@ -270,6 +270,22 @@ def test_pp_slider_gives_a_pipeline_plan_with_its_row_in_the_comparison(pp_ui):
     assert list(ui.pp.options) == [1, 2, 4, 8] and (ui.pp.value, ui.dp.value, ui.tp.value) == (4, 2, 1)
 
 
+def test_the_mode_list_offers_pipelines_with_fsdp2_stages(pp_ui):
+    """Mode pp_fsdp2 from the list on the pp slider's mesh: the stages FSDP2-sharded over dp; tp=2 on 4 ranks leaves
+    FSDP2 no dp rank, refused with the reason; the list also offers pp_fsdp2_tp."""
+    ui = pp_ui
+    ui.pp.value = 2
+    replicated = ui.ex.estimate(ui.current).per_rank
+    ui.mode.value = "pp_fsdp2"
+    assert ui.error == "" and ui.current.mode == "pp_fsdp2" and ui.current.topology.dims == {"pp": 2, "dp": 2}
+    assert _columns(ui)[0].startswith("current pp_fsdp2 pp=2 x dp=2")
+    sharded = ui.ex.estimate(ui.current).per_rank
+    assert (sharded["optimizer_bytes"] < replicated["optimizer_bytes"]).all()
+    ui.tp.value = 2
+    assert ui.current is None and "mode 'pp_fsdp2' needs the dim(s) ['dp']" in ui.error
+    assert "pp_fsdp2_tp" in ui.mode.options
+
+
 def test_pp_schedule_micro_batches_and_virtual_stages_reach_the_plan(pp_ui):
     ui = pp_ui
     ui.pp.value = 2

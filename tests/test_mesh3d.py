@@ -1,10 +1,11 @@
-"""3-D plans (mode 'pp_tp': pipeline stages over pp, each stage tensor-parallel over tp, replicated over
-dp) on 8 real gloo ranks, a 2 x 2 x 2 mesh, against one process; and the plan-time refusals of bad 3-D meshes.
+"""3-D plans on 8 real gloo ranks against one process: mode 'pp_tp' (pipeline stages over pp, each stage
+tensor-parallel over tp, replicated over dp) and mode 'pp_fsdp2_tp' (the same stages FSDP2-sharded over dp) on a
+2 x 2 x 2 mesh, mode 'pp_fsdp2' on pp=2 x dp=4; and the plan-time refusals of bad 3-D meshes.
 
-One rank group: 2 Adam steps of the zoo's mlp_all_steps in float64 under pp=2 x dp=2 x tp=2 (losses,
-gradients and parameters equal the single process's; its neurons spike at 2-98 %), a checkpoint saved
-under it and loaded under dp=8, and measure()'s recorded collectives of the 3-D plan, which must equal
-the estimate's rows.
+One rank group: 2 Adam steps of the zoo's mlp_all_steps in float64 under each (losses, gradients and parameters
+equal the single process's; its neurons spike at 2-98 %), a pp_tp checkpoint loaded under dp=8 and a pp_fsdp2_tp
+one under pp_fsdp2, and measure()'s recorded collectives and bytes of both 2 x 2 x 2 plans and of a bf16 pp_fsdp2
+plan, which must equal the estimate's rows.
 """
 import pytest
 import torch
@@ -15,6 +16,7 @@ STEPS = 2
 TOL = 1e-5
 BATCH = 8
 TOPOLOGY = {"pp": 2, "dp": 2, "tp": 2}
+PP_FSDP2 = {"pp": 2, "dp": 4}
 
 
 def _zoo():
@@ -57,15 +59,15 @@ def reference():
                 rates={n: sum(v) / len(v) for n, v in rates.items()}, outs=outs)
 
 
-def three_d(tmp):
-    """2 steps under pp_tp, then a checkpoint saved under it and loaded under dp=8."""
+def _train(mode, topology):
+    """2 Adam steps of the zoo model under ``mode`` on ``topology``: the runtime and what it trained."""
     import torch.distributed as dist
 
     import snn_explorer as se
 
     zoo = _zoo()
     model = zoo.model.double()
-    plan = _plan(model)
+    plan = _plan(model, topology, mode)
     runtime = se.apply(model=model, plan=plan, device_type="cpu")
     x, y = runtime.rank_share(zoo.example_input.double(), zoo.labels)
     optimizer = runtime.build_optimizer(torch.optim.Adam, lr=1e-2)
@@ -80,30 +82,53 @@ def three_d(tmp):
         dist.all_reduce(loss, group=runtime.mesh.get_group("dp"))
         losses.append(loss / plan.dp_size)
     sharded = {n: type(p).__name__ for n, p in runtime.model.named_parameters()}
-    params = runtime.full_parameters()
+    placements = {n: str(getattr(p, "placements", "")) for n, p in runtime.model.named_parameters()}
     runtime.reset_state()  # between batches: no neuron state to lose
-    runtime.save_checkpoint(tmp, optimizer)
+    return runtime, optimizer, dict(plan=plan.to_dict(), losses=losses, grads=grads, params=runtime.full_parameters(),
+                                    sharded=sharded, placements=placements)
+
+
+def three_d(tmp):
+    """2 steps under pp_tp, then a checkpoint saved under it and loaded under dp=8; 2 steps under pp_fsdp2_tp,
+    its checkpoint loaded under pp_fsdp2 (pp=2 x dp=4); 2 steps under pp_fsdp2; measure() of pp_tp and pp_fsdp2_tp."""
+    import snn_explorer as se
+
+    runtime, optimizer, out = _train("pp_tp", TOPOLOGY)
+    runtime.save_checkpoint(f"{tmp}/pp_tp", optimizer)
     other = _zoo().model.double()
     loaded = se.apply(model=other, plan=_plan(other, {"dp": 8}, "dp"), device_type="cpu")
-    loaded.load_checkpoint(tmp)
-    return dict(plan=plan.to_dict(), losses=losses, grads=grads, params=params, sharded=sharded,
-                loaded=loaded.full_parameters(), mesh=runtime.mesh.mesh.tolist(),
-                stages=[s.index for s in runtime.model.stages], measured=_measure())
+    loaded.load_checkpoint(f"{tmp}/pp_tp")
+    out.update(loaded=loaded.full_parameters(), mesh=runtime.mesh.mesh.tolist(),
+               stages=[s.index for s in runtime.model.stages], measured=_measure())
+    runtime, optimizer, fsdp_tp = _train("pp_fsdp2_tp", TOPOLOGY)
+    runtime.save_checkpoint(f"{tmp}/pp_fsdp2_tp", optimizer)
+    other = _zoo().model.double()
+    loaded = se.apply(model=other, plan=_plan(other, PP_FSDP2, "pp_fsdp2"), device_type="cpu")
+    loaded.load_checkpoint(f"{tmp}/pp_fsdp2_tp")
+    fsdp_tp.update(loaded=loaded.full_parameters(), measured=_measure("pp_fsdp2_tp"))
+    return dict(pp_tp=out, pp_fsdp2_tp=fsdp_tp, pp_fsdp2=_train("pp_fsdp2", PP_FSDP2)[2], bf16=_measure("bf16"))
 
 
-def _measure():
+def _bf16_plan(model):
+    import snn_explorer as se
+
+    return se.plan(analysis=se.analyze(model), objective="capacity", topology=PP_FSDP2, batch_size=BATCH,
+                   mode="pp_fsdp2", precision="bf16", features=se.DistributedFeatureSet(allow_mixed_precision=True))
+
+
+def _measure(mode="pp_tp"):
     from snn_explorer.estimator.measurement.plan_measurement import measure_on_rank
     from snn_explorer.estimator.measurement.settings import measure_settings
 
     zoo = _zoo()
-    plan = _plan(zoo.model)
+    plan = _bf16_plan(zoo.model) if mode == "bf16" else _plan(zoo.model, TOPOLOGY, mode)
     return measure_on_rank(zoo.model, [plan], measure_settings(zoo.model, [plan], zoo.example_input, zoo.labels,
                                                                1, "adam", None, 1e-3, "cpu"))[0]
 
 
 @pytest.fixture(scope="module")
 def eight_ranks(tmp_path_factory):
-    return run_on_ranks(three_d, 8, str(tmp_path_factory.mktemp("ckpt") / "pp_tp"), timeout=120)
+    return run_on_ranks(three_d, 8, str(tmp_path_factory.mktemp("ckpt")), timeout=180)
 
 
 def _close(what, got, want):
@@ -112,12 +137,21 @@ def _close(what, got, want):
     assert err <= TOL, f"{what}: max abs error {err:.3g} > {TOL}"
 
 
-def test_pp_dp_tp_matches_one_process(eight_ranks):
-    ref = reference()
+@pytest.fixture(scope="module")
+def one_process():
+    return reference()
+
+
+@pytest.mark.parametrize("mode,topology", [("pp_tp", TOPOLOGY), ("pp_fsdp2_tp", TOPOLOGY), ("pp_fsdp2", PP_FSDP2)])
+def test_3d_plans_match_one_process(eight_ranks, one_process, mode, topology):
+    """pp x dp x tp (stages replicated over dp), pp x fsdp2 x tp and pp x fsdp2 (stages FSDP2-sharded over dp): the
+    losses, gradients and parameters of 2 Adam steps equal one process's (whose neurons spike, outputs vary)."""
+    ref = one_process
     assert ref["rates"] and all(0.02 <= r <= 0.98 for r in ref["rates"].values()), ref["rates"]
     assert all(out.std() > 1e-3 for out in ref["outs"]) and ref["losses"][0] != ref["losses"][-1]
-    for rank, got in enumerate(eight_ranks):
-        assert got["plan"]["mode"] == "pp_tp" and got["plan"]["topology"]["dims"] == TOPOLOGY
+    for rank, ranks in enumerate(eight_ranks):
+        got = ranks[mode]
+        assert got["plan"]["mode"] == mode and got["plan"]["topology"]["dims"] == topology
         for step in range(STEPS):
             _close(f"rank {rank} loss {step}", got["losses"][step], ref["losses"][step])
         assert got["grads"].keys() == ref["grads"].keys() == got["params"].keys()
@@ -128,35 +162,66 @@ def test_pp_dp_tp_matches_one_process(eight_ranks):
 
 def test_mesh_is_pp_dp_tp_with_tp_innermost(eight_ranks):
     """Rank r sits at (pp, dp, tp) = (r // 4, r // 2 % 2, r % 2): tp peers are neighbouring ranks; each
-    pp coordinate holds its own stage, whose layers are DTensor shards."""
-    assert eight_ranks[0]["mesh"] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
-    assert [r["stages"] for r in eight_ranks] == [[0]] * 4 + [[1]] * 4
-    assert all("DTensor" in r["sharded"].values() for r in eight_ranks)
+    pp coordinate holds its own stage, whose layers are DTensor shards: over tp (pp_tp), over dp and tp (pp_fsdp2_tp:
+    a dp Shard(0) first, then the TP placement), over dp (pp_fsdp2)."""
+    pp_tp = [r["pp_tp"] for r in eight_ranks]
+    assert pp_tp[0]["mesh"] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert [r["stages"] for r in pp_tp] == [[0]] * 4 + [[1]] * 4
+    assert all("DTensor" in r["sharded"].values() for r in pp_tp)
+    fsdp_tp, fsdp = eight_ranks[0]["pp_fsdp2_tp"]["placements"], eight_ranks[0]["pp_fsdp2"]["placements"]
+    assert fsdp_tp["stages.0.units.2.weight"] == "(Shard(dim=0), Shard(dim=1))"  # dp rows, then tp's rowwise split
+    assert "Shard(dim=0)" in fsdp_tp["stages.0.units.0.weight"] and len(fsdp_tp) == 4  # colwise: dp x tp of dim 0
+    assert set(fsdp.values()) == {"(Shard(dim=0),)"}
 
 
-def test_a_3d_checkpoint_loads_under_dp(eight_ranks):
-    for got in eight_ranks:
-        for name, tensor in got["params"].items():
-            assert torch.equal(got["loaded"][name], tensor), name
+def test_3d_checkpoints_load_under_other_plans(eight_ranks):
+    """A pp_tp checkpoint loads exactly under dp=8, a pp_fsdp2_tp one under pp_fsdp2 (pp=2 x dp=4)."""
+    for ranks in eight_ranks:
+        for mode in ("pp_tp", "pp_fsdp2_tp"):
+            got = ranks[mode]
+            assert got["loaded"].keys() == got["params"].keys()
+            for name, tensor in got["params"].items():
+                assert torch.equal(got["loaded"][name], tensor), (mode, name)
 
 
-def test_3d_collectives_equal_the_estimate(eight_ranks):
-    """measure()'s recorded sends (pp), gradient all-reduce (dp) and TP collectives (tp) equal the estimate's
-    rows exactly, by mesh dim, kind, count and bytes; each rank's parameter, gradient, optimizer and receive-buffer
-    bytes (TP shards of its stages) equal the estimate's, its peak within 10 % (-3.7 % here)."""
+@pytest.mark.parametrize("mode,kinds", [("pp_tp", {"all_reduce"}), ("pp_fsdp2_tp", {"all_gather", "reduce_scatter"})])
+def test_3d_collectives_equal_the_estimate(eight_ranks, mode, kinds):
+    """measure()'s recorded sends (pp), dp collectives (pp_tp: the gradient all-reduce; pp_fsdp2_tp: one all-gather
+    and one reduce-scatter per FSDP2 group per step) and TP collectives (tp) equal the estimate's rows exactly, by mesh
+    dim, kind, count and bytes; each rank's parameter, gradient, optimizer and receive-buffer bytes (TP and dp shards
+    of its stages) equal the estimate's, its peak within 10 % (pp_tp -3.7 %, pp_fsdp2_tp -4.0 % here)."""
     import snn_explorer as se
     from snn_explorer.estimator.measurement.plan_measurement import _assemble
 
     zoo = _zoo()
-    plan = _plan(zoo.model)
-    meas = _assemble(plan, [r["measured"] for r in eight_ranks], 1)
+    plan = _plan(zoo.model, TOPOLOGY, mode)
+    meas = _assemble(plan, [r[mode]["measured"] for r in eight_ranks], 1)
     est = se.estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels)
     comm = se.compare_estimate(est, meas)["collectives"]
     assert meas.collectives_agree
-    assert set(comm["mesh_dim"]) == {"pp", "dp", "tp"}
+    assert set(comm["mesh_dim"]) == {"pp", "dp", "tp"} and set(comm[comm["mesh_dim"] == "dp"]["kind"]) == kinds
     assert (comm["count_est"] == comm["count_meas"]).all() and (comm["bytes_est"] == comm["bytes_meas"]).all(), comm
     per_rank = se.compare_estimate(est, meas)["per_rank"]
-    for col in ("params_bytes", "grads_bytes", "optimizer_bytes", "transient_bytes"):  # TP-local shards, per stage
+    for col in ("params_bytes", "grads_bytes", "optimizer_bytes", "transient_bytes"):  # local shards, per stage
+        assert (per_rank[f"{col}_est"] == per_rank[f"{col}_meas"]).all(), col
+    est_peak, meas_peak = per_rank["peak_bytes_est"], per_rank["peak_bytes_meas"]
+    assert ((est_peak - meas_peak).abs() <= 0.10 * meas_peak).all(), (est_peak.tolist(), meas_peak.tolist())
+
+
+def test_a_bf16_pp_fsdp2_estimate_equals_its_measurement(eight_ranks):
+    """pp_fsdp2 in bf16 (FSDP2 gathers bf16 weights, the stages run under autocast): measure()'s collectives equal the
+    estimate's exactly, the sharded parameter and gradient bytes too, the peak within 10 %."""
+    import snn_explorer as se
+    from snn_explorer.estimator.measurement.plan_measurement import _assemble
+
+    zoo = _zoo()
+    plan = _bf16_plan(zoo.model)
+    meas = _assemble(plan, [r["bf16"] for r in eight_ranks], 1)
+    est = se.estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels)
+    comm, per_rank = se.compare_estimate(est, meas)["collectives"], se.compare_estimate(est, meas)["per_rank"]
+    assert meas.collectives_agree and {"all_gather", "reduce_scatter"} <= set(comm["kind"])
+    assert (comm["count_est"] == comm["count_meas"]).all() and (comm["bytes_est"] == comm["bytes_meas"]).all(), comm
+    for col in ("params_bytes", "grads_bytes"):
         assert (per_rank[f"{col}_est"] == per_rank[f"{col}_meas"]).all(), col
     est_peak, meas_peak = per_rank["peak_bytes_est"], per_rank["peak_bytes_meas"]
     assert ((est_peak - meas_peak).abs() <= 0.10 * meas_peak).all(), (est_peak.tolist(), meas_peak.tolist())
@@ -168,11 +233,35 @@ def test_3d_collectives_equal_the_estimate(eight_ranks):
     ({"pp": 3, "tp": 2}, "pp_tp", "leaves pp rank 1 .* without a trainable parameter"),
     ({"pp": 2, "tp": 3}, "pp_tp", "tp=3 does not divide"),
     ({"pp": 2, "dp": 2, "tp": 2}, "pp", "use mode 'pp_tp'"),
-    ({"pp": 2, "dp": 2, "tp": 2}, "fsdp2_tp", "does not cut the model into pipeline stages .* may come later"),
+    ({"pp": 2, "dp": 2, "tp": 2}, "fsdp2_tp", "does not cut the model into pipeline stages; with pp=2 use mode "
+                                              "'pp_fsdp2' .* or 'pp_fsdp2_tp'"),
+    ({"pp": 2, "dp": 2, "tp": 2}, "pp_fsdp2", "does not split the stages' layers over tp=2; use mode 'pp_fsdp2_tp'"),
+    ({"pp": 2, "tp": 4}, "pp_fsdp2_tp", r"needs the dim\(s\) \['dp'\] in the topology"),
+    ({"pp": 2, "dp": 2, "tp": 3}, "pp_fsdp2_tp", "tp=3 does not divide"),
+    ({"pp": 4, "dp": 2}, "pp_fsdp2", "leaves pp rank 2 .* without a trainable parameter"),
 ])
 def test_bad_3d_meshes_are_refused_at_plan_time(topology, mode, match):
     with pytest.raises(ValueError, match=match):
         _plan(_zoo().model, topology, mode)
+
+
+def test_pp_fsdp2_refuses_resharding_after_every_forward():
+    """A pipeline's FSDP2 stages stay gathered for the step (one all-gather, not one per micro-batch): memopt_level=1
+    is refused when the plan is built, not silently dropped; the planner gives these modes 0. CPU offload of the
+    shards and activation checkpointing are refused with pipeline stages too."""
+    import dataclasses
+
+    plan = _plan(_zoo().model, TOPOLOGY, "pp_fsdp2_tp")
+    assert plan.memopt_level == 0 and not plan.reshard_after_forward
+    with pytest.raises(ValueError, match="memopt_level=1 .* is not used by mode 'pp_fsdp2_tp'.* use memopt_level=0"):
+        dataclasses.replace(plan, memopt_level=1)
+    import snn_explorer as se
+
+    gates = se.DistributedFeatureSet(allow_cpu_offload=True, allow_activation_checkpointing=True)
+    with pytest.raises(ValueError, match="offloads FSDP2's shards .* needs modes 'fsdp2' and 'fsdp2_tp', not mode='pp_fsdp2'"):
+        dataclasses.replace(_plan(_zoo().model, PP_FSDP2, "pp_fsdp2"), cpu_offload=True, experimental_features=gates)
+    with pytest.raises(ValueError, match="'blocks' is not combined with pipeline stages \\(mode 'pp_fsdp2_tp'\\)"):
+        dataclasses.replace(plan, activation_checkpointing="blocks", experimental_features=gates)
 
 
 def test_tp_needs_candidates_and_a_stage_never_ends_on_a_shard():
@@ -198,30 +287,36 @@ def _llm(device=None, **overrides):
     return build_llm("spiking-llm-tiny", device=device, tied_embeddings=False, **overrides)
 
 
-def _llm_plan(model, topology, batch):
+def _llm_plan(model, topology, batch, mode="pp_tp"):
     import snn_explorer as se
 
-    return se.plan(analysis=se.analyze(model), objective="speed", mode="pp_tp", topology=topology, batch_size=batch,
+    return se.plan(analysis=se.analyze(model), objective="speed", mode=mode, topology=topology, batch_size=batch,
                    tensor_parallel_plan=model.tensor_parallel_plan())
 
 
 def test_a_3d_estimate_of_a_meta_model_equals_the_real_one():
-    """The spiking LLM's pp x dp x tp estimate, profiled shape-only on a meta copy, equals the real profile's:
-    every rank's bytes, the collectives and the step time (the stage walk runs on FakeTensors)."""
+    """The spiking LLM's pp x dp x tp and pp x fsdp2 x tp estimates, profiled shape-only on a meta copy, equal the
+    real profile's: every rank's bytes, the collectives and the step time (the stage walk runs on FakeTensors)."""
     import snn_explorer as se
     from snn_explorer.zoo.llm import token_batch
 
-    ests = []
+    ests = {}
     for device in (None, "meta"):
         model = _llm(device)
         tokens = token_batch(model.config, 2, 8, 16)
-        ests.append(se.estimate(model, _llm_plan(model, TOPOLOGY, 8), example_input=tokens,
-                                hardware="8x8-H100-SXM-96GB", optimizer="adamw", layout=se.TIME_MAJOR))
-    real, shape_only = ests
-    assert real.plan.pp_layout == shape_only.plan.pp_layout and real.peak_bytes > 0
-    assert real.per_rank.equals(shape_only.per_rank)
-    assert real.collectives.equals(shape_only.collectives) and set(real.collectives["mesh_dim"]) == {"pp", "dp", "tp"}
-    assert real.step_time_s == pytest.approx(shape_only.step_time_s, rel=1e-9)
+        labels = torch.randint(0, model.config.vocab_size, (8, 16), generator=torch.Generator().manual_seed(1))
+        for mode in ("pp_tp", "pp_fsdp2_tp"):  # next-token labels: the last stage's loss on meta, too
+            ests[device, mode] = se.estimate(model, _llm_plan(model, TOPOLOGY, 8, mode), example_input=tokens,
+                                             labels=labels, hardware="8x8-H100-SXM-96GB", optimizer="adamw",
+                                             layout=se.TIME_MAJOR)
+    for mode in ("pp_tp", "pp_fsdp2_tp"):
+        real, shape_only = ests[None, mode], ests["meta", mode]
+        assert real.plan.pp_layout == shape_only.plan.pp_layout and real.peak_bytes > 0
+        assert real.per_rank.equals(shape_only.per_rank)
+        assert real.collectives.equals(shape_only.collectives) and set(real.collectives["mesh_dim"]) == {"pp", "dp", "tp"}
+        assert real.step_time_s == pytest.approx(shape_only.step_time_s, rel=1e-9)
+    sharded, replicated = ests[None, "pp_fsdp2_tp"].per_rank, ests[None, "pp_tp"].per_rank
+    assert (sharded["optimizer_bytes"] < replicated["optimizer_bytes"]).all()
 
 
 def test_tp_stays_inside_a_node_and_pp_dp_cross_nodes():
@@ -247,7 +342,13 @@ def test_enumerate_and_the_explorer_offer_3d_plans():
     assert [dict(p.topology.dims) for p in three_d] == [TOPOLOGY, {"pp": 2, "tp": 4}]
     assert {p.pp_layout for p in three_d} == {"3|2"}
     assert "tensor parallelism leaves whole" in listed.infeasible["pp_tp pp=4 x tp=2"]
+    sharded = [(p.mode, dict(p.topology.dims)) for p in listed if p.mode.startswith("pp_fsdp2")]
+    assert sharded == [("pp_fsdp2", PP_FSDP2), ("pp_fsdp2_tp", TOPOLOGY)]  # FSDP2 needs dp >= 2
     explorer = se.Explorer(zoo.model, example_input=zoo.example_input, labels=zoo.labels)
     plan = explorer.make_plan(objective="speed", topology=TOPOLOGY, batch_size=BATCH)  # mode auto: the one that fits
     assert plan.mode == "pp_tp" and plan.pp_layout == "3|2"  # balanced by the profile, ending on whole tensors
     assert explorer.estimate(plan).summary()["mesh"] == "pp=2 x dp=2 x tp=2"
+    plan = explorer.make_plan(objective="memory", topology=TOPOLOGY, batch_size=BATCH)  # sharded stages first
+    est = explorer.estimate(plan)
+    assert plan.mode == "pp_fsdp2_tp" and est.summary()["mesh"] == "pp=2 x dp=2 x tp=2"
+    assert est.per_rank["params_bytes"].iloc[0] * 2 == explorer.estimate(_plan(zoo.model)).per_rank["params_bytes"][0]

@@ -415,7 +415,7 @@ def test_explicit_tp_plan_without_mode_when_recommendation_is_not_tp():
 
 
 def test_explicit_tp_plan_on_one_rank_is_not_silently_dropped():
-    with pytest.raises(ValueError, match="explicit tensor_parallel_plan allows only 'tp', 'fsdp2_tp' and 'pp_tp'"):
+    with pytest.raises(ValueError, match="explicit tensor_parallel_plan allows only 'tp', 'fsdp2_tp', 'pp_tp' and 'pp_fsdp2_tp'"):
         mk_plan(objective="memory", topology=1, tensor_parallel_plan={"head": "colwise_gather"})
     p = mk_plan(objective="memory", topology={"tp": 1}, tensor_parallel_plan={"head": "colwise_gather"})
     assert p.mode == "tp" and dict(p.tensor_parallel_plan) == {"head": "colwise_gather"}
@@ -760,6 +760,8 @@ MODE_FACTS = {
     "fsdp2_tp": (("dp", "tp"), False, True, True),
     "pp": (("pp", "dp"), False, False, False),
     "pp_tp": (("pp", "dp", "tp"), False, False, True),
+    "pp_fsdp2": (("pp", "dp"), False, True, False),
+    "pp_fsdp2_tp": (("pp", "dp", "tp"), False, True, True),
 }
 
 
@@ -774,8 +776,9 @@ def test_mode_table_rows():
     with pytest.raises(ValueError, match=r"unsupported mode='ddp'; expected one of \('none', 'dp'"):
         mode_of("ddp")
     assert mode_of("pp").pp and mode_of("pp").optional_dims == ("dp",) and not any(
-        m.pp for m in MODE_TABLE if m.name not in ("pp", "pp_tp"))
+        m.pp for m in MODE_TABLE if m.name not in ("pp", "pp_tp", "pp_fsdp2", "pp_fsdp2_tp"))
     assert mode_of("pp_tp").pp and mode_of("pp_tp").optional_dims == ("dp",)
+    assert all(mode_of(n).pp and mode_of(n).optional_dims == () for n in ("pp_fsdp2", "pp_fsdp2_tp"))
 
 
 @pytest.mark.parametrize("name,topology,memopt,sizes", [

@@ -1,5 +1,5 @@
 """Distributed checkpoints on ``torch.distributed.checkpoint`` (DCP): save under one plan, load
-under any plan of the same model (dp, ZeRO, tp, fsdp2, fsdp2_tp, pp, pp x dp).
+under any plan of the same model (dp, ZeRO, tp, fsdp2, fsdp2_tp, pp, pp x dp, pp_tp, pp_fsdp2, pp_fsdp2_tp).
 
 A checkpoint is a directory: DCP's files (each rank writes its own shards; tensors are stored by
 their full path in the user's model and their global shape, so any other sharding can read them
@@ -10,7 +10,8 @@ tensor's path, shape and dtype, and the size of every file). Keys inside DCP:
   shard by shard; the plain channel / head shards of the conv and fused q/k/v TP styles are
   gathered over their tp group and saved whole (DCP writes a replicated tensor once). Under a
   pipeline plan each rank saves the units of its own stages, under the same full paths (a stage
-  replicated over dp is written once), so pp and every other plan read each other's checkpoints.
+  replicated over dp is written once; an FSDP2-sharded one shard by shard), so pp and every other
+  plan read each other's checkpoints.
 - ``optim.<path>.<state>``: the optimizer state of each parameter, laid out like the parameter;
   under ZeRO each rank saves the state of the parameters it owns, under pp the state of its stages.
 - ``rng.<rank>``: each rank's CPU (and CUDA) RNG state, restored when the world size is unchanged.

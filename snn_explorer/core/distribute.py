@@ -127,7 +127,7 @@ def apply(*, model: nn.Module, plan: SNNDistributedPlan, device_type: Optional[s
     apply_activation_checkpointing(model, plan, analysis.fsdp_unit_names)  # TP, then AC, then FSDP2 / DDP
     apply_spike_compression(model, plan)  # hooks around the whole forward: every saved 0/1 tensor
     apply_activation_offload(model, plan)  # the same, every saved activation to host memory
-    if plan.uses_fsdp:
+    if plan.uses_fsdp and not plan.uses_pp:  # a pipeline shards each stage over dp (apply_pp)
         apply_fsdp2(model, mesh["dp"], plan.fsdp_units, reshard_after_forward=plan.reshard_after_forward,
                     cpu_offload=plan.cpu_offload, precision=plan.precision)
     wrapped = apply_ddp(model, mesh["dp"], device, plan.precision.reduce_dtype) if plan.uses_ddp else model

@@ -66,7 +66,7 @@ def check_memory_levers(plan: Any) -> None:
                          "DistributedFeatureSet(allow_activation_checkpointing=True)")
     if granularity != Checkpointing.NONE and plan.uses_pp:
         raise ValueError(f"activation_checkpointing={granularity!r} is not combined with pipeline stages "
-                         "(mode 'pp') yet (it may come later; its equivalence is untested); use "
+                         f"(mode {plan.mode!r}) yet (it may come later; its equivalence is untested); use "
                          "activation_checkpointing='none' with pp, or a dp / tp / fsdp2 / fsdp2_tp plan")
     step_module = plan.time_step_module
     if step_module is not None and (not isinstance(step_module, str) or not step_module):
@@ -90,9 +90,9 @@ def check_memory_levers(plan: Any) -> None:
 def _check_cpu_offload(plan: Any) -> None:
     if not plan.experimental_features.allow_cpu_offload:
         raise ValueError("cpu_offload=True needs DistributedFeatureSet(allow_cpu_offload=True)")
-    if not plan.uses_fsdp:
+    if not plan.uses_fsdp or plan.uses_pp:  # a pipeline's FSDP2 stages: not offloaded (untested, not estimated)
         raise ValueError(f"cpu_offload=True offloads FSDP2's shards (CPUOffloadPolicy), so it needs "
-                         f"{names_text(lambda m: m.fsdp)}, not mode={plan.mode!r}")
+                         f"{names_text(lambda m: m.fsdp and not m.pp)}, not mode={plan.mode!r}")
 
 
 def check_time_step_module(analysis: Any, path: Optional[str]) -> None:

@@ -19,9 +19,9 @@ class Mode:
     those of them the topology may leave out. ``ddp``: replicate the model over ``dp`` with
     DistributedDataParallel; ``fsdp``: shard parameters, gradients and optimizer state over ``dp``
     with FSDP2; ``tp``: split layers over ``tp`` with DTensor TP; ``pp``: cut the model's sequence
-    of modules into stages over ``pp`` (torch.distributed.pipelining), replicated over ``dp`` (and,
-    with ``tp`` too, each stage's layers split over ``tp``: a 3-D mesh pp x dp x tp, in that order,
-    tp innermost).
+    of modules into stages over ``pp`` (torch.distributed.pipelining), replicated over ``dp``, or with
+    ``fsdp`` too FSDP2-sharded over ``dp`` (and, with ``tp`` too, each stage's layers split over ``tp``:
+    a 3-D mesh pp x dp x tp, in that order, tp innermost).
     """
 
     name: str
@@ -71,15 +71,17 @@ class Mode:
 
 
 def _not_yet(mode: Mode, topology: SNNDistributedTopology) -> Optional[str]:
-    """Why pipeline parallelism cannot be combined with what ``mode`` does on ``topology`` yet."""
+    """Why ``mode`` does not use a pp or tp dim of ``topology`` that has ranks, naming the mode that would."""
     sizes = topology.dims
     if mode.pp and sizes.get("tp", 1) > 1 and not mode.tp:
-        return (f"mode {mode.name!r} does not split the stages' layers over tp={sizes['tp']}; use mode 'pp_tp' "
-                "(pipeline stages over pp, each stage tensor-parallel over tp, replicated over dp)")
+        instead = "'pp_fsdp2_tp' (stages FSDP2-sharded over dp" if mode.fsdp else "'pp_tp' (stages replicated over dp"
+        return (f"mode {mode.name!r} does not split the stages' layers over tp={sizes['tp']}; use mode {instead}, "
+                "each stage tensor-parallel over tp)")
     if not mode.pp and sizes.get("pp", 1) > 1 and mode.distributed:
-        later = " (pp with fsdp2 may come later)" if mode.fsdp else ""
-        return (f"mode {mode.name!r} does not cut the model into pipeline stages{later}; with pp={sizes['pp']} use "
-                "mode 'pp' (stages replicated over dp) or 'pp_tp' (stages also split over tp), or give pp size 1")
+        instead = ("'pp_fsdp2' (stages FSDP2-sharded over dp) or 'pp_fsdp2_tp' (also split over tp)" if mode.fsdp
+                   else "'pp' (stages replicated over dp) or 'pp_tp' (stages also split over tp)")
+        return (f"mode {mode.name!r} does not cut the model into pipeline stages; with pp={sizes['pp']} use mode "
+                f"{instead}, or give pp size 1")
     return None
 
 
@@ -109,6 +111,17 @@ MODE_TABLE: Tuple[Mode, ...] = (
          benefit="cuts the model into stages and splits each stage's layers and neuron state over tp, so a rank "
                  "holds 1/(pp*tp) of the parameters; tp's collectives stay among neighbouring ranks (inside a "
                  "node), pp's sends and dp's gradient all-reduce cross nodes"),
+    Mode("pp_fsdp2", ("pp", "dp"), fsdp=True, pp=True,
+         summary="pipeline stages over pp, each stage's parameters FSDP2-sharded over dp (mesh pp x dp)",
+         benefit="cuts the model into stages and shards each stage's parameters, gradients and optimizer state over "
+                 "dp, so a rank keeps 1/(pp*dp) of them between steps; each stage gathers its parameters once per "
+                 "step and reduce-scatters its gradients once, after the last micro-batch"),
+    Mode("pp_fsdp2_tp", ("pp", "dp", "tp"), fsdp=True, tp=True, pp=True,
+         summary="pipeline stages over pp, each stage's layers split over tp, then FSDP2-sharded over dp "
+                 "(mesh pp x dp x tp, tp innermost)",
+         benefit="cuts the model into stages, splits each stage's layers and neuron state over tp (inside a node) and "
+                 "shards the stage's parameters, gradients and optimizer state over dp, so a rank keeps "
+                 "1/(pp*dp*tp) of them between steps; pp's sends and dp's gathers and reduce-scatters cross nodes"),
 )
 MODES_BY_NAME: Dict[str, Mode] = {m.name: m for m in MODE_TABLE}
 #: Mode names, in display order.

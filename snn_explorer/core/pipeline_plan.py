@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence, Tuple
 
 from torch import nn
 
+from .modes import names_text
 from .structure import forward_chain, is_plain_sequential
 from .styles import SHARDED, STYLES
 
@@ -161,7 +162,7 @@ def check_pp_fields(plan) -> dict:
     if not plan.uses_pp:
         if fields != dict(pp_schedule=None, pp_microbatches=None, pp_virtual_stages=1, pp_layout=""):
             set_ = {k: v for k, v in fields.items() if v not in (None, 1, "")}
-            raise ValueError(f"pipeline fields {set_} are only used by mode 'pp' (and 'pp_tp'); leave them unset for "
+            raise ValueError(f"pipeline fields {set_} are only used by {names_text(lambda m: m.pp)}; leave them unset for "
                              f"mode {plan.mode!r}")
         return fields
     pp, schedule = plan.pp_size, plan.pp_schedule_spec

@@ -24,6 +24,15 @@ OPTIMIZER_STRATEGIES = ("none", "zero")
 MEMOPT_LEVELS = (0, 1)
 
 
+def _check_memopt_level(level, mode: Mode) -> None:
+    if type(level) is not int or level not in MEMOPT_LEVELS:
+        raise ValueError(f"memopt_level={level!r}; expected one of {MEMOPT_LEVELS}")
+    if level and mode.pp and mode.fsdp:
+        raise ValueError(f"memopt_level={level} (FSDP2 resharding after every forward) is not used by mode "
+                         f"{mode.name!r}: a pipeline's stages keep their gathered parameters through all micro-batches "
+                         "of a step (one all-gather per step, as torchtitan runs pp with FSDP); use memopt_level=0")
+
+
 @dataclass(frozen=True)
 class DistributedFeatureSet:
     """Feature gates for experimental or optional behaviour."""
@@ -141,8 +150,7 @@ class SNNDistributedPlan:
             raise ValueError(f"optimizer_strategy='zero' (ZeroRedundancyOptimizer) applies to "
                              f"{names_text(lambda m: m.allows_zero)} only, not {self.mode!r}; "
                              "FSDP2 already shards optimizer state")
-        if type(self.memopt_level) is not int or self.memopt_level not in MEMOPT_LEVELS:
-            raise ValueError(f"memopt_level={self.memopt_level!r}; expected one of {MEMOPT_LEVELS}")
+        _check_memopt_level(self.memopt_level, mode)
         problem = mode.topology_problem(self.topology)
         if problem:
             raise ValueError(problem)
@@ -210,7 +218,8 @@ class SNNDistributedPlan:
 
     @property
     def reshard_after_forward(self) -> bool:
-        """FSDP2 frees gathered parameters after forward (``memopt_level >= 1``) and gathers again in backward."""
+        """FSDP2 frees gathered parameters after forward (``memopt_level >= 1``) and gathers again in backward
+        (never under ``pp_fsdp2`` / ``pp_fsdp2_tp``, whose stages stay gathered through the step's micro-batches)."""
         return self.uses_fsdp and self.memopt_level >= 1
 
     @property
@@ -291,7 +300,7 @@ class SNNDistributedPlan:
         data = json.loads(self._key())
         for name in ("objective", "rationale", "notes"):
             data.pop(name)
-        if not self.uses_fsdp:
+        if not self.uses_fsdp or self.uses_pp:
             data.pop("memopt_level")
         return json.dumps(data, sort_keys=True)
 

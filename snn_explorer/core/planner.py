@@ -47,8 +47,8 @@ from .vocabulary import Checkpointing
 #: here is tried last).
 FALLBACKS = {
     "speed": ("dp", "fsdp2", "fsdp2_tp", "tp"),
-    "memory": ("fsdp2_tp", "tp", "fsdp2", "dp"),
-    "capacity": ("fsdp2_tp", "tp", "fsdp2", "dp"),
+    "memory": ("fsdp2_tp", "tp", "fsdp2", "dp", "pp_fsdp2_tp", "pp_fsdp2"),  # pipelines: sharded stages first
+    "capacity": ("fsdp2_tp", "tp", "fsdp2", "dp", "pp_fsdp2_tp", "pp_fsdp2"),
 }
 
 
@@ -172,7 +172,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     plan_ = SNNDistributedPlan(
         mode=chosen, objective=objective, topology=topology, model_family=family,
         neuron_backend=neuron_backend, batch_size=batch_size, optimizer_strategy="zero" if zero else "none",
-        memopt_level=rec.memopt_level,
+        memopt_level=0 if spec.pp else rec.memopt_level,  # a pipeline keeps its stages gathered for the step
         rationale=(_rationale(objective, chosen, topology, zero, explicit=mode is not None, recommended=rec.mode),),
         notes=tuple(notes), tensor_parallel_roots=analysis.tensor_parallel_roots,
         tensor_parallel_plan=tp_plan, fsdp_units=analysis.fsdp_unit_names if spec.fsdp else (),
@@ -278,8 +278,8 @@ def _choose_mode(mode: Optional[str], recommended: str, objective: str, analysis
         order = [m for m in order if mode_of(m).tp]
     elif topology.world_size == 1:
         order = ["none"] + [m for m in order if m != "none"]
-    if cpu_offload:  # offload moves FSDP2's shards: only FSDP2 modes can take it
-        order = [m for m in order if mode_of(m).fsdp]
+    if cpu_offload:  # offload moves FSDP2's shards: only FSDP2 modes without pipeline stages can take it
+        order = [m for m in order if mode_of(m).fsdp and not mode_of(m).pp]
     reasons = []
     for chosen in order:
         tp_plan, problem = _problem(chosen, analysis, topology, explicit_tp, features)

@@ -24,23 +24,24 @@ def _candidates(world_size: int) -> List[Tuple[str, Dict[str, int], bool]]:
     """(mode, topology, ZeRO) for each mode x dp x tp split of ``world_size`` that uses exactly the
     mode's dims: data-parallel modes first, then TP modes, fewer dims first; then pipelines, each
     pp size >= 2 that divides the world, the rest of the ranks split as dp x tp (mode ``pp``: dp only;
-    ``pp_tp``: tp >= 2, a 3-D mesh pp x dp x tp)."""
+    ``pp_tp``: tp >= 2, a 3-D mesh pp x dp x tp; ``pp_fsdp2`` and ``pp_fsdp2_tp`` likewise with dp >= 2)."""
     splits = dp_tp_splits(world_size)
     if world_size == 1:
         return [(m.name, splits[0], False) for m in MODE_TABLE if not m.distributed]
     out = []
     for mode in sorted((m for m in MODE_TABLE if m.distributed), key=lambda m: (m.pp, m.tp, len(m.dims))):
-        for dims in (_pipelines(world_size, mode.tp) if mode.pp else [d for d in splits if set(d) == set(mode.dims)]):
+        for dims in (_pipelines(world_size, mode.tp, mode.fsdp) if mode.pp else [d for d in splits if set(d) == set(mode.dims)]):
             out += [(mode.name, dims, zero) for zero in ((False, True) if mode.allows_zero else (False,))]
     return out
 
 
-def _pipelines(world_size: int, tp: bool) -> List[Dict[str, int]]:
-    """Topologies of each pp >= 2 dividing ``world_size``, the other ranks as dp (``tp``: as dp x tp, tp >= 2)."""
+def _pipelines(world_size: int, tp: bool, fsdp: bool = False) -> List[Dict[str, int]]:
+    """Topologies of each pp >= 2 dividing ``world_size``, the other ranks as dp (``tp``: as dp x tp, tp >= 2;
+    ``fsdp``: dp >= 2, the ranks FSDP2 shards each stage over)."""
     out = []
     for pp in (p for p in range(2, world_size + 1) if world_size % p == 0):
         for rest in dp_tp_splits(world_size // pp):
-            if ("tp" in rest) == tp:
+            if ("tp" in rest) == tp and (not fsdp or rest.get("dp", 1) > 1):
                 out.append({"pp": pp, **{n: s for n, s in rest.items() if s > 1}})
     return out
 
@@ -53,7 +54,8 @@ def enumerate_plans(analysis: SNNDistributedAnalysis, *, world_size: int, batch_
                     neuron_backend: str = "torch", features: Optional[DistributedFeatureSet] = None,
                     objective: str = "speed", backend=UNSET, time_step_module: Optional[str] = None) -> PlanList:
     """Every feasible plan for ``world_size`` ranks: each mode x each dp x tp factorisation x ZeRO on/off,
-    mode ``pp`` on each pp x dp factorisation and mode ``pp_tp`` on each pp x dp x tp one (their schedule,
+    mode ``pp`` on each pp x dp factorisation and mode ``pp_tp`` on each pp x dp x tp one, modes ``pp_fsdp2`` and
+    ``pp_fsdp2_tp`` on those with dp >= 2 (their schedule,
     micro-batches and stage layout as ``plan`` picks them).
 
     ``batch_size`` is the global batch of one optimizer step; the dp ranks of each plan split it

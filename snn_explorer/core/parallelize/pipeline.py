@@ -22,6 +22,14 @@ than DDP on the stage module: the schedule calls backward once per micro-batch, 
 all-reduce on every one of them unless each but the last ran under ``no_sync``; the explicit
 all-reduce runs exactly once per step, after all micro-batches, whatever the schedule.
 
+FSDP2 over ``dp`` (modes ``pp_fsdp2``, ``pp_fsdp2_tp``): each stage module is ``fully_shard``-ed over the dp
+sub-mesh (after TP, so a stage's tp shards become 2-D dp x tp DTensors), the plan's FSDP units inside it first, the stage
+module last as the stage's FSDP2 root (the rest of its parameters); torch's ``PipelineStage`` recognises an
+FSDP2 module and, as torchtitan runs it, keeps the gathered parameters and unsharded gradients through every
+micro-batch but the last backward (no reshard, no gradient sync), then reduce-scatters once per step
+(``perform_reduce_grad``). The stages are built with ``reshard_after_forward=False``: one all-gather of every unit
+per step instead of one per micro-batch forward (the plan refuses ``memopt_level=1`` here). No dp all-reduce runs.
+
 Tensor parallelism inside the stages (mode ``pp_tp``, mesh pp x dp x tp): the stages' shapes are
 taken from the unsharded model (:func:`split_stages`, before TP), then only the rank's own units are
 sharded over its tp group; a stage sends whole tensors (the plan refuses a layout that ends a stage on
@@ -42,6 +50,7 @@ from ...compat_pipelining import pipelining
 from .. import neurons
 from ..layouts import check_samples
 from ..pipeline_plan import resolve_layout, stage_units
+from .fsdp import apply_fsdp2
 from .mixed_precision import autocast_forward, reduce_in
 
 
@@ -113,6 +122,15 @@ def split_stages(model: nn.Module, plan, units: Sequence[str], mesh, device: tor
     return meta
 
 
+def stage_fsdp_units(stage: "PipelineStageModule", units: Sequence[str]) -> Tuple[str, ...]:
+    """The plan's FSDP2 ``units`` (paths in the user's model) inside ``stage``, as paths under the stage module
+    (``units.<i>`` or ``units.<i>.<rest>``); the stage module itself is the root that holds the rest."""
+    out = []
+    for i, path in enumerate(stage.paths):
+        out += [f"units.{i}" + u[len(path):] for u in units if u == path or u.startswith(path + ".")]
+    return tuple(out)
+
+
 def own_tp_plan(plan, units: Sequence[str], mesh) -> Dict[str, str]:
     """The plan's TP styles of the modules in this rank's own stages (the others are on meta)."""
     paths = stage_units(units, resolve_layout(plan.pp_layout, units, plan.pp_stages))
@@ -149,6 +167,9 @@ class PipelinedModel(nn.Module):
             for s in self.stage_ids)
         for stage in self.stages:
             autocast_forward(stage, plan.precision, device.type)
+            if plan.uses_fsdp:  # after TP (the units' layers are already tp shards): FSDP2 over dp, per stage
+                apply_fsdp2(stage, mesh["dp"], stage_fsdp_units(stage, plan.fsdp_units), reshard_after_forward=False,
+                            precision=plan.precision)
         self.last_outputs: Optional[torch.Tensor] = None
         self._schedule, self._schedule_key, self._loss_fn, self._loss_dtype = None, None, None, None
         self.pipeline_stages: list = []  # torch's PipelineStage objects of the rank's stages, once a step built them
@@ -225,7 +246,7 @@ class PipelinedModel(nn.Module):
         target = labels.to(self.device) if self.holds_last else None
         out = self._schedule.step(*args, target=target, losses=losses if self.holds_last else None)
         self.last_outputs = out.detach() if self.holds_last and out is not None else None
-        if self.dp_group is not None:
+        if self.dp_group is not None and not self.plan.uses_fsdp:  # FSDP2 reduce-scattered them (last backward)
             self._average_gradients()
         return self._broadcast_loss(losses)
 

@@ -23,6 +23,12 @@ def reduce_phase(stages: Sequence[int]) -> str:
     return f"after backward (stages {','.join(map(str, stages))})"
 
 
+def gather_phase(stages: Sequence[int]) -> str:
+    """The ``phase`` of a pp rank's FSDP2 all-gathers of its ``stages``' parameters (modes ``pp_fsdp2``,
+    ``pp_fsdp2_tp``; once per step)."""
+    return f"gathers (stages {','.join(map(str, stages))})"
+
+
 def tp_phase(stages: Sequence[int]) -> str:
     """The ``phase`` of a pp rank's tensor-parallel collectives inside its ``stages`` (mode ``pp_tp``)."""
     return f"inside stages {','.join(map(str, stages))}"

@@ -1,4 +1,4 @@
-"""measure() of a pipeline plan (modes ``pp``, ``pp_tp``): one rank's stages under torch's schedule.
+"""measure() of a pipeline plan (modes ``pp``, ``pp_tp``, ``pp_fsdp2``, ``pp_fsdp2_tp``): one rank's stages under torch's schedule.
 
 torch's MemTracker refuses a module called more than once per step, and every stage runs once
 per micro-batch, so the peak here is a :class:`StorageMeter`'s over the measured step (the
@@ -23,7 +23,7 @@ from ...ranks.progress import heartbeat
 from ..instruments.meter import StorageMeter
 from ..instruments.recorder import CollectiveRecorder
 from ..instruments.storage import LiveSaved, local_tensor, saving, state_tensor_ids, storage_keys, total_bytes
-from ..instruments.tables import reduce_phase, tp_phase
+from ..instruments.tables import gather_phase, reduce_phase, tp_phase
 from ..profile.step import OPTIMIZERS, batch_slice
 from .settings import MeasureSettings, timed_steps
 
@@ -70,7 +70,9 @@ def measure_pp_plan(model, plan, run: MeasureSettings) -> dict:
         opt.step()
     heartbeat(step=run.steps + 1, total=run.steps + 1, message=f"{plan.mode}: measured step")
     groups = {d: runtime.mesh.get_group(d) for d in plan.mesh_dim_names}
-    phases = {("dp", Collective.ALL_REDUCE): reduce_phase(pipe.stage_ids), ("pp", Collective.BROADCAST): "loss"}
+    phases = {("dp", Collective.ALL_REDUCE): reduce_phase(pipe.stage_ids), ("pp", Collective.BROADCAST): "loss",
+              ("dp", Collective.REDUCE_SCATTER): reduce_phase(pipe.stage_ids),  # FSDP2 stages (pp_fsdp2*)
+              ("dp", Collective.ALL_GATHER): gather_phase(pipe.stage_ids)}
     rows = [dict(r, phase=tp_phase(pipe.stage_ids) if r["mesh_dim"] == "tp" else
                  phases.get((r["mesh_dim"], r["kind"]), r["phase"])) for r in recorder.table(groups)]
     row = dict(rank=dist.get_rank(), params_bytes=total_bytes(params),

@@ -12,10 +12,20 @@ optimizer step's scratch. ``activations_bytes`` is the most bytes saved for back
 that walk (a received input and the parameters left out, as measure() leaves them out). Traffic: per stage boundary, one activation send forward and
 one gradient send backward per micro-batch (the boundary module's output at the micro-batch size),
 the loss broadcast from the last stage, and with dp one all-reduce of each rank's stage gradients.
+
+Under FSDP2 (modes ``pp_fsdp2``, ``pp_fsdp2_tp``) the parameters, gradients and optimizer state counted
+statically are the rank's dp shards (per dp role, as for ``fsdp2``); each stage gathers its units' parameters at its
+first forward and keeps them through every micro-batch (``reshard_after_forward=False``; torch's stage skips the
+reshard and the gradient sync on all backwards but the last), so the walk holds them from there, beside the
+unsharded gradients the backwards accumulate; after the schedule each FSDP2 group reduce-scatters once (its input
+beside the rest), then the gathered parameters and unsharded gradients are freed and the sharded gradients stay.
+Traffic over dp: one all-gather and one reduce-scatter per FSDP2 group (the plan's units in the stage, and the
+stage module's own root group) per step, however many micro-batches.
 :func:`bubble_fraction` is the schedule's idle share, for a step-time model to use.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List, Sequence, Tuple
 
 import pandas as pd
@@ -23,8 +33,17 @@ import pandas as pd
 from ...core.collectives import Collective
 from ...core.pipeline_plan import check_pp_model, stage_units
 from ...core.pipeline_schedules import PipelineSchedule, schedule_of
-from ..instruments.tables import boundary_phase, reduce_phase
-from .sharding import buffer_bytes, optimizer_temporaries, rank_bytes
+from ..instruments.tables import boundary_phase, gather_phase, reduce_phase
+from .sharding import (
+    buffer_bytes,
+    dp_roles,
+    fsdp_gather_bytes,
+    fsdp_group_bytes,
+    fsdp_groups,
+    optimizer_temporaries,
+    rank_bytes,
+    reduce_itemsize,
+)
 from .stage_memory import measure_stages
 
 PIPELINE_COLUMNS = ("pp_rank", "stages", "units", "microbatches_in_flight", "bubble_fraction")
@@ -107,6 +126,40 @@ def _stage_costs(profile, stages, n: int, t: int) -> List[Tuple[float, float]]:
     return [(profile.modules[units[0]].in_elems(n, t), profile.modules[units[-1]].out_elems(n, t)) for units in stages]
 
 
+def _fsdp_stages(plan, params, stages, own) -> Dict[int, Tuple[int, int, int, List[dict]]]:
+    """Per own stage under FSDP2 (modes ``pp_fsdp2``, ``pp_fsdp2_tp``): (bytes its units gather, held from its first
+    forward to the step's reduce; the largest reduce-scatter input of its groups; its groups' count; its collective
+    rows: one all-gather and one reduce-scatter of each group per step)."""
+    out = {}
+    for s in own:
+        groups = list(fsdp_groups([p for p in params if under(p.name, stages[s])]).values())  # '': the stage root
+        reduced = [fsdp_group_bytes(g, plan.dp_size, reduce_itemsize(plan)) for g in groups]
+        gathered = sum(fsdp_gather_bytes(g, plan.dp_size) for g in groups)
+        out[s] = (gathered, max(reduced, default=0), len(groups), sum(reduced))
+    return out
+
+
+def _fsdp_collectives(fsdp, own) -> List[dict]:
+    """The dp rows of a pp rank's FSDP2 stages (:func:`_fsdp_stages`) over one step."""
+    count = sum(fsdp[s][2] for s in own)
+    return [dict(mesh_dim="dp", kind=Collective.ALL_GATHER, count=count, bytes=sum(fsdp[s][0] for s in own),
+                 phase=gather_phase(own)),
+            dict(mesh_dim="dp", kind=Collective.REDUCE_SCATTER, count=count, bytes=sum(fsdp[s][3] for s in own),
+                 phase=reduce_phase(own))]
+
+
+def _after_schedule(plan, left: int, runs, own, fsdp, mine, dp_rank: int, optimizer: str, grads: int) -> int:
+    """Bytes above the static ones after the schedule: dp's flat gradient copy (``pp``, ``pp_tp``) or FSDP2's
+    reduce-scatter of each group (its input beside the unsharded gradients, which it then frees with the gathered
+    parameters, leaving the sharded gradients ``grads``), then the optimizer step's scratch."""
+    scratch = optimizer_temporaries(mine, plan, dp_rank * plan.tp_size, optimizer)
+    if not plan.uses_fsdp:
+        return left + max(grads if plan.dp_size > 1 else 0, scratch)
+    reduce = max(fsdp[s][1] for s in own) if own else 0
+    resharded = left - sum(fsdp[s][0] + runs[s].grads for s in own) + grads
+    return max(left + reduce, resharded + scratch)
+
+
 def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize: int, optimizer: str):
     """(per-rank rows, collective rows, pipeline table) of a pp plan."""
     counts = check_pp_model(plan, units)
@@ -116,33 +169,37 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
     costs = _stage_costs(profile, stages, n_micro, t)
     runs = measure_stages(profile, stages, n_micro, t, micro, plan.tensor_parallel_plan, plan.tp_size)
     last, has_labels = plan.pp_stages - 1, profile.labels is not None
-    rows: Dict[int, dict] = {}
+    rows: Dict[Tuple[int, int], dict] = {}
     table, collectives = [], []
+    roles = dp_roles(params, plan)
     for pp_rank in range(plan.pp_size):
         own = schedule.rank_stages(pp_rank, plan.pp_size, plan.pp_virtual_stages)
         own_units = [u for s in own for u in stages[s]]
         mine = [p for p in params if under(p.name, own_units)]
-        b = rank_bytes(mine, plan, 0, optimizer)
+        fsdp = _fsdp_stages(plan, params, stages, own) if plan.uses_fsdp else {}
+        walked = [dataclasses.replace(r, held=r.held + fsdp[s][0]) if s in fsdp else r for s, r in enumerate(runs)]
         buffers = buffer_bytes([b for b in profile.buffers if under(b[0], own_units)], profile.dtype, plan)
         flying = schedule.in_flight(plan.pp_size, pp_rank, micro, plan.pp_virtual_stages)
         order = schedule.rank_actions(plan.pp_size, micro, plan.pp_virtual_stages)[pp_rank]
-        schedule_peak, left, activations = _walk(schedule, order, runs, last, micro)
+        schedule_peak, left, activations = _walk(schedule, order, walked, last, micro)
         state = sum(runs[s].held for s in own)
         recv = sum(micro * itemsize * ((costs[s][0] if s else 0) + (costs[s][1] if s < last else 0))
                    for s in own)
         inputs = profile.input_bytes(plan.per_rank_batch, t) if 0 in own else 0
-        # after the schedule: dp's flat copy of the gradients, then the optimizer step's scratch
-        after = left + max(b["grads_bytes"] if plan.dp_size > 1 else 0, optimizer_temporaries(mine, plan, 0, optimizer))
         labels = plan.per_rank_batch * profile.labels.element_size() if last in own and has_labels else 0
-        static = b["params_bytes"] + b["optimizer_bytes"] + buffers + recv + inputs + labels
-        peak = static + max(schedule_peak, after)
-        rows[pp_rank] = dict(**b, buffers_bytes=buffers, activations_bytes=round(activations),
-                             neuron_state_bytes=round(state), transient_bytes=round(recv + inputs),
-                             peak_bytes=round(peak))
+        for dp_rank in roles:
+            b = rank_bytes(mine, plan, dp_rank * plan.tp_size, optimizer)
+            after = _after_schedule(plan, left, runs, own, fsdp, mine, dp_rank, optimizer, b["grads_bytes"])
+            static = b["params_bytes"] + b["optimizer_bytes"] + buffers + recv + inputs + labels
+            rows[pp_rank, dp_rank] = dict(**b, buffers_bytes=buffers, activations_bytes=round(activations),
+                                          neuron_state_bytes=round(state), transient_bytes=round(recv + inputs),
+                                          peak_bytes=round(static + max(schedule_peak, after)))
         table.append(dict(pp_rank=pp_rank, stages=",".join(map(str, own)), units=", ".join(own_units),
                           microbatches_in_flight=flying,
                           bubble_fraction=schedule.bubble_fraction(plan.pp_size, micro, plan.pp_virtual_stages)))
-        if plan.dp_size > 1:
+        if plan.uses_fsdp:
+            collectives += _fsdp_collectives(fsdp, own) if plan.dp_size > 1 else []
+        elif plan.dp_size > 1:
             collectives.append(dict(mesh_dim="dp", kind=Collective.ALL_REDUCE, count=1, bytes=b["grads_bytes"],
                                     phase=reduce_phase(own)))
     rank_of = lambda s: schedule.rank_of(s, plan.pp_size, plan.pp_virtual_stages)
@@ -152,5 +209,12 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
             collectives.append(dict(mesh_dim="pp", kind=Collective.SEND, phase=phase, count=micro, bytes=micro * nbytes))
     # the loss is broadcast in its dtype promoted with fp32 (a bf16 / fp16 loss would lose digits)
     collectives.append(dict(mesh_dim="pp", kind=Collective.BROADCAST, phase="loss", count=1, bytes=max(itemsize, 4)))
-    per_rank = [dict(rank=r, **rows[r // (plan.dp_size * plan.tp_size)]) for r in range(plan.world_size)]  # pp, dp, tp
+    per_rank = [dict(rank=r, **rows[_row_of(r, plan, roles)]) for r in range(plan.world_size)]
     return per_rank, collectives, pd.DataFrame(table, columns=list(PIPELINE_COLUMNS))
+
+
+def _row_of(rank: int, plan, roles: Sequence[int]) -> Tuple[int, int]:
+    """(pp rank, dp role) of global ``rank`` (mesh order pp, dp, tp): the role is the last of ``roles`` (dp ranks
+    holding the same shards from there on, :func:`~.sharding.dp_roles`) at or below its dp coordinate."""
+    dp_rank = rank // plan.tp_size % plan.dp_size
+    return rank // (plan.dp_size * plan.tp_size), max(r for r in roles if r <= dp_rank)

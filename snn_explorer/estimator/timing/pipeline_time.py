@@ -13,7 +13,8 @@ step, not their average. A transfer between ranks delays the action that waits f
 alpha-beta time plus the schedule's calibrated latency beyond it (``pp_link:<schedule>``). Ranks
 sharing a host slow each other by as many as are busy at once on average (:func:`busy_share`).
 
-After the schedule each rank all-reduces its stages' gradients over dp, every rank joins the
+After the schedule each rank all-reduces its stages' gradients over dp (FSDP2 stages: reduce-scatters them,
+and their once-per-step all-gathers are counted there too, unhidden), every rank joins the
 loss broadcast (so all end the schedule together) and steps its optimizer over its stages'
 parameters. Per rank: ``compute_s`` its actions and its optimizer step, ``exposed_comm_s`` the
 waits for transfers (:func:`waited_on_transfers`) and its collectives, ``bubble_s`` the rest of
@@ -28,12 +29,13 @@ import pandas as pd
 import torch
 
 from ...core.collectives import Collective
+from ...core.parallelize.mixed_precision import autocast_forward
 from ...core.parallelize.pipeline import PipelineStageModule
 from ...core.pipeline_plan import check_pp_model, pipeline_units, stage_units
 from ...core.pipeline_schedules import needs, passes, replay
 from ...core.styles import STYLES
 from ..instruments.op_counter import OpCounter
-from ..instruments.tables import TIME_COLUMNS, boundary_stages, reduce_phase
+from ..instruments.tables import TIME_COLUMNS, boundary_stages, gather_phase, reduce_phase
 from ..profile.profiling import Fit
 from ..profile.step import batch_slice, input_as, loss_of
 from .collectives import stage_tp_rows
@@ -72,12 +74,15 @@ def stage_work(profile, stages: Sequence[Sequence[str]], n: int, t: int, tp_plan
     for i, paths in enumerate(stages):
         stage = PipelineStageModule(i, paths, [model.get_submodule(p) for p in paths],
                                     per_step=profile.layout.per_step)
+        autocast_forward(stage, profile.precision, "cpu")  # as apply runs it (FSDP2's bf16 / fp16 gathered weights)
         inp = x if i == 0 else x.detach().requires_grad_()
         with torch.no_grad():
             grad_out = torch.ones_like(stage(inp))
         with OpCounter() as forward:
             y_stage = stage(inp)
-            loss = loss_of(y_stage, y, profile.layout) if i == len(stages) - 1 else None
+            # labels beside the outputs: a meta (shape-only) model's are on meta, the batch's on the CPU
+            loss = loss_of(y_stage, y if y is None else y.to(y_stage.device), profile.layout) \
+                if i == len(stages) - 1 else None
         with OpCounter() as backward:
             if loss is not None:
                 loss.backward()
@@ -206,12 +211,14 @@ def stage_tp_s(plan, profile, stages: Sequence[Sequence[str]], hw: HardwareProfi
 
 
 def _collectives_after(plan, collectives: pd.DataFrame, hw: HardwareProfile) -> Tuple[List[float], float]:
-    """Seconds of each pp rank's dp all-reduce of its stages' gradients, and of the loss broadcast."""
+    """Seconds of each pp rank's dp all-reduce of its stages' gradients (FSDP2 stages: their reduce-scatters and
+    all-gathers, once per step each), and of the loss broadcast."""
     spec = plan.pp_schedule_spec
     reduce_s = []
     for pp_rank in range(plan.pp_size):
-        phase = reduce_phase(spec.rank_stages(pp_rank, plan.pp_size, plan.pp_virtual_stages))
-        rows = collectives[(collectives["mesh_dim"] == "dp") & (collectives["phase"] == phase)]
+        own = spec.rank_stages(pp_rank, plan.pp_size, plan.pp_virtual_stages)
+        rows = collectives[(collectives["mesh_dim"] == "dp")  # FSDP2 stages: their gathers, exposed, too
+                           & collectives["phase"].isin((reduce_phase(own), gather_phase(own)))]
         reduce_s.append(sum(hw.collective_time(r.kind, plan.dp_size, r.bytes, r.count, spans_nodes(plan, "dp", hw))
                             for r in rows.itertuples()))
     loss = collectives[(collectives["mesh_dim"] == "pp") & (collectives["kind"] == Collective.BROADCAST)]
