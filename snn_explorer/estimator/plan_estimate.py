@@ -17,7 +17,9 @@ On a hardware profile with ``kernel_model`` (the built-in ``RTX-4090-PCIe-noP2P`
 the step time come instead from the step as that GPU runs it, traced on the meta device at the
 rank's size (:mod:`.memory.gpu_trace`: fused neuron kernels, the caching allocator's bytes;
 :mod:`.timing.gpu_kernels`: each kernel's roofline and launch); nothing runs at that size here.
-Pipeline plans keep the CPU-measured stages.
+A pipeline plan's stages are timed there too, each stage's micro-batch from its own traced kernels
+(:func:`~.timing.gpu_kernels.gpu_pipeline_time`), composed by the schedule as on every profile; their
+memory is still the stages as measured here (:mod:`.memory.stage_memory`).
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ from .profile.checkpointed import levered_profile, recompute_fraction
 from .profile.profiling import ModelProfile, model_profile, plan_profile, run_fits
 from .profile.step import check_inputs, check_optimizer, resolve_layout
 from .timing.collectives import pipeline_tp_collectives, step_collectives
-from .timing.gpu_kernels import gpu_plan_time
+from .timing.gpu_kernels import gpu_pipeline_time, gpu_plan_time
 from .timing.step_time import plan_time
 
 
@@ -269,6 +271,9 @@ def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profil
         time = gpu_plan_time(plan, profile, collectives, per_rank, hardware, optimizer, step)
         verdict += (f"; as {hardware.name} runs it: {len(step.fused)} neuron layer(s) as fused kernels, "
                     "the allocator's bytes")
+    elif plan.uses_pp and hardware.kernel_model:  # each stage's kernels as the GPU runs them
+        time = gpu_pipeline_time(plan, profile, collectives, per_rank, hardware, t, optimizer)
+        verdict += f"; stages timed as {hardware.name} runs their kernels"
     else:
         time = plan_time(plan, profile, collectives, per_rank, hardware, t, optimizer)
     if extra_s:

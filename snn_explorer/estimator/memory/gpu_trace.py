@@ -36,12 +36,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ...compat import tree_leaves
 from ...core.neurons import detached_copy
+from ...core.parallelize.pipeline import PipelineStageModule
 from ..instruments.fsdp_events import record
 from ..instruments.meter import StorageMeter
 from ..instruments.op_counter import tensor_bytes
 from ..instruments.storage import model_state_tensors
 from ..profile.profiling import ModelProfile
-from ..profile.step import OPTIMIZERS, forward_loss
+from ..profile.step import OPTIMIZERS, forward_loss, loss_of
 from .fsdp_timeline import FsdpTimeline, replay_fsdp
 from .fused_neurons import FusedNeuron, swap_fused
 
@@ -213,6 +214,61 @@ def gpu_step(profile: ModelProfile, n: int, t: int, tp_plan=None, tp: int = 1, n
         x, y = _meta_inputs(profile, n, t)
         model = profile.meta_model(tp_plan, tp)
         cache[key] = trace_step(model, x, y, sorted(logged | set(units)), neuron_backend, copy=False)
+    return cache[key]
+
+
+@dataclass(frozen=True)
+class StageKernels:
+    """The kernels of one micro-batch's forward (with the loss on the last stage) and backward through
+    one pipeline stage, as the GPU runs them."""
+
+    forward: Tuple[Kernel, ...]
+    backward: Tuple[Kernel, ...]
+
+
+def _trace_stage(meter: DeviceMeter, stage: PipelineStageModule, inp: torch.Tensor, labels, layout,
+                 last: bool) -> Tuple[StageKernels, torch.Tensor]:
+    """The kernels of ``stage`` on ``inp`` (after a forward at this size, as in a step: its neuron
+    state exists), and its output; the gradient of a middle stage's output is a buffer given before."""
+    with torch.no_grad():
+        grad_out = None if last else torch.ones_like(stage(inp))
+    first = len(meter.kernels)
+    with meter:
+        meter.phase = "forward"
+        out = stage(inp)
+        loss = loss_of(out, labels, layout) if last else None
+        middle = len(meter.kernels)
+        meter.phase = "backward"
+        if loss is not None:
+            loss.backward()
+        elif out.requires_grad:  # a first stage with every parameter frozen has no backward
+            torch.autograd.backward([out], [grad_out])
+    kernels = meter.kernels
+    return StageKernels(tuple(kernels[first:middle]), tuple(kernels[middle:])), out.detach()
+
+
+def gpu_stage_kernels(profile: ModelProfile, stages, n: int, t: int, tp_plan=None, tp: int = 1,
+                      neuron_backend: str = "torch") -> Tuple[StageKernels, ...]:
+    """:class:`StageKernels` of every pipeline stage (``stages``: unit paths) for a micro-batch of ``n``
+    samples and ``t`` steps, traced on a meta copy of the model one rank runs (its fused-kernel neurons
+    swapped in) as mode ``pp`` runs each stage (:class:`~...core.parallelize.pipeline.PipelineStageModule`:
+    reset, contiguous input, its units, its output in the compute dtype; a received input that requires
+    grad); cached on the profile."""
+    cache = profile.__dict__.setdefault("_gpu_stages", {})
+    key = (tuple(map(tuple, stages)), n, t, neuron_backend) + profile.rank_model(tp_plan, tp)[0]
+    if key not in cache:
+        meter = DeviceMeter()
+        model = profile.meta_model(tp_plan, tp)
+        swap_fused(model, neuron_backend, meter.fused)
+        x, y = _meta_inputs(profile, n, t)
+        out = []
+        for i, paths in enumerate(stages):
+            stage = PipelineStageModule(i, paths, [model.get_submodule(p) for p in paths], per_step=profile.layout.per_step,
+                                        output_dtype=profile.precision.compute_dtype)
+            inp = x if i == 0 else x.requires_grad_()
+            kernels, x = _trace_stage(meter, stage, inp, y, profile.layout, i == len(stages) - 1)
+            out.append(kernels)
+        cache[key] = tuple(out)
     return cache[key]
 
 

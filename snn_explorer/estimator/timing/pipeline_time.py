@@ -119,6 +119,15 @@ def _action_costs(plan, work: List[StageWork], hw: HardwareProfile, t: int, item
     return costs
 
 
+def _timed_costs(timed: Sequence[Tuple[float, float]], scale: Dict[str, float]) -> Dict[Tuple[str, int], float]:
+    """:func:`_action_costs` from each stage's ``(forward, backward)`` seconds of one micro-batch."""
+    costs = {}
+    for s, (forward, backward) in enumerate(timed):
+        costs[("F", s)] = forward * scale["forward"]
+        costs.update({(kind, s): share * backward * scale["backward"] for kind, share in BACKWARD_SHARE.items()})
+    return costs
+
+
 def replay_plan(plan, costs: Dict[Tuple[str, int], float], links: Dict[Tuple[int, int], float]):
     """The time lines of ``plan``'s schedule (:func:`~..core.pipeline_schedules.replay`), each action
     costing ``costs[(kind, stage)]``, each transfer ``links[(src, dst)]`` between its two actions."""
@@ -150,19 +159,27 @@ def busy_share(plan, costs: Dict[Tuple[str, int], float]) -> float:
 
 def pipeline_time_table(plan, profile, collectives: pd.DataFrame, per_rank: pd.DataFrame, hw: HardwareProfile,
                         t: int, itemsize: int, correction: Dict[str, float], ranks_on_host: int,
-                        optimizer_s) -> pd.DataFrame:
+                        optimizer_s, stage_s=None) -> pd.DataFrame:
     """The ``rank, compute_s, exposed_comm_s, bubble_s, step_s`` table of pipeline ``plan`` (see the
     module doc); ``optimizer_s(params_bytes)``: seconds of the optimizer step over that many bytes,
-    before the host's slow-down."""
+    before the host's slow-down. ``stage_s(stages, n)``: seconds of one micro-batch of ``n`` samples
+    through each stage, a list of ``(forward, backward)`` pairs, where the hardware times stages
+    itself (a GPU's kernel model, :func:`.gpu_kernels.gpu_pipeline_time`); else the stages' counted
+    operators (:func:`stage_work`) on the profile's roofline."""
     stages = plan_stages(plan, profile)
     n = plan.per_rank_batch // plan.pp_microbatches
-    work = stage_work(profile, stages, n, t, plan.tensor_parallel_plan, plan.tp_size)
+    if stage_s is None:
+        work = stage_work(profile, stages, n, t, plan.tensor_parallel_plan, plan.tp_size)
+        action_costs = lambda scale: _action_costs(plan, work, hw, t, itemsize, scale)
+    else:
+        timed = stage_s(stages, n)
+        action_costs = lambda scale: _timed_costs(timed, scale)
     unit = {p: correction.get(p, 1.0) for p in ("forward", "backward", "optimizer")}
-    slow = hw.sharing(ranks_on_host * busy_share(plan, _action_costs(plan, work, hw, t, itemsize, unit)))
+    slow = hw.sharing(ranks_on_host * busy_share(plan, action_costs(unit)))
     per_action = hw.overhead(f"pp_action:{plan.pp_schedule}", plan.pp_size)
     inside = stage_tp_s(plan, profile, stages, hw, n, t, itemsize)
     costs = {k: c + per_action + inside.get(k, 0.0)
-             for k, c in _action_costs(plan, work, hw, t, itemsize, {p: c * slow for p, c in unit.items()}).items()}
+             for k, c in action_costs({p: c * slow for p, c in unit.items()}).items()}
     extra = hw.overhead(f"pp_link:{plan.pp_schedule}", plan.pp_size)
     links = {boundary: seconds + extra for boundary, seconds in transfer_s(plan, collectives, hw).items()}
     lines = replay_plan(plan, costs, links)
