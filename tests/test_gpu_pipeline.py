@@ -3,9 +3,10 @@ against the whole model's trace (the non-pipeline GPU path), the difference boun
 import dataclasses
 
 import pytest
+import torch
 
 import snn_explorer as se
-from snn_explorer.estimator.memory.gpu_trace import gpu_stage_kernels, gpu_step, optimizer_kernels
+from snn_explorer.estimator.memory.gpu_trace import gpu_stage_kernels, gpu_stage_memory, gpu_step, optimizer_kernels
 from snn_explorer.estimator.profile.profiling import model_profile
 from snn_explorer.estimator.timing.gpu_kernels import phase_seconds
 from snn_explorer.estimator.timing.hardware import hardware_profile
@@ -66,3 +67,28 @@ def test_pipeline_compute_on_gpu_is_the_traced_stages():
     counted = se.estimate(z.model, pp.plan, example_input=z.example_input, labels=z.labels,
                           hardware=dataclasses.replace(hw, kernel_model=False))
     assert counted.time["compute_s"].iloc[0] != pp.time["compute_s"].iloc[0]
+
+
+def test_stage_memory_on_gpu_is_the_traced_step_cut_at_the_stages():
+    """The stages' memory on the kernel-model profile comes from the same meta trace: with a spikingjelly
+    LIF run as the fused kernel (h in fp32, the input and v_init saved; not the CPU path's tensors), the
+    stages of one micro-batch of the whole batch keep, together, exactly what the whole traced forward
+    keeps (each stage's output is what the next stage's first layer, or the loss, keeps in the whole
+    model), hold its neuron state and allocate its gradients."""
+    pytest.importorskip("spikingjelly.activation_based")  # installed by scripts/setup.sh
+    from test_gpu_model import HW, N, T, small_snn
+    model = small_snn()
+    x = torch.rand(T, N, 2, HW, HW)
+    profile = model_profile(model, x)
+    plan = se.plan(analysis=se.analyze(model), objective="speed", mode="pp", topology={"pp": 2}, batch_size=N,
+                   pp_microbatches=2, pp_schedule="gpipe", pp_virtual_stages=1)
+    stages = plan_stages(plan, profile)
+    runs = gpu_stage_memory(profile, stages, N, T, 1)
+    whole = gpu_step(profile, N, T)
+    assert whole.fused == ("2",) and whole.saved > 0  # the LIF runs fused, and something is kept
+    assert sum(r.kept for r in runs) == whole.saved
+    assert sum(r.held for r in runs) == whole.state and sum(r.grads for r in runs) == whole.grads
+    gpu = se.estimate(model, plan, example_input=x, hardware=RTX)
+    cpu = se.estimate(model, plan, example_input=x, hardware=dataclasses.replace(hardware_profile(RTX),
+                                                                                 kernel_model=False))
+    assert gpu.per_rank["activations_bytes"].iloc[0] != cpu.per_rank["activations_bytes"].iloc[0]
