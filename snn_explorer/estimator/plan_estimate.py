@@ -281,6 +281,8 @@ def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profil
         verdict += f"; stages timed as {hardware.name} runs their kernels"
     else:
         time = plan_time(plan, profile, collectives, per_rank, hardware, t, optimizer)
+    if hardware.kernel_model and plan.precision.mixed:  # said, not hidden: autocast does not run on meta
+        verdict += f"; the GPU trace runs the model in {profile.dtype}, not in {plan.precision.name}'s compute dtype"
     if extra_s:
         time = time.assign(compute_s=time["compute_s"] + extra_s, step_s=time["step_s"] + extra_s)
     return PlanEstimate(plan=plan, per_rank=per_rank, collectives=collectives, verdict=verdict, time_steps=t,
