@@ -161,7 +161,8 @@ def print_pipeline(rows: List[dict]) -> None:
           "(step ms) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['plan']} | {r['cut']} | {r['pub_mb']:.0f} | {r['pred_mb']:.1f} | {r['pred_mb'] / r['pub_mb']:.2f} "
+        cut = r["cut"].replace("|", " \\| ")  # a pp_layout's bar would end the table cell
+        print(f"| {r['plan']} | {cut} | {r['pub_mb']:.0f} | {r['pred_mb']:.1f} | {r['pred_mb'] / r['pub_mb']:.2f} "
               f"| {r['pub_ratio']:.2f} | {r['pred_ratio']:.2f} ({r['pred_ms']:.1f}) |")
 
 

@@ -21,6 +21,9 @@ replaced by :class:`~.fused_neurons.FusedNeuron` (what the GPU's kernel allocate
   output's gradient) twice, in two launches. Bytes moved are the operator's tensor arguments
   (read; not the target of a fill or copy) and outputs (written).
 
+A pipeline stage is traced the same way, one micro-batch as mode ``pp`` runs it
+(:func:`gpu_stage_kernels` for its time, :func:`gpu_stage_memory` for its bytes through the schedule).
+
 FSDP2's points are logged as :func:`~..instruments.fsdp_events.record` logs them on the CPU profile
 run, so :func:`~.fsdp_timeline.replay_fsdp` replays its buffers on this run the same way.
 """

@@ -12,6 +12,8 @@ schedule's input and weight backwards half a backward each). So stages of unequa
 step, not their average. A transfer between ranks delays the action that waits for it by its
 alpha-beta time plus the schedule's calibrated latency beyond it (``pp_link:<schedule>``). Ranks
 sharing a host slow each other by as many as are busy at once on average (:func:`busy_share`).
+On a GPU kernel-model profile each stage's micro-batch is timed instead from its kernels as the GPU runs
+them (:func:`.gpu_kernels.gpu_pipeline_time` passes ``stage_s``); the schedule is replayed the same way.
 
 After the schedule each rank all-reduces its stages' gradients over dp, every rank joins the
 loss broadcast (so all end the schedule together) and steps its optimizer over its stages'
