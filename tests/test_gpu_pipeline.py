@@ -12,6 +12,7 @@ from snn_explorer.estimator.timing.gpu_kernels import phase_seconds
 from snn_explorer.estimator.timing.hardware import hardware_profile
 from snn_explorer.estimator.timing.pipeline_time import plan_stages
 from snn_explorer.zoo import build
+from snn_explorer.zoo.llm import build_llm, token_batch
 
 RTX = "RTX-4090-PCIe-noP2P"
 
@@ -92,3 +93,19 @@ def test_stage_memory_on_gpu_is_the_traced_step_cut_at_the_stages():
     cpu = se.estimate(model, plan, example_input=x, hardware=dataclasses.replace(hardware_profile(RTX),
                                                                                  kernel_model=False))
     assert gpu.per_rank["activations_bytes"].iloc[0] != cpu.per_rank["activations_bytes"].iloc[0]
+
+
+def test_shape_only_pipeline_of_a_language_model_counts_its_stages_as_the_real_one():
+    """A pipeline plan of a language model built on the meta device: its stages' operators are counted on
+    FakeTensors (the model holds no data, the token ids and next-token labels are on the CPU), and the
+    estimate equals the one of the same model built for real, on a datasheet profile and on the GPU model."""
+    cfg = dict(tied_embeddings=False)
+    real, meta = build_llm("spiking-llm-tiny", **cfg), build_llm("spiking-llm-tiny", device="meta", **cfg)
+    tokens, labels = token_batch(real.config, 2, 4, 8), torch.randint(0, real.config.vocab_size, (4, 8))
+    plan = se.plan(analysis=se.analyze(real), objective="speed", mode="pp", topology={"pp": 2}, batch_size=4,
+                   pp_microbatches=2, pp_schedule="gpipe", pp_virtual_stages=1)
+    for hw in ("A100-SXM-80GB", RTX):
+        ours = [se.estimate(m, plan, example_input=tokens, labels=labels, hardware=hw, layout=se.TIME_MAJOR)
+                for m in (real, meta)]
+        assert ours[0].step_time_s > 0 and ours[0].peak_bytes > 0
+        assert ours[0].time.equals(ours[1].time) and ours[0].per_rank.equals(ours[1].per_rank), hw

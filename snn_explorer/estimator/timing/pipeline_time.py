@@ -65,12 +65,16 @@ def stage_work(profile, stages: Sequence[Sequence[str]], n: int, t: int, tp_plan
     state of a step: after a forward at the same size, the stage's gradients None, its input a received
     activation that requires grad (the first stage's the batch), the gradient of its output given."""
     cache = profile.__dict__.setdefault("_stage_work", {})
-    shapes, model = profile.rank_model(tp_plan, tp)
-    key = (tuple(map(tuple, stages)), n, t) + shapes
-    if key in cache:
-        return cache[key]
+    key = (tuple(map(tuple, stages)), n, t) + profile.rank_model(tp_plan, tp)[0]
+    if key not in cache:
+        with profile.runner(tp_plan, tp, profile.shape_only) as (model, convert):  # FakeTensors when shape-only
+            cache[key] = _count_stages(profile, model, convert, stages, n, t)
+    return cache[key]
+
+
+def _count_stages(profile, model, convert, stages: Sequence[Sequence[str]], n: int, t: int) -> List[StageWork]:
     x, y = batch_slice(profile.example_input, profile.labels, n, t, layout=profile.layout)
-    x, out = input_as(x, profile.dtype), []  # token ids stay ints
+    x, y, out = convert(input_as(x, profile.dtype)), convert(y), []  # token ids stay ints
     for i, paths in enumerate(stages):
         stage = PipelineStageModule(i, paths, [model.get_submodule(p) for p in paths],
                                     per_step=profile.layout.per_step)
@@ -89,7 +93,6 @@ def stage_work(profile, stages: Sequence[Sequence[str]], n: int, t: int, tp_plan
             p.grad = None
         out.append(StageWork(_phase_work(forward.counts), _phase_work(backward.counts)))
         x = y_stage.detach()
-    cache[key] = out
     return out
 
 
