@@ -17,11 +17,15 @@ On a hardware profile with ``kernel_model`` (the built-in ``RTX-4090-PCIe-noP2P`
 the step time come instead from the step as that GPU runs it, traced on the meta device at the
 rank's size (:mod:`.memory.gpu_trace`: fused neuron kernels, the caching allocator's bytes;
 :mod:`.timing.gpu_kernels`: each kernel's roofline and launch); nothing runs at that size here.
-Pipeline plans keep the CPU-measured stages.
+A pipeline plan's stages are timed there too, each stage's micro-batch from its own traced kernels
+(:func:`~.timing.gpu_kernels.gpu_pipeline_time`), composed by the schedule as on every profile, and
+their memory from the same meta copy (:func:`~.memory.gpu_trace.gpu_stage_memory`: fused neurons, the
+allocator's bytes) walked through the schedule as on every profile (:mod:`.memory.pipeline_memory`).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -41,16 +45,17 @@ from .instruments.tables import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
 from .memory.activation_offload import check_offload_hardware, offload_seconds, offloaded_profile
 from .memory.fsdp_offload import HOST_COLUMNS, check_fsdp_offload_hardware, fsdp_offload_seconds
 from .memory.fsdp_timeline import FsdpTimeline
-from .memory.gpu_trace import gpu_peaks, gpu_step
+from .memory.gpu_trace import gpu_peaks, gpu_stage_memory, gpu_step
 from .memory.pipeline_memory import pipeline_rows
 from .memory.sharding import buffer_bytes, dp_roles, local_params, optimizer_temporaries, rank_bytes, reduce_itemsize
 from .memory.spike_compression import compressed_profile, spike_saving
+from .memory.stage_memory import measure_stages
 from .memory.step_peak import dynamic_peak
 from .profile.checkpointed import levered_profile, recompute_fraction
 from .profile.profiling import ModelProfile, model_profile, plan_profile, run_fits
 from .profile.step import check_inputs, check_optimizer, resolve_layout
 from .timing.collectives import pipeline_tp_collectives, step_collectives
-from .timing.gpu_kernels import gpu_plan_time
+from .timing.gpu_kernels import gpu_pipeline_time, gpu_plan_time
 from .timing.step_time import plan_time
 
 
@@ -212,14 +217,16 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
     n = plan.per_rank_batch
     profile, extra_s = _with_levers(profile or model_profile(model, example_input, labels, dtype), plan, n, t,
                                     hardware)
-    gpu = hardware.kernel_model and not plan.uses_pp  # the step as the GPU runs it (:mod:`.memory.gpu_trace`)
+    gpu = hardware.kernel_model  # the step (or each pipeline stage) as the GPU runs it (:mod:`.memory.gpu_trace`)
     if not gpu:  # refuses a run too long even shape-only, before anything runs at this size
         run_fits(profile, n, t)
     itemsize = profile.compute_itemsize  # activations sent between ranks: the precision's compute dtype
     params = local_params(profile.params, plan, profile.param_itemsizes or itemsize, profile.norm_layers)
     if plan.uses_pp:  # the rank's stages, micro-batches in flight, sends between stages
         units = pipeline_units(model)[0]
-        rows, collectives, pipeline = pipeline_rows(plan, profile, units, params, t, itemsize, optimizer)
+        measure = functools.partial(gpu_stage_memory, neuron_backend=plan.neuron_backend) \
+            if gpu else measure_stages  # the stages as the GPU runs them, else as here
+        rows, collectives, pipeline = pipeline_rows(plan, profile, units, params, t, itemsize, optimizer, measure)
         collectives += pipeline_tp_collectives(plan, profile, units, t, itemsize)  # 3-D: TP inside the stages
         return _finish(plan, pd.DataFrame(rows)[list(PER_RANK_COLUMNS)], collectives, t, optimizer, memory_budget,
                        profile, hardware, pipeline)
@@ -283,8 +290,13 @@ def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profil
         time = gpu_plan_time(plan, profile, collectives, per_rank, hardware, optimizer, step)
         verdict += (f"; as {hardware.name} runs it: {len(step.fused)} neuron layer(s) as fused kernels, "
                     "the allocator's bytes")
+    elif plan.uses_pp and hardware.kernel_model:  # each stage's kernels as the GPU runs them
+        time = gpu_pipeline_time(plan, profile, collectives, per_rank, hardware, t, optimizer)
+        verdict += f"; stages timed as {hardware.name} runs their kernels"
     else:
         time = plan_time(plan, profile, collectives, per_rank, hardware, t, optimizer)
+    if hardware.kernel_model and plan.precision.mixed:  # said, not hidden: autocast does not run on meta
+        verdict += f"; the GPU trace runs the model in {profile.dtype}, not in {plan.precision.name}'s compute dtype"
     if extra_s:
         time = time.assign(compute_s=time["compute_s"] + extra_s, step_s=time["step_s"] + extra_s)
     return PlanEstimate(plan=plan, per_rank=per_rank, collectives=collectives, verdict=verdict, time_steps=t,

@@ -21,6 +21,9 @@ replaced by :class:`~.fused_neurons.FusedNeuron` (what the GPU's kernel allocate
   output's gradient) twice, in two launches. Bytes moved are the operator's tensor arguments
   (read; not the target of a fill or copy) and outputs (written).
 
+A pipeline stage is traced the same way, one micro-batch as mode ``pp`` runs it
+(:func:`gpu_stage_kernels` for its time, :func:`gpu_stage_memory` for its bytes through the schedule).
+
 FSDP2's points are logged as :func:`~..instruments.fsdp_events.record` logs them on the CPU profile
 run, so :func:`~.fsdp_timeline.replay_fsdp` replays its buffers on this run the same way.
 """
@@ -36,14 +39,16 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ...compat import tree_leaves
 from ...core.neurons import detached_copy
+from ...core.parallelize.pipeline import PipelineStageModule
 from ..instruments.fsdp_events import record
 from ..instruments.meter import StorageMeter
 from ..instruments.op_counter import tensor_bytes
-from ..instruments.storage import model_state_tensors
+from ..instruments.storage import LiveSaved, model_state_tensors
 from ..profile.profiling import ModelProfile
-from ..profile.step import OPTIMIZERS, forward_loss
+from ..profile.step import OPTIMIZERS, forward_loss, loss_of
 from .fsdp_timeline import FsdpTimeline, replay_fsdp
 from .fused_neurons import FusedNeuron, swap_fused
+from .stage_memory import Counting, StageMemory, _measure
 
 #: The CUDA caching allocator's block granularity (bytes; source in the module doc).
 ALLOCATOR_BLOCK = 512
@@ -170,7 +175,31 @@ def _meta_inputs(profile: ModelProfile, n: int, t: int):
 
 
 def _live_bytes(tensors) -> int:
-    return sum(allocated(st.nbytes()) for st in {id(s): s for s in (t.untyped_storage() for t in tensors)}.values())
+    """Allocator bytes of the distinct storages of ``tensors`` (None skipped)."""
+    storages = (t.untyped_storage() for t in tensors if t is not None)
+    return sum(allocated(st.nbytes()) for st in {id(s): s for s in storages}.values())
+
+
+class MetaSaved(LiveSaved):
+    """:class:`LiveSaved` for meta storages (all at address 0: told apart by object, as the meter does),
+    each counted as the caching allocator counts it."""
+
+    def __init__(self, skip_tensors):
+        super().__init__({id(t.untyped_storage()) for t in skip_tensors if t is not None})
+
+    def pack(self, t):
+        st = t.untyped_storage()
+        key = id(st)
+        if key not in self.skip and key not in self.live:
+            self.live[key] = allocated(st.nbytes())
+            self.current += self.live[key]
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(st, self._free, key)
+        return t
+
+
+#: The stages as the GPU runs them (the meta trace's meter and the allocator's bytes).
+ON_GPU = Counting(DeviceMeter, MetaSaved, _live_bytes, autocast=False)
 
 
 def trace_step(model: torch.nn.Module, x: torch.Tensor, labels, units=(), neuron_backend: str = "torch",
@@ -213,6 +242,77 @@ def gpu_step(profile: ModelProfile, n: int, t: int, tp_plan=None, tp: int = 1, n
         x, y = _meta_inputs(profile, n, t)
         model = profile.meta_model(tp_plan, tp)
         cache[key] = trace_step(model, x, y, sorted(logged | set(units)), neuron_backend, copy=False)
+    return cache[key]
+
+
+@dataclass(frozen=True)
+class StageKernels:
+    """The kernels of one micro-batch's forward (with the loss on the last stage) and backward through
+    one pipeline stage, as the GPU runs them."""
+
+    forward: Tuple[Kernel, ...]
+    backward: Tuple[Kernel, ...]
+
+
+def _trace_stage(meter: DeviceMeter, stage: PipelineStageModule, inp: torch.Tensor, labels, layout,
+                 last: bool) -> Tuple[StageKernels, torch.Tensor]:
+    """The kernels of ``stage`` on ``inp`` (after a forward at this size, as in a step: its neuron
+    state exists), and its output; the gradient of a middle stage's output is a buffer given before."""
+    with torch.no_grad():  # every stage, the last too: its neurons then hold state of this size
+        warm = stage(inp)
+    grad_out = None if last else torch.ones_like(warm)
+    del warm
+    first = len(meter.kernels)
+    with meter:
+        meter.phase = "forward"
+        out = stage(inp)
+        loss = loss_of(out, labels, layout) if last else None
+        middle = len(meter.kernels)
+        meter.phase = "backward"
+        if loss is not None:
+            loss.backward()
+        elif out.requires_grad:  # a first stage with every parameter frozen has no backward
+            torch.autograd.backward([out], [grad_out])
+    kernels = meter.kernels
+    return StageKernels(tuple(kernels[first:middle]), tuple(kernels[middle:])), out.detach()
+
+
+def gpu_stage_kernels(profile: ModelProfile, stages, n: int, t: int, tp_plan=None, tp: int = 1,
+                      neuron_backend: str = "torch") -> Tuple[StageKernels, ...]:
+    """:class:`StageKernels` of every pipeline stage (``stages``: unit paths) for a micro-batch of ``n``
+    samples and ``t`` steps, traced on a meta copy of the model one rank runs (its fused-kernel neurons
+    swapped in) as mode ``pp`` runs each stage (:class:`~...core.parallelize.pipeline.PipelineStageModule`:
+    reset, contiguous input, its units, its output in the compute dtype; a received input that requires
+    grad); cached on the profile."""
+    cache = profile.__dict__.setdefault("_gpu_stages", {})
+    key = (tuple(map(tuple, stages)), n, t, neuron_backend) + profile.rank_model(tp_plan, tp)[0]
+    if key not in cache:
+        meter = DeviceMeter()
+        model = profile.meta_model(tp_plan, tp)
+        swap_fused(model, neuron_backend, meter.fused)
+        x, y = _meta_inputs(profile, n, t)
+        out = []
+        for i, paths in enumerate(stages):
+            stage = PipelineStageModule(i, paths, [model.get_submodule(p) for p in paths], per_step=profile.layout.per_step,
+                                        output_dtype=profile.precision.compute_dtype)
+            inp = x if i == 0 else x.requires_grad_()
+            kernels, x = _trace_stage(meter, stage, inp, y, profile.layout, i == len(stages) - 1)
+            out.append(kernels)
+        cache[key] = tuple(out)
+    return cache[key]
+
+
+def gpu_stage_memory(profile: ModelProfile, stages, n: int, t: int, micro: int, tp_plan=None, tp: int = 1,
+                     neuron_backend: str = "torch") -> List[StageMemory]:
+    """:func:`~.stage_memory.measure_stages` as the GPU runs the stages: on a meta copy of the model one
+    rank runs, its fused-kernel neurons swapped in, bytes as the caching allocator counts them; cached."""
+    cache = profile.__dict__.setdefault("_gpu_stage_memory", {})
+    key = (tuple(map(tuple, stages)), n, t, micro, neuron_backend) + profile.rank_model(tp_plan, tp)[0]
+    if key not in cache:
+        model = profile.meta_model(tp_plan, tp)
+        swap_fused(model, neuron_backend, lambda *launch: None)  # the launches are timed by gpu_stage_kernels
+        to_meta = lambda v: None if v is None else v.to("meta")
+        cache[key] = _measure(profile, model, to_meta, stages, n, t, micro, ON_GPU)
     return cache[key]
 
 

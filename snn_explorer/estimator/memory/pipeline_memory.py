@@ -160,14 +160,16 @@ def _after_schedule(plan, left: int, runs, own, fsdp, mine, dp_rank: int, optimi
     return max(left + reduce, resharded + scratch)
 
 
-def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize: int, optimizer: str):
-    """(per-rank rows, collective rows, pipeline table) of a pp plan."""
+def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize: int, optimizer: str,
+                  measure=measure_stages):
+    """(per-rank rows, collective rows, pipeline table) of a pp plan (``measure``: how the stages are measured,
+    :func:`~.stage_memory.measure_stages` or its GPU trace)."""
     counts = check_pp_model(plan, units)
     stages = stage_units(units, counts)
     micro, n_micro = plan.pp_microbatches, plan.per_rank_batch // plan.pp_microbatches
     schedule = plan.pp_schedule_spec
     costs = _stage_costs(profile, stages, n_micro, t)
-    runs = measure_stages(profile, stages, n_micro, t, micro, plan.tensor_parallel_plan, plan.tp_size)
+    runs = measure(profile, stages, n_micro, t, micro, plan.tensor_parallel_plan, plan.tp_size)
     last, has_labels = plan.pp_stages - 1, profile.labels is not None
     rows: Dict[Tuple[int, int], dict] = {}
     table, collectives = [], []

@@ -17,7 +17,7 @@ so both see the same tensors kept for backward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Mapping, Optional, Sequence
+from typing import Callable, Iterable, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -43,10 +43,27 @@ class StageMemory:
     grads: int  # the stage's gradients
 
 
-def _micro(meter: StorageMeter, stage, inp, labels, grad_out, layout) -> tuple:
+@dataclass(frozen=True)
+class Counting:
+    """How a stage's run is counted: its meter (a new :class:`StorageMeter`), its counter of the storages
+    saved for backward (``saved(tensors left out)``, as :class:`LiveSaved`), the bytes of some tensors'
+    distinct storages, and whether the stage runs under the precision's CPU autocast (as ``apply`` runs it
+    on CPU ranks; the GPU trace, :func:`~.gpu_trace.gpu_stage_memory`, runs the stage as traced)."""
+
+    meter: Callable[[], StorageMeter]
+    saved: Callable[[list], LiveSaved]
+    nbytes: Callable[[Iterable], int]
+    autocast: bool = True
+
+
+#: The stages as this machine runs them (real tensors or FakeTensors).
+HOST = Counting(StorageMeter, lambda tensors: LiveSaved(storage_keys(tensors)), total_bytes)
+
+
+def _micro(meter: StorageMeter, stage, inp, labels, grad_out, layout, counting: Counting = HOST) -> tuple:
     """(kept, saved for backward, forward peak, backward peak, output) of one micro-batch's forward
     and backward (saved: the storages packed for backward, its input and the parameters left out)."""
-    saved = LiveSaved(storage_keys([inp] + list(stage.parameters())))
+    saved = counting.saved([inp] + list(stage.parameters()))
     with meter:
         meter.restart_peak()
         base = meter.current
@@ -75,7 +92,8 @@ def measure_stages(profile, stages: Sequence[Sequence[str]], n: int, t: int, mic
     return profile.stage_memory[key]
 
 
-def _measure(profile, model, convert, stages, n: int, t: int, micro: int) -> List[StageMemory]:
+def _measure(profile, model, convert, stages, n: int, t: int, micro: int,
+             counting: Counting = HOST) -> List[StageMemory]:
     layout = profile.layout
     x, y = batch_slice(profile.example_input, profile.labels, n * micro, t, layout=layout)
     x, y = convert(input_as(x, profile.dtype)), convert(y)  # token ids stay ints
@@ -85,7 +103,8 @@ def _measure(profile, model, convert, stages, n: int, t: int, micro: int) -> Lis
     for i, paths in enumerate(stages):
         stage = PipelineStageModule(i, paths, [model.get_submodule(p) for p in paths],
                                     per_step=layout.per_step, output_dtype=profile.precision.compute_dtype)
-        autocast_forward(stage, profile.precision, "cpu")  # as apply runs each stage (the root's autocast skips them)
+        if counting.autocast:  # as apply runs each stage (the root's autocast skips them)
+            autocast_forward(stage, profile.precision, "cpu")
         inp = x if i == 0 else x.detach().requires_grad_()
         grad_out: Optional[torch.Tensor] = None
         if i < len(stages) - 1:
@@ -96,17 +115,17 @@ def _measure(profile, model, convert, stages, n: int, t: int, micro: int) -> Lis
             p.grad = None
         inp.grad = None
         # one meter over both micro-batches: what the first leaves (its neuron state) the second frees
-        meter = StorageMeter()
+        meter = counting.meter()
         state = state_tensor_ids(stage)  # left untracked, as measure() leaves it: its replacement is not counted off
         meter.track([inp, grad_out] + list(stage.parameters()) + [b for b in stage.buffers() if id(b) not in state])
         base = meter.current
-        first = _micro(meter, stage, inp, y, grad_out, layout)[3]
-        grad_input, grads = total_bytes([inp.grad]), total_bytes(p.grad for p in params)
+        first = _micro(meter, stage, inp, y, grad_out, layout, counting)[3]
+        grad_input, grads = counting.nbytes([inp.grad]), counting.nbytes(p.grad for p in params)
         inp.grad = None
         held = meter.current - base - grads
-        kept, saved, forward, after, x = _micro(meter, stage, inp, y, grad_out, layout)
+        kept, saved, forward, after, x = _micro(meter, stage, inp, y, grad_out, layout, counting)
         # the first micro-batch's peak includes the state it creates, which the walk counts apart
-        out.append(StageMemory(kept=kept, saved=saved, output=total_bytes([x]), grad_input=grad_input, held=held,
+        out.append(StageMemory(kept=kept, saved=saved, output=counting.nbytes([x]), grad_input=grad_input, held=held,
                                forward=forward, backward_first=first - held, backward_next=after, grads=grads))
         for p in params:
             p.grad = None

@@ -12,6 +12,8 @@ schedule's input and weight backwards half a backward each). So stages of unequa
 step, not their average. A transfer between ranks delays the action that waits for it by its
 alpha-beta time plus the schedule's calibrated latency beyond it (``pp_link:<schedule>``). Ranks
 sharing a host slow each other by as many as are busy at once on average (:func:`busy_share`).
+On a GPU kernel-model profile each stage's micro-batch is timed instead from its kernels as the GPU runs
+them (:func:`.gpu_kernels.gpu_pipeline_time` passes ``stage_s``); the schedule is replayed the same way.
 
 After the schedule each rank all-reduces its stages' gradients over dp (FSDP2 stages: reduce-scatters them,
 and their once-per-step all-gathers are counted there too, unhidden), every rank joins the
@@ -65,12 +67,16 @@ def stage_work(profile, stages: Sequence[Sequence[str]], n: int, t: int, tp_plan
     state of a step: after a forward at the same size, the stage's gradients None, its input a received
     activation that requires grad (the first stage's the batch), the gradient of its output given."""
     cache = profile.__dict__.setdefault("_stage_work", {})
-    shapes, model = profile.rank_model(tp_plan, tp)
-    key = (tuple(map(tuple, stages)), n, t) + shapes
-    if key in cache:
-        return cache[key]
+    key = (tuple(map(tuple, stages)), n, t) + profile.rank_model(tp_plan, tp)[0]
+    if key not in cache:
+        with profile.runner(tp_plan, tp, profile.shape_only) as (model, convert):  # FakeTensors when shape-only
+            cache[key] = _count_stages(profile, model, convert, stages, n, t)
+    return cache[key]
+
+
+def _count_stages(profile, model, convert, stages: Sequence[Sequence[str]], n: int, t: int) -> List[StageWork]:
     x, y = batch_slice(profile.example_input, profile.labels, n, t, layout=profile.layout)
-    x, out = input_as(x, profile.dtype), []  # token ids stay ints
+    x, y, out = convert(input_as(x, profile.dtype)), convert(y), []  # token ids stay ints
     for i, paths in enumerate(stages):
         stage = PipelineStageModule(i, paths, [model.get_submodule(p) for p in paths],
                                     per_step=profile.layout.per_step)
@@ -92,7 +98,6 @@ def stage_work(profile, stages: Sequence[Sequence[str]], n: int, t: int, tp_plan
             p.grad = None
         out.append(StageWork(_phase_work(forward.counts), _phase_work(backward.counts)))
         x = y_stage.detach()
-    cache[key] = out
     return out
 
 
@@ -121,6 +126,15 @@ def _action_costs(plan, work: List[StageWork], hw: HardwareProfile, t: int, item
         costs[("F", s)] = w.forward.seconds(hw, n, t, itemsize) * scale["forward"]
         backward = w.backward.seconds(hw, n, t, itemsize) * scale["backward"]
         costs.update({(kind, s): share * backward for kind, share in BACKWARD_SHARE.items()})
+    return costs
+
+
+def _timed_costs(timed: Sequence[Tuple[float, float]], scale: Dict[str, float]) -> Dict[Tuple[str, int], float]:
+    """:func:`_action_costs` from each stage's ``(forward, backward)`` seconds of one micro-batch."""
+    costs = {}
+    for s, (forward, backward) in enumerate(timed):
+        costs[("F", s)] = forward * scale["forward"]
+        costs.update({(kind, s): share * backward * scale["backward"] for kind, share in BACKWARD_SHARE.items()})
     return costs
 
 
@@ -155,19 +169,27 @@ def busy_share(plan, costs: Dict[Tuple[str, int], float]) -> float:
 
 def pipeline_time_table(plan, profile, collectives: pd.DataFrame, per_rank: pd.DataFrame, hw: HardwareProfile,
                         t: int, itemsize: int, correction: Dict[str, float], ranks_on_host: int,
-                        optimizer_s) -> pd.DataFrame:
+                        optimizer_s, stage_s=None) -> pd.DataFrame:
     """The ``rank, compute_s, exposed_comm_s, bubble_s, step_s`` table of pipeline ``plan`` (see the
     module doc); ``optimizer_s(params_bytes)``: seconds of the optimizer step over that many bytes,
-    before the host's slow-down."""
+    before the host's slow-down. ``stage_s(stages, n)``: seconds of one micro-batch of ``n`` samples
+    through each stage, a list of ``(forward, backward)`` pairs, where the hardware times stages
+    itself (a GPU's kernel model, :func:`.gpu_kernels.gpu_pipeline_time`); else the stages' counted
+    operators (:func:`stage_work`) on the profile's roofline."""
     stages = plan_stages(plan, profile)
     n = plan.per_rank_batch // plan.pp_microbatches
-    work = stage_work(profile, stages, n, t, plan.tensor_parallel_plan, plan.tp_size)
+    if stage_s is None:
+        work = stage_work(profile, stages, n, t, plan.tensor_parallel_plan, plan.tp_size)
+        action_costs = lambda scale: _action_costs(plan, work, hw, t, itemsize, scale)
+    else:
+        timed = stage_s(stages, n)
+        action_costs = lambda scale: _timed_costs(timed, scale)
     unit = {p: correction.get(p, 1.0) for p in ("forward", "backward", "optimizer")}
-    slow = hw.sharing(ranks_on_host * busy_share(plan, _action_costs(plan, work, hw, t, itemsize, unit)))
+    slow = hw.sharing(ranks_on_host * busy_share(plan, action_costs(unit)))
     per_action = hw.overhead(f"pp_action:{plan.pp_schedule}", plan.pp_size)
     inside = stage_tp_s(plan, profile, stages, hw, n, t, itemsize)
     costs = {k: c + per_action + inside.get(k, 0.0)
-             for k, c in _action_costs(plan, work, hw, t, itemsize, {p: c * slow for p, c in unit.items()}).items()}
+             for k, c in action_costs({p: c * slow for p, c in unit.items()}).items()}
     extra = hw.overhead(f"pp_link:{plan.pp_schedule}", plan.pp_size)
     links = {boundary: seconds + extra for boundary, seconds in transfer_s(plan, collectives, hw).items()}
     lines = replay_plan(plan, costs, links)
