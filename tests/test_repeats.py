@@ -1,0 +1,72 @@
+"""Repeated blocks profiled once (estimator/profile/repeats.py): the composed profile equals the full one."""
+import dataclasses
+
+import torch
+from torch import nn
+
+from snn_explorer.estimator.profile.profiling import measure_profile
+from snn_explorer.estimator.profile.repeats import find_repeats
+from snn_explorer.zoo import SpikingMLP
+from snn_explorer.zoo.llm import build_llm, token_batch
+
+#: Everything a profile run gives the estimate, but the model copy and caches.
+COMPARED = ("modules", "input_bytes", "grad_ready_order", "step_counts", "grad_params", "params", "param_itemsizes",
+            "buffers", "fsdp_units", "norm_layers", "dtype")
+
+
+def _equal_profiles(model, x, labels=None, **kw):
+    full = measure_profile(model, x, labels, repeats=False, **kw)
+    fast = measure_profile(model, x, labels, **kw)
+    assert full.composed is None and fast.composed is not None, "the fast path was not taken"
+    # non-trivial: the blocks save activations, hold neuron state and count FLOPs
+    inside = [m for name, m in full.modules.items() if fast.composed.locate(name) is not None]
+    assert sum(m.saved(4, 3) for m in inside) > 0 and sum(m.state(4, 3) for m in inside) > 0
+    assert full.step_counts[0][0][0] > 0 and full.step_counts[-1][1][0] > 0
+    for name in COMPARED:
+        assert getattr(fast, name) == getattr(full, name), name
+    return fast
+
+
+def test_deep_mlps_composed_from_cut_runs_equal_their_full_profiles():
+    """All-steps and per-step MLPs (blocks of Linear + LIF, with dropout of 3 children), 8 repeats: records,
+    bytes, FLOPs, operator counts, gradient order equal the full runs'."""
+    torch.manual_seed(0)
+    x = torch.rand(3, 4, 16)
+    fast = _equal_profiles(SpikingMLP(16, (16,) * 8, 8, stepping="all_steps"), x)
+    assert (fast.composed.path, fast.composed.period, fast.composed.count) == ("net", 2, 8)
+    _equal_profiles(SpikingMLP(16, (16,) * 8, 8, stepping="per_step", dropout=0.2), x)
+
+
+def test_tiny_llm_blocks_composed_equal_the_full_profile_shape_only():
+    """A ModuleList of 6 decoder blocks (spiking attention and MLP) on FakeTensors, as the 7 B model runs."""
+    torch.manual_seed(0)
+    model = build_llm("spiking-llm-tiny", n_layers=6)
+    x, y = token_batch(model.config, 3, 4, 4), torch.randint(0, model.config.vocab_size, (4, 4))
+    assert _equal_profiles(model, x, y, shape_only=True).composed.count == 6
+
+
+class _Indexed(nn.Module):
+    """Blocks run by a fixed index range: a model cut to fewer blocks fails, and is profiled in full."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(6))
+
+    def forward(self, x):
+        for i in range(6):
+            x = torch.relu(self.blocks[i](x))
+        return x
+
+
+def test_what_is_not_a_repeat_is_profiled_in_full():
+    """Different widths or tied weights are no repeats; a forward that needs all blocks falls back to the
+    full runs (with the same profile as without repeats)."""
+    assert find_repeats(SpikingMLP(16, (16, 24) * 4, 8)) is None
+    tied = SpikingMLP(16, (16,) * 8, 8)
+    for i in range(2, 16, 2):
+        tied.net[i].weight = tied.net[0].weight
+    assert find_repeats(tied) is None
+    model, x = _Indexed(), torch.rand(2, 4, 8)
+    assert find_repeats(model) is not None
+    fast, full = measure_profile(model, x), measure_profile(model, x, repeats=False)
+    assert fast.composed is None and dataclasses.replace(fast, model=None) == dataclasses.replace(full, model=None)
