@@ -4,6 +4,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from snn_explorer.estimator.profile import profiling, repeats_log
 from snn_explorer.estimator.profile.profiling import measure_profile
 from snn_explorer.estimator.profile.repeats import find_repeats
 from snn_explorer.zoo import SpikingMLP
@@ -70,3 +71,26 @@ def test_what_is_not_a_repeat_is_profiled_in_full():
     assert find_repeats(model) is not None
     fast, full = measure_profile(model, x), measure_profile(model, x, repeats=False)
     assert fast.composed is None and dataclasses.replace(fast, model=None) == dataclasses.replace(full, model=None)
+
+
+def test_logged_runs_composed_from_cut_runs_equal_the_full_runs(monkeypatch):
+    """The storage meter's event log of a step (the peaks and FSDP2's replay read it), with and without the
+    FSDP2 units logged, two sizes: composed from runs cut to 4, 5 and 6 repeats, equal event for event (kind,
+    what, bytes, peak) to the full run's, on a 10-block MLP and the 8-block tiny LLM."""
+    monkeypatch.setattr(repeats_log, "MIN_LOG_REPEATS", 7)
+    torch.manual_seed(0)
+    llm = build_llm("spiking-llm-tiny", n_layers=8)
+    for model, x, y, kw in ((SpikingMLP(16, (16,) * 10, 8, stepping="all_steps"), torch.rand(3, 4, 16), None, {}),
+                            (llm, token_batch(llm.config, 2, 4, 4), torch.randint(0, 64, (4, 4)), {})):
+        profile = measure_profile(model, x, y, **kw)
+        for units, (n, t) in (((), (1, 2)), (profile.fsdp_units, (3, 5))):
+            fast = profile._run(n, t, None, 1, saved_only=False, units=units)
+            with monkeypatch.context() as m:
+                m.setattr(profiling, "_cut_logged_run", lambda *a, **k: None)
+                full = profile._run(n, t, None, 1, saved_only=False, units=units)
+            assert "saved" not in fast and "saved" in full, "the composed path was not taken"
+            events = full["log"].events
+            assert len(events) > 20 and max(e[3] for e in events) > full["entry"]  # a step that allocates
+            assert fast["log"].events == events and fast["log"].units == full["log"].units
+            assert (fast["entry"], fast["grads"], fast["log"].grad_bytes) == (full["entry"], full["grads"],
+                                                                             full["log"].grad_bytes)

@@ -48,7 +48,9 @@ from ..instruments.module_calls import ModuleCalls
 from ..instruments.op_counter import OpCounter, grad_names
 from ..instruments.progress_hook import ProgressHook, check_hook, tell
 from ..instruments.storage import SavedByModule, model_state_tensors, saving, state_tensor_ids, storage_bytes
+from . import repeats_log
 from .repeats import CUT, Repeats, block_inputs, compose_point, cut, find_repeats
+from .repeats_log import LOG_CUTS, compose_log, cut_units, unit_pattern
 from .shape_only import has_meta_tensors, meta_copy, step_runner
 from .step import RUN_LAYOUT, batch_slice, check_inputs, forward_loss, input_as, run_dtypes
 from .tp_replica import tp_replica
@@ -159,7 +161,9 @@ class ModelProfile:
     def _run(self, n: int, t: int, tp_plan, tp: int, saved_only: bool, units: Sequence[str] = ()) -> dict:
         x, y = batch_slice(self.example_input, self.labels, n, t, layout=self.layout)
         with self.runner(tp_plan, tp, self.shape_only or not run_fits(self, n, t)) as (run_model, convert):
-            return _run_point(run_model, convert(input_as(x, self.dtype)), convert(y), saved_only=saved_only, units=units)
+            x, y = convert(input_as(x, self.dtype)), convert(y)
+            composed = None if saved_only or self.composed is None else _cut_logged_run(run_model, x, y, units)
+            return composed or _run_point(run_model, x, y, saved_only=saved_only, units=units)
 
     def logged_run(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]], tp: int, units=()) -> dict:
         """The run of ``n`` samples and ``t`` steps of the model one rank runs, with its storage meter
@@ -300,6 +304,24 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
                 grads=sum(storage_bytes([p.grad for p in model.parameters()]).values()), order=tuple(order),
                 input=x.numel() * x.element_size(), counts=run["counts"],
                 with_grad=grad_names(model) if count else ())
+
+
+def _cut_logged_run(model: nn.Module, x, labels, units: Sequence[str]) -> Optional[dict]:
+    """The logged run of ``model`` (``log``, ``entry``, ``grads``) composed from runs cut to
+    :data:`~.repeats_log.LOG_CUTS` of its repeated blocks (:func:`~.repeats_log.compose_log`), or None where
+    it has fewer than :data:`~.repeats_log.MIN_LOG_REPEATS` or they disagree (then it runs in full)."""
+    repeats = find_repeats(model)
+    if repeats is None or repeats.count < max(repeats_log.MIN_LOG_REPEATS, LOG_CUTS[-1] + 1):
+        return None
+    try:
+        pattern, runs = unit_pattern(units, repeats), {}
+        for k in LOG_CUTS:
+            with cut(model, repeats, k):
+                runs[k] = _run_point(model, x, labels, saved_only=False, units=cut_units(pattern, repeats, k))
+        grad_bytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters() if p.requires_grad}
+        return compose_log(runs, repeats, units, grad_bytes)
+    except Exception:  # noqa: BLE001 - NotRepeating, or a forward that needs all its blocks: run in full
+        return None
 
 
 def _step(model, x, labels, meter: StorageMeter, saved: SavedByModule, saved_only: bool, units, count: bool) -> dict:

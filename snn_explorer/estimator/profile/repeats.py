@@ -25,6 +25,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..instruments.storage import state_tensor_ids
+
 #: A run of repeated blocks is used only from this many repeats (below, cutting saves little).
 MIN_REPEATS = 6
 #: The repeats the two cut runs keep: the first block is not composed (its input is the model's).
@@ -93,15 +95,17 @@ def _config(value, depth: int = 0):
                                                       if not k.startswith("_")))
 
 
-def signature(module: nn.Module) -> tuple:
+def signature(module: nn.Module, state: frozenset = frozenset()) -> tuple:
     """What makes two blocks behave alike on the same input: per submodule its class, configuration
-    attributes, and its parameters' and buffers' shapes, dtypes and ``requires_grad``."""
+    attributes, and its parameters' and buffers' shapes, dtypes and ``requires_grad``; neuron state (the
+    ids in ``state``: what the last run left, reset before each) left out."""
     out = []
     for name, m in module.named_modules():
         config = tuple(sorted((k, _config(v)) for k, v in vars(m).items()
                               if not k.startswith("_") and not isinstance(v, torch.Tensor)))
         tensors = tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
-                        for n, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False)))
+                        for n, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False))
+                        if id(t) not in state)
         out.append((name, type(m), config, tensors))
     return tuple(out)
 
@@ -124,13 +128,13 @@ def _longest_run(ids: List[int]) -> Tuple[int, int, int]:
 
 def find_repeats(model: nn.Module) -> Optional[Repeats]:
     """The container of ``model`` with the most modules in repeated blocks (:data:`MIN_REPEATS` or more), or None."""
-    best, best_size = None, 0
+    best, best_size, state = None, 0, frozenset(state_tensor_ids(model))
     for path, container in model.named_modules():
         if not isinstance(container, (nn.Sequential, nn.ModuleList)) or len(container) < MIN_REPEATS:
             continue
         keys = tuple(container._modules)
         by_signature: Dict[tuple, int] = {}
-        ids = [by_signature.setdefault(signature(container._modules[k]), len(by_signature)) for k in keys]
+        ids = [by_signature.setdefault(signature(container._modules[k], state), len(by_signature)) for k in keys]
         start, period, count = _longest_run(ids)
         size = count * sum(1 for k in keys[start:start + period] for _ in container._modules[k].modules())
         if count >= MIN_REPEATS and size > best_size and _unshared(container, keys[start:start + count * period]):
