@@ -19,6 +19,7 @@ whole model).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -126,7 +127,19 @@ def _longest_run(ids: List[int]) -> Tuple[int, int, int]:
     return best
 
 
+#: :func:`find_repeats` per live model object (the profile's private copies, which nothing changes)
+_FOUND: "weakref.WeakKeyDictionary[nn.Module, Optional[Repeats]]" = weakref.WeakKeyDictionary()
+
+
 def find_repeats(model: nn.Module) -> Optional[Repeats]:
+    """:func:`search_repeats`, once per model object (:func:`cut` checks that its container's children are still
+    those found)."""
+    if model not in _FOUND:
+        _FOUND[model] = search_repeats(model)
+    return _FOUND[model]
+
+
+def search_repeats(model: nn.Module) -> Optional[Repeats]:
     """The container of ``model`` with the most modules in repeated blocks (:data:`MIN_REPEATS` or more), or None."""
     best, best_size, state = None, 0, frozenset(state_tensor_ids(model))
     for path, container in model.named_modules():
