@@ -7,6 +7,7 @@ from torch import nn
 from snn_explorer.estimator.profile import profiling, repeats_log
 from snn_explorer.estimator.profile.profiling import measure_profile
 from snn_explorer.estimator.profile.repeats import find_repeats
+from snn_explorer.estimator.timing.compute_work import grouped_step_counts, restored, step_counts
 from snn_explorer.zoo import SpikingMLP
 from snn_explorer.zoo.llm import build_llm, token_batch
 
@@ -94,3 +95,18 @@ def test_logged_runs_composed_from_cut_runs_equal_the_full_runs(monkeypatch):
             assert fast["log"].events == events and fast["log"].units == full["log"].units
             assert (fast["entry"], fast["grads"], fast["log"].grad_bytes) == (full["entry"], full["grads"],
                                                                              full["log"].grad_bytes)
+
+
+def test_optimizer_counts_by_groups_of_alike_parameters_equal_the_whole_step():
+    """An optimizer step counted once per group of alike parameters (times the group's size) equals the step
+    over all parameters (Adam, AdamW, SGD with momentum; a deep MLP and the tiny LLM, some without gradients)."""
+    torch.manual_seed(0)
+    for model in (SpikingMLP(16, (16,) * 8, 8), build_llm("spiking-llm-tiny", n_layers=6)):
+        params = list(model.parameters())
+        for p in params[:-3]:
+            p.grad = torch.randn_like(p)
+        for optimizer in ("adam", "adamw", "sgd_momentum"):
+            with restored(params):
+                grouped, whole = grouped_step_counts(params, optimizer), step_counts(params, optimizer)
+            assert grouped is not None and whole[3] > len(params) and whole[2] > 0
+            assert grouped == whole, optimizer
