@@ -4,6 +4,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from snn_explorer.estimator.memory.pipeline_memory import under
 from snn_explorer.estimator.profile import profiling, repeats_log
 from snn_explorer.estimator.profile.profiling import measure_profile
 from snn_explorer.estimator.profile.repeats import find_repeats
@@ -110,3 +111,11 @@ def test_optimizer_counts_by_groups_of_alike_parameters_equal_the_whole_step():
                 grouped, whole = grouped_step_counts(params, optimizer), step_counts(params, optimizer)
             assert grouped is not None and whole[3] > len(params) and whole[2] > 0
             assert grouped == whole, optimizer
+
+
+def test_under_a_set_of_units_answers_as_under_their_list():
+    """The pipeline's unit lookup by dotted prefixes (a set) answers as the scan of the list does."""
+    units = ["net.0", "net.1", "blocks.10", "head", ""]
+    for name in ("net.0", "net.0.weight", "net.01.weight", "net.1.lif.v", "blocks.1.w", "blocks.10.a.b", "head",
+                 "header.w", "", "x"):
+        assert under(name, set(units)) == under(name, units), name

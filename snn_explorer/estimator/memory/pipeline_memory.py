@@ -16,7 +16,7 @@ the loss broadcast from the last stage, and with dp one all-reduce of each rank'
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Collection, Dict, List, Sequence, Tuple
 
 import pandas as pd
 
@@ -98,8 +98,19 @@ def _walk(schedule: PipelineSchedule, order, runs, last_stage: int, micro: int) 
     return peak, left, most_act
 
 
-def under(name: str, units: Sequence[str]) -> bool:
-    return any(name == u or name.startswith(u + ".") for u in units)
+def under(name: str, units: Collection[str]) -> bool:
+    """Whether ``name`` is one of ``units`` or inside one; a set of units is looked up by the dotted prefixes of
+    ``name`` (a stage of a deep model holds thousands of units)."""
+    if not isinstance(units, (set, frozenset)):
+        return any(name == u or name.startswith(u + ".") for u in units)
+    if name in units:
+        return True
+    cut = name.rfind(".")
+    while cut > 0:
+        if name[:cut] in units:
+            return True
+        cut = name.rfind(".", 0, cut)
+    return False
 
 
 def _stage_costs(profile, stages, n: int, t: int) -> List[Tuple[float, float]]:
@@ -121,9 +132,10 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
     for pp_rank in range(plan.pp_size):
         own = schedule.rank_stages(pp_rank, plan.pp_size, plan.pp_virtual_stages)
         own_units = [u for s in own for u in stages[s]]
-        mine = [p for p in params if under(p.name, own_units)]
+        lookup = set(own_units)
+        mine = [p for p in params if under(p.name, lookup)]
         b = rank_bytes(mine, plan, 0, optimizer)
-        buffers = buffer_bytes([b for b in profile.buffers if under(b[0], own_units)], profile.dtype, plan)
+        buffers = buffer_bytes([b for b in profile.buffers if under(b[0], lookup)], profile.dtype, plan)
         flying = schedule.in_flight(plan.pp_size, pp_rank, micro, plan.pp_virtual_stages)
         order = schedule.rank_actions(plan.pp_size, micro, plan.pp_virtual_stages)[pp_rank]
         schedule_peak, left, activations = _walk(schedule, order, runs, last, micro)
