@@ -8,6 +8,7 @@ from snn_explorer.estimator.memory.pipeline_memory import under
 from snn_explorer.estimator.profile import profiling, repeats_log
 from snn_explorer.estimator.profile.profiling import measure_profile
 from snn_explorer.estimator.profile.repeats import find_repeats
+from snn_explorer.estimator.timing import compute_work
 from snn_explorer.estimator.timing.compute_work import grouped_step_counts, restored, step_counts
 from snn_explorer.zoo import SpikingMLP
 from snn_explorer.zoo.llm import build_llm, token_batch
@@ -119,3 +120,22 @@ def test_under_a_set_of_units_answers_as_under_their_list():
     for name in ("net.0", "net.0.weight", "net.01.weight", "net.1.lif.v", "blocks.1.w", "blocks.10.a.b", "head",
                  "header.w", "", "x"):
         assert under(name, set(units)) == under(name, units), name
+
+
+def test_rank_work_counted_on_cut_runs_equals_the_full_count(monkeypatch):
+    """count_work (the step of a model one rank runs, e.g. a TP replica) from passes cut to 2, 3 and 4 repeats
+    equals the full count: FLOPs, bytes and operators of each phase, the optimizer over the same gradients."""
+    torch.manual_seed(0)
+    llm = build_llm("spiking-llm-tiny", n_layers=6, tied_embeddings=False)
+    cases = [(SpikingMLP(16, (16,) * 8, 8, stepping="all_steps"), torch.rand(3, 4, 16), None, None),
+             (llm, token_batch(llm.config, 2, 4, 4), torch.randint(0, 64, (4, 4)), llm.tensor_parallel_plan())]
+    for model, x, y, tp_plan in cases:
+        profile = measure_profile(model, x, y)
+        rank_model = profile.rank_model(tp_plan, 2 if tp_plan else 1)[1]
+        assert compute_work.cut_counted_points(rank_model, profile) is not None, "the cut path was not taken"
+        fast = compute_work.count_work(rank_model, profile, "adam")
+        with monkeypatch.context() as m:
+            m.setattr(compute_work, "cut_counted_points", lambda *a, **k: None)
+            full = compute_work.count_work(rank_model, profile, "adam")
+        assert full.forward.flops(4, 3) > 0 and full.optimizer.ops(1, 1) > 0
+        assert fast == full

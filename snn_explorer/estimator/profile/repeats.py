@@ -265,14 +265,19 @@ def compose_point(short: dict, longer: dict, repeats: Repeats, inputs: Dict[int,
     point["order"] = _compose_order(longer["order"], repeats)
     if longer["counts"] is not None:
         point["counts"] = _compose_counts(short["counts"], longer["counts"], repeats)
-    with_grad = set(longer["with_grad"])
-    point["with_grad"] = tuple(n for n in names if _as_run(n, repeats) in with_grad)
+    point["with_grad"] = names_as_run(names, longer["with_grad"], repeats, CUT[1])
     return point
 
 
-def _as_run(name: str, repeats: Repeats) -> str:
-    """The name in the run with 3 repeats of what ``name`` is in the whole model (later blocks as the third)."""
+def _as_run(name: str, repeats: Repeats, kept: int = CUT[1]) -> str:
+    """The name in the run with ``kept`` repeats of what ``name`` is in the whole model (later blocks as the last kept)."""
     where = repeats.locate(name)
-    if where is None or where[0] < CUT[1]:
+    if where is None or where[0] < kept:
         return name
-    return repeats.name_in(CUT[1] - 1, *where[1:])
+    return repeats.name_in(kept - 1, *where[1:])
+
+
+def names_as_run(names: Tuple[str, ...], kept_names: Tuple[str, ...], repeats: Repeats, kept: int) -> tuple:
+    """Those of the whole model's ``names`` whose counterpart in the run with ``kept`` repeats is in ``kept_names``."""
+    found = set(kept_names)
+    return tuple(n for n in names if _as_run(n, repeats, kept) in found)
