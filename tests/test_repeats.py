@@ -139,3 +139,20 @@ def test_rank_work_counted_on_cut_runs_equals_the_full_count(monkeypatch):
             full = compute_work.count_work(rank_model, profile, "adam")
         assert full.forward.flops(4, 3) > 0 and full.optimizer.ops(1, 1) > 0
         assert fast == full
+
+
+def test_tp_replica_saved_and_state_from_cut_runs_equal_the_full_run(monkeypatch):
+    """The bytes a TP rank's forward saves and its neuron state, from runs of its replica cut to 2 and 3 repeats,
+    equal the full run's (tiny LLM, TP along whole heads)."""
+    torch.manual_seed(0)
+    llm = build_llm("spiking-llm-tiny", n_layers=6, tied_embeddings=False)
+    profile = measure_profile(llm, token_batch(llm.config, 2, 4, 4), torch.randint(0, 64, (4, 4)))
+    plan = llm.tensor_parallel_plan()
+    _, replica = profile.rank_model(plan, 2)
+    x, y = token_batch(llm.config, 3, 2, 4), torch.randint(0, 64, (2, 4))
+    fast = profiling._cut_saved_run(replica, x, y)
+    with monkeypatch.context() as m:
+        m.setattr(profiling, "_cut_saved_run", lambda *a, **k: None)
+        full = profile._run(2, 3, plan, 2, saved_only=True)
+    assert fast is not None and sum(full["saved"].values()) > 0 and sum(full["state"].values()) > 0
+    assert fast["saved"] == full["saved"] and fast["state"] == full["state"]

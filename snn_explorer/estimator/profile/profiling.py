@@ -162,7 +162,9 @@ class ModelProfile:
         x, y = batch_slice(self.example_input, self.labels, n, t, layout=self.layout)
         with self.runner(tp_plan, tp, self.shape_only or not run_fits(self, n, t)) as (run_model, convert):
             x, y = convert(input_as(x, self.dtype)), convert(y)
-            composed = None if saved_only or self.composed is None else _cut_logged_run(run_model, x, y, units)
+            composed = None
+            if self.composed is not None:
+                composed = _cut_saved_run(run_model, x, y) if saved_only else _cut_logged_run(run_model, x, y, units)
             return composed or _run_point(run_model, x, y, saved_only=saved_only, units=units)
 
     def logged_run(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]], tp: int, units=()) -> dict:
@@ -304,6 +306,23 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
                 grads=sum(storage_bytes([p.grad for p in model.parameters()]).values()), order=tuple(order),
                 input=x.numel() * x.element_size(), counts=run["counts"],
                 with_grad=grad_names(model) if count else ())
+
+
+def _cut_saved_run(model: nn.Module, x, labels) -> Optional[dict]:
+    """The saved-tensor run of ``model`` (per-module saved bytes and neuron state) composed from runs cut to
+    :data:`~.repeats.CUT` of its repeated blocks (:func:`~.repeats.compose_point`), or None where it has none
+    or they disagree (then it runs in full)."""
+    repeats = find_repeats(model)
+    if repeats is None:
+        return None
+    try:
+        with cut(model, repeats, CUT[0]):
+            short = _run_point(model, x, labels)
+        with cut(model, repeats, CUT[1]), block_inputs(model, repeats, (CUT[1] - 2, CUT[1] - 1)) as inputs:
+            longer = _run_point(model, x, labels)
+        return compose_point(short, longer, repeats, inputs, tuple(n for n, _ in model.named_parameters()))
+    except Exception:  # noqa: BLE001 - NotRepeating, or a forward that needs all its blocks: run in full
+        return None
 
 
 def _cut_logged_run(model: nn.Module, x, labels, units: Sequence[str]) -> Optional[dict]:
