@@ -26,7 +26,7 @@ stage module's own root group) per step, however many micro-batches.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Sequence, Tuple
+from typing import Collection, Dict, List, Sequence, Tuple
 
 import pandas as pd
 
@@ -117,8 +117,19 @@ def _walk(schedule: PipelineSchedule, order, runs, last_stage: int, micro: int) 
     return peak, left, most_act
 
 
-def under(name: str, units: Sequence[str]) -> bool:
-    return any(name == u or name.startswith(u + ".") for u in units)
+def under(name: str, units: Collection[str]) -> bool:
+    """Whether ``name`` is one of ``units`` or inside one; a set of units is looked up by the dotted prefixes of
+    ``name`` (a stage of a deep model holds thousands of units)."""
+    if not isinstance(units, (set, frozenset)):
+        return any(name == u or name.startswith(u + ".") for u in units)
+    if name in units:
+        return True
+    cut = name.rfind(".")
+    while cut > 0:
+        if name[:cut] in units:
+            return True
+        cut = name.rfind(".", 0, cut)
+    return False
 
 
 def _stage_costs(profile, stages, n: int, t: int) -> List[Tuple[float, float]]:
@@ -132,7 +143,7 @@ def _fsdp_stages(plan, params, stages, own) -> Dict[int, Tuple[int, int, int, Li
     rows: one all-gather and one reduce-scatter of each group per step)."""
     out = {}
     for s in own:
-        groups = list(fsdp_groups([p for p in params if under(p.name, stages[s])]).values())  # '': the stage root
+        groups = list(fsdp_groups([p for p in params if under(p.name, set(stages[s]))]).values())  # '': the stage root
         reduced = [fsdp_group_bytes(g, plan.dp_size, reduce_itemsize(plan)) for g in groups]
         gathered = sum(fsdp_gather_bytes(g, plan.dp_size) for g in groups)
         out[s] = (gathered, max(reduced, default=0), len(groups), sum(reduced))
@@ -177,10 +188,11 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
     for pp_rank in range(plan.pp_size):
         own = schedule.rank_stages(pp_rank, plan.pp_size, plan.pp_virtual_stages)
         own_units = [u for s in own for u in stages[s]]
-        mine = [p for p in params if under(p.name, own_units)]
+        lookup = set(own_units)
+        mine = [p for p in params if under(p.name, lookup)]
         fsdp = _fsdp_stages(plan, params, stages, own) if plan.uses_fsdp else {}
         walked = [dataclasses.replace(r, held=r.held + fsdp[s][0]) if s in fsdp else r for s, r in enumerate(runs)]
-        buffers = buffer_bytes([b for b in profile.buffers if under(b[0], own_units)], profile.dtype, plan)
+        buffers = buffer_bytes([b for b in profile.buffers if under(b[0], lookup)], profile.dtype, plan)
         flying = schedule.in_flight(plan.pp_size, pp_rank, micro, plan.pp_virtual_stages)
         order = schedule.rank_actions(plan.pp_size, micro, plan.pp_virtual_stages)[pp_rank]
         schedule_peak, left, activations = _walk(schedule, order, walked, last, micro)

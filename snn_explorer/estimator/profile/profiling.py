@@ -48,6 +48,9 @@ from ..instruments.module_calls import ModuleCalls
 from ..instruments.op_counter import OpCounter, grad_names
 from ..instruments.progress_hook import ProgressHook, check_hook, tell
 from ..instruments.storage import SavedByModule, model_state_tensors, saving, state_tensor_ids, storage_bytes
+from . import repeats_log
+from .repeats import CUT, Repeats, block_inputs, compose_point, cut, find_repeats
+from .repeats_log import LOG_CUTS, compose_log, cut_units, unit_pattern
 from .shape_only import has_meta_tensors, meta_copy, step_runner
 from .step import RUN_LAYOUT, batch_slice, check_inputs, forward_loss, input_as, run_dtypes
 from .tp_replica import tp_replica
@@ -131,6 +134,8 @@ class ModelProfile:
     shape_only: bool = False
     #: measured with the parameters in the compute dtype, as FSDP2 gathers them (:func:`precision_profile`)
     gathered: bool = False
+    #: the repeated blocks whose records were composed from runs cut to a few of them (:mod:`.repeats`), or None
+    composed: Optional[Repeats] = None
 
     @property
     def compute_itemsize(self) -> int:
@@ -156,7 +161,11 @@ class ModelProfile:
     def _run(self, n: int, t: int, tp_plan, tp: int, saved_only: bool, units: Sequence[str] = ()) -> dict:
         x, y = batch_slice(self.example_input, self.labels, n, t, layout=self.layout)
         with self.runner(tp_plan, tp, self.shape_only or not run_fits(self, n, t)) as (run_model, convert):
-            return _run_point(run_model, convert(input_as(x, self.dtype)), convert(y), saved_only=saved_only, units=units)
+            x, y = convert(input_as(x, self.dtype)), convert(y)
+            composed = None
+            if self.composed is not None:
+                composed = _cut_saved_run(run_model, x, y) if saved_only else _cut_logged_run(run_model, x, y, units)
+            return composed or _run_point(run_model, x, y, saved_only=saved_only, units=units)
 
     def logged_run(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]], tp: int, units=()) -> dict:
         """The run of ``n`` samples and ``t`` steps of the model one rank runs, with its storage meter
@@ -299,6 +308,41 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
                 with_grad=grad_names(model) if count else ())
 
 
+def _cut_saved_run(model: nn.Module, x, labels) -> Optional[dict]:
+    """The saved-tensor run of ``model`` (per-module saved bytes and neuron state) composed from runs cut to
+    :data:`~.repeats.CUT` of its repeated blocks (:func:`~.repeats.compose_point`), or None where it has none
+    or they disagree (then it runs in full)."""
+    repeats = find_repeats(model)
+    if repeats is None:
+        return None
+    try:
+        with cut(model, repeats, CUT[0]):
+            short = _run_point(model, x, labels)
+        with cut(model, repeats, CUT[1]), block_inputs(model, repeats, (CUT[1] - 2, CUT[1] - 1)) as inputs:
+            longer = _run_point(model, x, labels)
+        return compose_point(short, longer, repeats, inputs, tuple(n for n, _ in model.named_parameters()))
+    except Exception:  # noqa: BLE001 - NotRepeating, or a forward that needs all its blocks: run in full
+        return None
+
+
+def _cut_logged_run(model: nn.Module, x, labels, units: Sequence[str]) -> Optional[dict]:
+    """The logged run of ``model`` (``log``, ``entry``, ``grads``) composed from runs cut to
+    :data:`~.repeats_log.LOG_CUTS` of its repeated blocks (:func:`~.repeats_log.compose_log`), or None where
+    it has fewer than :data:`~.repeats_log.MIN_LOG_REPEATS` or they disagree (then it runs in full)."""
+    repeats = find_repeats(model)
+    if repeats is None or repeats.count < max(repeats_log.MIN_LOG_REPEATS, LOG_CUTS[-1] + 1):
+        return None
+    try:
+        pattern, runs = unit_pattern(units, repeats), {}
+        for k in LOG_CUTS:
+            with cut(model, repeats, k):
+                runs[k] = _run_point(model, x, labels, saved_only=False, units=cut_units(pattern, repeats, k))
+        grad_bytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters() if p.requires_grad}
+        return compose_log(runs, repeats, units, grad_bytes)
+    except Exception:  # noqa: BLE001 - NotRepeating, or a forward that needs all its blocks: run in full
+        return None
+
+
 def _step(model, x, labels, meter: StorageMeter, saved: SavedByModule, saved_only: bool, units, count: bool) -> dict:
     """The measured forward and backward of :func:`_run_point`: with ``saved_only`` the saved
     storages autograd holds after the forward (``held``), else the meter's event log (``log``) with
@@ -332,13 +376,16 @@ def _fit(points, get) -> Fit:
 def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optional[torch.Tensor] = None,
                     dtype: Optional[torch.dtype] = None, layout: DataLayout = TIME_MAJOR,
                     precision: Precision = FP32, gathered: bool = False,
-                    on_progress: Optional[ProgressHook] = None, shape_only: Optional[bool] = None) -> ModelProfile:
+                    on_progress: Optional[ProgressHook] = None, shape_only: Optional[bool] = None,
+                    repeats: bool = True) -> ModelProfile:
     """Run a copy of ``model`` unsharded at :data:`SIZES` and fit the profile (see the module doc);
     ``example_input`` in ``layout``, which every run of the copy takes its batches in. The copy runs in
     ``precision`` as ``apply`` runs it (autocast around the forward, neurons in the state dtype), with
     ``gathered`` its parameters in the compute dtype (see :func:`precision_profile`). ``on_progress(done,
     total, label)`` hears each size run. ``shape_only`` (default: where ``model`` has meta tensors or a
-    copy of it would not fit here) runs on FakeTensors (:mod:`.shape_only`), the copy kept on the meta device."""
+    copy of it would not fit here) runs on FakeTensors (:mod:`.shape_only`), the copy kept on the meta device.
+    With ``repeats``, a model made mostly of repeated blocks runs cut to a few of them and the whole
+    model's records are composed from those runs (:mod:`.repeats`: exact; in full where they disagree)."""
     check_inputs(model, example_input, labels, dtype, layout=layout)
     cast, dtype = run_dtypes(model, dtype, example_input)
     example_input = layout.to_time_major(example_input)
@@ -353,7 +400,8 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
     hold_neuron_state(model, precision, "cpu")
     autocast_forward(model, precision, "cpu")
     with step_runner(model, shape_only) as (run_model, convert):
-        by_size, grad_names_ = _profile_runs(run_model, convert, example_input, labels, dtype, layout, on_progress)
+        by_size, grad_names_, composed = _profile_runs(run_model, convert, example_input, labels, dtype, layout,
+                                                       on_progress, find_repeats(run_model) if repeats else None)
     points = [by_size[size] for size in SIZES]
     names = set().union(*(p["calls"] for p in points), *(p["saved"] for p in points))
     modules = {}
@@ -375,7 +423,7 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
                         model=model, example_input=example_input, labels=labels,
                         step_counts=tuple(p["counts"] for p in points), grad_params=grad_names_,
                         layout=layout, precision=precision, shape_only=shape_only,
-                        gathered=gathered and precision.mixed)
+                        gathered=gathered and precision.mixed, composed=composed)
 
 
 def _cast_gathered(model: nn.Module, precision: Precision) -> None:
@@ -388,10 +436,17 @@ def _cast_gathered(model: nn.Module, precision: Precision) -> None:
                 param.data = param.data.to(precision.param_dtype)
 
 
-def _profile_runs(model, convert, example_input, labels, dtype, layout: DataLayout, on_progress=None):
+def _profile_runs(model, convert, example_input, labels, dtype, layout: DataLayout, on_progress=None,
+                  repeats: Optional[Repeats] = None):
     """The runs of :func:`measure_profile` at :data:`SIZES` (by batch size: a run leaves the neuron
     state the next one at that size starts from; ``on_progress`` hears each), and the parameters the
-    last gave a gradient."""
+    last gave a gradient, and the ``repeats`` composed: from runs cut to a few of them (:func:`_cut_runs`)
+    unless those disagree (then None, run in full)."""
+    if repeats is not None:
+        try:
+            return _cut_runs(model, convert, example_input, labels, dtype, layout, on_progress, repeats) + (repeats,)
+        except Exception:  # noqa: BLE001 - NotRepeating, or a forward that needs all its blocks: run in full
+            pass
     by_size, last_n = {}, None
     for n, t in sorted(SIZES):
         x, y = batch_slice(example_input, labels, n, t, layout=layout)
@@ -406,6 +461,24 @@ def _profile_runs(model, convert, example_input, labels, dtype, layout: DataLayo
                              f"(as [T, N, ...]; {example_input.dtype}; a slice {tuple(x.shape)} in data layout "
                              f"{layout} was tried): {exc}; give a batch the model's forward accepts, in the data "
                              "layout it takes") from exc
+    return by_size, by_size[SIZES[-1]]["with_grad"], None
+
+
+def _cut_runs(model, convert, example_input, labels, dtype, layout: DataLayout, on_progress, repeats: Repeats):
+    """:func:`_profile_runs` from runs of ``model`` cut to :data:`~.repeats.CUT` repeats at each size
+    (:func:`~.repeats.compose_point`; :class:`~.repeats.NotRepeating` where they disagree)."""
+    names, by_size = tuple(n for n, _ in model.named_parameters()), {}
+    blocks = (CUT[1] - 2, CUT[1] - 1)
+    for n, t in sorted(SIZES):
+        x, y = batch_slice(example_input, labels, n, t, layout=layout)
+        x, y = convert(input_as(x, dtype)), convert(y)
+        with cut(model, repeats, CUT[0]):
+            short = _run_point(model, x, y, count=True)
+        with cut(model, repeats, CUT[1]), block_inputs(model, repeats, blocks) as inputs:
+            longer = _run_point(model, x, y, count=True)
+        by_size[n, t] = compose_point(short, longer, repeats, inputs, names)
+        tell(on_progress, len(by_size), len(SIZES), f"profiling the model: ran batch {n} x {t} time steps "
+             f"({CUT[1]} of its {repeats.count} repeated blocks)")
     return by_size, by_size[SIZES[-1]]["with_grad"]
 
 

@@ -20,17 +20,20 @@ import contextlib
 import json
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterator
+from typing import Dict, Iterator, Optional
 
 import torch
 
 from ..instruments.isolation import collected, one_thread
 from ..instruments.op_counter import OpCounter, grad_names
 from ..profile.profiling import SIZES, Fit, ModelProfile
+from ..profile.repeats import NotRepeating, block_inputs, cut, find_repeats, names_as_run
 from ..profile.step import OPTIMIZERS, batch_slice, forward_loss, input_as
 from .hardware import HardwareProfile
 
 PHASES = ("forward", "backward", "optimizer")
+#: The repeats a model of repeated blocks is counted with (:func:`cut_counted_points`).
+COUNT_CUTS = (2, 3, 4)
 
 
 @dataclass(frozen=True)
@@ -106,15 +109,43 @@ def optimizer_work(model: torch.nn.Module, grad_params, optimizer: str) -> Phase
     ``N`` and ``T``, so zero gradients stand in for real ones; the parameters are restored."""
     named = dict(model.named_parameters())
     params = [p for p in named.values() if p.requires_grad]
-    opt = OPTIMIZERS[optimizer].make(params, lr=1e-6)
     with restored(params):
         for name in grad_params:
             named[name].grad = torch.zeros_like(named[name])
-        opt.step()
-        with OpCounter() as step:
-            opt.step()
+        counts = grouped_step_counts(params, optimizer) or step_counts(params, optimizer)
     model.zero_grad(set_to_none=True)
-    return PhaseWork(*(Fit(c0=v) for v in step.counts))
+    return PhaseWork(*(Fit(c0=v) for v in counts))
+
+
+def step_counts(params: list, optimizer: str) -> list:
+    """The counts of ``optimizer``'s second step over ``params`` (the first creates its state)."""
+    opt = OPTIMIZERS[optimizer].make(params, lr=1e-6)
+    opt.step()
+    with OpCounter() as step:
+        opt.step()
+    return step.counts
+
+
+def grouped_step_counts(params: list, optimizer: str) -> Optional[list]:
+    """:func:`step_counts` of ``params`` from one parameter of each group of alike ones (shape, dtype, with a
+    gradient or not): the step's own operators plus, per group, one parameter's times the group's size. Exact
+    where the step is affine in its parameters, which is checked on the largest group (one, two and three of
+    them: the step's own operators are ``2 * one - two``); None where it is not, or where that saves little
+    (fewer than half as many groups as parameters)."""
+    groups: Dict[tuple, list] = {}
+    for p in params:
+        groups.setdefault((tuple(p.shape), p.dtype, p.grad is not None), []).append(p)
+    largest = max(groups.values(), key=len, default=[])
+    if len(largest) < 3 or 2 * len(groups) > len(params):
+        return None
+    one, two, three = (step_counts(largest[:k], optimizer) for k in (1, 2, 3))
+    own = [2 * a - b for a, b in zip(one, two)]
+    if three != [b + (b - a) for a, b in zip(one, two)]:
+        return None
+    total = own
+    for group in groups.values():
+        total = [t + len(group) * (c - o) for t, c, o in zip(total, step_counts(group[:1], optimizer), own)]
+    return total
 
 
 def fitted_work(points, optimizer: PhaseWork, model: torch.nn.Module) -> Work:
@@ -127,10 +158,48 @@ def fitted_work(points, optimizer: PhaseWork, model: torch.nn.Module) -> Work:
 def count_work(model: torch.nn.Module, profile: ModelProfile, optimizer: str, convert=lambda x: x) -> Work:
     """Count the step of ``model`` (the model one rank runs) at the profile's :data:`SIZES` and fit it;
     ``convert`` makes each batch the tensors ``model`` takes (fake ones for a shape-only run)."""
-    points = counted_points(model, profile, convert)
-    grads = grad_names(model)
+    composed = cut_counted_points(model, profile, convert)
+    if composed is None:
+        points = counted_points(model, profile, convert)
+        grads = grad_names(model)
+    else:
+        points, grads = composed
     model.zero_grad(set_to_none=True)
     return fitted_work(points, optimizer_work(model, grads, optimizer), model)
+
+
+def cut_counted_points(model: torch.nn.Module, profile: ModelProfile, convert=lambda x: x) -> Optional[tuple]:
+    """``(counted_points, parameters given a gradient)`` of a model of repeated blocks (:mod:`..profile.repeats`)
+    from passes cut to 2, 3 and 4 of them at each size: the run with 3 plus each later block's counts (the
+    difference from 2), checked to give the run with 4 (and the blocks after the first to take one input
+    signature); None where it has no repeats or they disagree (then it is counted in full)."""
+    repeats = find_repeats(model)
+    if repeats is None:
+        return None
+    try:
+        points = [_cut_counts(model, profile, convert, repeats, n, t) for n, t in SIZES]
+        with cut(model, repeats, COUNT_CUTS[-1]):
+            grads = grad_names(model)
+    except Exception:  # noqa: BLE001 - NotRepeating, or a forward that needs all its blocks: count in full
+        return None
+    names = tuple(n for n, _ in model.named_parameters())
+    return points, names_as_run(names, grads, repeats, COUNT_CUTS[-1])
+
+
+def _cut_counts(model, profile: ModelProfile, convert, repeats, n: int, t: int) -> list:
+    x, y = batch_slice(profile.example_input, profile.labels, n, t, layout=profile.layout)
+    x, y = convert(input_as(x, profile.dtype)), convert(y)
+    counts = []
+    for k in COUNT_CUTS:
+        with cut(model, repeats, k), block_inputs(model, repeats, tuple(range(1, k))) as inputs:
+            counts.append(counted_pass(model, x, y))
+        if any(inputs[j] != inputs[1] for j in inputs) or not inputs[1]:
+            raise NotRepeating("the repeats after the first do not all take the same input")
+    short, middle, longer = counts
+    if [[b + (b - a) for a, b in zip(pa, pb)] for pa, pb in zip(short, middle)] != longer:
+        raise NotRepeating("the operator counts are not affine in the number of repeats")
+    times = repeats.count - COUNT_CUTS[1]
+    return [[b + times * (b - a) for a, b in zip(pa, pb)] for pa, pb in zip(short, middle)]
 
 
 def counted_points(model: torch.nn.Module, profile: ModelProfile, convert=lambda x: x) -> list:
