@@ -4,6 +4,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from snn_explorer.core.neurons import reset_all
+
 
 def leaky():
     return snn.Leaky(beta=0.9, init_hidden=True)
@@ -208,3 +210,22 @@ def train_share(runtime, zoo, steps: int) -> dict:
         hook.remove()
     return dict(outs=outs, losses=losses, grads=grads, params=runtime.full_parameters(),
                 rates={n: sum(v) / len(v) for n, v in rates.items()})
+
+
+def adam_steps_recording_spikes(model, zoo, steps=3):
+    """``steps`` Adam steps (lr 1e-2) of a time-major zoo model on its example batch in float64, neuron state
+    reset each step: (losses, parameters after, every snntorch neuron call's mean spike rate)."""
+    rates, losses = [], []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: rates.append(float(out.detach().mean())))
+             for m in model.modules() if isinstance(m, snn.SpikingNeuron)]
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        reset_all(model)
+        loss = nn.functional.cross_entropy(model(zoo.example_input.double()).mean(0), zoo.labels)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    for h in hooks:
+        h.remove()
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, rates

@@ -7,14 +7,13 @@ refuses it (the saved tensors are in host memory already), so no rank here runs 
 import dataclasses
 
 import pytest
-import snntorch
 import torch
-from torch import nn
+from models import adam_steps_recording_spikes
 
 import snn_explorer as se
 from snn_explorer.compat import mem_tracker_class
 from snn_explorer.core.activation_offload import check_activation_offload_device, offload_hooks
-from snn_explorer.core.neurons import detached_copy, reset_all
+from snn_explorer.core.neurons import detached_copy
 from snn_explorer.estimator import estimate, model_profile
 from snn_explorer.estimator.memory.activation_offload import (
     _to_simulated_device,
@@ -81,21 +80,7 @@ def test_host_copies_restore_training_bit_for_bit_with_spikes_firing():
     for offload in (False, True):
         model = detached_copy(zoo.model).double()
         counter = _simulated(model) if offload else None
-        rates = []
-        hooks = [m.register_forward_hook(lambda _m, _i, out: rates.append(float(out.detach().mean())))
-                 for m in model.modules() if isinstance(m, snntorch.SpikingNeuron)]
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-        losses = []
-        for _ in range(3):
-            optimizer.zero_grad(set_to_none=True)
-            reset_all(model)
-            loss = nn.functional.cross_entropy(model(zoo.example_input.double()).mean(0), zoo.labels)
-            loss.backward()
-            optimizer.step()
-            losses.append(float(loss.detach()))
-        for h in hooks:
-            h.remove()
-        runs.append((losses, {n: p.detach().clone() for n, p in model.named_parameters()}, rates, counter))
+        runs.append((*adam_steps_recording_spikes(model, zoo), counter))
     (plain_losses, plain_params, rates, _), (losses, params, _, counter) = runs
     assert counter[0] > 100 and counter[1] > 0  # the saved tensors really went through the host copy
     assert 0 < sum(rates) / len(rates) < 1 and max(rates) > 0 and plain_losses[0] != plain_losses[-1]

@@ -7,14 +7,13 @@ shared 2-rank group (MEMORY_CASES).
 import dataclasses
 
 import pytest
-import snntorch
 import torch
-from torch import nn
+from models import adam_steps_recording_spikes
 
 import snn_explorer as se
 from snn_explorer.core.block_choice import choose_blocks, with_blocks
 from snn_explorer.core.memory_levers import copy_without_levers, lever_label
-from snn_explorer.core.neurons import detached_copy, reset_all
+from snn_explorer.core.neurons import detached_copy
 from snn_explorer.core.parallelize.checkpointing import checkpoint_blocks
 from snn_explorer.zoo import build
 
@@ -47,32 +46,15 @@ def test_plan_field_refusals_and_json():
         se.apply(model=build("vgg").model, plan=plan, device_type="cpu")
 
 
-def _train(model, zoo, steps=3):
-    rates, losses = [], []
-    hooks = [m.register_forward_hook(lambda _m, _i, out: rates.append(float(out.detach().mean())))
-             for m in model.modules() if isinstance(m, snntorch.SpikingNeuron)]
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        reset_all(model)
-        loss = nn.functional.cross_entropy(model(zoo.example_input.double()).mean(0), zoo.labels)
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    for h in hooks:
-        h.remove()
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, rates
-
-
 def test_training_with_chosen_blocks_equals_training_without():
     """Three Adam steps of vgg (float64) with two of its six blocks recomputed equal three without, to 0 difference;
     spikes fire (mean rate strictly between 0 and 1) and the loss moves."""
     zoo = build("vgg")
     units = se.analyze(zoo.model).fsdp_unit_names
-    plain = _train(detached_copy(zoo.model).double(), zoo)
+    plain = adam_steps_recording_spikes(detached_copy(zoo.model).double(), zoo)
     model = detached_copy(zoo.model).double()
     assert checkpoint_blocks(model, units, only=(units[0], units[3])) == 2
-    chosen = _train(model, zoo)
+    chosen = adam_steps_recording_spikes(model, zoo)
     losses, params, rates = plain
     assert 0 < sum(rates) / len(rates) < 1 and max(rates) > 0 and losses[0] != losses[-1]
     assert chosen[0] == losses

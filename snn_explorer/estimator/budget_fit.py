@@ -200,22 +200,23 @@ def _search(bases, variants, estimate_of, budget: int, blocks=()):
                                  f"optimizer state, buffers) > budget {budget} B"))
                 continue
             est = known[v] = estimate_of(v)
-            if est.peak_bytes >= base_est.peak_bytes:
-                rows.append(_row(v, est, base_est, budget, FitOutcome.LEVER_NO_GAIN,
-                                 f"peak {est.peak_bytes} B >= {base_est.peak_bytes} B without the lever"))
-                continue
-            rows.append(_levered_row(v, est, base_est, budget))
-            if est.peak_bytes <= budget and (best is None or est.step_time_s < best[1].step_time_s):
-                best = (v, est)
+            best = _levered_row(rows, v, est, base_est, budget, best)
         best = _block_rows(base, base_est, blocks, lambda p: known[p] if p in known else estimate_of(p), budget, rows,
                            best)
     return rows, best
 
 
-def _levered_row(v, est: PlanEstimate, base_est: PlanEstimate, budget: int) -> dict:
+def _levered_row(rows: List[dict], v, est: PlanEstimate, base_est: PlanEstimate, budget: int, best):
+    """Append levered plan ``v``'s row (no gain, over budget, or fitting) to ``rows``; returns the fastest
+    fitting (plan, estimate) of ``best`` and ``v``."""
+    if est.peak_bytes >= base_est.peak_bytes:
+        rows.append(_row(v, est, base_est, budget, FitOutcome.LEVER_NO_GAIN,
+                         f"peak {est.peak_bytes} B >= {base_est.peak_bytes} B without the lever"))
+        return best
     fits = est.peak_bytes <= budget
-    return _row(v, est, base_est, budget, FitOutcome.SLOWER if fits else FitOutcome.OVER_BUDGET,
-                "" if fits else f"peak {est.peak_bytes} B > budget {budget} B")
+    rows.append(_row(v, est, base_est, budget, FitOutcome.SLOWER if fits else FitOutcome.OVER_BUDGET,
+                     "" if fits else f"peak {est.peak_bytes} B > budget {budget} B"))
+    return (v, est) if fits and (best is None or est.step_time_s < best[1].step_time_s) else best
 
 
 def _block_rows(base, base_est: PlanEstimate, blocks, estimate_of, budget: int, rows: List[dict], best):
@@ -229,13 +230,7 @@ def _block_rows(base, base_est: PlanEstimate, blocks, estimate_of, budget: int, 
     for v, est in choice.tried if choice is not None else ():
         if any(r["plan"] == _name(v) for r in rows):  # one block's set equals a uniform variant's: estimated already
             continue
-        if est.peak_bytes >= base_est.peak_bytes:
-            rows.append(_row(v, est, base_est, budget, FitOutcome.LEVER_NO_GAIN,
-                             f"peak {est.peak_bytes} B >= {base_est.peak_bytes} B without the lever"))
-            continue
-        rows.append(_levered_row(v, est, base_est, budget))
-        if est.peak_bytes <= budget and (best is None or est.step_time_s < best[1].step_time_s):
-            best = (v, est)
+        best = _levered_row(rows, v, est, base_est, budget, best)
     return best
 
 

@@ -42,7 +42,7 @@ from .calibration import resolve_hardware
 from .instruments.isolation import as_found, one_thread
 from .instruments.progress_hook import ProgressHook, check_hook
 from .instruments.tables import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
-from .memory.activation_offload import check_offload_hardware, offload_seconds, offloaded_profile
+from .memory.activation_offload import offload_seconds, offloaded_profile
 from .memory.fsdp_offload import HOST_COLUMNS, check_fsdp_offload_hardware, fsdp_offload_seconds
 from .memory.fsdp_timeline import FsdpTimeline
 from .memory.gpu_trace import gpu_peaks, gpu_stage_memory, gpu_step
@@ -207,7 +207,7 @@ def _with_levers(profile, plan, n: int, t: int, hardware):
         extra_s += fsdp_offload_seconds(local_params(profile.params, plan, profile.param_itemsizes or
                                                      profile.compute_itemsize, profile.norm_layers), plan, hardware)
     if plan.activation_offload:  # measured with the saved tensors outside the device's memory
-        check_offload_hardware(hardware)
+        hardware.require_host_link("activation_offload=True", "copies saved activations")
         profile = offloaded_profile(profile)
         extra_s += offload_seconds(profile.copies(n, t, plan.tensor_parallel_plan, plan.tp_size), hardware)
     return profile, extra_s

@@ -30,7 +30,7 @@ from ..profile.checkpointed import held_after_forward
 from ..profile.profiling import ModelProfile
 from ..profile.step import batch_slice
 
-__all__ = ["OffloadedProfile", "offloaded_profile", "offload_seconds", "check_offload_hardware"]
+__all__ = ["OffloadedProfile", "offloaded_profile", "offload_seconds"]
 
 
 #: The integer dtype of each element size: saved values are copied bit for bit through it (NumPy has no bf16).
@@ -108,17 +108,6 @@ def offloaded_profile(profile: ModelProfile) -> OffloadedProfile:
         base.update(peaks={}, logs={}, replicas={}, saved_state={}, stage_memory={})
         cache["_offloaded_profile"] = OffloadedProfile(**base, base=profile)
     return cache["_offloaded_profile"]
-
-
-def check_offload_hardware(hardware: Any) -> None:
-    """Refuse a hardware profile the offload cannot be estimated on: no host link, or the GPU trace model."""
-    if hardware.kernel_model:
-        raise ValueError(f"activation_offload=True is not modelled in {hardware.name!r}'s GPU execution trace "
-                         "(kernel_model) yet; estimate it on a datasheet profile such as 'H100-SXM' or 'RTX-4090'")
-    if hardware.host_link_bytes_per_s is None:
-        raise ValueError(f"activation_offload=True copies saved activations over the host link, and hardware "
-                         f"{hardware.name!r} (device {hardware.device!r}) states none (host_link_bytes_per_s=None; "
-                         "a CPU's memory is the host's): estimate it on a GPU profile such as 'H100-SXM'")
 
 
 def offload_seconds(copies: Tuple[int, float], hardware: Any) -> float:

@@ -32,14 +32,7 @@ def check_fsdp_offload_hardware(hardware: Any, plan: Any) -> None:
     if plan.uses_pp:
         raise ValueError(f"cpu_offload=True is not modelled for pipeline plans (mode {plan.mode!r}) yet; estimate it "
                          "on an fsdp2 / fsdp2_tp plan")
-    if hardware.kernel_model:
-        raise ValueError(f"cpu_offload=True is not modelled in {hardware.name!r}'s GPU execution trace (kernel_model) "
-                         "yet; estimate it on a datasheet profile such as 'H100-SXM' or 'RTX-4090'")
-    if hardware.host_link_bytes_per_s is None:
-        raise ValueError(f"cpu_offload=True keeps FSDP2's shards in host memory and copies them over the host link, "
-                         f"and hardware {hardware.name!r} (device {hardware.device!r}) states none "
-                         "(host_link_bytes_per_s=None; a CPU rank's parameters are in host memory already, so there "
-                         "is nothing to offload): estimate it on a GPU profile such as 'H100-SXM'")
+    hardware.require_host_link("cpu_offload=True", "keeps FSDP2's shards in host memory and copies them")
 
 
 def fsdp_offload_seconds(params: Sequence[Param], plan: Any, hardware: Any, dp_rank: int = 0) -> float:

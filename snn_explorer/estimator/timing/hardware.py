@@ -190,6 +190,17 @@ class HardwareProfile:
         return replace(self, collectives={k: {ranks_on_host: v[ranks_on_host]} for k, v in self.collectives.items()},
                        framework_overhead=overheads)
 
+    def require_host_link(self, lever: str, copies: str) -> None:
+        """Refuse estimating host-memory lever ``lever`` (which ``copies`` over the host link) on this profile:
+        none stated (a CPU device's memory is the host's already), or the GPU trace model (not modelled yet)."""
+        if self.kernel_model:
+            raise ValueError(f"{lever} is not modelled in {self.name!r}'s GPU execution trace (kernel_model) yet; "
+                             "estimate it on a datasheet profile such as 'H100-SXM' or 'RTX-4090'")
+        if self.host_link_bytes_per_s is None:
+            raise ValueError(f"{lever} {copies} over the host link, and hardware {self.name!r} (device "
+                             f"{self.device!r}) states none (host_link_bytes_per_s=None; a CPU rank's memory is the "
+                             "host's, so there is nothing to offload): estimate it on a GPU profile such as 'H100-SXM'")
+
     def overhead(self, what: str, group_size: int) -> float:
         """Calibrated framework seconds (``tp_module`` per call, ``fsdp_collective`` per collective) at
         the nearest calibrated group size; 0 where none was measured (datasheet profiles)."""
