@@ -70,6 +70,19 @@ def test_pp_dp_estimate_adds_the_stage_gradient_all_reduce(vgg):
     assert est.collectives[est.collectives["kind"] == "send"]["count"].tolist() == [4] * 6
 
 
+def test_pp_dp_all_reduce_in_bf16_counts_the_reduce_dtype():
+    """Under bf16 the stages' flat gradient is cast to bf16 before dp's all-reduce (2 bytes per element; it was
+    estimated at the fp32 gradients' 4 while measure() counted 2): the two pp ranks' rows add up to every
+    trainable parameter's elements x 2."""
+    zoo = build("mlp_all_steps")
+    plan = se.plan(analysis=se.analyze(zoo.model), objective="speed", topology={"pp": 2, "dp": 2}, mode="pp",
+                   batch_size=zoo.batch_size, precision="bf16",
+                   features=se.DistributedFeatureSet(allow_mixed_precision=True))
+    est = se.estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels)
+    reduces = est.collectives[est.collectives["kind"] == "all_reduce"]
+    assert len(reduces) == 2 and sum(reduces["bytes"]) == 2 * sum(p.numel() for p in zoo.model.parameters())
+
+
 def test_balanced_layout_follows_the_profile(vgg):
     plan = _plan(vgg, {"pp": 2}, "1f1b")
     balanced = se.balanced_pp_plan(vgg.model, plan, vgg.example_input, vgg.labels)

@@ -36,6 +36,7 @@ from ...core.pipeline_schedules import PipelineSchedule, schedule_of
 from ..instruments.tables import boundary_phase, gather_phase, reduce_phase
 from .sharding import (
     buffer_bytes,
+    ddp_reduce_bytes,
     dp_roles,
     fsdp_gather_bytes,
     fsdp_group_bytes,
@@ -214,8 +215,8 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
         if plan.uses_fsdp:
             collectives += _fsdp_collectives(fsdp, own) if plan.dp_size > 1 else []
         elif plan.dp_size > 1:
-            collectives.append(dict(mesh_dim="dp", kind=Collective.ALL_REDUCE, count=1, bytes=b["grads_bytes"],
-                                    phase=reduce_phase(own)))
+            collectives.append(dict(mesh_dim="dp", kind=Collective.ALL_REDUCE, count=1, phase=reduce_phase(own),
+                                    bytes=ddp_reduce_bytes(mine, b["grads_bytes"], plan)))  # at the reduce dtype
     rank_of = lambda s: schedule.rank_of(s, plan.pp_size, plan.pp_virtual_stages)
     for s in (s for s in range(plan.pp_stages - 1) if rank_of(s) != rank_of(s + 1)):  # V: one boundary is local
         nbytes = round(costs[s][1] * itemsize)
