@@ -49,7 +49,7 @@ from ..instruments.op_counter import OpCounter, grad_names
 from ..instruments.progress_hook import ProgressHook, check_hook, tell
 from ..instruments.storage import SavedByModule, model_state_tensors, saving, state_tensor_ids, storage_bytes
 from . import repeats_log
-from .repeats import CUT, Repeats, block_inputs, compose_point, cut, find_repeats
+from .repeats import CUT, CUT_FAILURES, Repeats, block_inputs, compose_point, cut, find_repeats
 from .repeats_log import LOG_CUTS, compose_log, cut_units, unit_pattern
 from .shape_only import has_meta_tensors, meta_copy, step_runner
 from .step import RUN_LAYOUT, batch_slice, check_inputs, forward_loss, input_as, run_dtypes
@@ -321,7 +321,7 @@ def _cut_saved_run(model: nn.Module, x, labels) -> Optional[dict]:
         with cut(model, repeats, CUT[1]), block_inputs(model, repeats, (CUT[1] - 2, CUT[1] - 1)) as inputs:
             longer = _run_point(model, x, labels)
         return compose_point(short, longer, repeats, inputs, tuple(n for n, _ in model.named_parameters()))
-    except Exception:  # noqa: BLE001 - NotRepeating, or a forward that needs all its blocks: run in full
+    except CUT_FAILURES:  # the cut runs disagree, or the forward needs all its blocks: run in full
         return None
 
 
@@ -339,7 +339,7 @@ def _cut_logged_run(model: nn.Module, x, labels, units: Sequence[str]) -> Option
                 runs[k] = _run_point(model, x, labels, saved_only=False, units=cut_units(pattern, repeats, k))
         grad_bytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters() if p.requires_grad}
         return compose_log(runs, repeats, units, grad_bytes)
-    except Exception:  # noqa: BLE001 - NotRepeating, or a forward that needs all its blocks: run in full
+    except CUT_FAILURES:  # the cut runs disagree, or the forward needs all its blocks: run in full
         return None
 
 
@@ -445,7 +445,7 @@ def _profile_runs(model, convert, example_input, labels, dtype, layout: DataLayo
     if repeats is not None:
         try:
             return _cut_runs(model, convert, example_input, labels, dtype, layout, on_progress, repeats) + (repeats,)
-        except Exception:  # noqa: BLE001 - NotRepeating, or a forward that needs all its blocks: run in full
+        except CUT_FAILURES:  # the cut runs disagree, or the forward needs all its blocks: run in full
             pass
     by_size, last_n = {}, None
     for n, t in sorted(SIZES):

@@ -43,6 +43,12 @@ class NotRepeating(ValueError):
     """The cut runs do not show the repeats behaving alike: the model is profiled in full."""
 
 
+#: What a run cut to a few of the repeated blocks may raise, after which the model is run in full: the cut runs
+#: disagree (NotRepeating, a ValueError), or the forward needs all its blocks (it indexes them: IndexError,
+#: KeyError; it checks their count or shapes: RuntimeError, ValueError, TypeError, AttributeError).
+CUT_FAILURES = (RuntimeError, ValueError, IndexError, KeyError, TypeError, AttributeError)
+
+
 @dataclass(frozen=True)
 class Repeats:
     """``count`` blocks of ``period`` children each, from child ``start`` of the container at ``path``."""

@@ -27,7 +27,7 @@ import torch
 from ..instruments.isolation import collected, one_thread
 from ..instruments.op_counter import OpCounter, grad_names
 from ..profile.profiling import SIZES, Fit, ModelProfile
-from ..profile.repeats import NotRepeating, block_inputs, cut, find_repeats, names_as_run
+from ..profile.repeats import CUT_FAILURES, NotRepeating, block_inputs, cut, find_repeats, names_as_run
 from ..profile.step import OPTIMIZERS, batch_slice, forward_loss, input_as
 from .hardware import HardwareProfile
 
@@ -180,7 +180,7 @@ def cut_counted_points(model: torch.nn.Module, profile: ModelProfile, convert=la
         points = [_cut_counts(model, profile, convert, repeats, n, t) for n, t in SIZES]
         with cut(model, repeats, COUNT_CUTS[-1]):
             grads = grad_names(model)
-    except Exception:  # noqa: BLE001 - NotRepeating, or a forward that needs all its blocks: count in full
+    except CUT_FAILURES:  # the cut runs disagree, or the forward needs all its blocks: count in full
         return None
     names = tuple(n for n, _ in model.named_parameters())
     return points, names_as_run(names, grads, repeats, COUNT_CUTS[-1])
