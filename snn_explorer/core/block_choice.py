@@ -45,7 +45,8 @@ def check_block_choice(plan: Any) -> None:
 def check_checkpoint_blocks(blocks: Sequence[str], units: Sequence[str]) -> None:
     """Raise ValueError when ``blocks`` (a plan's ``checkpoint_blocks``) names a block the model does not have
     (``units``: the model's blocks, by their first unit's path)."""
-    unknown = [b for b in blocks if b not in set(units)]
+    known = set(units)
+    unknown = [b for b in blocks if b not in known]
     if unknown:
         raise ValueError(f"checkpoint_blocks names {unknown}, which are not blocks of this model; its blocks are "
                          f"{list(units)}")
@@ -99,7 +100,8 @@ def _greedy_order(plan: Any, units: Sequence[str], base: Any, peak_estimate: Cal
         added = est.step_time_s - base.step_time_s
         if freed > 0:
             gains[u] = (freed / added if added > 0 else float("inf"), freed)
-    order = sorted(gains, key=lambda u: (-gains[u][0], -gains[u][1], list(units).index(u)))
+    position = {u: i for i, u in enumerate(units)}
+    order = sorted(gains, key=lambda u: (-gains[u][0], -gains[u][1], position[u]))
     return tuple(order), alone
 
 
