@@ -26,7 +26,7 @@ stage module's own root group) per step, however many micro-batches.
 from __future__ import annotations
 
 import dataclasses
-from typing import Collection, Dict, List, Sequence, Tuple
+from typing import Collection, Dict, List, NamedTuple, Sequence, Tuple
 
 import pandas as pd
 
@@ -138,25 +138,33 @@ def _stage_costs(profile, stages, n: int, t: int) -> List[Tuple[float, float]]:
     return [(profile.modules[units[0]].in_elems(n, t), profile.modules[units[-1]].out_elems(n, t)) for units in stages]
 
 
-def _fsdp_stages(plan, params, stages, own) -> Dict[int, Tuple[int, int, int, List[dict]]]:
-    """Per own stage under FSDP2 (modes ``pp_fsdp2``, ``pp_fsdp2_tp``): (bytes its units gather, held from its first
-    forward to the step's reduce; the largest reduce-scatter input of its groups; its groups' count; its collective
-    rows: one all-gather and one reduce-scatter of each group per step)."""
+class StageShards(NamedTuple):
+    """One pipeline stage's FSDP2 groups over dp (modes ``pp_fsdp2``, ``pp_fsdp2_tp``), per step."""
+
+    gathered: int  # bytes its units gather, held from its first forward to the step's reduce
+    largest_reduce: int  # the largest reduce-scatter input of its groups
+    groups: int  # one all-gather and one reduce-scatter of each per step
+    reduced: int  # bytes all its groups reduce-scatter
+
+
+def _fsdp_stages(plan, mine, stages, own) -> Dict[int, StageShards]:
+    """:class:`StageShards` of each of a pp rank's own stages (``mine``: the rank's parameters)."""
     out = {}
     for s in own:
-        groups = list(fsdp_groups([p for p in params if under(p.name, set(stages[s]))]).values())  # '': the stage root
+        units = set(stages[s])
+        groups = list(fsdp_groups([p for p in mine if under(p.name, units)]).values())  # '': the stage root
         reduced = [fsdp_group_bytes(g, plan.dp_size, reduce_itemsize(plan)) for g in groups]
-        gathered = sum(fsdp_gather_bytes(g, plan.dp_size) for g in groups)
-        out[s] = (gathered, max(reduced, default=0), len(groups), sum(reduced))
+        out[s] = StageShards(gathered=sum(fsdp_gather_bytes(g, plan.dp_size) for g in groups),
+                             largest_reduce=max(reduced, default=0), groups=len(groups), reduced=sum(reduced))
     return out
 
 
-def _fsdp_collectives(fsdp, own) -> List[dict]:
+def _fsdp_collectives(fsdp: Dict[int, StageShards], own) -> List[dict]:
     """The dp rows of a pp rank's FSDP2 stages (:func:`_fsdp_stages`) over one step."""
-    count = sum(fsdp[s][2] for s in own)
-    return [dict(mesh_dim="dp", kind=Collective.ALL_GATHER, count=count, bytes=sum(fsdp[s][0] for s in own),
+    count = sum(fsdp[s].groups for s in own)
+    return [dict(mesh_dim="dp", kind=Collective.ALL_GATHER, count=count, bytes=sum(fsdp[s].gathered for s in own),
                  phase=gather_phase(own)),
-            dict(mesh_dim="dp", kind=Collective.REDUCE_SCATTER, count=count, bytes=sum(fsdp[s][3] for s in own),
+            dict(mesh_dim="dp", kind=Collective.REDUCE_SCATTER, count=count, bytes=sum(fsdp[s].reduced for s in own),
                  phase=reduce_phase(own))]
 
 
@@ -167,8 +175,8 @@ def _after_schedule(plan, left: int, runs, own, fsdp, mine, dp_rank: int, optimi
     scratch = optimizer_temporaries(mine, plan, dp_rank * plan.tp_size, optimizer)
     if not plan.uses_fsdp:
         return left + max(grads if plan.dp_size > 1 else 0, scratch)
-    reduce = max(fsdp[s][1] for s in own) if own else 0
-    resharded = left - sum(fsdp[s][0] + runs[s].grads for s in own) + grads
+    reduce = max(fsdp[s].largest_reduce for s in own) if own else 0
+    resharded = left - sum(fsdp[s].gathered + runs[s].grads for s in own) + grads
     return max(left + reduce, resharded + scratch)
 
 
@@ -191,8 +199,8 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
         own_units = [u for s in own for u in stages[s]]
         lookup = set(own_units)
         mine = [p for p in params if under(p.name, lookup)]
-        fsdp = _fsdp_stages(plan, params, stages, own) if plan.uses_fsdp else {}
-        walked = [dataclasses.replace(r, held=r.held + fsdp[s][0]) if s in fsdp else r for s, r in enumerate(runs)]
+        fsdp = _fsdp_stages(plan, mine, stages, own) if plan.uses_fsdp else {}
+        walked = [dataclasses.replace(r, held=r.held + fsdp[s].gathered) if s in fsdp else r for s, r in enumerate(runs)]
         buffers = buffer_bytes([b for b in profile.buffers if under(b[0], lookup)], profile.dtype, plan)
         flying = schedule.in_flight(plan.pp_size, pp_rank, micro, plan.pp_virtual_stages)
         order = schedule.rank_actions(plan.pp_size, micro, plan.pp_virtual_stages)[pp_rank]
@@ -216,7 +224,7 @@ def pipeline_rows(plan, profile, units: Sequence[str], params, t: int, itemsize:
             collectives += _fsdp_collectives(fsdp, own) if plan.dp_size > 1 else []
         elif plan.dp_size > 1:
             collectives.append(dict(mesh_dim="dp", kind=Collective.ALL_REDUCE, count=1, phase=reduce_phase(own),
-                                    bytes=ddp_reduce_bytes(mine, b["grads_bytes"], plan)))  # at the reduce dtype
+                                    bytes=ddp_reduce_bytes(mine, rows[pp_rank, roles[0]]["grads_bytes"], plan)))
     rank_of = lambda s: schedule.rank_of(s, plan.pp_size, plan.pp_virtual_stages)
     for s in (s for s in range(plan.pp_stages - 1) if rank_of(s) != rank_of(s + 1)):  # V: one boundary is local
         nbytes = round(costs[s][1] * itemsize)

@@ -251,11 +251,15 @@ def _compose_order(order: tuple, repeats: Repeats) -> tuple:
     return order[:at[0]] + tuple(added) + order[at[0]:]
 
 
-def _compose_counts(short: list, longer: list, repeats: Repeats) -> list:
-    """Operator counts (forward, backward) of the whole model: the run with 3 repeats plus each later block's
-    (the difference of the two runs; integers held exactly in floats)."""
-    times = repeats.count - CUT[1]
+def extend_counts(short: list, longer: list, times: int) -> list:
+    """Per-phase operator counts of ``longer`` (a run with one repeat more than ``short``) plus ``times`` repeats
+    more, each adding the difference of the two runs (integers held exactly in floats)."""
     return [[b + times * (b - a) for a, b in zip(phase_a, phase_b)] for phase_a, phase_b in zip(short, longer)]
+
+
+def _compose_counts(short: list, longer: list, repeats: Repeats) -> list:
+    """Operator counts (forward, backward) of the whole model from the runs with 2 and 3 repeats."""
+    return extend_counts(short, longer, repeats.count - CUT[1])
 
 
 def compose_point(short: dict, longer: dict, repeats: Repeats, inputs: Dict[int, list], names: Tuple[str, ...]) -> dict:

@@ -27,7 +27,7 @@ import torch
 from ..instruments.isolation import collected, one_thread
 from ..instruments.op_counter import OpCounter, grad_names
 from ..profile.profiling import SIZES, Fit, ModelProfile
-from ..profile.repeats import CUT_FAILURES, NotRepeating, block_inputs, cut, find_repeats, names_as_run
+from ..profile.repeats import CUT_FAILURES, NotRepeating, block_inputs, cut, extend_counts, find_repeats, names_as_run
 from ..profile.step import OPTIMIZERS, batch_slice, forward_loss, input_as
 from .hardware import HardwareProfile
 
@@ -143,8 +143,9 @@ def grouped_step_counts(params: list, optimizer: str) -> Optional[list]:
     if three != [b + (b - a) for a, b in zip(one, two)]:
         return None
     total = own
-    for group in groups.values():
-        total = [t + len(group) * (c - o) for t, c, o in zip(total, step_counts(group[:1], optimizer), own)]
+    for group in groups.values():  # the largest group's one parameter is counted already
+        single = one if group is largest else step_counts(group[:1], optimizer)
+        total = [t + len(group) * (c - o) for t, c, o in zip(total, single, own)]
     return total
 
 
@@ -196,10 +197,9 @@ def _cut_counts(model, profile: ModelProfile, convert, repeats, n: int, t: int) 
         if any(inputs[j] != inputs[1] for j in inputs) or not inputs[1]:
             raise NotRepeating("the repeats after the first do not all take the same input")
     short, middle, longer = counts
-    if [[b + (b - a) for a, b in zip(pa, pb)] for pa, pb in zip(short, middle)] != longer:
+    if extend_counts(short, middle, 1) != longer:
         raise NotRepeating("the operator counts are not affine in the number of repeats")
-    times = repeats.count - COUNT_CUTS[1]
-    return [[b + times * (b - a) for a, b in zip(pa, pb)] for pa, pb in zip(short, middle)]
+    return extend_counts(short, middle, repeats.count - COUNT_CUTS[1])
 
 
 def counted_points(model: torch.nn.Module, profile: ModelProfile, convert=lambda x: x) -> list:
