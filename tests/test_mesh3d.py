@@ -342,7 +342,7 @@ def test_enumerate_and_the_explorer_offer_3d_plans():
     assert [dict(p.topology.dims) for p in three_d] == [TOPOLOGY, {"pp": 2, "tp": 4}]
     assert {p.pp_layout for p in three_d} == {"3|2"}
     assert "tensor parallelism leaves whole" in listed.infeasible["pp_tp pp=4 x tp=2"]
-    sharded = [(p.mode, dict(p.topology.dims)) for p in listed if p.mode.startswith("pp_fsdp2")]
+    sharded = [(p.mode, dict(p.topology.dims)) for p in listed if p.uses_pp and p.uses_fsdp]
     assert sharded == [("pp_fsdp2", PP_FSDP2), ("pp_fsdp2_tp", TOPOLOGY)]  # FSDP2 needs dp >= 2
     explorer = se.Explorer(zoo.model, example_input=zoo.example_input, labels=zoo.labels)
     plan = explorer.make_plan(objective="speed", topology=TOPOLOGY, batch_size=BATCH)  # mode auto: the one that fits

@@ -227,9 +227,7 @@ def _block_rows(base, base_est: PlanEstimate, blocks, estimate_of, budget: int, 
     if not block_choice_applies(base, blocks) or lever_floor(base, base_est, with_blocks(base, blocks[:1])) > budget:
         return best
     choice = choose_blocks(base, blocks, estimate_of, budget)
-    for v, est in choice.tried if choice is not None else ():
-        if any(r["plan"] == _name(v) for r in rows):  # one block's set equals a uniform variant's: estimated already
-            continue
+    for v, est in choice.tried:  # choose_blocks applies: checked above
         best = _levered_row(rows, v, est, base_est, budget, best)
     return best
 

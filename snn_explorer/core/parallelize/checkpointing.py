@@ -132,7 +132,8 @@ def checkpoint_blocks(model: nn.Module, units: Sequence[str], every: int = 1, re
     segments = block_segments(model, units)
     if only:
         check_checkpoint_blocks(only, units)
-        chosen = [segment for unit, segment in zip(units, segments) if unit in set(only)]
+        named = set(only)
+        chosen = [segment for unit, segment in zip(units, segments) if unit in named]
     else:
         chosen = segments[::every]
     context_fn = saved_ops.context_fn(tally) if saved_ops is not None else noop_context_fn

@@ -168,7 +168,8 @@ class PipelinedModel(nn.Module):
         for stage in self.stages:
             autocast_forward(stage, plan.precision, device.type)
             if plan.uses_fsdp:  # after TP (the units' layers are already tp shards): FSDP2 over dp, per stage
-                apply_fsdp2(stage, mesh["dp"], stage_fsdp_units(stage, plan.fsdp_units), reshard_after_forward=False,
+                apply_fsdp2(stage, mesh["dp"], stage_fsdp_units(stage, plan.fsdp_units),
+                            reshard_after_forward=plan.reshard_after_forward,  # False: the plan refuses memopt 1
                             precision=plan.precision)
         self.last_outputs: Optional[torch.Tensor] = None
         self._schedule, self._schedule_key, self._loss_fn, self._loss_dtype = None, None, None, None
