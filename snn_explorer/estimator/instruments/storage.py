@@ -72,15 +72,23 @@ class LiveSaved:
         self.skip, self.live, self.current, self.peak = skip, {}, 0, 0
 
     def pack(self, t):
-        local = local_tensor(t)  # a DTensor's shard is counted; the saved tensor itself is kept as it is
-        st = local.untyped_storage()
-        key = storage_key(local, st)
+        st, key = self.storage_of(t)
         if key not in self.skip and key not in self.live:
-            self.live[key] = st.nbytes()
-            self.current += st.nbytes()
+            self.live[key] = self.bytes_of(st)
+            self.current += self.live[key]
             self.peak = max(self.peak, self.current)
             weakref.finalize(st, self._free, key)
         return t
+
+    def storage_of(self, t):
+        """The storage counted for saved tensor ``t`` and the key telling it apart."""
+        local = local_tensor(t)  # a DTensor's shard is counted; the saved tensor itself is kept as it is
+        st = local.untyped_storage()
+        return st, storage_key(local, st)
+
+    def bytes_of(self, st) -> int:
+        """The bytes storage ``st`` holds."""
+        return st.nbytes()
 
     def _free(self, key):
         self.current -= self.live.pop(key, 0)

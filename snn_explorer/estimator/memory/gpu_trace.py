@@ -187,15 +187,12 @@ class MetaSaved(LiveSaved):
     def __init__(self, skip_tensors):
         super().__init__({id(t.untyped_storage()) for t in skip_tensors if t is not None})
 
-    def pack(self, t):
+    def storage_of(self, t):
         st = t.untyped_storage()
-        key = id(st)
-        if key not in self.skip and key not in self.live:
-            self.live[key] = allocated(st.nbytes())
-            self.current += self.live[key]
-            self.peak = max(self.peak, self.current)
-            weakref.finalize(st, self._free, key)
-        return t
+        return st, id(st)
+
+    def bytes_of(self, st) -> int:
+        return allocated(st.nbytes())
 
 
 #: The stages as the GPU runs them (the meta trace's meter and the allocator's bytes).
