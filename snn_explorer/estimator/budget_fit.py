@@ -30,6 +30,7 @@ from ..core.validate import positive_int, positive_number
 from ..core.vocabulary import Vocabulary
 from .calibration import resolve_hardware
 from .enumerate import enumerate_plans
+from .memory.fsdp_offload import HOST_OPTIMIZERS
 from .plan_estimate import PlanEstimate, estimate
 from .profile import model_profile
 
@@ -157,8 +158,9 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
                             features=FIT_FEATURES if features is None else features)
     hardware = resolve_hardware(hardware)
     offload = hardware.host_link_bytes_per_s is not None and not hardware.kernel_model  # what the estimate models
+    shard_offload = offload and hardware.host_adam_params_per_s is not None and optimizer in HOST_OPTIMIZERS
     estimate_of = plan_estimator(model, example_input, labels, hardware=hardware, optimizer=optimizer, layout=layout)
-    variants = {base: lever_variants(base, step_module, offload=offload)
+    variants = {base: lever_variants(base, step_module, offload=offload, shard_offload=shard_offload)
                 for base in dict.fromkeys(copy_without_levers(p) for p in plans)}
     bases = sorted(((b, estimate_of(b)) for b in variants), key=lambda be: be[1].step_time_s)
     rows, best = _search(bases, variants, estimate_of, budget, analysis.fsdp_unit_names)
