@@ -50,6 +50,7 @@ def _check_choice(model, x, labels, result):
     fitting = result.table[result.table["fits"]]
     assert chosen.step_time_s == pytest.approx(fitting["step_time_s"].min())
     assert (result.table["outcome"] == FitOutcome.CHOSEN).sum() == 1
+    assert not result.table["plan"].duplicated().any()  # one row per plan (every block = the uniform plan)
     # the pruning rests on this: no lever makes an estimated step faster than its plan without levers
     assert (result.table["lever_time_s"] >= 0).all()
     front = result.pareto

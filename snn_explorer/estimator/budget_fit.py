@@ -204,7 +204,7 @@ def _search(bases, variants, estimate_of, budget: int, blocks=()):
             est = known[v] = estimate_of(v)
             best = _levered_row(rows, v, est, base_est, budget, best)
         best = _block_rows(base, base_est, blocks, lambda p: known[p] if p in known else estimate_of(p), budget, rows,
-                           best)
+                           best, seen=set(known))
     return rows, best
 
 
@@ -221,16 +221,17 @@ def _levered_row(rows: List[dict], v, est: PlanEstimate, base_est: PlanEstimate,
     return (v, est) if fits and (best is None or est.step_time_s < best[1].step_time_s) else best
 
 
-def _block_rows(base, base_est: PlanEstimate, blocks, estimate_of, budget: int, rows: List[dict], best):
+def _block_rows(base, base_est: PlanEstimate, blocks, estimate_of, budget: int, rows: List[dict], best, seen=()):
     """Checkpointing chosen block by block for ``base`` (:func:`~snn_explorer.core.block_choice.choose_blocks`, greedy
-    until the budget fits or the peak stops falling): a row per set of blocks tried, appended to ``rows``; returns
-    the fastest fitting (plan, estimate) so far. Not tried where the blocks' floor (parameters, optimizer state,
-    buffers) is over the budget."""
+    until the budget fits or the peak stops falling): a row per set of blocks tried, appended to ``rows``, but for the
+    plans of ``seen`` (rows already: the every-block set is the uniform variant); returns the fastest fitting (plan,
+    estimate) so far. Not tried where the blocks' floor (parameters, optimizer state, buffers) is over the budget."""
     if not block_choice_applies(base, blocks) or lever_floor(base, base_est, with_blocks(base, blocks[:1])) > budget:
         return best
     choice = choose_blocks(base, blocks, estimate_of, budget)
     for v, est in choice.tried:  # choose_blocks applies: checked above
-        best = _levered_row(rows, v, est, base_est, budget, best)
+        if v not in seen:
+            best = _levered_row(rows, v, est, base_est, budget, best)
     return best
 
 
