@@ -25,7 +25,15 @@ from torch import nn
 
 from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze
 from ..core.block_choice import block_choice_applies, choose_blocks, with_blocks
-from ..core.memory_levers import copy_without_levers, find_time_step_module, lever_label, lever_variants
+from ..core.chunk_choice import choose_chunks, chunk_choice_applies, chunked
+from ..core.memory_levers import (
+    copy_without_levers,
+    find_time_step_module,
+    fsdp_offload_variants,
+    lever_label,
+    lever_variants,
+    spike_compression_variants,
+)
 from ..core.validate import positive_int, positive_number
 from ..core.vocabulary import Vocabulary
 from .calibration import resolve_hardware
@@ -160,10 +168,11 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     offload = hardware.host_link_bytes_per_s is not None and not hardware.kernel_model  # what the estimate models
     shard_offload = offload and hardware.host_adam_params_per_s is not None and optimizer in HOST_OPTIMIZERS
     estimate_of = plan_estimator(model, example_input, labels, hardware=hardware, optimizer=optimizer, layout=layout)
-    variants = {base: lever_variants(base, step_module, offload=offload, shard_offload=shard_offload)
-                for base in dict.fromkeys(copy_without_levers(p) for p in plans)}
+    variants = {base: lever_variants(base, step_module, offload=offload, shard_offload=shard_offload, chunk_every=())
+                for base in dict.fromkeys(copy_without_levers(p) for p in plans)}  # time chunks: sized in _chunk_rows
     bases = sorted(((b, estimate_of(b)) for b in variants), key=lambda be: be[1].step_time_s)
-    rows, best = _search(bases, variants, estimate_of, budget, analysis.fsdp_unit_names)
+    rows, best = _search(bases, variants, estimate_of, budget, analysis.fsdp_unit_names,
+                         (step_module, offload and shard_offload))
     if best is None:
         lowest = min((r for r in rows if r["peak_bytes"] is not None), key=lambda r: r["peak_bytes"])
         floored = sum(r["outcome"] == FitOutcome.PRUNED for r in rows)
@@ -177,9 +186,10 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
                      search_s=time.perf_counter() - started, infeasible=dict(plans.infeasible))
 
 
-def _search(bases, variants, estimate_of, budget: int, blocks=()):
+def _search(bases, variants, estimate_of, budget: int, blocks=(), chunks=(None, False)):
     """The candidate rows and the fastest fitting (plan, estimate), walking ``bases`` fastest first (``blocks``: the
-    model's blocks, for the block-by-block checkpointing choice, :func:`_block_rows`)."""
+    model's blocks, for the block-by-block checkpointing choice, :func:`_block_rows`; ``chunks``: the module stepped
+    once per time step and whether FSDP2's CPU offload is searched, for the time chunks, :func:`_chunk_rows`)."""
     rows, best = [], None
     for base, base_est in bases:
         levered = variants[base]
@@ -205,6 +215,7 @@ def _search(bases, variants, estimate_of, budget: int, blocks=()):
             best = _levered_row(rows, v, est, base_est, budget, best)
         best = _block_rows(base, base_est, blocks, lambda p: known[p] if p in known else estimate_of(p), budget, rows,
                            best, seen=set(known))
+        best = _chunk_rows(base, base_est, chunks, estimate_of, budget, rows, best)
     return rows, best
 
 
@@ -232,6 +243,27 @@ def _block_rows(base, base_est: PlanEstimate, blocks, estimate_of, budget: int, 
     for v, est in choice.tried:  # choose_blocks applies: checked above
         if v not in seen:
             best = _levered_row(rows, v, est, base_est, budget, best)
+    return best
+
+
+def _chunk_rows(base, base_est: PlanEstimate, chunks, estimate_of, budget: int, rows: List[dict], best):
+    """Time chunks of ``base`` sized by estimate (:func:`~snn_explorer.core.chunk_choice.choose_chunks`: every power of
+    two, the fastest that fits, else the lowest peak), a row per size tried; and where the chosen size alone does not
+    fit, it with spike compression and (``chunks[1]``) FSDP2's CPU offload, each estimated. Returns the fastest
+    fitting (plan, estimate) so far. Not tried where the floor (parameters, optimizer state, buffers) is over the
+    budget."""
+    step_module, shard_offload = chunks
+    if not chunk_choice_applies(base, step_module) or \
+            lever_floor(base, base_est, chunked(base, step_module, 1)) > budget:
+        return best
+    choice = choose_chunks(base, step_module, estimate_of, budget)
+    for v, est in choice.tried:
+        best = _levered_row(rows, v, est, base_est, budget, best)
+    if choice.plan is None or choice.estimate.peak_bytes <= budget:
+        return best
+    compressed = spike_compression_variants([choice.plan])
+    for v in compressed + (fsdp_offload_variants([choice.plan] + compressed) if shard_offload else []):
+        best = _levered_row(rows, v, estimate_of(v), base_est, budget, best)
     return best
 
 
