@@ -273,7 +273,8 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
     per_rank = _per_rank(rows, dp_roles(params, plan), plan)
     return _finish(plan, per_rank, step_collectives(plan, params, profile, t, itemsize), t, optimizer, memory_budget,
                    profile, hardware, step=step, extra_s=extra_s,
-                   host_optimizer_s=host_optimizer_seconds(params, plan, hardware) if plan.cpu_offload else None)
+                   host_optimizer_s=functools.partial(host_optimizer_seconds, params, plan, hardware)
+                   if plan.cpu_offload else None)
 
 
 def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profile, hardware,

@@ -15,9 +15,10 @@ Time, for the rank of dp coordinate 0 (it holds the largest shards: dim 0 is spl
   copies asynchronously from pinned memory);
 - the optimizer step on the host CPU (:func:`host_optimizer_seconds`): the rank's shard of parameters at the
   hardware's ``host_adam_params_per_s`` (a documented measurement, or a host's own:
-  :func:`~..calibration.host_adam.this_host_adam_rate`), in place of the device's optimizer time, not overlapped
-  (``optimizer.step()`` runs after the backward). Only Adam / AdamW (the rate is an Adam rate); a profile that
-  states no rate is refused, never given a default.
+  :func:`~..calibration.host_adam.this_host_adam_rate`), plus each of the step's operators dispatched at
+  ``op_overhead_s`` (the same host CPU dispatches them as for the device), in place of the device's optimizer
+  time, not overlapped (``optimizer.step()`` runs after the backward). Only Adam / AdamW (the rate is an Adam
+  rate); a profile that states no rate is refused, never given a default.
 """
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ def fsdp_offload_seconds(params: Sequence[Param], plan: Any, hardware: Any) -> f
         hardware.host_link_bytes_per_s * hardware.efficiency)
 
 
-def host_optimizer_seconds(params: Sequence[Param], plan: Any, hardware: Any) -> float:
+def host_optimizer_seconds(params: Sequence[Param], plan: Any, hardware: Any, ops: float) -> float:
     """Seconds of the optimizer step on the host CPU under CPU offload: the rank's shard of parameters at the
-    hardware's ``host_adam_params_per_s`` (see the module doc; checked by :func:`check_fsdp_offload_hardware`)."""
-    return sum(_shard_elements(params, plan).values()) / hardware.host_adam_params_per_s
+    hardware's ``host_adam_params_per_s`` and the step's ``ops`` operators at ``op_overhead_s`` each (see the
+    module doc; checked by :func:`check_fsdp_offload_hardware`)."""
+    return sum(_shard_elements(params, plan).values()) / hardware.host_adam_params_per_s + ops * hardware.op_overhead_s
