@@ -1,16 +1,18 @@
 """fit_budget(): the fastest plan whose estimated peak fits a memory budget, levers chosen by their effect.
 
 Every plan :func:`~.enumerate.enumerate_plans` accepts for the world size is estimated without memory
-levers, and with each lever combination its gates allow (activation checkpointing by blocks or by time
-chunks, every 1st or 2nd block / chunk; spike compression, :mod:`~snn_explorer.core.spike_compression`;
-both together: :func:`~snn_explorer.core.memory_levers.lever_variants`), all from one shared
+levers, and with each lever combination its gates allow (activation checkpointing by blocks, every 1st or 2nd
+block; spike compression, :mod:`~snn_explorer.core.spike_compression`; both together:
+:func:`~snn_explorer.core.memory_levers.lever_variants`; time chunks sized by estimate,
+:func:`~snn_explorer.core.chunk_choice.choose_chunks`, the fastest size that fits), all from one shared
 :class:`~.profile.ModelProfile`. A lever stays in a plan only where the estimate says it lowers that
 plan's peak; a lever the estimate says raises the peak (a model whose memory is mostly parameters) is
 dropped and the table says by how much. Checkpointing is also chosen block by block
 (:func:`~snn_explorer.core.block_choice.choose_blocks`: blocks ordered by saved bytes freed per recompute second,
 added until the budget fits or the peak stops falling; one row per set tried). On a hardware profile with a host link (the GPU datasheet
 profiles) activation offload (:mod:`~snn_explorer.core.activation_offload`) is searched too, alone, and FSDP2's CPU
-offload of its shards (``cpu_offload``, :mod:`.memory.fsdp_offload`), alone and with each checkpointing variant.
+offload of its shards (``cpu_offload``, :mod:`.memory.fsdp_offload`; where the profile states the host's Adam
+rate), alone and with each checkpointing variant and spike compression.
 """
 from __future__ import annotations
 

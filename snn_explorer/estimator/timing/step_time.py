@@ -3,7 +3,8 @@
 Compute is the roofline time of the work one rank does (:mod:`.compute_work`: forward, backward
 and optimizer of the model the rank runs, at its per-rank batch and time steps; the optimizer's
 work scaled to the parameter shard the rank updates), times the slow-down measured when that
-many ranks share one host's cores (:func:`host_sharing`). On the machine the hardware profile was
+many ranks share one host's cores (:func:`host_sharing`). Under FSDP2's CPU offload the optimizer step is the
+host CPU's instead (:func:`~..memory.fsdp_offload.host_optimizer_seconds`). On the machine the hardware profile was
 calibrated on, each phase is also multiplied by the measured / modelled ratio of the unsharded
 step. The parallel
 wrappers' own cost, where the profile was calibrated with it (:func:`framework_s`), is compute too.
