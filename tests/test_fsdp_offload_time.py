@@ -90,3 +90,22 @@ def test_this_hosts_adam_rate_is_a_positive_rate():
     assert 1e5 < rate < 1e12
     with pytest.raises(ValueError, match="numel"):
         this_host_adam_rate(numel=0)
+
+
+def test_offload_combines_with_spike_compression():
+    """FSDP2's CPU offload with spikes saved as bits (a lever pair fit_budget searches): spikes fire, so compression
+    lowers the saved bytes; the pair's device peak is below each lever's alone and each lever's added time adds."""
+    torch.manual_seed(0)
+    model = SpikingMLP(in_features=32, hidden=(32, 32), num_classes=10, stepping="all_steps", init_gain=2.0)
+    x = (torch.rand(8, N, 32) < 0.5).float()
+    gates = se.DistributedFeatureSet(allow_cpu_offload=True, allow_spike_compression=True)
+    plan = se.plan(analysis=se.analyze(model), objective="speed", topology={"dp": 2}, batch_size=N, mode="fsdp2",
+                   features=gates)
+    plain, off, packed, both = (estimate(model, dataclasses.replace(plan, **kw), example_input=x, hardware=H100)
+                                for kw in ({}, dict(cpu_offload=True), dict(spike_compression=True),
+                                           dict(cpu_offload=True, spike_compression=True)))
+    saved = lambda e: int(e.per_rank["activations_bytes"].iloc[0])  # noqa: E731
+    assert saved(packed) == saved(both) < saved(plain) == saved(off)
+    assert both.peak_bytes < min(off.peak_bytes, packed.peak_bytes)
+    assert both.step_time_s - plain.step_time_s == pytest.approx(
+        (off.step_time_s - plain.step_time_s) + (packed.step_time_s - plain.step_time_s), rel=1e-9)
