@@ -109,3 +109,13 @@ def test_offload_combines_with_spike_compression():
     assert both.peak_bytes < min(off.peak_bytes, packed.peak_bytes)
     assert both.step_time_s - plain.step_time_s == pytest.approx(
         (off.step_time_s - plain.step_time_s) + (packed.step_time_s - plain.step_time_s), rel=1e-9)
+
+
+def test_fit_says_why_it_did_not_search_cpu_offload():
+    """A profile with a host link but no host Adam rate: fit_budget searches no FSDP2 CPU offload and says why."""
+    model, x, _ = _offloaded(16)
+    hardware = dataclasses.replace(H100, host_adam_params_per_s=None)
+    found = se.fit_budget(model, x, 10 ** 9, 2, hardware=hardware)
+    assert "host_adam_params_per_s=None" in found.infeasible["+offload (FSDP2 CPU offload)"]
+    assert not found.table["levers"].str.contains(r"\+offload(?!:)").any()
+    assert "+offload (FSDP2 CPU offload)" not in se.fit_budget(model, x, 10 ** 9, 2, hardware=H100).infeasible

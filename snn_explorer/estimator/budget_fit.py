@@ -185,7 +185,19 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
                          + "; raise the budget or the world size, or open more levers in features")
     table = _ranked(rows, best[0])
     return FitResult(plan=best[0], estimate=best[1], memory_budget=budget, table=table,
-                     search_s=time.perf_counter() - started, infeasible=dict(plans.infeasible))
+                     search_s=time.perf_counter() - started,
+                     infeasible=dict(plans.infeasible, **_unsearched_offload(offload, shard_offload, hardware, optimizer)))
+
+
+def _unsearched_offload(offload: bool, shard_offload: bool, hardware, optimizer: str) -> Dict[str, str]:
+    """Why FSDP2's CPU offload was not searched on a profile that offloads otherwise ({} where it was, or where no
+    offload is searched at all)."""
+    if not offload or shard_offload:
+        return {}
+    why = (f"optimizer={optimizer!r}: the host step is timed for {HOST_OPTIMIZERS} only"
+           if optimizer not in HOST_OPTIMIZERS else
+           f"hardware {hardware.name!r} states no host Adam rate (host_adam_params_per_s=None)")
+    return {"+offload (FSDP2 CPU offload)": f"not searched: {why}"}
 
 
 def _search(bases, variants, estimate_of, budget: int, blocks=(), chunks=(None, False)):
