@@ -3,8 +3,9 @@
 A chunk of k time steps keeps one copy of the neuron state at its start (fewer copies as k grows) and its backward
 replays the chunk's earlier steps to recompute each one (more recompute as k grows), so the size trades peak
 against step time, and the trade is the estimate's to judge, not a fixed k. :func:`choose_chunks` estimates every
-power of two k = 1, 2, 4, ... until two sizes in a row estimate alike (peak and step time: from k >= T on, one chunk
-of every step) or :data:`MAX_CHUNK`; without a budget it keeps the size of lowest estimated peak (ties: the faster),
+power of two k = 1, 2, 4, ... below the T the estimates state (``time_steps``, as the estimator's ``PlanEstimate``
+does) and k = T, one chunk of every step; where they state none (a stand-in), until two sizes in a row estimate
+alike (peak and step time) or :data:`MAX_CHUNK`. Without a budget it keeps the size of lowest estimated peak (ties: the faster),
 with a budget the fastest whose peak fits (none fits: the lowest peak), and either only if its peak is below the
 plan's own. The core does not estimate: the caller injects ``peak_estimate`` (as for
 :func:`~.memory_levers.choose_levers`).
@@ -58,16 +59,19 @@ def chunk_choice_applies(plan: Any, time_step_module: Optional[str]) -> bool:
             and not plan.activation_offload)
 
 
-def _sized(plan: Any, time_step_module: str, peak_estimate: Callable[[Any], Any]):
-    """(plan, estimate) of every power-of-two chunk size, until two in a row estimate alike or :data:`MAX_CHUNK`."""
-    tried, k = [], 1
-    while k <= MAX_CHUNK:
+def _sized(plan: Any, time_step_module: str, peak_estimate: Callable[[Any], Any], time_steps: Optional[int]):
+    """(plan, estimate) of every power-of-two chunk size below ``time_steps`` and of ``time_steps`` itself; with
+    ``time_steps`` None, until two in a row estimate alike or :data:`MAX_CHUNK`."""
+    last = min(time_steps or MAX_CHUNK, MAX_CHUNK)
+    sizes = [1 << i for i in range(last.bit_length()) if 1 << i < last] + [last]
+    tried = []
+    for k in sizes:
         p = chunked(plan, time_step_module, k)
         est = peak_estimate(p)
-        if tried and (est.peak_bytes, est.step_time_s) == (tried[-1][1].peak_bytes, tried[-1][1].step_time_s):
-            break  # one chunk of every step from here on
+        if time_steps is None and tried and \
+                (est.peak_bytes, est.step_time_s) == (tried[-1][1].peak_bytes, tried[-1][1].step_time_s):
+            break  # taken as one chunk of every step from here on
         tried.append((p, est))
-        k *= 2
     return tried
 
 
@@ -77,8 +81,9 @@ def choose_chunks(plan: Any, time_step_module: Optional[str], peak_estimate: Cal
     None where the choice does not apply (:func:`chunk_choice_applies`)."""
     if not chunk_choice_applies(plan, time_step_module):
         return None
-    base = peak_estimate(plan).peak_bytes
-    tried = _sized(plan, time_step_module, peak_estimate)
+    base_est = peak_estimate(plan)
+    base = base_est.peak_bytes
+    tried = _sized(plan, time_step_module, peak_estimate, getattr(base_est, "time_steps", None))
     lower = [(p, e) for p, e in tried if e.peak_bytes < base]
     fitting = [(p, e) for p, e in lower if budget is not None and e.peak_bytes <= budget]
     if fitting:
