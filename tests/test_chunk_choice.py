@@ -36,6 +36,8 @@ def test_every_power_of_two_up_to_one_chunk_is_estimated_and_the_rule_picks():
     fitting = choose_chunks(base, "net", _stand_in, budget=850)  # 4 (800 B) and 8 fit: 4 is faster
     assert fitting.plan.checkpoint_every == 4
     assert "fastest whose peak fits 850 B" in fitting.note(1000) and "1: 1100 B / 1100.000 ms" in fitting.note(1000)
+    flat = lambda p: SimpleNamespace(peak_bytes=_stand_in(p).peak_bytes, step_time_s=1.0)  # noqa: E731
+    assert choose_chunks(base, "net", flat, budget=850).plan.checkpoint_every == 4  # equal times: the smaller k
     over = choose_chunks(base, "net", _stand_in, budget=100)  # none fits: the lowest peak, for the row
     assert over.plan.checkpoint_every == 8 and "lowest estimated peak" in over.note(1000)
     none = choose_chunks(base, "net", lambda p: SimpleNamespace(peak_bytes=1000 + p.checkpoint_every, step_time_s=1.0))

@@ -5,9 +5,12 @@ replays the chunk's earlier steps to recompute each one (more recompute as k gro
 against step time, and the trade is the estimate's to judge, not a fixed k. :func:`choose_chunks` estimates every
 power of two k = 1, 2, 4, ... below the T the estimates state (``time_steps``, as the estimator's ``PlanEstimate``
 does) and k = T, one chunk of every step; where they state none (a stand-in), until two sizes in a row estimate
-alike (peak and step time) or :data:`MAX_CHUNK`. Without a budget it keeps the size of lowest estimated peak (ties: the faster),
-with a budget the fastest whose peak fits (none fits: the lowest peak), and either only if its peak is below the
-plan's own. The core does not estimate: the caller injects ``peak_estimate`` (as for
+alike (peak and step time) or :data:`MAX_CHUNK`. Without a budget it keeps the size of lowest estimated peak
+(ties: the faster, then the smaller k), with a budget the fastest whose peak fits (ties: the smaller k, which
+replays less; none fits: the lowest peak), and either only if its peak is below the plan's own. The estimator's
+step time of a chunk size above the profile's largest T (3) is extrapolated from runs one chunk covers, so it does
+not grow with k there (the replay is underestimated; the peaks are exact): the tie-break keeps the smaller k.
+The core does not estimate: the caller injects ``peak_estimate`` (as for
 :func:`~.memory_levers.choose_levers`).
 """
 from __future__ import annotations
@@ -87,9 +90,9 @@ def choose_chunks(plan: Any, time_step_module: Optional[str], peak_estimate: Cal
     lower = [(p, e) for p, e in tried if e.peak_bytes < base]
     fitting = [(p, e) for p, e in lower if budget is not None and e.peak_bytes <= budget]
     if fitting:
-        best = min(fitting, key=lambda pe: (pe[1].step_time_s, pe[1].peak_bytes))
+        best = min(fitting, key=lambda pe: (pe[1].step_time_s, pe[0].checkpoint_every))
     elif lower:
-        best = min(lower, key=lambda pe: (pe[1].peak_bytes, pe[1].step_time_s))
+        best = min(lower, key=lambda pe: (pe[1].peak_bytes, pe[1].step_time_s, pe[0].checkpoint_every))
     else:
         best = (None, None)
     return ChunkChoice(plan=best[0], estimate=best[1], tried=tuple(tried), budget=budget)
