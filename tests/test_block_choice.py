@@ -80,3 +80,23 @@ def test_blocks_chosen_by_estimate_keep_the_cheap_ones():
     assert choice.plan.checkpoint_blocks == tuple(u for u in units if u in choice.order[:len(choice.tried)])
     assert all(e.peak_bytes > budget for _, e in choice.tried[:-1])  # stopped at the first that fits
     assert "recomputed (greedy by saved bytes freed per recompute second" in choice.note(base_est.peak_bytes)
+
+
+def test_a_set_of_every_block_is_the_uniform_plan():
+    """Where the greedy adds every block, its last set is the uniform every-block plan (no named copy of it): a
+    stand-in estimate whose peak falls with each block recomputed."""
+    zoo = build("vgg")
+    base = copy_without_levers(_plan(zoo))
+    units = se.analyze(zoo.model).fsdp_unit_names
+
+    class Est:
+        def __init__(self, p):
+            on = p.activation_checkpointing == "blocks"
+            k = len(p.checkpoint_blocks or units) if on else 0
+            self.peak_bytes, self.step_time_s, self.activations_bytes = 1000 - 10 * k, 1.0 + k, 500 - 10 * k
+
+    choice = choose_blocks(base, units, Est)
+    uniform = dataclasses.replace(base, activation_checkpointing="blocks")
+    assert len(choice.tried) == len(units) and choice.tried[-1][0] == uniform == choice.plan
+    assert [len(p.checkpoint_blocks) for p, _ in choice.tried[:-1]] == list(range(1, len(units)))
+    assert "by block: every block recomputed" in choice.note(1000)

@@ -7,7 +7,13 @@ from torch import nn
 from snn_explorer import DistributedFeatureSet, analyze, find_time_step_module, fit_budget, plan, plan_estimator, zoo
 from snn_explorer.cli import main
 from snn_explorer.core.block_choice import choose_blocks
-from snn_explorer.core.memory_levers import copy_without_levers, lever_variants
+from snn_explorer.core.chunk_choice import choose_chunks
+from snn_explorer.core.memory_levers import (
+    copy_without_levers,
+    fsdp_offload_variants,
+    lever_variants,
+    spike_compression_variants,
+)
 from snn_explorer.estimator import FitOutcome, estimate, model_profile
 from snn_explorer.estimator.budget_fit import FIT_FEATURES, lever_floor
 from snn_explorer.estimator.enumerate import enumerate_plans
@@ -50,6 +56,7 @@ def _check_choice(model, x, labels, result):
     fitting = result.table[result.table["fits"]]
     assert chosen.step_time_s == pytest.approx(fitting["step_time_s"].min())
     assert (result.table["outcome"] == FitOutcome.CHOSEN).sum() == 1
+    assert not result.table["plan"].duplicated().any()  # one row per plan (every block = the uniform plan)
     # the pruning rests on this: no lever makes an estimated step faster than its plan without levers
     assert (result.table["lever_time_s"] >= 0).all()
     front = result.pareto
@@ -157,7 +164,13 @@ def _brute_force(model, x, labels, budget):
         options = [base_est] if base_est.peak_bytes <= budget else []
         by_block = choose_blocks(base, analysis.fsdp_unit_names, estimate_of, budget)  # the search's greedy sets
         tried = [v for v, _ in by_block.tried] if by_block is not None else []
-        for v in lever_variants(base, find_time_step_module(model, x), offload=True) + tried:  # H100: a host link
+        step = find_time_step_module(model, x)
+        by_chunk = choose_chunks(base, step, estimate_of, budget)  # every power-of-two size, and the chosen one's
+        tried += [v for v, _ in by_chunk.tried] if by_chunk is not None else []  # combinations where it alone
+        if by_chunk is not None and by_chunk.plan is not None and by_chunk.estimate.peak_bytes > budget:  # is over
+            compressed = spike_compression_variants([by_chunk.plan])
+            tried += compressed + fsdp_offload_variants([by_chunk.plan] + compressed)
+        for v in lever_variants(base, step, offload=True, chunk_every=()) + tried:  # H100: a host link
             variants[v] = (base, base_est, estimate_of(v))
             if variants[v][2].peak_bytes < base_est.peak_bytes:
                 options += [variants[v][2]] if variants[v][2].peak_bytes <= budget else []

@@ -1,7 +1,7 @@
 """fsdp2 with activation checkpointing: the estimated peak against torch's FSDPMemTracker and measure(), on 2 gloo ranks;
 and FSDP2's CPU offload (CPUOffloadPolicy, CUDA ranks only) as far as these CPU ranks can check it: the bytes it
 moves to the host as FSDPMemTracker counts them, the offloaded estimate between the bounds the tracked peak sets,
-its host-copy time, and its refusals.
+and its refusals.
 
 The model is the one the issue reported (four 512-wide Linear/LIF layers run all T = 4 steps at once, batch 4,
 float32, Adam): its memory is mostly parameters and optimizer state, so FSDP2's all-gather and reshard
@@ -127,22 +127,11 @@ def test_cpu_offload_estimate_between_the_tracked_bounds(tracked_ranks):
         assert off.peak_bytes < 0.7 * plain.peak_bytes  # a model of mostly parameters: offload lowers its peak
 
 
-def test_cpu_offload_copy_time_and_refusals():
-    """The step time offload adds: each shard in per all-gather, each sharded gradient out, over the H100's host
-    link (bytes from the parameter shapes here); refused where it cannot run or be estimated."""
+def test_cpu_offload_refusals():
+    """Refused where it cannot run or be estimated (its step time: tests/test_fsdp_offload_time.py)."""
     model, x = _model_and_input()
     hardware = hardware_profile("H100-SXM")
-    for memopt in (0, 1):
-        plan = dataclasses.replace(_plans(model)[0], memopt_level=memopt)
-        plain, off = (estimate(model, p, example_input=x, hardware=hardware)
-                      for p in (plan, dataclasses.replace(plan, cpu_offload=True)))
-        params = list(model.parameters())
-        shards = sum(-(-p.shape[0] // 2) * p[0].numel() * 4 for p in params)  # padded dim-0 halves, float32
-        gathers = 1 + memopt  # resharded after forward: gathered again in backward (every unit but the root)
-        copies = (gathers + 1) * len(params)
-        want = copies * hardware.op_overhead_s + (gathers + 1) * shards / (hardware.host_link_bytes_per_s *
-                                                                            hardware.efficiency)
-        assert off.step_time_s - plain.step_time_s == pytest.approx(want, rel=1e-6), memopt
+    plan = _plans(model)[0]
     offloaded = dataclasses.replace(plan, cpu_offload=True)
     with pytest.raises(ValueError, match="host_link_bytes_per_s=None.*nothing to offload"):
         estimate(model, offloaded, example_input=x, hardware=dataclasses.replace(hardware, host_link_bytes_per_s=None))

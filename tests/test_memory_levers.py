@@ -16,6 +16,7 @@ from torch import nn
 
 import snn_explorer as se
 from snn_explorer.core.block_choice import choose_blocks
+from snn_explorer.core.chunk_choice import choose_chunks
 from snn_explorer.core.memory_levers import ACTIVATION_CHECKPOINTING, find_time_step_module
 from snn_explorer.core.parallelize.checkpointing import block_segments, checkpoint_blocks, checkpoint_time_chunks
 from snn_explorer.core.plan_types import SNNDistributedPlan
@@ -287,6 +288,14 @@ def test_the_measured_per_block_case_is_the_estimators_choice():
     choice = choose_blocks(plain, se.analyze(zoo.model).fsdp_unit_names,
                            se.plan_estimator(zoo.model, zoo.example_input, zoo.labels))
     assert choice.plan.layout_key() == chosen.layout_key()  # the same plan, its notes aside
+
+
+def test_the_measured_time_chunk_case_is_the_estimators_choice():
+    """The time-chunk case measured on the ranks (k = 4) is the size choose_chunks takes by estimate at T = 16."""
+    zoo, (plain, chunked) = _memory_plans(MEMORY_CASES[3])
+    choice = choose_chunks(plain, "net", se.plan_estimator(zoo.model, zoo.example_input, zoo.labels))
+    assert [p.checkpoint_every for p, _ in choice.tried] == [1, 2, 4, 8, 16]
+    assert choice.plan.layout_key() == chunked.layout_key()  # the same plan, its notes aside
 
 
 def test_per_block_checkpointing_trains_as_without_it_to_0_difference(rank_groups):

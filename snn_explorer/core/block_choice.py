@@ -9,7 +9,7 @@ block). ``apply`` checkpoints exactly the named blocks, the estimator profiles e
 as for :func:`~.memory_levers.choose_levers`). Greedy: each block is estimated checkpointed alone; the blocks that
 free saved-activation bytes are ordered by bytes freed per second of recompute added, and added in that order
 until the budget fits or the estimated peak stops falling (searched only where checkpointing every block lowers the
-peak at all). The set of lowest estimated peak (with a budget: the
+peak at all; a set of every block is the uniform plan, ``checkpoint_blocks=()``). The set of lowest estimated peak (with a budget: the
 first that fits) is the choice, and only if its peak is below the plan's own.
 """
 from __future__ import annotations
@@ -81,7 +81,8 @@ class BlockChoice:
         if self.plan is None:
             return (f"checkpointing block by block: no set of blocks lowers the estimated peak of {base_peak} B "
                     f"({self.probes} blocks probed)")
-        return (f"checkpointing block by block: {list(self.plan.checkpoint_blocks)} recomputed (greedy by saved bytes "
+        named = list(self.plan.checkpoint_blocks) or "every block"
+        return (f"checkpointing block by block: {named} recomputed (greedy by saved bytes "
                 f"freed per recompute second over {self.probes} blocks), peak {self.estimate.peak_bytes} B against "
                 f"{base_peak} B")
 
@@ -133,7 +134,9 @@ def choose_blocks(plan: Any, units: Sequence[str], peak_estimate: Callable[[Any]
     tried, best, last = [], None, base.peak_bytes
     for i in range(1, len(order) + 1):
         chosen = tuple(u for u in units if u in order[:i])  # in model order
-        est = alone[chosen[0]] if i == 1 else peak_estimate(with_blocks(plan, chosen))
+        if len(chosen) == len(units):
+            chosen = ()  # every block: the uniform plan (checkpoint_every=1), one plan under one name
+        est = alone[chosen[0]] if i == 1 and chosen else peak_estimate(with_blocks(plan, chosen))
         tried.append((with_blocks(plan, chosen), est))
         if est.peak_bytes < base.peak_bytes and (best is None or est.peak_bytes < best[1].peak_bytes):
             best = tried[-1]

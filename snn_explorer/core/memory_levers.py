@@ -205,16 +205,22 @@ CHECKPOINT_EVERY = (1, 2)
 
 
 def lever_variants(plan: Any, time_step_module: Optional[str] = None,
-                   every: Tuple[int, ...] = CHECKPOINT_EVERY, offload: bool = False) -> List[Any]:
+                   every: Tuple[int, ...] = CHECKPOINT_EVERY, offload: bool = False,
+                   shard_offload: Optional[bool] = None, chunk_every: Optional[Tuple[int, ...]] = None) -> List[Any]:
     """``plan`` (without levers) with each combination of memory levers its gates allow: each checkpointing
-    granularity (:func:`checkpointing_variants`) for each k of ``every``, and spike compression alone and
+    granularity (:func:`checkpointing_variants`) for each k of ``every`` (time chunks: of ``chunk_every``, default
+    ``every``; the size chosen by estimate, :func:`~.chunk_choice.choose_chunks`), and spike compression alone and
     together with each of those ([] for pipeline plans); with ``offload`` (the caller's hardware has a host
-    link to offload over) also activation offload, alone (:func:`activation_offload_variants`), and FSDP2's CPU
-    offload alone and with each checkpointing variant (:func:`fsdp_offload_variants`)."""
+    link to offload over) also activation offload, alone (:func:`activation_offload_variants`); with
+    ``shard_offload`` (default: ``offload``; the hardware also states the host's optimizer rate) FSDP2's CPU
+    offload alone and with each of the others but activation offload (:func:`fsdp_offload_variants`)."""
+    sizes = {Checkpointing.TIME_CHUNKS: every if chunk_every is None else chunk_every}
     checkpointed = [dataclasses.replace(v, checkpoint_every=k) for v in checkpointing_variants(plan, time_step_module)
-                    for k in every]
-    offloaded = activation_offload_variants(plan) + fsdp_offload_variants([plan] + checkpointed) if offload else []
-    return checkpointed + spike_compression_variants([plan] + checkpointed) + offloaded
+                    for k in sizes.get(v.activation_checkpointing, every)]
+    compressed = spike_compression_variants([plan] + checkpointed)
+    shards = fsdp_offload_variants([plan] + checkpointed + compressed) if (
+        offload if shard_offload is None else shard_offload) else []
+    return checkpointed + compressed + (activation_offload_variants(plan) if offload else []) + shards
 
 
 def fsdp_offload_variants(plans: List[Any]) -> List[Any]:

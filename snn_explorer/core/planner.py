@@ -6,6 +6,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Unio
 
 from .analysis import SNNDistributedAnalysis
 from .block_choice import check_checkpoint_blocks, choose_blocks
+from .chunk_choice import choose_chunks
 from .layouts import layout_of
 from .memory_levers import (
     CHECKPOINT_EVERY,
@@ -186,17 +187,19 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
                        analysis.shared_parameter_groups, analysis.trainable_units)
     if activation_checkpointing is None and objective_chooses_levers(objective, features):
         every = CHECKPOINT_EVERY if checkpoint_every == 1 else (checkpoint_every,)
-        plan_ = _levers_by_estimate(plan_, lever_variants(plan_, time_step_module, every), peak_estimate,
-                                    analysis.fsdp_unit_names)
+        plan_ = _levers_by_estimate(plan_, every, time_step_module, peak_estimate, analysis.fsdp_unit_names)
     return plan_
 
 
-def _levers_by_estimate(plan_: SNNDistributedPlan, candidates: List[SNNDistributedPlan],
+def _levers_by_estimate(plan_: SNNDistributedPlan, every: Tuple[int, ...], time_step_module: Optional[str],
                         peak_estimate: Optional[Callable[[SNNDistributedPlan], Any]],
                         blocks: Tuple[str, ...] = ()) -> SNNDistributedPlan:
-    """``plan_`` with the lever combination of lowest estimated peak, if it lowers the peak (:func:`choose_levers`;
-    the candidates include the blocks chosen one by one, :func:`~.block_choice.choose_blocks` over ``blocks``);
+    """``plan_`` with the lever combination of lowest estimated peak, if it lowers the peak (:func:`choose_levers`
+    over :func:`lever_variants`, every ``every``-th block; the blocks chosen one by one,
+    :func:`~.block_choice.choose_blocks` over ``blocks``; time chunks of ``time_step_module`` sized by estimate,
+    :func:`~.chunk_choice.choose_chunks`, where ``every`` leaves k open, else every ``every[0]`` steps);
     without ``peak_estimate``, ``plan_`` unchanged with a note (no lever by rule)."""
+    candidates = lever_variants(plan_, time_step_module, every)
     if not candidates:
         return plan_
     if peak_estimate is None:
@@ -208,12 +211,17 @@ def _levers_by_estimate(plan_: SNNDistributedPlan, candidates: List[SNNDistribut
         raise TypeError(f"peak_estimate must be a callable plan -> estimate (peak_bytes, step_time_s), got "
                         f"{peak_estimate!r}")
     peak_estimate = _remembered(peak_estimate)
+    by_chunk = choose_chunks(plan_, time_step_module, peak_estimate) if every == CHECKPOINT_EVERY else None
+    chunk_notes = (by_chunk.note(peak_estimate(plan_).peak_bytes),) if by_chunk is not None else ()
+    if by_chunk is not None:  # the time-chunk candidates at the size the estimate chose (none: no size lowers it)
+        chunk_every = (by_chunk.plan.checkpoint_every,) if by_chunk.plan is not None else ()
+        candidates = lever_variants(plan_, time_step_module, every, chunk_every=chunk_every)
     by_block = choose_blocks(plan_, blocks, peak_estimate)
     if by_block is not None and by_block.plan is not None:
         candidates = candidates + [by_block.plan]
     chosen, note = choose_levers(plan_, candidates, peak_estimate)
     levers = dict(activation_checkpointing=chosen.activation_checkpointing, cpu_offload=chosen.cpu_offload)
-    return dataclasses.replace(chosen, notes=plan_.notes + (note,) + tuple(lever_notes(levers)))
+    return dataclasses.replace(chosen, notes=plan_.notes + chunk_notes + (note,) + tuple(lever_notes(levers)))
 
 
 def _remembered(peak_estimate: Callable[[SNNDistributedPlan], Any]) -> Callable[[SNNDistributedPlan], Any]:

@@ -1,16 +1,18 @@
 """fit_budget(): the fastest plan whose estimated peak fits a memory budget, levers chosen by their effect.
 
 Every plan :func:`~.enumerate.enumerate_plans` accepts for the world size is estimated without memory
-levers, and with each lever combination its gates allow (activation checkpointing by blocks or by time
-chunks, every 1st or 2nd block / chunk; spike compression, :mod:`~snn_explorer.core.spike_compression`;
-both together: :func:`~snn_explorer.core.memory_levers.lever_variants`), all from one shared
+levers, and with each lever combination its gates allow (activation checkpointing by blocks, every 1st or 2nd
+block; spike compression, :mod:`~snn_explorer.core.spike_compression`; both together:
+:func:`~snn_explorer.core.memory_levers.lever_variants`; time chunks sized by estimate,
+:func:`~snn_explorer.core.chunk_choice.choose_chunks`, the fastest size that fits), all from one shared
 :class:`~.profile.ModelProfile`. A lever stays in a plan only where the estimate says it lowers that
 plan's peak; a lever the estimate says raises the peak (a model whose memory is mostly parameters) is
 dropped and the table says by how much. Checkpointing is also chosen block by block
 (:func:`~snn_explorer.core.block_choice.choose_blocks`: blocks ordered by saved bytes freed per recompute second,
 added until the budget fits or the peak stops falling; one row per set tried). On a hardware profile with a host link (the GPU datasheet
 profiles) activation offload (:mod:`~snn_explorer.core.activation_offload`) is searched too, alone, and FSDP2's CPU
-offload of its shards (``cpu_offload``, :mod:`.memory.fsdp_offload`), alone and with each checkpointing variant.
+offload of its shards (``cpu_offload``, :mod:`.memory.fsdp_offload`; where the profile states the host's Adam
+rate), alone and with each checkpointing variant and spike compression.
 """
 from __future__ import annotations
 
@@ -25,11 +27,20 @@ from torch import nn
 
 from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze
 from ..core.block_choice import block_choice_applies, choose_blocks, with_blocks
-from ..core.memory_levers import copy_without_levers, find_time_step_module, lever_label, lever_variants
+from ..core.chunk_choice import choose_chunks, chunk_choice_applies, chunked
+from ..core.memory_levers import (
+    copy_without_levers,
+    find_time_step_module,
+    fsdp_offload_variants,
+    lever_label,
+    lever_variants,
+    spike_compression_variants,
+)
 from ..core.validate import positive_int, positive_number
 from ..core.vocabulary import Vocabulary
 from .calibration import resolve_hardware
 from .enumerate import enumerate_plans
+from .memory.fsdp_offload import HOST_OPTIMIZERS
 from .plan_estimate import PlanEstimate, estimate
 from .profile import model_profile
 
@@ -157,11 +168,13 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
                             features=FIT_FEATURES if features is None else features)
     hardware = resolve_hardware(hardware)
     offload = hardware.host_link_bytes_per_s is not None and not hardware.kernel_model  # what the estimate models
+    shard_offload = offload and hardware.host_adam_params_per_s is not None and optimizer in HOST_OPTIMIZERS
     estimate_of = plan_estimator(model, example_input, labels, hardware=hardware, optimizer=optimizer, layout=layout)
-    variants = {base: lever_variants(base, step_module, offload=offload)
-                for base in dict.fromkeys(copy_without_levers(p) for p in plans)}
+    variants = {base: lever_variants(base, step_module, offload=offload, shard_offload=shard_offload, chunk_every=())
+                for base in dict.fromkeys(copy_without_levers(p) for p in plans)}  # time chunks: sized in _chunk_rows
     bases = sorted(((b, estimate_of(b)) for b in variants), key=lambda be: be[1].step_time_s)
-    rows, best = _search(bases, variants, estimate_of, budget, analysis.fsdp_unit_names)
+    rows, best = _search(bases, variants, estimate_of, budget, analysis.fsdp_unit_names,
+                         (step_module, offload and shard_offload))
     if best is None:
         lowest = min((r for r in rows if r["peak_bytes"] is not None), key=lambda r: r["peak_bytes"])
         floored = sum(r["outcome"] == FitOutcome.PRUNED for r in rows)
@@ -172,12 +185,25 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
                          + "; raise the budget or the world size, or open more levers in features")
     table = _ranked(rows, best[0])
     return FitResult(plan=best[0], estimate=best[1], memory_budget=budget, table=table,
-                     search_s=time.perf_counter() - started, infeasible=dict(plans.infeasible))
+                     search_s=time.perf_counter() - started,
+                     infeasible=dict(plans.infeasible, **_unsearched_offload(offload, shard_offload, hardware, optimizer)))
 
 
-def _search(bases, variants, estimate_of, budget: int, blocks=()):
+def _unsearched_offload(offload: bool, shard_offload: bool, hardware, optimizer: str) -> Dict[str, str]:
+    """Why FSDP2's CPU offload was not searched on a profile that offloads otherwise ({} where it was, or where no
+    offload is searched at all)."""
+    if not offload or shard_offload:
+        return {}
+    why = (f"optimizer={optimizer!r}: the host step is timed for {HOST_OPTIMIZERS} only"
+           if optimizer not in HOST_OPTIMIZERS else
+           f"hardware {hardware.name!r} states no host Adam rate (host_adam_params_per_s=None)")
+    return {"+offload (FSDP2 CPU offload)": f"not searched: {why}"}
+
+
+def _search(bases, variants, estimate_of, budget: int, blocks=(), chunks=(None, False)):
     """The candidate rows and the fastest fitting (plan, estimate), walking ``bases`` fastest first (``blocks``: the
-    model's blocks, for the block-by-block checkpointing choice, :func:`_block_rows`)."""
+    model's blocks, for the block-by-block checkpointing choice, :func:`_block_rows`; ``chunks``: the module stepped
+    once per time step and whether FSDP2's CPU offload is searched, for the time chunks, :func:`_chunk_rows`)."""
     rows, best = [], None
     for base, base_est in bases:
         levered = variants[base]
@@ -202,7 +228,8 @@ def _search(bases, variants, estimate_of, budget: int, blocks=()):
             est = known[v] = estimate_of(v)
             best = _levered_row(rows, v, est, base_est, budget, best)
         best = _block_rows(base, base_est, blocks, lambda p: known[p] if p in known else estimate_of(p), budget, rows,
-                           best)
+                           best, seen=set(known))
+        best = _chunk_rows(base, base_est, chunks, estimate_of, budget, rows, best)
     return rows, best
 
 
@@ -219,16 +246,38 @@ def _levered_row(rows: List[dict], v, est: PlanEstimate, base_est: PlanEstimate,
     return (v, est) if fits and (best is None or est.step_time_s < best[1].step_time_s) else best
 
 
-def _block_rows(base, base_est: PlanEstimate, blocks, estimate_of, budget: int, rows: List[dict], best):
+def _block_rows(base, base_est: PlanEstimate, blocks, estimate_of, budget: int, rows: List[dict], best, seen=()):
     """Checkpointing chosen block by block for ``base`` (:func:`~snn_explorer.core.block_choice.choose_blocks`, greedy
-    until the budget fits or the peak stops falling): a row per set of blocks tried, appended to ``rows``; returns
-    the fastest fitting (plan, estimate) so far. Not tried where the blocks' floor (parameters, optimizer state,
-    buffers) is over the budget."""
+    until the budget fits or the peak stops falling): a row per set of blocks tried, appended to ``rows``, but for the
+    plans of ``seen`` (rows already: the every-block set is the uniform variant); returns the fastest fitting (plan,
+    estimate) so far. Not tried where the blocks' floor (parameters, optimizer state, buffers) is over the budget."""
     if not block_choice_applies(base, blocks) or lever_floor(base, base_est, with_blocks(base, blocks[:1])) > budget:
         return best
     choice = choose_blocks(base, blocks, estimate_of, budget)
     for v, est in choice.tried:  # choose_blocks applies: checked above
+        if v not in seen:
+            best = _levered_row(rows, v, est, base_est, budget, best)
+    return best
+
+
+def _chunk_rows(base, base_est: PlanEstimate, chunks, estimate_of, budget: int, rows: List[dict], best):
+    """Time chunks of ``base`` sized by estimate (:func:`~snn_explorer.core.chunk_choice.choose_chunks`: every power of
+    two, the fastest that fits, else the lowest peak), a row per size tried; and where the chosen size alone does not
+    fit, it with spike compression and (``chunks[1]``) FSDP2's CPU offload, each estimated. Returns the fastest
+    fitting (plan, estimate) so far. Not tried where the floor (parameters, optimizer state, buffers) is over the
+    budget."""
+    step_module, shard_offload = chunks
+    if not chunk_choice_applies(base, step_module) or \
+            lever_floor(base, base_est, chunked(base, step_module, 1)) > budget:
+        return best
+    choice = choose_chunks(base, step_module, estimate_of, budget)
+    for v, est in choice.tried:
         best = _levered_row(rows, v, est, base_est, budget, best)
+    if choice.plan is None or choice.estimate.peak_bytes <= budget:
+        return best
+    compressed = spike_compression_variants([choice.plan])
+    for v in compressed + (fsdp_offload_variants([choice.plan] + compressed) if shard_offload else []):
+        best = _levered_row(rows, v, estimate_of(v), base_est, budget, best)
     return best
 
 

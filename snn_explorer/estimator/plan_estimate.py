@@ -43,7 +43,7 @@ from .instruments.isolation import as_found, one_thread
 from .instruments.progress_hook import ProgressHook, check_hook
 from .instruments.tables import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
 from .memory.activation_offload import offload_seconds, offloaded_profile
-from .memory.fsdp_offload import HOST_COLUMNS, check_fsdp_offload_hardware, fsdp_offload_seconds
+from .memory.fsdp_offload import HOST_COLUMNS, check_fsdp_offload_hardware, fsdp_offload_seconds, host_optimizer_seconds
 from .memory.fsdp_timeline import FsdpTimeline
 from .memory.gpu_trace import gpu_peaks, gpu_stage_memory, gpu_step
 from .memory.pipeline_memory import pipeline_rows
@@ -195,17 +195,16 @@ def _per_rank(rows, roles, plan: SNNDistributedPlan) -> pd.DataFrame:
     return table[list(PER_RANK_COLUMNS)]
 
 
-def _with_levers(profile, plan, n: int, t: int, hardware):
+def _with_levers(profile, plan, n: int, t: int, hardware, optimizer: str):
     """``(profile of the plan's model with its memory levers, seconds the levers add per step)``:
-    checkpointing, spikes saved as bits, saved tensors offloaded to host memory."""
+    checkpointing, spikes saved as bits, FSDP2's shards and saved tensors offloaded to host memory."""
     profile = levered_profile(profile, plan)
     packed = spike_saving(profile, n, t, plan.tensor_parallel_plan, plan.tp_size) if plan.spike_compression else None
     profile = compressed_profile(profile) if packed is not None else profile  # measured with spikes as bits
     extra_s = packed.seconds(hardware) if packed is not None else 0.0
     if plan.cpu_offload:  # FSDP2's shards over the host link (the slowest role's copies: dp rank 0 holds most)
-        check_fsdp_offload_hardware(hardware, plan)
-        extra_s += fsdp_offload_seconds(local_params(profile.params, plan, profile.param_itemsizes or
-                                                     profile.compute_itemsize, profile.norm_layers), plan, hardware)
+        check_fsdp_offload_hardware(hardware, plan, optimizer)
+        extra_s += fsdp_offload_seconds(_params(profile, plan), plan, hardware)
     if plan.activation_offload:  # measured with the saved tensors outside the device's memory
         hardware.require_host_link("activation_offload=True", "copies saved activations")
         profile = offloaded_profile(profile)
@@ -213,15 +212,20 @@ def _with_levers(profile, plan, n: int, t: int, hardware):
     return profile, extra_s
 
 
+def _params(profile, plan) -> list:
+    """The parameters as one rank of ``plan`` holds them (:func:`local_params`)."""
+    return local_params(profile.params, plan, profile.param_itemsizes or profile.compute_itemsize, profile.norm_layers)
+
+
 def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_budget, profile, hardware):
     n = plan.per_rank_batch
     profile, extra_s = _with_levers(profile or model_profile(model, example_input, labels, dtype), plan, n, t,
-                                    hardware)
+                                    hardware, optimizer)
     gpu = hardware.kernel_model  # the step (or each pipeline stage) as the GPU runs it (:mod:`.memory.gpu_trace`)
     if not gpu:  # refuses a run too long even shape-only, before anything runs at this size
         run_fits(profile, n, t)
     itemsize = profile.compute_itemsize  # activations sent between ranks: the precision's compute dtype
-    params = local_params(profile.params, plan, profile.param_itemsizes or itemsize, profile.norm_layers)
+    params = _params(profile, plan)
     if plan.uses_pp:  # the rank's stages, micro-batches in flight, sends between stages
         units = pipeline_units(model)[0]
         measure = functools.partial(gpu_stage_memory, neuron_backend=plan.neuron_backend) \
@@ -268,11 +272,13 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
                          neuron_state_bytes=round(state), transient_bytes=round(transient), peak_bytes=round(peak)))
     per_rank = _per_rank(rows, dp_roles(params, plan), plan)
     return _finish(plan, per_rank, step_collectives(plan, params, profile, t, itemsize), t, optimizer, memory_budget,
-                   profile, hardware, step=step, extra_s=extra_s)
+                   profile, hardware, step=step, extra_s=extra_s,
+                   host_optimizer_s=functools.partial(host_optimizer_seconds, params, plan, hardware)
+                   if plan.cpu_offload else None)
 
 
 def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profile, hardware,
-            pipeline=None, step=None, extra_s: float = 0.0) -> PlanEstimate:
+            pipeline=None, step=None, extra_s: float = 0.0, host_optimizer_s=None) -> PlanEstimate:
     """The estimate with its verdict and step time, from the per-rank table and the collective rows;
     ``extra_s`` is time a lever adds to every rank's step (spike compression's check, pack, unpack; activation
     offload's copies to the host and back)."""
@@ -294,7 +300,7 @@ def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profil
         time = gpu_pipeline_time(plan, profile, collectives, per_rank, hardware, t, optimizer)
         verdict += f"; stages timed as {hardware.name} runs their kernels"
     else:
-        time = plan_time(plan, profile, collectives, per_rank, hardware, t, optimizer)
+        time = plan_time(plan, profile, collectives, per_rank, hardware, t, optimizer, host_optimizer_s)
     if hardware.kernel_model and plan.precision.mixed:  # said, not hidden: autocast does not run on meta
         verdict += f"; the GPU trace runs the model in {profile.dtype}, not in {plan.precision.name}'s compute dtype"
     if extra_s:

@@ -102,11 +102,16 @@ class HardwareProfile:
     #: Bytes/s one way between the device and host memory (PCIe), for copies to and from the host
     #: (activation offload); None: not stated (a CPU device has no host link: its memory is the host's)
     host_link_bytes_per_s: Optional[float] = None
+    #: Adam parameter updates per second the host CPU makes for one rank (the optimizer step of FSDP2's CPU
+    #: offload runs there, one core per rank); None: not stated (a CPU offload estimate then refuses)
+    host_adam_params_per_s: Optional[float] = None
 
     def __post_init__(self):
         for attr in ("flops_per_s", "bytes_per_s"):
             positive_number(attr, getattr(self, attr), what="per second")
         positive_number("host_link_bytes_per_s", self.host_link_bytes_per_s, allow_none=True, what="bytes per second")
+        positive_number("host_adam_params_per_s", self.host_adam_params_per_s, allow_none=True,
+                        what="parameters per second")
         if self.op_overhead_s < 0:
             raise ValueError(f"op_overhead_s={self.op_overhead_s}; expected seconds >= 0")
         if not 0 < self.efficiency <= 1:
@@ -303,6 +308,12 @@ _NODES = {"H100-SXM-96GB": (2, 8, 64)}
 #: Assumed (no datasheet gives them): one ring step's latency in a node and between nodes, and the
 #: cost of one eager PyTorch operator on a GPU (kernel launch and dispatch).
 INTRA_LATENCY_S, INTER_LATENCY_S, GPU_OP_OVERHEAD_S = 5e-6, 10e-6, 8e-6
+#: Host CPU Adam updates per second for one rank (one thread), the rate of FSDP2's offloaded optimizer step. A
+#: documented measurement on an 8x H100 node's host: an fp32 AdamW step over 512 CPU tensors of 1 Mi elements
+#: (536.9 M parameters) took 1.93 s on one thread, 1.81 s on two (github.com/ISEEKYAN/Megatron-LM issue 188,
+#: 2026-08-25: 536.9e6 / 1.93 s = 2.78e8 per s). Assumed for every built-in's host (no datasheet gives it);
+#: ``this_host_adam_rate()`` (:mod:`..calibration.host_adam`) measures a host's own.
+HOST_ADAM_PARAMS_PER_S = 536.9e6 / 1.93
 #: Assumed fraction of the datasheet peaks that real kernels and collectives reach (change it with
 #: ``profile.with_efficiency(...)``).
 DEFAULT_EFFICIENCY = 0.6
@@ -313,6 +324,7 @@ def _builtin(device: str, nodes: int) -> HardwareProfile:
     common = dict(device="cuda", flops_per_s=d["flops_per_s"], half_flops_per_s=d["half_flops_per_s"],
                   bytes_per_s=d["bytes_per_s"], op_overhead_s=GPU_OP_OVERHEAD_S,
                   tensor_flops_per_s=d["tensor_flops_per_s"], host_link_bytes_per_s=d["host"],
+                  host_adam_params_per_s=HOST_ADAM_PARAMS_PER_S,
                   collectives=link_table(INTRA_LATENCY_S, d["link"]), efficiency=DEFAULT_EFFICIENCY,
                   source="datasheet")
     nvlink = d["link_name"].startswith("NVLink")

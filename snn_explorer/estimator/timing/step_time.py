@@ -3,7 +3,8 @@
 Compute is the roofline time of the work one rank does (:mod:`.compute_work`: forward, backward
 and optimizer of the model the rank runs, at its per-rank batch and time steps; the optimizer's
 work scaled to the parameter shard the rank updates), times the slow-down measured when that
-many ranks share one host's cores (:func:`host_sharing`). On the machine the hardware profile was
+many ranks share one host's cores (:func:`host_sharing`). Under FSDP2's CPU offload the optimizer step is the
+host CPU's instead (:func:`~..memory.fsdp_offload.host_optimizer_seconds`). On the machine the hardware profile was
 calibrated on, each phase is also multiplied by the measured / modelled ratio of the unsharded
 step. The parallel
 wrappers' own cost, where the profile was calibrated with it (:func:`framework_s`), is compute too.
@@ -23,7 +24,7 @@ schedule replayed with each stage's own cost: :mod:`.pipeline_time`.
 from __future__ import annotations
 
 import socket
-from typing import Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import pandas as pd
 
@@ -110,8 +111,11 @@ def is_local(hw: HardwareProfile) -> bool:
 
 
 def plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, per_rank: pd.DataFrame,
-              hw: HardwareProfile, t: int, optimizer: str) -> pd.DataFrame:
-    """The time table of ``plan`` (see the module doc) from the estimate's other tables."""
+              hw: HardwareProfile, t: int, optimizer: str,
+              host_optimizer_s: Optional[Callable[[float], float]] = None) -> pd.DataFrame:
+    """The time table of ``plan`` (see the module doc) from the estimate's other tables; ``host_optimizer_s(ops)``:
+    the optimizer step's seconds on the host CPU given its operator count, in place of the device's (FSDP2's CPU
+    offload, :mod:`..memory.fsdp_offload`)."""
     hw = hw.in_precision(plan.precision)  # a calibration's own bf16 / fp16 rates for a half-precision plan
     work = rank_work(profile, plan.tensor_parallel_plan, plan.tp_size, optimizer)
     itemsize = profile.compute_itemsize  # the precision's compute dtype: half-precision FLOP rates under bf16
@@ -127,6 +131,8 @@ def plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, per_
                                    ranks_on_host(plan, hw), optimizer_s)
     local = float(per_rank["params_bytes"].iloc[0]) / (plan.dp_size if plan.uses_zero else 1)
     phases = compute_phases(plan, work, hw, t, itemsize, local, correction)
+    if host_optimizer_s is not None:
+        phases["optimizer"] = host_optimizer_s(work.optimizer.ops(plan.per_rank_batch, t))
     phases["framework"] = framework_s(plan, profile, collectives, hw, t)
     return time_table(plan, collectives, hw, phases)
 
