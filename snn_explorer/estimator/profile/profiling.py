@@ -177,6 +177,11 @@ class ModelProfile:
             self.logs[key] = self._run(n, t, tp_plan, tp, saved_only=False, units=sorted(logged | set(units)))
         return self.logs[key]
 
+    def repeat_cuts(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Optional[Tuple[Repeats, tuple]]:
+        """``(repeats, cut sizes)`` a lever variant's rank model is counted on (its regions' stride,
+        ``.checkpointed.lever_cuts``); None here: the rank model's own repeats at the default cuts."""
+        return None
+
     def saved_and_state(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]] = None,
                         tp: int = 1) -> Tuple[float, float]:
         """Bytes saved for backward and of neuron state after a forward of ``n`` samples, ``t``
