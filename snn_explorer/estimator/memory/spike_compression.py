@@ -26,7 +26,14 @@ from ...core.neurons import detached_copy
 from ...core.parallelize.checkpointing import apply_activation_checkpointing
 from ...core.spike_compression import apply_spike_compression, is_binary, packable
 from ..instruments.storage import SavedByModule, model_state_tensors, saving
-from ..profile.checkpointed import CheckpointedProfile, held_after_forward, lever_cuts, new_objects_collected, run_total
+from ..profile.checkpointed import (
+    CheckpointedProfile,
+    held_after_forward,
+    lever_cuts,
+    lever_log_repeats,
+    new_objects_collected,
+    run_total,
+)
 from ..profile.profiling import ModelProfile
 from ..profile.step import batch_slice, forward_loss
 
@@ -130,6 +137,10 @@ class CompressedProfile(ModelProfile):
     def repeat_cuts(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Optional[tuple]:
         """The cuts of ``base``'s rank model (the packer wraps the whole forward: it runs every block alike)."""
         return lever_cuts(self.base, _plan_of(self.base), tp_plan, tp)
+
+    def log_repeats(self, tp_plan: Optional[Mapping[str, str]], tp: int):
+        """The repeats of ``base``'s logged runs (the packer runs every block alike)."""
+        return lever_log_repeats(self.base, _plan_of(self.base), tp_plan, tp)
 
     def saved_and_state(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]] = None,
                         tp: int = 1) -> Tuple[float, float]:

@@ -26,7 +26,7 @@ from ..instruments.meter import StorageMeter
 from ..instruments.storage import model_state_tensors, state_tensor_ids, total_bytes
 from .profiling import ModelProfile, precision_profile
 from .repeats import Repeats, find_repeats
-from .repeats_totals import affine_total, stride_cuts
+from .repeats_totals import affine_total, stride_cuts, strided_repeats
 from .shape_only import step_runner
 from .step import batch_slice, forward_loss, input_as
 
@@ -54,6 +54,10 @@ class CheckpointedProfile(ModelProfile):
     def repeat_cuts(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Optional[Tuple[Repeats, tuple]]:
         """The plain rank model's repeats, cut at the stride of the checkpointed regions (:func:`lever_cuts`)."""
         return lever_cuts(self, self.plan, tp_plan, tp)
+
+    def log_repeats(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Optional[Repeats]:
+        """The plain rank model's repeats at the stride of the checkpointed regions (:func:`lever_log_repeats`)."""
+        return lever_log_repeats(self, self.plan, tp_plan, tp)
 
     def meta_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> nn.Module:
         """As :meth:`ModelProfile.meta_model`, the checkpointing applied to the meta copy of the plain rank
@@ -124,14 +128,28 @@ def lever_cuts(profile: ModelProfile, plan, tp_plan: Optional[Mapping[str, str]]
     ``plan`` says (None: not checkpointed), found on the plain rank model (a checkpointed module's forward is its
     own, which :func:`~.repeats.signature` tells apart); None where ``profile`` does not compose its runs, the
     model has no repeats, or the regions have no stride."""
+    found = _plain_repeats(profile, plan, tp_plan, tp)
+    cuts = None if found is None else stride_cuts(*found)
+    return None if cuts is None else (found[0], cuts)
+
+
+def lever_log_repeats(profile: ModelProfile, plan, tp_plan: Optional[Mapping[str, str]], tp: int) -> Optional[Repeats]:
+    """The repeats a logged run of ``profile``'s rank model checkpointed as ``plan`` says is composed over
+    (:func:`~.repeats_totals.strided_repeats`: each block as many repeats as the regions' stride), or None."""
+    found = _plain_repeats(profile, plan, tp_plan, tp)
+    return None if found is None else strided_repeats(*found)
+
+
+def _plain_repeats(profile: ModelProfile, plan, tp_plan, tp: int) -> Optional[tuple]:
+    """``(repeats of the plain rank model, the regions of plan)``, or None where ``profile`` does not compose its
+    runs or the model has no repeats."""
     if profile.composed is None:
         return None
     plain = ModelProfile.rank_model(profile, tp_plan, tp)[1]
     repeats = find_repeats(plain)
     if repeats is None:
         return None
-    cuts = stride_cuts(repeats, () if plan is None else region_starts(plain, plan, profile.fsdp_units))
-    return None if cuts is None else (repeats, cuts)
+    return repeats, () if plan is None else region_starts(plain, plan, profile.fsdp_units)
 
 
 @contextlib.contextmanager
@@ -208,4 +226,4 @@ def recompute_fraction(profile: ModelProfile, plan, t: int) -> float:
     return profile.recompute_fraction(plan.per_rank_batch, t, plan.tensor_parallel_plan, plan.tp_size)
 
 
-__all__ = ["CheckpointedProfile", "levered_profile", "new_objects_collected", "lever_cuts", "recompute_fraction", "run_total"]
+__all__ = ["CheckpointedProfile", "levered_profile", "new_objects_collected", "lever_cuts", "lever_log_repeats", "recompute_fraction", "run_total"]

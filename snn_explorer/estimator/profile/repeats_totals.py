@@ -39,11 +39,11 @@ def region_pattern(repeats: Repeats, starts: Sequence[Tuple[str, int]]) -> Optio
     return [frozenset(p) for p in pattern]
 
 
-def stride_cuts(repeats: Repeats, starts: Optional[Sequence[Tuple[str, int]]] = ()) -> Optional[Tuple[int, int, int]]:
-    """The three cut sizes ``(k1, k1 + s, k1 + 2 s)`` for a model whose checkpointed regions are ``starts``
-    (``core.parallelize.checkpointing.region_starts``; () for a model run as the plain one), or None where no
-    stride of at most :data:`MAX_STRIDE` repeats the pattern from a block that leaves at least one repeat beyond
-    the last cut, a region crosses a repeat's end, or ``starts`` is None."""
+def pattern_stride(repeats: Repeats, starts: Optional[Sequence[Tuple[str, int]]]) -> Optional[Tuple[int, int]]:
+    """``(s, first)``: the shortest stride ``s`` (at most :data:`MAX_STRIDE`) with which the regions ``starts``
+    (``core.parallelize.checkpointing.region_starts``; () for the plain model) repeat over ``repeats`` from block
+    ``first`` on, leaving room for three cuts a stride apart and a repeat beyond; None where there is none, a
+    region crosses a repeat's end, or ``starts`` is None."""
     pattern = None if starts is None else region_pattern(repeats, starts)
     if pattern is None:
         return None
@@ -53,11 +53,39 @@ def stride_cuts(repeats: Repeats, starts: Optional[Sequence[Tuple[str, int]]] = 
         first = count - s
         while first > 0 and pattern[first - 1] == pattern[first - 1 + s]:
             first -= 1
-        k1 = max(2, first)
-        k1 += (count - k1) % s  # congruent to count modulo s: the last cut plus whole strides reaches it
-        if k1 + 2 * s < count:
-            return k1, k1 + s, k1 + 2 * s
+        if _first_cut(first, s, count) + 2 * s < count:
+            return s, first
     return None
+
+
+def _first_cut(first: int, s: int, count: int) -> int:
+    """The smallest cut of at least 2 repeats and ``first`` congruent to ``count`` modulo ``s``."""
+    k1 = max(2, first)
+    return k1 + (count - k1) % s
+
+
+def stride_cuts(repeats: Repeats, starts: Optional[Sequence[Tuple[str, int]]] = ()) -> Optional[Tuple[int, int, int]]:
+    """The three cut sizes ``(k1, k1 + s, k1 + 2 s)`` for a model whose checkpointed regions are ``starts``
+    (:func:`pattern_stride`), or None where it has none."""
+    found = pattern_stride(repeats, starts)
+    if found is None:
+        return None
+    s, first = found
+    k1 = _first_cut(first, s, repeats.count)
+    return k1, k1 + s, k1 + 2 * s
+
+
+def strided_repeats(repeats: Repeats, starts: Optional[Sequence[Tuple[str, int]]]) -> Optional[Repeats]:
+    """``repeats`` seen at the stride of the regions ``starts`` (:func:`pattern_stride`): each block ``s`` of its
+    blocks, from the first block from which the pattern repeats (congruent to the count modulo ``s``), so that
+    every block is alike, regions included; None where the pattern has no stride."""
+    found = pattern_stride(repeats, starts)
+    if found is None:
+        return None
+    s, first = found
+    begin = first + (repeats.count - first) % s
+    return Repeats(repeats.path, repeats.keys, repeats.start + begin * repeats.period, s * repeats.period,
+                   (repeats.count - begin) // s)
 
 
 def affine_total(model: nn.Module, repeats: Repeats, cuts: Tuple[int, int, int],

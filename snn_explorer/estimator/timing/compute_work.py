@@ -177,8 +177,8 @@ def cut_counted_points(model: torch.nn.Module, profile: ModelProfile, convert=la
     """``(counted_points, parameters given a gradient)`` of a model of repeated blocks (:mod:`..profile.repeats`)
     from passes cut to 2, 3 and 4 of them at each size (or ``repeat_cuts``: ``(repeats, (k1, k2, k3))``, one
     stride apart): the run with 3 plus each later block's counts (the difference from 2), checked to give the
-    run with 4 (and the blocks after the first to take one input signature); None where it has no repeats or
-    they disagree (then it is counted in full)."""
+    run with 4 (and the blocks after the first to take one input signature, block for block a stride apart);
+    None where it has no repeats or they disagree (then it is counted in full)."""
     repeats, cuts = repeat_cuts if repeat_cuts is not None else (find_repeats(model), COUNT_CUTS)
     if repeats is None:
         return None
@@ -195,11 +195,12 @@ def cut_counted_points(model: torch.nn.Module, profile: ModelProfile, convert=la
 def _cut_counts(model, profile: ModelProfile, convert, repeats, cuts, n: int, t: int) -> list:
     x, y = batch_slice(profile.example_input, profile.labels, n, t, layout=profile.layout)
     x, y = convert(input_as(x, profile.dtype)), convert(y)
-    counts = []
+    counts, stride = [], cuts[1] - cuts[0]
     for k in cuts:
         with cut(model, repeats, k), block_inputs(model, repeats, tuple(range(1, k))) as inputs:
             counts.append(counted_pass(model, x, y))
-        if any(inputs[j] != inputs[1] for j in inputs) or not inputs[1]:
+        # a checkpointed block's first child also runs in the recompute: alike blocks are a stride apart
+        if any(inputs[j] != inputs[j - stride] for j in inputs if j > stride) or not inputs[1]:
             raise NotRepeating("the repeats after the first do not all take the same input")
     short, middle, longer = counts
     if extend_counts(short, middle, 1) != longer:
