@@ -5,7 +5,7 @@ import dataclasses
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .analysis import SNNDistributedAnalysis
-from .block_choice import check_checkpoint_blocks, choose_blocks
+from .block_choice import check_checkpoint_blocks, choose_blocks, remembered
 from .layouts import layout_of
 from .memory_levers import (
     CHECKPOINT_EVERY,
@@ -207,25 +207,13 @@ def _levers_by_estimate(plan_: SNNDistributedPlan, candidates: List[SNNDistribut
     if not callable(peak_estimate):
         raise TypeError(f"peak_estimate must be a callable plan -> estimate (peak_bytes, step_time_s), got "
                         f"{peak_estimate!r}")
-    peak_estimate = _remembered(peak_estimate)
+    peak_estimate = remembered(peak_estimate)
     by_block = choose_blocks(plan_, blocks, peak_estimate)
     if by_block is not None and by_block.plan is not None:
         candidates = candidates + [by_block.plan]
     chosen, note = choose_levers(plan_, candidates, peak_estimate)
     levers = dict(activation_checkpointing=chosen.activation_checkpointing, cpu_offload=chosen.cpu_offload)
     return dataclasses.replace(chosen, notes=plan_.notes + (note,) + tuple(lever_notes(levers)))
-
-
-def _remembered(peak_estimate: Callable[[SNNDistributedPlan], Any]) -> Callable[[SNNDistributedPlan], Any]:
-    """``peak_estimate`` estimating each plan once (the block choice and :func:`choose_levers` ask for some twice)."""
-    seen: dict = {}
-
-    def remembered(p: SNNDistributedPlan) -> Any:
-        if p not in seen:
-            seen[p] = peak_estimate(p)
-        return seen[p]
-
-    return remembered
 
 
 def _levers(spec: Mode, activation_checkpointing, checkpoint_every, cpu_offload, time_step_module,

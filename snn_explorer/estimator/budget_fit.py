@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze
-from ..core.block_choice import block_choice_applies, choose_blocks, with_blocks
+from ..core.block_choice import block_choice_applies, choose_blocks, remembered, with_blocks
 from ..core.memory_levers import copy_without_levers, find_time_step_module, lever_label, lever_variants
 from ..core.validate import positive_int, positive_number
 from ..core.vocabulary import Vocabulary
@@ -157,7 +157,8 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
                             features=FIT_FEATURES if features is None else features)
     hardware = resolve_hardware(hardware)
     offload = hardware.host_link_bytes_per_s is not None and not hardware.kernel_model  # what the estimate models
-    estimate_of = plan_estimator(model, example_input, labels, hardware=hardware, optimizer=optimizer, layout=layout)
+    estimate_of = remembered(plan_estimator(model, example_input, labels, hardware=hardware, optimizer=optimizer,
+                                            layout=layout))  # the block choice asks for some variants again
     variants = {base: lever_variants(base, step_module, offload=offload)
                 for base in dict.fromkeys(copy_without_levers(p) for p in plans)}
     bases = sorted(((b, estimate_of(b)) for b in variants), key=lambda be: be[1].step_time_s)
@@ -191,7 +192,6 @@ def _search(bases, variants, estimate_of, budget: int, blocks=()):
                    "its plan without levers is no faster than a fitting plan, and levers only add time")
             rows += [_row(v, None, base_est, budget, FitOutcome.PRUNED, why) for v in levered]
             continue
-        known = {base: base_est}  # estimates of this plan's variants, for the block-by-block choice
         for v in levered:
             floor = lever_floor(base, base_est, v)
             if floor > budget:
@@ -199,10 +199,8 @@ def _search(bases, variants, estimate_of, budget: int, blocks=()):
                                  f"cannot fit: {floor} B per rank that its levers do not lower (parameters, "
                                  f"optimizer state, buffers) > budget {budget} B"))
                 continue
-            est = known[v] = estimate_of(v)
-            best = _levered_row(rows, v, est, base_est, budget, best)
-        best = _block_rows(base, base_est, blocks, lambda p: known[p] if p in known else estimate_of(p), budget, rows,
-                           best)
+            best = _levered_row(rows, v, estimate_of(v), base_est, budget, best)
+        best = _block_rows(base, base_est, blocks, estimate_of, budget, rows, best)
     return rows, best
 
 
