@@ -140,8 +140,11 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     an unlevered plan that does not fit and is faster than the best fitting plan found so far, and only if
     it can fit at all: a variant whose rank holds more than the budget in what its levers leave as they are
     (parameters, optimizer state and buffers for checkpointing and spike compression, :func:`lever_floor`,
-    read off the unlevered estimate) is ``pruned`` unestimated; on a 10,000-module model each estimate
-    of a lever variant profiles the levered model again. A variant is kept
+    read off the unlevered estimate) is ``pruned`` unestimated. Each lever variant's profile (checkpointed,
+    compressed) is measured once per rank model and shared by the plans that use it; on a model of repeated
+    blocks its runs are cut to a few of them and composed (:mod:`.profile.repeats_totals`, exact, else the
+    whole model runs), and every plan is estimated once (:func:`~snn_explorer.core.block_choice.remembered`,
+    the memo the planner's ``memory`` objective uses too). A variant is kept
     only if its estimated peak is below its unlevered plan's (else ``lever_no_gain``). So the chosen
     plan's estimated peak is never above the same plan's without levers. Raises ValueError when no plan fits,
     naming the lowest estimated peak found.
