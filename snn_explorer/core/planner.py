@@ -5,7 +5,7 @@ import dataclasses
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .analysis import SNNDistributedAnalysis
-from .block_choice import check_checkpoint_blocks, choose_blocks
+from .block_choice import check_checkpoint_blocks, choose_blocks, remembered
 from .chunk_choice import choose_chunks
 from .layouts import layout_of
 from .memory_levers import (
@@ -210,7 +210,7 @@ def _levers_by_estimate(plan_: SNNDistributedPlan, every: Tuple[int, ...], time_
     if not callable(peak_estimate):
         raise TypeError(f"peak_estimate must be a callable plan -> estimate (peak_bytes, step_time_s), got "
                         f"{peak_estimate!r}")
-    peak_estimate = _remembered(peak_estimate)
+    peak_estimate = remembered(peak_estimate)
     by_chunk = choose_chunks(plan_, time_step_module, peak_estimate) if every == CHECKPOINT_EVERY else None
     chunk_notes = (by_chunk.note(peak_estimate(plan_).peak_bytes),) if by_chunk is not None else ()
     if by_chunk is not None:  # the time-chunk candidates at the size the estimate chose (none: no size lowers it)
@@ -222,18 +222,6 @@ def _levers_by_estimate(plan_: SNNDistributedPlan, every: Tuple[int, ...], time_
     chosen, note = choose_levers(plan_, candidates, peak_estimate)
     levers = dict(activation_checkpointing=chosen.activation_checkpointing, cpu_offload=chosen.cpu_offload)
     return dataclasses.replace(chosen, notes=plan_.notes + chunk_notes + (note,) + tuple(lever_notes(levers)))
-
-
-def _remembered(peak_estimate: Callable[[SNNDistributedPlan], Any]) -> Callable[[SNNDistributedPlan], Any]:
-    """``peak_estimate`` estimating each plan once (the block choice and :func:`choose_levers` ask for some twice)."""
-    seen: dict = {}
-
-    def remembered(p: SNNDistributedPlan) -> Any:
-        if p not in seen:
-            seen[p] = peak_estimate(p)
-        return seen[p]
-
-    return remembered
 
 
 def _levers(spec: Mode, activation_checkpointing, checkpoint_every, cpu_offload, time_step_module,

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze
-from ..core.block_choice import block_choice_applies, choose_blocks, with_blocks
+from ..core.block_choice import block_choice_applies, choose_blocks, remembered, with_blocks
 from ..core.chunk_choice import choose_chunks, chunk_choice_applies, chunked
 from ..core.memory_levers import (
     copy_without_levers,
@@ -151,8 +151,11 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     an unlevered plan that does not fit and is faster than the best fitting plan found so far, and only if
     it can fit at all: a variant whose rank holds more than the budget in what its levers leave as they are
     (parameters, optimizer state and buffers for checkpointing and spike compression, :func:`lever_floor`,
-    read off the unlevered estimate) is ``pruned`` unestimated; on a 10,000-module model each estimate
-    of a lever variant profiles the levered model again. A variant is kept
+    read off the unlevered estimate) is ``pruned`` unestimated. Each lever variant's profile (checkpointed,
+    compressed) is measured once per rank model and shared by the plans that use it; on a model of repeated
+    blocks its runs are cut to a few of them and composed (:mod:`.profile.repeats_totals`, exact, else the
+    whole model runs), and every plan is estimated once (:func:`~snn_explorer.core.block_choice.remembered`,
+    the memo the planner's ``memory`` objective uses too). A variant is kept
     only if its estimated peak is below its unlevered plan's (else ``lever_no_gain``). So the chosen
     plan's estimated peak is never above the same plan's without levers. Raises ValueError when no plan fits,
     naming the lowest estimated peak found.
@@ -169,7 +172,8 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     hardware = resolve_hardware(hardware)
     offload = hardware.host_link_bytes_per_s is not None and not hardware.kernel_model  # what the estimate models
     shard_offload = offload and hardware.host_adam_params_per_s is not None and optimizer in HOST_OPTIMIZERS
-    estimate_of = plan_estimator(model, example_input, labels, hardware=hardware, optimizer=optimizer, layout=layout)
+    estimate_of = remembered(plan_estimator(model, example_input, labels, hardware=hardware, optimizer=optimizer,
+                                            layout=layout))  # the block and chunk choices ask for some variants again
     variants = {base: lever_variants(base, step_module, offload=offload, shard_offload=shard_offload, chunk_every=())
                 for base in dict.fromkeys(copy_without_levers(p) for p in plans)}  # time chunks: sized in _chunk_rows
     bases = sorted(((b, estimate_of(b)) for b in variants), key=lambda be: be[1].step_time_s)
@@ -217,7 +221,7 @@ def _search(bases, variants, estimate_of, budget: int, blocks=(), chunks=(None, 
                    "its plan without levers is no faster than a fitting plan, and levers only add time")
             rows += [_row(v, None, base_est, budget, FitOutcome.PRUNED, why) for v in levered]
             continue
-        known = {base: base_est}  # estimates of this plan's variants, for the block-by-block choice
+        seen = {base}  # this plan and its variants with a row, which the block-by-block choice does not repeat
         for v in levered:
             floor = lever_floor(base, base_est, v)
             if floor > budget:
@@ -225,10 +229,9 @@ def _search(bases, variants, estimate_of, budget: int, blocks=(), chunks=(None, 
                                  f"cannot fit: {floor} B per rank that its levers do not lower (parameters, "
                                  f"optimizer state, buffers) > budget {budget} B"))
                 continue
-            est = known[v] = estimate_of(v)
-            best = _levered_row(rows, v, est, base_est, budget, best)
-        best = _block_rows(base, base_est, blocks, lambda p: known[p] if p in known else estimate_of(p), budget, rows,
-                           best, seen=set(known))
+            seen.add(v)
+            best = _levered_row(rows, v, estimate_of(v), base_est, budget, best)
+        best = _block_rows(base, base_est, blocks, estimate_of, budget, rows, best, seen=seen)
         best = _chunk_rows(base, base_est, chunks, estimate_of, budget, rows, best)
     return rows, best
 

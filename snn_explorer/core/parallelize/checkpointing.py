@@ -32,7 +32,7 @@ from ..vocabulary import Checkpointing
 from .saved_ops import TORCHTITAN_OPS, SavedOps
 
 __all__ = ["apply_activation_checkpointing", "checkpoint_blocks", "checkpoint_time_chunks", "block_segments",
-           "repeated_blocks"]
+           "chosen_segments", "region_starts", "repeated_blocks"]
 
 #: A neuron's state: (module, {slot: value}) per stateful module.
 State = List[Tuple[nn.Module, Dict[Tuple[str, str], object]]]
@@ -129,13 +129,7 @@ def checkpoint_blocks(model: nn.Module, units: Sequence[str], every: int = 1, re
     blocks whose first unit it names (:mod:`..block_choice`); returns how many.
     With ``saved_ops`` each block keeps the outputs of those operators (:mod:`.saved_ops`; ``tally`` hears
     its decisions) and recomputes the rest, else it keeps only its inputs."""
-    segments = block_segments(model, units)
-    if only:
-        check_checkpoint_blocks(only, units)
-        named = set(only)
-        chosen = [segment for unit, segment in zip(units, segments) if unit in named]
-    else:
-        chosen = segments[::every]
+    chosen = chosen_segments(model, units, every, only)
     context_fn = saved_ops.context_fn(tally) if saved_ops is not None else noop_context_fn
     by_parent: Dict[str, List[Tuple[str, ...]]] = {}
     for parent, members in chosen:
@@ -146,6 +140,32 @@ def checkpoint_blocks(model: nn.Module, units: Sequence[str], every: int = 1, re
     for parent, segments in by_parent.items():
         _checkpoint_sequential_segments(model.get_submodule(parent), segments, restore, context_fn)
     return len(chosen)
+
+
+def chosen_segments(model: nn.Module, units: Sequence[str], every: int = 1,
+                    only: Sequence[str] = ()) -> List[Tuple[str, Tuple[str, ...]]]:
+    """The blocks :func:`checkpoint_blocks` checkpoints (:func:`block_segments`): every ``every``-th, or with
+    ``only`` those whose first unit it names."""
+    segments = block_segments(model, units)
+    if not only:
+        return segments[::every]
+    check_checkpoint_blocks(only, units)
+    named = set(only)
+    return [segment for unit, segment in zip(units, segments) if unit in named]
+
+
+def region_starts(model: nn.Module, plan, units: Sequence[str]) -> Optional[List[Tuple[str, int]]]:
+    """``(path, children)`` per region :func:`apply_activation_checkpointing` makes of ``model`` for ``plan``: the
+    module it starts at (a checkpointed module: 1, or the first of a checkpointed run of ``children`` siblings);
+    None for time chunks (a region per call of the time-step module, not per module)."""
+    if plan.activation_checkpointing == Checkpointing.BLOCKS:
+        chosen = chosen_segments(model, units, plan.checkpoint_every, plan.checkpoint_blocks)
+    elif plan.activation_checkpointing == Checkpointing.OPS:
+        chosen = chosen_segments(model, repeated_blocks(model, units), plan.checkpoint_every)
+    else:
+        return None
+    return [((f"{parent}.{members[0]}" if parent else members[0]) if members else parent, max(1, len(members)))
+            for parent, members in chosen]
 
 
 def _checkpointed(region: nn.Module, run: Callable, restore: bool, context_fn: Callable = noop_context_fn) -> Callable:

@@ -26,7 +26,14 @@ from ...core.neurons import detached_copy
 from ...core.parallelize.checkpointing import apply_activation_checkpointing
 from ...core.spike_compression import apply_spike_compression, is_binary, packable
 from ..instruments.storage import SavedByModule, model_state_tensors, saving
-from ..profile.checkpointed import CheckpointedProfile, held_after_forward
+from ..profile.checkpointed import (
+    CheckpointedProfile,
+    held_after_forward,
+    lever_cuts,
+    lever_log_repeats,
+    new_objects_collected,
+    run_total,
+)
 from ..profile.profiling import ModelProfile
 from ..profile.step import batch_slice, forward_loss
 
@@ -83,25 +90,35 @@ def spike_saving(profile, n: int, t: int, tp_plan: Optional[Mapping[str, str]] =
     if key not in cache:
         x, y = batch_slice(profile.example_input, profile.labels, n, t, layout=profile.layout)
         x = x.to(profile.dtype)
-        with torch.no_grad():
-            forward_loss(model, x, y)  # the neuron state takes this size
-        detector = _Detector()
+        figures = run_total(profile, _plan_of(profile), tp_plan, tp, model, lambda m: _saving_figures(m, x, y),
+                            largest=1)
+        cache[key] = SpikeSaving(**dict(zip(_SUMMED + ("largest_bytes",), figures)))
+    return cache[key]
+
+
+#: The :class:`SpikeSaving` figures that add up over the model's tensors (``largest_bytes`` is a maximum).
+_SUMMED = ("saved_bytes", "checked", "checked_bytes", "checked_numel", "packed", "packed_bytes", "packed_numel")
+
+
+def _saving_figures(model: nn.Module, x: torch.Tensor, y) -> tuple:
+    """:class:`SpikeSaving`'s figures of one forward of ``model`` on ``x`` (:data:`_SUMMED`, then ``largest_bytes``)."""
+    with torch.no_grad():
+        forward_loss(model, x, y)  # the neuron state takes this size
+    detector = _Detector()
+    with new_objects_collected():
         with saving(detector):
             loss = forward_loss(model, x, y)
         gc.collect()
-        held = detector.held()
-        state = {s.untyped_storage().data_ptr() for s in model_state_tensors(model)}  # alive anyway
-        sizes = [(nbytes, detector.binary[ptr]) for ptr, (_, nbytes) in held.items()
-                 if ptr in detector.binary and ptr not in state]
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        saved = sum(nbytes - -(-nbytes // (8 * itemsize)) for nbytes, itemsize in sizes)
-        cache[key] = SpikeSaving(saved_bytes=float(saved), largest_bytes=float(max((b for b, _ in sizes), default=0)),
-                                 checked=detector.checked[0], checked_bytes=detector.checked[1],
-                                 checked_numel=detector.checked[2], packed=len(sizes),
-                                 packed_bytes=float(sum(b for b, _ in sizes)),
-                                 packed_numel=float(sum(b / i for b, i in sizes)))
-    return cache[key]
+    held = detector.held()
+    state = {s.untyped_storage().data_ptr() for s in model_state_tensors(model)}  # alive anyway
+    sizes = [(nbytes, detector.binary[ptr]) for ptr, (_, nbytes) in held.items()
+             if ptr in detector.binary and ptr not in state]
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    saved = sum(nbytes - -(-nbytes // (8 * itemsize)) for nbytes, itemsize in sizes)
+    return (float(saved), detector.checked[0], detector.checked[1], detector.checked[2], len(sizes),
+            float(sum(b for b, _ in sizes)), float(sum(b / i for b, i in sizes)),
+            float(max((b for b, _ in sizes), default=0)))
 
 
 @dataclass
@@ -117,14 +134,29 @@ class CompressedProfile(ModelProfile):
             self.compressed[key] = _compressed_copy(self.base, tp_plan, tp)
         return key, self.compressed[key]
 
+    def repeat_cuts(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Optional[tuple]:
+        """The cuts of ``base``'s rank model (the packer wraps the whole forward: it runs every block alike)."""
+        return lever_cuts(self.base, _plan_of(self.base), tp_plan, tp)
+
+    def log_repeats(self, tp_plan: Optional[Mapping[str, str]], tp: int):
+        """The repeats of ``base``'s logged runs (the packer runs every block alike)."""
+        return lever_log_repeats(self.base, _plan_of(self.base), tp_plan, tp)
+
     def saved_and_state(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]] = None,
                         tp: int = 1) -> Tuple[float, float]:
         """Bytes a forward leaves for the backward (spikes as bits) and of neuron state, measured once per size."""
         key = (n, t) + self.rank_model(tp_plan, tp)[0]
         if key not in self.saved_state:
             x, y = batch_slice(self.example_input, self.labels, n, t, layout=self.layout)
-            self.saved_state[key] = held_after_forward(self.rank_model(tp_plan, tp)[1], x.to(self.dtype), y)
+            x = x.to(self.dtype)
+            self.saved_state[key] = run_total(self.base, _plan_of(self.base), tp_plan, tp,
+                                              self.rank_model(tp_plan, tp)[1], lambda m: held_after_forward(m, x, y))
         return self.saved_state[key]
+
+
+def _plan_of(base: ModelProfile):
+    """The checkpointed plan ``base`` measures (None: not checkpointed)."""
+    return base.plan if isinstance(base, CheckpointedProfile) else None
 
 
 def _compressed_copy(base: ModelProfile, tp_plan: Optional[Mapping[str, str]], tp: int) -> nn.Module:

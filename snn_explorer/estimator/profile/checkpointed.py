@@ -13,18 +13,20 @@ import contextlib
 import dataclasses
 import gc
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ...core.neurons import detached_copy
-from ...core.parallelize.checkpointing import apply_activation_checkpointing
+from ...core.parallelize.checkpointing import apply_activation_checkpointing, region_starts
 from ...core.vocabulary import Checkpointing
 from ..instruments.meter import StorageMeter
 from ..instruments.storage import model_state_tensors, state_tensor_ids, total_bytes
 from .profiling import ModelProfile, precision_profile
+from .repeats import Repeats, find_repeats
+from .repeats_totals import affine_total, stride_cuts, strided_repeats
 from .shape_only import step_runner
 from .step import batch_slice, forward_loss, input_as
 
@@ -48,6 +50,14 @@ class CheckpointedProfile(ModelProfile):
             apply_activation_checkpointing(copy_, self.plan, self.fsdp_units)
             self.checkpointed[key] = copy_
         return key, self.checkpointed[key]
+
+    def repeat_cuts(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Optional[Tuple[Repeats, tuple]]:
+        """The plain rank model's repeats, cut at the stride of the checkpointed regions (:func:`lever_cuts`)."""
+        return lever_cuts(self, self.plan, tp_plan, tp)
+
+    def log_repeats(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Optional[Repeats]:
+        """The plain rank model's repeats at the stride of the checkpointed regions (:func:`lever_log_repeats`)."""
+        return lever_log_repeats(self, self.plan, tp_plan, tp)
 
     def meta_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> nn.Module:
         """As :meth:`ModelProfile.meta_model`, the checkpointing applied to the meta copy of the plain rank
@@ -76,7 +86,9 @@ class CheckpointedProfile(ModelProfile):
         if key not in self.saved_state:
             x, y = batch_slice(self.example_input, self.labels, n, t, layout=self.layout)
             with self.runner(tp_plan, tp, self.shape_only) as (model, convert):
-                self.saved_state[key] = held_after_forward(model, convert(input_as(x, self.dtype)), convert(y))
+                x, y = convert(input_as(x, self.dtype)), convert(y)
+                self.saved_state[key] = run_total(self, self.plan, tp_plan, tp, model,
+                                                  lambda m: held_after_forward(m, x, y))
         return self.saved_state[key]
 
     def recompute_fraction(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]] = None, tp: int = 1) -> float:
@@ -88,12 +100,71 @@ class CheckpointedProfile(ModelProfile):
             x = input_as(x, self.dtype)
             if key not in self.plain_flops:
                 with step_runner(super().rank_model(tp_plan, tp)[1], self.shape_only) as (plain, convert):
-                    self.plain_flops[key] = _flops(plain, convert(x), convert(y))
+                    xc, yc = convert(x), convert(y)
+                    self.plain_flops[key] = run_total(self, None, tp_plan, tp, plain, lambda m: _flops(m, xc, yc))
             forward, plain_step = self.plain_flops[key]
             with self.runner(tp_plan, tp, self.shape_only) as (checkpointed, convert):
-                _, checkpointed_step = _flops(checkpointed, convert(x), convert(y))
+                xc, yc = convert(x), convert(y)
+                _, checkpointed_step = run_total(self, self.plan, tp_plan, tp, checkpointed,
+                                                 lambda m: _flops(m, xc, yc))
             self.flops[key] = (checkpointed_step - plain_step) / forward if forward else 0.0
         return self.flops[key]
+
+
+def run_total(profile: ModelProfile, plan, tp_plan: Optional[Mapping[str, str]], tp: int, model: nn.Module,
+              measure: Callable[[nn.Module], Tuple[float, ...]], largest: int = 0) -> Tuple[float, ...]:
+    """``measure(model)``, for ``model`` the rank model of ``profile`` checkpointed as ``plan`` says (None: not
+    checkpointed), and maybe wrapped further (spike compression): composed from runs cut to a few of its repeated
+    blocks (:func:`~.repeats_totals.affine_total`) where ``profile`` composes its own runs and the checkpointed
+    regions repeat with a stride, else measured on the whole model (``largest``: as for ``affine_total``)."""
+    found = lever_cuts(profile, plan, tp_plan, tp)
+    total = affine_total(model, *found, measure, largest) if found is not None else None
+    return tuple(measure(model)) if total is None else total
+
+
+def lever_cuts(profile: ModelProfile, plan, tp_plan: Optional[Mapping[str, str]],
+               tp: int) -> Optional[Tuple[Repeats, Tuple[int, int, int]]]:
+    """``(repeats, cut sizes)`` of :func:`~.repeats_totals.stride_cuts` for ``profile``'s rank model checkpointed as
+    ``plan`` says (None: not checkpointed), found on the plain rank model (a checkpointed module's forward is its
+    own, which :func:`~.repeats.signature` tells apart); None where ``profile`` does not compose its runs, the
+    model has no repeats, or the regions have no stride."""
+    found = _plain_repeats(profile, plan, tp_plan, tp)
+    cuts = None if found is None else stride_cuts(*found)
+    return None if cuts is None else (found[0], cuts)
+
+
+def lever_log_repeats(profile: ModelProfile, plan, tp_plan: Optional[Mapping[str, str]], tp: int) -> Optional[Repeats]:
+    """The repeats a logged run of ``profile``'s rank model checkpointed as ``plan`` says is composed over
+    (:func:`~.repeats_totals.strided_repeats`: each block as many repeats as the regions' stride), or None."""
+    found = _plain_repeats(profile, plan, tp_plan, tp)
+    return None if found is None else strided_repeats(*found)
+
+
+def _plain_repeats(profile: ModelProfile, plan, tp_plan, tp: int) -> Optional[tuple]:
+    """``(repeats of the plain rank model, the regions of plan)``, or None where ``profile`` does not compose its
+    runs or the model has no repeats."""
+    if profile.composed is None:
+        return None
+    plain = ModelProfile.rank_model(profile, tp_plan, tp)[1]
+    repeats = find_repeats(plain)
+    if repeats is None:
+        return None
+    return repeats, () if plan is None else region_starts(plain, plan, profile.fsdp_units)
+
+
+@contextlib.contextmanager
+def new_objects_collected() -> Iterator[None]:
+    """``gc.collect()`` inside scans only the objects made inside: those alive on entry are frozen (as the profile's
+    own runs do, ``profiling._run_point``; a full collection scans every object of the process, thousands per
+    module of a deep model), unless something froze them already."""
+    frozen = gc.get_freeze_count() == 0
+    if frozen:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if frozen:
+            gc.unfreeze()
 
 
 def held_after_forward(model: nn.Module, x: torch.Tensor, labels,
@@ -108,7 +179,7 @@ def held_after_forward(model: nn.Module, x: torch.Tensor, labels,
     state_ids = state_tensor_ids(model)
     meter = StorageMeter()
     meter.track([t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in state_ids] + [x])
-    with meter:
+    with meter, new_objects_collected():
         entry = meter.current
         loss = forward_loss(model, x, labels)
         gc.collect()
@@ -155,4 +226,4 @@ def recompute_fraction(profile: ModelProfile, plan, t: int) -> float:
     return profile.recompute_fraction(plan.per_rank_batch, t, plan.tensor_parallel_plan, plan.tp_size)
 
 
-__all__ = ["CheckpointedProfile", "levered_profile", "recompute_fraction"]
+__all__ = ["CheckpointedProfile", "levered_profile", "new_objects_collected", "lever_cuts", "lever_log_repeats", "recompute_fraction", "run_total"]

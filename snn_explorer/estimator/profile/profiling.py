@@ -164,7 +164,8 @@ class ModelProfile:
             x, y = convert(input_as(x, self.dtype)), convert(y)
             composed = None
             if self.composed is not None:
-                composed = _cut_saved_run(run_model, x, y) if saved_only else _cut_logged_run(run_model, x, y, units)
+                composed = _cut_saved_run(run_model, x, y) if saved_only else \
+                    _cut_logged_run(run_model, x, y, units, self.log_repeats(tp_plan, tp))
             return composed or _run_point(run_model, x, y, saved_only=saved_only, units=units)
 
     def logged_run(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]], tp: int, units=()) -> dict:
@@ -176,6 +177,16 @@ class ModelProfile:
             logged = set(self.logs[key]["log"].units) if key in self.logs else set(self.fsdp_units)
             self.logs[key] = self._run(n, t, tp_plan, tp, saved_only=False, units=sorted(logged | set(units)))
         return self.logs[key]
+
+    def repeat_cuts(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Optional[Tuple[Repeats, tuple]]:
+        """``(repeats, cut sizes)`` a lever variant's rank model is counted on (its regions' stride,
+        ``.checkpointed.lever_cuts``); None here: the rank model's own repeats at the default cuts."""
+        return None
+
+    def log_repeats(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Optional[Repeats]:
+        """The repeats a lever variant's logged run is composed over (``.checkpointed.lever_log_repeats``); None
+        here: the rank model's own."""
+        return None
 
     def saved_and_state(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]] = None,
                         tp: int = 1) -> Tuple[float, float]:
@@ -325,11 +336,12 @@ def _cut_saved_run(model: nn.Module, x, labels) -> Optional[dict]:
         return None
 
 
-def _cut_logged_run(model: nn.Module, x, labels, units: Sequence[str]) -> Optional[dict]:
+def _cut_logged_run(model: nn.Module, x, labels, units: Sequence[str], repeats: Optional[Repeats] = None) -> Optional[dict]:
     """The logged run of ``model`` (``log``, ``entry``, ``grads``) composed from runs cut to
-    :data:`~.repeats_log.LOG_CUTS` of its repeated blocks (:func:`~.repeats_log.compose_log`), or None where
-    it has fewer than :data:`~.repeats_log.MIN_LOG_REPEATS` or they disagree (then it runs in full)."""
-    repeats = find_repeats(model)
+    :data:`~.repeats_log.LOG_CUTS` of its repeated blocks (``repeats``, else those it has:
+    :func:`~.repeats_log.compose_log`), or None where it has fewer than :data:`~.repeats_log.MIN_LOG_REPEATS`
+    or they disagree (then it runs in full)."""
+    repeats = repeats or find_repeats(model)
     if repeats is None or repeats.count < max(repeats_log.MIN_LOG_REPEATS, LOG_CUTS[-1] + 1):
         return None
     try:

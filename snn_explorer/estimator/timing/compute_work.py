@@ -156,10 +156,13 @@ def fitted_work(points, optimizer: PhaseWork, model: torch.nn.Module) -> Work:
     return Work(*phases, optimizer, param_bytes=sum(p.numel() * p.element_size() for p in params))
 
 
-def count_work(model: torch.nn.Module, profile: ModelProfile, optimizer: str, convert=lambda x: x) -> Work:
+def count_work(model: torch.nn.Module, profile: ModelProfile, optimizer: str, convert=lambda x: x,
+               repeat_cuts: Optional[tuple] = None) -> Work:
     """Count the step of ``model`` (the model one rank runs) at the profile's :data:`SIZES` and fit it;
-    ``convert`` makes each batch the tensors ``model`` takes (fake ones for a shape-only run)."""
-    composed = cut_counted_points(model, profile, convert)
+    ``convert`` makes each batch the tensors ``model`` takes (fake ones for a shape-only run); ``repeat_cuts``:
+    ``(repeats, cuts)`` of a lever variant's model (``ModelProfile.repeat_cuts``), else its own, cut at
+    :data:`COUNT_CUTS`."""
+    composed = cut_counted_points(model, profile, convert, repeat_cuts)
     if composed is None:
         points = counted_points(model, profile, convert)
         grads = grad_names(model)
@@ -169,37 +172,40 @@ def count_work(model: torch.nn.Module, profile: ModelProfile, optimizer: str, co
     return fitted_work(points, optimizer_work(model, grads, optimizer), model)
 
 
-def cut_counted_points(model: torch.nn.Module, profile: ModelProfile, convert=lambda x: x) -> Optional[tuple]:
+def cut_counted_points(model: torch.nn.Module, profile: ModelProfile, convert=lambda x: x,
+                       repeat_cuts: Optional[tuple] = None) -> Optional[tuple]:
     """``(counted_points, parameters given a gradient)`` of a model of repeated blocks (:mod:`..profile.repeats`)
-    from passes cut to 2, 3 and 4 of them at each size: the run with 3 plus each later block's counts (the
-    difference from 2), checked to give the run with 4 (and the blocks after the first to take one input
-    signature); None where it has no repeats or they disagree (then it is counted in full)."""
-    repeats = find_repeats(model)
+    from passes cut to 2, 3 and 4 of them at each size (or ``repeat_cuts``: ``(repeats, (k1, k2, k3))``, one
+    stride apart): the run with 3 plus each later block's counts (the difference from 2), checked to give the
+    run with 4 (and the blocks after the first to take one input signature, block for block a stride apart);
+    None where it has no repeats or they disagree (then it is counted in full)."""
+    repeats, cuts = repeat_cuts if repeat_cuts is not None else (find_repeats(model), COUNT_CUTS)
     if repeats is None:
         return None
     try:
-        points = [_cut_counts(model, profile, convert, repeats, n, t) for n, t in SIZES]
-        with cut(model, repeats, COUNT_CUTS[-1]):
+        points = [_cut_counts(model, profile, convert, repeats, cuts, n, t) for n, t in SIZES]
+        with cut(model, repeats, cuts[-1]):
             grads = grad_names(model)
     except CUT_FAILURES:  # the cut runs disagree, or the forward needs all its blocks: count in full
         return None
     names = tuple(n for n, _ in model.named_parameters())
-    return points, names_as_run(names, grads, repeats, COUNT_CUTS[-1])
+    return points, names_as_run(names, grads, repeats, cuts[-1])
 
 
-def _cut_counts(model, profile: ModelProfile, convert, repeats, n: int, t: int) -> list:
+def _cut_counts(model, profile: ModelProfile, convert, repeats, cuts, n: int, t: int) -> list:
     x, y = batch_slice(profile.example_input, profile.labels, n, t, layout=profile.layout)
     x, y = convert(input_as(x, profile.dtype)), convert(y)
-    counts = []
-    for k in COUNT_CUTS:
+    counts, stride = [], cuts[1] - cuts[0]
+    for k in cuts:
         with cut(model, repeats, k), block_inputs(model, repeats, tuple(range(1, k))) as inputs:
             counts.append(counted_pass(model, x, y))
-        if any(inputs[j] != inputs[1] for j in inputs) or not inputs[1]:
+        # a checkpointed block's first child also runs in the recompute: alike blocks are a stride apart
+        if any(inputs[j] != inputs[j - stride] for j in inputs if j > stride) or not inputs[1]:
             raise NotRepeating("the repeats after the first do not all take the same input")
     short, middle, longer = counts
     if extend_counts(short, middle, 1) != longer:
         raise NotRepeating("the operator counts are not affine in the number of repeats")
-    return extend_counts(short, middle, repeats.count - COUNT_CUTS[1])
+    return extend_counts(short, middle, (repeats.count - cuts[1]) // (cuts[1] - cuts[0]))
 
 
 def counted_points(model: torch.nn.Module, profile: ModelProfile, convert=lambda x: x) -> list:
@@ -227,7 +233,7 @@ def rank_work(profile: ModelProfile, tp_plan, tp: int, optimizer: str) -> Work:
                 cache[key] = fitted_work(profile.step_counts,
                                          optimizer_work(run_model, profile.grad_params, optimizer), run_model)
             else:
-                cache[key] = count_work(run_model, profile, optimizer, convert)
+                cache[key] = count_work(run_model, profile, optimizer, convert, profile.repeat_cuts(tp_plan, tp))
     return cache[key]
 
 
