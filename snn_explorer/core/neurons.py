@@ -175,13 +175,14 @@ def detached_copy(model: nn.Module) -> nn.Module:
     Tensors a forward left behind with autograd history (a neuron's membrane, a cached input)
     cannot be deep-copied; the copy gets them detached. Works whatever the user ran before.
     """
-    memo = {id(t): t.detach().clone() for t in _tensors_with_history(model)}
+    memo = {id(t): t.detach().clone() for t in tensors_with_history(model)}
     copy_ = copy.deepcopy(model, memo)
     reset_all(copy_)
     return copy_
 
 
-def _tensors_with_history(model: nn.Module):
+def tensors_with_history(model: nn.Module):
+    """The tensors ``model``'s modules hold (in attributes, dicts, lists) that carry autograd history."""
     for module in model.modules():
         stack = list(vars(module).values())
         while stack:
