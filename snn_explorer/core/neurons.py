@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..compat import non_persistent_buffer_names, spikingjelly_memories, state_slot_table
-from .walk import memo
+from .walk import memo, modules_by_name
 
 ResetFn = Callable[[nn.Module], None]
 
@@ -166,7 +166,7 @@ def is_spiking_neuron(module: nn.Module) -> bool:
 def explicit_state_neurons(model: nn.Module) -> Tuple[str, ...]:
     """snntorch neurons created with ``init_hidden=False``: the model's ``forward`` passes their
     membrane in and gets it back (``spk, mem = lif(x, mem)``), so their state lives in ``forward``."""
-    return tuple(n for n, m in model.named_modules() if n and _is_snntorch_neuron(m) and not is_stateful(m))
+    return tuple(n for n, m in modules_by_name(model).items() if n and _is_snntorch_neuron(m) and not is_stateful(m))
 
 
 def detached_copy(model: nn.Module) -> nn.Module:
