@@ -100,3 +100,47 @@ def test_tp_estimates_with_a_shared_storage_replica_equal_those_with_a_deep_copi
             assert fast.peak_bytes > 0 and fast.step_time_s > 0 and p.tp_size == 2, (name, mode)
             for table in ("per_rank", "collectives", "time"):
                 pd.testing.assert_frame_equal(getattr(fast, table), getattr(slow, table), check_exact=True)
+
+
+def _old_fsdp_units(model) -> tuple:
+    """fsdp_units as written before the walk kept which modules hold parameters (any(module.parameters()))."""
+    has = lambda m: any(True for _ in m.parameters())  # noqa: E731
+    children = [(n, c) for n, c in model.named_children() if has(c)]
+    if len(children) == 1 and next(iter(children[0][1].children()), None) is not None:
+        name, child = children[0]
+        children = [(f"{name}.{n}", c) for n, c in child.named_children() if has(c)]
+
+    def units(path, module):
+        split = isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)) or (
+            isinstance(module, torch.nn.Sequential) and len(module) > 1
+            and any(next(iter(c.children()), None) is not None for c in module.children()))
+        if not split:
+            return (path,)
+        return tuple(u for n, c in module.named_children() if has(c)
+                     for u in (units(f"{path}.{n}", c) if isinstance(c, (torch.nn.ModuleList, torch.nn.ModuleDict))
+                               else (f"{path}.{n}",)))
+    return tuple(u for path, child in children for u in units(path, child))
+
+
+def test_analysis_from_one_walk_of_parameters_equals_the_direct_walks():
+    """analyze()'s trainable count, tied-weight groups, trainable pipeline units and FSDP2 units, read from one
+    memoized walk of the model's parameters, equal those computed by walking the model directly, on the zoo
+    models, a deep MLP with a frozen layer and a tied-embedding spiking LLM."""
+    for name, model, _, _ in _cases():
+        if name == "deep mlp":
+            model.net[0].weight.requires_grad_(False)
+        analysis = se.analyze(model)
+        assert analysis.trainable_parameters == sum(p.numel() for p in model.parameters() if p.requires_grad) > 0
+        groups = {}
+        for path, param in model.named_parameters(remove_duplicate=False):
+            groups.setdefault(id(param), []).append(path)
+        assert analysis.shared_parameter_groups == tuple(tuple(g) for g in groups.values() if len(g) > 1), name
+        holders = {".".join(n.split(".")[:i]) for n, p in model.named_parameters(remove_duplicate=False)
+                   if p.requires_grad for i in range(1, len(n.split(".")))}
+        assert analysis.trainable_units == tuple(u for u in analysis.pipeline_units if u in holders), name
+        assert analysis.fsdp_unit_names == _old_fsdp_units(model) and analysis.fsdp_unit_names, name
+        assert analysis.explicit_state_names == tuple(
+            n for n, m in model.named_modules() if n and "snntorch" in type(m).__module__
+            and not getattr(m, "init_hidden", True)), name
+    assert se.analyze(_cases().__next__()[1]).shared_parameter_groups == ()
+    assert any(se.analyze(m).shared_parameter_groups for n, m, _, _ in _cases() if n == "tied llm")
