@@ -31,7 +31,7 @@ from .structure import (
     paired_layers,
     under,
 )
-from .walk import modules_by_name, one_walk
+from .walk import modules_by_name, named_parameters_all, one_walk, trainable_count
 
 #: Analysis fields that hold module paths, and those that hold tuples of them (chains, (path, library)).
 _PATHS = ("memory_module_names", "tensor_parallel_candidate_names", "unsupported_tensor_parallel_names", "notes",
@@ -220,7 +220,7 @@ def _has_per_feature_state(module: nn.Module) -> bool:
 def shared_parameters(model: nn.Module) -> Tuple[Tuple[str, ...], ...]:
     """Groups of parameter paths that name one shared (tied) parameter."""
     groups = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
+    for name, param in named_parameters_all(model):
         groups.setdefault(id(param), []).append(name)
     return tuple(tuple(g) for g in groups.values() if len(g) > 1)
 
@@ -354,7 +354,7 @@ def _analysis(model: nn.Module, model_family, roots, layout, layout_how, notes) 
         block_conv_chains=block_runs,
         branch_attention_blocks=branch_attention_blocks(model, roots, memory),
         shared_parameter_groups=shared_parameters(model),
-        trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        trainable_parameters=trainable_count(model),
         explicit_state_names=explicit,
         state_kinds=tuple(scan.kinds),
         pipeline_units=units,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..compat import non_persistent_buffer_names, spikingjelly_memories, state_slot_table
-from .walk import memo
+from .walk import memo, modules_by_name
 
 ResetFn = Callable[[nn.Module], None]
 
@@ -166,7 +166,7 @@ def is_spiking_neuron(module: nn.Module) -> bool:
 def explicit_state_neurons(model: nn.Module) -> Tuple[str, ...]:
     """snntorch neurons created with ``init_hidden=False``: the model's ``forward`` passes their
     membrane in and gets it back (``spk, mem = lif(x, mem)``), so their state lives in ``forward``."""
-    return tuple(n for n, m in model.named_modules() if n and _is_snntorch_neuron(m) and not is_stateful(m))
+    return tuple(n for n, m in modules_by_name(model).items() if n and _is_snntorch_neuron(m) and not is_stateful(m))
 
 
 def detached_copy(model: nn.Module) -> nn.Module:
@@ -175,13 +175,14 @@ def detached_copy(model: nn.Module) -> nn.Module:
     Tensors a forward left behind with autograd history (a neuron's membrane, a cached input)
     cannot be deep-copied; the copy gets them detached. Works whatever the user ran before.
     """
-    memo = {id(t): t.detach().clone() for t in _tensors_with_history(model)}
+    memo = {id(t): t.detach().clone() for t in tensors_with_history(model)}
     copy_ = copy.deepcopy(model, memo)
     reset_all(copy_)
     return copy_
 
 
-def _tensors_with_history(model: nn.Module):
+def tensors_with_history(model: nn.Module):
+    """The tensors ``model``'s modules hold (in attributes, dicts, lists) that carry autograd history."""
     for module in model.modules():
         stack = list(vars(module).values())
         while stack:

@@ -17,6 +17,7 @@ from torch import nn
 from .modes import names_text
 from .structure import forward_chain, is_plain_sequential
 from .styles import SHARDED, STYLES
+from .walk import named_parameters_all
 
 # ---- the model's sequence of units ---------------------------------------------------------------
 
@@ -202,7 +203,7 @@ def units_problem(units: Sequence[str], problem: str, stages: int, what: str) ->
 def trainable_units(model: nn.Module, units: Sequence[str]) -> Tuple[str, ...]:
     """The ``units`` (module paths) that hold a parameter requiring grad."""
     holders = set()  # every module path above a trainable parameter
-    for name, param in model.named_parameters(remove_duplicate=False):
+    for name, param in named_parameters_all(model):
         if param.requires_grad:
             parts = name.split(".")
             holders.update(".".join(parts[:i]) for i in range(1, len(parts)))

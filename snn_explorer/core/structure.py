@@ -42,7 +42,7 @@ def _state_kept(model: nn.Module):
     """Leaves every module's attributes, buffers and parameters as found: tracing runs the root's
     forward for real, and calls it makes on its children (a tutorial-style ``lif.init_leaky()``)
     may replace their state."""
-    saved = [(m, dict(m.__dict__), dict(m._buffers), dict(m._parameters)) for m in model.modules()]
+    saved = [(m, dict(m.__dict__), dict(m._buffers), dict(m._parameters)) for m in modules_by_name(model).values()]
     try:
         yield
     finally:

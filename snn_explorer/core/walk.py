@@ -42,3 +42,22 @@ def memo(key: tuple, compute: Callable[[], T]) -> T:
 def modules_by_name(model: nn.Module) -> dict:
     """``dict(model.named_modules())``, walked once per walk."""
     return memo(("modules", id(model)), lambda: dict(model.named_modules()))
+
+
+def named_parameters_all(model: nn.Module) -> list:
+    """``list(model.named_parameters(remove_duplicate=False))`` (a shared parameter under each of its
+    paths), walked once per walk."""
+    return memo(("parameters", id(model)), lambda: list(model.named_parameters(remove_duplicate=False)))
+
+
+def holds_parameters(module: nn.Module) -> bool:
+    """Whether ``module`` or a module under it holds a parameter (``any(module.parameters())``),
+    each module's answer computed once per walk."""
+    return memo(("holds", id(module)), lambda: any(p is not None for p in module._parameters.values())
+                or any(holds_parameters(c) for c in module._modules.values() if c is not None))
+
+
+def trainable_count(model: nn.Module) -> int:
+    """Elements of the parameters that require grad, each shared parameter once."""
+    unique = {id(p): p for _, p in named_parameters_all(model)}
+    return sum(p.numel() for p in unique.values() if p.requires_grad)

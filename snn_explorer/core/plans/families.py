@@ -5,6 +5,8 @@ from typing import Optional, Tuple
 
 from torch import nn
 
+from ..walk import holds_parameters, modules_by_name
+
 GENERIC = "generic"
 VGG = "cifar10dvs_vgg"
 SPIKFORMER = "spikformer"
@@ -33,7 +35,7 @@ def _from_name(name: str) -> Optional[str]:
 
 
 def _from_structure(model: nn.Module) -> Optional[str]:
-    for module in model.modules():
+    for module in modules_by_name(model).values():
         family = _from_name(type(module).__name__)
         if family not in (None, GENERIC):
             return family
@@ -57,7 +59,7 @@ def resolve_family(model: Optional[nn.Module], name: Optional[str]) -> Tuple[str
 
 
 def _has_params(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters())
+    return holds_parameters(module)
 
 
 #: Containers without a ``forward`` of their own: never an FSDP2 unit, their items are.
