@@ -25,7 +25,7 @@ from typing import Dict, Iterator, Optional
 
 import torch
 
-from ..instruments.isolation import collected, one_thread
+from ..instruments.isolation import collector_paused, one_thread
 from ..instruments.op_counter import OpCounter, grad_names
 from ..profile.profiling import SIZES, Fit, ModelProfile
 from ..profile.repeats import CUT_FAILURES, NotRepeating, block_inputs, cut, extend_counts, find_repeats, names_as_run
@@ -296,7 +296,7 @@ def local_correction(profile: ModelProfile, work: Work, hw: HardwareProfile, opt
     model, n, t = profile.model, profile.example_input.shape[1], profile.example_input.shape[0]
     x, y = batch_slice(profile.example_input, profile.labels, n, t, layout=profile.layout)
     x = x.to(profile.dtype)
-    with one_thread(), collected():  # one collection before all timed steps
+    with one_thread(), collector_paused():  # no collection timed as a step
         times = composed_step(model, x, y, optimizer) or timed_step(model, x, y, optimizer)
     itemsize = profile.compute_itemsize
     cache[key] = {p: times[p] / max(work.phase(p).seconds(hw, n, t, itemsize), 1e-9) for p in PHASES}
