@@ -1,78 +1,100 @@
-"""A copy of a model that shares its parameters' storage: the structure copied, no weight copied.
+"""Copies of a module tree without ``copy.deepcopy``'s generic machinery per module.
 
-:func:`shared_storage_copy` builds what :func:`~.neurons.detached_copy` builds (every module a new
-object, fresh neuron state, buffers and other tensors copied, hooks and attributes copied as
-``copy.deepcopy`` copies them) except that each parameter becomes a new ``nn.Parameter`` over the
-same storage: a copy whose layers the caller replaces or cuts (the estimator's TP replica) and that
-runs forward and backward without writing the weights (its gradients are its own parameters').
+``copy.deepcopy`` of an ``nn.Module`` reduces every module (``__reduce_ex__``) and rebuilds each of its dozen
+hook and registry dictionaries through the same generic protocol: about 0.2 ms per module here, 2 s for a model
+of 10,000 modules. The walk here does the same for the modules whose class copies the default way
+(``nn.Module``'s ``__getstate__``, the class's ``__setstate__``, no ``__deepcopy__``, ``copyreg`` entry or
+slots): a new instance, its state copied entry by entry (empty hook dictionaries made anew, plain dicts, lists,
+tuples and sets rebuilt). What happens to tensors is the caller's choice:
 
-Module trees are walked here rather than by ``copy.deepcopy``, which visits every one of the dozen
-hook dictionaries of every module through its generic reduce protocol; everything that is neither
-a module, a parameter nor a plain container goes to ``copy.deepcopy`` with the same memo, so that
-objects reached twice are copied once, as ``copy.deepcopy`` does.
+- :func:`deep_copy_module`: every tensor goes to ``copy.deepcopy`` with the same memo, so the result equals
+  ``copy.deepcopy(module, memo)`` (shared tensors and storages stay shared as it keeps them);
+- :func:`copy_sharing_parameters`: each parameter becomes a new ``nn.Parameter`` over the same storage (its
+  gradients its own), tensors with autograd history are detached and cloned, other whole-storage tensors cloned.
+
+Any other module class or value goes to ``copy.deepcopy`` with the same memo, so objects reached twice are
+copied once. Neuron state is not reset here (:func:`~.neurons.detached_copy`, :func:`~.neurons.shared_storage_copy`).
 """
 from __future__ import annotations
 
 import copy
+import copyreg
 import functools
 from collections import OrderedDict
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-from .neurons import reset_all
-
 _PLAIN_DICTS = (dict, OrderedDict)
 #: immutable values every copy shares (``copy.deepcopy`` returns them as they are)
-_ATOMS = frozenset({type(None), bool, int, float, str, torch.dtype, torch.device})
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device})
+#: how a tensor is copied: a copy, or None to leave it to ``copy.deepcopy``
+TensorCopy = Callable[[torch.Tensor], Optional[torch.Tensor]]
 
 
-def shared_storage_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` with fresh neuron state whose parameters share ``model``'s storage (see
-    the module doc); ``model`` itself is not touched."""
-    copy_ = _copy(model, {})
-    reset_all(copy_)
-    return copy_
+def deep_copy_module(module: nn.Module, memo: Optional[dict] = None) -> nn.Module:
+    """``copy.deepcopy(module, memo)``, built by the walk of the module doc."""
+    return _copy(module, {} if memo is None else memo, lambda t: None)
 
 
-def _copy(value, memo: dict):
+def copy_sharing_parameters(module: nn.Module, memo: Optional[dict] = None) -> nn.Module:
+    """A copy of ``module`` whose parameters are new ``nn.Parameter`` objects over ``module``'s storage (see the
+    module doc); ``module`` itself is not touched."""
+    return _copy(module, {} if memo is None else memo, _shared_tensor)
+
+
+def _copy(value, memo: dict, tensor_copy: TensorCopy):
     kind = type(value)
     if kind in _ATOMS:
         return value
     found = memo.get(id(value))
     if found is not None:
         return found
-    if kind is nn.Parameter:
-        out = nn.Parameter(value.detach(), requires_grad=value.requires_grad)
-    elif isinstance(value, torch.Tensor) and value.grad_fn is not None:  # left by a forward: detached
-        out = value.detach().clone()
-    elif kind is torch.Tensor and _whole_storage(value):
-        out = value.detach().clone().requires_grad_(value.requires_grad)
+    if isinstance(value, torch.Tensor):
+        out = tensor_copy(value)
+        if out is None:
+            return copy.deepcopy(value, memo)
     elif isinstance(value, nn.Module) and _plain_module(kind):
         out = kind.__new__(kind)
         memo[id(value)] = out  # before its children: a child may point back at it
-        out.__setstate__(_module_state(value, memo))
+        out.__setstate__(_module_state(value, memo, tensor_copy))
         return out
     elif kind in _PLAIN_DICTS:
-        out = kind({k: _copy(v, memo) for k, v in value.items()}) if value else kind()
+        out = kind()
+        memo[id(value)] = out
+        for key, item in value.items():
+            out[_copy(key, memo, tensor_copy)] = _copy(item, memo, tensor_copy)
+        return out
     elif kind is list or kind is tuple or kind is set:
-        out = kind([_copy(v, memo) for v in value])
+        out = kind([_copy(v, memo, tensor_copy) for v in value])
     else:
         return copy.deepcopy(value, memo)
     memo[id(value)] = out
     return out
 
 
-def _module_state(module: nn.Module, memo: dict) -> dict:
+def _module_state(module: nn.Module, memo: dict, tensor_copy: TensorCopy) -> dict:
     """``module``'s state copied by :func:`_copy`, its many empty hook dictionaries made anew directly."""
-    state = module.__getstate__()
+    state = {key: value for key, value in module.__dict__.items() if key != "_compiled_call_impl"}
     for key, value in state.items():
         kind = type(value)
         if kind in _PLAIN_DICTS and not value:
             state[key] = kind()
         elif kind not in _ATOMS:
-            state[key] = _copy(value, memo)
+            state[key] = _copy(value, memo, tensor_copy)
     return state
+
+
+def _shared_tensor(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """:func:`copy_sharing_parameters`'s copy of a tensor (None: ``copy.deepcopy``'s)."""
+    if type(tensor) is nn.Parameter:
+        return nn.Parameter(tensor.detach(), requires_grad=tensor.requires_grad)
+    if tensor.grad_fn is not None:  # left by a forward: detached
+        return tensor.detach().clone()
+    if type(tensor) is torch.Tensor and _whole_storage(tensor):
+        return tensor.detach().clone().requires_grad_(tensor.requires_grad)
+    return None
 
 
 def _whole_storage(tensor: torch.Tensor) -> bool:
@@ -81,13 +103,15 @@ def _whole_storage(tensor: torch.Tensor) -> bool:
     return (tensor._base is None and tensor.layout == torch.strided
             and tensor.is_contiguous() and tensor.storage_offset() == 0
             and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
-            and tensor.grad is None and not tensor.__dict__ and not tensor.is_quantized and tensor.device.type in ("cpu", "cuda"))
+            and tensor.grad is None and not tensor.__dict__ and not tensor.is_quantized
+            and tensor.device.type in ("cpu", "cuda"))
 
 
 @functools.lru_cache(maxsize=None)
 def _plain_module(kind: type) -> bool:
     """Whether ``copy.deepcopy`` copies instances of ``kind`` as :func:`_copy` does: through
     ``nn.Module``'s own ``__getstate__`` and the class's ``__setstate__``, with no copy hooks or slots."""
-    return (getattr(kind, "__deepcopy__", None) is None and kind.__reduce_ex__ is object.__reduce_ex__
-            and kind.__reduce__ is object.__reduce__ and kind.__getstate__ is nn.Module.__getstate__
+    return (getattr(kind, "__deepcopy__", None) is None and kind not in copyreg.dispatch_table
+            and kind.__reduce_ex__ is object.__reduce_ex__ and kind.__reduce__ is object.__reduce__
+            and kind.__getstate__ is nn.Module.__getstate__
             and not any("__slots__" in vars(k) for k in kind.__mro__))

@@ -6,7 +6,6 @@ snntorch spiking neurons created with ``init_hidden=True``, and any class regist
 """
 from __future__ import annotations
 
-import copy
 import functools
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -14,6 +13,7 @@ import torch
 from torch import nn
 
 from ..compat import non_persistent_buffer_names, spikingjelly_memories, state_slot_table
+from .module_copy import copy_sharing_parameters, deep_copy_module
 from .walk import memo, modules_by_name
 
 ResetFn = Callable[[nn.Module], None]
@@ -176,7 +176,16 @@ def detached_copy(model: nn.Module) -> nn.Module:
     cannot be deep-copied; the copy gets them detached. Works whatever the user ran before.
     """
     memo = {id(t): t.detach().clone() for t in tensors_with_history(model)}
-    copy_ = copy.deepcopy(model, memo)
+    copy_ = deep_copy_module(model, memo)
+    reset_all(copy_)
+    return copy_
+
+
+def shared_storage_copy(model: nn.Module) -> nn.Module:
+    """:func:`detached_copy` whose parameters share ``model``'s storage (new ``nn.Parameter`` objects, their
+    gradients their own; :func:`~.module_copy.copy_sharing_parameters`): a copy whose layers the caller replaces or
+    cuts (the estimator's TP replica), running forward and backward without writing ``model``'s weights."""
+    copy_ = copy_sharing_parameters(model)
     reset_all(copy_)
     return copy_
 

@@ -385,6 +385,26 @@ def _fit(points, get) -> Fit:
     return Fit.of(*(float(get(p)) for p in points))
 
 
+#: The per-module records :func:`_module_profiles` fits, in :class:`ModuleProfile`'s order.
+_FITTED = ("saved", "state", "calls", "ins", "outs")
+
+
+def _module_profiles(points: list) -> Dict[str, ModuleProfile]:
+    """Each module's :class:`ModuleProfile` from the runs at :data:`SIZES`; modules with the same records (the
+    blocks of a repeated chain) share one (frozen) object, fitted once."""
+    names = set().union(*(p["calls"] for p in points), *(p["saved"] for p in points))
+    alike: Dict[tuple, ModuleProfile] = {}
+    modules = {}
+    for name in names:
+        fitted = tuple(tuple(float(p[record].get(name, 0)) for p in points) for record in _FITTED)
+        key = fitted + (any(p["rg"].get(name, False) for p in points), points[-1]["isz"].get(name, 0))
+        if key not in alike:
+            alike[key] = ModuleProfile(*(Fit.of(*values) for values in key[:len(_FITTED)]),
+                                       input_requires_grad=key[-2], in_itemsize=key[-1])
+        modules[name] = alike[key]
+    return modules
+
+
 def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optional[torch.Tensor] = None,
                     dtype: Optional[torch.dtype] = None, layout: DataLayout = TIME_MAJOR,
                     precision: Precision = FP32, gathered: bool = False,
@@ -415,19 +435,7 @@ def measure_profile(model: nn.Module, example_input: torch.Tensor, labels: Optio
         by_size, grad_names_, composed = _profile_runs(run_model, convert, example_input, labels, dtype, layout,
                                                        on_progress, find_repeats(run_model) if repeats else None)
     points = [by_size[size] for size in SIZES]
-    names = set().union(*(p["calls"] for p in points), *(p["saved"] for p in points))
-    modules = {}
-    for name in names:
-        modules[name] = ModuleProfile(
-            saved=_fit(points, lambda p: p["saved"].get(name, 0)),
-            state=_fit(points, lambda p: p["state"].get(name, 0)),
-            calls=_fit(points, lambda p: p["calls"].get(name, 0)),
-            in_elems=_fit(points, lambda p: p["ins"].get(name, 0)),
-            out_elems=_fit(points, lambda p: p["outs"].get(name, 0)),
-            input_requires_grad=any(p["rg"].get(name, False) for p in points),
-            in_itemsize=points[-1]["isz"].get(name, 0),
-        )
-    return ModelProfile(modules=modules, input_bytes=_fit(points, lambda p: p["input"]),
+    return ModelProfile(modules=_module_profiles(points), input_bytes=_fit(points, lambda p: p["input"]),
                         grad_ready_order=points[-1]["order"], dtype=dtype,
                         params=trainable_shapes(model), buffers=plain_buffers(model), fsdp_units=fsdp_units(model),
                         norm_layers=norm_layer_paths(model),

@@ -22,7 +22,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from ...core.module_copy import shared_storage_copy
+from ...core.neurons import shared_storage_copy
 from ...core.styles import STYLES
 
 
@@ -99,7 +99,7 @@ _CUTS = {"outputs": _cut_outputs, "inputs": _cut_inputs, "norm": _cut_norm, "hea
 
 def tp_replica(model: nn.Module, tp_plan: Mapping[str, str], tp: int) -> nn.Module:
     """A copy of ``model`` computing what one rank of ``tp`` computes under ``tp_plan`` (see module doc).
-    The layers it leaves whole share ``model``'s parameter storage (:func:`~...core.module_copy.shared_storage_copy`):
+    The layers it leaves whole share ``model``'s parameter storage (:func:`~...core.neurons.shared_storage_copy`):
     the replica only runs forward and backward, which read weights and write its own gradients."""
     unknown = sorted({s for s in tp_plan.values() if s not in STYLES})
     if unknown:
