@@ -1,5 +1,8 @@
+import gc
 import os
 import sys
+
+import pytest
 
 # Make helper modules in tests/ (e.g. distributed_harness) importable from test files.
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -9,3 +12,27 @@ if _TESTS_DIR not in sys.path:
 # estimate() without hardware= would calibrate this machine on spawned ranks (seconds, and timing
 # noise on a shared machine); tests predict step time on a datasheet profile unless they pass one.
 os.environ.setdefault("SNN_EXPLORER_HARDWARE", "A100-SXM-80GB")
+
+# The library collects garbage around its memory measurements (gc.collect() in the estimator's profile runs):
+# a full collection walks every object alive in this process (torch, pandas, pytest, the test modules), 0.3-0.5 s
+# each here, and one estimate can run several. Before each test, what is alive is collected and then frozen
+# (gc.freeze: moved to the permanent generation), so the collections during the test walk only what it creates.
+# Garbage cycles among frozen objects wait for a full collection: at a module boundary once the frozen objects
+# grew by a quarter since the last one (the growth at which Python's own collector runs a full collection).
+_FULL_COLLECTION = {"frozen": 0, "pending": True}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    gc.collect()
+    gc.freeze()
+    if _FULL_COLLECTION["pending"]:
+        _FULL_COLLECTION.update(frozen=gc.get_freeze_count(), pending=False)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    if (nextitem is None or nextitem.module is not item.module) \
+            and gc.get_freeze_count() > 1.25 * _FULL_COLLECTION["frozen"]:
+        gc.unfreeze()  # the next setup's collection is a full one
+        _FULL_COLLECTION["pending"] = True

@@ -11,6 +11,7 @@ from distributed_harness import run_on_ranks
 from torch import nn
 
 import snn_explorer as se
+from snn_explorer.core import distribute
 from snn_explorer.core.plan_types import topology_problem
 from snn_explorer.zoo import build
 
@@ -62,8 +63,23 @@ def _check_refusal(message: str, mode, topology) -> None:
         assert f"tp={topology.size('tp')}" in reason or "no Linear" in reason, message
 
 
-def test_every_plan_applies_or_raises_clearly():
+def _analysed_once(analyze):
+    """``analyze`` computing each (model, arguments) once: preflight analyses the model of every plan it checks,
+    and these models do not change (the analysis is a frozen dataclass)."""
+    seen = {}
+
+    def once(model, **kwargs):
+        key = (id(model), repr(sorted(kwargs.items())))
+        if key not in seen:
+            seen[key] = analyze(model, **kwargs)
+        return seen[key]
+
+    return once
+
+
+def test_every_plan_applies_or_raises_clearly(monkeypatch):
     models = {f: build(name).model for f, name in FAMILY_MODELS.items()}
+    monkeypatch.setattr(distribute, "analyze", _analysed_once(distribute.analyze))  # the models stay alive here
     analyses = {f: se.analyze(m, model_family=f) for f, m in models.items()}
     counts = {"planned": 0, "refused": 0}
     checked = set()  # plans of one model equal but for their objective and words pass apply's checks alike

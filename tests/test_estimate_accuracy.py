@@ -6,14 +6,20 @@ is the same estimated and measured. The collective recorder agrees with torch's 
 """
 import pytest
 import torch
+from distributed_harness import run_on_ranks
 from models import dominant_classifier, wide_jelly
 from torch import nn
 
 import snn_explorer as se
 from snn_explorer.estimator import compare_estimate, enumerate_plans, estimate, measure_many
+from snn_explorer.estimator.measurement.plan_measurement import assemble_measurements, measure_on_rank
+from snn_explorer.estimator.measurement.settings import measure_settings
 from snn_explorer.zoo import SpikingMLP, build
 
+pytestmark = pytest.mark.timeout(900)  # the first test of a world size measures every case of it
+
 PEAK_TOL = 0.10
+STEPS = 2  # training steps before the measured one
 EXACT = ("params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes")
 
 
@@ -37,7 +43,8 @@ BUILDERS = {"padded": _padded_mlp, "plain": _plain, "wide_jelly": wide_jelly, "d
 EXPERIMENTAL = se.DistributedFeatureSet(allow_experimental_conv_tp=True, allow_experimental_spikformer_tp=True)
 
 
-def _case(name, world, objectives=("speed",), optimizer="adam", features=None):
+def _setup(name, world, objectives=("speed",), optimizer="adam", features=None):
+    """(model, plans, measure settings, input, labels) of one case: its plans of every objective, pp plans left out."""
     if name in BUILDERS:
         model, x, y = BUILDERS[name]()
         family = "generic"
@@ -49,9 +56,29 @@ def _case(name, world, objectives=("speed",), optimizer="adam", features=None):
                                                                objective=obj, features=features)]
     plans = list(dict.fromkeys(p for p in plans if (features is None or p.tp_size > 1)
                                and not p.uses_pp))  # measure() refuses pp plans
-    measured = measure_many(model, plans, example_input=x, labels=y, steps=2, optimizer=optimizer, timeout=240)
-    estimated = [estimate(model, p, example_input=x, labels=y, optimizer=optimizer) for p in plans]
-    return list(zip(plans, estimated, measured))
+    return model, plans, measure_settings(model, plans, x, y, STEPS, optimizer, None, 1e-3, "cpu"), x, y
+
+
+def _measure_cases(cases):
+    """On each rank: what measure_many's ranks return, for every (model, plans, settings) case in turn."""
+    return [measure_on_rank(model, plans, run) for model, plans, run in cases]
+
+
+def _measure(setups):
+    """key -> measure_many(model, plans, ...) of each case; the cases of one world size share one spawn of ranks."""
+    measured = {}
+    for world in sorted({CASES[k][1] for k in setups}):
+        keys = [k for k in setups if CASES[k][1] == world]
+        if world == 1:  # measure_many runs it in this process
+            for k in keys:
+                model, plans, run, x, y = setups[k]
+                measured[k] = measure_many(model, plans, example_input=x, labels=y, steps=STEPS,
+                                           optimizer=CASES[k][3], timeout=240)
+            continue
+        per_rank = run_on_ranks(_measure_cases, world, [setups[k][:3] for k in keys], timeout=840)
+        for i, k in enumerate(keys):
+            measured[k] = assemble_measurements(setups[k][1], [rank[i] for rank in per_rank], setups[k][2])
+    return measured
 
 
 CASES = {
@@ -72,8 +99,15 @@ _RESULTS = {}
 
 
 def results(key):
+    """(plan, estimate, measurement) of each plan of case ``key``; the first call measures every case of its
+    world size (one spawn of ranks for them all)."""
     if key not in _RESULTS:
-        _RESULTS[key] = _case(*CASES[key])
+        world = CASES[key][1]
+        setups = {k: _setup(*CASES[k]) for k in CASES if CASES[k][1] == world and k not in _RESULTS}
+        for k, measured in _measure(setups).items():
+            model, plans, run, x, y = setups[k]
+            estimated = [estimate(model, p, example_input=x, labels=y, optimizer=CASES[k][3]) for p in plans]
+            _RESULTS[k] = list(zip(plans, estimated, measured))
     return _RESULTS[key]
 
 

@@ -67,9 +67,11 @@ print(json.dumps(out))
 
 def test_estimates_identical_in_fresh_processes():
     """Saved-activation attribution once depended on which addresses the allocator reused."""
-    runs = [subprocess.run([sys.executable, "-c", _DUMP], capture_output=True, text=True, timeout=300, check=True)
-            for _ in range(3)]
-    tables = [json.loads(r.stdout) for r in runs]
+    runs = [subprocess.Popen([sys.executable, "-c", _DUMP], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(3)]  # side by side: each its own process and allocator
+    outputs = [r.communicate(timeout=300) for r in runs]
+    assert [r.returncode for r in runs] == [0, 0, 0], [err[-2000:] for _, err in outputs]
+    tables = [json.loads(out) for out, _ in outputs]
     assert len(tables[0]) >= 5 and any(row[5] > 0 for t in tables[0].values() for row in t)
     assert tables[0] == tables[1] == tables[2]
 

@@ -290,10 +290,16 @@ def measure_many(model: nn.Module, plans: Sequence[SNNDistributedPlan], *, examp
         else:
             per_rank = ranks.run(measure_on_rank, (model, group, run), nprocs=world, backend=backend,
                                  timeout=timeout, progress=progress).values
-        for j, i in enumerate(idx):
-            out[i] = dataclasses.replace(_assemble(plans[i], [r[j] for r in per_rank], steps),
-                                         data_layout=run.layout, data_layout_how=run.layout_how)
+        out.update(zip(idx, assemble_measurements(group, per_rank, run)))
     return [out[i] for i in range(len(plans))]
+
+
+def assemble_measurements(plans: Sequence[SNNDistributedPlan], per_rank: Sequence[List[dict]],
+                          run: MeasureSettings) -> List[PlanMeasurement]:
+    """One :class:`PlanMeasurement` per plan from what ``measure_on_rank(model, plans, run)`` returned on
+    each rank of one group (``per_rank``, in rank order)."""
+    return [dataclasses.replace(_assemble(plan, [r[j] for r in per_rank], run.steps), data_layout=run.layout,
+                                data_layout_how=run.layout_how) for j, plan in enumerate(plans)]
 
 
 def _measure_single(model, plans, run: MeasureSettings, backend: str):
