@@ -32,7 +32,7 @@ def pytest_runtest_setup(item):
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
-    if (nextitem is None or nextitem.module is not item.module) \
+    if (getattr(nextitem, "module", None) is not getattr(item, "module", None)) \
             and gc.get_freeze_count() > 1.25 * _FULL_COLLECTION["frozen"]:
         gc.unfreeze()  # the next setup's collection is a full one
         _FULL_COLLECTION["pending"] = True

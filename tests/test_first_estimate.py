@@ -19,38 +19,48 @@ from snn_explorer.zoo import SpikingMLP, build
 _CODE = (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType)
 
 
-def _same(a, b, storages: dict, path: str = "model") -> None:
-    """``a`` (one copy) and ``b`` (another) hold equal values, types and attributes, and share tensor storages
-    alike (``storages`` maps a's storage pointers to b's, one to one, and holds the pairs compared)."""
+_ATOMIC = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device)
+
+
+def _paired(pairs: dict, kind: str, a_key, b_key, path: str) -> bool:
+    """Records that ``a_key`` (of one copy) goes with ``b_key`` (of the other), one to one both ways, and says
+    whether the pair was seen before; a key paired with another before fails the test."""
+    seen = ("a", kind, a_key) in pairs
+    assert pairs.setdefault(("a", kind, a_key), b_key) == b_key, f"{path}: {kind} shared differently"
+    assert pairs.setdefault(("b", kind, b_key), a_key) == a_key, f"{path}: {kind} shared differently"
+    return seen
+
+
+def _same(a, b, pairs: dict, path: str = "model") -> None:
+    """``a`` (one copy) and ``b`` (another) hold equal values, types and attributes, and share objects and tensor
+    storages alike (``pairs`` maps each side's object ids and storage pointers to the other's, one to one)."""
     assert type(a) is type(b), path
-    if (id(a), id(b)) in storages:  # compared already (modules refer to each other through bound methods)
-        return
-    storages[id(a), id(b)] = True
+    if not isinstance(a, _ATOMIC + _CODE) and _paired(pairs, "object", id(a), id(b), path):
+        return  # compared already (modules refer to each other through bound methods)
     if isinstance(a, types.MethodType):
         assert a.__func__ is b.__func__, path
-        _same(a.__self__, b.__self__, storages, f"{path}.__self__")
+        _same(a.__self__, b.__self__, pairs, f"{path}.__self__")
         return
     if isinstance(a, torch.Tensor):
         assert (a.shape, a.dtype, a.stride(), a.storage_offset(), a.requires_grad) == \
             (b.shape, b.dtype, b.stride(), b.storage_offset(), b.requires_grad), path
         assert torch.equal(a, b), path
-        ptr_a, ptr_b = a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()
-        assert storages.setdefault(ptr_a, ptr_b) == ptr_b, f"{path}: storages shared differently"
+        _paired(pairs, "storage", a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr(), path)
         return
     if isinstance(a, (dict, list, tuple, set)):
         assert len(a) == len(b), path
         if isinstance(a, dict):
             assert list(a) == list(b), path
             for key in a:
-                _same(a[key], b[key], storages, f"{path}[{key!r}]")
+                _same(a[key], b[key], pairs, f"{path}[{key!r}]")
         elif isinstance(a, set):
             assert a == b, path
         else:
             for i, (x, y) in enumerate(zip(a, b)):
-                _same(x, y, storages, f"{path}[{i}]")
+                _same(x, y, pairs, f"{path}[{i}]")
         return
     if hasattr(a, "__dict__") and not isinstance(a, _CODE):
-        _same(vars(a), vars(b), storages, path)
+        _same(vars(a), vars(b), pairs, path)
         return
     assert a == b or a is b, path
 
@@ -58,6 +68,15 @@ def _same(a, b, storages: dict, path: str = "model") -> None:
 def _pointers(model) -> set:
     """The storages of ``model``'s parameters and buffers (empty ones hold none)."""
     return {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())} - {0}
+
+
+def _sharing_containers() -> nn.Sequential:
+    """Two modules sharing a list that reaches back to it (through a module holding it) and an empty dict."""
+    first, second = nn.Linear(2, 2), nn.Linear(2, 2)
+    first.cache = second.cache = {}
+    first.others = [second]
+    second.others = first.others
+    return nn.Sequential(first, second)
 
 
 class _Tied(nn.Module):
@@ -81,11 +100,14 @@ def test_module_copy_equals_deepcopy():
     torch.manual_seed(0)
     tied = _Tied()
     tied.a.register_forward_hook(lambda *args: None)
-    models = [build(name).model for name in ("mlp", "mlp_all_steps", "spikformer")] + [wide_jelly()[0], tied]
+    models = [build(name).model for name in ("mlp", "mlp_all_steps", "spikformer")] + [wide_jelly()[0], tied,
+                                                                                       _sharing_containers()]
     for model in models:
         fast, slow = deep_copy_module(model), copy.deepcopy(model)
         _same(fast, slow, {})
         assert not _pointers(model) & _pointers(fast)
+    fast = deep_copy_module(_sharing_containers())
+    assert fast[0].others is fast[1].others and fast[0].cache is fast[1].cache
     fast = deep_copy_module(tied)
     assert fast.b.weight is fast.a.weight and fast.row.untyped_storage().data_ptr() == fast.table.data_ptr()
     assert len(fast.a._forward_hooks) == 1
@@ -144,5 +166,8 @@ def test_calibration_step_composed_from_cut_runs_equals_the_whole_step(monkeypat
         clock.handle.remove()
     assert find_repeats(model).count == 12 and all(v > 12 for v in whole.values())
     assert composed == whole
-    short = measure_profile(SpikingMLP(16, (16,) * 5, 8, stepping="all_steps"), torch.rand(3, 4, 16)).model
-    assert compute_work.composed_step(short, x, y, "adam", time.perf_counter) is None
+    for depth in (5, 6):  # too few blocks to be repeats; repeats, but no more than the longer cut (patched to 6)
+        short = SpikingMLP(16, (16,) * depth, 8, stepping="all_steps")
+        monkeypatch.setattr(compute_work, "TIME_CUTS", (2, 6))
+        assert (find_repeats(short) is None) if depth == 5 else (find_repeats(short).count == 6)
+        assert compute_work.composed_step(short, x, y, "adam", time.perf_counter) is None

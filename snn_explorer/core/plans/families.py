@@ -58,10 +58,6 @@ def resolve_family(model: Optional[nn.Module], name: Optional[str]) -> Tuple[str
     return GENERIC, None
 
 
-def _has_params(module: nn.Module) -> bool:
-    return holds_parameters(module)
-
-
 #: Containers without a ``forward`` of their own: never an FSDP2 unit, their items are.
 CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
@@ -75,10 +71,10 @@ def fsdp_units(model: nn.Module) -> Tuple[str, ...]:
     always a module that runs: ``nn.ModuleList`` / ``nn.ModuleDict`` of any length, nested or
     not, stand for their items.
     """
-    children = [(n, c) for n, c in model.named_children() if _has_params(c)]
+    children = [(n, c) for n, c in model.named_children() if holds_parameters(c)]
     if len(children) == 1 and next(iter(children[0][1].children()), None) is not None:
         name, child = children[0]
-        children = [(f"{name}.{n}", c) for n, c in child.named_children() if _has_params(c)]
+        children = [(f"{name}.{n}", c) for n, c in child.named_children() if holds_parameters(c)]
     return tuple(unit for path, child in children for unit in _units_of(path, child))
 
 
@@ -88,7 +84,7 @@ def _units_of(path: str, module: nn.Module) -> Tuple[str, ...]:
                                                and _splittable(module))
     if not split:
         return (path,)
-    return tuple(unit for name, child in module.named_children() if _has_params(child)
+    return tuple(unit for name, child in module.named_children() if holds_parameters(child)
                  for unit in (_units_of(f"{path}.{name}", child) if isinstance(child, CONTAINERS) else (f"{path}.{name}",)))
 
 

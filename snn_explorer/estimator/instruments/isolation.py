@@ -82,14 +82,24 @@ def collector_paused() -> Iterator[None]:
 @contextlib.contextmanager
 def collected() -> Iterator[None]:
     """Collect garbage, then run the body with the garbage collector paused (restored after)."""
-    was_enabled = gc.isenabled()
     gc.collect()
-    gc.disable()
+    with collector_paused():
+        yield
+
+
+@contextlib.contextmanager
+def new_objects_collected() -> Iterator[None]:
+    """``gc.collect()`` inside scans only the objects made inside: those alive on entry are frozen (a full
+    collection scans every object of the process, thousands per module of a deep model), unless something froze
+    them already."""
+    froze_here = gc.get_freeze_count() == 0
+    if froze_here:
+        gc.freeze()
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        if froze_here:
+            gc.unfreeze()
 
 
 @contextlib.contextmanager

@@ -25,13 +25,13 @@ from torch import nn
 from ...core.neurons import detached_copy
 from ...core.parallelize.checkpointing import apply_activation_checkpointing
 from ...core.spike_compression import apply_spike_compression, is_binary, packable
+from ..instruments.isolation import new_objects_collected
 from ..instruments.storage import SavedByModule, model_state_tensors, saving
 from ..profile.checkpointed import (
     CheckpointedProfile,
     held_after_forward,
     lever_cuts,
     lever_log_repeats,
-    new_objects_collected,
     run_total,
 )
 from ..profile.profiling import ModelProfile

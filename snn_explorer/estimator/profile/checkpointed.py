@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import gc
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, Mapping, Optional, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -22,6 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ...core.neurons import detached_copy
 from ...core.parallelize.checkpointing import apply_activation_checkpointing, region_starts
 from ...core.vocabulary import Checkpointing
+from ..instruments.isolation import new_objects_collected
 from ..instruments.meter import StorageMeter
 from ..instruments.storage import model_state_tensors, state_tensor_ids, total_bytes
 from .profiling import ModelProfile, precision_profile
@@ -152,21 +153,6 @@ def _plain_repeats(profile: ModelProfile, plan, tp_plan, tp: int) -> Optional[tu
     return repeats, () if plan is None else region_starts(plain, plan, profile.fsdp_units)
 
 
-@contextlib.contextmanager
-def new_objects_collected() -> Iterator[None]:
-    """``gc.collect()`` inside scans only the objects made inside: those alive on entry are frozen (as the profile's
-    own runs do, ``profiling._run_point``; a full collection scans every object of the process, thousands per
-    module of a deep model), unless something froze them already."""
-    frozen = gc.get_freeze_count() == 0
-    if frozen:
-        gc.freeze()
-    try:
-        yield
-    finally:
-        if frozen:
-            gc.unfreeze()
-
-
 def held_after_forward(model: nn.Module, x: torch.Tensor, labels,
                        on_forward: Optional[Callable[[], None]] = None) -> Tuple[float, float]:
     """(bytes the forward leaves alive besides neuron state, neuron-state bytes), then the backward runs;
@@ -226,4 +212,4 @@ def recompute_fraction(profile: ModelProfile, plan, t: int) -> float:
     return profile.recompute_fraction(plan.per_rank_batch, t, plan.tensor_parallel_plan, plan.tp_size)
 
 
-__all__ = ["CheckpointedProfile", "levered_profile", "new_objects_collected", "lever_cuts", "lever_log_repeats", "recompute_fraction", "run_total"]
+__all__ = ["CheckpointedProfile", "levered_profile", "lever_cuts", "lever_log_repeats", "recompute_fraction", "run_total"]

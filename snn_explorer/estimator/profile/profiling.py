@@ -42,7 +42,7 @@ from ...core.parallelize.mixed_precision import autocast_forward, hold_neuron_st
 from ...core.plans.families import fsdp_units
 from ...core.precision import FP32, Precision
 from ..instruments.fsdp_events import record
-from ..instruments.isolation import as_found, one_thread
+from ..instruments.isolation import as_found, new_objects_collected, one_thread
 from ..instruments.meter import StorageMeter
 from ..instruments.module_calls import ModuleCalls
 from ..instruments.op_counter import OpCounter, grad_names
@@ -277,7 +277,6 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
     order = []  # the order in which gradients become ready
     hooks = [p.register_post_accumulate_grad_hook(lambda p, n=n: order.append(n))
              for n, p in model.named_parameters() if p.requires_grad]
-    frozen = False
     try:
         if warm_up:
             with torch.no_grad():  # state tensors take this size (a forward sets them, autograd does not)
@@ -292,17 +291,13 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
         state_ids = state_tensor_ids(model)
         static_refs = [t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in state_ids] + [x]
         static = storage_bytes(static_refs)
-        # The objects that exist now are left out of the collection in _step (a full one scans every
-        # object of the process); the graph pieces it is for are all created after this.
-        frozen = saved_only and gc.get_freeze_count() == 0
-        if frozen:
-            gc.freeze()
         meter = StorageMeter()
         meter.track(static_refs + model_state_tensors(model))
-        run = _step(model, x, labels, meter, SavedByModule(lambda: trace.current), saved_only, units, count)
+        # The objects that exist now are left out of the collection in _step (a full one scans every
+        # object of the process); the graph pieces it is for are all created after this.
+        with new_objects_collected() if saved_only else contextlib.nullcontext():
+            run = _step(model, x, labels, meter, SavedByModule(lambda: trace.current), saved_only, units, count)
     finally:
-        if frozen:
-            gc.unfreeze()
         trace.remove()
         for h in hooks:
             h.remove()

@@ -100,7 +100,8 @@ _CUTS = {"outputs": _cut_outputs, "inputs": _cut_inputs, "norm": _cut_norm, "hea
 def tp_replica(model: nn.Module, tp_plan: Mapping[str, str], tp: int) -> nn.Module:
     """A copy of ``model`` computing what one rank of ``tp`` computes under ``tp_plan`` (see module doc).
     The layers it leaves whole share ``model``'s parameter storage (:func:`~...core.neurons.shared_storage_copy`):
-    the replica only runs forward and backward, which read weights and write its own gradients."""
+    forward and backward read those weights and write the replica's own gradients; the optimizer steps the estimator
+    counts on it write them and are undone (``compute_work.restored``)."""
     unknown = sorted({s for s in tp_plan.values() if s not in STYLES})
     if unknown:
         raise NotImplementedError(f"the estimator models the TP styles {tuple(STYLES)}, not {unknown}")
