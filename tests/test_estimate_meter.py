@@ -69,7 +69,12 @@ def test_estimates_identical_in_fresh_processes():
     """Saved-activation attribution once depended on which addresses the allocator reused."""
     runs = [subprocess.Popen([sys.executable, "-c", _DUMP], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for _ in range(3)]  # side by side: each its own process and allocator
-    outputs = [r.communicate(timeout=300) for r in runs]
+    try:
+        outputs = [r.communicate(timeout=300) for r in runs]
+    finally:  # a timeout leaves no process behind
+        for r in runs:
+            if r.poll() is None:
+                r.kill()
     assert [r.returncode for r in runs] == [0, 0, 0], [err[-2000:] for _, err in outputs]
     tables = [json.loads(out) for out, _ in outputs]
     assert len(tables[0]) >= 5 and any(row[5] > 0 for t in tables[0].values() for row in t)
