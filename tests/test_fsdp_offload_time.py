@@ -90,7 +90,7 @@ def test_the_estimators_pipeline_refusal_holds_for_plans_built_around_plan_time(
     model = SpikingMLP(in_features=8, hidden=(8, 8, 8), num_classes=4, stepping="all_steps")
     pp = se.plan(analysis=se.analyze(model), objective="speed", topology={"pp": 2}, batch_size=N, mode="pp")
     with pytest.raises(ValueError, match="not modelled for pipeline plans"):
-        check_fsdp_offload_hardware(H100, pp)
+        check_fsdp_offload_hardware(H100, pp, "adam")
     with pytest.raises(ValueError, match="needs .*not mode='pp'"):
         dataclasses.replace(pp, cpu_offload=True, experimental_features=GATES)
 
