@@ -152,7 +152,9 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     an unlevered plan that does not fit and is faster than the best fitting plan found so far, and only if
     it can fit at all: a variant whose rank holds more than the budget in what its levers leave as they are
     (parameters, optimizer state and buffers for checkpointing and spike compression, :func:`lever_floor`,
-    read off the unlevered estimate) is ``pruned`` unestimated. Each lever variant's profile (checkpointed,
+    read off the unlevered estimate) is ``pruned`` unestimated. Time chunks: every size, and each with spike
+    compression and FSDP2's CPU offload, fastest first until no size can beat the fastest fitting plan
+    (:func:`_chunk_rows`, :func:`_chunk_combinations`). Each lever variant's profile (checkpointed,
     compressed) is measured once per rank model and shared by the plans that use it; on a model of repeated
     blocks its runs are cut to a few of them and composed (:mod:`.profile.repeats_totals`, exact, else the
     whole model runs), and every plan is estimated once (:func:`~snn_explorer.core.block_choice.remembered`,
