@@ -3,8 +3,8 @@
 Run: ``python benchmarks/memory_fit.py [--models spikformer vgg] [--world-size 2] [--hardware H100-SXM]
 [--size tiny] [--time-steps 16] [--measure] [--generated 10000] [--reference]``. Per model, the budget is 100 %,
 75 %, 50 % and 35 % of the unlevered peak (the estimated peak of the fastest plan without memory levers); each row
-is what :func:`snn_explorer.fit_budget` returns there (levers: checkpointing by blocks / time chunks, every 1st or
-2nd, or block by block; spike compression; both; on a profile with a host link activation offload and FSDP2's CPU
+is what :func:`snn_explorer.fit_budget` returns there (levers: checkpointing by blocks, every 1st or 2nd, or block
+by block; time chunks sized by estimate, :func:`~snn_explorer.core.chunk_choice.choose_chunks`; spike compression; both; on a profile with a host link activation offload and FSDP2's CPU
 offload), or the lowest estimated peak when no plan fits. ``--measure`` also trains each
 chosen plan on ``world_size`` gloo ranks (``measure``) and prints its measured peak. ``--generated M`` adds the
 search on a generated all-steps MLP of about M modules (``explorer_latency``'s builder) at 100 % and 50 %

@@ -63,6 +63,16 @@ def test_the_memory_objective_takes_the_size_the_real_estimate_chooses():
                    features=GATES, time_step_module="net", peak_estimate=estimate_of)
     note = next(n for n in plan.notes if n.startswith("time chunks of"))
     assert f"time chunks of {choice.plan.checkpoint_every} steps chosen by estimate" in note
-    assert plan.activation_checkpointing in ("time_chunks", "blocks")  # the lowest peak of all levers
-    if plan.activation_checkpointing == "time_chunks":
-        assert plan.checkpoint_every == choice.plan.checkpoint_every
+    # on this model time chunks have the lowest peak of all levers (blocks: above the plan's own, test_fit)
+    assert (plan.activation_checkpointing, plan.checkpoint_every) == ("time_chunks", choice.plan.checkpoint_every)
+
+
+def test_the_chunk_size_note_is_only_on_a_plan_that_chunks():
+    """A stand-in estimate under which checkpointing every block has the lowest peak: the memory objective chooses
+    blocks, and its notes say nothing of a time-chunk size it did not take."""
+    blocky = lambda p: (SimpleNamespace(peak_bytes=100, step_time_s=2.0)  # noqa: E731
+                        if p.activation_checkpointing == "blocks" else _stand_in(p))
+    plan = se.plan(analysis=se.analyze(build("mlp").model), objective="memory", topology={"dp": 2}, batch_size=8,
+                   mode="dp", features=GATES, time_step_module="net", peak_estimate=blocky)
+    assert plan.activation_checkpointing == "blocks"
+    assert not any(n.startswith("time chunks") for n in plan.notes), plan.notes

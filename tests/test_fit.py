@@ -1,4 +1,7 @@
 """fit_budget(): the fastest plan whose estimated peak fits a budget; levers only where they lower the peak."""
+from types import SimpleNamespace
+
+import pandas as pd
 import pytest
 import torch
 from models import TimeLoop, leaky
@@ -15,7 +18,7 @@ from snn_explorer.core.memory_levers import (
     spike_compression_variants,
 )
 from snn_explorer.estimator import FitOutcome, estimate, model_profile
-from snn_explorer.estimator.budget_fit import FIT_FEATURES, lever_floor
+from snn_explorer.estimator.budget_fit import FIT_FEATURES, _chunk_rows, lever_floor
 from snn_explorer.estimator.enumerate import enumerate_plans
 
 HARDWARE = "H100-SXM"  # a built-in datasheet profile: no calibration run
@@ -179,11 +182,10 @@ def _brute_force(model, x, labels, budget):
         by_block = choose_blocks(base, analysis.fsdp_unit_names, estimate_of, budget)  # the search's greedy sets
         tried = [v for v, _ in by_block.tried] if by_block is not None else []
         step = find_time_step_module(model, x)
-        by_chunk = choose_chunks(base, step, estimate_of, budget)  # every power-of-two size, and the chosen one's
-        tried += [v for v, _ in by_chunk.tried] if by_chunk is not None else []  # combinations where it alone
-        if by_chunk is not None and by_chunk.plan is not None and by_chunk.estimate.peak_bytes > budget:  # is over
-            compressed = spike_compression_variants([by_chunk.plan])
-            tried += compressed + fsdp_offload_variants([by_chunk.plan] + compressed)
+        by_chunk = choose_chunks(base, step, estimate_of, budget)  # every power-of-two size, each one
+        sizes = [v for v, _ in by_chunk.tried] if by_chunk is not None else []  # alone, compressed, offloaded, both
+        compressed = spike_compression_variants(sizes)
+        tried += sizes + compressed + fsdp_offload_variants(sizes + compressed)
         for v in lever_variants(base, step, offload=True, chunk_every=()) + tried:  # H100: a host link
             variants[v] = (base, base_est, estimate_of(v))
             if variants[v][2].peak_bytes < base_est.peak_bytes:
@@ -219,3 +221,32 @@ def test_pruning_lever_variants_by_what_they_leave_alone_changes_no_choice():
             assert est.peak_bytes >= floor and (floor > 0 or v.cpu_offload or v.activation_offload), v
             seen |= {"floored"} if floor > budget else set()
     assert {"floored", "levered", "none fits"} <= seen
+
+
+def _chunk_stand_in(p):
+    """A stand-in estimate of T = 8 steps: 600 B of parameters and optimizer state on the rank unless FSDP2 offloads
+    them, activations of 1000 B less 100 B per step of a chunk, halved by spike compression; each lever adds time
+    (0.1 s per chunk step, 0.5 s compression, 1 s offload)."""
+    k = p.checkpoint_every if p.activation_checkpointing == "time_chunks" else 0
+    acts = (1000 - 100 * k) // (2 if p.spike_compression else 1)
+    per_rank = pd.DataFrame({"params_bytes": [300], "optimizer_bytes": [300], "buffers_bytes": [0]})
+    return SimpleNamespace(peak_bytes=acts + (0 if p.cpu_offload else 600), time_steps=8, per_rank=per_rank,
+                           step_time_s=1 + 0.1 * k + 0.5 * p.spike_compression + 1.0 * p.cpu_offload)
+
+
+def test_time_chunks_are_combined_with_compression_and_offload_at_every_size():
+    """Every chunk size is tried with compression and FSDP2 offload, not only the size that fits alone; and where
+    the parameters and optimizer state alone are over the budget, the chunks are sized with them offloaded. The
+    expected plans are read off the stand-in's formulas by hand."""
+    z = zoo.build("mlp")
+    base = copy_without_levers(plan(analysis=analyze(z.model), objective="speed", topology={"dp": 2}, mode="fsdp2",
+                                    batch_size=8, features=FIT_FEATURES))
+    for budget, (k, compressed, offloaded) in (
+            (1000, (2, True, False)),  # k=8 alone fits (200+600 B, 1.8 s); k=2 compressed (400+600 B) takes 1.7 s
+            (550, (1, True, True))):  # over the 600 B floor: offloaded, k=1 compressed (450 B, 2.6 s) is fastest
+        rows = []
+        best = _chunk_rows(base, _chunk_stand_in(base), ("net", True), _chunk_stand_in, budget, rows, None)
+        assert best is not None, budget
+        chosen = best[0]
+        assert (chosen.checkpoint_every, chosen.spike_compression, chosen.cpu_offload) == (k, compressed, offloaded)
+        assert len({r["plan"] for r in rows}) == len(rows)  # one row per plan

@@ -52,9 +52,16 @@ def test_the_host_optimizer_step_grows_with_the_parameters_at_the_host_rate():
     assert added[96] > 5 * added[32] > 0  # ~ 9x the elements in the hidden layers
 
 
-def test_the_host_copies_cost_their_bytes_over_the_host_link():
+def _offload_adds(model, x, plan, **hardware) -> float:
+    """Step time ``plan`` offloaded adds to it without offload (host copies, host optimizer step for the device's)."""
+    return _step(model, x, plan, **hardware) - _step(model, x, dataclasses.replace(plan, cpu_offload=False), **hardware)
+
+
+def test_the_host_copies_cost_their_bytes_over_the_host_link_and_an_operator_each():
     """Each shard crosses the link once per all-gather (twice where resharded: every unit but the root) and each
-    sharded gradient once back; halving the link's rate adds those bytes once more (float32, from the shapes)."""
+    sharded gradient once back; halving the link's rate adds those bytes once more (float32, from the shapes).
+    Each such copy is one operator: the time offload adds grows by (gathers + 1) * parameters * op_overhead_s
+    from op_overhead_s = 0 (the host optimizer's operators replace the device's, the same count)."""
     model, x, plan = _offloaded(32)
     for memopt in (0, 1):
         p = dataclasses.replace(plan, memopt_level=memopt)
@@ -63,6 +70,9 @@ def test_the_host_copies_cost_their_bytes_over_the_host_link():
         gathers = 1 + memopt * 1  # SpikingMLP's parameters are all in units (the root holds none)
         want = (gathers + 1) * _shard_elements(model) * 4 / (2 * link * H100.efficiency)
         assert slow - fast == pytest.approx(want, rel=1e-9), memopt
+        op = 1e-5
+        ops = _offload_adds(model, x, p, op_overhead_s=op) - _offload_adds(model, x, p, op_overhead_s=0.0)
+        assert ops == pytest.approx((gathers + 1) * len(list(model.parameters())) * op, rel=1e-9), memopt
 
 
 def test_offload_refuses_a_profile_without_the_host_rate_and_other_optimizers():
@@ -80,7 +90,7 @@ def test_the_estimators_pipeline_refusal_holds_for_plans_built_around_plan_time(
     model = SpikingMLP(in_features=8, hidden=(8, 8, 8), num_classes=4, stepping="all_steps")
     pp = se.plan(analysis=se.analyze(model), objective="speed", topology={"pp": 2}, batch_size=N, mode="pp")
     with pytest.raises(ValueError, match="not modelled for pipeline plans"):
-        check_fsdp_offload_hardware(H100, pp)
+        check_fsdp_offload_hardware(H100, pp, "adam")
     with pytest.raises(ValueError, match="needs .*not mode='pp'"):
         dataclasses.replace(pp, cpu_offload=True, experimental_features=GATES)
 

@@ -212,7 +212,6 @@ def _levers_by_estimate(plan_: SNNDistributedPlan, every: Tuple[int, ...], time_
                         f"{peak_estimate!r}")
     peak_estimate = remembered(peak_estimate)
     by_chunk = choose_chunks(plan_, time_step_module, peak_estimate) if every == CHECKPOINT_EVERY else None
-    chunk_notes = (by_chunk.note(peak_estimate(plan_).peak_bytes),) if by_chunk is not None else ()
     if by_chunk is not None:  # the time-chunk candidates at the size the estimate chose (none: no size lowers it)
         chunk_every = (by_chunk.plan.checkpoint_every,) if by_chunk.plan is not None else ()
         candidates = lever_variants(plan_, time_step_module, every, chunk_every=chunk_every)
@@ -220,6 +219,8 @@ def _levers_by_estimate(plan_: SNNDistributedPlan, every: Tuple[int, ...], time_
     if by_block is not None and by_block.plan is not None:
         candidates = candidates + [by_block.plan]
     chosen, note = choose_levers(plan_, candidates, peak_estimate)
+    chunk_notes = (by_chunk.note(peak_estimate(plan_).peak_bytes),) if by_chunk is not None and (
+        by_chunk.plan is None or chosen.activation_checkpointing == Checkpointing.TIME_CHUNKS) else ()  # chunks won
     levers = dict(activation_checkpointing=chosen.activation_checkpointing, cpu_offload=chosen.cpu_offload)
     return dataclasses.replace(chosen, notes=plan_.notes + chunk_notes + (note,) + tuple(lever_notes(levers)))
 

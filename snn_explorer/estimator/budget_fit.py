@@ -141,7 +141,8 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     (default :data:`FIT_FEATURES`: activation checkpointing and spike compression allowed). ``batch_size`` is the global batch
     (default: the example input's). ``hardware`` is where step times are predicted (as for :func:`estimate`).
     The lever combinations of each plan are :func:`~snn_explorer.core.memory_levers.lever_variants`
-    (checkpointing by blocks / time chunks, every 1st or 2nd; spike compression; both).
+    (checkpointing by blocks, every 1st or 2nd block, and time chunks sized by estimate,
+    :func:`~snn_explorer.core.chunk_choice.choose_chunks`; spike compression; both).
 
     How the search prunes: the plans without levers are estimated first (one profile for all of them:
     each per-rank batch and TP layout runs the model once) and walked fastest first. A lever never makes a
@@ -151,7 +152,9 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     an unlevered plan that does not fit and is faster than the best fitting plan found so far, and only if
     it can fit at all: a variant whose rank holds more than the budget in what its levers leave as they are
     (parameters, optimizer state and buffers for checkpointing and spike compression, :func:`lever_floor`,
-    read off the unlevered estimate) is ``pruned`` unestimated. Each lever variant's profile (checkpointed,
+    read off the unlevered estimate) is ``pruned`` unestimated. Time chunks: every size, and each with spike
+    compression and FSDP2's CPU offload, fastest first until no size can beat the fastest fitting plan
+    (:func:`_chunk_rows`, :func:`_chunk_combinations`). Each lever variant's profile (checkpointed,
     compressed) is measured once per rank model and shared by the plans that use it; on a model of repeated
     blocks its runs are cut to a few of them and composed (:mod:`.profile.repeats_totals`, exact, else the
     whole model runs), and every plan is estimated once (:func:`~snn_explorer.core.block_choice.remembered`,
@@ -178,7 +181,7 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
                 for base in dict.fromkeys(copy_without_levers(p) for p in plans)}  # time chunks: sized in _chunk_rows
     bases = sorted(((b, estimate_of(b)) for b in variants), key=lambda be: be[1].step_time_s)
     rows, best = _search(bases, variants, estimate_of, budget, analysis.fsdp_unit_names,
-                         (step_module, offload and shard_offload))
+                         (step_module, shard_offload))
     if best is None:
         lowest = min((r for r in rows if r["peak_bytes"] is not None), key=lambda r: r["peak_bytes"])
         floored = sum(r["outcome"] == FitOutcome.PRUNED for r in rows)
@@ -265,22 +268,52 @@ def _block_rows(base, base_est: PlanEstimate, blocks, estimate_of, budget: int, 
 
 def _chunk_rows(base, base_est: PlanEstimate, chunks, estimate_of, budget: int, rows: List[dict], best):
     """Time chunks of ``base`` sized by estimate (:func:`~snn_explorer.core.chunk_choice.choose_chunks`: every power of
-    two, the fastest that fits, else the lowest peak), a row per size tried; and where the chosen size alone does not
-    fit, it with spike compression and (``chunks[1]``) FSDP2's CPU offload, each estimated. Returns the fastest
-    fitting (plan, estimate) so far. Not tried where the floor (parameters, optimizer state, buffers) is over the
-    budget."""
+    two up to one chunk), a row per size tried, then each size with spike compression and (``chunks[1]``) FSDP2's
+    CPU offload (:func:`_chunk_combinations`). Returns the fastest fitting (plan, estimate) so far.
+
+    Where ``base``'s parameters, optimizer state and buffers alone (:func:`lever_floor`) are over the budget, time
+    chunks alone or compressed cannot fit and are not tried: with FSDP2's CPU offload searched, which moves
+    parameters and optimizer state to the host, the chunks are sized on ``base`` offloaded instead (its floor:
+    buffers), else none is tried."""
     step_module, shard_offload = chunks
-    if not chunk_choice_applies(base, step_module) or \
-            lever_floor(base, base_est, chunked(base, step_module, 1)) > budget:
+    if not chunk_choice_applies(base, step_module):
         return best
-    choice = choose_chunks(base, step_module, estimate_of, budget)
+    sized_on = base
+    if lever_floor(base, base_est, chunked(base, step_module, 1)) > budget:
+        offloaded = fsdp_offload_variants([base]) if shard_offload else []
+        if not offloaded or lever_floor(base, base_est, chunked(offloaded[0], step_module, 1)) > budget:
+            return best
+        sized_on = offloaded[0]
+    choice = choose_chunks(sized_on, step_module, estimate_of, budget)
     for v, est in choice.tried:
         best = _levered_row(rows, v, est, base_est, budget, best)
-    if choice.plan is None or choice.estimate.peak_bytes <= budget:
-        return best
-    compressed = spike_compression_variants([choice.plan])
-    for v in compressed + (fsdp_offload_variants([choice.plan] + compressed) if shard_offload else []):
-        best = _levered_row(rows, v, estimate_of(v), base_est, budget, best)
+    return _chunk_combinations(choice.tried, base_est, shard_offload, estimate_of, budget, rows, best)
+
+
+def _chunk_combinations(tried, base_est: PlanEstimate, shard_offload: bool, estimate_of, budget: int,
+                        rows: List[dict], best):
+    """Each chunk size of ``tried`` ((plan, estimate)) with spike compression, with FSDP2's CPU offload
+    (``shard_offload``) and with both, a row for each estimated, appended to ``rows``; returns the fastest fitting
+    (plan, estimate) so far.
+
+    How it prunes (a lever only adds step time): the sizes are walked fastest first and the walk stops at the
+    first size no faster than the fastest fitting plan found so far (each of its combinations is at least as slow,
+    and so are those of the slower sizes); a combination is not estimated where a plan it adds levers to (the size
+    alone, compressed, offloaded) is no faster than that plan, so once one combination of a size fits, the ones
+    adding a lever to it are skipped. Such skipped combinations get no row."""
+    for v, est in sorted(tried, key=lambda pe: (pe[1].step_time_s, pe[0].checkpoint_every)):
+        if best is not None and est.step_time_s >= best[1].step_time_s:
+            break
+        times = {v: est.step_time_s}  # estimated plans of this size: step time, a bound for those adding levers
+        compressed = spike_compression_variants([v])
+        for w in compressed + (fsdp_offload_variants([v] + compressed) if shard_offload else []):
+            bound = max(t for p, t in times.items()
+                        if p.spike_compression <= w.spike_compression and p.cpu_offload <= w.cpu_offload)
+            if best is not None and bound >= best[1].step_time_s:
+                continue
+            w_est = estimate_of(w)
+            times[w] = w_est.step_time_s
+            best = _levered_row(rows, w, w_est, base_est, budget, best)
     return best
 
 

@@ -36,11 +36,11 @@ HOST_COLUMNS = ("params_bytes", "grads_bytes", "optimizer_bytes")
 HOST_OPTIMIZERS = ("adam", "adamw")
 
 
-def check_fsdp_offload_hardware(hardware: Any, plan: Any, optimizer: str = "adam") -> None:
+def check_fsdp_offload_hardware(hardware: Any, plan: Any, optimizer: str) -> None:
     """Refuse what FSDP2's CPU offload cannot be estimated with: a hardware profile without a host link (a CPU
     device: its shards are in host memory already), the GPU trace model, a profile without the host's Adam rate,
-    an optimizer other than Adam / AdamW; and a pipeline plan (``plan()`` refuses it at plan time; kept here for
-    plans built by hand around that check)."""
+    an ``optimizer`` (its name, as the estimate takes it; required) other than Adam / AdamW; and a pipeline plan
+    (``plan()`` refuses it at plan time; kept here for plans built by hand around that check)."""
     if plan.uses_pp:
         raise ValueError(f"cpu_offload=True is not modelled for pipeline plans (mode {plan.mode!r}) yet; estimate it "
                          "on an fsdp2 / fsdp2_tp plan")
@@ -52,8 +52,9 @@ def check_fsdp_offload_hardware(hardware: Any, plan: Any, optimizer: str = "adam
     if hardware.host_adam_params_per_s is None:
         raise ValueError(f"cpu_offload=True steps the optimizer on the host CPU, and hardware {hardware.name!r} "
                          "states no host Adam rate (host_adam_params_per_s=None): give one, e.g. "
-                         "dataclasses.replace(profile, host_adam_params_per_s=this_host_adam_rate()) measured on "
-                         "the training host, or a built-in GPU profile")
+                         "dataclasses.replace(profile, host_adam_params_per_s=this_host_adam_rate()) (from "
+                         "snn_explorer.estimator.calibration.host_adam) measured on the training host, or a built-in "
+                         "GPU profile")
 
 
 def _shard_elements(params: Sequence[Param], plan: Any) -> dict:

@@ -311,7 +311,9 @@ INTRA_LATENCY_S, INTER_LATENCY_S, GPU_OP_OVERHEAD_S = 5e-6, 10e-6, 8e-6
 #: Host CPU Adam updates per second for one rank (one thread), the rate of FSDP2's offloaded optimizer step. A
 #: documented measurement on an 8x H100 node's host: an fp32 AdamW step over 512 CPU tensors of 1 Mi elements
 #: (536.9 M parameters) took 1.93 s on one thread, 1.81 s on two (github.com/ISEEKYAN/Megatron-LM issue 188,
-#: 2026-08-25: 536.9e6 / 1.93 s = 2.78e8 per s). Assumed for every built-in's host (no datasheet gives it);
+#: 2026-08-25: 536.9e6 / 1.93 s = 2.78e8 per s). That source timed Megatron-LM lite's FP32AdamW (a per-parameter
+#: Python loop), not torch.optim.Adam; in the same table 8 ranks sharing 2 CPUs ran ~10x slower (17.2 s), so the figure
+#: assumes one free CPU core per rank. Assumed for every built-in's host (no datasheet gives it);
 #: ``this_host_adam_rate()`` (:mod:`..calibration.host_adam`) measures a host's own.
 HOST_ADAM_PARAMS_PER_S = 536.9e6 / 1.93
 #: Assumed fraction of the datasheet peaks that real kernels and collectives reach (change it with
