@@ -11,6 +11,7 @@ from torch import nn
 from snn_explorer.compat import RootOnlyFxTracer
 from snn_explorer.core import structure
 from snn_explorer.core.pipeline_plan import TIME_LOOP_HINT, TIME_LOOP_SIGNS, pipeline_units
+from snn_explorer.core.plans.families import _from_name, resolve_family
 from snn_explorer.core.walk import one_walk
 from snn_explorer.zoo import ZOO_NAMES, SpikingMLP, build
 from snn_explorer.zoo.llm import build_llm
@@ -156,3 +157,19 @@ def test_a_refusal_of_the_root_only_trace_is_worded_by_the_full_one():
     paths = {m: n for n, m in model.named_modules()}
     assert "_tensor_constant0" in structure._chain_traced_by(model, RootOnlyFxTracer(paths))[1]
     assert "'a.0.scale'" in structure.forward_chain(model)[1]
+
+
+class VGGHead(nn.Linear):
+    """A class whose name infers the VGG family."""
+
+
+def test_the_family_is_inferred_from_the_first_module_class_that_names_one():
+    """Each class name is matched once; the answer is the first module's (in module order) whose class
+    names a family besides the generic one, as a match of every module's class name gives."""
+    model = nn.Sequential(SpikingMLP(in_features=4, hidden=(4,) * 5, num_classes=2), VGGHead(2, 2),
+                          build("spikformer").model)
+    every = [_from_name(type(m).__name__) for m in model.modules()]
+    expected = next(f for f in every if f not in (None, "generic"))
+    assert expected == "cifar10dvs_vgg" and "spikformer" in every
+    assert resolve_family(model, None)[0] == expected
+    assert resolve_family(build("mlp").model, None) == ("generic", None)
