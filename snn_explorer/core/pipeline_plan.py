@@ -37,19 +37,19 @@ def pipeline_units(model: nn.Module) -> Tuple[Tuple[str, ...], str]:
     chain, problem = forward_chain(model)
     if problem:
         return (), problem + (TIME_LOOP_HINT if any(sign in problem for sign in TIME_LOOP_SIGNS) else "")
-    return tuple(_opened(model, model, "", chain)), ""
+    return tuple(_opened(model, modules_by_name(model), "", chain)), ""
 
 
-def _opened(root: nn.Module, model: nn.Module, prefix: str, chain: Sequence[str]) -> list:
-    """The units of ``chain`` (paths under ``model``, itself at ``prefix`` in ``root``), each plain
-    non-empty nn.Sequential opened into its own units."""
-    modules, units = modules_by_name(root), []
+def _opened(root: nn.Module, modules: dict, prefix: str, chain: Sequence[str]) -> list:
+    """The units of ``chain`` (paths under the module at ``prefix`` in ``root``, whose path -> module
+    table is ``modules``), each plain non-empty nn.Sequential opened into its own units."""
+    units = []
     for name in chain:
         path = prefix + name
         module = modules.get(path)  # the walk's path -> module table, else (a repeated module) the lookup
         module = root.get_submodule(path) if module is None else module
         if is_plain_sequential(module) and len(module):
-            units.extend(_opened(root, module, path + ".", forward_chain(module)[0]))
+            units.extend(_opened(root, modules, path + ".", forward_chain(module)[0]))
         else:
             units.append(path)
     return units
