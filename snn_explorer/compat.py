@@ -472,6 +472,10 @@ def flop_formula_reads_shapes_only(formula) -> bool:
     return getattr(formula, "__code__", None) is _SHAPE_WRAPPED
 
 
+#: Tracer.trace's last setup step before the forward runs, where RootOnlyFxTracer shows the root's children.
+_require("torch.fx", "Tracer.create_args_for_root", params=("root_fn", "is_module", "concrete_args"))
+
+
 class RootOnlyFxTracer(torch.fx.Tracer):
     """A torch.fx tracer of the root's forward alone (every sub-module call one node) that skips
     ``Tracer.trace``'s setup walk of every module's attributes for tensor constants: the root's
