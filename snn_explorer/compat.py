@@ -470,3 +470,44 @@ def flop_formula_reads_shapes_only(formula) -> bool:
     """Whether a ``FlopCounterMode`` formula sees only its arguments' shapes and non-tensor values (wrapped by
     ``torch.utils.flop_counter.shape_wrapper``), so that its result is a function of those."""
     return getattr(formula, "__code__", None) is _SHAPE_WRAPPED
+
+
+#: Tracer.trace's last setup step before the forward runs, where RootOnlyFxTracer shows the root's children.
+_require("torch.fx", "Tracer.create_args_for_root", params=("root_fn", "is_module", "concrete_args"))
+
+
+class RootOnlyFxTracer(torch.fx.Tracer):
+    """A torch.fx tracer of the root's forward alone (every sub-module call one node) that skips
+    ``Tracer.trace``'s setup walk of every module's attributes for tensor constants: the root's
+    ``_modules`` are hidden while ``trace`` sets up, and shown again, with the full module-path table
+    ``paths`` ({module: path}, what ``trace`` builds from ``named_modules``), in
+    ``create_args_for_root``, its last step before the forward runs. The graph is the full trace's
+    except that a tensor constant held below the root gets a ``_tensor_constantN`` get_attr name
+    instead of its path."""
+
+    def __init__(self, paths: dict):
+        super().__init__()
+        self._paths = paths
+        self._hidden: Optional[tuple] = None
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+    def trace(self, root: torch.nn.Module, concrete_args: Optional[dict] = None) -> torch.fx.Graph:
+        self._hidden = (root, root.__dict__["_modules"])
+        root.__dict__["_modules"] = {}
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            self._show()
+
+    def _show(self) -> None:
+        if self._hidden is not None:
+            root, children = self._hidden
+            root.__dict__["_modules"] = children
+            self._hidden = None
+
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        self._show()
+        self.submodule_paths = dict(self._paths)
+        return super().create_args_for_root(root_fn, is_module, concrete_args)

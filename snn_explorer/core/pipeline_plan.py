@@ -17,7 +17,7 @@ from torch import nn
 from .modes import names_text
 from .structure import forward_chain, is_plain_sequential
 from .styles import SHARDED, STYLES
-from .walk import named_parameters_all
+from .walk import modules_by_name, named_parameters_all
 
 # ---- the model's sequence of units ---------------------------------------------------------------
 
@@ -37,15 +37,22 @@ def pipeline_units(model: nn.Module) -> Tuple[Tuple[str, ...], str]:
     chain, problem = forward_chain(model)
     if problem:
         return (), problem + (TIME_LOOP_HINT if any(sign in problem for sign in TIME_LOOP_SIGNS) else "")
+    return tuple(_opened(model, modules_by_name(model), "", chain)), ""
+
+
+def _opened(root: nn.Module, modules: dict, prefix: str, chain: Sequence[str]) -> list:
+    """The units of ``chain`` (paths under the module at ``prefix`` in ``root``, whose path -> module
+    table is ``modules``), each plain non-empty nn.Sequential opened into its own units."""
     units = []
     for name in chain:
-        module = model.get_submodule(name)
+        path = prefix + name
+        module = modules.get(path)  # the walk's path -> module table, else (a repeated module) the lookup
+        module = root.get_submodule(path) if module is None else module
         if is_plain_sequential(module) and len(module):
-            inner, _ = pipeline_units(module)
-            units.extend(f"{name}.{n}" for n in inner)
+            units.extend(_opened(root, modules, path + ".", forward_chain(module)[0]))
         else:
-            units.append(name)
-    return tuple(units), ""
+            units.append(path)
+    return units
 
 
 # ---- layouts ------------------------------------------------------------------------------------

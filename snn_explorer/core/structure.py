@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..compat import own_tensors
+from ..compat import RootOnlyFxTracer, own_tensors
 from . import neurons
 from .walk import memo, modules_by_name
 
@@ -62,9 +62,20 @@ def forward_chain(model: nn.Module) -> Tuple[Tuple[str, ...], str]:
 def _traced_chain(model: nn.Module) -> Tuple[Tuple[str, ...], str]:
     if is_plain_sequential(model):
         return tuple(name for name, _ in model.named_children()), ""
+    # The root-only trace skips torch.fx's walk of every module; its graph differs from the full
+    # trace's only in the names of tensor constants (get_attr nodes), which never make a chain: a
+    # chain it finds is the full trace's, and a refusal's words come from the full trace.
+    paths = {module: name for name, module in modules_by_name(model).items()}
+    chain, problem = _chain_traced_by(model, RootOnlyFxTracer(paths))
+    if problem:
+        chain, problem = _chain_traced_by(model, _ChildrenAreLeaves())
+    return chain, problem
+
+
+def _chain_traced_by(model: nn.Module, tracer: torch.fx.Tracer) -> Tuple[Tuple[str, ...], str]:
     try:
         with _state_kept(model):
-            graph = _ChildrenAreLeaves().trace(model)
+            graph = tracer.trace(model)
     except Exception as exc:  # fx cannot follow data-dependent control flow, loops over tensors, ...
         return (), f"torch.fx cannot trace its forward ({type(exc).__name__}: {str(exc).split('. ')[0][:160]})"
     previous, chain = None, []

@@ -35,8 +35,9 @@ def _from_name(name: str) -> Optional[str]:
 
 
 def _from_structure(model: nn.Module) -> Optional[str]:
-    for module in modules_by_name(model).values():
-        family = _from_name(type(module).__name__)
+    """The family of the first class name (in module order) that names one besides the generic one."""
+    for name in dict.fromkeys(type(module).__name__ for module in modules_by_name(model).values()):
+        family = _from_name(name)
         if family not in (None, GENERIC):
             return family
     return None
