@@ -15,6 +15,7 @@ from snn_explorer.core.memory_levers import (
     copy_without_levers,
     fsdp_offload_variants,
     lever_variants,
+    remembered,
     spike_compression_variants,
 )
 from snn_explorer.estimator import FitOutcome, estimate, model_profile
@@ -68,23 +69,11 @@ def _check_choice(model, x, labels, result):
     assert result.table.loc[result.table["outcome"] != FitOutcome.CHOSEN, "why"].str.len().min() > 0
 
 
-def _each_once(estimate_of):
-    """``estimate_of`` estimating each plan once (an estimate is a function of the plan and the shared profile)."""
-    seen = {}
-
-    def once(p):
-        if p not in seen:
-            seen[p] = estimate_of(p)
-        return seen[p]
-
-    return once
-
-
 def _check_memory_objective(name, model, x, labels, outcomes):
     """plan(objective="memory") with the estimator injected: its estimated peak is not above the same plan's
     without levers, nor above any other lever combination of that plan (each lever alone included)."""
     analysis = analyze(model, example_input=x, labels=labels)
-    estimate_of = _each_once(plan_estimator(model, x, labels, hardware=HARDWARE))  # the planner's, then the checks'
+    estimate_of = remembered(plan_estimator(model, x, labels, hardware=HARDWARE))  # the planner's, then the checks'
     for topology in ({"dp": 2}, {"tp": 2}):
         try:
             chosen = plan(analysis=analysis, objective="memory", topology=topology, features=ALL_GATES,

@@ -24,20 +24,7 @@ from .vocabulary import Checkpointing
 MAX_CHOICE_BLOCKS = 32
 
 __all__ = ["MAX_CHOICE_BLOCKS", "BlockChoice", "check_block_choice", "check_checkpoint_blocks", "block_label",
-           "with_blocks", "block_choice_applies", "choose_blocks", "remembered"]
-
-
-def remembered(peak_estimate: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """``peak_estimate`` estimating each plan once: the one memo of the lever searches (the planner's ``memory``
-    objective, ``fit_budget``), whose block choice and lever choice ask for some plans again."""
-    seen: dict = {}
-
-    def remember(plan: Any) -> Any:
-        if plan not in seen:
-            seen[plan] = peak_estimate(plan)
-        return seen[plan]
-
-    return remember
+           "with_blocks", "block_choice_applies", "choose_blocks"]
 
 
 def check_block_choice(plan: Any) -> None:

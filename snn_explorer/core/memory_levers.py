@@ -45,6 +45,19 @@ from .vocabulary import Checkpointing
 ACTIVATION_CHECKPOINTING = Checkpointing.names()
 
 
+def remembered(peak_estimate: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``peak_estimate`` estimating each plan once: the one memo of the lever searches (the planner's ``memory``
+    objective, ``fit_budget``), whose block choice and lever choice ask for some plans again."""
+    seen: dict = {}
+
+    def remember(plan: Any) -> Any:
+        if plan not in seen:
+            seen[plan] = peak_estimate(plan)
+        return seen[plan]
+
+    return remember
+
+
 def check_memory_levers(plan: Any) -> None:
     """Raise ValueError / TypeError for memory-lever fields of ``plan`` that do not go together."""
     granularity, every = plan.activation_checkpointing, plan.checkpoint_every
@@ -292,4 +305,4 @@ __all__: Tuple[str, ...] = ("ACTIVATION_CHECKPOINTING", "check_memory_levers", "
                             "check_cpu_offload_device", "find_time_step_module", "lever_label", "objective_checkpoints", "objective_chooses_levers", "lever_fields",
                             "lever_notes", "checkpointing_variants", "CHECKPOINT_EVERY", "lever_variants",
                             "choose_levers", "copy_without_levers", "spike_compression_variants",
-                            "activation_offload_variants", "fsdp_offload_variants")
+                            "activation_offload_variants", "fsdp_offload_variants", "remembered")

@@ -5,7 +5,7 @@ import dataclasses
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .analysis import SNNDistributedAnalysis
-from .block_choice import check_checkpoint_blocks, choose_blocks, remembered
+from .block_choice import check_checkpoint_blocks, choose_blocks
 from .chunk_choice import choose_chunks
 from .layouts import layout_of
 from .memory_levers import (
@@ -16,6 +16,7 @@ from .memory_levers import (
     lever_notes,
     lever_variants,
     objective_chooses_levers,
+    remembered,
 )
 from .modes import MODE_TABLE, MODES, Mode, mode_of, names_text
 from .pipeline_plan import (
@@ -133,9 +134,9 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     leaves the choice to the objective: ``speed`` takes none; ``memory`` and ``capacity`` never take a lever by
     rule, only by its estimated effect: given ``peak_estimate`` (a callable plan -> an object with ``peak_bytes``
     and ``step_time_s``, e.g. ``snn_explorer.plan_estimator(model, example_input)``), each lever combination the
-    gates allow (checkpointing by blocks, or by time chunks of ``time_step_module``, every 1st / 2nd or every
-    ``checkpoint_every``-th when given; spike
-    compression; both; and the blocks chosen one by one, :func:`~.block_choice.choose_blocks`) is estimated and
+    gates allow (checkpointing by blocks, every 1st / 2nd or every ``checkpoint_every``-th when given; by time
+    chunks of ``time_step_module``, of the size the estimate chooses, :func:`~.chunk_choice.choose_chunks`, unless
+    ``checkpoint_every`` is given; spike compression; both; and the blocks chosen one by one, :func:`~.block_choice.choose_blocks`) is estimated and
     the one of lowest peak is kept if it is below the plan's peak without levers (a note says by how much and its
     time cost); without ``peak_estimate`` no lever is on (a note says so).
     ``checkpoint_blocks`` (with ``activation_checkpointing='blocks'``) recomputes exactly the named blocks (each by its

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze
-from ..core.block_choice import block_choice_applies, choose_blocks, remembered, with_blocks
+from ..core.block_choice import block_choice_applies, choose_blocks, with_blocks
 from ..core.chunk_choice import choose_chunks, chunk_choice_applies, chunked
 from ..core.memory_levers import (
     copy_without_levers,
@@ -34,6 +34,7 @@ from ..core.memory_levers import (
     fsdp_offload_variants,
     lever_label,
     lever_variants,
+    remembered,
     spike_compression_variants,
 )
 from ..core.validate import positive_int, positive_number
@@ -157,7 +158,7 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     (:func:`_chunk_rows`, :func:`_chunk_combinations`). Each lever variant's profile (checkpointed,
     compressed) is measured once per rank model and shared by the plans that use it; on a model of repeated
     blocks its runs are cut to a few of them and composed (:mod:`.profile.repeats_totals`, exact, else the
-    whole model runs), and every plan is estimated once (:func:`~snn_explorer.core.block_choice.remembered`,
+    whole model runs), and every plan is estimated once (:func:`~snn_explorer.core.memory_levers.remembered`,
     the memo the planner's ``memory`` objective uses too). A variant is kept
     only if its estimated peak is below its unlevered plan's (else ``lever_no_gain``). So the chosen
     plan's estimated peak is never above the same plan's without levers. Raises ValueError when no plan fits,
