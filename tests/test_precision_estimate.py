@@ -11,6 +11,8 @@ from torch import nn
 
 import snn_explorer as se
 from snn_explorer.estimator import compare_estimate, estimate, measure_many
+from snn_explorer.estimator.profile.profiling import model_profile, precision_profile
+from snn_explorer.estimator.timing.pipeline_time import plan_stages, stage_work
 from snn_explorer.zoo import build
 
 PEAK_TOL = 0.05
@@ -85,6 +87,28 @@ def _norm_bytes(name):
     norms = [m for m in build(name).model.modules() if isinstance(m, nn.BatchNorm2d)]
     assert all(m.num_features % 2 == 0 for m in norms)
     return sum(p.numel() * 4 for m in norms for p in m.parameters())
+
+
+def test_bf16_pipeline_stages_are_counted_sending_what_the_ranks_send():
+    """The pp plan's stage operator counts (the step time's) run each stage as apply does under bf16: its output cast
+    to bf16, the next stage receiving that. Each boundary's counted output bytes equal the bytes one micro-batch's
+    send carried on the real ranks; the stages that end on a neuron (fp32 spikes) send half their fp32 bytes."""
+    plan, _, meas = next(r for r in results("mlp_all_steps") if r[0].uses_pp and r[0].precision.name == "bf16")
+    zoo = build("mlp_all_steps")
+    profile = precision_profile(model_profile(zoo.model, zoo.example_input, zoo.labels), plan.precision)
+    stages = plan_stages(plan, profile)
+    n = plan.per_rank_batch // plan.pp_microbatches
+    work = stage_work(profile, stages, n, zoo.example_input.shape[0])
+    sends = meas.collectives.query("kind == 'send' and phase.str.startswith('forward')")
+    assert len(sends) == len(stages) - 1 >= 1
+    for row in sends.itertuples():
+        src = int(row.phase.split()[1].split("->")[0])
+        assert row.bytes // row.count == work[src].sent_bytes, (row.phase, row.bytes, row.count, work[src])
+    neuron_ends = [s for s, paths in enumerate(stages[:-1]) if not any(True for _ in
+                                                                     zoo.model.get_submodule(paths[-1]).parameters())]
+    assert neuron_ends, stages  # non-trivial: a stage ends on fp32 spikes, which apply casts before sending
+    fp32 = stage_work(model_profile(zoo.model, zoo.example_input, zoo.labels), stages, n, zoo.example_input.shape[0])
+    assert all(2 * work[s].sent_bytes == fp32[s].sent_bytes for s in neuron_ends)
 
 
 def test_fsdp2_plans_bf16_on_batchnorm_models_and_refuses_a_bare_batchnorm():

@@ -32,7 +32,7 @@ from ..vocabulary import Checkpointing
 from .saved_ops import TORCHTITAN_OPS, SavedOps
 
 __all__ = ["apply_activation_checkpointing", "checkpoint_blocks", "checkpoint_time_chunks", "block_segments",
-           "chosen_segments", "region_starts", "repeated_blocks"]
+           "chosen_segments", "planned_blocks", "region_starts", "repeated_blocks"]
 
 #: A neuron's state: (module, {slot: value}) per stateful module.
 State = List[Tuple[nn.Module, Dict[Tuple[str, str], object]]]
@@ -130,6 +130,13 @@ def checkpoint_blocks(model: nn.Module, units: Sequence[str], every: int = 1, re
     With ``saved_ops`` each block keeps the outputs of those operators (:mod:`.saved_ops`; ``tally`` hears
     its decisions) and recomputes the rest, else it keeps only its inputs."""
     chosen = chosen_segments(model, units, every, only)
+    _checkpoint_segments(model, chosen, restore, saved_ops, tally)
+    return len(chosen)
+
+
+def _checkpoint_segments(model: nn.Module, chosen: List[Tuple[str, Tuple[str, ...]]], restore: bool = True,
+                         saved_ops: Optional[SavedOps] = None, tally: Optional[Counter] = None) -> None:
+    """Checkpoint each of the blocks ``chosen`` (:func:`block_segments`' ``(parent, members)``)."""
     context_fn = saved_ops.context_fn(tally) if saved_ops is not None else noop_context_fn
     by_parent: Dict[str, List[Tuple[str, ...]]] = {}
     for parent, members in chosen:
@@ -139,7 +146,6 @@ def checkpoint_blocks(model: nn.Module, units: Sequence[str], every: int = 1, re
             by_parent.setdefault(parent, []).append(members)
     for parent, segments in by_parent.items():
         _checkpoint_sequential_segments(model.get_submodule(parent), segments, restore, context_fn)
-    return len(chosen)
 
 
 def chosen_segments(model: nn.Module, units: Sequence[str], every: int = 1,
@@ -154,15 +160,24 @@ def chosen_segments(model: nn.Module, units: Sequence[str], every: int = 1,
     return [segment for unit, segment in zip(units, segments) if unit in named]
 
 
-def region_starts(model: nn.Module, plan, units: Sequence[str]) -> Optional[List[Tuple[str, int]]]:
-    """``(path, children)`` per region :func:`apply_activation_checkpointing` makes of ``model`` for ``plan``: the
-    module it starts at (a checkpointed module: 1, or the first of a checkpointed run of ``children`` siblings);
-    None for time chunks (a region per call of the time-step module, not per module)."""
+def planned_blocks(model: nn.Module, plan, units: Sequence[str]) -> Optional[List[Tuple[str, Tuple[str, ...]]]]:
+    """The blocks (:func:`block_segments`' ``(parent, members)``) that ``plan`` checkpoints in ``model`` (``units``:
+    its blocks): the one place that decides them, for :func:`apply_activation_checkpointing` and
+    :func:`region_starts` (the estimator's); None where the plan does not checkpoint by blocks (none, time chunks)."""
     if plan.activation_checkpointing == Checkpointing.BLOCKS:
-        chosen = chosen_segments(model, units, plan.checkpoint_every, plan.checkpoint_blocks)
-    elif plan.activation_checkpointing == Checkpointing.OPS:
-        chosen = chosen_segments(model, repeated_blocks(model, units), plan.checkpoint_every)
-    else:
+        return chosen_segments(model, units, plan.checkpoint_every, plan.checkpoint_blocks)
+    if plan.activation_checkpointing == Checkpointing.OPS:
+        return chosen_segments(model, repeated_blocks(model, units), plan.checkpoint_every)
+    return None
+
+
+def region_starts(model: nn.Module, plan, units: Sequence[str]) -> Optional[List[Tuple[str, int]]]:
+    """``(path, children)`` per region :func:`apply_activation_checkpointing` makes of ``model`` for ``plan``
+    (:func:`planned_blocks`): the module it starts at (a checkpointed module: 1, or the first of a checkpointed
+    run of ``children`` siblings); None for time chunks (a region per call of the time-step module, not per
+    module) and without checkpointing."""
+    chosen = planned_blocks(model, plan, units)
+    if chosen is None:
         return None
     return [((f"{parent}.{members[0]}" if parent else members[0]) if members else parent, max(1, len(members)))
             for parent, members in chosen]
@@ -335,10 +350,9 @@ def _check_stepped(chunks: _TimeChunks, path: str) -> None:
 def apply_activation_checkpointing(model: nn.Module, plan, units: Sequence[str], tally: Optional[Counter] = None) -> None:
     """Checkpoint ``model`` as ``plan.activation_checkpointing`` says (``units``: the model's blocks; ``tally``
     hears the op policy's decisions with ``"ops"``)."""
-    if plan.activation_checkpointing == Checkpointing.BLOCKS:
-        checkpoint_blocks(model, units, plan.checkpoint_every, only=plan.checkpoint_blocks)
-    elif plan.activation_checkpointing == Checkpointing.OPS:
-        checkpoint_blocks(model, repeated_blocks(model, units), plan.checkpoint_every, saved_ops=TORCHTITAN_OPS,
-                          tally=tally)
+    blocks = planned_blocks(model, plan, units)
+    if blocks is not None:
+        ops = TORCHTITAN_OPS if plan.activation_checkpointing == Checkpointing.OPS else None
+        _checkpoint_segments(model, blocks, saved_ops=ops, tally=tally)
     elif plan.activation_checkpointing == Checkpointing.TIME_CHUNKS:
         checkpoint_time_chunks(model, plan.time_step_module, plan.checkpoint_every)

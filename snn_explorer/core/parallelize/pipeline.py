@@ -38,6 +38,7 @@ same activations on its own pp group. dp averages the local shards of the gradie
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -50,6 +51,7 @@ from ...compat_pipelining import pipelining
 from .. import neurons
 from ..layouts import check_samples
 from ..pipeline_plan import resolve_layout, stage_units
+from ..precision import FP32, Precision
 from .fsdp import apply_fsdp2
 from .mixed_precision import autocast_forward, reduce_in
 
@@ -89,9 +91,44 @@ class PipelineStageModule(nn.Module):
         self.resets += 1
         x = x.contiguous()  # the first stage's micro-batch is a strided slice of the batch on dim 1
         x = run_units(self.units, x, self.per_step)
-        if self.output_dtype is not None and x.is_floating_point() and x.dtype != self.output_dtype:
-            return x.to(self.output_dtype)
+        sent = sent_as(x, self.output_dtype)
+        if sent is not x:
+            return sent
         return x.clone() if self.own_output and is_view(x) else x
+
+
+def sent_as(x: torch.Tensor, output_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """What a stage sends of its output ``x``: cast to ``output_dtype`` (mixed precision's compute dtype) when
+    that is set and ``x`` is a floating tensor of another dtype, else ``x`` itself."""
+    if output_dtype is not None and x.is_floating_point() and x.dtype != output_dtype:
+        return x.to(output_dtype)
+    return x
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """How every pipeline stage is built (:func:`build_stage`), one object for ``apply`` and the estimator's
+    stage runs (operator counts, CPU memory, GPU trace), so they all run the stage ``apply`` runs.
+
+    ``per_step``: the data layout runs the units once per time step; ``precision``: the stage's output is sent in
+    its compute dtype and, with ``autocast_device``, the stage runs under its autocast on that device type (None:
+    no autocast, as the GPU trace runs the stage on meta tensors); ``own_output``: a zero-bubble schedule's
+    stage copies an output that is a view (:class:`PipelineStageModule`)."""
+
+    per_step: bool = False
+    precision: Precision = FP32
+    autocast_device: Optional[str] = "cpu"
+    own_output: bool = False
+
+
+def build_stage(index: int, paths: Sequence[str], model: nn.Module, config: StageConfig) -> PipelineStageModule:
+    """Stage ``index`` of a pipeline: ``model``'s units at ``paths`` (the same module objects), built as
+    ``config`` says."""
+    stage = PipelineStageModule(index, paths, [model.get_submodule(p) for p in paths], config.own_output,
+                                config.per_step, config.precision.compute_dtype)
+    if config.autocast_device is not None:
+        autocast_forward(stage, config.precision, config.autocast_device)
+    return stage
 
 
 def _to_meta(module: nn.Module) -> nn.Module:
@@ -160,13 +197,13 @@ class PipelinedModel(nn.Module):
         self.stage_paths = stage_units(units, counts)
         self.stage_ids = self.schedule.rank_stages(self.pp_rank, plan.pp_size, plan.pp_virtual_stages)
         self._meta_stages = list(meta_stages)  # shapes only (split_stages)
-        self.stages = nn.ModuleList(
-            PipelineStageModule(s, self.stage_paths[s], [model.get_submodule(p).to(device)
-                                                         for p in self.stage_paths[s]], self.schedule.splits_backward,
-                                self.layout.per_step, plan.precision.compute_dtype)
-            for s in self.stage_ids)
+        config = StageConfig(per_step=self.layout.per_step, precision=plan.precision, autocast_device=device.type,
+                             own_output=self.schedule.splits_backward)
+        for s in self.stage_ids:
+            for p in self.stage_paths[s]:
+                model.get_submodule(p).to(device)
+        self.stages = nn.ModuleList(build_stage(s, self.stage_paths[s], model, config) for s in self.stage_ids)
         for stage in self.stages:
-            autocast_forward(stage, plan.precision, device.type)
             if plan.uses_fsdp:  # after TP (the units' layers are already tp shards): FSDP2 over dp, per stage
                 apply_fsdp2(stage, mesh["dp"], stage_fsdp_units(stage, plan.fsdp_units),
                             reshard_after_forward=plan.reshard_after_forward,  # False: the plan refuses memopt 1
@@ -198,8 +235,7 @@ class PipelinedModel(nn.Module):
             for stage in self._meta_stages:
                 neurons.reset_all(stage)
                 y = run_units(stage, x, self.layout.per_step)
-                out = y.to(self.plan.precision.compute_dtype) if self.plan.precision.mixed and y.is_floating_point() \
-                    else y
+                out = sent_as(y, self.plan.precision.compute_dtype)
                 examples.append((sent, out))
                 x, sent = y, out
         return examples

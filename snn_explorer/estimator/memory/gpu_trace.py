@@ -39,7 +39,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ...compat import tree_leaves
 from ...core.neurons import detached_copy
-from ...core.parallelize.pipeline import PipelineStageModule
+from ...core.parallelize.pipeline import PipelineStageModule, StageConfig, build_stage
 from ..instruments.fsdp_events import record
 from ..instruments.meter import StorageMeter
 from ..instruments.op_counter import tensor_bytes
@@ -289,9 +289,9 @@ def gpu_stage_kernels(profile: ModelProfile, stages, n: int, t: int, tp_plan=Non
         swap_fused(model, neuron_backend, meter.fused)
         x, y = _meta_inputs(profile, n, t)
         out = []
+        config = StageConfig(per_step=profile.layout.per_step, precision=profile.precision, autocast_device=None)
         for i, paths in enumerate(stages):
-            stage = PipelineStageModule(i, paths, [model.get_submodule(p) for p in paths], per_step=profile.layout.per_step,
-                                        output_dtype=profile.precision.compute_dtype)
+            stage = build_stage(i, paths, model, config)
             inp = x if i == 0 else x.requires_grad_()
             kernels, x = _trace_stage(meter, stage, inp, y, profile.layout, i == len(stages) - 1)
             out.append(kernels)

@@ -21,8 +21,7 @@ from typing import Callable, Iterable, List, Mapping, Optional, Sequence
 
 import torch
 
-from ...core.parallelize.mixed_precision import autocast_forward
-from ...core.parallelize.pipeline import PipelineStageModule
+from ...core.parallelize.pipeline import StageConfig, build_stage
 from ..instruments.meter import StorageMeter
 from ..instruments.storage import LiveSaved, saving, state_tensor_ids, storage_keys, total_bytes
 from ..profile.step import batch_slice, input_as, loss_of
@@ -100,11 +99,11 @@ def _measure(profile, model, convert, stages, n: int, t: int, micro: int,
     # views of the batch on its batch dim, as torch's split gives the first stage and the loss
     x, y = layout.share(x, 0, n), None if y is None else y[:n]
     out: List[StageMemory] = []
+    # as apply runs each stage on CPU ranks (the root's autocast skips them), or as the GPU trace runs it
+    config = StageConfig(per_step=layout.per_step, precision=profile.precision,
+                         autocast_device="cpu" if counting.autocast else None)
     for i, paths in enumerate(stages):
-        stage = PipelineStageModule(i, paths, [model.get_submodule(p) for p in paths],
-                                    per_step=layout.per_step, output_dtype=profile.precision.compute_dtype)
-        if counting.autocast:  # as apply runs each stage (the root's autocast skips them)
-            autocast_forward(stage, profile.precision, "cpu")
+        stage = build_stage(i, paths, model, config)
         inp = x if i == 0 else x.detach().requires_grad_()
         grad_out: Optional[torch.Tensor] = None
         if i < len(stages) - 1:

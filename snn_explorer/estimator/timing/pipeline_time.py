@@ -3,7 +3,8 @@ stage's own cost.
 
 Each stage's forward (with the loss on the last stage) and backward of one micro-batch are counted
 (:class:`~.op_counter.OpCounter`) on the profile's model copy as mode ``pp`` runs them
-(:class:`~..core.parallelize.pipeline.PipelineStageModule`): :func:`stage_work`. Their roofline
+(:func:`~..core.parallelize.pipeline.build_stage`, its output cast to the compute dtype under bf16 / fp16):
+:func:`stage_work`. Their roofline
 time (:meth:`~.compute_work.PhaseWork.seconds`, with the measured correction and the host's
 slow-down, as any plan's compute) plus the schedule's own cost per action (calibrated per schedule:
 ``pp_action:<schedule>``, see :mod:`.calibration`) is the cost of each action of the ranks'
@@ -31,8 +32,7 @@ import pandas as pd
 import torch
 
 from ...core.collectives import Collective
-from ...core.parallelize.mixed_precision import autocast_forward
-from ...core.parallelize.pipeline import PipelineStageModule
+from ...core.parallelize.pipeline import StageConfig, build_stage
 from ...core.pipeline_plan import check_pp_model, pipeline_units, stage_units
 from ...core.pipeline_schedules import needs, passes, replay
 from ...core.styles import STYLES
@@ -51,10 +51,12 @@ BACKWARD_SHARE = {"B": 1.0, "I": 0.5, "W": 0.5}
 
 @dataclass(frozen=True)
 class StageWork:
-    """The counted work of one micro-batch through one stage."""
+    """The counted work of one micro-batch through one stage, and the bytes of the output it sends on (in the
+    compute dtype under bf16 / fp16, as ``apply``'s stages send it)."""
 
     forward: PhaseWork
     backward: PhaseWork
+    sent_bytes: int = 0
 
 
 def _phase_work(counts: Sequence[float]) -> PhaseWork:
@@ -77,10 +79,9 @@ def stage_work(profile, stages: Sequence[Sequence[str]], n: int, t: int, tp_plan
 def _count_stages(profile, model, convert, stages: Sequence[Sequence[str]], n: int, t: int) -> List[StageWork]:
     x, y = batch_slice(profile.example_input, profile.labels, n, t, layout=profile.layout)
     x, y, out = convert(input_as(x, profile.dtype)), convert(y), []  # token ids stay ints
+    config = StageConfig(per_step=profile.layout.per_step, precision=profile.precision)  # as apply runs CPU ranks
     for i, paths in enumerate(stages):
-        stage = PipelineStageModule(i, paths, [model.get_submodule(p) for p in paths],
-                                    per_step=profile.layout.per_step)
-        autocast_forward(stage, profile.precision, "cpu")  # as apply runs it (FSDP2's bf16 / fp16 gathered weights)
+        stage = build_stage(i, paths, model, config)  # autocast, its output cast to the compute dtype it sends
         inp = x if i == 0 else x.detach().requires_grad_()
         with torch.no_grad():
             grad_out = torch.ones_like(stage(inp))
@@ -96,7 +97,7 @@ def _count_stages(profile, model, convert, stages: Sequence[Sequence[str]], n: i
                 torch.autograd.backward([y_stage], [grad_out])
         for p in stage.parameters():
             p.grad = None
-        out.append(StageWork(_phase_work(forward.counts), _phase_work(backward.counts)))
+        out.append(StageWork(_phase_work(forward.counts), _phase_work(backward.counts), y_stage.nbytes))
         x = y_stage.detach()
     return out
 
