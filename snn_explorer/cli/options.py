@@ -30,7 +30,8 @@ def add_plan_options(p) -> None:
     p.add_argument("--checkpointing", choices=CHECKPOINTING,
                    help="activation checkpointing (default: the objective's choice; needs the "
                         "allow_activation_checkpointing gate)")
-    p.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every n-th block / time chunk")
+    p.add_argument("--checkpoint-every", type=int, default=None,
+                   help="checkpoint every n-th block / time chunk (default: chosen by estimate, else 1)")
     p.add_argument("--pp-schedule", choices=tuple(SCHEDULES), help="pipeline schedule (a topology with pp)")
     p.add_argument("--pp-microbatches", type=int, help="pipeline micro-batches (default: the planner's)")
     p.add_argument("--pp-virtual-stages", type=int, help="stages per pipeline rank (default: the planner's)")
@@ -84,7 +85,7 @@ def plan_choices(args) -> dict:
     gates = features(args)
     return dict(features=gates, precision=precision_choice(args, gates), mode=args.mode,
                 activation_checkpointing=args.checkpointing,
-                checkpoint_every=positive("--checkpoint-every", args.checkpoint_every),
+                checkpoint_every=_optional_positive("--checkpoint-every", args.checkpoint_every),
                 cpu_offload=gates.allow_cpu_offload, pp_schedule=args.pp_schedule,
                 pp_microbatches=_optional_positive("--pp-microbatches", args.pp_microbatches),
                 pp_virtual_stages=_optional_positive("--pp-virtual-stages", args.pp_virtual_stages))

@@ -116,7 +116,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
          tensor_parallel_plan: Optional[Mapping[str, str]] = None, backend: Any = UNSET,
          pp_schedule: Optional[str] = None, pp_microbatches: Optional[int] = None,
          pp_virtual_stages: Optional[int] = None, pp_layout: Any = None,
-         activation_checkpointing: Optional[str] = None, checkpoint_every: int = 1, cpu_offload: bool = False,
+         activation_checkpointing: Optional[str] = None, checkpoint_every: Optional[int] = None, cpu_offload: bool = False,
          time_step_module: Optional[str] = None, data_layout: Any = None, checkpoint_blocks: Sequence[str] = (),
          precision: Any = None, peak_estimate: Optional[Callable[[SNNDistributedPlan], Any]] = None
          ) -> SNNDistributedPlan:
@@ -134,13 +134,14 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     leaves the choice to the objective: ``speed`` takes none; ``memory`` and ``capacity`` never take a lever by
     rule, only by its estimated effect: given ``peak_estimate`` (a callable plan -> an object with ``peak_bytes``
     and ``step_time_s``, e.g. ``snn_explorer.plan_estimator(model, example_input)``), each lever combination the
-    gates allow (checkpointing by blocks, every 1st / 2nd or every ``checkpoint_every``-th when given; by time
-    chunks of ``time_step_module``, of the size the estimate chooses, :func:`~.chunk_choice.choose_chunks`, unless
-    ``checkpoint_every`` is given; spike compression; both; and the blocks chosen one by one, :func:`~.block_choice.choose_blocks`) is estimated and
+    gates allow (checkpointing by blocks, every 1st / 2nd or every ``checkpoint_every``-th when given, 1 included; by
+    time chunks of ``time_step_module``, of the size the estimate chooses, :func:`~.chunk_choice.choose_chunks`,
+    unless ``checkpoint_every`` is given; spike compression; both; and the blocks chosen one by one, :func:`~.block_choice.choose_blocks`) is estimated and
     the one of lowest peak is kept if it is below the plan's peak without levers (a note says by how much and its
     time cost); without ``peak_estimate`` no lever is on (a note says so).
     ``checkpoint_blocks`` (with ``activation_checkpointing='blocks'``) recomputes exactly the named blocks (each by its
-    first unit's path, :mod:`.block_choice`) instead of every ``checkpoint_every``-th.
+    first unit's path, :mod:`.block_choice`) instead of every ``checkpoint_every``-th. ``checkpoint_every=None``
+    (the default) is 1 with an explicit ``activation_checkpointing`` and the estimate's choice without one.
     ``data_layout`` (a :class:`~snn_explorer.core.layouts.DataLayout`; default: the analysis's) says
     where N and T sit in the model's input and output; the plan carries it to ``apply`` and the launcher.
     """
@@ -153,6 +154,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     features = _check_features(features)
     mode = check_mode(mode)
     check_time_step_module(analysis, time_step_module)
+    _check_checkpoint_every(checkpoint_every)
     _check_explicit_tp_plan(tensor_parallel_plan, mode)
     notes: List[str] = list(analysis.notes)
     family = _family(analysis, model_family, notes)
@@ -167,7 +169,8 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     notes.extend(_mode_notes(spec, analysis, topology, features, tensor_parallel_plan))
     pipeline = _pipeline_fields(analysis, topology, batch_size, notes, pp_schedule, pp_microbatches,
                                 pp_virtual_stages, pp_layout, tp_plan) if spec.pp else {}
-    levers = _levers(spec, activation_checkpointing, checkpoint_every, cpu_offload, time_step_module, notes)
+    levers = _levers(spec, activation_checkpointing, 1 if checkpoint_every is None else checkpoint_every,
+                     cpu_offload, time_step_module, notes)
     chosen_precision, precision_note = choose_precision(precision, objective, features, spec.fsdp,
                                                         analysis.batchnorm_names)
     notes.extend([precision_note] if precision_note else [])
@@ -187,7 +190,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
         check_pp_model(plan_, analysis.pipeline_units, analysis.pipeline_problem,
                        analysis.shared_parameter_groups, analysis.trainable_units)
     if activation_checkpointing is None and objective_chooses_levers(objective, features):
-        every = CHECKPOINT_EVERY if checkpoint_every == 1 else (checkpoint_every,)
+        every = CHECKPOINT_EVERY if checkpoint_every is None else (checkpoint_every,)  # an explicit k is kept
         plan_ = _levers_by_estimate(plan_, every, time_step_module, peak_estimate, analysis.fsdp_unit_names)
     return plan_
 
@@ -224,6 +227,14 @@ def _levers_by_estimate(plan_: SNNDistributedPlan, every: Tuple[int, ...], time_
         by_chunk.plan is None or chosen.activation_checkpointing == Checkpointing.TIME_CHUNKS) else ()  # chunks won
     levers = dict(activation_checkpointing=chosen.activation_checkpointing, cpu_offload=chosen.cpu_offload)
     return dataclasses.replace(chosen, notes=plan_.notes + chunk_notes + (note,) + tuple(lever_notes(levers)))
+
+
+def _check_checkpoint_every(checkpoint_every: Optional[int]) -> None:
+    """``checkpoint_every`` is None (chosen by estimate, or 1) or an int >= 1."""
+    if checkpoint_every is not None and (type(checkpoint_every) is not int or checkpoint_every < 1):
+        raise ValueError(f"checkpoint_every={checkpoint_every!r} must be an int >= 1 (checkpoint every k-th block or "
+                         "chunk k time steps), or None to let the objective choose k by estimate (1 with an "
+                         "explicit activation_checkpointing)")
 
 
 def _levers(spec: Mode, activation_checkpointing, checkpoint_every, cpu_offload, time_step_module,

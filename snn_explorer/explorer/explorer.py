@@ -164,7 +164,7 @@ class Explorer(ExplorerCharts):
     def make_plan(self, *, objective: str = "speed", topology: Any = None, batch_size: Optional[int] = None,
                   features: FeaturesLike = None, mode: Optional[str] = None,
                   tensor_parallel_plan: Optional[Mapping[str, str]] = None,
-                  activation_checkpointing: Optional[str] = None, checkpoint_every: int = 1,
+                  activation_checkpointing: Optional[str] = None, checkpoint_every: Optional[int] = None,
                   cpu_offload: bool = False, pp_schedule: Optional[str] = None,
                   pp_microbatches: Optional[int] = None, pp_virtual_stages: Optional[int] = None,
                   pp_layout: Any = None, precision: Any = None) -> SNNDistributedPlan:

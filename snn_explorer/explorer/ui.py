@@ -253,9 +253,14 @@ class ExplorerUI:
                     features={g: c.value for g, c in self.gates.items()},
                     mode=None if self.mode.value == "auto" else self.mode.value,
                     activation_checkpointing=None if self.checkpointing.value == "auto" else self.checkpointing.value,
-                    checkpoint_every=self.checkpoint_every.value,
+                    checkpoint_every=self._checkpoint_every(),
                     cpu_offload=self.gates["allow_cpu_offload"].value, precision=self._precision_choice(),
                     **self._pipeline_choices())
+
+    def _checkpoint_every(self) -> Optional[int]:
+        """The control's k; None (the estimate's choice) when it is at 1 with checkpointing on "auto"."""
+        k = self.checkpoint_every.value
+        return None if k == 1 and self.checkpointing.value == "auto" else k
 
     def _precision_choice(self):
         """The chosen :class:`~snn_explorer.core.precision.Precision` (None: "auto", the objective's)."""
