@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import copyreg
-import functools
+import weakref
 from collections import OrderedDict
 from typing import Callable, Optional
 
@@ -60,7 +60,7 @@ def _copy(value, memo: dict, tensor_copy: TensorCopy):
         out = tensor_copy(value)
         if out is None:
             return copy.deepcopy(value, memo)
-    elif isinstance(value, nn.Module) and _plain_module(kind):
+    elif isinstance(value, nn.Module) and _plain_module(value):
         out = kind.__new__(kind)
         memo[id(value)] = out  # before its children: a child may point back at it
         out.__setstate__(_module_state(value, memo, tensor_copy))
@@ -117,11 +117,24 @@ def _whole_storage(tensor: torch.Tensor) -> bool:
             and tensor.device.type in ("cpu", "cuda"))
 
 
-@functools.lru_cache(maxsize=None)
-def _plain_module(kind: type) -> bool:
-    """Whether ``copy.deepcopy`` copies instances of ``kind`` as :func:`_copy` does: through
-    ``nn.Module``'s own ``__getstate__`` and the class's ``__setstate__``, with no copy hooks or slots."""
-    return (getattr(kind, "__deepcopy__", None) is None and kind not in copyreg.dispatch_table
+#: the attributes ``copy.deepcopy`` looks up on the instance itself (an entry in its ``__dict__`` overrides the class)
+_COPY_HOOKS = frozenset({"__deepcopy__", "__reduce_ex__", "__reduce__", "__getstate__", "__setstate__"})
+#: per class, whether any class of its MRO declares ``__slots__`` (fixed when the class is made); weak keys, so a
+#: class made at run time (a test's, a generated model's) is not kept alive by it
+_SLOTTED: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+
+
+def _plain_module(module: nn.Module) -> bool:
+    """Whether ``copy.deepcopy`` copies ``module`` as :func:`_copy` does: through ``nn.Module``'s own
+    ``__getstate__`` and the class's ``__setstate__``, with no copy hooks (on its class now, or on the instance)
+    nor slots. The hooks are looked up at every call, as ``copy.deepcopy`` does (a class or instance changed after
+    an earlier copy is seen); only the slots, fixed at class creation, are remembered per class."""
+    kind = type(module)
+    if not (getattr(kind, "__deepcopy__", None) is None and kind not in copyreg.dispatch_table
             and kind.__reduce_ex__ is object.__reduce_ex__ and kind.__reduce__ is object.__reduce__
-            and kind.__getstate__ is nn.Module.__getstate__
-            and not any("__slots__" in vars(k) for k in kind.__mro__))
+            and kind.__getstate__ is nn.Module.__getstate__ and _COPY_HOOKS.isdisjoint(module.__dict__)):
+        return False
+    slotted = _SLOTTED.get(kind)
+    if slotted is None:
+        slotted = _SLOTTED[kind] = any("__slots__" in vars(k) for k in kind.__mro__)
+    return not slotted
