@@ -77,7 +77,16 @@ def test_blocks_chosen_by_estimate_keep_the_cheap_ones():
     assert choice.plan is not None and choice.estimate.peak_bytes <= budget < base_est.peak_bytes
     assert choice.estimate.peak_bytes <= uniform.peak_bytes and choice.estimate.step_time_s < uniform.step_time_s
     assert 0 < len(choice.plan.checkpoint_blocks) < len(units)  # keeps the cheap blocks
-    assert choice.plan.checkpoint_blocks == tuple(u for u in units if u in choice.order[:len(choice.tried)])
+    # greedy by value: each block recomputed frees at least as many saved bytes per added second (each block's own
+    # estimate, recomputed alone) as any block kept
+    gain = {}
+    for u in units:
+        alone = estimate_of(with_blocks(base, (u,)))
+        freed, added = base_est.activations_bytes - alone.activations_bytes, alone.step_time_s - base_est.step_time_s
+        gain[u] = freed / added if added > 0 else float("inf") if freed > 0 else float("-inf")
+    recomputed = set(choice.plan.checkpoint_blocks)
+    assert all(gain[u] > 0 for u in recomputed)
+    assert min(gain[u] for u in recomputed) >= max(gain[u] for u in units if u not in recomputed), gain
     assert all(e.peak_bytes > budget for _, e in choice.tried[:-1])  # stopped at the first that fits
     assert "recomputed (greedy by saved bytes freed per recompute second" in choice.note(base_est.peak_bytes)
 

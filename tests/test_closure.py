@@ -65,11 +65,17 @@ def _check_refusal(message: str, mode, topology) -> None:
 
 def _analysed_once(analyze):
     """``analyze`` computing each (model, arguments) once: preflight analyses the model of every plan it checks,
-    and these models do not change (the analysis is a frozen dataclass)."""
+    and these models do not change (the analysis is a frozen dataclass). Keyed on the model object (held, so its
+    identity is not reused) and the arguments' own values (equal values, not equal reprs); arguments that cannot
+    be a key are analysed every time."""
     seen = {}
 
     def once(model, **kwargs):
-        key = (id(model), repr(sorted(kwargs.items())))
+        key = (model, tuple(sorted(kwargs.items())))
+        try:
+            hash(key)
+        except TypeError:
+            return analyze(model, **kwargs)
         if key not in seen:
             seen[key] = analyze(model, **kwargs)
         return seen[key]
