@@ -43,6 +43,9 @@ class CheckpointedProfile(ModelProfile):
     #: (forward, step) FLOPs of the plain rank model per size and layout: the same for every granularity, so
     #: :func:`levered_profile` gives all checkpointed profiles of one profile one dict
     plain_flops: Dict[tuple, Tuple[float, float]] = field(default_factory=dict, repr=False)
+    #: the per-chunk work of time chunks (``..timing.chunk_work``), per layout: the same for every chunk size, so
+    #: shared as ``plain_flops`` is
+    chunk_figures: Dict[tuple, list] = field(default_factory=dict, repr=False)
 
     def rank_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Tuple[tuple, nn.Module]:
         key, model = super().rank_model(tp_plan, tp)
@@ -199,7 +202,8 @@ def levered_profile(profile: ModelProfile, plan) -> ModelProfile:
     if key not in cache:
         base = {f.name: getattr(profile, f.name) for f in dataclasses.fields(ModelProfile)}
         base.update(peaks={}, logs={}, replicas={}, saved_state={}, step_counts=())  # counted on its own models
-        cache[key] = CheckpointedProfile(**base, plan=plan, plain_flops=profile.__dict__.setdefault("_plain_flops", {}))
+        cache[key] = CheckpointedProfile(**base, plan=plan, plain_flops=profile.__dict__.setdefault("_plain_flops", {}),
+                                         chunk_figures=profile.__dict__.setdefault("_chunk_figures", {}))
     return cache[key]
 
 
