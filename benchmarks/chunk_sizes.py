@@ -8,9 +8,11 @@ T); the plan without checkpointing and each size are then trained by ``measure_m
 falls on every size alike). Prints, per size, the estimated and measured peak bytes per rank, the estimated step
 time on the H100-SXM profile and on this machine's calibration, and the measured step time: the median of every
 timed step of every round (the first step of each plan is the warm-up, dropped), with each size's step relative
-to the plan without checkpointing, estimated and measured; then which size the memory objective takes, the wall
-and CPU seconds the measuring took (CPU: this process and its finished ranks) and the load average before and
-after.
+to the plan without checkpointing, estimated and measured. Beside them, the step of one rank's model and batch
+timed in this process on one thread (``compute_work.timed_step``, as the estimator's local correction times a
+step), ``--timed`` times per size in turn, its median and least: free of the ranks' collectives and waits, so the growth
+with k shows through less noise. Then which size the memory objective takes, the wall and CPU seconds the
+measuring took (CPU: this process and its finished ranks) and the load average before and after.
 """
 from __future__ import annotations
 
@@ -25,9 +27,13 @@ import pandas as pd
 import snn_explorer as se
 from snn_explorer.core.chunk_choice import choose_chunks
 from snn_explorer.core.memory_levers import copy_without_levers, find_time_step_module
+from snn_explorer.core.neurons import detached_copy
+from snn_explorer.core.parallelize.checkpointing import apply_activation_checkpointing
 from snn_explorer.estimator import measure_many
 from snn_explorer.estimator.calibration.this_machine import default_hardware
+from snn_explorer.estimator.instruments.isolation import collector_paused, one_thread
 from snn_explorer.estimator.profile.step import batch_slice
+from snn_explorer.estimator.timing.compute_work import timed_step
 from snn_explorer.zoo import build
 
 
@@ -46,12 +52,30 @@ def _measured(zoo, plans, x, y, rounds: int, steps: int):
     return peaks, times
 
 
+def _timed_here(zoo, plans, x, y, times: int) -> dict:
+    """(median, least) seconds of one rank's step (its batch share) of each plan's model, timed on one thread in
+    turn (the least: the step with the least of other processes' work in it)."""
+    models = []
+    for plan in plans:
+        model = detached_copy(zoo.model)
+        apply_activation_checkpointing(model, plan, ())
+        models.append(model)
+    x, y = batch_slice(x, y, plans[0].per_rank_batch, x.shape[0])  # rank 0's share
+    steps = {i: [] for i in range(len(plans))}
+    with one_thread(), collector_paused():
+        for _ in range(times):
+            for i, model in enumerate(models):
+                steps[i].append(sum(timed_step(model, x, y, "adam").values()))
+    return {i: (statistics.median(v), min(v)) for i, v in steps.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--time-steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=11)
+    parser.add_argument("--timed", type=int, default=101)
     args = parser.parse_args()
     zoo = build(args.model)
     x, y = batch_slice(zoo.example_input, zoo.labels, zoo.batch_size, args.time_steps)
@@ -68,6 +92,7 @@ def main() -> None:
     plans = [base] + [p for p, _ in choice.tried]
     load_before, wall, cpu = os.getloadavg(), time.perf_counter(), _cpu_s()
     peaks, times = _measured(zoo, plans, x, y, args.rounds, args.steps)
+    here_s = _timed_here(zoo, plans, x, y, args.timed)
     wall, cpu = time.perf_counter() - wall, _cpu_s() - cpu
     est_base, here_base, measured_base = on_h100(base), on_here(base), statistics.median(times[0])
     rows = []
@@ -81,9 +106,12 @@ def main() -> None:
                      "est. / none (here)": round(local.step_time_s / here_base.step_time_s, 3),
                      "measured / none": round(measured / measured_base, 3),
                      "est. / none (H100)": round(h100.step_time_s / est_base.step_time_s, 3),
+                     "1 thread ms (median)": round(here_s[i][0] * 1e3, 3),
+                     "1 thread / none": round(here_s[i][0] / here_s[0][0], 3),
+                     "1 thread ms (least)": round(here_s[i][1] * 1e3, 3),
                      "chosen": plan == choice.plan})
     print(f"{args.model}, T = {args.time_steps}, dp on 2 gloo ranks; time-stepped module {step_module!r}; "
-          f"{args.rounds} rounds x {args.steps} steps (the first of each dropped)")
+          f"{args.rounds} rounds x {args.steps} steps (the first of each dropped); one thread: {args.timed} steps")
     print(pd.DataFrame(rows).to_string(index=False))
     print(f"measuring: {wall:.1f} s wall, {cpu:.1f} s CPU (this process and its ranks); load average "
           f"{load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after")
