@@ -10,7 +10,7 @@ time on the H100-SXM profile and on this machine's calibration, and the measured
 timed step of every round (the first step of each plan is the warm-up, dropped), with each size's step relative
 to the plan without checkpointing, estimated and measured. Beside them, the step of one rank's model and batch
 timed in this process on one thread (``compute_work.timed_step``, as the estimator's local correction times a
-step), ``--timed`` times per size in turn, its median and least: free of the ranks' collectives and waits, so the growth
+step), ``--timed`` times per size in turn, its median and least, beside the estimate for one rank of that batch on this machine: free of the ranks' collectives and waits, so the growth
 with k shows through less noise. Then which size the memory objective takes, the wall and CPU seconds the
 measuring took (CPU: this process and its finished ranks) and the load average before and after.
 """
@@ -25,7 +25,7 @@ import time
 import pandas as pd
 
 import snn_explorer as se
-from snn_explorer.core.chunk_choice import choose_chunks
+from snn_explorer.core.chunk_choice import choose_chunks, chunked
 from snn_explorer.core.memory_levers import copy_without_levers, find_time_step_module
 from snn_explorer.core.neurons import detached_copy
 from snn_explorer.core.parallelize.checkpointing import apply_activation_checkpointing
@@ -69,6 +69,11 @@ def _timed_here(zoo, plans, x, y, times: int) -> dict:
     return {i: (statistics.median(v), min(v)) for i, v in steps.items()}
 
 
+def plans_of(base, choice) -> list:
+    """The plan without checkpointing, then each chunk size tried."""
+    return [base] + [p for p, _ in choice.tried]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="mlp")
@@ -89,7 +94,10 @@ def main() -> None:
     on_h100 = se.plan_estimator(zoo.model, x, y, hardware="H100-SXM")
     on_here = se.plan_estimator(zoo.model, x, y, hardware=here)
     choice = choose_chunks(base, step_module, on_h100)
-    plans = [base] + [p for p, _ in choice.tried]
+    alone = copy_without_levers(se.plan(analysis=se.analyze(zoo.model), objective="speed", topology={"dp": 1},
+                                        mode="dp", batch_size=base.per_rank_batch, features=features))
+    one_rank = {p: alone if p is base else chunked(alone, step_module, p.checkpoint_every) for p in plans_of(base, choice)}
+    plans = plans_of(base, choice)
     load_before, wall, cpu = os.getloadavg(), time.perf_counter(), _cpu_s()
     peaks, times = _measured(zoo, plans, x, y, args.rounds, args.steps)
     here_s = _timed_here(zoo, plans, x, y, args.timed)
@@ -106,6 +114,7 @@ def main() -> None:
                      "est. / none (here)": round(local.step_time_s / here_base.step_time_s, 3),
                      "measured / none": round(measured / measured_base, 3),
                      "est. / none (H100)": round(h100.step_time_s / est_base.step_time_s, 3),
+                     "est. 1 rank ms (here)": round(on_here(one_rank[plan]).step_time_s * 1e3, 3),
                      "1 thread ms (median)": round(here_s[i][0] * 1e3, 3),
                      "1 thread / none": round(here_s[i][0] / here_s[0][0], 3),
                      "1 thread ms (least)": round(here_s[i][1] * 1e3, 3),
