@@ -1,8 +1,11 @@
 """The work of time chunks of any size k up to T (estimator/timing/chunk_work.py), though the profile counts steps of
 T = 2 and 3 only: on a stand-in of two Linear layers, the backward's FLOPs equal the hand count (each step's own
 backward and its recompute, plus one replayed forward per step but the first of each chunk), every figure's extra
-over the plain step equals steps counted at the plan's own T, and the estimated step time grows with k."""
+over the plain step equals steps counted at the plan's own T, and the estimated step time grows with k, also on
+the host a profile was calibrated on (whose timing correction is the plain step's)."""
+import dataclasses
 import math
+import socket
 
 import pytest
 import torch
@@ -12,7 +15,8 @@ from snn_explorer.core.chunk_choice import chunked
 from snn_explorer.core.memory_levers import copy_without_levers
 from snn_explorer.core.neurons import detached_copy
 from snn_explorer.core.parallelize.checkpointing import checkpoint_time_chunks
-from snn_explorer.estimator.profile.checkpointed import levered_profile
+from snn_explorer.estimator import hardware_profile
+from snn_explorer.estimator.profile.checkpointed import levered_profile, unlevered
 from snn_explorer.estimator.profile.profiling import model_profile
 from snn_explorer.estimator.profile.step import batch_slice
 from snn_explorer.estimator.timing.chunk_work import chunk_counts
@@ -93,3 +97,17 @@ def test_estimated_step_time_grows_with_the_chunk_size(stand_in):
     estimate_of = se.plan_estimator(model, x, y, hardware="H100-SXM")
     times = [estimate_of(chunked(base, "net", k)).step_time_s for k in (1, 2, 4, 8)]
     assert times == sorted(times) and times[1] < times[2] < times[3], times  # replays: 0, 4, 6, 7 steps
+
+
+def test_on_the_calibrated_host_the_recompute_is_not_timed_away(stand_in):
+    """On the host a profile was calibrated on, the measured / modelled ratio comes from the step without levers
+    (timed once, kept on the plain profile), so a chunked plan keeps its recompute: slower than the plain plan, and
+    growing with k. (Read from its own profile, the plain model's time over the chunked work gave every size the
+    plain step's time.)"""
+    model, x, y, base, profile = stand_in
+    here = dataclasses.replace(hardware_profile("H100-SXM"), name="this host", device="cpu", host=socket.gethostname())
+    estimate_of = se.plan_estimator(model, x, y, hardware=here)
+    times = [estimate_of(base).step_time_s] + [estimate_of(chunked(base, "net", k)).step_time_s for k in (1, 2, 8)]
+    assert times == sorted(times) and times[0] < times[1] < times[2] < times[3], times
+    chunked_profile = levered_profile(profile, chunked(base, "net", 8))
+    assert unlevered(chunked_profile) is profile and "_step_correction" not in chunked_profile.__dict__
