@@ -7,10 +7,9 @@ power of two k = 1, 2, 4, ... below the T the estimates state (``time_steps``, a
 does) and k = T, one chunk of every step; where they state none (a stand-in), until two sizes in a row estimate
 alike (peak and step time) or :data:`MAX_CHUNK`. Without a budget it keeps the size of lowest estimated peak
 (ties: the faster, then the smaller k), with a budget the fastest whose peak fits (ties: the smaller k, which
-replays less; none fits: the lowest peak), and either only if its peak is below the plan's own. The estimator's
-step time of a chunk size above the profile's largest T (3) is extrapolated from runs one chunk covers, so it does
-not grow with k there (the replay is underestimated; the peaks are exact): the tie-break keeps the smaller k.
-The core does not estimate: the caller injects ``peak_estimate`` (as for
+replays less; none fits: the lowest peak), and either only if its peak is below the plan's own. The estimator
+composes each size's replays per chunk (``estimator.timing.chunk_work``), so its step time grows with k as the
+replayed steps do (T - ceil(T / k)). The core does not estimate: the caller injects ``peak_estimate`` (as for
 :func:`~.memory_levers.choose_levers`).
 """
 from __future__ import annotations

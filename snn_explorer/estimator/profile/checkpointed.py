@@ -43,6 +43,11 @@ class CheckpointedProfile(ModelProfile):
     #: (forward, step) FLOPs of the plain rank model per size and layout: the same for every granularity, so
     #: :func:`levered_profile` gives all checkpointed profiles of one profile one dict
     plain_flops: Dict[tuple, Tuple[float, float]] = field(default_factory=dict, repr=False)
+    #: the per-chunk work of time chunks (``..timing.chunk_work``), per layout: the same for every chunk size, so
+    #: shared as ``plain_flops`` is
+    chunk_figures: Dict[tuple, list] = field(default_factory=dict, repr=False)
+    #: the profile this one checkpoints (its model's step is the one the local timing correction is read from)
+    unlevered: Optional[ModelProfile] = field(default=None, repr=False, compare=False)
 
     def rank_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Tuple[tuple, nn.Module]:
         key, model = super().rank_model(tp_plan, tp)
@@ -199,8 +204,18 @@ def levered_profile(profile: ModelProfile, plan) -> ModelProfile:
     if key not in cache:
         base = {f.name: getattr(profile, f.name) for f in dataclasses.fields(ModelProfile)}
         base.update(peaks={}, logs={}, replicas={}, saved_state={}, step_counts=())  # counted on its own models
-        cache[key] = CheckpointedProfile(**base, plan=plan, plain_flops=profile.__dict__.setdefault("_plain_flops", {}))
+        cache[key] = CheckpointedProfile(**base, plan=plan, plain_flops=profile.__dict__.setdefault("_plain_flops", {}),
+                                         chunk_figures=profile.__dict__.setdefault("_chunk_figures", {}),
+                                         unlevered=profile)
     return cache[key]
+
+
+def unlevered(profile: ModelProfile) -> ModelProfile:
+    """The profile without levers that ``profile`` derives from (through the ``base`` of a spike-compressed or
+    activation-offloaded profile and the ``unlevered`` of a checkpointed one); ``profile`` itself if it has none."""
+    while getattr(profile, "base", None) is not None or getattr(profile, "unlevered", None) is not None:
+        profile = getattr(profile, "base", None) or profile.unlevered
+    return profile
 
 
 def recompute_fraction(profile: ModelProfile, plan, t: int) -> float:
@@ -212,4 +227,5 @@ def recompute_fraction(profile: ModelProfile, plan, t: int) -> float:
     return profile.recompute_fraction(plan.per_rank_batch, t, plan.tensor_parallel_plan, plan.tp_size)
 
 
-__all__ = ["CheckpointedProfile", "levered_profile", "lever_cuts", "lever_log_repeats", "recompute_fraction", "run_total"]
+__all__ = ["CheckpointedProfile", "levered_profile", "lever_cuts", "lever_log_repeats", "recompute_fraction", "run_total",
+           "unlevered"]

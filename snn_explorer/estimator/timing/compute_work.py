@@ -30,6 +30,7 @@ from ..instruments.op_counter import OpCounter, grad_names
 from ..profile.profiling import SIZES, Fit, ModelProfile
 from ..profile.repeats import CUT_FAILURES, NotRepeating, block_inputs, cut, extend_counts, find_repeats, names_as_run
 from ..profile.step import OPTIMIZERS, batch_slice, forward_loss, input_as
+from .chunk_work import chunked_work, time_chunks_of
 from .hardware import HardwareProfile
 
 PHASES = ("forward", "backward", "optimizer")
@@ -224,7 +225,7 @@ def rank_work(profile: ModelProfile, tp_plan, tp: int, optimizer: str) -> Work:
     """The :class:`Work` of the model one rank of a plan runs, cached on the profile per TP layout: the
     unsharded model's from the counts its profile runs took (``ModelProfile.step_counts``, taken in
     the state :func:`counted_pass` sets), any other's by :func:`count_work`; on FakeTensors for a
-    shape-only profile."""
+    shape-only profile. Time chunks of two or more steps: composed per chunk (:mod:`.chunk_work`)."""
     cache = profile.__dict__.setdefault("_step_work", {})
     layout, model = profile.rank_model(tp_plan, tp)
     key = (layout, optimizer)
@@ -235,6 +236,9 @@ def rank_work(profile: ModelProfile, tp_plan, tp: int, optimizer: str) -> Work:
                                          optimizer_work(run_model, profile.grad_params, optimizer), run_model)
             else:
                 cache[key] = count_work(run_model, profile, optimizer, convert, profile.repeat_cuts(tp_plan, tp))
+        chunks = time_chunks_of(profile)
+        if chunks is not None:  # a fit in T misses the replays of chunks longer than the profile's time steps
+            cache[key] = chunked_work(cache[key], chunks, tp_plan, tp, counted_pass)
     return cache[key]
 
 

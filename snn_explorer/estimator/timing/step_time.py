@@ -6,7 +6,7 @@ work scaled to the parameter shard the rank updates), times the slow-down measur
 many ranks share one host's cores (:func:`host_sharing`). Under FSDP2's CPU offload the optimizer step is the
 host CPU's instead (:func:`~..memory.fsdp_offload.host_optimizer_seconds`). On the machine the hardware profile was
 calibrated on, each phase is also multiplied by the measured / modelled ratio of the unsharded
-step. The parallel
+step without levers (a lever's recompute, replays or packing are modelled work that the ratio scales). The parallel
 wrappers' own cost, where the profile was calibrated with it (:func:`framework_s`), is compute too.
 
 Each collective of the estimate (:mod:`.comms`) is timed by the profile's alpha-beta model for
@@ -32,6 +32,7 @@ from ...core import SNNDistributedPlan
 from ...core.collectives import Collective
 from ...core.styles import STYLES
 from ..instruments.tables import TIME_COLUMNS
+from ..profile.checkpointed import unlevered
 from .compute_work import PHASES, Work, local_correction, rank_work
 from .hardware import HardwareProfile
 from .pipeline_time import pipeline_time_table
@@ -121,7 +122,10 @@ def plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, per_
     itemsize = profile.compute_itemsize  # the precision's compute dtype: half-precision FLOP rates under bf16
     correction = {}
     if is_local(hw) and not profile.shape_only:  # a shape-only profile has no real step to time
-        correction = local_correction(profile, rank_work(profile, None, 1, optimizer), hw, optimizer)
+        # measured / modelled of the step without levers, which times the model itself: a lever's own work
+        # (recompute, replays, packing) stays in the modelled phases it scales
+        plain = unlevered(profile)
+        correction = local_correction(plain, rank_work(plain, None, 1, optimizer), hw, optimizer)
     hw = hw.seen_by(ranks_on_host(plan, hw))
     if plan.uses_pp:
         whole = rank_work(profile, None, 1, optimizer)
