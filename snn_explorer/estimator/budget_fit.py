@@ -32,7 +32,6 @@ from ..core.memory_levers import (
     copy_without_levers,
     find_time_step_module,
     fsdp_offload_variants,
-    lever_fields,
     lever_label,
     lever_variants,
     remembered,
@@ -168,7 +167,8 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     naming the lowest estimated peak found.
 
     The pruning by step time is checked as the search goes (:func:`_pruning_checked`): a levered plan estimated
-    faster than the same plan with one lever fewer (estimated before it) voids it, and the search is run again
+    faster than its plan without levers (or a time-chunked plan faster than the same without the compression or
+    offload added to it) voids it, and the search is run again
     without pruning by step time (every lever variant that can fit estimated; ``notes`` says which plan did it).
     """
     started = time.perf_counter()
@@ -222,31 +222,33 @@ def _unsearched_offload(offload: bool, shard_offload: bool, hardware, optimizer:
 
 
 class LeverSpeedsStep(RuntimeError):
-    """A levered plan was estimated faster than the same plan with one lever fewer: pruning by step time, which
-    assumes no lever speeds a step, would be unsound for this search."""
+    """A levered plan was estimated faster than a plan the search's pruning assumes it no faster than
+    (:func:`_pruned_on`): pruning by step time would be unsound for this search."""
 
 
-def _one_lever_less(plan: SNNDistributedPlan) -> List[SNNDistributedPlan]:
-    """``plan`` with each of its memory levers off in turn (checkpointing, spike compression, FSDP2's CPU offload,
-    activation offload)."""
-    out = []
-    if plan.activation_checkpointing != Checkpointing.NONE:
-        out.append(dataclasses.replace(plan, **lever_fields(cpu_offload=plan.cpu_offload), checkpoint_blocks=()))
-    out += [dataclasses.replace(plan, **{f: False}) for f in ("spike_compression", "cpu_offload", "activation_offload")
-            if getattr(plan, f)]
+def _pruned_on(plan: SNNDistributedPlan) -> List[SNNDistributedPlan]:
+    """The plans the search's pruning assumes ``plan`` is no faster than: the same plan without levers
+    (:func:`_search`), and for time chunks the same plan without spike compression and without FSDP2's CPU offload,
+    the levers :func:`_chunk_combinations` adds to a chunk size."""
+    if plan == copy_without_levers(plan):
+        return []
+    out = [copy_without_levers(plan)]
+    if plan.activation_checkpointing == Checkpointing.TIME_CHUNKS:
+        out += [dataclasses.replace(plan, **{f: False}) for f in ("spike_compression", "cpu_offload") if getattr(plan, f)]
     return out
 
 
 def _pruning_checked(estimate_of: Callable[[SNNDistributedPlan], PlanEstimate], estimated=()):
     """``estimate_of`` checking the premise of the search's pruning by step time (no lever speeds a step): each
-    plan's estimate is compared with those of the same plan with one lever fewer already estimated (by it, or in
-    ``estimated``: (plan, estimate) pairs, the plans without levers; :func:`_one_lever_less`); raises
-    :class:`LeverSpeedsStep` where it is faster."""
+    plan's estimate is compared with those of the plans the pruning assumes it no faster than (:func:`_pruned_on`)
+    already estimated (by it, or in ``estimated``: (plan, estimate) pairs, the plans without levers); raises
+    :class:`LeverSpeedsStep` where it is faster. (Checkpointing may well speed a compressed plan, which packs fewer
+    saved tensors then: no pruning assumes otherwise.)"""
     seen: Dict[SNNDistributedPlan, PlanEstimate] = dict(estimated)
 
     def checked(plan: SNNDistributedPlan) -> PlanEstimate:
         est = estimate_of(plan)
-        for fewer in _one_lever_less(plan):
+        for fewer in _pruned_on(plan):
             if fewer in seen and est.step_time_s < seen[fewer].step_time_s:
                 raise LeverSpeedsStep(f"{_name(plan)} was estimated faster ({est.step_time_s * 1e3:.3f} ms per step) "
                                       f"than {_name(fewer)} ({seen[fewer].step_time_s * 1e3:.3f} ms)")

@@ -25,7 +25,7 @@ from torch import nn
 
 from ...compat import is_fake
 from ...core.activation_offload import offload_hooks
-from ...core.neurons import detached_copy
+from ...core.module_copy import root_over_children
 from ..profile.checkpointed import held_after_forward
 from ..profile.profiling import ModelProfile
 from ..profile.step import batch_slice
@@ -63,7 +63,7 @@ def _to_simulated_device(packed: Any) -> torch.Tensor:
 @dataclass
 class OffloadedProfile(ModelProfile):
     """A :class:`ModelProfile` whose rank models keep their saved tensors outside the counted memory
-    (copies of ``base``'s rank models)."""
+    (``base``'s rank models under a root of their own, :func:`~snn_explorer.core.module_copy.root_over_children`)."""
 
     base: ModelProfile = None
     offloaded: Dict[tuple, nn.Module] = field(default_factory=dict, repr=False)
@@ -72,8 +72,8 @@ class OffloadedProfile(ModelProfile):
 
     def rank_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Tuple[tuple, nn.Module]:
         key, model = self.base.rank_model(tp_plan, tp)
-        if key not in self.offloaded:
-            copy_ = detached_copy(model)
+        if key not in self.offloaded:  # the hooks wrap the root's forward: a new root over its modules, no copy
+            copy_ = root_over_children(model)
             counter = self.counters.setdefault(key, [0, 0.0])
             offload_hooks(copy_, lambda t: _to_simulated_host(t, counter), _to_simulated_device)
             self.offloaded[key] = copy_
