@@ -212,7 +212,8 @@ def levered_profile(profile: ModelProfile, plan) -> ModelProfile:
     cache = profile.__dict__.setdefault("_checkpointed_profiles", {})
     if key not in cache:
         base = {f.name: getattr(profile, f.name) for f in dataclasses.fields(ModelProfile)}
-        base.update(peaks={}, logs={}, replicas={}, saved_state={}, step_counts=())  # counted on its own models
+        # counted on its own models; the TP replicas (plain models it copies before checkpointing) shared
+        base.update(peaks={}, logs={}, saved_state={}, step_counts=())
         cache[key] = CheckpointedProfile(**base, plan=plan, plain_flops=profile.__dict__.setdefault("_plain_flops", {}))
     return cache[key]
 
