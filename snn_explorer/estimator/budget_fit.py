@@ -17,6 +17,7 @@ rate), alone and with each checkpointing variant and spike compression.
 from __future__ import annotations
 
 import dataclasses
+import html
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
@@ -95,7 +96,8 @@ class FitResult:
         head = (f"<p><b>{self.table['plan'].iloc[0]}</b>: peak {self.estimate.peak_bytes / 2 ** 20:.2f} MiB of a "
                 f"{self.memory_budget / 2 ** 20:.2f} MiB budget, {self.estimate.step_time_s * 1e3:.3f} ms per step; "
                 f"searched {len(self.table)} candidates in {self.search_s:.2f} s</p>")
-        return head + self.table.to_html(index=False)
+        notes = "".join(f"<p>note: {html.escape(n)}</p>" for n in self.notes)
+        return head + notes + self.table.to_html(index=False)
 
 
 def _name(plan: SNNDistributedPlan) -> str:
