@@ -1,6 +1,6 @@
 """Spike compression's and activation offload's profiles run the base rank model under a root of its own
 (core.module_copy.root_over_children) instead of a whole copy: every estimate figure of every lever variant (fsdp2,
-tp; checkpointed, compressed, offloaded) equals the copying path's, on a deep all-steps MLP whose spikes fire."""
+tp; checkpointed, compressed, offloaded) equals the copying path's, on an all-steps MLP whose spikes fire."""
 import pandas as pd
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ def _estimates(model, x, plans):
 
 def test_lever_profiles_over_a_root_of_their_own_equal_whole_copies(monkeypatch):
     torch.manual_seed(0)
-    model, x = SpikingMLP(16, (32,) * 8, 8, stepping="all_steps"), torch.rand(3, 4, 16) * 4
+    model, x = SpikingMLP(16, (32,) * 3, 8, stepping="all_steps"), torch.rand(3, 4, 16) * 4
     analysis = se.analyze(model, example_input=x)
     bases = {}
     for p in enumerate_plans(analysis, world_size=2, batch_size=4, features=FIT_FEATURES):
