@@ -18,7 +18,7 @@ from snn_explorer.core.memory_levers import (
     remembered,
     spike_compression_variants,
 )
-from snn_explorer.estimator import FitOutcome, estimate, model_profile
+from snn_explorer.estimator import FitOutcome, budget_fit, estimate, model_profile
 from snn_explorer.estimator.budget_fit import FIT_FEATURES, _chunk_rows, lever_floor
 from snn_explorer.estimator.enumerate import enumerate_plans
 
@@ -239,3 +239,41 @@ def test_time_chunks_are_combined_with_compression_and_offload_at_every_size():
         chosen = best[0]
         assert (chosen.checkpoint_every, chosen.spike_compression, chosen.cpu_offload) == (k, compressed, offloaded)
         assert len({r["plan"] for r in rows}) == len(rows)  # one row per plan
+
+
+def _speeding_stand_in(p, speeds: bool):
+    """A stand-in estimate: 1600 B without levers; checkpointing takes 700 B off, spike compression 200 B (dp) or
+    600 B (other modes), FSDP2 and activation offload nothing; each lever adds 0.2 s to a step of 1 s (dp), 1.3 s
+    (fsdp2) or more, but where ``speeds`` compression without checkpointing takes 0.35 s off instead."""
+    checkpoints = p.activation_checkpointing != "none"
+    per_rank = pd.DataFrame({"params_bytes": [300], "optimizer_bytes": [300], "buffers_bytes": [0]})
+    peak = 1600 - 700 * checkpoints - (200 if p.mode == "dp" else 600) * p.spike_compression
+    step = {"dp": 1.0, "fsdp2": 1.3, "tp": 1.35}.get(p.mode, 1.4) + 0.02 * p.uses_zero
+    step += 0.2 * (checkpoints + p.cpu_offload + p.activation_offload)
+    step += -0.35 if speeds and p.spike_compression and not checkpoints else 0.2 * p.spike_compression
+    return SimpleNamespace(peak_bytes=peak, time_steps=8, per_rank=per_rank, step_time_s=step)
+
+
+@pytest.mark.parametrize("speeds", [False, True])
+def test_a_lever_estimated_to_speed_a_step_turns_the_pruning_off(monkeypatch, speeds):
+    """fit_budget's pruning assumes no lever speeds a step. With a stand-in estimator where spike compression does,
+    the search notices (dp compressed, over the budget, is estimated faster than dp), says so in ``notes`` and
+    searches again without pruning by step time: it then finds fsdp2 compressed (1.15 s), which the pruned search
+    never estimates (fsdp2's 1.3 s without levers is slower than dp checkpointed, 1.2 s, which fits). Its choice is
+    the fastest fitting plan by brute force over every plan and lever variant. Where no lever speeds a step the
+    search prunes, notes nothing and chooses dp checkpointed, as brute force does."""
+    z = zoo.build("mlp")
+    monkeypatch.setattr(budget_fit, "plan_estimator", lambda *a, **k: lambda p: _speeding_stand_in(p, speeds))
+    budget = 1300
+    result = fit_budget(z.model, z.example_input, budget, 2, labels=z.labels, hardware=HARDWARE)
+    assert bool(result.notes) == speeds and all("faster" in n and "without pruning" in n for n in result.notes)
+    step = find_time_step_module(z.model, z.example_input)
+    candidates = [v for p in enumerate_plans(analyze(z.model), world_size=2, batch_size=8, features=FIT_FEATURES)
+                  for v in [copy_without_levers(p)] + lever_variants(copy_without_levers(p), step, offload=True,
+                                                                   chunk_every=(1, 2, 4, 8))]
+    fitting = [(e.step_time_s, e.peak_bytes) for e in map(lambda v: _speeding_stand_in(v, speeds), candidates)
+               if e.peak_bytes <= budget]
+    assert (result.estimate.step_time_s, result.estimate.peak_bytes) == min(fitting)
+    chosen = result.plan
+    assert (chosen.mode, chosen.spike_compression, chosen.activation_checkpointing != "none") == (
+        ("fsdp2", True, False) if speeds else ("dp", False, True))

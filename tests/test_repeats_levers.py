@@ -1,6 +1,7 @@
 """Lever variants' profiles composed from runs cut to a few repeated blocks (estimator/profile/repeats_totals.py)
 equal the whole model's runs: every estimate figure of checkpointed (every block, every 2nd, named blocks) and
-spike-compressed plans (fsdp2; tp every 2nd block with compression), on a deep all-steps MLP."""
+spike-compressed plans (fsdp2; tp every 2nd block with compression) and activation offload (fsdp2), on a deep
+all-steps MLP."""
 import dataclasses
 
 import pandas as pd
@@ -8,7 +9,7 @@ import torch
 
 import snn_explorer as se
 from snn_explorer.core.block_choice import with_blocks
-from snn_explorer.core.memory_levers import copy_without_levers, lever_variants
+from snn_explorer.core.memory_levers import activation_offload_variants, copy_without_levers, lever_variants
 from snn_explorer.estimator import estimate
 from snn_explorer.estimator.budget_fit import FIT_FEATURES
 from snn_explorer.estimator.enumerate import enumerate_plans
@@ -27,7 +28,7 @@ def _plans(model, x):
     fsdp2, units = bases["fsdp2"], analysis.fsdp_unit_names
     tp = [v for v in lever_variants(bases["tp"]) if v.checkpoint_every == 2 and v.spike_compression]
     # named blocks: early ones (composed), one deep (the pattern repeats only after it), two apart
-    return lever_variants(fsdp2) + tp + [with_blocks(fsdp2, names)
+    return lever_variants(fsdp2) + activation_offload_variants(fsdp2) + tp + [with_blocks(fsdp2, names)
                                          for names in ([units[0]], [units[1], units[9]], [units[3], units[5]])]
 
 

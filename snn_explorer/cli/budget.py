@@ -50,4 +50,6 @@ def cmd_fit(args) -> int:
           f"({e.hardware.name}); {len(result.table)} candidates searched in {result.search_s:.2f} s")
     with pd.option_context("display.width", 250, "display.max_colwidth", 70):
         print(result.table.to_string(index=False))
+    for note in result.notes:  # the search ran otherwise than documented (a lever estimated to speed a step)
+        print(f"note: {note}")
     return 0

@@ -49,6 +49,21 @@ def copy_sharing_parameters(module: nn.Module, memo: Optional[dict] = None) -> n
     return _copy(module, {} if memo is None else memo, _shared_tensor)
 
 
+def root_over_children(module: nn.Module) -> nn.Module:
+    """A new root module over ``module``'s own submodules, parameters and buffers (the same objects and
+    registries, shared), with hook dictionaries of its own: hooks registered on it (around its whole forward)
+    run for its calls only, and ``module`` is not touched. What a copy of the whole tree gives a caller that only
+    wraps the root's calls, without copying thousands of modules; its runs use (and leave neuron state and
+    gradients in) ``module``'s submodules."""
+    root = module.__class__.__new__(module.__class__)
+    root.__dict__.update({k: (type(v)(v) if k in _HOOK_DICTS else v) for k, v in vars(module).items()})
+    return root
+
+
+#: the hook dictionaries of :data:`_MODULE_DICTS`
+_HOOK_DICTS = frozenset(k for k in _MODULE_DICTS if "hooks" in k)
+
+
 def _copy(value, memo: dict, tensor_copy: TensorCopy):
     kind = type(value)
     if kind in _ATOMS:

@@ -17,9 +17,10 @@ rate), alone and with each checkpointing variant and spike compression.
 from __future__ import annotations
 
 import dataclasses
+import html
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import pandas as pd
 import torch
@@ -38,7 +39,7 @@ from ..core.memory_levers import (
     spike_compression_variants,
 )
 from ..core.validate import positive_int, positive_number
-from ..core.vocabulary import Vocabulary
+from ..core.vocabulary import Checkpointing, Vocabulary
 from .calibration import resolve_hardware
 from .enumerate import enumerate_plans
 from .memory.fsdp_offload import HOST_OPTIMIZERS
@@ -72,6 +73,8 @@ class FitResult:
     search_s: float
     #: the enumerated candidates the core refused, and why (from :func:`enumerate_plans`)
     infeasible: Dict[str, str] = dataclasses.field(default_factory=dict)
+    #: what the search did otherwise than its docstring says (a lever estimated to speed a step: no pruning by time)
+    notes: Tuple[str, ...] = ()
 
     @property
     def runners_up(self) -> pd.DataFrame:
@@ -93,7 +96,8 @@ class FitResult:
         head = (f"<p><b>{self.table['plan'].iloc[0]}</b>: peak {self.estimate.peak_bytes / 2 ** 20:.2f} MiB of a "
                 f"{self.memory_budget / 2 ** 20:.2f} MiB budget, {self.estimate.step_time_s * 1e3:.3f} ms per step; "
                 f"searched {len(self.table)} candidates in {self.search_s:.2f} s</p>")
-        return head + self.table.to_html(index=False)
+        notes = "".join(f"<p>note: {html.escape(n)}</p>" for n in self.notes)
+        return head + notes + self.table.to_html(index=False)
 
 
 def _name(plan: SNNDistributedPlan) -> str:
@@ -163,6 +167,11 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     only if its estimated peak is below its unlevered plan's (else ``lever_no_gain``). So the chosen
     plan's estimated peak is never above the same plan's without levers. Raises ValueError when no plan fits,
     naming the lowest estimated peak found.
+
+    The pruning by step time is checked as the search goes (:func:`_pruning_checked`): a levered plan estimated
+    faster than its plan without levers (or a time-chunked plan faster than the same without the compression or
+    offload added to it) voids it, and the search is run again
+    without pruning by step time (every lever variant that can fit estimated; ``notes`` says which plan did it).
     """
     started = time.perf_counter()
     budget = int(positive_number("memory_budget", memory_budget, what="bytes per device"))
@@ -181,8 +190,14 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     variants = {base: lever_variants(base, step_module, offload=offload, shard_offload=shard_offload, chunk_every=())
                 for base in dict.fromkeys(copy_without_levers(p) for p in plans)}  # time chunks: sized in _chunk_rows
     bases = sorted(((b, estimate_of(b)) for b in variants), key=lambda be: be[1].step_time_s)
-    rows, best = _search(bases, variants, estimate_of, budget, analysis.fsdp_unit_names,
-                         (step_module, shard_offload))
+    notes: Tuple[str, ...] = ()
+    try:
+        rows, best = _search(bases, variants, _pruning_checked(estimate_of, bases), budget,
+                             analysis.fsdp_unit_names, (step_module, shard_offload))
+    except LeverSpeedsStep as exc:  # the pruning's premise is false for this model: search without it
+        notes = (f"{exc}; the search ran again without pruning by step time",)
+        rows, best = _search(bases, variants, estimate_of, budget, analysis.fsdp_unit_names,
+                             (step_module, shard_offload), prune=False)
     if best is None:
         lowest = min((r for r in rows if r["peak_bytes"] is not None), key=lambda r: r["peak_bytes"])
         floored = sum(r["outcome"] == FitOutcome.PRUNED for r in rows)
@@ -193,7 +208,7 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
                          + "; raise the budget or the world size, or open more levers in features")
     table = _ranked(rows, best[0])
     return FitResult(plan=best[0], estimate=best[1], memory_budget=budget, table=table,
-                     search_s=time.perf_counter() - started,
+                     search_s=time.perf_counter() - started, notes=notes,
                      infeasible=dict(plans.infeasible, **_unsearched_offload(offload, shard_offload, hardware, optimizer)))
 
 
@@ -208,10 +223,49 @@ def _unsearched_offload(offload: bool, shard_offload: bool, hardware, optimizer:
     return {"+offload (FSDP2 CPU offload)": f"not searched: {why}"}
 
 
-def _search(bases, variants, estimate_of, budget: int, blocks=(), chunks=(None, False)):
+class LeverSpeedsStep(RuntimeError):
+    """A levered plan was estimated faster than a plan the search's pruning assumes it no faster than
+    (:func:`_pruned_on`): pruning by step time would be unsound for this search."""
+
+
+def _pruned_on(plan: SNNDistributedPlan) -> List[SNNDistributedPlan]:
+    """The plans the search's pruning assumes ``plan`` is no faster than: the same plan without levers
+    (:func:`_search`), and for time chunks the same plan without spike compression and without FSDP2's CPU offload,
+    the levers :func:`_chunk_combinations` adds to a chunk size."""
+    if plan == copy_without_levers(plan):
+        return []
+    out = [copy_without_levers(plan)]
+    if plan.activation_checkpointing == Checkpointing.TIME_CHUNKS:
+        out += [dataclasses.replace(plan, **{f: False}) for f in ("spike_compression", "cpu_offload") if getattr(plan, f)]
+    return out
+
+
+def _pruning_checked(estimate_of: Callable[[SNNDistributedPlan], PlanEstimate], estimated=()):
+    """``estimate_of`` checking the premise of the search's pruning by step time (no lever speeds a step): each
+    plan's estimate is compared with those of the plans the pruning assumes it no faster than (:func:`_pruned_on`)
+    already estimated (by it, or in ``estimated``: (plan, estimate) pairs, the plans without levers); raises
+    :class:`LeverSpeedsStep` where it is faster. (Checkpointing may well speed a compressed plan, which packs fewer
+    saved tensors then: no pruning assumes otherwise.)"""
+    seen: Dict[SNNDistributedPlan, PlanEstimate] = dict(estimated)
+
+    def checked(plan: SNNDistributedPlan) -> PlanEstimate:
+        est = estimate_of(plan)
+        for fewer in _pruned_on(plan):
+            if fewer in seen and est.step_time_s < seen[fewer].step_time_s:
+                raise LeverSpeedsStep(f"{_name(plan)} was estimated faster ({est.step_time_s * 1e3:.3f} ms per step) "
+                                      f"than {_name(fewer)} ({seen[fewer].step_time_s * 1e3:.3f} ms)")
+        seen[plan] = est
+        return est
+
+    return checked
+
+
+def _search(bases, variants, estimate_of, budget: int, blocks=(), chunks=(None, False), prune: bool = True):
     """The candidate rows and the fastest fitting (plan, estimate), walking ``bases`` fastest first (``blocks``: the
     model's blocks, for the block-by-block checkpointing choice, :func:`_block_rows`; ``chunks``: the module stepped
-    once per time step and whether FSDP2's CPU offload is searched, for the time chunks, :func:`_chunk_rows`)."""
+    once per time step and whether FSDP2's CPU offload is searched, for the time chunks, :func:`_chunk_rows`;
+    ``prune``: leave out what cannot beat the fastest fitting plan, as no lever speeds a step; the floors of
+    :func:`lever_floor` prune either way)."""
     rows, best = [], None
     for base, base_est in bases:
         levered = variants[base]
@@ -220,7 +274,7 @@ def _search(bases, variants, estimate_of, budget: int, blocks=(), chunks=(None, 
             best = (base, base_est)
         rows.append(_row(base, base_est, base_est, budget, FitOutcome.OVER_BUDGET if not fits else FitOutcome.SLOWER,
                          "" if fits else f"peak {base_est.peak_bytes} B > budget {budget} B"))
-        if fits or (best is not None and base_est.step_time_s >= best[1].step_time_s):
+        if prune and (fits or (best is not None and base_est.step_time_s >= best[1].step_time_s)):
             why = ("its plan fits without levers, and levers only add time" if fits else
                    "its plan without levers is no faster than a fitting plan, and levers only add time")
             rows += [_row(v, None, base_est, budget, FitOutcome.PRUNED, why) for v in levered]
@@ -236,7 +290,7 @@ def _search(bases, variants, estimate_of, budget: int, blocks=(), chunks=(None, 
             seen.add(v)
             best = _levered_row(rows, v, estimate_of(v), base_est, budget, best)
         best = _block_rows(base, base_est, blocks, estimate_of, budget, rows, best, seen=seen)
-        best = _chunk_rows(base, base_est, chunks, estimate_of, budget, rows, best)
+        best = _chunk_rows(base, base_est, chunks, estimate_of, budget, rows, best, prune)
     return rows, best
 
 
@@ -267,7 +321,8 @@ def _block_rows(base, base_est: PlanEstimate, blocks, estimate_of, budget: int, 
     return best
 
 
-def _chunk_rows(base, base_est: PlanEstimate, chunks, estimate_of, budget: int, rows: List[dict], best):
+def _chunk_rows(base, base_est: PlanEstimate, chunks, estimate_of, budget: int, rows: List[dict], best,
+                prune: bool = True):
     """Time chunks of ``base`` sized by estimate (:func:`~snn_explorer.core.chunk_choice.choose_chunks`: every power of
     two up to one chunk), a row per size tried, then each size with spike compression and (``chunks[1]``) FSDP2's
     CPU offload (:func:`_chunk_combinations`). Returns the fastest fitting (plan, estimate) so far.
@@ -288,11 +343,11 @@ def _chunk_rows(base, base_est: PlanEstimate, chunks, estimate_of, budget: int, 
     choice = choose_chunks(sized_on, step_module, estimate_of, budget)
     for v, est in choice.tried:
         best = _levered_row(rows, v, est, base_est, budget, best)
-    return _chunk_combinations(choice.tried, base_est, shard_offload, estimate_of, budget, rows, best)
+    return _chunk_combinations(choice.tried, base_est, shard_offload, estimate_of, budget, rows, best, prune)
 
 
 def _chunk_combinations(tried, base_est: PlanEstimate, shard_offload: bool, estimate_of, budget: int,
-                        rows: List[dict], best):
+                        rows: List[dict], best, prune: bool = True):
     """Each chunk size of ``tried`` ((plan, estimate)) with spike compression, with FSDP2's CPU offload
     (``shard_offload``) and with both, a row for each estimated, appended to ``rows``; returns the fastest fitting
     (plan, estimate) so far.
@@ -301,16 +356,17 @@ def _chunk_combinations(tried, base_est: PlanEstimate, shard_offload: bool, esti
     first size no faster than the fastest fitting plan found so far (each of its combinations is at least as slow,
     and so are those of the slower sizes); a combination is not estimated where a plan it adds levers to (the size
     alone, compressed, offloaded) is no faster than that plan, so once one combination of a size fits, the ones
-    adding a lever to it are skipped. Such skipped combinations get no row."""
+    adding a lever to it are skipped. Such skipped combinations get no row. Without ``prune`` every combination is
+    estimated."""
     for v, est in sorted(tried, key=lambda pe: (pe[1].step_time_s, pe[0].checkpoint_every)):
-        if best is not None and est.step_time_s >= best[1].step_time_s:
+        if prune and best is not None and est.step_time_s >= best[1].step_time_s:
             break
         times = {v: est.step_time_s}  # estimated plans of this size: step time, a bound for those adding levers
         compressed = spike_compression_variants([v])
         for w in compressed + (fsdp_offload_variants([v] + compressed) if shard_offload else []):
             bound = max(t for p, t in times.items()
                         if p.spike_compression <= w.spike_compression and p.cpu_offload <= w.cpu_offload)
-            if best is not None and bound >= best[1].step_time_s:
+            if prune and best is not None and bound >= best[1].step_time_s:
                 continue
             w_est = estimate_of(w)
             times[w] = w_est.step_time_s

@@ -1,7 +1,8 @@
 """What activation offload (``plan.activation_offload``, :mod:`snn_explorer.core.activation_offload`) saves and costs.
 
-Device memory: the profile's runs are repeated on a copy of the rank's model whose forwards run under
-saved-tensor hooks that stand for the host copy (:class:`OffloadedProfile`). The pack hook copies each
+Device memory: the profile's runs are repeated on the rank's model under a root of its own whose forwards run
+under saved-tensor hooks that stand for the host copy (:class:`OffloadedProfile`; on a model of repeated blocks
+the bytes and copies a forward leaves are composed from runs cut to a few of them, :func:`~..profile.checkpointed.run_total`). The pack hook copies each
 saved tensor into memory the storage meter does not count (a NumPy array: host memory; on FakeTensors a
 meta tensor), so the device copy is counted until nothing else holds it, as on the GPU; the unpack hook
 makes a counted copy (the copy back to the device) that lives while backward uses it. Parameters stay
@@ -25,8 +26,8 @@ from torch import nn
 
 from ...compat import is_fake
 from ...core.activation_offload import offload_hooks
-from ...core.neurons import detached_copy
-from ..profile.checkpointed import held_after_forward
+from ...core.module_copy import root_over_children
+from ..profile.checkpointed import held_after_forward, run_total
 from ..profile.profiling import ModelProfile
 from ..profile.step import batch_slice
 
@@ -63,7 +64,7 @@ def _to_simulated_device(packed: Any) -> torch.Tensor:
 @dataclass
 class OffloadedProfile(ModelProfile):
     """A :class:`ModelProfile` whose rank models keep their saved tensors outside the counted memory
-    (copies of ``base``'s rank models)."""
+    (``base``'s rank models under a root of their own, :func:`~snn_explorer.core.module_copy.root_over_children`)."""
 
     base: ModelProfile = None
     offloaded: Dict[tuple, nn.Module] = field(default_factory=dict, repr=False)
@@ -72,8 +73,8 @@ class OffloadedProfile(ModelProfile):
 
     def rank_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Tuple[tuple, nn.Module]:
         key, model = self.base.rank_model(tp_plan, tp)
-        if key not in self.offloaded:
-            copy_ = detached_copy(model)
+        if key not in self.offloaded:  # the hooks wrap the root's forward: a new root over its modules, no copy
+            copy_ = root_over_children(model)
             counter = self.counters.setdefault(key, [0, 0.0])
             offload_hooks(copy_, lambda t: _to_simulated_host(t, counter), _to_simulated_device)
             self.offloaded[key] = copy_
@@ -88,9 +89,16 @@ class OffloadedProfile(ModelProfile):
         if key not in self.saved_state:
             x, y = batch_slice(self.example_input, self.labels, n, t, layout=self.layout)
             counter = self.counters[model_key]
-            self.saved_state[key] = held_after_forward(model, x.to(self.dtype), y, on_forward=lambda: counter.__setitem__(
-                slice(None), [0, 0.0]))
-            self.traffic[key] = (int(counter[0]), float(counter[1]))
+
+            def measured(m: nn.Module) -> Tuple[float, float, float, float]:  # (held, state, copies, bytes copied)
+                held = held_after_forward(m, x.to(self.dtype), y, on_forward=lambda: counter.__setitem__(
+                    slice(None), [0, 0.0]))
+                return held + (float(counter[0]), float(counter[1]))
+
+            # on a model of repeated blocks, composed from runs cut to a few of them (exact, else the whole model)
+            held, state, copies, nbytes = run_total(self.base, None, tp_plan, tp, model, measured)
+            self.saved_state[key] = (held, state)
+            self.traffic[key] = (int(copies), float(nbytes))
         return self.saved_state[key]
 
     def copies(self, n: int, t: int, tp_plan: Optional[Mapping[str, str]] = None, tp: int = 1) -> Tuple[int, float]:

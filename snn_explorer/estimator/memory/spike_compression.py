@@ -22,8 +22,7 @@ from typing import Dict, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from ...core.neurons import detached_copy
-from ...core.parallelize.checkpointing import apply_activation_checkpointing
+from ...core.module_copy import root_over_children
 from ...core.spike_compression import apply_spike_compression, is_binary, packable
 from ..instruments.isolation import new_objects_collected
 from ..instruments.storage import SavedByModule, model_state_tensors, saving
@@ -123,7 +122,8 @@ def _saving_figures(model: nn.Module, x: torch.Tensor, y) -> tuple:
 
 @dataclass
 class CompressedProfile(ModelProfile):
-    """A :class:`ModelProfile` whose rank models pack their saved spikes (copies of ``base``'s rank models)."""
+    """A :class:`ModelProfile` whose rank models pack their saved spikes (``base``'s rank models under a root of
+    their own, :func:`_compressed_copy`)."""
 
     base: ModelProfile = None
     compressed: Dict[tuple, nn.Module] = field(default_factory=dict, repr=False)
@@ -160,15 +160,13 @@ def _plan_of(base: ModelProfile):
 
 
 def _compressed_copy(base: ModelProfile, tp_plan: Optional[Mapping[str, str]], tp: int) -> nn.Module:
-    """A copy of the model one rank runs, checkpointed as ``base``'s plan says when ``base`` is a
-    :class:`CheckpointedProfile`, then packing its saved spikes, in the order ``apply`` takes them. The copy is
-    of the plain rank model: checkpointing replaces forwards by closures over their modules, which a deep copy
-    of a checkpointed model would share with the original."""
-    copy_ = detached_copy(ModelProfile.rank_model(base, tp_plan, tp)[1])
-    if isinstance(base, CheckpointedProfile):
-        apply_activation_checkpointing(copy_, base.plan, base.fsdp_units)
-    apply_spike_compression(copy_, _COMPRESSED)
-    return copy_
+    """The model one rank of ``base`` runs (checkpointed as ``base``'s plan says when ``base`` is a
+    :class:`CheckpointedProfile`), packing its saved spikes, in the order ``apply`` takes them: a new root over its
+    modules (:func:`~snn_explorer.core.module_copy.root_over_children`: the packer wraps the root's forward), not
+    a copy of the whole model."""
+    root = root_over_children(base.rank_model(tp_plan, tp)[1])
+    apply_spike_compression(root, _COMPRESSED)
+    return root
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ so both see the same tensors kept for backward.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, fields
 from typing import Callable, Iterable, List, Mapping, Optional, Sequence
 
 import torch
@@ -24,6 +24,7 @@ import torch
 from ...core.parallelize.pipeline import StageConfig, build_stage
 from ..instruments.meter import StorageMeter
 from ..instruments.storage import LiveSaved, saving, state_tensor_ids, storage_keys, total_bytes
+from ..profile.stage_repeats import composed_stages
 from ..profile.step import batch_slice, input_as, loss_of
 
 
@@ -40,6 +41,15 @@ class StageMemory:
     backward_first: int  # the backward's peak above the bytes before the forward, no gradients yet
     backward_next: int  # the same with the stage's gradients allocated before it
     grads: int  # the stage's gradients
+
+
+#: Per :class:`StageMemory` figure that is a peak over a run (not a sum over its modules), the summed figures whose
+#: growth per block bounds its events' (:func:`~..profile.stage_repeats.composed_stages`): what a block keeps and
+#: its neuron state, and in a first backward the gradients it allocates.
+PEAK_BOUNDS = {"forward": ("kept", "held"), "backward_first": ("kept", "held", "grads"),
+               "backward_next": ("kept", "held")}
+_INDEX = {f.name: i for i, f in enumerate(fields(StageMemory))}
+STAGE_PEAKS = {_INDEX[peak]: tuple(_INDEX[b] for b in bounds) for peak, bounds in PEAK_BOUNDS.items()}
 
 
 @dataclass(frozen=True)
@@ -87,7 +97,10 @@ def measure_stages(profile, stages: Sequence[Sequence[str]], n: int, t: int, mic
     key = (tuple(map(tuple, stages)), n, t, micro) + profile.rank_model(tp_plan, tp)[0]
     if key not in profile.stage_memory:
         with profile.runner(tp_plan, tp, profile.shape_only) as (model, convert):  # FakeTensors when shape-only
-            profile.stage_memory[key] = _measure(profile, model, convert, stages, n, t, micro)
+            run = lambda cut: _measure(profile, model, convert, cut, n, t, micro)  # noqa: E731
+            composed = composed_stages(profile.composed if tp == 1 else None, stages, run, astuple, STAGE_PEAKS)
+            profile.stage_memory[key] = run(stages) if composed is None else [StageMemory(*map(int, c))
+                                                                                for c in composed]
     return profile.stage_memory[key]
 
 

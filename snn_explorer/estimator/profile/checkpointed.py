@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
@@ -152,10 +153,23 @@ def _plain_repeats(profile: ModelProfile, plan, tp_plan, tp: int) -> Optional[tu
     if profile.composed is None:
         return None
     plain = ModelProfile.rank_model(profile, tp_plan, tp)[1]
-    repeats = find_repeats(plain)
-    if repeats is None:
+    # found once per plain rank model and checkpointing: every lever variant's profile asks again, and both walks
+    # take seconds on a model of thousands of modules
+    known = _PLAIN_REPEATS.setdefault(plain, {})
+    if "repeats" not in known:
+        known["repeats"] = find_repeats(plain)
+    if known["repeats"] is None:
         return None
-    return repeats, () if plan is None else region_starts(plain, plan, profile.fsdp_units)
+    key = None if plan is None else (plan.activation_checkpointing, plan.checkpoint_every, plan.time_step_module,
+                                     plan.checkpoint_blocks, tuple(profile.fsdp_units))
+    if key not in known:
+        known[key] = (known["repeats"], () if plan is None else region_starts(plain, plan, profile.fsdp_units))
+    return known[key]
+
+
+#: Per plain rank model (weakly held), its repeats ("repeats") and per checkpointing (None: none) its (repeats,
+#: regions).
+_PLAIN_REPEATS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
 def held_after_forward(model: nn.Module, x: torch.Tensor, labels,
@@ -203,7 +217,8 @@ def levered_profile(profile: ModelProfile, plan) -> ModelProfile:
     cache = profile.__dict__.setdefault("_checkpointed_profiles", {})
     if key not in cache:
         base = {f.name: getattr(profile, f.name) for f in dataclasses.fields(ModelProfile)}
-        base.update(peaks={}, logs={}, replicas={}, saved_state={}, step_counts=())  # counted on its own models
+        # counted on its own models; the TP replicas (plain models it copies before checkpointing) shared
+        base.update(peaks={}, logs={}, saved_state={}, step_counts=())
         cache[key] = CheckpointedProfile(**base, plan=plan, plain_flops=profile.__dict__.setdefault("_plain_flops", {}),
                                          chunk_figures=profile.__dict__.setdefault("_chunk_figures", {}),
                                          unlevered=profile)

@@ -25,7 +25,7 @@ its step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Dict, List, Sequence, Tuple
 
 import pandas as pd
@@ -39,6 +39,7 @@ from ...core.styles import STYLES
 from ..instruments.op_counter import OpCounter
 from ..instruments.tables import TIME_COLUMNS, boundary_stages, gather_phase, reduce_phase
 from ..profile.profiling import Fit
+from ..profile.stage_repeats import composed_stages
 from ..profile.step import batch_slice, input_as, loss_of
 from .collectives import stage_tp_rows
 from .compute_work import PhaseWork
@@ -72,8 +73,20 @@ def stage_work(profile, stages: Sequence[Sequence[str]], n: int, t: int, tp_plan
     key = (tuple(map(tuple, stages)), n, t) + profile.rank_model(tp_plan, tp)[0]
     if key not in cache:
         with profile.runner(tp_plan, tp, profile.shape_only) as (model, convert):  # FakeTensors when shape-only
-            cache[key] = _count_stages(profile, model, convert, stages, n, t)
+            run = lambda cut: _count_stages(profile, model, convert, cut, n, t)  # noqa: E731
+            composed = composed_stages(profile.composed if tp == 1 else None, stages, run, _counts)  # deep stages
+            cache[key] = run(stages) if composed is None else [_stage_work(c) for c in composed]
     return cache[key]
+
+
+def _counts(work: StageWork) -> Tuple[float, ...]:
+    """The counts of a :class:`StageWork` (forward's, then backward's), flat."""
+    return tuple(getattr(phase, f.name).c0 for phase in (work.forward, work.backward) for f in fields(PhaseWork))
+
+
+def _stage_work(counts: Sequence[float]) -> StageWork:
+    half = len(counts) // 2
+    return StageWork(_phase_work(counts[:half]), _phase_work(counts[half:]))
 
 
 def _count_stages(profile, model, convert, stages: Sequence[Sequence[str]], n: int, t: int) -> List[StageWork]:
