@@ -24,7 +24,6 @@ the same numbers; so is any run whose size would not fit (:func:`run_fits`).
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 import os
 import weakref
@@ -295,8 +294,9 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
         meter.track(static_refs + model_state_tensors(model))
         # The objects that exist now are left out of the collection in _step (a full one scans every
         # object of the process); the graph pieces it is for are all created after this.
-        with new_objects_collected() if saved_only else contextlib.nullcontext():
-            run = _step(model, x, labels, meter, SavedByModule(lambda: trace.current), saved_only, units, count)
+        with new_objects_collected() if saved_only else contextlib.nullcontext() as collect:
+            run = _step(model, x, labels, meter, SavedByModule(lambda: trace.current), saved_only, units, count,
+                        collect)
     finally:
         trace.remove()
         for h in hooks:
@@ -350,10 +350,12 @@ def _cut_logged_run(model: nn.Module, x, labels, units: Sequence[str], repeats: 
         return None
 
 
-def _step(model, x, labels, meter: StorageMeter, saved: SavedByModule, saved_only: bool, units, count: bool) -> dict:
+def _step(model, x, labels, meter: StorageMeter, saved: SavedByModule, saved_only: bool, units, count: bool,
+          collect=None) -> dict:
     """The measured forward and backward of :func:`_run_point`: with ``saved_only`` the saved
-    storages autograd holds after the forward (``held``), else the meter's event log (``log``) with
-    FSDP2's units; the neuron state's storages after the forward, and the operator counts."""
+    storages autograd holds after the forward (``held``, after ``collect()``, :func:`new_objects_collected`'s),
+    else the meter's event log (``log``) with FSDP2's units; the neuron state's storages after the forward,
+    and the operator counts."""
     nothing = contextlib.nullcontext()
     counters = (OpCounter(), OpCounter()) if count else (nothing, nothing)
     with meter if not saved_only else nothing, record(model, units, meter) if not saved_only else nothing as log:
@@ -365,7 +367,7 @@ def _step(model, x, labels, meter: StorageMeter, saved: SavedByModule, saved_onl
             log.mark(meter, "forward_end")
         state = {n: storage_bytes(state_tensors(m)) for n, m in stateful_modules(model)}
         if saved_only:  # graph pieces in reference cycles would otherwise look alive, depending on timing
-            gc.collect()
+            collect()
         held = saved.held()
         with counters[1]:
             loss.backward()
