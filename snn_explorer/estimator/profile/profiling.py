@@ -135,6 +135,8 @@ class ModelProfile:
     gathered: bool = False
     #: the repeated blocks whose records were composed from runs cut to a few of them (:mod:`.repeats`), or None
     composed: Optional[Repeats] = None
+    #: :func:`run_fits`' sums over ``modules`` per ``(n, t)``, each beside the ``modules`` it was summed over
+    fitted_sums: Dict[tuple, tuple] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def compute_itemsize(self) -> int:
@@ -232,8 +234,7 @@ def run_fits(profile: ModelProfile, n: int, t: int) -> bool:
     fitted input, saved-activation and neuron-state bytes, twice for the backward, and the model);
     where it does not, it runs shape-only. ValueError, before anything runs, where that shape-only
     run would take longer than :data:`MAX_SHAPE_ONLY_OPS` operators."""
-    fitted = profile.input_bytes(n, t) + sum(m.saved(n, t) + m.state(n, t) for m in profile.modules.values())
-    need, have = 2 * fitted + 2 * _param_bytes(profile), _physical_memory()
+    need, have = _fitted_need(profile, n, t), _physical_memory()
     fits = have is None or need <= have
     if fits and not profile.shape_only:
         return True
@@ -244,6 +245,17 @@ def run_fits(profile: ModelProfile, n: int, t: int) -> bool:
                          f"would take about {ops:.3g} operators (more than {MAX_SHAPE_ONLY_OPS}); use fewer "
                          "time_steps (the step's memory grows linearly in them)")
     return fits and not profile.shape_only
+
+
+def _fitted_need(profile: ModelProfile, n: int, t: int) -> float:
+    """:func:`run_fits`' bytes of a real run: the fitted input, saved and state bytes twice, the parameters twice
+    (summed once per size and ``modules``: a lever variant's profile has its own ``modules``)."""
+    summed = profile.fitted_sums.get((n, t))
+    if summed is None or summed[0] is not profile.modules or summed[1] is not profile.params:
+        fitted = profile.input_bytes(n, t) + sum(m.saved(n, t) + m.state(n, t) for m in profile.modules.values())
+        summed = profile.fitted_sums[(n, t)] = (profile.modules, profile.params,
+                                                2 * fitted + 2 * _param_bytes(profile))
+    return summed[2]
 
 
 def _param_bytes(profile: ModelProfile) -> int:

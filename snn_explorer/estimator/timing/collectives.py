@@ -20,8 +20,7 @@ from ..instruments.tables import tp_phase
 from ..memory.sharding import (
     Param,
     ddp_reduce_bytes,
-    fsdp_gather_bytes,
-    fsdp_group_bytes,
+    fsdp_group_sizes,
     fsdp_groups,
     reduce_itemsize,
 )
@@ -51,10 +50,10 @@ def _dtype(itemsize: int) -> torch.dtype:
 
 
 def _fsdp(out, plan: SNNDistributedPlan, params, profile: ModelProfile, t: int) -> None:
-    reshard = plan.reshard_after_forward
+    reshard, dp, reduce_size = plan.reshard_after_forward, plan.dp_size, reduce_itemsize(plan)
     for unit, group in fsdp_groups(params).items():
-        nbytes = fsdp_gather_bytes(group, plan.dp_size)  # in the unit's gather dtype (norm layers: their own)
-        reduced = fsdp_group_bytes(group, plan.dp_size, reduce_itemsize(plan))
+        # all-gathered in the unit's gather dtype (norm layers: their own), reduce-scattered in the reduce dtype
+        _, nbytes, _, reduced = fsdp_group_sizes(group, dp, reduce_size)
         module = profile.modules.get(unit)
         calls = round(module.calls(1, t)) if module and unit else 1
         hooked = bool(module and unit and module.input_requires_grad)  # post-backward hook per call
