@@ -22,6 +22,7 @@ from snn_explorer.estimator.memory.sharding import (
     local_params,
 )
 from snn_explorer.estimator.profile.profiling import _fitted_need, _run_point, model_profile, trainable_shapes
+from snn_explorer.estimator.timing.collectives import step_collectives
 from snn_explorer.explorer import explorer as explorer_module
 from snn_explorer.zoo import build
 
@@ -124,6 +125,8 @@ def test_fsdp_group_sizes_equal_the_per_figure_sums():
                         fsdp_group_bytes(group, dp, reduce))
                     checked += 1
     assert checked > 0 and any(p.shape[0] % 3 for p in params)
+    twin = dataclasses.replace(params[0])
+    assert twin == params[0] and hash(twin) == hash(params[0]) == hash(params[0])  # the remembered hash
 
 
 def _reference_timeline(params, dp, reshard, reduce=None, offload=False) -> FsdpTimeline:
@@ -174,6 +177,20 @@ def test_fsdp_timeline_and_replay_equal_the_slow_paths(monkeypatch):
     assert fast == slow
     assert len(set(fast.values())) > 4  # the settings change the peaks
     assert any(u.reduced for u in FsdpTimeline.of(params, 2, True, 2).units)
+
+
+def test_fsdp_collectives_from_the_timeline_equal_those_from_the_parameters():
+    zoo = build("mlp_all_steps")
+    profile = model_profile(zoo.model, zoo.example_input, zoo.labels)
+    analysis = se.analyze(zoo.model)
+    for objective, dp in (("memory", 2), ("speed", 4)):
+        plan = se.plan(analysis=analysis, objective=objective, neuron_backend="torch", mode="fsdp2",
+                       topology={"dp": dp}, batch_size=8)
+        params = local_params(profile.params, plan, 4)
+        timeline = FsdpTimeline.of(params, plan.dp_size, plan.reshard_after_forward)
+        rows = step_collectives(plan, params, profile, 4, 4)
+        assert step_collectives(plan, params, profile, 4, 4, timeline) == rows
+        assert sum(r["bytes"] for r in rows) > 0 and len(timeline.units) > 1
 
 
 def test_run_fits_sums_follow_the_profiles_modules():

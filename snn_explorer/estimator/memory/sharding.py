@@ -39,6 +39,13 @@ class Param:
     def gathered_itemsize(self) -> int:
         return self.gather_size or self.itemsize
 
+    def __hash__(self) -> int:  # the fields' hash, computed once (ZeRO's partition is cached by the parameters)
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = hash((self.name, self.shape, self.itemsize, self.group, self.gather_size))
+            object.__setattr__(self, "_hash", found)
+        return found
+
     @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -114,7 +121,7 @@ def fsdp_group_sizes(group: Sequence[Param], dp: int, reduce_itemsize: Optional[
     parameters' own dtypes and at ``reduce_itemsize`` (None: their own as well)."""
     unsharded = gather = master = scatter = 0
     for p in group:
-        padded, gathered = p.rows(dp, 0)[0] * p.row_numel, p.gathered_itemsize
+        padded, gathered = -(-(p.shape[0] if p.shape else 1) // dp) * p.row_numel, p.gather_size or p.itemsize
         unsharded += p.numel * gathered
         gather += padded * gathered
         master += padded * p.itemsize
