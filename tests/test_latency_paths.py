@@ -12,7 +12,7 @@ from torch import nn
 import snn_explorer as se
 from snn_explorer.core.module_copy import deep_copy_module, modules_copied
 from snn_explorer.estimator.instruments.isolation import new_objects_collected
-from snn_explorer.estimator.memory import fsdp_timeline
+from snn_explorer.estimator.memory import fsdp_timeline, sharding
 from snn_explorer.estimator.memory.fsdp_timeline import FsdpTimeline, Unit, replay_fsdp
 from snn_explorer.estimator.memory.sharding import (
     fsdp_gather_bytes,
@@ -111,6 +111,21 @@ def _mixed_params():
     return shapes, sizes, plans
 
 
+def test_local_params_kept_are_those_made_afresh():
+    """local_params gives back the same Param objects for the same arguments, equal to those made afresh, and
+    new ones when the plan or a per-name itemsize (a new mapping, by identity) differs."""
+    shapes, sizes, plans = _mixed_params()
+    for _ in range(2):
+        for plan in plans + plans[::-1]:
+            for itemsize in (sizes, 4):
+                made = sharding._local_params(shapes, plan, itemsize)
+                assert local_params(shapes, plan, itemsize) == made
+    first = local_params(shapes, plans[0], sizes)
+    assert all(a is b for a, b in zip(first, local_params(shapes, plans[0], sizes)))
+    halves = {n: 2 for n in sizes}
+    assert local_params(shapes, plans[0], halves) == sharding._local_params(shapes, plans[0], halves) != first
+
+
 def test_fsdp_group_sizes_equal_the_per_figure_sums():
     shapes, sizes, plans = _mixed_params()
     checked = 0
@@ -170,6 +185,8 @@ def test_fsdp_timeline_and_replay_equal_the_slow_paths(monkeypatch):
                 for offload in (False, True):
                     timeline = FsdpTimeline.of(params, dp, reshard, reduce, offload)
                     assert timeline == _reference_timeline(params, dp, reshard, reduce, offload)
+                    assert hash(timeline) == hash(_reference_timeline(params, dp, reshard, reduce, offload))
+                    assert FsdpTimeline.of(list(params), dp, reshard, reduce, offload) is timeline  # kept
                     fast[(dp, reshard, reduce, offload)] = replay_fsdp(run["log"], run["entry"], timeline)
     monkeypatch.setattr(fsdp_timeline, "_Replay", _SlowReplay)
     for key in fast:

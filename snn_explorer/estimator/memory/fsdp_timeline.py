@@ -20,6 +20,7 @@ gradient down once it is reduce-scattered, so every FSDP2 plan reuses that one r
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -59,13 +60,27 @@ class FsdpTimeline:
            reduce_itemsize: Optional[int] = None, offload: bool = False) -> "FsdpTimeline":
         """The timeline of ``params`` (``sharding.local_params``: each in its unit, with its gather dtype)
         sharded over ``dp``, gradients reduce-scattered at ``reduce_itemsize`` bytes (None: their own); with
-        ``offload`` the shards kept in host memory."""
-        units = []
-        for path, group in fsdp_groups(params).items():
-            unsharded, gather, master, scatter = fsdp_group_sizes(group, dp, reduce_itemsize)
-            shard, reduced = master // dp, (scatter // dp if scatter != master else 0)
-            units.append(Unit(path, unsharded, gather, shard, scatter, reduced))
-        return cls(tuple(units), tuple((p.name, p.group) for p in params), reshard_after_forward, offload)
+        ``offload`` the shards kept in host memory. The same object for the same arguments, a few kept."""
+        return _timeline(cls, tuple(params), dp, reshard_after_forward, reduce_itemsize, offload)
+
+    def __hash__(self) -> int:  # the fields' hash, computed once (estimates cache peaks by timeline)
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = hash((self.units, self.param_units, self.reshard_after_forward, self.offload))
+            object.__setattr__(self, "_hash", found)
+        return found
+
+
+@functools.lru_cache(maxsize=8)
+def _timeline(cls, params: Tuple[Param, ...], dp: int, reshard_after_forward: bool, reduce_itemsize: Optional[int],
+              offload: bool) -> FsdpTimeline:
+    """:meth:`FsdpTimeline.of`, a few kept."""
+    units = []
+    for path, group in fsdp_groups(params).items():
+        unsharded, gather, master, scatter = fsdp_group_sizes(group, dp, reduce_itemsize)
+        shard, reduced = master // dp, (scatter // dp if scatter != master else 0)
+        units.append(Unit(path, unsharded, gather, shard, scatter, reduced))
+    return cls(tuple(units), tuple((p.name, p.group) for p in params), reshard_after_forward, offload)
 
 
 class _Replay:

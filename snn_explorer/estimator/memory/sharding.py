@@ -156,12 +156,33 @@ def ddp_reduce_bytes(params: Sequence[Param], bucket_bytes: int, plan: SNNDistri
     return sum(p.numel for p in params) * size
 
 
+#: The last few :func:`local_params` results, by what they are made of (one estimate after another asks again).
+_RECENT_PARAMS: Dict[tuple, tuple] = {}
+_RECENT_KEPT = 8
+
+
 def local_params(shapes: Sequence[Tuple[str, Tuple[int, ...]]], plan: SNNDistributedPlan,
                  itemsize: Union[int, Mapping[str, int]], norm_layers: Sequence[str] = ()) -> List[Param]:
     """Every trainable parameter (``profile.profiling.trainable_shapes``) as one rank holds it before FSDP2 sharding
     (TP applied); ``itemsize``: one for all, or per parameter name (models that mix dtypes). Under FSDP2 each
     is in the unit ``apply`` gives it (``core.parallelize.fsdp.fsdp_units_of``: the plan's units, and under half
-    precision each of ``norm_layers`` its own) and gathered in that unit's dtype."""
+    precision each of ``norm_layers`` its own) and gathered in that unit's dtype. The same ``Param`` objects come
+    back for the same arguments (a per-name ``itemsize`` by identity) and plan layout, TP size, units and precision."""
+    mapping = isinstance(itemsize, Mapping)
+    key = (tuple(shapes), plan.tp_size, tuple(sorted(plan.tensor_parallel_plan.items())), plan.uses_fsdp,
+           tuple(plan.fsdp_units), plan.precision, id(itemsize) if mapping else itemsize, tuple(norm_layers))
+    found = _RECENT_PARAMS.get(key)
+    if found is None or found[0] is not itemsize and mapping:
+        found = (itemsize, tuple(_local_params(shapes, plan, itemsize, norm_layers)))
+        _RECENT_PARAMS.pop(key, None)
+        if len(_RECENT_PARAMS) >= _RECENT_KEPT:
+            del _RECENT_PARAMS[next(iter(_RECENT_PARAMS))]
+        _RECENT_PARAMS[key] = found
+    return list(found[1])
+
+
+def _local_params(shapes: Sequence[Tuple[str, Tuple[int, ...]]], plan: SNNDistributedPlan,
+                  itemsize: Union[int, Mapping[str, int]], norm_layers: Sequence[str] = ()) -> List[Param]:
     size_of = itemsize.__getitem__ if isinstance(itemsize, Mapping) else (lambda _: itemsize)
     local_shape = tp_local_shapes(plan)
     if not plan.uses_fsdp:
