@@ -15,6 +15,7 @@ tuples and sets rebuilt). What happens to tensors is the caller's choice:
 
 Any other module class or value goes to ``copy.deepcopy`` with the same memo, so objects reached twice are
 copied once. Neuron state is not reset here (:func:`~.neurons.detached_copy`, :func:`~.neurons.shared_storage_copy`).
+:func:`modules_copied` counts the modules the walk copied in this process (a dozen long-lived objects each).
 """
 from __future__ import annotations
 
@@ -36,6 +37,12 @@ _ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dty
 _MODULE_DICTS = frozenset(k for k, v in vars(nn.Module()).items() if type(v) in _PLAIN_DICTS)
 #: how a tensor is copied: a copy, or None to leave it to ``copy.deepcopy``
 TensorCopy = Callable[[torch.Tensor], Optional[torch.Tensor]]
+_copied = [0]  # modules copied by the walk so far (:func:`modules_copied`)
+
+
+def modules_copied() -> int:
+    """How many modules :func:`deep_copy_module` and :func:`copy_sharing_parameters` copied in this process."""
+    return _copied[0]
 
 
 def deep_copy_module(module: nn.Module, memo: Optional[dict] = None) -> nn.Module:
@@ -78,6 +85,7 @@ def _copy(value, memo: dict, tensor_copy: TensorCopy):
     elif isinstance(value, nn.Module) and _plain_module(value):
         out = kind.__new__(kind)
         memo[id(value)] = out  # before its children: a child may point back at it
+        _copied[0] += 1
         out.__setstate__(_module_state(value, memo, tensor_copy))
         return out
     elif kind in _PLAIN_DICTS:

@@ -271,8 +271,8 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
         rows.append(dict(**b, buffers_bytes=buffers, activations_bytes=round(activations),
                          neuron_state_bytes=round(state), transient_bytes=round(transient), peak_bytes=round(peak)))
     per_rank = _per_rank(rows, dp_roles(params, plan), plan)
-    return _finish(plan, per_rank, step_collectives(plan, params, profile, t, itemsize), t, optimizer, memory_budget,
-                   profile, hardware, step=step, extra_s=extra_s,
+    return _finish(plan, per_rank, step_collectives(plan, params, profile, t, itemsize, timeline), t, optimizer,
+                   memory_budget, profile, hardware, step=step, extra_s=extra_s,
                    host_optimizer_s=functools.partial(host_optimizer_seconds, params, plan, hardware)
                    if plan.cpu_offload else None)
 

@@ -1,6 +1,7 @@
 """Explorer: one model's analysis, a list of plans, their estimates, tables and charts."""
 from __future__ import annotations
 
+import gc
 import json
 import warnings
 from contextlib import contextmanager
@@ -12,6 +13,7 @@ from torch import nn
 from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze, apply
 from ..core import plan as core_plan
 from ..core.memory_levers import find_time_step_module, objective_checkpoints
+from ..core.module_copy import modules_copied
 from ..core.recommend import UNSET, check_backend, neuron_backend_arg
 from ..core.tp_plan import default_tp_plan
 from ..core.validate import check_batch_tensor, positive_int
@@ -39,12 +41,28 @@ FeaturesLike = Union[DistributedFeatureSet, Mapping[str, bool], None]
 #: Said while an estimate on this machine's calibration (``hardware=None``) has to make it first
 #: (timed collectives on 2 and 4 ranks: 42-46 s on 2 cores, see ``calibrate``); the hook's pieces follow.
 CALIBRATION_NOTE = "; calibrating this machine first (once, about a minute; cached after)"
+#: An estimate or fit that copied at least this many modules (the profile's private copy, a TP replica, a
+#: lever's copy: a dozen long-lived objects per module) ends with a full garbage collection, in its own wait.
+#: Without it the collector's count of long-lived objects lags behind what the copies added, and its next
+#: full collection (0.35-0.5 s over the ~1 million objects of a 10,000-module model, its copy and replica) falls
+#: in a later control change that re-plans from the cache. Smaller models skip it (their copies barely move
+#: that count).
+COLLECT_AFTER_COPYING = 2000
 
 
 def hardware_key(hardware: Any):
     """What tells two hardware choices apart in the estimate cache (a profile by its figures)."""
     to_dict = getattr(hardware, "to_dict", None)
     return json.dumps(to_dict(), sort_keys=True) if to_dict else hardware
+
+
+@contextmanager
+def _collected_after_copies() -> Iterator[None]:
+    """Run the body, then collect garbage if it copied :data:`COLLECT_AFTER_COPYING` modules or more."""
+    before = modules_copied()
+    yield
+    if modules_copied() - before >= COLLECT_AFTER_COPYING:
+        gc.collect()
 
 
 def as_features(features: FeaturesLike) -> DistributedFeatureSet:
@@ -248,7 +266,7 @@ class Explorer(ExplorerCharts):
         key = self._estimate_key(plan, time_steps)
         if key in self._estimates:
             return self._estimates[key]
-        with self.waiting("estimating") as wait:
+        with self.waiting("estimating") as wait, _collected_after_copies():
             if self._profile is None:  # looked up once: the cache key reads every parameter's shape
                 wait.say("profiling the model (forward and backward at four batch sizes)")
                 self._profile = model_profile(self.model, self.example_input, self.labels,
@@ -274,7 +292,8 @@ class Explorer(ExplorerCharts):
         key = (int(memory_budget), int(world_size), batch, gates, hardware_key(self.hardware))
         fits = self._fits
         if key not in fits:
-            with self.waiting(f"fitting {memory_budget / 2 ** 20:.4g} MiB per rank on {world_size} ranks") as wait:
+            with self.waiting(f"fitting {memory_budget / 2 ** 20:.4g} MiB per rank on {world_size} ranks") as wait, \
+                    _collected_after_copies():
                 hardware = self.hardware
                 if self.will_calibrate:
                     wait.say("fitting a budget" + CALIBRATION_NOTE)

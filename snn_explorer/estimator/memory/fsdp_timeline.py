@@ -20,11 +20,12 @@ gradient down once it is reduce-scattered, so every FSDP2 plan reuses that one r
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..instruments.fsdp_events import EventLog
-from .sharding import Param, fsdp_gather_bytes, fsdp_group_bytes, fsdp_groups
+from .sharding import Param, fsdp_group_sizes, fsdp_groups
 
 
 @dataclass(frozen=True)
@@ -59,14 +60,27 @@ class FsdpTimeline:
            reduce_itemsize: Optional[int] = None, offload: bool = False) -> "FsdpTimeline":
         """The timeline of ``params`` (``sharding.local_params``: each in its unit, with its gather dtype)
         sharded over ``dp``, gradients reduce-scattered at ``reduce_itemsize`` bytes (None: their own); with
-        ``offload`` the shards kept in host memory."""
-        units = []
-        for path, group in fsdp_groups(params).items():
-            scatter, master = fsdp_group_bytes(group, dp, reduce_itemsize), fsdp_group_bytes(group, dp)
-            shard, reduced = master // dp, (scatter // dp if scatter != master else 0)
-            units.append(Unit(path, sum(p.numel * p.gathered_itemsize for p in group), fsdp_gather_bytes(group, dp),
-                              shard, scatter, reduced))
-        return cls(tuple(units), tuple((p.name, p.group) for p in params), reshard_after_forward, offload)
+        ``offload`` the shards kept in host memory. The same object for the same arguments, a few kept."""
+        return _timeline(cls, tuple(params), dp, reshard_after_forward, reduce_itemsize, offload)
+
+    def __hash__(self) -> int:  # the fields' hash, computed once (estimates cache peaks by timeline)
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = hash((self.units, self.param_units, self.reshard_after_forward, self.offload))
+            object.__setattr__(self, "_hash", found)
+        return found
+
+
+@functools.lru_cache(maxsize=8)
+def _timeline(cls, params: Tuple[Param, ...], dp: int, reshard_after_forward: bool, reduce_itemsize: Optional[int],
+              offload: bool) -> FsdpTimeline:
+    """:meth:`FsdpTimeline.of`, a few kept."""
+    units = []
+    for path, group in fsdp_groups(params).items():
+        unsharded, gather, master, scatter = fsdp_group_sizes(group, dp, reduce_itemsize)
+        shard, reduced = master // dp, (scatter // dp if scatter != master else 0)
+        units.append(Unit(path, unsharded, gather, shard, scatter, reduced))
+    return cls(tuple(units), tuple((p.name, p.group) for p in params), reshard_after_forward, offload)
 
 
 class _Replay:
@@ -96,18 +110,25 @@ class _Replay:
         self.in_backward = False  # after the forward's end: forward hooks are a checkpoint's recompute
 
     def _add(self, nbytes: int, buffer: bool = True) -> None:
-        """``buffer``: FSDP2's own buffers and unsharded parameters (else a gradient adjustment)."""
+        """``buffer``: FSDP2's own buffers and unsharded parameters (else a gradient adjustment). Adding 0
+        changes nothing (the peaks already count the current bytes), so callers skip it."""
         self.offset += nbytes
-        self.peak = max(self.peak, self.base + self.offset)
+        now = self.base + self.offset
+        if now > self.peak:
+            self.peak = now
         if buffer:
             self.held += nbytes
-            self.most_held = max(self.most_held, self.held)
+            if self.held > self.most_held:
+                self.most_held = self.held
 
     def _gather(self, unit: Unit) -> None:
         """The all-gather output; with offload, the shard copied to the device first (freed after the copy-in)."""
-        self._add(unit.shard if self.offload else 0)
-        self._add(unit.flat)
-        self._add(-unit.shard if self.offload else 0)
+        if self.offload:
+            self._add(unit.shard)
+            self._add(unit.flat)
+            self._add(-unit.shard)
+        else:
+            self._add(unit.flat)
 
     def unshard(self, path: str, forward: bool) -> None:
         if path in self.unsharded:
@@ -198,9 +219,11 @@ class _Replay:
             self.pending.difference_update(ready)
             self.stood_down.update(ready)
             if path not in self.scattered or self.offload:  # offload: every output goes to the host's gradient
-                self._add(unit.reduced)  # the reduce-scatter output, cast to the gradient's dtype, then freed
+                if unit.reduced:  # the reduce-scatter output, cast to the gradient's dtype, then freed
+                    self._add(unit.reduced)
                 self._add(unit.shard, buffer=False)
-                self._add(-unit.reduced)
+                if unit.reduced:
+                    self._add(-unit.reduced)
                 if self.offload:  # copied to the host: the device copy goes
                     self._add(-unit.shard, buffer=False)
                 self.scattered.add(path)
@@ -232,11 +255,14 @@ def replay_fsdp(log: EventLog, entry: int, timeline: Optional[FsdpTimeline] = No
                     end_backward=lambda _: sim.end_backward())
     peak_fwd, peak, current = None, entry, entry
     for kind, what, current, stretch in log.events:
-        peak = max(peak, stretch + sim.offset)
+        if stretch + sim.offset > peak:
+            peak = stretch + sim.offset
         sim.base, sim.peak = current, current + sim.offset
-        if kind in handlers:
-            handlers[kind](what)
-        peak = max(peak, sim.peak)
+        handler = handlers.get(kind)
+        if handler is not None:
+            handler(what)
+        if sim.peak > peak:
+            peak = sim.peak
         if kind == "forward_end":
             peak_fwd, peak = peak, current + sim.offset
             sim.in_backward = True

@@ -12,7 +12,7 @@ import functools
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -39,6 +39,13 @@ class Param:
     def gathered_itemsize(self) -> int:
         return self.gather_size or self.itemsize
 
+    def __hash__(self) -> int:  # the fields' hash, computed once (ZeRO's partition is cached by the parameters)
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = hash((self.name, self.shape, self.itemsize, self.group, self.gather_size))
+            object.__setattr__(self, "_hash", found)
+        return found
+
     @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -56,9 +63,26 @@ class Param:
 
 def tp_local_shape(plan: SNNDistributedPlan, name: str, shape: Sequence[int]) -> Tuple[int, ...]:
     """The shape of parameter or buffer ``name`` on one TP rank of ``plan`` (its owner's style says)."""
-    owner, _, leaf = name.rpartition(".")
-    style = STYLES.get(plan.tensor_parallel_plan.get(owner)) if plan.tp_size > 1 else None
-    return tuple(shape) if style is None else style.local_shape(leaf, shape, plan.tp_size)
+    return tp_local_shapes(plan)(name, shape)
+
+
+def tp_local_shapes(plan: SNNDistributedPlan) -> Callable[[str, Sequence[int]], Tuple[int, ...]]:
+    """:func:`tp_local_shape` of ``plan`` as a function of ``(name, shape)``: the plan's TP size and layout read
+    once, for loops over every parameter or buffer."""
+    tp = plan.tp_size
+    if tp == 1:
+        return _whole_shape
+    layout = plan.tensor_parallel_plan
+
+    def local_shape(name: str, shape: Sequence[int]) -> Tuple[int, ...]:
+        owner, _, leaf = name.rpartition(".")
+        style = STYLES.get(layout.get(owner))
+        return tuple(shape) if style is None else style.local_shape(leaf, shape, tp)
+    return local_shape
+
+
+def _whole_shape(name: str, shape: Sequence[int]) -> Tuple[int, ...]:
+    return tuple(shape)
 
 
 def fsdp_group_of(units, name: str) -> str:
@@ -91,6 +115,20 @@ def fsdp_gather_bytes(group: Sequence[Param], dp: int) -> int:
     return dp * sum(p.rows(dp, 0)[0] * p.row_numel * p.gathered_itemsize for p in group)
 
 
+def fsdp_group_sizes(group: Sequence[Param], dp: int, reduce_itemsize: Optional[int] = None) -> Tuple[int, int, int, int]:
+    """``(unsharded, gather, master, scatter)`` bytes of one FSDP2 group, in one pass over its parameters: as the
+    forward uses them (each at its gather dtype), :func:`fsdp_gather_bytes`, :func:`fsdp_group_bytes` at the
+    parameters' own dtypes and at ``reduce_itemsize`` (None: their own as well)."""
+    unsharded = gather = master = scatter = 0
+    for p in group:
+        padded, gathered = -(-(p.shape[0] if p.shape else 1) // dp) * p.row_numel, p.gather_size or p.itemsize
+        unsharded += p.numel * gathered
+        gather += padded * gathered
+        master += padded * p.itemsize
+        scatter += padded * (reduce_itemsize or p.itemsize)
+    return unsharded, dp * gather, dp * master, dp * scatter
+
+
 def gather_itemsize(plan: SNNDistributedPlan) -> Optional[int]:
     """Bytes per element FSDP2 all-gathers and computes parameters in under ``plan``'s precision
     (``MixedPrecisionPolicy.param_dtype``); None: the parameters' own. Norm layers' own units gather
@@ -118,21 +156,43 @@ def ddp_reduce_bytes(params: Sequence[Param], bucket_bytes: int, plan: SNNDistri
     return sum(p.numel for p in params) * size
 
 
+#: The last few :func:`local_params` results, by what they are made of (one estimate after another asks again).
+_RECENT_PARAMS: Dict[tuple, tuple] = {}
+_RECENT_KEPT = 8
+
+
 def local_params(shapes: Sequence[Tuple[str, Tuple[int, ...]]], plan: SNNDistributedPlan,
                  itemsize: Union[int, Mapping[str, int]], norm_layers: Sequence[str] = ()) -> List[Param]:
     """Every trainable parameter (``profile.profiling.trainable_shapes``) as one rank holds it before FSDP2 sharding
     (TP applied); ``itemsize``: one for all, or per parameter name (models that mix dtypes). Under FSDP2 each
     is in the unit ``apply`` gives it (``core.parallelize.fsdp.fsdp_units_of``: the plan's units, and under half
-    precision each of ``norm_layers`` its own) and gathered in that unit's dtype."""
+    precision each of ``norm_layers`` its own) and gathered in that unit's dtype. The same ``Param`` objects come
+    back for the same arguments (a per-name ``itemsize`` by identity) and plan layout, TP size, units and precision."""
+    mapping = isinstance(itemsize, Mapping)
+    key = (tuple(shapes), plan.tp_size, tuple(sorted(plan.tensor_parallel_plan.items())), plan.uses_fsdp,
+           tuple(plan.fsdp_units), plan.precision, id(itemsize) if mapping else itemsize, tuple(norm_layers))
+    found = _RECENT_PARAMS.get(key)
+    if found is None or found[0] is not itemsize and mapping:
+        found = (itemsize, tuple(_local_params(shapes, plan, itemsize, norm_layers)))
+        _RECENT_PARAMS.pop(key, None)
+        if len(_RECENT_PARAMS) >= _RECENT_KEPT:
+            del _RECENT_PARAMS[next(iter(_RECENT_PARAMS))]
+        _RECENT_PARAMS[key] = found
+    return list(found[1])
+
+
+def _local_params(shapes: Sequence[Tuple[str, Tuple[int, ...]]], plan: SNNDistributedPlan,
+                  itemsize: Union[int, Mapping[str, int]], norm_layers: Sequence[str] = ()) -> List[Param]:
     size_of = itemsize.__getitem__ if isinstance(itemsize, Mapping) else (lambda _: itemsize)
+    local_shape = tp_local_shapes(plan)
     if not plan.uses_fsdp:
-        return [Param(n, tp_local_shape(plan, n, shape), size_of(n)) for n, shape in shapes]
+        return [Param(n, local_shape(n, shape), size_of(n)) for n, shape in shapes]
     units = fsdp_units_of(plan.fsdp_units, norm_layers, plan.precision)
     paths, gather = set(units.paths), gather_itemsize(plan) or 0
     params = []
     for n, shape in shapes:
         group = fsdp_group_of(paths, n)
-        params.append(Param(n, tp_local_shape(plan, n, shape), size_of(n), group, 0 if group in units.fp32 else gather))
+        params.append(Param(n, local_shape(n, shape), size_of(n), group, 0 if group in units.fp32 else gather))
     return params
 
 
@@ -218,8 +278,8 @@ def rank_bytes(params: Sequence[Param], plan: SNNDistributedPlan, rank: int, opt
 def buffer_bytes(buffers: Sequence[tuple], dtype: torch.dtype, plan: SNNDistributedPlan) -> int:
     """Bytes of one rank's ``plain_buffers`` once cast to ``dtype`` (not sharded by any mode but
     TP's channel-sharded BatchNorms)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return sum(math.prod(tp_local_shape(plan, n, shape)) * (itemsize if floating else size)
+    itemsize, local_shape = torch.empty((), dtype=dtype).element_size(), tp_local_shapes(plan)
+    return sum(math.prod(local_shape(n, shape)) * (itemsize if floating else size)
                for n, shape, floating, size in buffers)
 
 

@@ -15,7 +15,6 @@ check's and the packing's temporaries and backward's unpacked tensors are in it.
 from __future__ import annotations
 
 import dataclasses
-import gc
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Tuple
 
@@ -104,10 +103,10 @@ def _saving_figures(model: nn.Module, x: torch.Tensor, y) -> tuple:
     with torch.no_grad():
         forward_loss(model, x, y)  # the neuron state takes this size
     detector = _Detector()
-    with new_objects_collected():
+    with new_objects_collected() as collect:
         with saving(detector):
             loss = forward_loss(model, x, y)
-        gc.collect()
+        collect()
     held = detector.held()
     state = {s.untyped_storage().data_ptr() for s in model_state_tensors(model)}  # alive anyway
     sizes = [(nbytes, detector.binary[ptr]) for ptr, (_, nbytes) in held.items()

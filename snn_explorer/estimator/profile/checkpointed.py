@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Mapping, Optional, Tuple
@@ -184,10 +183,10 @@ def held_after_forward(model: nn.Module, x: torch.Tensor, labels,
     state_ids = state_tensor_ids(model)
     meter = StorageMeter()
     meter.track([t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in state_ids] + [x])
-    with meter, new_objects_collected():
+    with meter, new_objects_collected() as collect:
         entry = meter.current
         loss = forward_loss(model, x, labels)
-        gc.collect()
+        collect()
         held = meter.current - entry
     state = total_bytes(model_state_tensors(model))
     loss.backward()

@@ -24,7 +24,6 @@ the same numbers; so is any run whose size would not fit (:func:`run_fits`).
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 import os
 import weakref
@@ -136,6 +135,8 @@ class ModelProfile:
     gathered: bool = False
     #: the repeated blocks whose records were composed from runs cut to a few of them (:mod:`.repeats`), or None
     composed: Optional[Repeats] = None
+    #: :func:`run_fits`' sums over ``modules`` per ``(n, t)``, each beside the ``modules`` it was summed over
+    fitted_sums: Dict[tuple, tuple] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def compute_itemsize(self) -> int:
@@ -233,8 +234,7 @@ def run_fits(profile: ModelProfile, n: int, t: int) -> bool:
     fitted input, saved-activation and neuron-state bytes, twice for the backward, and the model);
     where it does not, it runs shape-only. ValueError, before anything runs, where that shape-only
     run would take longer than :data:`MAX_SHAPE_ONLY_OPS` operators."""
-    fitted = profile.input_bytes(n, t) + sum(m.saved(n, t) + m.state(n, t) for m in profile.modules.values())
-    need, have = 2 * fitted + 2 * _param_bytes(profile), _physical_memory()
+    need, have = _fitted_need(profile, n, t), _physical_memory()
     fits = have is None or need <= have
     if fits and not profile.shape_only:
         return True
@@ -245,6 +245,17 @@ def run_fits(profile: ModelProfile, n: int, t: int) -> bool:
                          f"would take about {ops:.3g} operators (more than {MAX_SHAPE_ONLY_OPS}); use fewer "
                          "time_steps (the step's memory grows linearly in them)")
     return fits and not profile.shape_only
+
+
+def _fitted_need(profile: ModelProfile, n: int, t: int) -> float:
+    """:func:`run_fits`' bytes of a real run: the fitted input, saved and state bytes twice, the parameters twice
+    (summed once per size and ``modules``: a lever variant's profile has its own ``modules``)."""
+    summed = profile.fitted_sums.get((n, t))
+    if summed is None or summed[0] is not profile.modules or summed[1] is not profile.params:
+        fitted = profile.input_bytes(n, t) + sum(m.saved(n, t) + m.state(n, t) for m in profile.modules.values())
+        summed = profile.fitted_sums[(n, t)] = (profile.modules, profile.params,
+                                                2 * fitted + 2 * _param_bytes(profile))
+    return summed[2]
 
 
 def _param_bytes(profile: ModelProfile) -> int:
@@ -295,8 +306,9 @@ def _run_point(model: nn.Module, x: torch.Tensor, labels: Optional[torch.Tensor]
         meter.track(static_refs + model_state_tensors(model))
         # The objects that exist now are left out of the collection in _step (a full one scans every
         # object of the process); the graph pieces it is for are all created after this.
-        with new_objects_collected() if saved_only else contextlib.nullcontext():
-            run = _step(model, x, labels, meter, SavedByModule(lambda: trace.current), saved_only, units, count)
+        with new_objects_collected() if saved_only else contextlib.nullcontext() as collect:
+            run = _step(model, x, labels, meter, SavedByModule(lambda: trace.current), saved_only, units, count,
+                        collect)
     finally:
         trace.remove()
         for h in hooks:
@@ -350,10 +362,12 @@ def _cut_logged_run(model: nn.Module, x, labels, units: Sequence[str], repeats: 
         return None
 
 
-def _step(model, x, labels, meter: StorageMeter, saved: SavedByModule, saved_only: bool, units, count: bool) -> dict:
+def _step(model, x, labels, meter: StorageMeter, saved: SavedByModule, saved_only: bool, units, count: bool,
+          collect=None) -> dict:
     """The measured forward and backward of :func:`_run_point`: with ``saved_only`` the saved
-    storages autograd holds after the forward (``held``), else the meter's event log (``log``) with
-    FSDP2's units; the neuron state's storages after the forward, and the operator counts."""
+    storages autograd holds after the forward (``held``, after ``collect()``, :func:`new_objects_collected`'s),
+    else the meter's event log (``log``) with FSDP2's units; the neuron state's storages after the forward,
+    and the operator counts."""
     nothing = contextlib.nullcontext()
     counters = (OpCounter(), OpCounter()) if count else (nothing, nothing)
     with meter if not saved_only else nothing, record(model, units, meter) if not saved_only else nothing as log:
@@ -365,7 +379,7 @@ def _step(model, x, labels, meter: StorageMeter, saved: SavedByModule, saved_onl
             log.mark(meter, "forward_end")
         state = {n: storage_bytes(state_tensors(m)) for n, m in stateful_modules(model)}
         if saved_only:  # graph pieces in reference cycles would otherwise look alive, depending on timing
-            gc.collect()
+            collect()
         held = saved.held()
         with counters[1]:
             loss.backward()

@@ -20,8 +20,7 @@ from ..instruments.tables import tp_phase
 from ..memory.sharding import (
     Param,
     ddp_reduce_bytes,
-    fsdp_gather_bytes,
-    fsdp_group_bytes,
+    fsdp_group_sizes,
     fsdp_groups,
     reduce_itemsize,
 )
@@ -50,11 +49,14 @@ def _dtype(itemsize: int) -> torch.dtype:
     return {1: torch.uint8, 2: torch.float16, 4: torch.float32, 8: torch.float64}[itemsize]
 
 
-def _fsdp(out, plan: SNNDistributedPlan, params, profile: ModelProfile, t: int) -> None:
-    reshard = plan.reshard_after_forward
-    for unit, group in fsdp_groups(params).items():
-        nbytes = fsdp_gather_bytes(group, plan.dp_size)  # in the unit's gather dtype (norm layers: their own)
-        reduced = fsdp_group_bytes(group, plan.dp_size, reduce_itemsize(plan))
+def _fsdp(out, plan: SNNDistributedPlan, params, profile: ModelProfile, t: int, timeline=None) -> None:
+    reshard, dp, reduce_size = plan.reshard_after_forward, plan.dp_size, reduce_itemsize(plan)
+    # all-gathered in the unit's gather dtype (norm layers: their own), reduce-scattered in the reduce dtype
+    if timeline is not None:  # the plan's FsdpTimeline of ``params`` has them already
+        sizes = [(u.path, u.flat, u.scatter_bytes) for u in timeline.units]
+    else:
+        sizes = [(unit, *fsdp_group_sizes(group, dp, reduce_size)[1::2]) for unit, group in fsdp_groups(params).items()]
+    for unit, nbytes, reduced in sizes:
         module = profile.modules.get(unit)
         calls = round(module.calls(1, t)) if module and unit else 1
         hooked = bool(module and unit and module.input_requires_grad)  # post-backward hook per call
@@ -89,10 +91,11 @@ def _add(out, key: Row, count: int, nbytes: int) -> None:
 
 
 def step_collectives(plan: SNNDistributedPlan, params: Sequence[Param], profile: ModelProfile,
-                     time_steps: int, itemsize: int) -> List[dict]:
+                     time_steps: int, itemsize: int, timeline=None) -> List[dict]:
     """Rows ``mesh_dim, kind, phase, count, bytes`` of one step on each rank (all ranks alike); none
     on a mesh dim of one rank (a collective over a group of one moves nothing: a one-rank plan
-    communicates nothing)."""
+    communicates nothing). ``timeline``: the plan's ``FsdpTimeline`` of ``params``, if made already (its
+    units' bytes are FSDP2's collectives')."""
     out: Dict[Row, List[int]] = defaultdict(lambda: [0, 0])
     n = plan.per_rank_batch
     if plan.uses_ddp:
@@ -103,7 +106,7 @@ def step_collectives(plan: SNNDistributedPlan, params: Sequence[Param], profile:
     if plan.uses_tp:
         _tp(out, plan, profile, n, time_steps, itemsize)
     if plan.uses_fsdp:
-        _fsdp(out, plan, params, profile, time_steps)
+        _fsdp(out, plan, params, profile, time_steps, timeline)
     return [dict(mesh_dim=d, kind=k, phase=p, count=c, bytes=b) for (d, k, p), (c, b) in out.items()
             if plan.dim_size(d) > 1]
 
