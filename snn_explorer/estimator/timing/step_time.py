@@ -6,8 +6,9 @@ work scaled to the parameter shard the rank updates), times the slow-down measur
 many ranks share one host's cores (:func:`host_sharing`). Under FSDP2's CPU offload the optimizer step is the
 host CPU's instead (:func:`~..memory.fsdp_offload.host_optimizer_seconds`). On the machine the hardware profile was
 calibrated on, each phase is also multiplied by the measured / modelled ratio of the unsharded
-step without levers (a lever's recompute, replays or packing are modelled work that the ratio scales). The parallel
-wrappers' own cost, where the profile was calibrated with it (:func:`framework_s`), is compute too.
+step without levers (a lever's recompute and replays are modelled work that the ratio scales; spike
+compression's packing is added unscaled, as the estimate's ``extra_s``). The parallel wrappers' own cost,
+where the profile was calibrated with it (:func:`framework_s`), is compute too.
 
 Each collective of the estimate (:mod:`.comms`) is timed by the profile's alpha-beta model for
 its kind and group size (on CPU ranks sharing a host, that world's: :meth:`HardwareProfile.seen_by`).
@@ -123,7 +124,7 @@ def plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, per_
     correction = {}
     if is_local(hw) and not profile.shape_only:  # a shape-only profile has no real step to time
         # measured / modelled of the step without levers, which times the model itself: a lever's own work
-        # (recompute, replays, packing) stays in the modelled phases it scales
+        # (recompute, replays) stays in the modelled phases it scales
         plain = unlevered(profile)
         correction = local_correction(plain, rank_work(plain, None, 1, optimizer), hw, optimizer)
     hw = hw.seen_by(ranks_on_host(plan, hw))
