@@ -31,7 +31,9 @@ import pandas as pd
 
 from ...core import SNNDistributedPlan
 from ...core.collectives import Collective
+from ...core.parallelize.checkpointing import region_starts
 from ...core.styles import STYLES
+from ...core.vocabulary import Checkpointing
 from ..instruments.tables import TIME_COLUMNS
 from ..profile.checkpointed import unlevered
 from .compute_work import PHASES, Work, local_correction, rank_work
@@ -76,11 +78,34 @@ def compute_phases(plan: SNNDistributedPlan, work: Work, hw: HardwareProfile, t:
             * correction.get(p, 1.0) * slow for p in PHASES}
 
 
+def checkpointed_calls(plan: SNNDistributedPlan, profile, t: int) -> int:
+    """Checkpointed calls of one step of ``plan`` at ``t`` time steps: each call of a checkpointed block's first
+    module (blocks, ops), or of the time-step module (time chunks: one region per step); 0 without checkpointing."""
+    granularity = Checkpointing(plan.activation_checkpointing)
+    if granularity == Checkpointing.TIME_CHUNKS:
+        paths = [plan.time_step_module]
+    elif granularity.recomputes:
+        paths = [path for path, _ in region_starts(profile.model, plan, profile.fsdp_units)]
+    else:
+        return 0
+    return round(sum(profile.modules[path].calls(plan.per_rank_batch, t) for path in paths))
+
+
+def checkpoint_overhead_s(plan: SNNDistributedPlan, profile, hw: HardwareProfile, t: int) -> float:
+    """The calibrated cost of the checkpointing machinery: per checkpointed call (:func:`checkpointed_calls`), the
+    profile's ``checkpoint_overhead`` of the plan's granularity (ops: the blocks' figure); 0 where not measured."""
+    granularity = Checkpointing(plan.activation_checkpointing)
+    key = Checkpointing.TIME_CHUNKS if granularity == Checkpointing.TIME_CHUNKS else Checkpointing.BLOCKS
+    per_call = hw.checkpoint_overhead.get(key.value, 0.0) if granularity.recomputes else 0.0
+    return checkpointed_calls(plan, profile, t) * per_call if per_call else 0.0
+
+
 def framework_s(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, hw: HardwareProfile, t: int) -> float:
     """The calibrated cost of the parallel wrappers themselves (DTensor dispatch of each call of a
     module a TP style wraps, not of neurons left to run on their local shard; FSDP2's work around
-    each of its collectives, DDP's and ZeRO's work around a step); 0 on profiles without it."""
-    seconds = 0.0
+    each of its collectives, DDP's and ZeRO's work around a step) and of activation checkpointing's
+    machinery (:func:`checkpoint_overhead_s`); 0 on profiles without them."""
+    seconds = checkpoint_overhead_s(plan, profile, hw, t)
     if plan.dp_size > 1:
         seconds += hw.overhead("ddp_step", plan.dp_size) * plan.uses_ddp + \
             hw.overhead("zero_step", plan.dp_size) * plan.uses_zero
