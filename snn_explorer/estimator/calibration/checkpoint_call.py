@@ -9,7 +9,7 @@ checkpointed (every block, and time chunks of one step), and returns per granula
 
     (checkpointed - plain - (operators checkpointed - operators plain) * plain / operators plain) / checkpointed calls
 
-the least of ``repeats`` steps each, never below 0: the seconds one checkpointed call adds beyond the operators the
+the least of ``repeats`` steps each (the models run in turn), never below 0: the seconds one checkpointed call adds beyond the operators the
 estimate already counts for it (its recompute and state copies), those at the plain step's own seconds per operator
 (as the estimate's timing correction on this host charges them). An approximation: per call, whatever the region
 holds (on this machine the probe gave 0.36 and 0.50 ms per block call with one and two neurons in the region, 1.34
@@ -19,7 +19,7 @@ copy less (operators the estimate counts): the per-call figure is the k = 1 one 
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict
+from typing import Dict, List, Sequence
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ from ...core.parallelize.checkpointing import checkpoint_blocks, checkpoint_time
 from ...core.validate import positive_int
 from ...core.vocabulary import Checkpointing
 from ...zoo.mlp import SpikingMLP
-from ..instruments.isolation import collector_paused, one_thread
+from ..instruments.isolation import one_thread
 from ..profile.step import forward_loss
 from ..timing.compute_work import count_step
 
@@ -39,16 +39,23 @@ __all__ = ["this_host_checkpoint_overhead"]
 LAYERS, WIDTH, STEPS, BATCH = 1, 8, 8, 2
 
 
-def _least_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, repeats: int) -> float:
-    """The least seconds of ``repeats`` forwards and backwards of ``model`` (after one warm-up)."""
-    best = float("inf")
-    for i in range(repeats + 1):
-        started = time.perf_counter()
-        forward_loss(model, x, y).backward()
-        elapsed = time.perf_counter() - started
-        model.zero_grad(set_to_none=True)
-        if i:  # the first is the warm-up
-            best = min(best, elapsed)
+def _one_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Seconds of one forward and backward of ``model``."""
+    started = time.perf_counter()
+    forward_loss(model, x, y).backward()
+    elapsed = time.perf_counter() - started
+    model.zero_grad(set_to_none=True)
+    return elapsed
+
+
+def _least_steps(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor, repeats: int) -> List[float]:
+    """The least seconds of ``repeats`` steps of each of ``models``, run in turn (load that comes and goes falls on
+    every model alike), after one warm-up step each."""
+    for model in models:
+        _one_step(model, x, y)
+    best = [float("inf")] * len(models)
+    for _ in range(repeats):
+        best = [min(b, _one_step(model, x, y)) for b, model in zip(best, models)]
     return best
 
 
@@ -72,15 +79,13 @@ def this_host_checkpoint_overhead(repeats: int = 40) -> Dict[str, float]:
         Checkpointing.BLOCKS.value: (lambda m: checkpoint_blocks(m, linears), len(linears) * STEPS),
         Checkpointing.TIME_CHUNKS.value: (lambda m: checkpoint_time_chunks(m, "net", 1), STEPS),
     }
-    with one_thread(), collector_paused():
-        base_s, base_ops = _least_step(plain, x, y, repeats), _ops(plain, x, y)
-        return {name: _per_call(plain, apply, calls, x, y, repeats, base_s, base_ops)
-                for name, (apply, calls) in variants.items()}
-
-
-def _per_call(plain: nn.Module, apply: Callable, calls: int, x, y, repeats: int, base_s: float,
-              base_ops: float) -> float:
-    model = detached_copy(plain)
-    apply(model)
-    extra = _least_step(model, x, y, repeats) - base_s - (_ops(model, x, y) - base_ops) * base_s / base_ops
-    return max(0.0, extra / calls)
+    models = [plain]
+    for apply, _ in variants.values():
+        models.append(detached_copy(plain))
+        apply(models[-1])
+    with one_thread():  # the collector runs as in training: torch's checkpoint frames leave cycles to collect
+        seconds = _least_steps(models, x, y, repeats)
+        ops = [_ops(model, x, y) for model in models]
+    per_op = seconds[0] / ops[0]  # the plain step's seconds per operator: what the estimate's correction charges
+    return {name: max(0.0, (s - seconds[0] - (o - ops[0]) * per_op) / calls)
+            for (name, (_, calls)), s, o in zip(variants.items(), seconds[1:], ops[1:])}
