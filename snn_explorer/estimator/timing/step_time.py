@@ -88,6 +88,10 @@ def checkpointed_calls(plan: SNNDistributedPlan, profile, t: int) -> int:
         paths = [path for path, _ in region_starts(profile.model, plan, profile.fsdp_units)]
     else:
         return 0
+    missing = [path for path in paths if path not in profile.modules]
+    if missing:
+        raise ValueError(f"checkpointed module(s) {missing} did not run in the profile's forward: their calls, "
+                         "which the checkpointing cost is paid per, cannot be counted")
     return round(sum(profile.modules[path].calls(plan.per_rank_batch, t) for path in paths))
 
 
