@@ -11,12 +11,15 @@ timed step of every round (the first step of each plan is the warm-up, dropped),
 to the plan without checkpointing, estimated and measured. Beside them, the step of one rank's model and batch
 timed in this process on one thread (``compute_work.timed_step``, as the estimator's local correction times a
 step), ``--timed`` times per size in turn, its median and least, beside the estimate for one rank of that batch on this machine: free of the ranks' collectives and waits, so the growth
-with k shows through less noise. Then which size the memory objective takes, the wall and CPU seconds the
+with k shows through less noise. The one-rank estimate relative to its plan without
+checkpointing is printed twice: with this machine's calibrated cost per checkpointed call (``checkpoint_overhead``)
+and without it. Then which size the memory objective takes, the wall and CPU seconds the
 measuring took (CPU: this process and its finished ranks) and the load average before and after.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import resource
 import statistics
@@ -93,6 +96,8 @@ def main() -> None:
     here = default_hardware()
     on_h100 = se.plan_estimator(zoo.model, x, y, hardware="H100-SXM")
     on_here = se.plan_estimator(zoo.model, x, y, hardware=here)
+    # the same calibration without the checkpointing machinery's per-call cost (the estimate before it was counted)
+    on_here_bare = se.plan_estimator(zoo.model, x, y, hardware=dataclasses.replace(here, checkpoint_overhead={}))
     choice = choose_chunks(base, step_module, on_h100)
     alone = copy_without_levers(se.plan(analysis=se.analyze(zoo.model), objective="speed", topology={"dp": 1},
                                         mode="dp", batch_size=base.per_rank_batch, features=features))
@@ -115,13 +120,18 @@ def main() -> None:
                      "measured / none": round(measured / measured_base, 3),
                      "est. / none (H100)": round(h100.step_time_s / est_base.step_time_s, 3),
                      "est. 1 rank ms (here)": round(on_here(one_rank[plan]).step_time_s * 1e3, 3),
+                     "est. 1 rank / none": round(on_here(one_rank[plan]).step_time_s / on_here(alone).step_time_s, 3),
+                     "same, no ckpt cost": round(on_here_bare(one_rank[plan]).step_time_s
+                                                 / on_here_bare(alone).step_time_s, 3),
                      "1 thread ms (median)": round(here_s[i][0] * 1e3, 3),
                      "1 thread / none": round(here_s[i][0] / here_s[0][0], 3),
                      "1 thread ms (least)": round(here_s[i][1] * 1e3, 3),
+                     "least / none": round(here_s[i][1] / here_s[0][1], 3),
                      "chosen": plan == choice.plan})
     print(f"{args.model}, T = {args.time_steps}, dp on 2 gloo ranks; time-stepped module {step_module!r}; "
           f"{args.rounds} rounds x {args.steps} steps (the first of each dropped); one thread: {args.timed} steps")
     print(pd.DataFrame(rows).to_string(index=False))
+    print(f"checkpoint_overhead of {here.name!r} (s per checkpointed call): {dict(here.checkpoint_overhead)}")
     print(f"measuring: {wall:.1f} s wall, {cpu:.1f} s CPU (this process and its ranks); load average "
           f"{load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after")
 

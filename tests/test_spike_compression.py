@@ -21,9 +21,11 @@ from snn_explorer.core.spike_compression import (
 from snn_explorer.estimator import estimate, model_profile
 from snn_explorer.estimator.measurement.plan_measurement import measure_on_rank
 from snn_explorer.estimator.measurement.settings import measure_settings
-from snn_explorer.estimator.memory.spike_compression import spike_saving
-from snn_explorer.estimator.profile.checkpointed import held_after_forward
+from snn_explorer.estimator.memory.spike_compression import compressed_profile, spike_saving
+from snn_explorer.estimator.profile.checkpointed import held_after_forward, levered_profile
+from snn_explorer.estimator.timing.compute_work import rank_work
 from snn_explorer.zoo import build
+from snn_explorer.zoo.mlp import SpikingMLP
 
 STEPS = 20
 GATES = se.DistributedFeatureSet(allow_spike_compression=True)
@@ -221,3 +223,23 @@ def test_bytes_saved_after_the_forward_as_the_detector_predicts():
         predicted = spike_saving(model_profile(zoo.model, zoo.example_input, zoo.labels), n, zoo.time_steps)
         assert spike_packer(packed).packed > 0 and held > 0.2 * held_after_forward(plain, x, y)[0], name
         assert abs(predicted.saved_bytes - held) <= 0.01 * held, (name, predicted, held)
+
+
+def test_packing_is_timed_once_on_a_checkpointed_profile():
+    """The packer's check, pack and unpack are the estimate's ``extra_s`` (SpikeSaving.seconds); the counted step of
+    a compressed profile is its base's, checkpointed or not (a compressed copy of a checkpointed model, counted on
+    its own, held the packing operators a second time: 288 forward operators more on this stand-in)."""
+    torch.manual_seed(0)
+    model = SpikingMLP(6, (8,), 3, init_gain=3.0)
+    x, y = torch.bernoulli(torch.full((8, 4, 6), 0.5)), torch.randint(0, 3, (4,))
+    profile = model_profile(model, x, y)
+    for checkpointing in ("none", "blocks"):
+        plan = se.plan(analysis=se.analyze(model), objective="speed", topology={"dp": 1}, batch_size=4, mode="dp",
+                       features=GATES_AC, activation_checkpointing=checkpointing)
+        levered = levered_profile(profile, plan)
+        assert spike_saving(levered, 4, 8).packed > 0  # there is packing to count
+        plain, packed = rank_work(levered, None, 1, "adam"), rank_work(compressed_profile(levered), None, 1, "adam")
+        for phase in ("forward", "backward"):
+            for figure in ("flops", "flop_bytes", "other_bytes", "ops"):
+                assert getattr(packed.phase(phase), figure)(4, 8) == getattr(plain.phase(phase), figure)(4, 8), \
+                    (checkpointing, phase, figure)

@@ -166,6 +166,8 @@ def test_calibrate_on_real_ranks_and_json_round_trip(tmp_path):
     assert {f"pp_{cost}:{name}" for name in SCHEDULES for cost in ("action", "link")} | {"broadcast_in_burst"} \
         <= set(costs)
     assert min(costs.values()) >= 0 and costs["broadcast_in_burst"] > 0
+    # the checkpointing machinery's cost per checkpointed call, timed in this process (calibration.checkpoint_call)
+    assert set(hw.checkpoint_overhead) == {"blocks", "time_chunks"} and min(hw.checkpoint_overhead.values()) >= 0
     # on the machine it was calibrated on, the measured unsharded step corrects the model's phases
     zoo = build("mlp")
     plan = enumerate_plans(se.analyze(zoo.model), world_size=2, batch_size=zoo.batch_size)[0]

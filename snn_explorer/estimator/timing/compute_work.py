@@ -225,7 +225,11 @@ def rank_work(profile: ModelProfile, tp_plan, tp: int, optimizer: str) -> Work:
     """The :class:`Work` of the model one rank of a plan runs, cached on the profile per TP layout: the
     unsharded model's from the counts its profile runs took (``ModelProfile.step_counts``, taken in
     the state :func:`counted_pass` sets), any other's by :func:`count_work`; on FakeTensors for a
-    shape-only profile. Time chunks of two or more steps: composed per chunk (:mod:`.chunk_work`)."""
+    shape-only profile. Time chunks of two or more steps: composed per chunk (:mod:`.chunk_work`). A profile that
+    wraps a ``base`` (spike compression, activation offload) does its base's work: the lever's own time (check,
+    pack, unpack; host copies) is the estimate's ``extra_s``, not counted again here."""
+    if getattr(profile, "base", None) is not None:
+        return rank_work(profile.base, tp_plan, tp, optimizer)
     cache = profile.__dict__.setdefault("_step_work", {})
     layout, model = profile.rank_model(tp_plan, tp)
     key = (layout, optimizer)

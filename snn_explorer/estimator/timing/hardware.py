@@ -105,6 +105,11 @@ class HardwareProfile:
     #: Adam parameter updates per second the host CPU makes for one rank (the optimizer step of FSDP2's CPU
     #: offload runs there, one core per rank); None: not stated (a CPU offload estimate then refuses)
     host_adam_params_per_s: Optional[float] = None
+    #: Seconds one checkpointed call adds beyond the operators the estimate counts for it, per granularity
+    #: (``"blocks"``: per call of a checkpointed block; ``"time_chunks"``: per checkpointed time step): torch's
+    #: checkpoint frame, the neuron-state copies and RNG state around it, Python work on the host CPU. Measured by a
+    #: CPU calibration (:mod:`..calibration.checkpoint_call`); empty: not measured (0, the datasheet GPU profiles)
+    checkpoint_overhead: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         for attr in ("flops_per_s", "bytes_per_s"):
@@ -112,6 +117,8 @@ class HardwareProfile:
         positive_number("host_link_bytes_per_s", self.host_link_bytes_per_s, allow_none=True, what="bytes per second")
         positive_number("host_adam_params_per_s", self.host_adam_params_per_s, allow_none=True,
                         what="parameters per second")
+        if any(not v >= 0 for v in self.checkpoint_overhead.values()):
+            raise ValueError(f"checkpoint_overhead={dict(self.checkpoint_overhead)}; expected seconds >= 0 per call")
         if self.op_overhead_s < 0:
             raise ValueError(f"op_overhead_s={self.op_overhead_s}; expected seconds >= 0")
         if not 0 < self.efficiency <= 1:

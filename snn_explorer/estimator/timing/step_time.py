@@ -6,8 +6,9 @@ work scaled to the parameter shard the rank updates), times the slow-down measur
 many ranks share one host's cores (:func:`host_sharing`). Under FSDP2's CPU offload the optimizer step is the
 host CPU's instead (:func:`~..memory.fsdp_offload.host_optimizer_seconds`). On the machine the hardware profile was
 calibrated on, each phase is also multiplied by the measured / modelled ratio of the unsharded
-step without levers (a lever's recompute, replays or packing are modelled work that the ratio scales). The parallel
-wrappers' own cost, where the profile was calibrated with it (:func:`framework_s`), is compute too.
+step without levers (a lever's recompute and replays are modelled work that the ratio scales; spike
+compression's packing is added unscaled, as the estimate's ``extra_s``). The parallel wrappers' own cost,
+where the profile was calibrated with it (:func:`framework_s`), is compute too.
 
 Each collective of the estimate (:mod:`.comms`) is timed by the profile's alpha-beta model for
 its kind and group size (on CPU ranks sharing a host, that world's: :meth:`HardwareProfile.seen_by`).
@@ -30,7 +31,9 @@ import pandas as pd
 
 from ...core import SNNDistributedPlan
 from ...core.collectives import Collective
+from ...core.parallelize.checkpointing import region_starts
 from ...core.styles import STYLES
+from ...core.vocabulary import Checkpointing
 from ..instruments.tables import TIME_COLUMNS
 from ..profile.checkpointed import unlevered
 from .compute_work import PHASES, Work, local_correction, rank_work
@@ -75,11 +78,38 @@ def compute_phases(plan: SNNDistributedPlan, work: Work, hw: HardwareProfile, t:
             * correction.get(p, 1.0) * slow for p in PHASES}
 
 
+def checkpointed_calls(plan: SNNDistributedPlan, profile, t: int) -> int:
+    """Checkpointed calls of one step of ``plan`` at ``t`` time steps: each call of a checkpointed block's first
+    module (blocks, ops), or of the time-step module (time chunks: one region per step); 0 without checkpointing."""
+    granularity = Checkpointing(plan.activation_checkpointing)
+    if granularity == Checkpointing.TIME_CHUNKS:
+        paths = [plan.time_step_module]
+    elif granularity.recomputes:
+        paths = [path for path, _ in region_starts(profile.model, plan, profile.fsdp_units)]
+    else:
+        return 0
+    missing = [path for path in paths if path not in profile.modules]
+    if missing:
+        raise ValueError(f"checkpointed module(s) {missing} did not run in the profile's forward: their calls, "
+                         "which the checkpointing cost is paid per, cannot be counted")
+    return round(sum(profile.modules[path].calls(plan.per_rank_batch, t) for path in paths))
+
+
+def checkpoint_overhead_s(plan: SNNDistributedPlan, profile, hw: HardwareProfile, t: int) -> float:
+    """The calibrated cost of the checkpointing machinery: per checkpointed call (:func:`checkpointed_calls`), the
+    profile's ``checkpoint_overhead`` of the plan's granularity (ops: the blocks' figure); 0 where not measured."""
+    granularity = Checkpointing(plan.activation_checkpointing)
+    key = Checkpointing.TIME_CHUNKS if granularity == Checkpointing.TIME_CHUNKS else Checkpointing.BLOCKS
+    per_call = hw.checkpoint_overhead.get(key.value, 0.0) if granularity.recomputes else 0.0
+    return checkpointed_calls(plan, profile, t) * per_call if per_call else 0.0
+
+
 def framework_s(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, hw: HardwareProfile, t: int) -> float:
     """The calibrated cost of the parallel wrappers themselves (DTensor dispatch of each call of a
     module a TP style wraps, not of neurons left to run on their local shard; FSDP2's work around
-    each of its collectives, DDP's and ZeRO's work around a step); 0 on profiles without it."""
-    seconds = 0.0
+    each of its collectives, DDP's and ZeRO's work around a step) and of activation checkpointing's
+    machinery (:func:`checkpoint_overhead_s`); 0 on profiles without them."""
+    seconds = checkpoint_overhead_s(plan, profile, hw, t)
     if plan.dp_size > 1:
         seconds += hw.overhead("ddp_step", plan.dp_size) * plan.uses_ddp + \
             hw.overhead("zero_step", plan.dp_size) * plan.uses_zero
@@ -123,7 +153,7 @@ def plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, per_
     correction = {}
     if is_local(hw) and not profile.shape_only:  # a shape-only profile has no real step to time
         # measured / modelled of the step without levers, which times the model itself: a lever's own work
-        # (recompute, replays, packing) stays in the modelled phases it scales
+        # (recompute, replays) stays in the modelled phases it scales
         plain = unlevered(profile)
         correction = local_correction(plain, rank_work(plain, None, 1, optimizer), hw, optimizer)
     hw = hw.seen_by(ranks_on_host(plan, hw))
