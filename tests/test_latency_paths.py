@@ -1,15 +1,19 @@
 """The explorer-latency fast paths equal their slow ones: collections of new objects, the per-parameter
 sharding sums, FSDP2's replay, run_fits' sums; and the explorer's collection after an estimate that copied a model."""
 import dataclasses
+import enum
 import gc
 import sys
 import weakref
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import pytest
 import torch
 from torch import nn
 
 import snn_explorer as se
+from snn_explorer.core import serialize
 from snn_explorer.core.module_copy import deep_copy_module, modules_copied
 from snn_explorer.estimator.instruments.isolation import new_objects_collected
 from snn_explorer.estimator.memory import fsdp_timeline, sharding
@@ -228,3 +232,46 @@ def test_run_fits_sums_follow_the_profiles_modules():
     variant = dataclasses.replace(profile, modules=halved, fitted_sums=profile.fitted_sums)
     assert _fitted_need(variant, 8, 5) == direct(variant, 8, 5) < direct(profile, 8, 5)
     assert _fitted_need(profile, 8, 5) == direct(profile, 8, 5)
+
+
+def _slow_to_plain(value):
+    """serialize.to_plain without its scalar fast path (the slow path)."""
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if isinstance(value, (Mapping, MappingProxyType)):
+        return {str(k): _slow_to_plain(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_slow_to_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(type(value).__name__)
+
+
+class _Flag(enum.IntEnum):
+    ON = 1
+
+
+class _Named(str):
+    def to_dict(self):
+        return {"named": str(self)}
+
+
+def test_plan_keys_and_plain_data_equal_the_slow_paths():
+    """to_plain's scalar fast path and the plan's remembered layout key give what the slow paths give."""
+    analysis = se.analyze(build("mlp_all_steps").model)
+    plans = [se.plan(analysis=analysis, objective=o, neuron_backend="torch", mode=m, topology=topology,
+                     batch_size=8) for o, m, topology in (("memory", "fsdp2", {"dp": 2}), ("speed", "tp", {"tp": 2}),
+                                                         ("speed", "dp", {"dp": 2}))]
+    assert any(p.tensor_parallel_plan for p in plans)
+    for plan in plans:
+        assert serialize.to_plain(plan.to_dict()) == _slow_to_plain(plan.to_dict())
+        assert plan.to_dict() == {"kind": "plan", **{f.name: _slow_to_plain(getattr(plan, f.name))
+                                                     for f in dataclasses.fields(plan) if not f.name.startswith("_")}}
+        fresh = dataclasses.replace(plan)
+        first = plan.layout_key()
+        assert plan.layout_key() is first and first == fresh.layout_key()
+        assert dataclasses.replace(plan, objective="capacity").layout_key() == first
+    mixed = (True, 3, 2.5, None, "a", _Flag.ON, _Named("b"), {"k": (1, [2])})
+    assert serialize.to_plain(mixed) == _slow_to_plain(mixed) == [True, 3, 2.5, None, "a", _Flag.ON, {"named": "b"},
+                                                                 {"k": [1, [2]]}]
+    assert len({p.layout_key() for p in plans}) == 3

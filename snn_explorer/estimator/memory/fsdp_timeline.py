@@ -75,12 +75,25 @@ class FsdpTimeline:
 def _timeline(cls, params: Tuple[Param, ...], dp: int, reshard_after_forward: bool, reduce_itemsize: Optional[int],
               offload: bool) -> FsdpTimeline:
     """:meth:`FsdpTimeline.of`, a few kept."""
+    return cls(_units(params, dp, reduce_itemsize), _param_units(params), reshard_after_forward, offload)
+
+
+@functools.lru_cache(maxsize=8)
+def _units(params: Tuple[Param, ...], dp: int, reduce_itemsize: Optional[int]) -> Tuple[Unit, ...]:
+    """The timeline's units: what they read of the plan is ``dp`` and the reduce dtype alone (plans that differ
+    in resharding or offload share them), a few kept."""
     units = []
     for path, group in fsdp_groups(params).items():
         unsharded, gather, master, scatter = fsdp_group_sizes(group, dp, reduce_itemsize)
         shard, reduced = master // dp, (scatter // dp if scatter != master else 0)
         units.append(Unit(path, unsharded, gather, shard, scatter, reduced))
-    return cls(tuple(units), tuple((p.name, p.group) for p in params), reshard_after_forward, offload)
+    return tuple(units)
+
+
+@functools.lru_cache(maxsize=8)
+def _param_units(params: Tuple[Param, ...]) -> Tuple[Tuple[str, str], ...]:
+    """(parameter name, unit path) of each parameter, a few kept."""
+    return tuple((p.name, p.group) for p in params)
 
 
 class _Replay:
