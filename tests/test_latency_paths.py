@@ -19,6 +19,7 @@ from snn_explorer.estimator.instruments.isolation import new_objects_collected
 from snn_explorer.estimator.memory import fsdp_timeline, sharding
 from snn_explorer.estimator.memory.fsdp_timeline import FsdpTimeline, Unit, replay_fsdp
 from snn_explorer.estimator.memory.sharding import (
+    dp_roles,
     fsdp_gather_bytes,
     fsdp_group_bytes,
     fsdp_group_sizes,
@@ -275,3 +276,40 @@ def test_plan_keys_and_plain_data_equal_the_slow_paths():
     assert serialize.to_plain(mixed) == _slow_to_plain(mixed) == [True, 3, 2.5, None, "a", _Flag.ON, {"named": "b"},
                                                                  {"k": [1, [2]]}]
     assert len({p.layout_key() for p in plans}) == 3
+
+
+def _slow_fsdp_rank_figures(params, plan, rank, optimizer):
+    """rank_bytes, optimizer_temporaries and dp_roles of an FSDP2 plan, parameter by parameter (the slow paths)."""
+    dp, dp_rank = plan.dp_size, rank // plan.tp_size
+    padded = opt = 0
+    for p in params:
+        chunk, real = p.rows(dp, dp_rank)
+        padded += chunk * p.row_numel * p.itemsize
+        opt += sharding._state(real * p.row_numel, p.itemsize, optimizer)
+    scratch = 0
+    if optimizer in ("adam", "adamw"):
+        scratch = 2 * max(p.rows(dp, dp_rank)[1] * p.row_numel * p.itemsize for p in params)
+    starts = {0}
+    for p in params:
+        dim0 = p.shape[0] if p.shape else 1
+        chunk = -(-dim0 // dp)
+        starts.update({dim0 // chunk, -(-dim0 // chunk)})
+    return (dict(params_bytes=padded, grads_bytes=padded, optimizer_bytes=opt), scratch,
+            sorted(r for r in starts if r < dp))
+
+
+def test_fsdp_rank_figures_from_the_shape_census_equal_the_per_parameter_sums():
+    shapes, sizes, plans = _mixed_params()
+    shapes = tuple(shapes) + (("extra.weight", (7, 3)), ("extra.bias", (7,)))  # dim 0 not a multiple of dp: partial chunks
+    sizes = {**sizes, "extra.weight": 4, "extra.bias": 4}
+    checked = set()
+    for plan in (p for p in plans if p.uses_fsdp):
+        params = local_params(shapes, plan, sizes)
+        assert len(sharding.shape_census(params)) < len(params)  # shapes repeat: the census is shorter
+        for rank in range(plan.world_size):
+            for optimizer in ("adam", "sgd"):
+                found = (sharding.rank_bytes(params, plan, rank, optimizer),
+                         sharding.optimizer_temporaries(params, plan, rank, optimizer), dp_roles(params, plan))
+                assert found == _slow_fsdp_rank_figures(params, plan, rank, optimizer)
+                checked.add(found[0]["optimizer_bytes"])
+    assert len(checked) > 2 and sharding.shape_census(params) is sharding.shape_census(list(params))
