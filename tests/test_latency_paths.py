@@ -145,6 +145,10 @@ def test_fsdp_group_sizes_equal_the_per_figure_sums():
                         fsdp_group_bytes(group, dp, reduce))
                     checked += 1
     assert checked > 0 and any(p.shape[0] % 3 for p in params)
+    scalar = [sharding.Param("s", (), 4, "u", 2), sharding.Param("w", (5, 3), 4, "u")]  # a 0-dim one: 1 row of 1
+    for dp in (1, 2, 3):
+        assert fsdp_group_sizes(scalar, dp, 2) == (2 + 60, fsdp_gather_bytes(scalar, dp), fsdp_group_bytes(scalar, dp),
+                                                   fsdp_group_bytes(scalar, dp, 2))
     twin = dataclasses.replace(params[0])
     assert twin == params[0] and hash(twin) == hash(params[0]) == hash(params[0])  # the remembered hash
 

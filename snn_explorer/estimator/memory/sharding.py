@@ -120,9 +120,10 @@ def fsdp_group_sizes(group: Sequence[Param], dp: int, reduce_itemsize: Optional[
     forward uses them (each at its gather dtype), :func:`fsdp_gather_bytes`, :func:`fsdp_group_bytes` at the
     parameters' own dtypes and at ``reduce_itemsize`` (None: their own as well)."""
     unsharded = gather = master = scatter = 0
-    for p in group:
-        padded, gathered = -(-(p.shape[0] if p.shape else 1) // dp) * p.row_numel, p.gather_size or p.itemsize
-        unsharded += p.numel * gathered
+    for p in group:  # numel = dim 0 x row numel (1 x 1 for a scalar): one cached figure read per parameter
+        dim0, row_numel, gathered = p.shape[0] if p.shape else 1, p.row_numel, p.gather_size or p.itemsize
+        padded = -(-dim0 // dp) * row_numel
+        unsharded += dim0 * row_numel * gathered
         gather += padded * gathered
         master += padded * p.itemsize
         scatter += padded * (reduce_itemsize or p.itemsize)
