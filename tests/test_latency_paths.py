@@ -1,20 +1,25 @@
 """The explorer-latency fast paths equal their slow ones: collections of new objects, the per-parameter
 sharding sums, FSDP2's replay, run_fits' sums; and the explorer's collection after an estimate that copied a model."""
 import dataclasses
+import enum
 import gc
 import sys
 import weakref
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import pytest
 import torch
 from torch import nn
 
 import snn_explorer as se
+from snn_explorer.core import serialize
 from snn_explorer.core.module_copy import deep_copy_module, modules_copied
 from snn_explorer.estimator.instruments.isolation import new_objects_collected
 from snn_explorer.estimator.memory import fsdp_timeline, sharding
 from snn_explorer.estimator.memory.fsdp_timeline import FsdpTimeline, Unit, replay_fsdp
 from snn_explorer.estimator.memory.sharding import (
+    dp_roles,
     fsdp_gather_bytes,
     fsdp_group_bytes,
     fsdp_group_sizes,
@@ -140,6 +145,10 @@ def test_fsdp_group_sizes_equal_the_per_figure_sums():
                         fsdp_group_bytes(group, dp, reduce))
                     checked += 1
     assert checked > 0 and any(p.shape[0] % 3 for p in params)
+    scalar = [sharding.Param("s", (), 4, "u", 2), sharding.Param("w", (5, 3), 4, "u")]  # a 0-dim one: 1 row of 1
+    for dp in (1, 2, 3):
+        assert fsdp_group_sizes(scalar, dp, 2) == (2 + 60, fsdp_gather_bytes(scalar, dp), fsdp_group_bytes(scalar, dp),
+                                                   fsdp_group_bytes(scalar, dp, 2))
     twin = dataclasses.replace(params[0])
     assert twin == params[0] and hash(twin) == hash(params[0]) == hash(params[0])  # the remembered hash
 
@@ -228,3 +237,83 @@ def test_run_fits_sums_follow_the_profiles_modules():
     variant = dataclasses.replace(profile, modules=halved, fitted_sums=profile.fitted_sums)
     assert _fitted_need(variant, 8, 5) == direct(variant, 8, 5) < direct(profile, 8, 5)
     assert _fitted_need(profile, 8, 5) == direct(profile, 8, 5)
+
+
+def _slow_to_plain(value):
+    """serialize.to_plain without its scalar fast path (the slow path)."""
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if isinstance(value, (Mapping, MappingProxyType)):
+        return {str(k): _slow_to_plain(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_slow_to_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(type(value).__name__)
+
+
+class _Flag(enum.IntEnum):
+    ON = 1
+
+
+class _Named(str):
+    def to_dict(self):
+        return {"named": str(self)}
+
+
+def test_plan_keys_and_plain_data_equal_the_slow_paths():
+    """to_plain's scalar fast path and the plan's remembered layout key give what the slow paths give."""
+    analysis = se.analyze(build("mlp_all_steps").model)
+    plans = [se.plan(analysis=analysis, objective=o, neuron_backend="torch", mode=m, topology=topology,
+                     batch_size=8) for o, m, topology in (("memory", "fsdp2", {"dp": 2}), ("speed", "tp", {"tp": 2}),
+                                                         ("speed", "dp", {"dp": 2}))]
+    assert any(p.tensor_parallel_plan for p in plans)
+    for plan in plans:
+        assert serialize.to_plain(plan.to_dict()) == _slow_to_plain(plan.to_dict())
+        assert plan.to_dict() == {"kind": "plan", **{f.name: _slow_to_plain(getattr(plan, f.name))
+                                                     for f in dataclasses.fields(plan) if not f.name.startswith("_")}}
+        fresh = dataclasses.replace(plan)
+        first = plan.layout_key()
+        assert plan.layout_key() is first and first == fresh.layout_key()
+        assert dataclasses.replace(plan, objective="capacity").layout_key() == first
+    mixed = (True, 3, 2.5, None, "a", _Flag.ON, _Named("b"), {"k": (1, [2])})
+    assert serialize.to_plain(mixed) == _slow_to_plain(mixed) == [True, 3, 2.5, None, "a", _Flag.ON, {"named": "b"},
+                                                                 {"k": [1, [2]]}]
+    assert len({p.layout_key() for p in plans}) == 3
+
+
+def _slow_fsdp_rank_figures(params, plan, rank, optimizer):
+    """rank_bytes, optimizer_temporaries and dp_roles of an FSDP2 plan, parameter by parameter (the slow paths)."""
+    dp, dp_rank = plan.dp_size, rank // plan.tp_size
+    padded = opt = 0
+    for p in params:
+        chunk, real = p.rows(dp, dp_rank)
+        padded += chunk * p.row_numel * p.itemsize
+        opt += sharding._state(real * p.row_numel, p.itemsize, optimizer)
+    scratch = 0
+    if optimizer in ("adam", "adamw"):
+        scratch = 2 * max(p.rows(dp, dp_rank)[1] * p.row_numel * p.itemsize for p in params)
+    starts = {0}
+    for p in params:
+        dim0 = p.shape[0] if p.shape else 1
+        chunk = -(-dim0 // dp)
+        starts.update({dim0 // chunk, -(-dim0 // chunk)})
+    return (dict(params_bytes=padded, grads_bytes=padded, optimizer_bytes=opt), scratch,
+            sorted(r for r in starts if r < dp))
+
+
+def test_fsdp_rank_figures_from_the_shape_census_equal_the_per_parameter_sums():
+    shapes, sizes, plans = _mixed_params()
+    shapes = tuple(shapes) + (("extra.weight", (7, 3)), ("extra.bias", (7,)))  # dim 0 not a multiple of dp: partial chunks
+    sizes = {**sizes, "extra.weight": 4, "extra.bias": 4}
+    checked = set()
+    for plan in (p for p in plans if p.uses_fsdp):
+        params = local_params(shapes, plan, sizes)
+        assert len(sharding.shape_census(params)) < len(params)  # shapes repeat: the census is shorter
+        for rank in range(plan.world_size):
+            for optimizer in ("adam", "sgd"):
+                found = (sharding.rank_bytes(params, plan, rank, optimizer),
+                         sharding.optimizer_temporaries(params, plan, rank, optimizer), dp_roles(params, plan))
+                assert found == _slow_fsdp_rank_figures(params, plan, rank, optimizer)
+                checked.add(found[0]["optimizer_bytes"])
+    assert len(checked) > 2 and sharding.shape_census(params) is sharding.shape_census(list(params))

@@ -296,13 +296,17 @@ class SNNDistributedPlan:
     def layout_key(self) -> str:
         """What ``apply`` does with the plan, as canonical JSON: the plan without the words that
         explain it (objective, rationale, notes) and with ``memopt_level`` only where FSDP2 reads it.
-        Two plans with one layout train identically."""
-        data = json.loads(self._key())
-        for name in ("objective", "rationale", "notes"):
-            data.pop(name)
-        if not self.uses_fsdp or self.uses_pp:
-            data.pop("memopt_level")
-        return json.dumps(data, sort_keys=True)
+        Two plans with one layout train identically. Computed once (the plan is frozen)."""
+        key = self.__dict__.get("_cached_layout_key")
+        if key is None:
+            data = json.loads(self._key())
+            for name in ("objective", "rationale", "notes"):
+                data.pop(name)
+            if not self.uses_fsdp or self.uses_pp:
+                data.pop("memopt_level")
+            key = json.dumps(data, sort_keys=True)
+            object.__setattr__(self, "_cached_layout_key", key)
+        return key
 
     def to_dict(self) -> dict:
         return dataclass_dict(self, "plan")

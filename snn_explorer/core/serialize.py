@@ -7,9 +7,13 @@ from dataclasses import fields
 from types import MappingProxyType
 from typing import Any, Mapping
 
+_SCALARS = frozenset((str, int, float, bool, type(None)))
+
 
 def to_plain(value: Any) -> Any:
     """Recursively turn tuples, mappings and objects with ``to_dict`` into JSON-safe data."""
+    if type(value) in _SCALARS:  # exactly these types (no ``to_dict``): the common case, without the ABC checks
+        return value
     if hasattr(value, "to_dict"):
         return value.to_dict()
     if isinstance(value, (Mapping, MappingProxyType)):

@@ -60,8 +60,11 @@ class FsdpTimeline:
            reduce_itemsize: Optional[int] = None, offload: bool = False) -> "FsdpTimeline":
         """The timeline of ``params`` (``sharding.local_params``: each in its unit, with its gather dtype)
         sharded over ``dp``, gradients reduce-scattered at ``reduce_itemsize`` bytes (None: their own); with
-        ``offload`` the shards kept in host memory. The same object for the same arguments, a few kept."""
-        return _timeline(cls, tuple(params), dp, reshard_after_forward, reduce_itemsize, offload)
+        ``offload`` the shards kept in host memory. The same object for the same parameter objects and settings,
+        a few kept."""
+        params = tuple(params)
+        ids = tuple(map(id, params))  # the cache's key: identities hash in C, a new Param's hash is Python code
+        return _timeline(cls, _Same(ids, params), dp, reshard_after_forward, reduce_itemsize, offload)
 
     def __hash__(self) -> int:  # the fields' hash, computed once (estimates cache peaks by timeline)
         found = self.__dict__.get("_hash")
@@ -71,16 +74,44 @@ class FsdpTimeline:
         return found
 
 
+class _Same:
+    """Parameters keyed by their identities (a cache key that keeps them alive, so the identities stay theirs)."""
+
+    __slots__ = ("ids", "params")
+
+    def __init__(self, ids: Tuple[int, ...], params: Tuple[Param, ...]):
+        self.ids, self.params = ids, params
+
+    def __hash__(self) -> int:
+        return hash(self.ids)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Same) and self.ids == other.ids
+
+
 @functools.lru_cache(maxsize=8)
-def _timeline(cls, params: Tuple[Param, ...], dp: int, reshard_after_forward: bool, reduce_itemsize: Optional[int],
+def _timeline(cls, same: _Same, dp: int, reshard_after_forward: bool, reduce_itemsize: Optional[int],
               offload: bool) -> FsdpTimeline:
     """:meth:`FsdpTimeline.of`, a few kept."""
+    return cls(_units(same, dp, reduce_itemsize), _param_units(same), reshard_after_forward, offload)
+
+
+@functools.lru_cache(maxsize=8)
+def _units(same: _Same, dp: int, reduce_itemsize: Optional[int]) -> Tuple[Unit, ...]:
+    """The timeline's units: what they read of the plan is ``dp`` and the reduce dtype alone (plans that differ
+    in resharding or offload share them), a few kept."""
     units = []
-    for path, group in fsdp_groups(params).items():
+    for path, group in fsdp_groups(same.params).items():
         unsharded, gather, master, scatter = fsdp_group_sizes(group, dp, reduce_itemsize)
         shard, reduced = master // dp, (scatter // dp if scatter != master else 0)
         units.append(Unit(path, unsharded, gather, shard, scatter, reduced))
-    return cls(tuple(units), tuple((p.name, p.group) for p in params), reshard_after_forward, offload)
+    return tuple(units)
+
+
+@functools.lru_cache(maxsize=8)
+def _param_units(same: _Same) -> Tuple[Tuple[str, str], ...]:
+    """(parameter name, unit path) of each parameter, a few kept."""
+    return tuple((p.name, p.group) for p in same.params)
 
 
 class _Replay:

@@ -120,9 +120,10 @@ def fsdp_group_sizes(group: Sequence[Param], dp: int, reduce_itemsize: Optional[
     forward uses them (each at its gather dtype), :func:`fsdp_gather_bytes`, :func:`fsdp_group_bytes` at the
     parameters' own dtypes and at ``reduce_itemsize`` (None: their own as well)."""
     unsharded = gather = master = scatter = 0
-    for p in group:
-        padded, gathered = -(-(p.shape[0] if p.shape else 1) // dp) * p.row_numel, p.gather_size or p.itemsize
-        unsharded += p.numel * gathered
+    for p in group:  # numel = dim 0 x row numel (1 x 1 for a scalar): one cached figure read per parameter
+        dim0, row_numel, gathered = p.shape[0] if p.shape else 1, p.row_numel, p.gather_size or p.itemsize
+        padded = -(-dim0 // dp) * row_numel
+        unsharded += dim0 * row_numel * gathered
         gather += padded * gathered
         master += padded * p.itemsize
         scatter += padded * (reduce_itemsize or p.itemsize)
@@ -220,6 +221,34 @@ def zero_owned(params: Sequence[Param], world: int, rank: int) -> List[Param]:
     return parts[rank] if rank < len(parts) else []
 
 
+#: The last few :func:`shape_census` results, by the identities of the parameters (kept alive beside them).
+_RECENT_CENSUS: Dict[tuple, tuple] = {}
+
+
+def shape_census(params: Sequence[Param]) -> Tuple[Tuple[int, int, int, int], ...]:
+    """``(dim0, row numel, itemsize, how many)`` of ``params``, one row per distinct triple in first-seen order: what
+    FSDP2's per-rank sums read of a parameter (dim 0, 1 for a scalar), so that those sums run over distinct shapes.
+    The same result for the same parameter objects, a few kept."""
+    key = tuple(map(id, params))
+    found = _RECENT_CENSUS.get(key)
+    if found is None:
+        counts: Dict[Tuple[int, int, int], int] = {}
+        for p in params:
+            triple = (p.shape[0] if p.shape else 1, p.row_numel, p.itemsize)
+            counts[triple] = counts.get(triple, 0) + 1
+        found = (tuple(params), tuple((*t, n) for t, n in counts.items()))
+        if len(_RECENT_CENSUS) >= _RECENT_KEPT:
+            del _RECENT_CENSUS[next(iter(_RECENT_CENSUS))]
+        _RECENT_CENSUS[key] = found
+    return found[1]
+
+
+def _chunk_rows(dim0: int, dp: int, dp_rank: int) -> Tuple[int, int]:
+    """:meth:`Param.rows` of a parameter with ``dim0`` rows."""
+    chunk = -(-dim0 // dp)
+    return chunk, max(0, min(chunk, dim0 - dp_rank * chunk))
+
+
 def dp_roles(params: Sequence[Param], plan: SNNDistributedPlan) -> List[int]:
     """The first dp rank of each run of dp ranks that hold the same shards, in order.
 
@@ -231,8 +260,7 @@ def dp_roles(params: Sequence[Param], plan: SNNDistributedPlan) -> List[int]:
     dp = plan.dp_size
     if plan.uses_fsdp:
         starts = {0}
-        for p in params:
-            dim0 = p.shape[0] if p.shape else 1
+        for dim0 in {row[0] for row in shape_census(params)}:
             chunk = -(-dim0 // dp)
             starts.update({dim0 // chunk, -(-dim0 // chunk)})
         return sorted(r for r in starts if r < dp)
@@ -264,10 +292,10 @@ def rank_bytes(params: Sequence[Param], plan: SNNDistributedPlan, rank: int, opt
     dp, dp_rank = plan.dp_size, rank // plan.tp_size
     if plan.uses_fsdp:
         padded = opt = 0
-        for p in params:
-            chunk, real = p.rows(dp, dp_rank)
-            padded += chunk * p.row_numel * p.itemsize
-            opt += _state(real * p.row_numel, p.itemsize, optimizer)
+        for dim0, row_numel, itemsize, count in shape_census(params):
+            chunk, real = _chunk_rows(dim0, dp, dp_rank)
+            padded += count * chunk * row_numel * itemsize
+            opt += count * _state(real * row_numel, itemsize, optimizer)
         return dict(params_bytes=padded, grads_bytes=padded, optimizer_bytes=opt)
     full = sum(p.numel * p.itemsize for p in params)
     owned = zero_owned(params, dp, dp_rank) if plan.uses_zero else params
@@ -290,7 +318,8 @@ def optimizer_temporaries(params: Sequence[Param], plan: SNNDistributedPlan, ran
         return 0
     dp, dp_rank = plan.dp_size, rank // plan.tp_size
     if plan.uses_fsdp:
-        sizes = [p.rows(dp, dp_rank)[1] * p.row_numel * p.itemsize for p in params]
+        sizes = [_chunk_rows(dim0, dp, dp_rank)[1] * row_numel * itemsize
+                 for dim0, row_numel, itemsize, _ in shape_census(params)]
     else:
         owned = zero_owned(params, dp, dp_rank) if plan.uses_zero else params
         sizes = [p.numel * p.itemsize for p in owned]
