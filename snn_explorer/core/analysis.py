@@ -32,6 +32,7 @@ from .structure import (
     under,
 )
 from .walk import modules_by_name, named_parameters_all, one_walk, trainable_count
+from .young_objects import new_objects_collected
 
 #: Analysis fields that hold module paths, and those that hold tuples of them (chains, (path, library)).
 _PATHS = ("memory_module_names", "tensor_parallel_candidate_names", "unsupported_tensor_parallel_names", "notes",
@@ -311,9 +312,12 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None, roots: Opti
     if not isinstance(model, nn.Module):
         raise TypeError(f"analyze expects a torch.nn.Module, got {type(model).__name__}")
     roots = _validate_roots(model, roots)
-    layout, layout_how, notes = _layout(model, example_input, labels, data_layout)
-    with one_walk():
-        return _analysis(model, model_family, roots, layout, layout_how, notes)
+    with new_objects_collected() as collect:  # its temporaries die young (deep models: no full collections)
+        layout, layout_how, notes = _layout(model, example_input, labels, data_layout)
+        with one_walk():
+            analysis = _analysis(model, model_family, roots, layout, layout_how, notes)
+        collect()
+    return analysis
 
 
 def _analysis(model: nn.Module, model_family, roots, layout, layout_how, notes) -> SNNDistributedAnalysis:

@@ -24,7 +24,7 @@ import getpass
 import os
 import re
 import tempfile
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
@@ -85,35 +85,6 @@ def collected() -> Iterator[None]:
     gc.collect()
     with collector_paused():
         yield
-
-
-@contextlib.contextmanager
-def new_objects_collected() -> Iterator[Callable[[], int]]:
-    """Yields ``collect()``, a garbage collection of the objects made inside the body only (a full collection
-    scans every object of the process, thousands per module of a deep model). The objects alive on entry are
-    frozen, unless something froze them already, and the collector is paused inside, so every object made
-    inside stays in the young generations and ``collect()`` (``gc.collect(1)``) scans and frees exactly what a
-    full collection would among them. A full collection here would also reset the collector's count of
-    long-lived objects to the few it found: the process's next automatic collection, a few thousand
-    allocations later in whatever runs then, would be a full one over every object (0.5-1.7 s with a
-    10,000-module model and its copies alive, inside a cheap explorer change)."""
-    froze_here = gc.get_freeze_count() == 0
-    was_enabled = gc.isenabled()
-    if froze_here:
-        gc.freeze()
-    gc.disable()
-    try:
-        yield _collect_young
-    finally:
-        if froze_here:
-            gc.unfreeze()
-        if was_enabled:
-            gc.enable()
-
-
-def _collect_young() -> int:
-    """``gc.collect(1)``: the young generations, where :func:`new_objects_collected` keeps what is made inside."""
-    return gc.collect(1)
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from torch import nn
 
 from ...core.module_copy import root_over_children
 from ...core.spike_compression import apply_spike_compression, is_binary, packable
-from ..instruments.isolation import new_objects_collected
+from ...core.young_objects import new_objects_collected
 from ..instruments.storage import SavedByModule, model_state_tensors, saving
 from ..profile.checkpointed import (
     CheckpointedProfile,

@@ -22,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ...core.neurons import detached_copy
 from ...core.parallelize.checkpointing import apply_activation_checkpointing, region_starts
 from ...core.vocabulary import Checkpointing
-from ..instruments.isolation import new_objects_collected
+from ...core.young_objects import new_objects_collected
 from ..instruments.meter import StorageMeter
 from ..instruments.storage import model_state_tensors, state_tensor_ids, total_bytes
 from .profiling import ModelProfile, precision_profile

@@ -40,8 +40,9 @@ from ...core.parallelize.fsdp import norm_layer_paths
 from ...core.parallelize.mixed_precision import autocast_forward, hold_neuron_state
 from ...core.plans.families import fsdp_units
 from ...core.precision import FP32, Precision
+from ...core.young_objects import new_objects_collected
 from ..instruments.fsdp_events import record
-from ..instruments.isolation import as_found, new_objects_collected, one_thread
+from ..instruments.isolation import as_found, one_thread
 from ..instruments.meter import StorageMeter
 from ..instruments.module_calls import ModuleCalls
 from ..instruments.op_counter import OpCounter, grad_names
