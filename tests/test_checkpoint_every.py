@@ -18,9 +18,10 @@ def _stand_in(p):
     return SimpleNamespace(peak_bytes=1000 - 50 * k, step_time_s=1.0 + 0.1 * k)
 
 
-def _plan(time_step_module="net", **kw):
-    return se.plan(analysis=se.analyze(build("mlp").model), objective="memory", topology={"dp": 2}, batch_size=8,
-                   mode="dp", features=GATES, time_step_module=time_step_module, peak_estimate=_stand_in, **kw)
+def _plan(time_step_module="net", objective="memory", peak_estimate=_stand_in, **kw):
+    return se.plan(analysis=se.analyze(build("mlp").model), objective=objective, topology={"dp": 2},
+                   batch_size=8, mode="dp", features=GATES, time_step_module=time_step_module,
+                   peak_estimate=peak_estimate, **kw)
 
 
 def test_an_explicit_k_of_1_is_kept_and_none_is_chosen_by_estimate():
@@ -38,3 +39,15 @@ def test_an_explicit_k_of_1_is_kept_and_none_is_chosen_by_estimate():
 def test_a_bad_k_is_refused_by_name(bad, granularity):
     with pytest.raises(ValueError, match=rf"checkpoint_every={bad!r} must be an int >= 1"):
         _plan(None if granularity else "net", checkpoint_every=bad, activation_checkpointing=granularity)
+
+
+def test_an_explicit_k_without_checkpointing_says_it_is_unused():
+    """An explicit k that no checkpointing uses is said in the plan's notes, with why; the default says nothing."""
+    unused = [n for n in _plan(checkpoint_every=3, objective="speed").notes if "checkpoint_every" in n]
+    assert unused == ["checkpoint_every=3 unused: this plan checkpoints nothing (the speed objective takes no "
+                      "memory lever)"]
+    none_lower = _plan(checkpoint_every=3, peak_estimate=lambda p: SimpleNamespace(
+        peak_bytes=1000 if p.activation_checkpointing == "none" else 2000, step_time_s=1.0))
+    assert none_lower.activation_checkpointing == "none"
+    assert any("unused" in n and "no checkpointing lowered the estimated peak" in n for n in none_lower.notes)
+    assert not any("checkpoint_every" in n for n in _plan(objective="speed").notes)

@@ -50,3 +50,12 @@ def test_the_step_grows_by_calls_times_the_cost_per_call(stand_in, case):
 def test_datasheet_profiles_state_no_checkpoint_cost():
     for name in ("H100-SXM", "RTX-4090"):
         assert dict(hardware_profile(name).checkpoint_overhead) == {}
+
+
+@pytest.mark.parametrize("bad", [{"block": 1e-3}, {"ops": 1e-3}, {"blocks": -1e-3}, {"time_chunks": "1"},
+                                 {"blocks": True}])
+def test_a_checkpoint_cost_of_no_granularity_or_no_seconds_is_refused(bad):
+    with pytest.raises(ValueError, match=r"checkpoint_overhead\[.*expected seconds >= 0 per call"):
+        dataclasses.replace(hardware_profile("H100-SXM"), checkpoint_overhead=bad)
+    kept = dataclasses.replace(hardware_profile("H100-SXM"), checkpoint_overhead={"blocks": 1, "time_chunks": 2e-4})
+    assert kept.checkpoint_overhead == {"blocks": 1.0, "time_chunks": 2e-4}

@@ -1,8 +1,10 @@
 """The explorer-latency fast paths equal their slow ones: collections of new objects, the per-parameter
 sharding sums, FSDP2's replay, run_fits' sums; and the explorer's collection after an estimate that copied a model."""
+import copy
 import dataclasses
 import enum
 import gc
+import pickle
 import sys
 import weakref
 from collections.abc import Mapping
@@ -19,6 +21,7 @@ from snn_explorer.core.young_objects import new_objects_collected
 from snn_explorer.estimator.memory import fsdp_timeline, sharding
 from snn_explorer.estimator.memory.fsdp_timeline import FsdpTimeline, Unit, replay_fsdp
 from snn_explorer.estimator.memory.sharding import (
+    Param,
     dp_roles,
     fsdp_gather_bytes,
     fsdp_group_bytes,
@@ -335,3 +338,14 @@ def test_fsdp_rank_figures_from_the_shape_census_equal_the_per_parameter_sums():
                 assert found == _slow_fsdp_rank_figures(params, plan, rank, optimizer)
                 checked.add(found[0]["optimizer_bytes"])
     assert len(checked) > 2 and sharding.shape_census(params) is sharding.shape_census(list(params))
+
+
+def test_hashes_kept_once_are_not_pickled_or_copied():
+    """A string's hash differs between processes: a pickled or copied ``Param`` / ``FsdpTimeline`` hashes anew."""
+    param = Param("net.0.weight", (8, 8), 4, group="net.0")
+    timeline = FsdpTimeline.of([param], dp=2, reshard_after_forward=True)
+    for obj in (param, timeline):
+        hash(obj)
+        assert "_hash" in obj.__dict__  # non-trivial: the hash was kept
+        for twin in (pickle.loads(pickle.dumps(obj)), copy.copy(obj), copy.deepcopy(obj)):
+            assert "_hash" not in twin.__dict__ and twin == obj and hash(twin) == hash(obj)

@@ -45,6 +45,11 @@ def test_pp_stages_composed_from_cut_runs_equal_the_whole_stages(monkeypatch):
         assert want.per_rank["activations_bytes"].min() > 0  # non-trivial: the stages keep activations
     # the stages of 6 blocks or more composed (stage work cached per size), shorter ones run in full
     assert sum(composed[stage_memory]) >= 2 and sum(composed[pipeline_time]) >= 1, composed
+    stages = [[f"net.{i}" for i in range(24)], [f"net.{i}" for i in range(24, 48)], ["net.48"]]
+    calls = len(composed[pipeline_time])
+    sent = [w.sent_bytes for w in pipeline_time.stage_work(fast, stages, 4, 3)]
+    assert composed[pipeline_time][calls:] == [True]  # these deep stages composed
+    assert sent == [w.sent_bytes for w in pipeline_time.stage_work(full, stages, 4, 3)] and min(sent) > 0
 
 
 def test_block_run_finds_whole_blocks_only():

@@ -313,11 +313,12 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None, roots: Opti
         raise TypeError(f"analyze expects a torch.nn.Module, got {type(model).__name__}")
     roots = _validate_roots(model, roots)
     with new_objects_collected() as collect:  # its temporaries die young (deep models: no full collections)
-        layout, layout_how, notes = _layout(model, example_input, labels, data_layout)
-        with one_walk():
-            analysis = _analysis(model, model_family, roots, layout, layout_how, notes)
-        collect()
-    return analysis
+        try:
+            layout, layout_how, notes = _layout(model, example_input, labels, data_layout)
+            with one_walk():
+                return _analysis(model, model_family, roots, layout, layout_how, notes)
+        finally:
+            collect()
 
 
 def _analysis(model: nn.Module, model_family, roots, layout, layout_how, notes) -> SNNDistributedAnalysis:

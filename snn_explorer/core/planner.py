@@ -15,6 +15,7 @@ from .memory_levers import (
     lever_fields,
     lever_notes,
     lever_variants,
+    objective_checkpoints,
     objective_chooses_levers,
     remembered,
 )
@@ -192,7 +193,22 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     if activation_checkpointing is None and objective_chooses_levers(objective, features):
         every = CHECKPOINT_EVERY if checkpoint_every is None else (checkpoint_every,)  # an explicit k is kept
         plan_ = _levers_by_estimate(plan_, every, time_step_module, peak_estimate, analysis.fsdp_unit_names)
+    if checkpoint_every is not None and plan_.activation_checkpointing == Checkpointing.NONE:
+        plan_ = dataclasses.replace(plan_, notes=plan_.notes + (_unused_every_note(checkpoint_every, objective,
+                                                                                    features, activation_checkpointing),))
     return plan_
+
+
+def _unused_every_note(checkpoint_every: int, objective: str, features, activation_checkpointing) -> str:
+    """Why an explicit ``checkpoint_every`` does nothing in a plan that checkpoints nothing."""
+    if activation_checkpointing is not None:
+        why = f"activation_checkpointing={activation_checkpointing!r}"
+    elif not objective_checkpoints(objective, features):
+        why = ("the speed objective takes no memory lever" if objective == "speed"
+               else "the activation-checkpointing gate is closed")
+    else:
+        why = "no checkpointing lowered the estimated peak"
+    return f"checkpoint_every={checkpoint_every} unused: this plan checkpoints nothing ({why})"
 
 
 def _levers_by_estimate(plan_: SNNDistributedPlan, every: Tuple[int, ...], time_step_module: Optional[str],

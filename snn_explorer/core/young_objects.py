@@ -1,10 +1,11 @@
 """Garbage collection of what a piece of work made, without a full collection of the process.
 
-A deep model lives in hundreds of thousands of tracked objects (thousands per module). Work that makes
+A deep model lives in hundreds of thousands of tracked objects (a dozen or more per module). Work that makes
 many objects of its own (an analysis, a measured run) runs under :func:`new_objects_collected`: its
 temporaries die young instead of being promoted into the old generation, whose growth triggers CPython's
-automatic full collections (0.35-1.7 s over a 10,000-module model and its copies, landing in whatever
-runs next).
+automatic full collections (over every object of the process, landing in whatever runs next:
+``benchmarks/explorer_latency.py`` counts and times them). Written for CPython's generational collector
+(3.10-3.13); 3.14's incremental one collects an increment of the old generation with the young ones.
 """
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ def new_objects_collected() -> Iterator[Callable[[], int]]:
     """Yields ``collect()``, a garbage collection of the objects made inside the body only (a full collection
     scans every object of the process, thousands per module of a deep model). The objects alive on entry are
     frozen, unless something froze them already, and the collector is paused inside, so every object made
-    inside stays in the young generations and ``collect()`` (``gc.collect(1)``) scans and frees exactly what a
-    full collection would among them. A full collection here would also reset the collector's count of
-    long-lived objects to the few it found: the process's next automatic collection, a few thousand
-    allocations later in whatever runs then, would be a full one over every object (0.5-1.7 s with a
-    10,000-module model and its copies alive, inside a cheap explorer change)."""
+    inside stays in the young generations and ``collect()`` (``gc.collect(1)``) scans and frees the cycles among
+    them. Nested inside another such body (or under a caller's own freeze), ``collect()`` also moves the outer
+    body's live young objects to the old generation, where cycles they later form wait for a full collection.
+    A full collection here would reset the collector's count of long-lived objects to the few it found: the
+    process's next automatic collection, a few thousand allocations later in whatever runs then, would be a
+    full one over every object (inside a cheap explorer change, with a 10,000-module model and its copies)."""
     froze_here = gc.get_freeze_count() == 0
     was_enabled = gc.isenabled()
     if froze_here:

@@ -244,8 +244,9 @@ def _pruning_checked(estimate_of: Callable[[SNNDistributedPlan], PlanEstimate], 
     """``estimate_of`` checking the premise of the search's pruning by step time (no lever speeds a step): each
     plan's estimate is compared with those of the plans the pruning assumes it no faster than (:func:`_pruned_on`)
     already estimated (by it, or in ``estimated``: (plan, estimate) pairs, the plans without levers); raises
-    :class:`LeverSpeedsStep` where it is faster. (Checkpointing may well speed a compressed plan, which packs fewer
-    saved tensors then: no pruning assumes otherwise.)"""
+    :class:`LeverSpeedsStep` where it is faster. Only what the search estimates is checked: a variant pruned unestimated
+    (every variant of a plan that fits without levers) is not. (Checkpointing may well speed a compressed plan, which
+    packs fewer saved tensors then: no pruning assumes otherwise.)"""
     seen: Dict[SNNDistributedPlan, PlanEstimate] = dict(estimated)
 
     def checked(plan: SNNDistributedPlan) -> PlanEstimate:

@@ -44,9 +44,9 @@ CALIBRATION_NOTE = "; calibrating this machine first (once, about a minute; cach
 #: An estimate or fit that copied at least this many modules (the profile's private copy, a TP replica, a
 #: lever's copy: a dozen long-lived objects per module) ends with a full garbage collection, in its own wait.
 #: Without it the collector's count of long-lived objects lags behind what the copies added, and its next
-#: full collection (0.35-0.5 s over the ~1 million objects of a 10,000-module model, its copy and replica) falls
-#: in a later control change that re-plans from the cache. Smaller models skip it (their copies barely move
-#: that count).
+#: full collection (over the ~1 million objects of a 10,000-module model, its copy and replica: the latency
+#: benchmark's ``full_gc_max_ms``) falls in a later control change that re-plans from the cache. An estimate or
+#: fit that copied fewer modules in all skips it (its copies barely move that count).
 COLLECT_AFTER_COPYING = 2000
 
 

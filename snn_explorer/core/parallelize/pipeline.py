@@ -117,7 +117,7 @@ class StageConfig:
 
     per_step: bool = False
     precision: Precision = FP32
-    autocast_device: Optional[str] = "cpu"
+    autocast_device: Optional[str] = None
     own_output: bool = False
 
 

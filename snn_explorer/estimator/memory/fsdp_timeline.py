@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..instruments.fsdp_events import EventLog
-from .sharding import Param, fsdp_group_sizes, fsdp_groups
+from .sharding import HashedOnce, Param, fsdp_group_sizes, fsdp_groups
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Unit:
 
 
 @dataclass(frozen=True)
-class FsdpTimeline:
+class FsdpTimeline(HashedOnce):
     """What :func:`replay_fsdp` needs of a plan: its units, which unit holds each parameter, resharding."""
 
     units: Tuple[Unit, ...]

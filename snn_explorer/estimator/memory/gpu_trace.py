@@ -289,7 +289,7 @@ def gpu_stage_kernels(profile: ModelProfile, stages, n: int, t: int, tp_plan=Non
         swap_fused(model, neuron_backend, meter.fused)
         x, y = _meta_inputs(profile, n, t)
         out = []
-        config = StageConfig(per_step=profile.layout.per_step, precision=profile.precision, autocast_device=None)
+        config = StageConfig(per_step=profile.layout.per_step, precision=profile.precision)  # no autocast on meta
         for i, paths in enumerate(stages):
             stage = build_stage(i, paths, model, config)
             inp = x if i == 0 else x.requires_grad_()

@@ -25,8 +25,18 @@ from ..profile.step import OPTIMIZERS, check_optimizer
 #: Optimizer state tensors per parameter, each the size of the (local) parameter.
 
 
+class HashedOnce:
+    """A frozen dataclass whose ``__hash__`` keeps its value in ``_hash``: not pickled or copied along, since
+    a string's hash differs between processes."""
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
+
+
 @dataclass(frozen=True)
-class Param:
+class Param(HashedOnce):
     """A parameter as a rank of the plan holds it: ``shape`` after TP, FSDP2 group if any."""
 
     name: str

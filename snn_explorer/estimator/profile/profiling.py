@@ -250,13 +250,14 @@ def run_fits(profile: ModelProfile, n: int, t: int) -> bool:
 
 def _fitted_need(profile: ModelProfile, n: int, t: int) -> float:
     """:func:`run_fits`' bytes of a real run: the fitted input, saved and state bytes twice, the parameters twice
-    (summed once per size and ``modules``: a lever variant's profile has its own ``modules``)."""
+    (summed once per size and the ``modules``, ``params``, itemsizes and input it read, by identity: a lever
+    variant's profile has its own ``modules``)."""
     summed = profile.fitted_sums.get((n, t))
-    if summed is None or summed[0] is not profile.modules or summed[1] is not profile.params:
+    read = (profile.modules, profile.params, profile.param_itemsizes, profile.example_input)  # by identity
+    if summed is None or any(a is not b for a, b in zip(summed[0], read)):
         fitted = profile.input_bytes(n, t) + sum(m.saved(n, t) + m.state(n, t) for m in profile.modules.values())
-        summed = profile.fitted_sums[(n, t)] = (profile.modules, profile.params,
-                                                2 * fitted + 2 * _param_bytes(profile))
-    return summed[2]
+        summed = profile.fitted_sums[(n, t)] = (read, 2 * fitted + 2 * _param_bytes(profile))
+    return summed[1]
 
 
 def _param_bytes(profile: ModelProfile) -> int:

@@ -81,9 +81,8 @@ def _in_n(fit: Fit, n: int) -> float:
 
 
 def time_chunks_of(profile: ModelProfile) -> Optional[CheckpointedProfile]:
-    """The :class:`CheckpointedProfile` of time chunks of two or more steps that ``profile`` runs (itself, or the
-    profile a spike-compressed one wraps), else None."""
-    profile = getattr(profile, "base", profile)
+    """``profile`` if it is the :class:`CheckpointedProfile` of time chunks of two or more steps, else None (a
+    spike-compressed or offloaded profile's work is its base's: :func:`~.compute_work.rank_work`)."""
     plan = getattr(profile, "plan", None)
     if not isinstance(profile, CheckpointedProfile) or plan.activation_checkpointing != Checkpointing.TIME_CHUNKS:
         return None

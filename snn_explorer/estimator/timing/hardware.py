@@ -28,6 +28,7 @@ from typing import Dict, Mapping, Optional, Tuple
 from ...core.collectives import TIMED, Collective
 from ...core.precision import PRECISIONS, Precision
 from ...core.validate import positive_int, positive_number
+from ...core.vocabulary import Checkpointing
 
 #: The collective kinds a profile times.
 KINDS = TIMED
@@ -111,14 +112,22 @@ class HardwareProfile:
     #: CPU calibration (:mod:`..calibration.checkpoint_call`); empty: not measured (0, the datasheet GPU profiles)
     checkpoint_overhead: Mapping[str, float] = field(default_factory=dict)
 
+    def _check_checkpoint_overhead(self) -> None:
+        """``checkpoint_overhead``: seconds >= 0 per call of the granularities that recompute, by their names."""
+        keys = {Checkpointing.BLOCKS.value, Checkpointing.TIME_CHUNKS.value}
+        for key, value in self.checkpoint_overhead.items():
+            if key not in keys or isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"checkpoint_overhead[{key!r}] = {value!r}; expected seconds >= 0 per call for a "
+                                 f"granularity of {sorted(keys)}")
+        object.__setattr__(self, "checkpoint_overhead", {k: float(v) for k, v in self.checkpoint_overhead.items()})
+
     def __post_init__(self):
         for attr in ("flops_per_s", "bytes_per_s"):
             positive_number(attr, getattr(self, attr), what="per second")
         positive_number("host_link_bytes_per_s", self.host_link_bytes_per_s, allow_none=True, what="bytes per second")
         positive_number("host_adam_params_per_s", self.host_adam_params_per_s, allow_none=True,
                         what="parameters per second")
-        if any(not v >= 0 for v in self.checkpoint_overhead.values()):
-            raise ValueError(f"checkpoint_overhead={dict(self.checkpoint_overhead)}; expected seconds >= 0 per call")
+        self._check_checkpoint_overhead()
         if self.op_overhead_s < 0:
             raise ValueError(f"op_overhead_s={self.op_overhead_s}; expected seconds >= 0")
         if not 0 < self.efficiency <= 1:

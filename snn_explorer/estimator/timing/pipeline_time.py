@@ -57,7 +57,7 @@ class StageWork:
 
     forward: PhaseWork
     backward: PhaseWork
-    sent_bytes: int = 0
+    sent_bytes: int
 
 
 def _phase_work(counts: Sequence[float]) -> PhaseWork:
@@ -80,19 +80,22 @@ def stage_work(profile, stages: Sequence[Sequence[str]], n: int, t: int, tp_plan
 
 
 def _counts(work: StageWork) -> Tuple[float, ...]:
-    """The counts of a :class:`StageWork` (forward's, then backward's), flat."""
-    return tuple(getattr(phase, f.name).c0 for phase in (work.forward, work.backward) for f in fields(PhaseWork))
+    """The figures of a :class:`StageWork`, flat: forward's counts, backward's, then the bytes it sends."""
+    return tuple(getattr(phase, f.name).c0 for phase in (work.forward, work.backward)
+                 for f in fields(PhaseWork)) + (work.sent_bytes,)
 
 
-def _stage_work(counts: Sequence[float]) -> StageWork:
-    half = len(counts) // 2
-    return StageWork(_phase_work(counts[:half]), _phase_work(counts[half:]))
+def _stage_work(figures: Sequence[float]) -> StageWork:
+    """The :class:`StageWork` of :func:`_counts`' flat figures."""
+    half = (len(figures) - 1) // 2
+    return StageWork(_phase_work(figures[:half]), _phase_work(figures[half:2 * half]), int(figures[-1]))
 
 
 def _count_stages(profile, model, convert, stages: Sequence[Sequence[str]], n: int, t: int) -> List[StageWork]:
     x, y = batch_slice(profile.example_input, profile.labels, n, t, layout=profile.layout)
     x, y, out = convert(input_as(x, profile.dtype)), convert(y), []  # token ids stay ints
-    config = StageConfig(per_step=profile.layout.per_step, precision=profile.precision)  # as apply runs CPU ranks
+    config = StageConfig(per_step=profile.layout.per_step, precision=profile.precision,
+                         autocast_device="cpu")  # as apply runs CPU ranks
     for i, paths in enumerate(stages):
         stage = build_stage(i, paths, model, config)  # autocast, its output cast to the compute dtype it sends
         inp = x if i == 0 else x.detach().requires_grad_()
