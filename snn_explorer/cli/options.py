@@ -31,7 +31,7 @@ def add_plan_options(p) -> None:
                    help="activation checkpointing (default: the objective's choice; needs the "
                         "allow_activation_checkpointing gate)")
     p.add_argument("--checkpoint-every", type=int, default=None,
-                   help="checkpoint every n-th block / time chunk (default: chosen by estimate, else 1)")
+                   help="checkpoint every k-th block, or time chunks of k steps (default: k chosen by estimate, else 1)")
     p.add_argument("--pp-schedule", choices=tuple(SCHEDULES), help="pipeline schedule (a topology with pp)")
     p.add_argument("--pp-microbatches", type=int, help="pipeline micro-batches (default: the planner's)")
     p.add_argument("--pp-virtual-stages", type=int, help="stages per pipeline rank (default: the planner's)")

@@ -58,15 +58,23 @@ def remembered(peak_estimate: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return remember
 
 
+def check_checkpoint_every(checkpoint_every: Any, allow_none: bool = False) -> None:
+    """``checkpoint_every`` is an int >= 1 (or, with ``allow_none``, None: k chosen by the objective's estimate)."""
+    if allow_none and checkpoint_every is None:
+        return
+    if type(checkpoint_every) is not int or checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every={checkpoint_every!r} must be an int >= 1 (checkpoint every k-th block or "
+                         "chunk k time steps)" + (", or None to let the objective choose k by estimate (1 with an "
+                                                  "explicit activation_checkpointing)" if allow_none else ""))
+
+
 def check_memory_levers(plan: Any) -> None:
     """Raise ValueError / TypeError for memory-lever fields of ``plan`` that do not go together."""
     granularity, every = plan.activation_checkpointing, plan.checkpoint_every
     features = plan.experimental_features
     if granularity not in ACTIVATION_CHECKPOINTING:
         raise ValueError(f"activation_checkpointing={granularity!r}; expected one of {ACTIVATION_CHECKPOINTING}")
-    if type(every) is not int or every < 1:
-        raise ValueError(f"checkpoint_every={every!r} must be an int >= 1 (checkpoint every k-th block or "
-                         "chunk k time steps)")
+    check_checkpoint_every(every)
     if granularity == Checkpointing.OPS and every != 1:
         raise ValueError(f"checkpoint_every={every} does not go with activation_checkpointing='ops', which keeps "
                          "the expensive operators' outputs of every block (torchtitan's op policy); leave "
@@ -301,7 +309,7 @@ def spike_compression_variants(plans: List[Any]) -> List[Any]:
             if p.experimental_features.allow_spike_compression and not p.spike_compression and not p.uses_pp]
 
 
-__all__: Tuple[str, ...] = ("ACTIVATION_CHECKPOINTING", "check_memory_levers", "check_time_step_module",
+__all__: Tuple[str, ...] = ("ACTIVATION_CHECKPOINTING", "check_checkpoint_every", "check_memory_levers", "check_time_step_module",
                             "check_cpu_offload_device", "find_time_step_module", "lever_label", "objective_checkpoints", "objective_chooses_levers", "lever_fields",
                             "lever_notes", "checkpointing_variants", "CHECKPOINT_EVERY", "lever_variants",
                             "choose_levers", "copy_without_levers", "spike_compression_variants",

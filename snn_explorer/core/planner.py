@@ -10,6 +10,7 @@ from .chunk_choice import choose_chunks
 from .layouts import layout_of
 from .memory_levers import (
     CHECKPOINT_EVERY,
+    check_checkpoint_every,
     check_time_step_module,
     choose_levers,
     lever_fields,
@@ -155,7 +156,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     features = _check_features(features)
     mode = check_mode(mode)
     check_time_step_module(analysis, time_step_module)
-    _check_checkpoint_every(checkpoint_every)
+    check_checkpoint_every(checkpoint_every, allow_none=True)
     _check_explicit_tp_plan(tensor_parallel_plan, mode)
     notes: List[str] = list(analysis.notes)
     family = _family(analysis, model_family, notes)
@@ -243,14 +244,6 @@ def _levers_by_estimate(plan_: SNNDistributedPlan, every: Tuple[int, ...], time_
         by_chunk.plan is None or chosen.activation_checkpointing == Checkpointing.TIME_CHUNKS) else ()  # chunks won
     levers = dict(activation_checkpointing=chosen.activation_checkpointing, cpu_offload=chosen.cpu_offload)
     return dataclasses.replace(chosen, notes=plan_.notes + chunk_notes + (note,) + tuple(lever_notes(levers)))
-
-
-def _check_checkpoint_every(checkpoint_every: Optional[int]) -> None:
-    """``checkpoint_every`` is None (chosen by estimate, or 1) or an int >= 1."""
-    if checkpoint_every is not None and (type(checkpoint_every) is not int or checkpoint_every < 1):
-        raise ValueError(f"checkpoint_every={checkpoint_every!r} must be an int >= 1 (checkpoint every k-th block or "
-                         "chunk k time steps), or None to let the objective choose k by estimate (1 with an "
-                         "explicit activation_checkpointing)")
 
 
 def _levers(spec: Mode, activation_checkpointing, checkpoint_every, cpu_offload, time_step_module,

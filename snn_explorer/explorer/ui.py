@@ -126,7 +126,9 @@ class ExplorerUI:
         self.checkpointing = w.Dropdown(options=CHECKPOINTING, value="auto", description="checkpointing",
                                         style=style)
         self.checkpoint_every = w.BoundedIntText(value=1, min=1, max=1024, description="checkpoint every",
-                                                 style=style)
+                                                 style=style,
+                                                 tooltip="every k-th block, or time chunks of k steps; 1 under "
+                                                         "'auto': k chosen by estimate")
         self.batch_size = w.BoundedIntText(value=self.ex.batch_size, min=1, max=2 ** 24, description="batch size",
                                            style=style)
         self.time_steps = w.BoundedIntText(value=self.ex.time_steps, min=1, max=100_000, description="time steps",
