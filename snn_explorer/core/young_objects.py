@@ -13,7 +13,19 @@ import contextlib
 import gc
 from typing import Callable, Iterator
 
-__all__ = ["new_objects_collected"]
+__all__ = ["collector_paused", "new_objects_collected"]
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Run the body with the garbage collector paused (restored after, also on an exception), as ``timeit`` times."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @contextlib.contextmanager
@@ -28,17 +40,14 @@ def new_objects_collected() -> Iterator[Callable[[], int]]:
     process's next automatic collection, a few thousand allocations later in whatever runs then, would be a
     full one over every object (inside a cheap explorer change, with a 10,000-module model and its copies)."""
     froze_here = gc.get_freeze_count() == 0
-    was_enabled = gc.isenabled()
     if froze_here:
         gc.freeze()
-    gc.disable()
     try:
-        yield _collect_young
+        with collector_paused():
+            yield _collect_young
     finally:
         if froze_here:
             gc.unfreeze()
-        if was_enabled:
-            gc.enable()
 
 
 def _collect_young() -> int:

@@ -13,7 +13,7 @@ with one), which made a first estimate 10-60 times slower. Sizes, operator count
 number of an estimate do not depend on it.
 
 :func:`collected` runs timed steps after a garbage collection and with the collector paused
-(:func:`collector_paused` only pauses it, as ``timeit`` does), so that a collection of what earlier work left behind (a 0.2 s pause, seen in
+(:func:`~snn_explorer.core.young_objects.collector_paused` only pauses it, as ``timeit`` does), so that a collection of what earlier work left behind (a 0.2 s pause, seen in
 the one timed step it fell in after four plans measured on the same ranks) is not timed as a step.
 """
 from __future__ import annotations
@@ -27,6 +27,8 @@ import tempfile
 from typing import Iterator
 
 import torch
+
+from ...core.young_objects import collector_paused
 
 #: Variables torch sets in ``os.environ`` as a side effect of importing its compiler stack.
 TORCH_SET_ENV = ("TORCHINDUCTOR_CACHE_DIR",)
@@ -64,19 +66,6 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Run the body with the garbage collector paused (restored after), as ``timeit`` times: without the full
-    collection :func:`collected` makes first (about 0.8 s with a 10,000-module model and its copy alive)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 @contextlib.contextmanager

@@ -25,7 +25,8 @@ from typing import Dict, Iterator, Optional
 
 import torch
 
-from ..instruments.isolation import collector_paused, one_thread
+from ...core.young_objects import collector_paused
+from ..instruments.isolation import one_thread
 from ..instruments.op_counter import OpCounter, grad_names
 from ..profile.profiling import SIZES, Fit, ModelProfile
 from ..profile.repeats import CUT_FAILURES, NotRepeating, block_inputs, cut, extend_counts, find_repeats, names_as_run
