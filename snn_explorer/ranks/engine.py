@@ -37,6 +37,9 @@ INIT_RETRIES = 1
 #: Seconds the ranks get to exit by themselves once every rank has stored its value; then the
 #: tree ends without waiting for elastic's own teardown.
 EXIT_GRACE_S = 5.0
+#: Seconds a rank may go on joining the process group once every rank has begun to join (it takes a
+#: second or two then); past them the run ends as failed before user code, and is tried again.
+JOIN_TIMEOUT_S = 60.0
 POLL_S = 0.05
 
 
@@ -201,4 +204,7 @@ def _wait(agent: AgentProcess, reader: channel.EventReader, tracker: Tracker, di
         silent = tracker.silent(now, timeout)
         if silent:
             return silent, f"no heartbeat for {timeout:g} s", []
+        joining = tracker.stuck_joining(now, JOIN_TIMEOUT_S)
+        if joining:
+            return joining, f"still joining the process group {JOIN_TIMEOUT_S:g} s after every rank began to", []
         time.sleep(POLL_S)

@@ -142,7 +142,7 @@ def timed_out(tracker: Tracker, hung, why: str, stacks, logs, joined, values) ->
         waiting = bool(suspects) and r not in suspects
         fails[r] = RankFailure(r, None, "Timeout", why + ("; waiting for a peer" if waiting else ""),
                                stacks.get(r, ""), logs[r]["stderr"][-LOG_TAIL:], collateral=waiting,
-                               stack=stacks.get(r, ""))
+                               phase=tracker.ranks[r].phase, stack=stacks.get(r, ""))
     order = suspects + [r for r in ended if r not in suspects]
     where = "; ".join(f"rank {r} in {waiting_in(stacks.get(r, ''))}" for r in order if waiting_in(stacks.get(r, "")))
     return LaunchError(f"launch timed out: rank(s) {sorted(tracker.unfinished())} had not finished ({why}; "

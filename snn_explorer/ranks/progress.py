@@ -74,6 +74,10 @@ class RankState:
 
     rank: int
     status: str = "starting"  # starting | running | done | failed
+    #: "spawn" (no event yet), "load" (the payload), "init" (joining the process group), "run" (the function)
+    phase: str = "spawn"
+    #: When the rank said it entered ``phase`` (seconds since the epoch), None before its first event.
+    phase_at: Optional[float] = None
     pid: Optional[int] = None
     step: Optional[int] = None
     total: Optional[int] = None
@@ -104,6 +108,9 @@ class Tracker:
         kind = event["kind"]
         if kind == "start":
             state.status, state.pid, state.started_at = "running", event["pid"], event["time"]
+            state.phase, state.phase_at = "load", event["time"]
+        elif kind == "phase":
+            state.phase, state.phase_at = event["phase"], event["time"]
         elif kind == "report":
             report = {k: event[k] for k in ("step", "total", "loss", "message", "metrics")}
             state.reports.append(report)
@@ -134,6 +141,15 @@ class Tracker:
 
     def unfinished(self) -> List[int]:
         return [r for r, s in self.ranks.items() if s.status != "done"]
+
+    def stuck_joining(self, now: float, limit: float) -> List[int]:
+        """Ranks still joining the process group ``limit`` seconds after the last rank began to join
+        (joining waits only for the peers, so once every rank is at it, it takes a second or two)."""
+        states = list(self.ranks.values())
+        joining = [s for s in states if s.phase == "init" and s.status == "running"]
+        if not joining or any(s.phase in ("spawn", "load") or s.status == "failed" for s in states):
+            return []
+        return [s.rank for s in joining] if now - max(s.phase_at for s in joining) > limit else []
 
     def silent(self, now: float, timeout: Optional[float]) -> List[int]:
         """Unfinished ranks with no heartbeat for ``timeout`` seconds; a rank that has not started

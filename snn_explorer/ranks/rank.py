@@ -94,14 +94,21 @@ def _default_signals() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _enter(run_dir: str, phase: list, name: str) -> None:
+    """``phase[0] = name``, said to the launcher too (a ``phase`` event: it tells a rank stuck joining
+    the process group from one still loading the payload or running the function)."""
+    phase[0] = name
+    channel.emit(run_dir, int(os.environ["RANK"]), "phase", phase=name)
+
+
 def _run_payload(run_dir: str, backend: str, pg_timeout: Optional[float], phase: list) -> Tuple[bytes, float]:
     """Load the payload, join the process group, run it: its pickled value and when it started to
     run. ``phase[0]`` says how far it got. The function, its arguments (the model) and its value
     are freed when this returns."""
     fn, args, kwargs = _load_payload(channel.path(run_dir, "payload.pkl"))
-    phase[0] = "init"
+    _enter(run_dir, phase, "init")
     init_process_group(backend, pg_timeout)
-    phase[0] = "run"
+    _enter(run_dir, phase, "run")
     started = time.time()
     return cloudpickle.dumps(fn(*args, **kwargs)), started
 
