@@ -23,8 +23,6 @@ from snn_explorer.estimator.memory.fsdp_timeline import FsdpTimeline, Unit, repl
 from snn_explorer.estimator.memory.sharding import (
     Param,
     dp_roles,
-    fsdp_gather_bytes,
-    fsdp_group_bytes,
     fsdp_group_sizes,
     fsdp_groups,
     local_params,
@@ -150,6 +148,16 @@ def test_local_params_kept_are_those_made_afresh():
     assert all(a is b for a, b in zip(first, local_params(shapes, plans[0], sizes)))
     halves = {n: 2 for n in sizes}
     assert local_params(shapes, plans[0], halves) == sharding._local_params(shapes, plans[0], halves) != first
+
+
+def fsdp_group_bytes(group, dp, itemsize=None):
+    """Reduce-scatter input of one FSDP2 group, summed parameter by parameter (the slow path)."""
+    return dp * sum(p.rows(dp, 0)[0] * p.row_numel * (itemsize or p.itemsize) for p in group)
+
+
+def fsdp_gather_bytes(group, dp):
+    """All-gather output of one FSDP2 group, summed parameter by parameter (the slow path)."""
+    return dp * sum(p.rows(dp, 0)[0] * p.row_numel * p.gathered_itemsize for p in group)
 
 
 def test_fsdp_group_sizes_equal_the_per_figure_sums():

@@ -38,8 +38,7 @@ from .sharding import (
     buffer_bytes,
     ddp_reduce_bytes,
     dp_roles,
-    fsdp_gather_bytes,
-    fsdp_group_bytes,
+    fsdp_group_sizes,
     fsdp_groups,
     optimizer_temporaries,
     rank_bytes,
@@ -153,8 +152,9 @@ def _fsdp_stages(plan, mine, stages, own) -> Dict[int, StageShards]:
     for s in own:
         units = set(stages[s])
         groups = list(fsdp_groups([p for p in mine if under(p.name, units)]).values())  # '': the stage root
-        reduced = [fsdp_group_bytes(g, plan.dp_size, reduce_itemsize(plan)) for g in groups]
-        out[s] = StageShards(gathered=sum(fsdp_gather_bytes(g, plan.dp_size) for g in groups),
+        sizes = [fsdp_group_sizes(g, plan.dp_size, reduce_itemsize(plan)) for g in groups]
+        reduced = [scatter for _, _, _, scatter in sizes]
+        out[s] = StageShards(gathered=sum(gather for _, gather, _, _ in sizes),
                              largest_reduce=max(reduced, default=0), groups=len(groups), reduced=sum(reduced))
     return out
 

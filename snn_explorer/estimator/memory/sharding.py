@@ -113,22 +113,11 @@ def fsdp_groups(params: Sequence[Param]) -> Dict[str, List[Param]]:
     return groups
 
 
-def fsdp_group_bytes(group: Sequence[Param], dp: int, itemsize: Optional[int] = None) -> int:
-    """Reduce-scatter input of one FSDP2 group: ``dp`` padded dim-0 chunks (of ``itemsize`` bytes each
-    when given: the plan's reduce dtype, else each parameter's)."""
-    return dp * sum(p.rows(dp, 0)[0] * p.row_numel * (itemsize or p.itemsize) for p in group)
-
-
-def fsdp_gather_bytes(group: Sequence[Param], dp: int) -> int:
-    """All-gather output of one FSDP2 group: ``dp`` padded dim-0 chunks, each parameter at the dtype it
-    is gathered in (:attr:`Param.gathered_itemsize`)."""
-    return dp * sum(p.rows(dp, 0)[0] * p.row_numel * p.gathered_itemsize for p in group)
-
-
 def fsdp_group_sizes(group: Sequence[Param], dp: int, reduce_itemsize: Optional[int] = None) -> Tuple[int, int, int, int]:
     """``(unsharded, gather, master, scatter)`` bytes of one FSDP2 group, in one pass over its parameters: as the
-    forward uses them (each at its gather dtype), :func:`fsdp_gather_bytes`, :func:`fsdp_group_bytes` at the
-    parameters' own dtypes and at ``reduce_itemsize`` (None: their own as well)."""
+    forward uses them (each at its gather dtype); the all-gather output (``dp`` padded dim-0 chunks, each parameter at
+    its gather dtype); the reduce-scatter input at the parameters' own dtypes and at ``reduce_itemsize`` (None: their
+    own as well)."""
     unsharded = gather = master = scatter = 0
     for p in group:  # numel = dim 0 x row numel (1 x 1 for a scalar): one cached figure read per parameter
         dim0, row_numel, gathered = p.shape[0] if p.shape else 1, p.row_numel, p.gather_size or p.itemsize
