@@ -12,7 +12,7 @@ from launch_helpers import clean_launch, live_children  # noqa: F401  (fixture)
 
 from snn_explorer import ranks
 from snn_explorer.launcher import LaunchError
-from snn_explorer.ranks import engine
+from snn_explorer.ranks import engine, process, progress
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -63,3 +63,19 @@ def test_a_rank_slow_to_load_is_not_taken_for_stuck(clean_launch, monkeypatch):
     result = ranks.run(_world_size, (_OnRankOne("slow", 6),), nprocs=2, backend="gloo", timeout=None)
     assert result.values == [("slow", 2), ("slow", 2)]  # rank 0 waited in the join > 2 s for rank 1 to load
     assert result.startup[1] is not None
+
+
+@pytest.mark.timeout(60)
+def test_ranks_that_never_start_end_the_run_and_it_is_tried_again(clean_launch, monkeypatch):
+    monkeypatch.setattr(process, "AGENT_MODULE", "sleeping_agent")  # tests/sleeping_agent.py: starts no rank
+    monkeypatch.setattr(progress, "START_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(engine, "START_TIMEOUT_S", 2.0)
+    started = time.time()
+    with pytest.raises(LaunchError) as info:
+        ranks.run(_world_size, ("never",), nprocs=2, backend="gloo", timeout=300,
+                  env={"PYTHONPATH": os.path.dirname(__file__)})
+    err = info.value
+    assert err.timed_out and err.attempts == 2 and err.before_user_code
+    assert "not started within 2 s" in str(err) and {f.phase for f in err.failures.values()} == {"spawn"}
+    assert time.time() - started < 30  # the heartbeat limit (300 s) does not apply to a rank not started
+    assert not live_children()

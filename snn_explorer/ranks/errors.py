@@ -90,7 +90,7 @@ class LaunchError(RuntimeError):
     lists root causes first); ``unfinished`` lists the ranks that had not finished; ``logs`` maps
     rank -> captured stdout+stderr; ``results`` maps rank -> return value of the ranks that did
     return one; ``timed_out`` is True when the launch ended at its timeout; ``attempts`` counts
-    the launches tried (a launch whose ranks all failed or got stuck joining the process group is retried once)."""
+    the launches tried (a launch whose ranks all failed or got stuck joining the process group, or never started, is retried once)."""
 
     def __init__(self, headline: str, failures: Dict[int, RankFailure], unfinished: Sequence[int] = (),
                  logs: Optional[Dict[int, str]] = None, attempts: int = 1, results: Optional[Dict[int, Any]] = None,
@@ -120,6 +120,7 @@ class LaunchError(RuntimeError):
 
     @property
     def before_user_code(self) -> bool:
-        """True if every rank failed or timed out while joining the process group (or was ended because of it)."""
+        """True if every rank failed or timed out while joining the process group, or never started (or was ended
+        because of one that did)."""
         causes = [f for f in self.failures.values() if not f.collateral]
-        return bool(causes) and all(f.phase == "init" for f in causes)
+        return bool(causes) and all(f.phase in ("spawn", "init") for f in causes)

@@ -13,7 +13,8 @@ from typing import Any, Dict, List, Optional
 
 from . import channel
 
-#: Seconds a rank may take to start (spawn, imports) before it counts as hung, if ``timeout`` is shorter.
+#: Seconds a rank may take to start (the agent's start and rendezvous, the fork) before it counts as hung; the
+#: run is then tried again (no user code ran). Generous: a rank starts in seconds on a busy 2-core machine.
 START_TIMEOUT_S = 120.0
 
 
@@ -153,11 +154,11 @@ class Tracker:
 
     def silent(self, now: float, timeout: Optional[float]) -> List[int]:
         """Unfinished ranks with no heartbeat for ``timeout`` seconds; a rank that has not started
-        yet gets at least :data:`START_TIMEOUT_S` (spawning is slow on a busy machine)."""
+        gets :data:`START_TIMEOUT_S` instead, whatever ``timeout`` (None: no limit) is."""
         if timeout is None:
             return []
         return [r for r in self.unfinished()
-                if now - self.ranks[r].last_seen > (timeout if self.ranks[r].pid else max(timeout, START_TIMEOUT_S))]
+                if now - self.ranks[r].last_seen > (timeout if self.ranks[r].pid else START_TIMEOUT_S)]
 
     def snapshot(self) -> List[dict]:
         return [s.as_dict() for s in self.ranks.values()]
