@@ -11,10 +11,11 @@ import snn_explorer as se
 from snn_explorer.core.chunk_choice import chunked
 from snn_explorer.core.memory_levers import copy_without_levers
 from snn_explorer.estimator import hardware_profile
-from snn_explorer.estimator.calibration.checkpoint_call import CHUNK_LAYERS, _probe, region_ops
+from snn_explorer.estimator.calibration.checkpoint_call import CHUNK_LAYERS, region_ops
 from snn_explorer.estimator.instruments.op_counter import OpCounter
 from snn_explorer.estimator.profile.checkpointed import levered_profile, unlevered
 from snn_explorer.estimator.profile.profiling import model_profile
+from snn_explorer.estimator.timing.checkpoint_probe import probe_model
 from snn_explorer.estimator.timing.compute_work import rank_work
 from snn_explorer.estimator.timing.step_time import compute_phases
 from snn_explorer.zoo.mlp import SpikingMLP
@@ -66,8 +67,8 @@ def test_the_chunk_cost_grows_with_the_operators_of_the_region(layers):
 def test_the_calibration_probes_count_their_regions_as_the_estimate_does():
     x = torch.bernoulli(torch.full((T, N, 8), 0.5))
     y = torch.randint(0, 2, (N,))
-    counts = [region_ops(_probe(layers), x, y) for layers in CHUNK_LAYERS]
-    assert counts == [_one_call_ops(_probe(layers), x) for layers in CHUNK_LAYERS]
+    counts = [region_ops(probe_model(layers), x, y) for layers in CHUNK_LAYERS]
+    assert counts == [_one_call_ops(probe_model(layers), x) for layers in CHUNK_LAYERS]
     assert counts[0] < counts[1]  # the per-operator figure is read between two regions of different size
 
 

@@ -5,7 +5,7 @@ A checkpointed region costs more than the operators it runs and recomputes: torc
 saved-tensor hooks, the copy of the region's neuron state taken at entry and put back around the recompute, and for
 time chunks the RNG state and gradient flags kept per step. Most of it is Python work on the host CPU, which the
 estimate's operator counts do not see. :func:`this_host_checkpoint_overhead` times tiny spiking MLPs (hidden Linear
-layers and their neurons, 8 wide, 8 time steps, batch 2) forward and backward here on one thread, plain and
+layers and their neurons, 8 wide, 8 time steps, batch 2: :mod:`..timing.checkpoint_probe`) forward and backward here on one thread, plain and
 checkpointed, the least of ``repeats`` steps each (the models run in turn), and returns per granularity:
 
 - ``"blocks"`` (one hidden layer, every block checkpointed): per call,
@@ -15,10 +15,15 @@ checkpointed, the least of ``repeats`` steps each (the models run in turn), and 
   charges them at the forward's own rate (:func:`~..timing.step_time.compute_phases`), and so does the probe:
   ``excess = (checkpointed - plain - extra operators * plain forward / forward operators) / calls``. The excess
   grows with what the region holds (a pack per saved tensor in the forward, an unpack and a recompute pack in the
-  backward): on this machine 0.42, 0.56, 0.71 and 0.91 ms per call with 1, 2, 3 and 5 hidden layers (18-78 forward
-  operators per call; see ``benchmarks/results/chunk_sizes.md``). It is timed with :data:`CHUNK_LAYERS` hidden
-  layers and taken as ``per_call + per_op * region operators`` through the two, the region's operators counted per
-  call (the plain forward's operators per time step). ``per_op`` is the ``checkpoint_overhead_per_op``.
+  backward): on this machine 0.42, 0.56, 0.71 and 0.91 ms per call with 1, 2, 3 and 5 hidden layers (17-77 forward
+  operators per call), measured by one script at load about 3 (the zoo mlp's region, two hidden layers: 0.57 ms).
+  It is timed with :data:`CHUNK_LAYERS` hidden layers and taken as ``per_call + per_op * region operators`` through
+  the two, the region's operators counted per call as the estimate counts them (:func:`region_ops`). ``per_op`` is
+  the ``checkpoint_overhead_per_op``.
+
+``reference_s`` is the plain one-layer probe's step in the same run (``checkpoint_reference_s``): on the host it was
+calibrated on, the estimate scales these costs by the same step timed when it estimates
+(:mod:`..timing.checkpoint_probe`).
 
 Each figure is never below 0. An approximation: Python work does not scale exactly with operators; time chunks of one
 step copy a chunk's entry state at every call, longer chunks copy less (operators the estimate counts), so the
@@ -26,9 +31,8 @@ figures of chunks of one step are used for every chunk size.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, Tuple
 
 import torch
 from torch import nn
@@ -37,49 +41,25 @@ from ...core.neurons import detached_copy
 from ...core.parallelize.checkpointing import checkpoint_blocks, checkpoint_time_chunks
 from ...core.validate import positive_int
 from ...core.vocabulary import Checkpointing
-from ...zoo.mlp import SpikingMLP
 from ..instruments.isolation import one_thread
-from ..profile.step import forward_loss
+from ..timing.checkpoint_probe import REFERENCE_LAYERS, STEPS, least_steps, probe_batch, probe_model
 from ..timing.compute_work import count_step, counted_pass
 
 __all__ = ["CHUNK_LAYERS", "CheckpointCost", "region_ops", "this_host_checkpoint_overhead"]
 
-#: The probes: width, time steps, batch (tiny regions: the calls' own cost dominates)
-WIDTH, STEPS, BATCH = 8, 8, 2
-#: Hidden layers of the block probe, and of the two time-chunk probes the per-operator cost is read between
-BLOCK_LAYERS, CHUNK_LAYERS = 1, (1, 3)
+#: Hidden layers of the two time-chunk probes the per-operator cost is read between (the block probe: the reference)
+CHUNK_LAYERS = (REFERENCE_LAYERS, 5)
 
 
 @dataclass(frozen=True)
 class CheckpointCost:
     """Seconds per checkpointed call (``per_call``) and per operator of a call's region (``per_op``), by
-    granularity name."""
+    granularity name, and the seconds of the reference step (:func:`~..timing.checkpoint_probe.reference_step_s`'s
+    probe) as fast as the host ran then (``reference_s``)."""
 
     per_call: Dict[str, float]
     per_op: Dict[str, float]
-
-
-def _one_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Tuple[float, float]:
-    """Seconds of one forward and of its backward of ``model``."""
-    started = time.perf_counter()
-    loss = forward_loss(model, x, y)
-    mid = time.perf_counter()
-    loss.backward()
-    elapsed = (mid - started, time.perf_counter() - mid)
-    model.zero_grad(set_to_none=True)
-    return elapsed
-
-
-def _least_steps(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor,
-                 repeats: int) -> List[Tuple[float, float]]:
-    """The least (forward, backward) seconds of ``repeats`` steps of each of ``models``, run in turn (load that comes
-    and goes falls on every model alike), after one warm-up step each."""
-    for model in models:
-        _one_step(model, x, y)
-    best = [(float("inf"), float("inf"))] * len(models)
-    for _ in range(repeats):
-        best = [tuple(map(min, b, _one_step(model, x, y))) for b, model in zip(best, models)]
-    return best
+    reference_s: float
 
 
 def _ops(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Tuple[float, float]:
@@ -97,11 +77,6 @@ def region_ops(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return float(counts[0] - counts[1])
 
 
-def _probe(layers: int) -> nn.Module:
-    torch.manual_seed(0)
-    return SpikingMLP(WIDTH, (WIDTH,) * layers, 2, init_gain=3.0)
-
-
 def _checkpointed(plain: nn.Module, apply: Callable[[nn.Module], object]) -> nn.Module:
     model = detached_copy(plain)
     apply(model)
@@ -112,29 +87,28 @@ def this_host_checkpoint_overhead(repeats: int = 40) -> CheckpointCost:
     """Seconds per checkpointed call beyond its counted operators, per granularity (``"blocks"``, ``"time_chunks"``),
     and per operator of a call's region (``"time_chunks"``), on this host's CPU, one thread (see the module doc)."""
     repeats = positive_int("repeats", repeats)
-    generator = torch.Generator().manual_seed(0)
-    x = torch.bernoulli(torch.full((STEPS, BATCH, WIDTH), 0.5), generator=generator)
-    y = torch.randint(0, 2, (BATCH,), generator=generator)
-    block_plain = _probe(BLOCK_LAYERS)
-    linears = [f"net.{name}" for name, m in block_plain.net.named_children() if isinstance(m, nn.Linear)]
-    chunk_plain = [_probe(layers) for layers in CHUNK_LAYERS]
-    models = [block_plain, _checkpointed(block_plain, lambda m: checkpoint_blocks(m, linears))]
-    for plain in chunk_plain:
-        models += [plain, _checkpointed(plain, lambda m: checkpoint_time_chunks(m, "net", 1))]
+    x, y = probe_batch()
+    chunk_plain = [probe_model(layers) for layers in CHUNK_LAYERS]
+    reference = chunk_plain[0]  # the reference step's probe, also the block probe's
+    linears = [f"net.{name}" for name, m in reference.net.named_children() if isinstance(m, nn.Linear)]
+    chunked = [_checkpointed(plain, lambda m: checkpoint_time_chunks(m, "net", 1)) for plain in chunk_plain]
+    # plain reference, its blocks checkpointed, its chunks of one step, the larger probe plain and in chunks
+    models = [reference, _checkpointed(reference, lambda m: checkpoint_blocks(m, linears)), chunked[0],
+              chunk_plain[1], chunked[1]]
     with one_thread():  # the collector runs as in training: torch's checkpoint frames leave cycles to collect
-        seconds = _least_steps(models, x, y, repeats)
+        seconds = least_steps(models, x, y, repeats)
         ops = [_ops(model, x, y) for model in models]
         regions = [region_ops(plain, x, y) for plain in chunk_plain]
     total = lambda pair: sum(pair)
     per_op = total(seconds[0]) / total(ops[0])  # the plain step's mean seconds per operator
     blocks = (total(seconds[1]) - total(seconds[0]) - (total(ops[1]) - total(ops[0])) * per_op) / (len(linears) * STEPS)
     excess = []
-    for i in (2, 4):  # (plain, chunks of one step) of each time-chunk probe
-        forward_rate = seconds[i][0] / ops[i][0]
-        extra = total(ops[i + 1]) - total(ops[i])
-        excess.append((total(seconds[i + 1]) - total(seconds[i]) - extra * forward_rate) / STEPS)
+    for plain, chunks in ((0, 2), (3, 4)):  # each time-chunk probe: plain, chunks of one step
+        forward_rate = seconds[plain][0] / ops[plain][0]
+        extra = total(ops[chunks]) - total(ops[plain])
+        excess.append((total(seconds[chunks]) - total(seconds[plain]) - extra * forward_rate) / STEPS)
     chunk_per_op = max(0.0, (excess[1] - excess[0]) / (regions[1] - regions[0]))
     chunk_per_call = max(0.0, excess[0] - chunk_per_op * regions[0])
     return CheckpointCost(per_call={Checkpointing.BLOCKS.value: max(0.0, blocks),
                                     Checkpointing.TIME_CHUNKS.value: chunk_per_call},
-                          per_op={Checkpointing.TIME_CHUNKS.value: chunk_per_op})
+                          per_op={Checkpointing.TIME_CHUNKS.value: chunk_per_op}, reference_s=total(seconds[0]))

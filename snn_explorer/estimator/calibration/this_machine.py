@@ -78,7 +78,7 @@ def calibrate(group_sizes: Sequence[int] = (2, 4), *, backend: str = "auto", nam
                                progress=heard)
             runs[p], used = result.values, result.backend
         all_runs.append(runs)
-    reference, overhead = None, CheckpointCost({}, {})
+    reference, overhead = None, CheckpointCost({}, {}, None)
     if used == "gloo":  # CPU ranks: against the step in this process, on one thread (see local_correction)
         with one_thread():
             probe = probe_step(torch.device("cpu"))
@@ -86,7 +86,8 @@ def calibrate(group_sizes: Sequence[int] = (2, 4), *, backend: str = "auto", nam
         overhead = this_host_checkpoint_overhead()  # the checkpointing machinery's own CPU work per call and op
     tell(on_progress, total, total, "calibrating this machine: done")
     profile = median_profile([profile_from(runs, used, name, reference) for runs in all_runs])
-    return replace(profile, checkpoint_overhead=overhead.per_call, checkpoint_overhead_per_op=overhead.per_op)
+    return replace(profile, checkpoint_overhead=overhead.per_call, checkpoint_overhead_per_op=overhead.per_op,
+                   checkpoint_reference_s=overhead.reference_s)
 
 
 def _rank_zero_pieces(on_progress: Optional[ProgressHook], before: int, total: int):

@@ -117,6 +117,10 @@ class HardwareProfile:
     #: backward), work that grows with what the region holds. Measured by a CPU calibration
     #: (:mod:`..calibration.checkpoint_call`); empty: not measured (0, the datasheet GPU profiles)
     checkpoint_overhead_per_op: Mapping[str, float] = field(default_factory=dict)
+    #: Seconds of the reference probe step (:func:`~.checkpoint_probe.reference_step_s`) in the run that measured the
+    #: two figures above: on the calibrated host the estimate scales them by that step timed when it estimates
+    #: (the host's speed of the moment); None: not measured (no scaling)
+    checkpoint_reference_s: Optional[float] = None
 
     def _check_checkpoint_overhead(self) -> None:
         """``checkpoint_overhead`` (per call) and ``checkpoint_overhead_per_op`` (per operator of a call): seconds
@@ -136,6 +140,7 @@ class HardwareProfile:
         positive_number("host_adam_params_per_s", self.host_adam_params_per_s, allow_none=True,
                         what="parameters per second")
         self._check_checkpoint_overhead()
+        positive_number("checkpoint_reference_s", self.checkpoint_reference_s, allow_none=True, what="seconds")
         if self.op_overhead_s < 0:
             raise ValueError(f"op_overhead_s={self.op_overhead_s}; expected seconds >= 0")
         if not 0 < self.efficiency <= 1:

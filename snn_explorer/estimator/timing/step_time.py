@@ -24,6 +24,7 @@ schedule replayed with each stage's own cost: :mod:`.pipeline_time`.
 """
 from __future__ import annotations
 
+import dataclasses
 import socket
 from typing import Callable, Dict, Optional, Tuple
 
@@ -36,6 +37,7 @@ from ...core.styles import STYLES
 from ...core.vocabulary import Checkpointing
 from ..instruments.tables import TIME_COLUMNS
 from ..profile.checkpointed import unlevered
+from .checkpoint_probe import reference_step_s
 from .compute_work import PHASES, Work, local_correction, rank_work
 from .hardware import HardwareProfile
 from .pipeline_time import pipeline_time_table
@@ -159,6 +161,19 @@ def time_table(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: Hardware
     return table[list(TIME_COLUMNS)]
 
 
+def at_host_speed(hw: HardwareProfile, plain) -> HardwareProfile:
+    """``hw`` with its checkpointing costs scaled to the host's speed of the moment: by the reference probe step
+    timed now (once per ``plain``, the profile the timing correction is also timed for) over its seconds when they
+    were calibrated (``checkpoint_reference_s``; :mod:`.checkpoint_probe`)."""
+    cache = plain.__dict__.setdefault("_checkpoint_reference_s", {})
+    if hw.checkpoint_reference_s not in cache:
+        cache[hw.checkpoint_reference_s] = reference_step_s()
+    speed = cache[hw.checkpoint_reference_s] / hw.checkpoint_reference_s
+    return dataclasses.replace(
+        hw, checkpoint_overhead={k: v * speed for k, v in hw.checkpoint_overhead.items()},
+        checkpoint_overhead_per_op={k: v * speed for k, v in hw.checkpoint_overhead_per_op.items()})
+
+
 def is_local(hw: HardwareProfile) -> bool:
     """Whether ``hw`` was calibrated on this host's CPU (where the measured step corrects the model)."""
     return hw.device == "cpu" and hw.host is not None and hw.host == socket.gethostname()
@@ -179,6 +194,8 @@ def plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, per_
         # (recompute, replays) stays in the modelled phases it scales
         plain = unlevered(profile)
         correction = local_correction(plain, rank_work(plain, None, 1, optimizer), hw, optimizer)
+        if hw.checkpoint_reference_s and Checkpointing(plan.activation_checkpointing).recomputes:
+            hw = at_host_speed(hw, plain)
     hw = hw.seen_by(ranks_on_host(plan, hw))
     if plan.uses_pp:
         whole = rank_work(profile, None, 1, optimizer)
