@@ -5,7 +5,7 @@ Run: ``python benchmarks/chunk_sizes.py [--model mlp] [--size tiny] [--time-step
 :func:`~snn_explorer.core.chunk_choice.choose_chunks` estimates every chunk size it tries (powers of two below T, and
 T); the plan without checkpointing and each size are then trained by ``measure_many()`` on 2 ranks, ``rounds`` times
 (each round one set of ranks running every plan ``steps`` steps in turn, so that load which changes between rounds
-falls on every size alike). Prints, per size, the estimated and measured peak bytes per rank, the estimated step
+falls on every size alike; ``--rounds 0`` skips the ranks). Prints, per size, the estimated and measured peak bytes per rank, the estimated step
 time on the H100-SXM profile and on this machine's calibration, and the measured step time: the median of every
 timed step of every round (the first step of each plan is the warm-up, dropped), with each size's step relative
 to the plan without checkpointing, estimated and measured. Beside them, the step of one rank's model and batch
@@ -13,7 +13,8 @@ timed in this process on one thread (``compute_work.timed_step``, as the estimat
 step), ``--timed`` times per size in turn, its median and least, beside the estimate for one rank of that batch on this machine: free of the ranks' collectives and waits, so the growth
 with k shows through less noise. The one-rank estimate relative to its plan without
 checkpointing is printed twice: with this machine's calibrated cost per checkpointed call (``checkpoint_overhead``,
-and ``checkpoint_overhead_per_op`` per operator of the call's region) and without them. Then which size the memory objective takes, the wall and CPU seconds the
+and ``checkpoint_overhead_per_op`` per operator of the call's region) and without them; then that estimate over the
+least-of ratio measured on one thread. Then which size the memory objective takes, the wall and CPU seconds the
 measuring took (CPU: this process and its finished ranks) and the load average before and after.
 """
 from __future__ import annotations
@@ -47,10 +48,12 @@ def _cpu_s() -> float:
 
 def _measured(zoo, plans, x, y, rounds: int, steps: int):
     """(peak bytes, every timed step's seconds) per plan, over ``rounds`` runs of ``measure_many``."""
-    peaks, times = {}, {i: [] for i in range(len(plans))}
+    peaks, times = {i: set() for i in range(len(plans))}, {i: [] for i in range(len(plans))}
+    if rounds == 0:  # one thread only
+        return peaks, {i: [float("nan")] for i in times}
     for _ in range(rounds):
         for i, m in enumerate(measure_many(zoo.model, plans, example_input=x, labels=y, steps=steps)):
-            peaks.setdefault(i, set()).add(m.peak_bytes)
+            peaks[i].add(m.peak_bytes)
             times[i] += m.step_time_s
     return peaks, times
 
@@ -82,7 +85,7 @@ def main() -> None:
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--size", default="tiny", help="the zoo size (tiny, small, full)")
     parser.add_argument("--time-steps", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds on 2 gloo ranks (0: one thread only)")
     parser.add_argument("--steps", type=int, default=11)
     parser.add_argument("--timed", type=int, default=101)
     args = parser.parse_args()
@@ -129,6 +132,8 @@ def main() -> None:
                      "1 thread / none": round(here_s[i][0] / here_s[0][0], 3),
                      "1 thread ms (least)": round(here_s[i][1] * 1e3, 3),
                      "least / none": round(here_s[i][1] / here_s[0][1], 3),
+                     "est. / least (ratios)": round(on_here(one_rank[plan]).step_time_s / on_here(alone).step_time_s
+                                                    / (here_s[i][1] / here_s[0][1]), 3),
                      "chosen": plan == choice.plan})
     print(f"{args.model} ({args.size}), T = {args.time_steps}, dp on 2 gloo ranks; time-stepped module {step_module!r}; "
           f"{args.rounds} rounds x {args.steps} steps (the first of each dropped); one thread: {args.timed} steps")
