@@ -37,6 +37,7 @@ from snn_explorer.estimator import measure_many
 from snn_explorer.estimator.calibration.this_machine import default_hardware
 from snn_explorer.estimator.instruments.isolation import collector_paused, one_thread
 from snn_explorer.estimator.profile.step import batch_slice
+from snn_explorer.estimator.timing.checkpoint_probe import reference_step_s
 from snn_explorer.estimator.timing.compute_work import timed_step
 from snn_explorer.zoo import build
 
@@ -140,6 +141,10 @@ def main() -> None:
     print(pd.DataFrame(rows).to_string(index=False))
     print(f"checkpoint_overhead of {here.name!r} (s per checkpointed call): {dict(here.checkpoint_overhead)}; "
           f"checkpoint_overhead_per_op (s per operator of a call's region): {dict(here.checkpoint_overhead_per_op)}")
+    if here.checkpoint_reference_s:
+        print(f"reference probe step (timing.checkpoint_probe): {here.checkpoint_reference_s * 1e3:.3f} ms at "
+              f"calibration, {reference_step_s() * 1e3:.3f} ms now (the estimate scales the two figures above by "
+              "the same step timed when it estimates)")
     print(f"measuring: {wall:.1f} s wall, {cpu:.1f} s CPU (this process and its ranks); load average "
           f"{load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after")
 
