@@ -1,7 +1,8 @@
 """Time chunks' checkpointing cost grows with what the region holds (HardwareProfile.checkpoint_overhead_per_op,
 calibration/checkpoint_call.py): the estimated step grows by calls x region operators x the cost per operator, the
-region's operators counted directly on one call of the time-step module; and a checkpointed step's extra backward
-work (recompute, replays) is timed at the forward's measured rate where the step is corrected by a measurement."""
+region's operators counted directly on one call of the time-step module; a checkpointed step's extra backward work
+(recompute, replays) is timed at the forward's measured rate where the step is corrected by a measurement; and the
+calibrated costs are scaled by the reference step timed now over its calibrated seconds."""
 import dataclasses
 
 import pytest
@@ -15,9 +16,10 @@ from snn_explorer.estimator.calibration.checkpoint_call import CHUNK_LAYERS, reg
 from snn_explorer.estimator.instruments.op_counter import OpCounter
 from snn_explorer.estimator.profile.checkpointed import levered_profile, unlevered
 from snn_explorer.estimator.profile.profiling import model_profile
+from snn_explorer.estimator.timing import step_time
 from snn_explorer.estimator.timing.checkpoint_probe import probe_model
 from snn_explorer.estimator.timing.compute_work import rank_work
-from snn_explorer.estimator.timing.step_time import compute_phases
+from snn_explorer.estimator.timing.step_time import at_host_speed, compute_phases
 from snn_explorer.zoo.mlp import SpikingMLP
 
 IN, HIDDEN, CLASSES, N, T = 6, 8, 3, 4, 8
@@ -56,7 +58,7 @@ def test_the_chunk_cost_grows_with_the_operators_of_the_region(layers):
     assert region > 10 * layers  # a Linear and a neuron per hidden layer, and the head
     bare = hardware_profile("H100-SXM")
     costed = dataclasses.replace(bare, checkpoint_overhead_per_op={"time_chunks": PER_OP})
-    for every in (1, 2, 8):
+    for every in (1, 8):
         plan = chunked(plain, "net", every)
         # by hand: each of the T time steps is one checkpointed call of `net`, whatever the chunk size
         grown = _step_s(model, x, y, plan, costed) - _step_s(model, x, y, plan, bare)
@@ -85,3 +87,21 @@ def test_the_extra_backward_of_time_chunks_is_timed_at_the_forward_rate():
     split = compute_phases(plan, work, hw, t, 4, 1.0, correction, plain)
     assert split["forward"] == by_phase["forward"] and split["optimizer"] == by_phase["optimizer"]
     assert split["backward"] == pytest.approx(by_phase["backward"] + (3.0 - 0.5) * extra, rel=1e-12)
+
+
+def test_the_costs_are_scaled_by_the_reference_step_timed_now(monkeypatch):
+    timed = []
+    monkeypatch.setattr(step_time, "reference_step_s", lambda: timed.append(1) or 3e-3)  # as if 1.5x slower now
+
+    class Plain:  # stands in for the profile the scale is kept on
+        pass
+
+    hw = dataclasses.replace(hardware_profile("H100-SXM"), checkpoint_overhead={"blocks": 2e-4, "time_chunks": 4e-4},
+                             checkpoint_overhead_per_op={"time_chunks": 1e-5}, checkpoint_reference_s=2e-3)
+    plain = Plain()
+    for _ in range(2):
+        scaled = at_host_speed(hw, plain)
+        assert scaled.checkpoint_overhead == pytest.approx({"blocks": 3e-4, "time_chunks": 6e-4}, rel=1e-12)
+        assert scaled.checkpoint_overhead_per_op == pytest.approx({"time_chunks": 1.5e-5}, rel=1e-12)
+    assert len(timed) == 1  # timed once per profile
+    assert hardware_profile("H100-SXM").checkpoint_reference_s is None  # a datasheet profile: nothing to scale

@@ -204,11 +204,11 @@ def plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, per_
         return pipeline_time_table(plan, profile, collectives, per_rank, hw, t, itemsize, correction,
                                    ranks_on_host(plan, hw), optimizer_s)
     local = float(per_rank["params_bytes"].iloc[0]) / (plan.dp_size if plan.uses_zero else 1)
-    plain, region_ops = None, 0.0
+    plain_work, region_ops = None, 0.0
     if plan.activation_checkpointing == Checkpointing.TIME_CHUNKS:  # the region: one call of the time-step module
-        plain = rank_work(unlevered(profile), plan.tensor_parallel_plan, plan.tp_size, optimizer)
-        region_ops = time_step_ops(plain, plan.per_rank_batch, t)
-    phases = compute_phases(plan, work, hw, t, itemsize, local, correction, plain if correction else None)
+        plain_work = rank_work(unlevered(profile), plan.tensor_parallel_plan, plan.tp_size, optimizer)
+        region_ops = time_step_ops(plain_work, plan.per_rank_batch, t)
+    phases = compute_phases(plan, work, hw, t, itemsize, local, correction, plain_work if correction else None)
     if host_optimizer_s is not None:
         phases["optimizer"] = host_optimizer_s(work.optimizer.ops(plan.per_rank_batch, t))
     phases["framework"] = framework_s(plan, profile, collectives, hw, t, region_ops)
