@@ -132,9 +132,10 @@ def framework_s(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, hw
     """The calibrated cost of the parallel wrappers themselves (DTensor dispatch of each call of a
     module a TP style wraps, not of neurons left to run on their local shard; FSDP2's work around
     each of its collectives, DDP's and ZeRO's work around a step) and of activation checkpointing's
-    machinery (:func:`checkpoint_overhead_s`, ``region_ops`` operators per checkpointed call); 0 on profiles
+    machinery (:func:`checkpoint_overhead_s`, ``region_ops`` operators per checkpointed call; timed in one process,
+    so slowed as compute is where the plan's ranks share a host's cores: :func:`host_sharing`); 0 on profiles
     without them."""
-    seconds = checkpoint_overhead_s(plan, profile, hw, t, region_ops)
+    seconds = checkpoint_overhead_s(plan, profile, hw, t, region_ops) * host_sharing(plan, hw)
     if plan.dp_size > 1:
         seconds += hw.overhead("ddp_step", plan.dp_size) * plan.uses_ddp + \
             hw.overhead("zero_step", plan.dp_size) * plan.uses_zero
