@@ -1,25 +1,38 @@
-"""This host's cost of one checkpointed call: the ``checkpoint_overhead`` of a :class:`~..timing.hardware.HardwareProfile`.
+"""This host's cost of checkpointed calls: ``checkpoint_overhead`` and ``checkpoint_overhead_per_op`` of a
+:class:`~..timing.hardware.HardwareProfile`.
 
 A checkpointed region costs more than the operators it runs and recomputes: torch's checkpoint frame and its
 saved-tensor hooks, the copy of the region's neuron state taken at entry and put back around the recompute, and for
 time chunks the RNG state and gradient flags kept per step. Most of it is Python work on the host CPU, which the
-estimate's operator counts do not see. :func:`this_host_checkpoint_overhead` times a tiny spiking MLP (one hidden
-Linear and its neuron, 8 wide, 8 time steps, batch 2) forward and backward here on one thread, plain and
-checkpointed (every block, and time chunks of one step), and returns per granularity::
+estimate's operator counts do not see. :func:`this_host_checkpoint_overhead` times tiny spiking MLPs (hidden Linear
+layers and their neurons, 8 wide, 8 time steps, batch 2: :mod:`..timing.checkpoint_probe`) forward and backward here on one thread, plain and
+checkpointed, the least of ``repeats`` steps each (the models run in turn), and returns per granularity:
 
-    (checkpointed - plain - (operators checkpointed - operators plain) * plain / operators plain) / checkpointed calls
+- ``"blocks"`` (one hidden layer, every block checkpointed): per call,
+  ``(checkpointed - plain - (operators checkpointed - operators plain) * plain / operators plain) / calls``, the
+  extra operators at the plain step's mean seconds per operator; no per-operator figure.
+- ``"time_chunks"`` (chunks of one step): the recompute and the state copies are forward work, so the estimate
+  charges them at the forward's own rate (:func:`~..timing.step_time.compute_phases`), and so does the probe:
+  ``excess = (checkpointed - plain - extra operators * plain forward / forward operators) / calls``. The excess
+  grows with what the region holds (a pack per saved tensor in the forward, an unpack and a recompute pack in the
+  backward): on this machine 0.42, 0.56, 0.71 and 0.91 ms per call with 1, 2, 3 and 5 hidden layers (about 18-78
+  forward operators per call), measured by one script at load about 3 (the zoo mlp's region, two hidden layers: 0.57 ms).
+  It is timed with :data:`CHUNK_LAYERS` hidden layers and taken as ``per_call + per_op * region operators`` through
+  the two, the region's operators counted per call as the estimate counts them (:func:`region_ops`). ``per_op`` is
+  the ``checkpoint_overhead_per_op``.
 
-the least of ``repeats`` steps each (the models run in turn), never below 0: the seconds one checkpointed call adds beyond the operators the
-estimate already counts for it (its recompute and state copies), those at the plain step's own seconds per operator
-(as the estimate's timing correction on this host charges them). An approximation: per call, whatever the region
-holds (on this machine the probe gave 0.36 and 0.50 ms per block call with one and two neurons in the region, 1.34
-and 1.26 ms per time-chunk call). Time chunks of one step copy a chunk's entry state at every call; longer chunks
-copy less (operators the estimate counts): the per-call figure is the k = 1 one for every chunk size.
+``reference_s`` is the plain one-layer probe's step in the same run (``checkpoint_reference_s``): on the host it was
+calibrated on, the estimate scales these costs by the same step timed when it estimates
+(:mod:`..timing.checkpoint_probe`).
+
+Each figure is never below 0. An approximation: Python work does not scale exactly with operators; time chunks of one
+step copy a chunk's entry state at every call, longer chunks copy less (operators the estimate counts), so the
+figures of chunks of one step are used for every chunk size.
 """
 from __future__ import annotations
 
-import time
-from typing import Dict, List, Sequence
+from dataclasses import dataclass
+from typing import Callable, Dict, Tuple
 
 import torch
 from torch import nn
@@ -28,64 +41,74 @@ from ...core.neurons import detached_copy
 from ...core.parallelize.checkpointing import checkpoint_blocks, checkpoint_time_chunks
 from ...core.validate import positive_int
 from ...core.vocabulary import Checkpointing
-from ...zoo.mlp import SpikingMLP
 from ..instruments.isolation import one_thread
-from ..profile.step import forward_loss
-from ..timing.compute_work import count_step
+from ..timing.checkpoint_probe import REFERENCE_LAYERS, STEPS, least_steps, probe_batch, probe_model
+from ..timing.compute_work import count_step, counted_pass
 
-__all__ = ["this_host_checkpoint_overhead"]
+__all__ = ["CHUNK_LAYERS", "CheckpointCost", "region_ops", "this_host_checkpoint_overhead"]
 
-#: The probe: hidden layers, their width, time steps, batch (a tiny region: the call's own cost dominates)
-LAYERS, WIDTH, STEPS, BATCH = 1, 8, 8, 2
-
-
-def _one_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Seconds of one forward and backward of ``model``."""
-    started = time.perf_counter()
-    forward_loss(model, x, y).backward()
-    elapsed = time.perf_counter() - started
-    model.zero_grad(set_to_none=True)
-    return elapsed
+#: Hidden layers of the two time-chunk probes the per-operator cost is read between (the block probe: the reference)
+CHUNK_LAYERS = (REFERENCE_LAYERS, 5)
 
 
-def _least_steps(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor, repeats: int) -> List[float]:
-    """The least seconds of ``repeats`` steps of each of ``models``, run in turn (load that comes and goes falls on
-    every model alike), after one warm-up step each."""
-    for model in models:
-        _one_step(model, x, y)
-    best = [float("inf")] * len(models)
-    for _ in range(repeats):
-        best = [min(b, _one_step(model, x, y)) for b, model in zip(best, models)]
-    return best
+@dataclass(frozen=True)
+class CheckpointCost:
+    """Seconds per checkpointed call (``per_call``) and per operator of a call's region (``per_op``), by
+    granularity name, and the seconds of the reference step (:func:`~..timing.checkpoint_probe.reference_step_s`'s
+    probe) as fast as the host ran then (``reference_s``)."""
+
+    per_call: Dict[str, float]
+    per_op: Dict[str, float]
+    reference_s: float
 
 
-def _ops(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+def _ops(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Tuple[float, float]:
+    """(forward, backward) operators of one step of ``model``."""
     forward, backward = count_step(model, x, y)
     model.zero_grad(set_to_none=True)
-    return float(forward[3] + backward[3])
+    return float(forward[3]), float(backward[3])
 
 
-def this_host_checkpoint_overhead(repeats: int = 40) -> Dict[str, float]:
+def region_ops(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Operators per call of the module ``model`` steps once per time step, as the estimate reads them: the plain
+    forward's operators per time step (at ``x``'s time steps less those at one step fewer)."""
+    counts = [counted_pass(model, steps, y)[0][3] for steps in (x, x[:-1])]  # each after a forward at its size
+    model.zero_grad(set_to_none=True)
+    return float(counts[0] - counts[1])
+
+
+def _checkpointed(plain: nn.Module, apply: Callable[[nn.Module], object]) -> nn.Module:
+    model = detached_copy(plain)
+    apply(model)
+    return model
+
+
+def this_host_checkpoint_overhead(repeats: int = 40) -> CheckpointCost:
     """Seconds per checkpointed call beyond its counted operators, per granularity (``"blocks"``, ``"time_chunks"``),
-    on this host's CPU, one thread (see the module doc)."""
+    and per operator of a call's region (``"time_chunks"``), on this host's CPU, one thread (see the module doc)."""
     repeats = positive_int("repeats", repeats)
-    generator = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    plain = SpikingMLP(WIDTH, (WIDTH,) * LAYERS, 2, init_gain=3.0)
-    x = torch.bernoulli(torch.full((STEPS, BATCH, WIDTH), 0.5), generator=generator)
-    y = torch.randint(0, 2, (BATCH,), generator=generator)
-    linears = [f"net.{name}" for name, m in plain.net.named_children() if isinstance(m, nn.Linear)]
-    variants: Dict[str, tuple] = {  # granularity -> (how to checkpoint a copy, checkpointed calls per step)
-        Checkpointing.BLOCKS.value: (lambda m: checkpoint_blocks(m, linears), len(linears) * STEPS),
-        Checkpointing.TIME_CHUNKS.value: (lambda m: checkpoint_time_chunks(m, "net", 1), STEPS),
-    }
-    models = [plain]
-    for apply, _ in variants.values():
-        models.append(detached_copy(plain))
-        apply(models[-1])
+    x, y = probe_batch()
+    chunk_plain = [probe_model(layers) for layers in CHUNK_LAYERS]
+    reference = chunk_plain[0]  # the reference step's probe, also the block probe's
+    linears = [f"net.{name}" for name, m in reference.net.named_children() if isinstance(m, nn.Linear)]
+    chunked = [_checkpointed(plain, lambda m: checkpoint_time_chunks(m, "net", 1)) for plain in chunk_plain]
+    # plain reference, its blocks checkpointed, its chunks of one step, the larger probe plain and in chunks
+    models = [reference, _checkpointed(reference, lambda m: checkpoint_blocks(m, linears)), chunked[0],
+              chunk_plain[1], chunked[1]]
     with one_thread():  # the collector runs as in training: torch's checkpoint frames leave cycles to collect
-        seconds = _least_steps(models, x, y, repeats)
+        seconds = least_steps(models, x, y, repeats)
         ops = [_ops(model, x, y) for model in models]
-    per_op = seconds[0] / ops[0]  # the plain step's seconds per operator: what the estimate's correction charges
-    return {name: max(0.0, (s - seconds[0] - (o - ops[0]) * per_op) / calls)
-            for (name, (_, calls)), s, o in zip(variants.items(), seconds[1:], ops[1:])}
+        regions = [region_ops(plain, x, y) for plain in chunk_plain]
+    total = lambda pair: sum(pair)
+    per_op = total(seconds[0]) / total(ops[0])  # the plain step's mean seconds per operator
+    blocks = (total(seconds[1]) - total(seconds[0]) - (total(ops[1]) - total(ops[0])) * per_op) / (len(linears) * STEPS)
+    excess = []
+    for plain, chunks in ((0, 2), (3, 4)):  # each time-chunk probe: plain, chunks of one step
+        forward_rate = seconds[plain][0] / ops[plain][0]
+        extra = total(ops[chunks]) - total(ops[plain])
+        excess.append((total(seconds[chunks]) - total(seconds[plain]) - extra * forward_rate) / STEPS)
+    chunk_per_op = max(0.0, (excess[1] - excess[0]) / (regions[1] - regions[0]))
+    chunk_per_call = max(0.0, excess[0] - chunk_per_op * regions[0])
+    return CheckpointCost(per_call={Checkpointing.BLOCKS.value: max(0.0, blocks),
+                                    Checkpointing.TIME_CHUNKS.value: chunk_per_call},
+                          per_op={Checkpointing.TIME_CHUNKS.value: chunk_per_op}, reference_s=total(seconds[0]))

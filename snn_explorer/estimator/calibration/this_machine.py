@@ -20,8 +20,8 @@ than on rank 0 alone), the factor by which a rank's step is slower than the one 
 times in the calling process. Each (kind, p) gets
 ``alpha + beta * bytes`` fitted by least squares (:func:`fit_alpha_beta`) to the median of the
 slowest rank's times. Group sizes 2 and 4 took 42-46 s on a 2-core CPU machine (gloo). On CPU ranks the
-checkpointing machinery's own cost per checkpointed call is timed in the calling process
-(:mod:`.checkpoint_call`, about 3 s; ``checkpoint_overhead``).
+checkpointing machinery's own cost per checkpointed call, and per operator of a call's region, is timed in the
+calling process (:mod:`.checkpoint_call`, about 3-5 s; ``checkpoint_overhead``, ``checkpoint_overhead_per_op``).
 
 :func:`default_hardware` is what ``estimate`` uses without ``hardware=``: the profile named by the
 ``SNN_EXPLORER_HARDWARE`` environment variable (a built-in name or a JSON file), else this
@@ -44,13 +44,13 @@ from ...core.validate import positive_int
 from ..instruments.isolation import one_thread
 from ..instruments.progress_hook import ProgressHook, check_hook, tell
 from ..timing.hardware import KINDS, HardwareProfile, hardware_profile
-from .checkpoint_call import this_host_checkpoint_overhead
+from .checkpoint_call import CheckpointCost, this_host_checkpoint_overhead
 from .fit import median_profile, profile_from
 from .probes import busy_time, probe_step
 from .step_probes import RANK_PHASES, calibrate_on_rank
 
 #: Bumped when what calibrate() measures changes, so that older cached calibrations are not reused.
-CALIBRATION_VERSION = 14
+CALIBRATION_VERSION = 15
 
 
 def calibrate(group_sizes: Sequence[int] = (2, 4), *, backend: str = "auto", name: Optional[str] = None,
@@ -78,15 +78,16 @@ def calibrate(group_sizes: Sequence[int] = (2, 4), *, backend: str = "auto", nam
                                progress=heard)
             runs[p], used = result.values, result.backend
         all_runs.append(runs)
-    reference, overhead = None, {}
+    reference, overhead = None, CheckpointCost({}, {}, None)
     if used == "gloo":  # CPU ranks: against the step in this process, on one thread (see local_correction)
         with one_thread():
             probe = probe_step(torch.device("cpu"))
             reference = statistics.median(busy_time(probe, lambda: None) for _ in range(3))
-        overhead = this_host_checkpoint_overhead()  # the checkpointing machinery's own CPU work per call
+        overhead = this_host_checkpoint_overhead()  # the checkpointing machinery's own CPU work per call and op
     tell(on_progress, total, total, "calibrating this machine: done")
     profile = median_profile([profile_from(runs, used, name, reference) for runs in all_runs])
-    return replace(profile, checkpoint_overhead=overhead)
+    return replace(profile, checkpoint_overhead=overhead.per_call, checkpoint_overhead_per_op=overhead.per_op,
+                   checkpoint_reference_s=overhead.reference_s)
 
 
 def _rank_zero_pieces(on_progress: Optional[ProgressHook], before: int, total: int):

@@ -111,15 +111,27 @@ class HardwareProfile:
     #: checkpoint frame, the neuron-state copies and RNG state around it, Python work on the host CPU. Measured by a
     #: CPU calibration (:mod:`..calibration.checkpoint_call`); empty: not measured (0, the datasheet GPU profiles)
     checkpoint_overhead: Mapping[str, float] = field(default_factory=dict)
+    #: Seconds one checkpointed call adds per operator its region runs in a forward, beyond
+    #: ``checkpoint_overhead``, per granularity (``"time_chunks"``: per operator of the time-step module's call):
+    #: torch's saved-tensor hooks (a pack per saved tensor in the forward, an unpack and a recompute pack in the
+    #: backward), work that grows with what the region holds. Measured by a CPU calibration
+    #: (:mod:`..calibration.checkpoint_call`); empty: not measured (0, the datasheet GPU profiles)
+    checkpoint_overhead_per_op: Mapping[str, float] = field(default_factory=dict)
+    #: Seconds of the reference probe step (:func:`~.checkpoint_probe.reference_step_s`) in the run that measured the
+    #: two figures above: on the calibrated host the estimate scales them by that step timed when it estimates
+    #: (the host's speed of the moment); None: not measured (no scaling)
+    checkpoint_reference_s: Optional[float] = None
 
     def _check_checkpoint_overhead(self) -> None:
-        """``checkpoint_overhead``: seconds >= 0 per call of the granularities that recompute, by their names."""
+        """``checkpoint_overhead`` (per call) and ``checkpoint_overhead_per_op`` (per operator of a call): seconds
+        >= 0 for the granularities that recompute, by their names."""
         keys = {Checkpointing.BLOCKS.value, Checkpointing.TIME_CHUNKS.value}
-        for key, value in self.checkpoint_overhead.items():
-            if key not in keys or isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"checkpoint_overhead[{key!r}] = {value!r}; expected seconds >= 0 per call for a "
-                                 f"granularity of {sorted(keys)}")
-        object.__setattr__(self, "checkpoint_overhead", {k: float(v) for k, v in self.checkpoint_overhead.items()})
+        for attr, unit in (("checkpoint_overhead", "call"), ("checkpoint_overhead_per_op", "operator of a call")):
+            for key, value in getattr(self, attr).items():
+                if key not in keys or isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                    raise ValueError(f"{attr}[{key!r}] = {value!r}; expected seconds >= 0 per {unit} for a "
+                                     f"granularity of {sorted(keys)}")
+            object.__setattr__(self, attr, {k: float(v) for k, v in getattr(self, attr).items()})
 
     def __post_init__(self):
         for attr in ("flops_per_s", "bytes_per_s"):
@@ -128,6 +140,7 @@ class HardwareProfile:
         positive_number("host_adam_params_per_s", self.host_adam_params_per_s, allow_none=True,
                         what="parameters per second")
         self._check_checkpoint_overhead()
+        positive_number("checkpoint_reference_s", self.checkpoint_reference_s, allow_none=True, what="seconds")
         if self.op_overhead_s < 0:
             raise ValueError(f"op_overhead_s={self.op_overhead_s}; expected seconds >= 0")
         if not 0 < self.efficiency <= 1:

@@ -24,6 +24,7 @@ schedule replayed with each stage's own cost: :mod:`.pipeline_time`.
 """
 from __future__ import annotations
 
+import dataclasses
 import socket
 from typing import Callable, Dict, Optional, Tuple
 
@@ -36,6 +37,7 @@ from ...core.styles import STYLES
 from ...core.vocabulary import Checkpointing
 from ..instruments.tables import TIME_COLUMNS
 from ..profile.checkpointed import unlevered
+from .checkpoint_probe import reference_step_s
 from .compute_work import PHASES, Work, local_correction, rank_work
 from .hardware import HardwareProfile
 from .pipeline_time import pipeline_time_table
@@ -68,14 +70,24 @@ def exposed_comm_s(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: Hard
 
 
 def compute_phases(plan: SNNDistributedPlan, work: Work, hw: HardwareProfile, t: int, itemsize: int,
-                   local_params_bytes: float, correction: Dict[str, float]) -> Dict[str, float]:
+                   local_params_bytes: float, correction: Dict[str, float],
+                   plain: Optional[Work] = None) -> Dict[str, float]:
     """Seconds of forward, backward and optimizer on one rank of ``plan`` (the optimizer over the
-    ``local_params_bytes`` it updates)."""
+    ``local_params_bytes`` it updates). ``plain``: the same rank's work without checkpointing, given where the
+    backward's extra work (``work``'s backward less ``plain``'s: the recompute, the replays, the state copies) is
+    forward work, which the forward's correction then times (as the calibration's probe does:
+    :mod:`..calibration.checkpoint_call`)."""
     n = plan.per_rank_batch
     share = local_params_bytes / work.param_bytes if work.param_bytes else 1.0
     slow = host_sharing(plan, hw)
-    return {p: work.phase(p).seconds(hw, n, t, itemsize, share if p == "optimizer" else 1.0)
-            * correction.get(p, 1.0) * slow for p in PHASES}
+    phases = {p: work.phase(p).seconds(hw, n, t, itemsize, share if p == "optimizer" else 1.0)
+              * correction.get(p, 1.0) * slow for p in PHASES}
+    if plain is not None:
+        before = plain.backward.seconds(hw, n, t, itemsize)
+        recompute = work.backward.seconds(hw, n, t, itemsize) - before
+        phases["backward"] = (before * correction.get("backward", 1.0)
+                              + recompute * correction.get("forward", 1.0)) * slow
+    return phases
 
 
 def checkpointed_calls(plan: SNNDistributedPlan, profile, t: int) -> int:
@@ -95,21 +107,35 @@ def checkpointed_calls(plan: SNNDistributedPlan, profile, t: int) -> int:
     return round(sum(profile.modules[path].calls(plan.per_rank_batch, t) for path in paths))
 
 
-def checkpoint_overhead_s(plan: SNNDistributedPlan, profile, hw: HardwareProfile, t: int) -> float:
+def checkpoint_overhead_s(plan: SNNDistributedPlan, profile, hw: HardwareProfile, t: int,
+                          region_ops: float = 0.0) -> float:
     """The calibrated cost of the checkpointing machinery: per checkpointed call (:func:`checkpointed_calls`), the
-    profile's ``checkpoint_overhead`` of the plan's granularity (ops: the blocks' figure); 0 where not measured."""
+    profile's ``checkpoint_overhead`` of the plan's granularity (ops: the blocks' figure), plus its
+    ``checkpoint_overhead_per_op`` times ``region_ops``, the operators of one call's region; 0 where not measured."""
     granularity = Checkpointing(plan.activation_checkpointing)
     key = Checkpointing.TIME_CHUNKS if granularity == Checkpointing.TIME_CHUNKS else Checkpointing.BLOCKS
-    per_call = hw.checkpoint_overhead.get(key.value, 0.0) if granularity.recomputes else 0.0
+    if not granularity.recomputes:
+        return 0.0
+    per_call = hw.checkpoint_overhead.get(key.value, 0.0) + hw.checkpoint_overhead_per_op.get(key.value, 0.0) * region_ops
     return checkpointed_calls(plan, profile, t) * per_call if per_call else 0.0
 
 
-def framework_s(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, hw: HardwareProfile, t: int) -> float:
+def time_step_ops(plain: Work, n: int, t: int) -> float:
+    """Operators of one call of the module stepped once per time step, read from ``plain`` (the rank's work
+    without checkpointing): its forward's operators per time step at ``n`` samples (``t`` steps less ``t - 1``).
+    An approximation where the forward runs other operators per time step outside that module."""
+    return max(0.0, plain.forward.ops(n, t) - plain.forward.ops(n, t - 1))
+
+
+def framework_s(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, hw: HardwareProfile, t: int,
+                region_ops: float = 0.0) -> float:
     """The calibrated cost of the parallel wrappers themselves (DTensor dispatch of each call of a
     module a TP style wraps, not of neurons left to run on their local shard; FSDP2's work around
     each of its collectives, DDP's and ZeRO's work around a step) and of activation checkpointing's
-    machinery (:func:`checkpoint_overhead_s`); 0 on profiles without them."""
-    seconds = checkpoint_overhead_s(plan, profile, hw, t)
+    machinery (:func:`checkpoint_overhead_s`, ``region_ops`` operators per checkpointed call; timed in one process,
+    so slowed as compute is where the plan's ranks share a host's cores: :func:`host_sharing`); 0 on profiles
+    without them."""
+    seconds = checkpoint_overhead_s(plan, profile, hw, t, region_ops) * host_sharing(plan, hw)
     if plan.dp_size > 1:
         seconds += hw.overhead("ddp_step", plan.dp_size) * plan.uses_ddp + \
             hw.overhead("zero_step", plan.dp_size) * plan.uses_zero
@@ -136,6 +162,19 @@ def time_table(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: Hardware
     return table[list(TIME_COLUMNS)]
 
 
+def at_host_speed(hw: HardwareProfile, plain) -> HardwareProfile:
+    """``hw`` with its checkpointing costs scaled to the host's speed of the moment: by the reference probe step
+    timed now (once per ``plain``, the profile the timing correction is also timed for) over its seconds when they
+    were calibrated (``checkpoint_reference_s``; :mod:`.checkpoint_probe`)."""
+    cache = plain.__dict__.setdefault("_checkpoint_reference_s", {})
+    if hw.checkpoint_reference_s not in cache:
+        cache[hw.checkpoint_reference_s] = reference_step_s()
+    speed = cache[hw.checkpoint_reference_s] / hw.checkpoint_reference_s
+    return dataclasses.replace(
+        hw, checkpoint_overhead={k: v * speed for k, v in hw.checkpoint_overhead.items()},
+        checkpoint_overhead_per_op={k: v * speed for k, v in hw.checkpoint_overhead_per_op.items()})
+
+
 def is_local(hw: HardwareProfile) -> bool:
     """Whether ``hw`` was calibrated on this host's CPU (where the measured step corrects the model)."""
     return hw.device == "cpu" and hw.host is not None and hw.host == socket.gethostname()
@@ -156,6 +195,8 @@ def plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, per_
         # (recompute, replays) stays in the modelled phases it scales
         plain = unlevered(profile)
         correction = local_correction(plain, rank_work(plain, None, 1, optimizer), hw, optimizer)
+        if hw.checkpoint_reference_s and Checkpointing(plan.activation_checkpointing).recomputes:
+            hw = at_host_speed(hw, plain)
     hw = hw.seen_by(ranks_on_host(plan, hw))
     if plan.uses_pp:
         whole = rank_work(profile, None, 1, optimizer)
@@ -164,10 +205,14 @@ def plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, per_
         return pipeline_time_table(plan, profile, collectives, per_rank, hw, t, itemsize, correction,
                                    ranks_on_host(plan, hw), optimizer_s)
     local = float(per_rank["params_bytes"].iloc[0]) / (plan.dp_size if plan.uses_zero else 1)
-    phases = compute_phases(plan, work, hw, t, itemsize, local, correction)
+    plain_work, region_ops = None, 0.0
+    if plan.activation_checkpointing == Checkpointing.TIME_CHUNKS:  # the region: one call of the time-step module
+        plain_work = rank_work(unlevered(profile), plan.tensor_parallel_plan, plan.tp_size, optimizer)
+        region_ops = time_step_ops(plain_work, plan.per_rank_batch, t)
+    phases = compute_phases(plan, work, hw, t, itemsize, local, correction, plain_work if correction else None)
     if host_optimizer_s is not None:
         phases["optimizer"] = host_optimizer_s(work.optimizer.ops(plan.per_rank_batch, t))
-    phases["framework"] = framework_s(plan, profile, collectives, hw, t)
+    phases["framework"] = framework_s(plan, profile, collectives, hw, t, region_ops)
     return time_table(plan, collectives, hw, phases)
 
 
