@@ -15,6 +15,8 @@ from torch import nn
 import snn_explorer as se
 from snn_explorer.core.layouts import BATCH_MAJOR, DataLayout
 from snn_explorer.core.neurons import reset_all
+from snn_explorer.estimator.measurement.plan_measurement import assemble_measurements, measure_on_rank
+from snn_explorer.estimator.measurement.settings import measure_settings
 
 pytest.importorskip("spikingjelly.activation_based.examples.memopt.models")  # installed by scripts/setup.sh
 
@@ -26,16 +28,27 @@ def _dp_plan(model, layout: DataLayout, batch: int = N):
                    data_layout=layout)
 
 
+def _measure_cases(cases):
+    """On each rank: what se.measure's ranks return (measure_on_rank), for every (model, plans, settings) in turn."""
+    return [measure_on_rank(model, plans, run) for model, plans, run in cases]
+
+
 @pytest.mark.timeout(300)
 def test_layouts_give_the_same_measurement():
     """Measured on 2 gloo ranks: bytes of every kind and every collective equal for the three layouts
     (the per-step model's peak may add its per-step outputs before stacking: one ``[T, n, C]``)."""
     x, y = data()
-    measured = {}
+    cases, layouts = {}, {}
     for name, (model, layout) in nets().items():
-        measured[name] = se.measure(model, _dp_plan(model, layout), example_input=as_layout(x, layout), labels=y,
-                                    steps=2, timeout=120)
-        assert measured[name].data_layout == layout
+        layouts[name] = layout
+        plans = [_dp_plan(model, layout)]
+        cases[name] = (model, plans, measure_settings(model, plans, as_layout(x, layout), y, 2, "adam", None, 1e-3,
+                                                      "cpu"))
+    per_rank = run_on_ranks(_measure_cases, 2, list(cases.values()), timeout=240)  # what se.measure runs, one spawn
+    measured = {}
+    for i, (name, (model, plans, run)) in enumerate(cases.items()):
+        measured[name] = assemble_measurements(plans, [rank[i] for rank in per_rank], run)[0]
+        assert measured[name].data_layout == layouts[name]
     ref = measured["time_major"]
     assert ref.collectives["bytes"].sum() > 0 and ref.collectives_agree
     for name, m in measured.items():
