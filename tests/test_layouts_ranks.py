@@ -182,6 +182,11 @@ def _vgg_rank(model, plan, x, y, steps, lr):
                 params={k: v.detach().clone() for k, v in runtime.full_parameters().items()})
 
 
+def _vgg_measure_and_train(model, plan, run, x, y, steps, lr):
+    """One spawn for both: what se.measure's ranks return for ``plan`` (it copies the model), then the training."""
+    return dict(measured=measure_on_rank(model, [plan], run), **_vgg_rank(model, plan, x, y, steps, lr))
+
+
 @pytest.mark.timeout(300)
 def test_reference_vgg_batch_major_unmodified():
     """``CIFAR10DVSVGG`` as the package ships it takes ``[N, T, C, H, W]`` and returns ``[T, N, C]``:
@@ -195,7 +200,10 @@ def test_reference_vgg_batch_major_unmodified():
     plan = se.plan(analysis=analysis, objective="speed", topology={"dp": 2}, batch_size=4, mode="dp")
     assert plan.data_layout == analysis.data_layout
     est = se.estimate(model, plan, example_input=x, labels=y, hardware="RTX-4090")
-    measured = se.measure(model, plan, example_input=x, labels=y, steps=2, timeout=120)
+    run = measure_settings(model, [plan], x, y, 2, "adam", None, 1e-3, "cpu")  # se.measure's, steps=2
+    results = run_on_ranks(_vgg_measure_and_train, 2, model, plan, run, x, y, STEPS, LR, timeout=240)
+    measured = assemble_measurements([plan], [r["measured"] for r in results], run)[0]
+    assert measured.data_layout == analysis.data_layout
     assert est.comm_bytes == int(measured.collectives["bytes"].sum()) > 0
     one = se.plan(analysis=analysis, objective="speed", topology={"dp": 1}, batch_size=4, mode="dp")
     assert se.estimate(model, one, example_input=x, labels=y, hardware="RTX-4090").comm_bytes == 0
@@ -203,7 +211,6 @@ def test_reference_vgg_batch_major_unmodified():
 
     ref_losses, ref_params = _reference_training(model, x.transpose(0, 1), y, STEPS, LR,
                                                  call=lambda m, part: m(part.transpose(0, 1)))
-    results = run_on_ranks(_vgg_rank, 2, model, plan, x, y, STEPS, LR, timeout=150)
     rates = results[0]["rates"]
     assert len(rates) == 8 and all(0.02 <= r <= 0.98 for r in rates.values()), rates  # spikes firing, not saturated
     assert ref_losses[0] != pytest.approx(ref_losses[-1], abs=1e-6)
