@@ -112,17 +112,45 @@ def _reference_training(model, x_tm, y, steps, lr, call=_time_major_call, halves
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-@pytest.mark.timeout(200)
-def test_layouts_train_alike_on_2_ranks():
+def _dp_models():
+    """The three layouts' models (one set of weights), each with its dp=2 plan."""
+    return {name: (model, _dp_plan(model, layout)) for name, (model, layout) in nets().items()}
+
+
+def _pp_models():
+    """pp=2, 2 micro-batches: a batch-major ``nn.Sequential`` of the time-major model's layers and the per-step
+    network, each with its plan."""
+    built = nets()
+    batch_major = nn.Sequential(SwapTN(), *copy.deepcopy(built["time_major"][0].net), SwapTN())
+    models = {}
+    for name, model, layout, cut in (("batch_major", batch_major, BATCH_MAJOR, "3|3"),
+                                     ("per_step", *built["per_step"], "2|2")):
+        models[name] = (model, se.plan(analysis=se.analyze(model), objective="speed", topology={"pp": 2},
+                                       batch_size=N, mode="pp", data_layout=layout, pp_schedule="gpipe",
+                                       pp_microbatches=2, pp_virtual_stages=1, pp_layout=cut))
+    return models
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """Per rank, per group ("dp", "pp"): _train_rank's results; the dp and the pp models train in one spawn."""
+    x, y = data()
+    groups = {"dp": _dp_models(), "pp": _pp_models()}
+    models = {(group, name): m for group, ms in groups.items() for name, m in ms.items()}
+    results = run_on_ranks(_train_rank, 2, models, x, y, STEPS, LR, timeout=240)
+    return [{group: {name: res for (g, name), res in result.items() if g == group} for group in groups}
+            for result in results]
+
+
+@pytest.mark.timeout(300)
+def test_layouts_train_alike_on_2_ranks(trained):
     """Same data, three layouts, dp=2: each rank's share has N/2 samples on its layout's batch dim, and
     losses and parameters after 3 steps equal a plain single-process run of the time-major model."""
     x, y = data()
-    built = nets()
-    ref_losses, ref_params = _reference_training(built["time_major"][0], x, y, STEPS, LR)
-    models = {name: (model, _dp_plan(model, layout)) for name, (model, layout) in built.items()}
-    results = run_on_ranks(_train_rank, 2, models, x, y, STEPS, LR, timeout=150)
+    ref_losses, ref_params = _reference_training(nets()["time_major"][0], x, y, STEPS, LR)
     assert ref_losses[0] != pytest.approx(ref_losses[-1], abs=1e-6)  # training moved the loss
-    for rank, result in enumerate(results):
+    assert all(len(result["dp"]) == 3 for result in trained)
+    for rank, result in enumerate(r["dp"] for r in trained):
         for name, res in result.items():
             expected_share = {"batch_major": (N // 2, T, 6)}.get(name, (T, N // 2, 6))
             assert res["share"] == expected_share, (rank, name, res["share"])
@@ -138,24 +166,15 @@ class SwapTN(nn.Module):
         return x.transpose(0, 1)
 
 
-@pytest.mark.timeout(200)
-def test_pipeline_micro_batches_follow_the_layout():
+@pytest.mark.timeout(300)
+def test_pipeline_micro_batches_follow_the_layout(trained):
     """pp=2, 2 micro-batches: a batch-major ``nn.Sequential`` (micro-batches cut and outputs merged on
     dim 0) and the per-step network (each stage runs its units once per step) train as plain torch."""
     x, y = data()
-    built = nets()
-    reference = built["time_major"][0]
-    ref_losses, ref_params = _reference_training(reference, x, y, STEPS, LR)
-    batch_major = nn.Sequential(SwapTN(), *copy.deepcopy(reference.net), SwapTN())
-    models = {}
-    for name, model, layout, cut in (("batch_major", batch_major, BATCH_MAJOR, "3|3"),
-                                     ("per_step", *built["per_step"], "2|2")):
-        models[name] = (model, se.plan(analysis=se.analyze(model), objective="speed", topology={"pp": 2},
-                                       batch_size=N, mode="pp", data_layout=layout, pp_schedule="gpipe",
-                                       pp_microbatches=2, pp_virtual_stages=1, pp_layout=cut))
-    results = run_on_ranks(_train_rank, 2, models, x, y, STEPS, LR, timeout=150)
+    ref_losses, ref_params = _reference_training(nets()["time_major"][0], x, y, STEPS, LR)
     expected = [ref_params[k] for k in sorted(ref_params)]  # net.1.*, net.3.* sort as 1.*, 3.* do
-    for rank, result in enumerate(results):
+    assert all(set(result["pp"]) == {"batch_major", "per_step"} for result in trained)
+    for rank, result in enumerate(r["pp"] for r in trained):
         for name, res in result.items():
             assert res["losses"] == pytest.approx([sum(step) / 2 for step in ref_losses], rel=1e-9), (rank, name)
             assert len(res["by_position"]) == len(expected)
