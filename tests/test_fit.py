@@ -77,16 +77,17 @@ def _check_memory_objective(name, model, x, labels, outcomes):
     without levers, nor above any other lever combination of that plan (each lever alone included)."""
     analysis = analyze(model, example_input=x, labels=labels)
     estimate_of = remembered(plan_estimator(model, x, labels, hardware=HARDWARE))  # the planner's, then the checks'
+    step_module = find_time_step_module(model, x)  # one probing forward for both topologies and the checks
     for topology in ({"dp": 2}, {"tp": 2}):
         try:
             chosen = plan(analysis=analysis, objective="memory", topology=topology, features=ALL_GATES,
                           batch_size=analysis.data_layout.samples(x), peak_estimate=estimate_of,
-                          time_step_module=find_time_step_module(model, x))
+                          time_step_module=step_module)
         except ValueError:  # no TP candidates
             continue
         base = copy_without_levers(chosen)
         peak = estimate_of(chosen).peak_bytes
-        others = [estimate_of(v).peak_bytes for v in lever_variants(base, find_time_step_module(model, x))]
+        others = [estimate_of(v).peak_bytes for v in lever_variants(base, step_module)]
         assert others, name
         assert peak <= estimate_of(base).peak_bytes and peak <= min(others), (name, topology)
         assert any(note.startswith("memory levers: ") for note in chosen.notes), name
