@@ -49,13 +49,16 @@ def _cases():
         yield (f"chain{seed}",) + _random_chain(seed)
 
 
-def _check_choice(model, x, labels, result):
-    """The chosen plan fits, is the fastest fitting row, and its peak is not above the same plan's without levers."""
+def _check_choice(model, x, labels, result, profiles):
+    """The chosen plan fits, is the fastest fitting row, and its peak is not above the same plan's without levers.
+    ``profiles``: the model's profile per data layout, made once per model (its budgets share it)."""
     chosen = result.estimate
     assert chosen.peak_bytes <= result.memory_budget
+    layout = chosen.data_layout
+    if layout not in profiles:
+        profiles[layout] = model_profile(model, x, labels, layout=layout)
     unlevered = estimate(model, copy_without_levers(result.plan), example_input=x, labels=labels,
-                         profile=model_profile(model, x, labels, layout=chosen.data_layout), hardware=HARDWARE,
-                         layout=chosen.data_layout)
+                         profile=profiles[layout], hardware=HARDWARE, layout=layout)
     assert chosen.peak_bytes <= unlevered.peak_bytes
     fitting = result.table[result.table["fits"]]
     assert chosen.step_time_s == pytest.approx(fitting["step_time_s"].min())
@@ -74,16 +77,17 @@ def _check_memory_objective(name, model, x, labels, outcomes):
     without levers, nor above any other lever combination of that plan (each lever alone included)."""
     analysis = analyze(model, example_input=x, labels=labels)
     estimate_of = remembered(plan_estimator(model, x, labels, hardware=HARDWARE))  # the planner's, then the checks'
+    step_module = find_time_step_module(model, x)  # one probing forward for both topologies and the checks
     for topology in ({"dp": 2}, {"tp": 2}):
         try:
             chosen = plan(analysis=analysis, objective="memory", topology=topology, features=ALL_GATES,
                           batch_size=analysis.data_layout.samples(x), peak_estimate=estimate_of,
-                          time_step_module=find_time_step_module(model, x))
+                          time_step_module=step_module)
         except ValueError:  # no TP candidates
             continue
         base = copy_without_levers(chosen)
         peak = estimate_of(chosen).peak_bytes
-        others = [estimate_of(v).peak_bytes for v in lever_variants(base, find_time_step_module(model, x))]
+        others = [estimate_of(v).peak_bytes for v in lever_variants(base, step_module)]
         assert others, name
         assert peak <= estimate_of(base).peak_bytes and peak <= min(others), (name, topology)
         assert any(note.startswith("memory levers: ") for note in chosen.notes), name
@@ -102,6 +106,7 @@ def test_the_chosen_plan_never_has_a_higher_peak_than_without_its_levers():
         _check_memory_objective(name, model, x, labels, outcomes)
         top = fit_budget(model, x, 10 ** 12, 2, labels=labels, hardware=HARDWARE, features=FEATURES)
         assert top.plan == copy_without_levers(top.plan), name  # no budget pressure: no lever
+        profiles = {}
         for share in (1.0, 0.85, 0.65):
             budget = int(top.estimate.peak_bytes * share)
             try:
@@ -109,7 +114,7 @@ def test_the_chosen_plan_never_has_a_higher_peak_than_without_its_levers():
             except ValueError as exc:
                 assert "no plan for world_size=2 fits" in str(exc), (name, share)
                 continue
-            _check_choice(model, x, labels, result)
+            _check_choice(model, x, labels, result, profiles)
             outcomes |= set(result.table["outcome"])
             outcomes.add(("levered" if result.plan != copy_without_levers(result.plan) else "plain", name))
             if result.plan.checkpoint_blocks:

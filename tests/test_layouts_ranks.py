@@ -15,6 +15,8 @@ from torch import nn
 import snn_explorer as se
 from snn_explorer.core.layouts import BATCH_MAJOR, DataLayout
 from snn_explorer.core.neurons import reset_all
+from snn_explorer.estimator.measurement.plan_measurement import assemble_measurements, measure_on_rank
+from snn_explorer.estimator.measurement.settings import measure_settings
 
 pytest.importorskip("spikingjelly.activation_based.examples.memopt.models")  # installed by scripts/setup.sh
 
@@ -26,16 +28,27 @@ def _dp_plan(model, layout: DataLayout, batch: int = N):
                    data_layout=layout)
 
 
+def _measure_cases(cases):
+    """On each rank: what se.measure's ranks return (measure_on_rank), for every (model, plans, settings) in turn."""
+    return [measure_on_rank(model, plans, run) for model, plans, run in cases]
+
+
 @pytest.mark.timeout(300)
 def test_layouts_give_the_same_measurement():
     """Measured on 2 gloo ranks: bytes of every kind and every collective equal for the three layouts
     (the per-step model's peak may add its per-step outputs before stacking: one ``[T, n, C]``)."""
     x, y = data()
-    measured = {}
+    cases, layouts = {}, {}
     for name, (model, layout) in nets().items():
-        measured[name] = se.measure(model, _dp_plan(model, layout), example_input=as_layout(x, layout), labels=y,
-                                    steps=2, timeout=120)
-        assert measured[name].data_layout == layout
+        layouts[name] = layout
+        plans = [_dp_plan(model, layout)]
+        cases[name] = (model, plans, measure_settings(model, plans, as_layout(x, layout), y, 2, "adam", None, 1e-3,
+                                                      "cpu"))
+    per_rank = run_on_ranks(_measure_cases, 2, list(cases.values()), timeout=240)  # what se.measure runs, one spawn
+    measured = {}
+    for i, (name, (model, plans, run)) in enumerate(cases.items()):
+        measured[name] = assemble_measurements(plans, [rank[i] for rank in per_rank], run)[0]
+        assert measured[name].data_layout == layouts[name]
     ref = measured["time_major"]
     assert ref.collectives["bytes"].sum() > 0 and ref.collectives_agree
     for name, m in measured.items():
@@ -99,17 +112,45 @@ def _reference_training(model, x_tm, y, steps, lr, call=_time_major_call, halves
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-@pytest.mark.timeout(200)
-def test_layouts_train_alike_on_2_ranks():
+def _dp_models():
+    """The three layouts' models (one set of weights), each with its dp=2 plan."""
+    return {name: (model, _dp_plan(model, layout)) for name, (model, layout) in nets().items()}
+
+
+def _pp_models():
+    """pp=2, 2 micro-batches: a batch-major ``nn.Sequential`` of the time-major model's layers and the per-step
+    network, each with its plan."""
+    built = nets()
+    batch_major = nn.Sequential(SwapTN(), *copy.deepcopy(built["time_major"][0].net), SwapTN())
+    models = {}
+    for name, model, layout, cut in (("batch_major", batch_major, BATCH_MAJOR, "3|3"),
+                                     ("per_step", *built["per_step"], "2|2")):
+        models[name] = (model, se.plan(analysis=se.analyze(model), objective="speed", topology={"pp": 2},
+                                       batch_size=N, mode="pp", data_layout=layout, pp_schedule="gpipe",
+                                       pp_microbatches=2, pp_virtual_stages=1, pp_layout=cut))
+    return models
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """Per rank, per group ("dp", "pp"): _train_rank's results; the dp and the pp models train in one spawn."""
+    x, y = data()
+    groups = {"dp": _dp_models(), "pp": _pp_models()}
+    models = {(group, name): m for group, ms in groups.items() for name, m in ms.items()}
+    results = run_on_ranks(_train_rank, 2, models, x, y, STEPS, LR, timeout=240)
+    return [{group: {name: res for (g, name), res in result.items() if g == group} for group in groups}
+            for result in results]
+
+
+@pytest.mark.timeout(300)
+def test_layouts_train_alike_on_2_ranks(trained):
     """Same data, three layouts, dp=2: each rank's share has N/2 samples on its layout's batch dim, and
     losses and parameters after 3 steps equal a plain single-process run of the time-major model."""
     x, y = data()
-    built = nets()
-    ref_losses, ref_params = _reference_training(built["time_major"][0], x, y, STEPS, LR)
-    models = {name: (model, _dp_plan(model, layout)) for name, (model, layout) in built.items()}
-    results = run_on_ranks(_train_rank, 2, models, x, y, STEPS, LR, timeout=150)
+    ref_losses, ref_params = _reference_training(nets()["time_major"][0], x, y, STEPS, LR)
     assert ref_losses[0] != pytest.approx(ref_losses[-1], abs=1e-6)  # training moved the loss
-    for rank, result in enumerate(results):
+    assert all(len(result["dp"]) == 3 for result in trained)
+    for rank, result in enumerate(r["dp"] for r in trained):
         for name, res in result.items():
             expected_share = {"batch_major": (N // 2, T, 6)}.get(name, (T, N // 2, 6))
             assert res["share"] == expected_share, (rank, name, res["share"])
@@ -125,24 +166,15 @@ class SwapTN(nn.Module):
         return x.transpose(0, 1)
 
 
-@pytest.mark.timeout(200)
-def test_pipeline_micro_batches_follow_the_layout():
+@pytest.mark.timeout(300)
+def test_pipeline_micro_batches_follow_the_layout(trained):
     """pp=2, 2 micro-batches: a batch-major ``nn.Sequential`` (micro-batches cut and outputs merged on
     dim 0) and the per-step network (each stage runs its units once per step) train as plain torch."""
     x, y = data()
-    built = nets()
-    reference = built["time_major"][0]
-    ref_losses, ref_params = _reference_training(reference, x, y, STEPS, LR)
-    batch_major = nn.Sequential(SwapTN(), *copy.deepcopy(reference.net), SwapTN())
-    models = {}
-    for name, model, layout, cut in (("batch_major", batch_major, BATCH_MAJOR, "3|3"),
-                                     ("per_step", *built["per_step"], "2|2")):
-        models[name] = (model, se.plan(analysis=se.analyze(model), objective="speed", topology={"pp": 2},
-                                       batch_size=N, mode="pp", data_layout=layout, pp_schedule="gpipe",
-                                       pp_microbatches=2, pp_virtual_stages=1, pp_layout=cut))
-    results = run_on_ranks(_train_rank, 2, models, x, y, STEPS, LR, timeout=150)
+    ref_losses, ref_params = _reference_training(nets()["time_major"][0], x, y, STEPS, LR)
     expected = [ref_params[k] for k in sorted(ref_params)]  # net.1.*, net.3.* sort as 1.*, 3.* do
-    for rank, result in enumerate(results):
+    assert all(set(result["pp"]) == {"batch_major", "per_step"} for result in trained)
+    for rank, result in enumerate(r["pp"] for r in trained):
         for name, res in result.items():
             assert res["losses"] == pytest.approx([sum(step) / 2 for step in ref_losses], rel=1e-9), (rank, name)
             assert len(res["by_position"]) == len(expected)
@@ -169,6 +201,11 @@ def _vgg_rank(model, plan, x, y, steps, lr):
                 params={k: v.detach().clone() for k, v in runtime.full_parameters().items()})
 
 
+def _vgg_measure_and_train(model, plan, run, x, y, steps, lr):
+    """One spawn for both: what se.measure's ranks return for ``plan`` (it copies the model), then the training."""
+    return dict(measured=measure_on_rank(model, [plan], run), **_vgg_rank(model, plan, x, y, steps, lr))
+
+
 @pytest.mark.timeout(300)
 def test_reference_vgg_batch_major_unmodified():
     """``CIFAR10DVSVGG`` as the package ships it takes ``[N, T, C, H, W]`` and returns ``[T, N, C]``:
@@ -182,7 +219,10 @@ def test_reference_vgg_batch_major_unmodified():
     plan = se.plan(analysis=analysis, objective="speed", topology={"dp": 2}, batch_size=4, mode="dp")
     assert plan.data_layout == analysis.data_layout
     est = se.estimate(model, plan, example_input=x, labels=y, hardware="RTX-4090")
-    measured = se.measure(model, plan, example_input=x, labels=y, steps=2, timeout=120)
+    run = measure_settings(model, [plan], x, y, 2, "adam", None, 1e-3, "cpu")  # se.measure's, steps=2
+    results = run_on_ranks(_vgg_measure_and_train, 2, model, plan, run, x, y, STEPS, LR, timeout=240)
+    measured = assemble_measurements([plan], [r["measured"] for r in results], run)[0]
+    assert measured.data_layout == analysis.data_layout
     assert est.comm_bytes == int(measured.collectives["bytes"].sum()) > 0
     one = se.plan(analysis=analysis, objective="speed", topology={"dp": 1}, batch_size=4, mode="dp")
     assert se.estimate(model, one, example_input=x, labels=y, hardware="RTX-4090").comm_bytes == 0
@@ -190,7 +230,6 @@ def test_reference_vgg_batch_major_unmodified():
 
     ref_losses, ref_params = _reference_training(model, x.transpose(0, 1), y, STEPS, LR,
                                                  call=lambda m, part: m(part.transpose(0, 1)))
-    results = run_on_ranks(_vgg_rank, 2, model, plan, x, y, STEPS, LR, timeout=150)
     rates = results[0]["rates"]
     assert len(rates) == 8 and all(0.02 <= r <= 0.98 for r in rates.values()), rates  # spikes firing, not saturated
     assert ref_losses[0] != pytest.approx(ref_losses[-1], abs=1e-6)

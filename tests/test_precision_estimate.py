@@ -7,13 +7,18 @@ fsdp2 resharding after forward, so each BatchNorm's own fp32 unit is gathered in
 import dataclasses
 
 import pytest
+from distributed_harness import run_on_ranks
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.estimator import compare_estimate, estimate, measure_many
+from snn_explorer.estimator import compare_estimate, estimate
+from snn_explorer.estimator.measurement.plan_measurement import assemble_measurements, measure_on_rank
+from snn_explorer.estimator.measurement.settings import measure_settings
 from snn_explorer.estimator.profile.profiling import model_profile, precision_profile
 from snn_explorer.estimator.timing.pipeline_time import plan_stages, stage_work
 from snn_explorer.zoo import build
+
+pytestmark = pytest.mark.timeout(600)  # the first test measures every model of CASES
 
 PEAK_TOL = 0.05
 EXACT = ("params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes")
@@ -33,14 +38,27 @@ def _plans(zoo, precision):
             for mode, objective in CASES[zoo.name]]
 
 
+def _measure_cases(cases):
+    """On each rank: what measure_many's ranks return (measure_on_rank), for every (model, plans, settings) in turn."""
+    return [measure_on_rank(model, plans, run) for model, plans, run in cases]
+
+
 def results(name):
+    """(plan, estimate, measurement) of each bf16 then fp32 plan of ``name``; the first call measures every model
+    of CASES, as measure_many does, in one spawn of 2 ranks."""
     if name not in _RESULTS:
-        zoo = build(name)
-        plans = _plans(zoo, "bf16") + _plans(zoo, "fp32")
-        measured = measure_many(zoo.model, plans, example_input=zoo.example_input, labels=zoo.labels, steps=2,
-                                timeout=240)
-        estimated = [estimate(zoo.model, p, example_input=zoo.example_input, labels=zoo.labels) for p in plans]
-        _RESULTS[name] = list(zip(plans, estimated, measured))
+        zoos = {n: build(n) for n in CASES}
+        cases = {}
+        for n, zoo in zoos.items():
+            plans = _plans(zoo, "bf16") + _plans(zoo, "fp32")
+            cases[n] = (zoo.model, plans, measure_settings(zoo.model, plans, zoo.example_input, zoo.labels, 2, "adam",
+                                                           None, 1e-3, "cpu"))
+        per_rank = run_on_ranks(_measure_cases, 2, list(cases.values()), timeout=600)
+        for i, (n, (model, plans, run)) in enumerate(cases.items()):
+            measured = assemble_measurements(plans, [rank[i] for rank in per_rank], run)
+            zoo = zoos[n]
+            estimated = [estimate(zoo.model, p, example_input=zoo.example_input, labels=zoo.labels) for p in plans]
+            _RESULTS[n] = list(zip(plans, estimated, measured))
     return _RESULTS[name]
 
 
