@@ -42,12 +42,14 @@ def _tensors(module: nn.Module) -> tuple:
                  for n, t in table.items() if t is not None and not (where == "b" and n in state))
 
 
-def structure_key(model: nn.Module) -> tuple:
-    """What the answers :func:`remembered_for` keeps depend on (see the module doc), one entry per module."""
-    return tuple((name, type(m), tuple(sorted((k, _value(v)) for k, v in vars(m).items()
-                                             if not k.startswith("_") and not isinstance(v, torch.Tensor))),
-                  tuple(m._forward_pre_hooks), tuple(m._forward_hooks), _tensors(m))
-                 for name, m in model.named_modules())
+def structure_key(model: nn.Module) -> str:
+    """What the answers :func:`remembered_for` keeps depend on (see the module doc), one entry per module, as one
+    string (kept alive, it is one object the garbage collector does not walk, not a tuple per module)."""
+    return repr(tuple((name, type(m).__module__, type(m).__qualname__, id(type(m)),
+                       tuple(sorted((k, _value(v)) for k, v in vars(m).items()
+                                    if not k.startswith("_") and not isinstance(v, torch.Tensor))),
+                       tuple(m._forward_pre_hooks), tuple(m._forward_hooks), _tensors(m))
+                      for name, m in model.named_modules()))
 
 
 def remembered_for(model: nn.Module, question: Hashable, answer: Callable[[], T]) -> T:
