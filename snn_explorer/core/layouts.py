@@ -25,6 +25,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from .model_memo import remembered_for
 from .neurons import detached_copy, state_tensors, stateful_modules
 from .serialize import check_keys, check_kind
 
@@ -322,11 +323,18 @@ def detect_layout(model: nn.Module, x: torch.Tensor, reset, labels=None, time_st
     """``(layout, how it was found)`` for batch ``x``: a given ``data_layout`` checked against the
     labels; else the input's dims told apart by the labels' N or ``time_steps`` (else the neurons'
     state), the output's by one run of a copy of the model. When the input's cannot be told:
-    ``assume`` (an input layout, said so in ``how``), or ValueError (name a data_layout)."""
+    ``assume`` (an input layout, said so in ``how``), or ValueError (name a data_layout). The detection is kept
+    per model object while its structure stays the same (:func:`~.model_memo.remembered_for`)."""
     if data_layout is not None:
         layout = layout_of(data_layout)
         check_samples(layout, x, labels, "example_input")
         return layout, f"{layout.name}: given"
+    question = ("layout", tuple(x.shape), x.dtype, x.device.type, _known(labels, time_steps), assume, reset)
+    return remembered_for(model, question, lambda: _detected(model, x, reset, labels, time_steps, assume))
+
+
+def _detected(model: nn.Module, x: torch.Tensor, reset, labels, time_steps, assume) -> Tuple[DataLayout, str]:
+    """:func:`detect_layout` without a given ``data_layout``: the runs (on a copy) that find it."""
     found, how = input_layout_of(x, labels, time_steps)
     model = detached_copy(model)  # the dry runs below leave the user's model, its neuron state included, untouched
     if found is None:

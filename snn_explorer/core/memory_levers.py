@@ -37,6 +37,7 @@ from torch import nn
 from . import neurons
 from .activation_offload import check_activation_offload
 from .block_choice import block_label, check_block_choice
+from .model_memo import remembered_for
 from .modes import names_text
 from .spike_compression import check_spike_compression
 from .vocabulary import Checkpointing
@@ -141,8 +142,15 @@ def find_time_step_module(model: nn.Module, example_input: torch.Tensor) -> Opti
     one call.
 
     Runs one forward (on a copy, without gradients) and returns the outermost module that was called more
-    than once and holds both parameters and stateful neurons (``"net"`` for the zoo's ``mlp``).
+    than once and holds both parameters and stateful neurons (``"net"`` for the zoo's ``mlp``). Kept per model
+    object while its structure stays the same (:func:`~.model_memo.remembered_for`).
     """
+    question = ("time step module", tuple(example_input.shape), example_input.dtype, example_input.device.type)
+    return remembered_for(model, question, lambda: _stepped_module(model, example_input))
+
+
+def _stepped_module(model: nn.Module, example_input: torch.Tensor) -> Optional[str]:
+    """:func:`find_time_step_module`'s run of a copy of ``model``."""
     probe = neurons.detached_copy(model)
     calls: Counter = Counter()
     handles = [m.register_forward_pre_hook(lambda mod, _args, name=n: calls.update([name]))

@@ -71,6 +71,35 @@ def root_over_children(module: nn.Module) -> nn.Module:
 _HOOK_DICTS = frozenset(k for k in _MODULE_DICTS if "hooks" in k)
 
 
+def copy_along(module: nn.Module, paths) -> nn.Module:
+    """A new root over ``module`` in which every module on the way to each of ``paths`` (dotted, as
+    ``named_modules`` names them; "" the root), the modules at ``paths`` included, is a new instance
+    (:func:`root_over_children`: its own instance dict, hook dictionaries and child registry) and every other
+    module is ``module``'s own object, shared. What a caller that replaces the forwards of those modules, or
+    registers hooks on them (activation checkpointing), needs instead of a copy of the whole tree: ``module`` is
+    not touched, and its runs use (and leave neuron state and gradients in) ``module``'s other modules.
+    ValueError for a path that names no module."""
+    tree: dict = {}
+    for path in paths:
+        node = tree
+        for name in path.split(".") if path else ():
+            node = node.setdefault(name, {})
+    return _copied_along(module, tree, "")
+
+
+def _copied_along(module: nn.Module, tree: dict, where: str) -> nn.Module:
+    out = root_over_children(module)
+    if tree:
+        children = type(module._modules)(module._modules)
+        for name, below in tree.items():
+            child = children.get(name)
+            if child is None:
+                raise ValueError(f"{(where + '.' if where else '') + name!r} is not a module of this model")
+            children[name] = _copied_along(child, below, where + "." + name if where else name)
+        out.__dict__["_modules"] = children
+    return out
+
+
 def _copy(value, memo: dict, tensor_copy: TensorCopy):
     kind = type(value)
     if kind in _ATOMS:

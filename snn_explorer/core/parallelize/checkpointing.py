@@ -32,7 +32,7 @@ from ..vocabulary import Checkpointing
 from .saved_ops import TORCHTITAN_OPS, SavedOps
 
 __all__ = ["apply_activation_checkpointing", "checkpoint_blocks", "checkpoint_time_chunks", "block_segments",
-           "chosen_segments", "planned_blocks", "region_starts", "repeated_blocks"]
+           "checkpointed_paths", "chosen_segments", "planned_blocks", "region_starts", "repeated_blocks"]
 
 #: A neuron's state: (module, {slot: value}) per stateful module.
 State = List[Tuple[nn.Module, Dict[Tuple[str, str], object]]]
@@ -92,15 +92,19 @@ def block_segments(model: nn.Module, units: Sequence[str]) -> List[Tuple[str, Tu
     """
     unit_set = set(units)
     blocks = []
+    positions: Dict[str, Tuple[List[str], Dict[str, int]]] = {}  # per parent: its child names and their indices
     for path in units:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if path else None
         if not isinstance(parent, nn.Sequential):
             blocks.append((path, ()))
             continue
-        names = list(parent._modules)
+        if parent_path not in positions:
+            names = list(parent._modules)
+            positions[parent_path] = (names, {n: i for i, n in enumerate(names)})
+        names, index = positions[parent_path]
         members = [name]
-        for follower in names[names.index(name) + 1:]:
+        for follower in names[index[name] + 1:]:
             child = parent._modules[follower]
             full = f"{parent_path}.{follower}" if parent_path else follower
             if full in unit_set or any(True for _ in child.parameters()):
@@ -181,6 +185,22 @@ def region_starts(model: nn.Module, plan, units: Sequence[str]) -> Optional[List
         return None
     return [((f"{parent}.{members[0]}" if parent else members[0]) if members else parent, max(1, len(members)))
             for parent, members in chosen]
+
+
+def checkpointed_paths(model: nn.Module, plan, units: Sequence[str]) -> List[str]:
+    """The modules of ``model`` whose forward :func:`apply_activation_checkpointing` replaces, or on which it
+    registers hooks, for ``plan`` (paths, "" the root): a caller can checkpoint a copy made new along these paths
+    only (``core.module_copy.copy_along``), the rest of the tree shared."""
+    blocks = planned_blocks(model, plan, units)
+    if blocks is not None:
+        return list(dict.fromkeys(parent for parent, _ in blocks))  # a run's Sequential, or the unit itself
+    if plan.activation_checkpointing == Checkpointing.TIME_CHUNKS:
+        try:  # the root's hooks start each pass; a path that names no module: apply's own error says so
+            model.get_submodule(plan.time_step_module)
+        except AttributeError:
+            return [""]
+        return ["", plan.time_step_module]
+    return []
 
 
 def _checkpointed(region: nn.Module, run: Callable, restore: bool, context_fn: Callable = noop_context_fn) -> Callable:

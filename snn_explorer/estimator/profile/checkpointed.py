@@ -4,8 +4,9 @@ A checkpointed block keeps only its inputs and a copy of its neurons' entry stat
 runs the forward again first, which adds that block's activations to the backward for a while. Both
 are measured like everything else the profile measures: on the model as one rank runs it (the private
 copy, or its TP replica), here with :mod:`~snn_explorer.core.parallelize.checkpointing` applied to a
-copy, once per size and layout. The FLOPs torch's ``FlopCounterMode`` counts for a forward and backward
-with and without checkpointing give the recompute cost as a fraction of one forward.
+copy made new only along the modules checkpointing changes (the rest shared with the plain rank model,
+``core.module_copy.copy_along``), once per size and layout. The FLOPs torch's ``FlopCounterMode`` counts for
+a forward and backward with and without checkpointing give the recompute cost as a fraction of one forward.
 """
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from ...core.module_copy import copy_along
 from ...core.neurons import detached_copy
-from ...core.parallelize.checkpointing import apply_activation_checkpointing, region_starts
+from ...core.parallelize.checkpointing import apply_activation_checkpointing, checkpointed_paths, region_starts
 from ...core.vocabulary import Checkpointing
 from ...core.young_objects import new_objects_collected
 from ..instruments.meter import StorageMeter
@@ -52,7 +54,9 @@ class CheckpointedProfile(ModelProfile):
     def rank_model(self, tp_plan: Optional[Mapping[str, str]], tp: int) -> Tuple[tuple, nn.Module]:
         key, model = super().rank_model(tp_plan, tp)
         if key not in self.checkpointed:
-            copy_ = detached_copy(model)
+            # new only where checkpointing changes forwards or adds hooks, the rest shared with the plain rank model
+            # (a whole copy takes seconds on a model of thousands of modules)
+            copy_ = copy_along(model, checkpointed_paths(model, self.plan, self.fsdp_units))
             apply_activation_checkpointing(copy_, self.plan, self.fsdp_units)
             self.checkpointed[key] = copy_
         return key, self.checkpointed[key]

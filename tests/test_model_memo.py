@@ -1,0 +1,46 @@
+"""The data layout's detection and the time-step module are found once per model object while its structure stays
+the same (core.model_memo): a second fit_budget of the same model runs neither again, and gets the same answers; a
+change to a module, its configuration, hooks or parameter shapes asks again."""
+import torch
+from torch import nn
+
+from snn_explorer.core import layouts, memory_levers, neurons
+from snn_explorer.core.layouts import detect_layout
+from snn_explorer.core.memory_levers import find_time_step_module
+from snn_explorer.core.model_memo import structure_key
+from snn_explorer.zoo import SpikingMLP
+
+
+def _counting(monkeypatch):
+    copies, copy_ = [], neurons.detached_copy
+
+    def counted(model):
+        copies.append(model)
+        return copy_(model)
+    monkeypatch.setattr(layouts, "detached_copy", counted)
+    monkeypatch.setattr(memory_levers.neurons, "detached_copy", counted)
+    return copies
+
+
+def test_answers_are_kept_until_the_structure_changes(monkeypatch):
+    copies = _counting(monkeypatch)
+    torch.manual_seed(0)
+    model, x = SpikingMLP(4, (8, 8), 3, stepping="per_step"), torch.rand(5, 2, 4)
+    first = detect_layout(model, x, neurons.reset_all, assume="time_major")
+    step = find_time_step_module(model, x)
+    assert (first[0].input, step, len(copies)) == ("time_major", "net", 2)  # non-trivial answers, each from a run
+    model(x[0])  # neuron state changes: not the structure
+    assert detect_layout(model, x, neurons.reset_all, assume="time_major") == first
+    assert find_time_step_module(model, x) == step and len(copies) == 2
+    assert detect_layout(model, x[:, :1], neurons.reset_all, assume="time_major") and len(copies) == 3  # new shape
+    changes = [lambda: model.net[0].register_forward_hook(lambda *a: None),
+               lambda: setattr(model.net[1], "reset_delay", False),
+               lambda: setattr(model, "extra", nn.Linear(2, 2)),
+               lambda: setattr(model.net, "0", nn.Linear(4, 8)),  # replaced by one of the same shape
+               lambda: model.train(False)]
+    for change in changes:
+        before = structure_key(model)
+        change()
+        assert structure_key(model) != before
+        count = len(copies)
+        assert find_time_step_module(model, x) == step and len(copies) == count + 1
