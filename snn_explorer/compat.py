@@ -154,6 +154,12 @@ def own_tensors(module: torch.nn.Module) -> list:
             + [(n, t) for n, t in module._buffers.items() if t is not None])
 
 
+def forward_hook_ids(module: torch.nn.Module) -> tuple:
+    """The handle ids of ``module``'s own forward pre-hooks and forward hooks (``Module._forward_pre_hooks`` /
+    ``_forward_hooks``): a hook added or removed changes them."""
+    return tuple(module._forward_pre_hooks), tuple(module._forward_hooks)
+
+
 def spikingjelly_reset_values(module: torch.nn.Module) -> dict:
     """The values spikingjelly's ``reset()`` puts back in each memory (``MemoryModule._memories_rv``)."""
     return getattr(module, "_memories_rv", {})

@@ -44,3 +44,22 @@ def test_answers_are_kept_until_the_structure_changes(monkeypatch):
         assert structure_key(model) != before
         count = len(copies)
         assert find_time_step_module(model, x) == step and len(copies) == count + 1
+
+
+def test_a_spikingjelly_step_mode_or_a_configuration_changed_in_place_asks_again():
+    from spikingjelly.activation_based import functional, layer, neuron  # lazy: spikingjelly only for this test
+
+    net = nn.Sequential(layer.Linear(4, 4), neuron.LIFNode())
+    net.cfg = {"width": 4}
+    keys = [structure_key(net)]
+    net(torch.rand(2, 4))  # a single-step run changes neuron state only
+    assert structure_key(net) == keys[0]
+    functional.set_step_mode(net, "m")  # kept in the private _step_mode
+    keys.append(structure_key(net))
+    net.cfg["width"] = 8  # the same dict, changed in place
+    keys.append(structure_key(net))
+    assert len(set(keys)) == 3
+    for model in (SpikingMLP(4, (8,), 3), SpikingMLP(4, (8,), 3, stepping="all_steps")):
+        before = structure_key(model)
+        model(torch.rand(5, 2, 4))
+        assert structure_key(model) == before  # no private counter a run changes

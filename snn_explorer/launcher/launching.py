@@ -18,8 +18,8 @@ def launch(fn: Callable, *args: Any, nprocs: int, comm_backend: str = "auto", ti
     ``comm_backend`` (``backend``: its deprecated name): ``"auto"`` (NCCL when CUDA has ``nprocs``
     devices, else gloo), ``"gloo"`` or ``"nccl"`` (one GPU per rank). ``timeout``: seconds a rank
     may go without a heartbeat (its start, each :func:`report`, its end) before the launch is
-    ended (starting may take up to 120 s, whatever ``timeout``; a start or a process group join that
-    hangs is tried once more); None waits forever.
+    ended, None: no heartbeat limit (starting may take up to 120 s and joining the process group 60 s,
+    whatever ``timeout``; a start or a join that hangs before any rank ran ``fn`` is tried once more).
     ``env``: extra environment variables for the ranks. ``progress``: True (widgets in a
     notebook, a text line on a terminal), False, or ``callable(snapshot)``. ``log_dir``: also keep
     each rank's stdout/stderr there (they are always on the result; checked writable first).

@@ -93,9 +93,10 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Mapping[str, An
     """``fn(*args, **kwargs)`` on ``nprocs`` ranks with the process group initialised.
 
     ``timeout``: seconds a rank may go without a heartbeat (its start, each ``report``, its end),
-    None: no limit; a rank gets :data:`~.progress.START_TIMEOUT_S` (120 s) to start and
-    :data:`JOIN_TIMEOUT_S` to join the process group once every rank is joining, whatever the
-    ``timeout``, and a run that fails there is tried again once. ``time_limit``: seconds for the
+    None: no limit; a rank gets :data:`~.progress.START_TIMEOUT_S` (120 s, the agent's start
+    included) to start and :data:`JOIN_TIMEOUT_S` to join the process group once every rank is
+    joining, whatever the ``timeout``, and a run that fails there before any rank ran the function
+    is tried again once. ``time_limit``: seconds for the
     whole run, start-up included, None: no limit. ``pg_timeout``: the process group's own timeout
     (torch's default if None). ``env``: extra variables for the ranks (None removes one).
     ``progress``: see :func:`~snn_explorer.ranks.display.choose_display`. Raises :class:`LaunchError`.
@@ -205,8 +206,9 @@ def _wait(agent: AgentProcess, reader: channel.EventReader, tracker: Tracker, di
             return tracker.unfinished(), f"not finished within the time limit of {time_limit:g} s", []
         silent = tracker.silent(now, timeout)
         if silent:
-            started = any(tracker.ranks[r].pid for r in silent)
-            return silent, f"no heartbeat for {timeout:g} s" if started else f"not started within {START_TIMEOUT_S:g} s", []
+            any_started = any(tracker.ranks[r].pid for r in silent)
+            why = f"no heartbeat for {timeout:g} s" if any_started else f"not started within {START_TIMEOUT_S:g} s"
+            return silent, why, []
         joining = tracker.stuck_joining(now, JOIN_TIMEOUT_S)
         if joining:
             return joining, f"still joining the process group {JOIN_TIMEOUT_S:g} s after every rank began to", []

@@ -89,12 +89,15 @@ class LaunchError(RuntimeError):
     """A launch failed. ``failures`` maps rank -> :class:`RankFailure` (in rank order; the message
     lists root causes first); ``unfinished`` lists the ranks that had not finished; ``logs`` maps
     rank -> captured stdout+stderr; ``results`` maps rank -> return value of the ranks that did
-    return one; ``timed_out`` is True when the launch ended at its timeout; ``attempts`` counts
-    the launches tried (a launch whose ranks all failed or got stuck joining the process group, or never started, is retried once)."""
+    return one; ``timed_out`` is True when the launch ended at its timeout; ``function_ran`` is True when
+    some rank began to run the function; ``attempts`` counts the launches tried (a launch whose ranks all
+    failed or got stuck joining the process group, or never started, before any rank ran the function,
+    is retried once)."""
 
     def __init__(self, headline: str, failures: Dict[int, RankFailure], unfinished: Sequence[int] = (),
                  logs: Optional[Dict[int, str]] = None, attempts: int = 1, results: Optional[Dict[int, Any]] = None,
-                 timed_out: bool = False):
+                 timed_out: bool = False, function_ran: bool = True):
+        self.function_ran = function_ran
         self.failures = dict(sorted(failures.items()))
         self.unfinished = tuple(unfinished)
         self.logs = logs or {}
@@ -120,7 +123,8 @@ class LaunchError(RuntimeError):
 
     @property
     def before_user_code(self) -> bool:
-        """True if every rank failed or timed out while joining the process group, or never started (or was ended
-        because of one that did)."""
+        """True if no rank ran the function and every rank failed or timed out while joining the process group, or
+        never started (or was ended because of one that did). The payload was unpickled (its objects' own
+        unpickling code ran) by the ranks that joined; a retry unpickles it again."""
         causes = [f for f in self.failures.values() if not f.collateral]
-        return bool(causes) and all(f.phase in ("spawn", "init") for f in causes)
+        return not self.function_ran and bool(causes) and all(f.phase in ("spawn", "init") for f in causes)

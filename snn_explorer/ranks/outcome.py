@@ -147,7 +147,8 @@ def timed_out(tracker: Tracker, hung, why: str, stacks, logs, joined, values) ->
     where = "; ".join(f"rank {r} in {waiting_in(stacks.get(r, ''))}" for r in order if waiting_in(stacks.get(r, "")))
     return LaunchError(f"launch timed out: rank(s) {sorted(tracker.unfinished())} had not finished ({why}; "
                        f"rank(s) {sorted(hung)})" + (f"; first: {where}" if where else ""), fails,
-                       unfinished=tracker.unfinished(), logs=joined, results=values, timed_out=True)
+                       unfinished=tracker.unfinished(), logs=joined, results=values, timed_out=True,
+                       function_ran=tracker.function_ran())
 
 
 def outcome(run_dir, nprocs, backend, started, tracker, hung, why, stacks, log_dir) -> LaunchResult:
@@ -169,7 +170,8 @@ def outcome(run_dir, nprocs, backend, started, tracker, hung, why, stacks, log_d
     if not status and not any(s.pid for s in tracker.ranks.values()):
         agent_log = open(channel.path(run_dir, "agent.log"), errors="replace").read()[-LOG_TAIL:]
         text += f"\nno rank started; the launcher agent's log:\n{agent_log}"
-    raise LaunchError(text, fails, unfinished=tracker.unfinished(), logs=joined, results=values)
+    raise LaunchError(text, fails, unfinished=tracker.unfinished(), logs=joined, results=values,
+                      function_ran=tracker.function_ran())
 
 
 def _result(values, logs, backend, started, tracker, log_dir) -> LaunchResult:

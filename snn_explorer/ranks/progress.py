@@ -143,22 +143,26 @@ class Tracker:
     def unfinished(self) -> List[int]:
         return [r for r, s in self.ranks.items() if s.status != "done"]
 
+    def function_ran(self) -> bool:
+        """Whether some rank began to run the function (or finished it)."""
+        return any(s.phase == "run" or s.status == "done" for s in self.ranks.values())
+
     def stuck_joining(self, now: float, limit: float) -> List[int]:
-        """Ranks still joining the process group ``limit`` seconds after the last rank began to join
-        (joining waits only for the peers, so once every rank is at it, it takes a second or two)."""
+        """Every rank, when all of them are still joining the process group ``limit`` seconds after the last
+        one began to (joining waits only for the peers, so once every rank is at it, it takes a second or
+        two); else none (a rank that got through leaves the others to the heartbeat timeout)."""
         states = list(self.ranks.values())
-        joining = [s for s in states if s.phase == "init" and s.status == "running"]
-        if not joining or any(s.phase in ("spawn", "load") or s.status == "failed" for s in states):
+        if not all(s.phase == "init" and s.status == "running" for s in states):
             return []
-        return [s.rank for s in joining] if now - max(s.phase_at for s in joining) > limit else []
+        return [s.rank for s in states] if now - max(s.phase_at for s in states) > limit else []
 
     def silent(self, now: float, timeout: Optional[float]) -> List[int]:
-        """Unfinished ranks with no heartbeat for ``timeout`` seconds; a rank that has not started
-        gets :data:`START_TIMEOUT_S` instead, whatever ``timeout`` (None: no limit) is."""
-        if timeout is None:
-            return []
+        """Unfinished ranks with no heartbeat for ``timeout`` seconds (None: no limit); a rank that has not
+        started gets :data:`START_TIMEOUT_S` instead, whatever ``timeout`` is."""
+        def limit(state: RankState) -> Optional[float]:
+            return timeout if state.pid else START_TIMEOUT_S
         return [r for r in self.unfinished()
-                if now - self.ranks[r].last_seen > (timeout if self.ranks[r].pid else START_TIMEOUT_S)]
+                if limit(self.ranks[r]) is not None and now - self.ranks[r].last_seen > limit(self.ranks[r])]
 
     def snapshot(self) -> List[dict]:
         return [s.as_dict() for s in self.ranks.values()]

@@ -96,7 +96,7 @@ def _default_signals() -> None:
 
 def _enter(run_dir: str, phase: list, name: str) -> None:
     """``phase[0] = name``, said to the launcher too (a ``phase`` event: it tells a rank stuck joining
-    the process group from one still loading the payload or running the function)."""
+    the process group from one still loading the payload, and whether any rank ran the function)."""
     phase[0] = name
     channel.emit(run_dir, int(os.environ["RANK"]), "phase", phase=name)
 

@@ -99,16 +99,15 @@ def this_host_checkpoint_overhead(repeats: int = 40) -> CheckpointCost:
         seconds = least_steps(models, x, y, repeats)
         ops = [_ops(model, x, y) for model in models]
         regions = [region_ops(plain, x, y) for plain in chunk_plain]
-    total = lambda pair: sum(pair)
-    per_op = total(seconds[0]) / total(ops[0])  # the plain step's mean seconds per operator
-    blocks = (total(seconds[1]) - total(seconds[0]) - (total(ops[1]) - total(ops[0])) * per_op) / (len(linears) * STEPS)
+    plain_s_per_op = sum(seconds[0]) / sum(ops[0])  # the plain step's mean seconds per operator
+    blocks = (sum(seconds[1]) - sum(seconds[0]) - (sum(ops[1]) - sum(ops[0])) * plain_s_per_op) / (len(linears) * STEPS)
     excess = []
     for plain, chunks in ((0, 2), (3, 4)):  # each time-chunk probe: plain, chunks of one step
         forward_rate = seconds[plain][0] / ops[plain][0]
-        extra = total(ops[chunks]) - total(ops[plain])
-        excess.append((total(seconds[chunks]) - total(seconds[plain]) - extra * forward_rate) / STEPS)
+        extra = sum(ops[chunks]) - sum(ops[plain])
+        excess.append((sum(seconds[chunks]) - sum(seconds[plain]) - extra * forward_rate) / STEPS)
     chunk_per_op = max(0.0, (excess[1] - excess[0]) / (regions[1] - regions[0]))
     chunk_per_call = max(0.0, excess[0] - chunk_per_op * regions[0])
     return CheckpointCost(per_call={Checkpointing.BLOCKS.value: max(0.0, blocks),
                                     Checkpointing.TIME_CHUNKS.value: chunk_per_call},
-                          per_op={Checkpointing.TIME_CHUNKS.value: chunk_per_op}, reference_s=total(seconds[0]))
+                          per_op={Checkpointing.TIME_CHUNKS.value: chunk_per_op}, reference_s=sum(seconds[0]))

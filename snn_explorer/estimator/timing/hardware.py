@@ -125,8 +125,10 @@ class HardwareProfile:
     def _check_checkpoint_overhead(self) -> None:
         """``checkpoint_overhead`` (per call) and ``checkpoint_overhead_per_op`` (per operator of a call): seconds
         >= 0 for the granularities that recompute, by their names."""
-        keys = {Checkpointing.BLOCKS.value, Checkpointing.TIME_CHUNKS.value}
-        for attr, unit in (("checkpoint_overhead", "call"), ("checkpoint_overhead_per_op", "operator of a call")):
+        per_call = {Checkpointing.BLOCKS.value, Checkpointing.TIME_CHUNKS.value}
+        per_op = {Checkpointing.TIME_CHUNKS.value}  # the estimate counts a region's operators for time chunks only
+        for attr, unit, keys in (("checkpoint_overhead", "call", per_call),
+                                 ("checkpoint_overhead_per_op", "operator of a call", per_op)):
             for key, value in getattr(self, attr).items():
                 if key not in keys or isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                     raise ValueError(f"{attr}[{key!r}] = {value!r}; expected seconds >= 0 per {unit} for a "
