@@ -90,6 +90,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=11)
     parser.add_argument("--timed", type=int, default=101)
     args = parser.parse_args()
+    if args.rounds < 0:
+        parser.error(f"--rounds {args.rounds}: expected 0 (one thread only) or more rounds on 2 gloo ranks")
     zoo = build(args.model, args.size)
     x, y = batch_slice(zoo.example_input, zoo.labels, zoo.batch_size, args.time_steps)
     step_module = find_time_step_module(zoo.model, x)

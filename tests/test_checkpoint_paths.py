@@ -55,7 +55,10 @@ def test_checkpointed_profiles_along_their_paths_equal_whole_copies(monkeypatch,
     assert next(some.rank_model(plans[0].tensor_parallel_plan, plans[0].tp_size)[1].parameters()) is \
         next(plain.parameters())
     monkeypatch.setattr(checkpointed, "copy_along", lambda m, _paths: detached_copy(m))
-    _, slow = _estimates(model, x, labels, plans)
+    slow_profile, slow = _estimates(model, x, labels, plans)
+    copied = levered_profile(slow_profile, plans[0]).rank_model(plans[0].tensor_parallel_plan, plans[0].tp_size)[1]
+    slow_plain = ModelProfile.rank_model(slow_profile, plans[0].tensor_parallel_plan, plans[0].tp_size)[1]
+    assert next(copied.parameters()) is not next(slow_plain.parameters())  # the slow path did copy the whole model
     for plan, got, want in zip(plans, fast, slow):
         pd.testing.assert_frame_equal(got.per_rank, want.per_rank, check_exact=True)
         assert (got.peak_bytes, got.step_time_s) == (want.peak_bytes, want.step_time_s), plan

@@ -1,6 +1,6 @@
 """The data layout's detection and the time-step module are found once per model object while its structure stays
-the same (core.model_memo): a second fit_budget of the same model runs neither again, and gets the same answers; a
-change to a module, its configuration, hooks or parameter shapes asks again."""
+the same (core.model_memo): asked again of the same model (as a second fit_budget asks), neither runs again, and the
+answers are the same; a change to a module, its configuration, hooks or parameter shapes asks again."""
 import torch
 from torch import nn
 

@@ -32,7 +32,7 @@ figures of chunks of one step are used for every chunk size.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -59,7 +59,7 @@ class CheckpointCost:
 
     per_call: Dict[str, float]
     per_op: Dict[str, float]
-    reference_s: float
+    reference_s: Optional[float]
 
 
 def _ops(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Tuple[float, float]:

@@ -20,7 +20,7 @@ from ...zoo.mlp import SpikingMLP
 from ..instruments.isolation import one_thread
 from ..profile.step import forward_loss
 
-__all__ = ["WIDTH", "STEPS", "BATCH", "probe_model", "probe_batch", "one_step", "least_steps", "reference_step_s"]
+__all__ = ["WIDTH", "STEPS", "BATCH", "REFERENCE_LAYERS", "probe_model", "probe_batch", "one_step", "least_steps", "reference_step_s"]
 
 #: The probes: width, time steps, batch (tiny regions: the calls' own cost dominates)
 WIDTH, STEPS, BATCH = 8, 8, 2

@@ -116,7 +116,8 @@ def checkpoint_overhead_s(plan: SNNDistributedPlan, profile, hw: HardwareProfile
     key = Checkpointing.TIME_CHUNKS if granularity == Checkpointing.TIME_CHUNKS else Checkpointing.BLOCKS
     if not granularity.recomputes:
         return 0.0
-    per_call = hw.checkpoint_overhead.get(key.value, 0.0) + hw.checkpoint_overhead_per_op.get(key.value, 0.0) * region_ops
+    per_op = hw.checkpoint_overhead_per_op.get(key.value, 0.0)
+    per_call = hw.checkpoint_overhead.get(key.value, 0.0) + per_op * region_ops
     return checkpointed_calls(plan, profile, t) * per_call if per_call else 0.0
 
 
@@ -166,7 +167,7 @@ def at_host_speed(hw: HardwareProfile, plain) -> HardwareProfile:
     """``hw`` with its checkpointing costs scaled to the host's speed of the moment: by the reference probe step
     timed now (once per ``plain``, the profile the timing correction is also timed for) over its seconds when they
     were calibrated (``checkpoint_reference_s``; :mod:`.checkpoint_probe`)."""
-    cache = plain.__dict__.setdefault("_checkpoint_reference_s", {})
+    cache = plain.__dict__.setdefault("_reference_step_now_s", {})
     if hw.checkpoint_reference_s not in cache:
         cache[hw.checkpoint_reference_s] = reference_step_s()
     speed = cache[hw.checkpoint_reference_s] / hw.checkpoint_reference_s
@@ -206,7 +207,8 @@ def plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, per_
                                    ranks_on_host(plan, hw), optimizer_s)
     local = float(per_rank["params_bytes"].iloc[0]) / (plan.dp_size if plan.uses_zero else 1)
     plain_work, region_ops = None, 0.0
-    if plan.activation_checkpointing == Checkpointing.TIME_CHUNKS:  # the region: one call of the time-step module
+    costed = correction or hw.checkpoint_overhead_per_op  # else (a datasheet profile) neither figure is used
+    if plan.activation_checkpointing == Checkpointing.TIME_CHUNKS and costed:  # the region: a time-step module call
         plain_work = rank_work(unlevered(profile), plan.tensor_parallel_plan, plan.tp_size, optimizer)
         region_ops = time_step_ops(plain_work, plan.per_rank_batch, t)
     phases = compute_phases(plan, work, hw, t, itemsize, local, correction, plain_work if correction else None)
