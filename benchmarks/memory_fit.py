@@ -1,12 +1,13 @@
 """fit_budget at shrinking memory budgets: the plan found, its estimated (and measured) peak, step time, search time.
 
 Run: ``python benchmarks/memory_fit.py [--models spikformer vgg] [--world-size 2] [--hardware H100-SXM]
-[--size tiny] [--time-steps 16] [--measure] [--generated 10000] [--reference]``. Per model, the budget is 100 %,
+[--size tiny] [--time-steps 16] [--measure [--device cuda]] [--generated 10000] [--reference]``. Per model, the budget is 100 %,
 75 %, 50 % and 35 % of the unlevered peak (the estimated peak of the fastest plan without memory levers); each row
 is what :func:`snn_explorer.fit_budget` returns there (levers: checkpointing by blocks, every 1st or 2nd, or block
 by block; time chunks sized by estimate, :func:`~snn_explorer.core.chunk_choice.choose_chunks`; spike compression; both; on a profile with a host link activation offload and FSDP2's CPU
 offload), or the lowest estimated peak when no plan fits. ``--measure`` also trains each
-chosen plan on ``world_size`` gloo ranks (``measure``) and prints its measured peak. ``--generated M`` adds the
+chosen plan on ``world_size`` gloo ranks (``measure``; ``--device cuda``: NCCL ranks, a GPU each, where the
+offload plans run too) and prints its measured peak. ``--generated M`` adds the
 search on a generated all-steps MLP of about M modules (``explorer_latency``'s builder) at 100 % and 50 %
 (wall and CPU seconds: ``search_s``, ``search_cpu_s``).
 
@@ -47,10 +48,11 @@ def _row(name, share, budget, zoo, args) -> dict:
     row.update(plan=found.table["plan"].iloc[0], est_peak=found.estimate.peak_bytes,
                step_ms=round(found.estimate.step_time_s * 1e3, 3), search_s=round(found.search_s, 2),
                candidates=len(found.table))
-    if args.measure and (found.plan.activation_offload or found.plan.cpu_offload):
+    offloads = found.plan.activation_offload or found.plan.cpu_offload
+    if args.measure and offloads and args.device != "cuda":
         row.update(measured_peak="- (CUDA only)")  # apply refuses both on CPU ranks: their memory is the host's
     elif args.measure:
-        got = measure(zoo.model, found.plan, example_input=zoo.example_input, labels=zoo.labels)
+        got = measure(zoo.model, found.plan, example_input=zoo.example_input, labels=zoo.labels, device=args.device)
         row.update(measured_peak=got.peak_bytes,
                    rel_error=round((found.estimate.peak_bytes - got.peak_bytes) / got.peak_bytes, 3))
     return row
@@ -145,7 +147,9 @@ def main() -> None:
     parser.add_argument("--size", default="tiny", help="zoo size (tiny, small, full)")
     parser.add_argument("--time-steps", type=int, default=16, help="T: activations and neuron state grow with it")
     parser.add_argument("--hardware", default="H100-SXM", help="a built-in hardware profile for the step times")
-    parser.add_argument("--measure", action="store_true", help="measure each chosen plan on gloo ranks too")
+    parser.add_argument("--measure", action="store_true", help="measure each chosen plan on ranks too")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where --measure trains: cpu (gloo ranks) or cuda (NCCL, a GPU per rank; offloads too)")
     parser.add_argument("--generated", type=int, default=0, help="also search a generated model of this many modules")
     parser.add_argument("--reference", action="store_true", help="try each level of the reference memopt here")
     args = parser.parse_args()
