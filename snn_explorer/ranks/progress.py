@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 from . import channel
 
 #: Seconds a rank may take to start (the agent's start and rendezvous, the fork) before it counts as hung; the
-#: run is then tried again (no user code ran). Generous: a rank starts in seconds on a busy 2-core machine.
+#: run is then tried again if no rank ran the function. Generous: a rank starts in seconds on a busy 2-core machine.
 START_TIMEOUT_S = 120.0
 
 
