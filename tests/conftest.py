@@ -4,10 +4,19 @@ import sys
 
 import pytest
 
-# Make helper modules in tests/ (e.g. distributed_harness) importable from test files.
+# Make helper modules in tests/ (e.g. distributed_harness) importable from the test files of every tier.
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
+
+# The tiers (tests/unit, tests/ranks, tests/system): markers from the folder, the guard that fails a unit test
+# starting ranks, and the stop for a test file left in tests/ itself (tests/tiers.py).
+from tiers import (  # noqa: E402, F401
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_makereport,  # noqa: E402, F401
+    pytest_runtest_protocol,
+)
 
 # estimate() without hardware= would calibrate this machine on spawned ranks (seconds, and timing
 # noise on a shared machine); tests predict step time on a datasheet profile unless they pass one.

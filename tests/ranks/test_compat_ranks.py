@@ -1,0 +1,63 @@
+"""snn_explorer.compat: every private torch name of the core and the estimator, on the code paths
+that use it, and the error a torch without one of them gets. CI runs this file on each torch of
+``compat.TESTED_TORCH`` (scripts/test.sh). (The tests in one process: tests/unit/test_compat.py.)"""
+import types
+
+import torch
+from torch import nn
+
+import snn_explorer as se
+from snn_explorer.estimator import estimate, measure_many
+
+
+def _break_non_persistent_set(monkeypatch):
+    init = nn.Module.__init__
+
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.__dict__["_non_persistent_buffers_set"] = []  # a list: no longer the set torch adds names to
+    monkeypatch.setattr(nn.Module, "__init__", patched)
+
+
+def _break_mem_tracker(monkeypatch):
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    init = MemTracker.__init__
+
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        del self._peak_mem
+    monkeypatch.setattr(MemTracker, "__init__", patched)
+
+
+def _break_functional_collectives(monkeypatch):
+    functional = types.SimpleNamespace(all_reduce=torch.ops._c10d_functional.all_reduce)  # no all_gather
+    monkeypatch.setattr(torch, "ops", types.SimpleNamespace(c10d=torch.ops.c10d, _c10d_functional=functional))
+
+
+# --- the names on the code paths that use them ------------------------------------------------
+
+
+def _plain():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)), torch.randn(3, 4, 16), torch.arange(4) % 8
+
+
+def test_measure_on_two_ranks_matches_the_estimate_in_every_two_rank_mode():
+    """measure(): MemTracker and its restarted peak, DDP's logging data, DTensor's local tensors,
+    FSDP2's base all-gather / reduce-scatter ops, the mesh's group names, and a pipeline stage's p2p
+    op builders and receive buffers, all on real ranks."""
+    model, x, y = _plain()
+    analysis = se.analyze(model)
+    plans = [p for p in se.enumerate_plans(analysis, world_size=2, batch_size=4) if p.optimizer_strategy == "none"]
+    assert {p.mode for p in plans} == {"dp", "fsdp2", "tp", "pp"}
+    measured = measure_many(model, plans, example_input=x, labels=y, steps=2, optimizer="adam", timeout=240)
+    for plan, meas in zip(plans, measured):
+        est = estimate(model, plan, example_input=x, labels=y, optimizer="adam")
+        for col in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+            assert list(est.per_rank[col]) == list(meas.per_rank[col]), (plan, col)
+        rows = lambda t: sorted(map(tuple, t[["mesh_dim", "kind", "phase", "count", "bytes"]].values.tolist()))
+        assert rows(est.collectives) == rows(meas.collectives), plan
+        assert meas.peak_bytes > 0
+        if plan.mode == "dp":
+            assert meas.per_rank["transient_bytes"].iloc[0] == est.collectives["bytes"].sum()

@@ -1,0 +1,56 @@
+"""Atomic checkpoints under faults: a full disk (ENOSPC injected where DCP syncs a shard), a rank
+that raises mid-save and a rank SIGKILLed inside the save each leave the previous checkpoint
+loadable, name what failed (and on which rank), and leave no directory that passes for a
+checkpoint. Real gloo ranks (one 2-rank group for the save faults, launch_plan for the kill).
+(The tests on gloo ranks: tests/ranks/test_checkpoint_faults.py.)"""
+import errno
+import os
+
+import pytest
+
+import snn_explorer as se
+from snn_explorer.core.checkpoint import CheckpointError, latest_checkpoint, step_path
+from snn_explorer.zoo import build
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _shard_fsync_fails(error_number=errno.ENOSPC, action=None):
+    """Replace os.fsync so that syncing a ``.distcp`` shard fails (or runs ``action``); other files sync."""
+    real = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".distcp"):
+            if action is not None:
+                action()
+            raise OSError(error_number, os.strerror(error_number))
+        return real(fd)
+
+    os.fsync = fsync
+    return real
+
+
+def _mode_none_runtime():
+    zoo = build("mlp", "tiny")
+    plan = se.plan(analysis=se.analyze(zoo.model), objective="speed", topology={"dp": 1}, mode="none",
+                   batch_size=zoo.batch_size)
+    runtime = se.apply(model=zoo.model, plan=plan, device_type="cpu")
+    return runtime, runtime.build_optimizer(lr=1e-2)
+
+
+def test_a_full_disk_in_one_process_keeps_the_previous_checkpoint(tmp_path):
+    runtime, optimizer = _mode_none_runtime()
+    first = runtime.save_checkpoint(step_path(tmp_path, 1), optimizer=optimizer, step=1)
+    before = {p.name: p.read_bytes() for p in first.iterdir()}
+    real = _shard_fsync_fails()
+    try:
+        with pytest.raises(CheckpointError, match=r"saving checkpoint .*step-000002 failed \(rank 0: OSError: "
+                                                  r"\[Errno 28\] No space left on device"):
+            runtime.save_checkpoint(step_path(tmp_path, 2), optimizer=optimizer, step=2)
+        with pytest.raises(CheckpointError, match="No space left on device"):  # replacing the same step
+            runtime.save_checkpoint(first, optimizer=optimizer, step=1, overwrite=True)
+    finally:
+        os.fsync = real
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001"]  # no partial left, no step 2
+    assert {p.name: p.read_bytes() for p in first.iterdir()} == before
+    assert latest_checkpoint(tmp_path) == first and runtime.load_checkpoint(first, optimizer=optimizer).step == 1

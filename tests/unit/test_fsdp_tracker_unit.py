@@ -1,0 +1,52 @@
+"""fsdp2 with activation checkpointing: the estimated peak against torch's FSDPMemTracker and measure(), on 2 gloo ranks;
+and FSDP2's CPU offload (CPUOffloadPolicy, CUDA ranks only) as far as these CPU ranks can check it: the bytes it
+moves to the host as FSDPMemTracker counts them, the offloaded estimate between the bounds the tracked peak sets,
+and its refusals.
+
+The model is the one the issue reported (four 512-wide Linear/LIF layers run all T = 4 steps at once, batch 4,
+float32, Adam): its memory is mostly parameters and optimizer state, so FSDP2's all-gather and reshard
+bookkeeping during a checkpointed unit's recompute decides the peak. One spawn runs every plan twice: under
+FSDPMemTracker (a warm-up step, then the tracked step) and under measure()'s own instrumented step.
+ (The tests on gloo ranks: tests/ranks/test_fsdp_tracker.py.)"""
+import dataclasses
+
+import pytest
+import torch
+
+import snn_explorer as se
+from snn_explorer.core.memory_levers import check_cpu_offload_device
+from snn_explorer.estimator import estimate
+from snn_explorer.estimator.timing.hardware import hardware_profile
+from snn_explorer.zoo.mlp import SpikingMLP
+
+T, N, WIDTH = 4, 4, 512
+GATES = se.DistributedFeatureSet(allow_activation_checkpointing=True, allow_cpu_offload=True)
+
+
+def _model_and_input():
+    torch.manual_seed(0)
+    model = SpikingMLP(in_features=WIDTH, hidden=(WIDTH,) * 3, num_classes=WIDTH, stepping="all_steps", init_gain=2.0)
+    return model, (torch.rand(T, N, WIDTH) < 0.3).float()
+
+
+def _plans(model):
+    base = se.plan(analysis=se.analyze(model), objective="speed", topology={"dp": 2}, batch_size=N, mode="fsdp2",
+                   features=GATES, activation_checkpointing="none")
+    levered = [base, dataclasses.replace(base, activation_checkpointing="blocks"),
+               dataclasses.replace(base, activation_checkpointing="blocks", checkpoint_every=2)]
+    return levered + [dataclasses.replace(p, memopt_level=1) for p in levered]  # memopt 1: reshard after forward
+
+
+def test_cpu_offload_refusals():
+    """Refused where it cannot run or be estimated (its step time: tests/test_fsdp_offload_time.py)."""
+    model, x = _model_and_input()
+    hardware = hardware_profile("H100-SXM")
+    plan = _plans(model)[0]
+    offloaded = dataclasses.replace(plan, cpu_offload=True)
+    with pytest.raises(ValueError, match="host_link_bytes_per_s=None.*nothing to offload"):
+        estimate(model, offloaded, example_input=x, hardware=dataclasses.replace(hardware, host_link_bytes_per_s=None))
+    with pytest.raises(ValueError, match="kernel_model"):
+        estimate(model, offloaded, example_input=x, hardware="RTX-4090-PCIe-noP2P")
+    with pytest.raises(ValueError, match="device_type='cpu'.*nothing to offload"):
+        check_cpu_offload_device(offloaded, "cpu")
+    check_cpu_offload_device(offloaded, "cuda")

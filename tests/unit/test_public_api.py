@@ -1,0 +1,86 @@
+"""The public surface: every ``snn_explorer.__all__`` name is the object itself, whatever was imported first."""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import pkgutil
+import subprocess
+import sys
+import types
+
+import snn_explorer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Runs in a fresh interpreter: reads every public name before and after importing every subpackage
+# and module of the package, and reports what each one is.
+PROBE = r"""
+import importlib, inspect, json, pkgutil, sys, types
+import snn_explorer as se
+
+def kind(value):
+    if isinstance(value, types.ModuleType):
+        return "module " + value.__name__
+    if inspect.isclass(value):
+        return "class"
+    if callable(value):
+        return "function"
+    return "value " + type(value).__name__
+
+first = {name: kind(getattr(se, name)) for name in sys.argv[1:] or se.__all__}
+modules = sorted(m.name for m in pkgutil.walk_packages(se.__path__, "snn_explorer."))
+for name in modules:
+    importlib.import_module(name)
+after = {name: kind(getattr(se, name)) for name in se.__all__}
+print(json.dumps({"first": first, "after": after, "modules": modules}))
+"""
+
+
+def _probe(*names):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", PROBE, *names], capture_output=True, text=True, env=env,
+                         timeout=240, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_every_public_name_is_the_object_in_a_fresh_interpreter():
+    report = _probe()
+    assert set(report["first"]) == set(snn_explorer.__all__)
+    for phase in ("first", "after"):
+        modules = {n: k for n, k in report[phase].items() if k.startswith("module")}
+        assert not modules, f"{phase}: public names that are modules: {modules}"
+    assert report["first"] == report["after"]
+    assert report["after"]["estimate"] == report["after"]["launch"] == "function"
+    assert report["after"]["Explorer"] == "class"
+
+
+def test_a_function_read_first_is_still_the_function_after_its_subpackage_loads():
+    """``se.estimate`` read before ``snn_explorer.estimator`` is imported, and after."""
+    report = _probe("estimate", "launch", "measure")
+    assert report["first"] == {"estimate": "function", "launch": "function", "measure": "function"}
+    assert report["after"]["estimate"] == "function"
+
+
+def test_no_module_of_the_package_shares_a_name_with_a_public_function():
+    names = {m.name.rsplit(".", 1)[-1]
+             for m in pkgutil.walk_packages(snn_explorer.__path__, "snn_explorer.")}
+    callables = {n for n in snn_explorer.__all__ if callable(getattr(snn_explorer, n))}
+    assert "estimator" in names and "launcher" in names  # the walk sees the subpackages
+    assert not names & callables, f"modules named like public functions: {sorted(names & callables)}"
+
+
+def test_public_callables_are_documented():
+    for name in snn_explorer.__all__:
+        value = getattr(snn_explorer, name)
+        if inspect.isfunction(value) or inspect.isclass(value):
+            assert inspect.getdoc(value), f"snn_explorer.{name} has no docstring"
+            assert not isinstance(value, types.ModuleType)
+
+
+def test_step_time_names_are_public():
+    for name in ("calibrate", "HardwareProfile", "hardware_profile", "hardware_profiles"):
+        assert name in snn_explorer.__all__, name
+    assert isinstance(snn_explorer.hardware_profile("H100-SXM"), snn_explorer.HardwareProfile)
+    assert "A100-SXM-80GB" in snn_explorer.hardware_profiles()
