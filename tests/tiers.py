@@ -45,15 +45,17 @@ def _script_text(arg: str, cwd) -> str:
 
 def starts_ranks(args, cwd=None) -> str:
     """What in a subprocess command starts ranks: ``-m`` one of _RANK_MODULES, one of _RANK_PROGRAMS, or a
-    script that runs either; '' where nothing does."""
+    script (.sh, .py, .sbatch) that names either or the launcher (snn_explorer.launcher: launch, launch_plan,
+    an exported job's run.py); '' where nothing does. Code given with ``-c`` is not read."""
     argv = [os.fsdecode(a) if isinstance(a, (bytes, os.PathLike)) else str(a)
             for a in ([args] if isinstance(args, (str, bytes, os.PathLike)) else args)]
     shown = " ".join(argv)[:200]
     for flag, arg in zip(["", *argv], argv):
         if flag == "-m" and arg.startswith(_RANK_MODULES) or os.path.basename(arg) in _RANK_PROGRAMS:
             return f"the command {shown!r}"
-        text = _script_text(arg, cwd)
-        if any(f"-m {m}" in text for m in _RANK_MODULES) or any(p in text.split() for p in _RANK_PROGRAMS):
+        text = "" if flag == "-c" else _script_text(arg, cwd)
+        if any(m in text for m in (*_RANK_MODULES, "snn_explorer.launcher")) or \
+                any(p in text.split() for p in _RANK_PROGRAMS):
             return f"the script {arg} the command {shown!r} runs"
     return ""
 

@@ -19,7 +19,8 @@ def test_commands_that_start_ranks_are_told_from_those_that_do_not(tmp_path):
     job.write_text("#!/usr/bin/env bash\nset -e\ntorchrun --nnodes 1 --nproc-per-node 2 run.py\n")
     plain = tmp_path / "plain.sh"
     plain.write_text("#!/usr/bin/env bash\necho torchrun-free\n")
-    (tmp_path / "run.py").write_text("import subprocess\nsubprocess.run(['python', '-m', 'torch.distributed.run'])\n")
+    (tmp_path / "run.py").write_text("from snn_explorer.launcher import launch\nlaunch(print, 1, nprocs=2)\n")
+    (tmp_path / "other.py").write_text("import torch\nprint(torch.ones(2))\n")
     agent = [sys.executable, "-m", "snn_explorer.ranks.elastic_agent", "/tmp/run-dir"]
     assert "snn_explorer.ranks.elastic_agent" in starts_ranks(agent)
     assert starts_ranks(["/usr/bin/torchrun", "--nproc-per-node", "2", "x.py"])
@@ -32,6 +33,7 @@ def test_commands_that_start_ranks_are_told_from_those_that_do_not(tmp_path):
     assert starts_ranks(["bash", str(plain)]) == ""
     assert starts_ranks([sys.executable, "-c", "import snn_explorer.ranks"]) == ""
     assert starts_ranks([sys.executable, "run.py"]) == ""  # no run.py where this command runs
+    assert starts_ranks([sys.executable, "other.py"], cwd=tmp_path) == ""
 
 
 def test_the_tier_is_the_folder_under_tests():
@@ -105,10 +107,7 @@ def test_a_unit_test_that_starts_ranks_fails_at_once_naming_itself_and_its_tier(
     for name in ("unit/test_starter.py::test_in_one_process", "ranks/test_marked.py::test_marked",
                  "system/test_marked_system.py::test_marked_system"):
         assert f"PASSED tests/{name}" in out, out
-    assert "2 failed, 3 passed" in out, out
-    # selecting by marker selects by folder
-    marked = _pytest(root, "tests", "-m", "ranks or system", "--collect-only", "-q")
-    assert "2/5 tests collected" in marked.stdout, marked.stdout + marked.stderr
+    assert "2 failed, 3 passed" in out, out  # the passing ones checked their markers: each its folder's
 
 
 def test_a_test_file_in_tests_itself_stops_the_run_and_is_named(tmp_path):
