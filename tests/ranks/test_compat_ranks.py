@@ -1,39 +1,12 @@
 """snn_explorer.compat: every private torch name of the core and the estimator, on the code paths
 that use it, and the error a torch without one of them gets. CI runs this file on each torch of
 ``compat.TESTED_TORCH`` (scripts/test.sh). (The tests in one process: tests/unit/test_compat.py.)"""
-import types
 
 import torch
 from torch import nn
 
 import snn_explorer as se
 from snn_explorer.estimator import estimate, measure_many
-
-
-def _break_non_persistent_set(monkeypatch):
-    init = nn.Module.__init__
-
-    def patched(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.__dict__["_non_persistent_buffers_set"] = []  # a list: no longer the set torch adds names to
-    monkeypatch.setattr(nn.Module, "__init__", patched)
-
-
-def _break_mem_tracker(monkeypatch):
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    init = MemTracker.__init__
-
-    def patched(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        del self._peak_mem
-    monkeypatch.setattr(MemTracker, "__init__", patched)
-
-
-def _break_functional_collectives(monkeypatch):
-    functional = types.SimpleNamespace(all_reduce=torch.ops._c10d_functional.all_reduce)  # no all_gather
-    monkeypatch.setattr(torch, "ops", types.SimpleNamespace(c10d=torch.ops.c10d, _c10d_functional=functional))
-
 
 # --- the names on the code paths that use them ------------------------------------------------
 

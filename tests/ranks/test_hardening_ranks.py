@@ -65,20 +65,7 @@ import re  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
 
-from torch import nn  # noqa: E402
-
 from snn_explorer.estimator import enumerate_plans  # noqa: E402
-
-
-class Pair(nn.Module):
-    """Returns a tuple, as some user models do."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(64, 4)
-
-    def forward(self, x):
-        return self.fc(x), x
 
 
 def _frozen_mlp():
@@ -86,14 +73,6 @@ def _frozen_mlp():
     for p in model.parameters():
         p.requires_grad_(False)
     return model
-
-
-def _deep(depth):
-    root = cur = []
-    for _ in range(depth):
-        cur.append([])
-        cur = cur[0]
-    return root
 
 
 X = build("mlp").example_input  # [8, 8, 64]

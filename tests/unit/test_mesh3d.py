@@ -1,12 +1,8 @@
-"""3-D plans on 8 real gloo ranks against one process: mode 'pp_tp' (pipeline stages over pp, each stage
-tensor-parallel over tp, replicated over dp) and mode 'pp_fsdp2_tp' (the same stages FSDP2-sharded over dp) on a
-2 x 2 x 2 mesh, mode 'pp_fsdp2' on pp=2 x dp=4; and the plan-time refusals of bad 3-D meshes.
-
-One rank group: 2 Adam steps of the zoo's mlp_all_steps in float64 under each (losses, gradients and parameters
-equal the single process's; its neurons spike at 2-98 %), a pp_tp checkpoint loaded under dp=8 and a pp_fsdp2_tp
-one under pp_fsdp2, and measure()'s recorded collectives and bytes of both 2 x 2 x 2 plans and of a bf16 pp_fsdp2
-plan, which must equal the estimate's rows.
- (The tests on gloo ranks: tests/ranks/test_mesh3d_ranks.py.)"""
+"""3-D plans in one process: mode 'pp_tp' (pipeline stages over pp, each stage tensor-parallel over tp,
+replicated over dp), 'pp_fsdp2_tp' (the same stages FSDP2-sharded over dp) on a 2 x 2 x 2 mesh and 'pp_fsdp2' on
+pp=2 x dp=4: the mesh, stages and placements of each of 8 ranks on a fake process group; the plan-time refusals of
+bad 3-D meshes; 3-D estimates of a meta model; the enumeration and the explorer offering 3-D plans. (The same plans
+trained, checkpointed and measured on 8 gloo ranks: tests/ranks/test_mesh3d_ranks.py.)"""
 import pytest
 import torch
 from torch import nn
@@ -29,71 +25,35 @@ def _plan(model, topology=TOPOLOGY, mode="pp_tp"):
     return se.plan(analysis=se.analyze(model), objective="capacity", topology=topology, batch_size=BATCH, mode=mode)
 
 
-def _train(mode, topology):
-    """2 Adam steps of the zoo model under ``mode`` on ``topology``: the runtime and what it trained."""
-    import torch.distributed as dist
-
+def _applied_on_a_fake_rank(rank: int, mode: str, topology: dict) -> dict:
+    """``apply`` of the zoo model under ``mode`` as rank ``rank`` of 8 on torch's fake process group (one process
+    plays the rank; collectives complete at once): its mesh, stages, parameter types and placements."""
     import snn_explorer as se
+    from snn_explorer import compat
 
-    zoo = _zoo()
-    model = zoo.model.double()
-    plan = _plan(model, topology, mode)
-    runtime = se.apply(model=model, plan=plan, device_type="cpu")
-    x, y = runtime.rank_share(zoo.example_input.double(), zoo.labels)
-    optimizer = runtime.build_optimizer(torch.optim.Adam, lr=1e-2)
-    losses, grads = [], None
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        loss = runtime.train_step(nn.CrossEntropyLoss(), x, y)
-        if step == STEPS - 1:
-            grads = runtime.full_gradients()
-        optimizer.step()
-        loss = loss.clone()
-        dist.all_reduce(loss, group=runtime.mesh.get_group("dp"))
-        losses.append(loss / plan.dp_size)
-    sharded = {n: type(p).__name__ for n, p in runtime.model.named_parameters()}
-    placements = {n: str(getattr(p, "placements", "")) for n, p in runtime.model.named_parameters()}
-    runtime.reset_state()  # between batches: no neuron state to lose
-    return runtime, optimizer, dict(plan=plan.to_dict(), losses=losses, grads=grads, params=runtime.full_parameters(),
-                                    sharded=sharded, placements=placements)
+    with compat.fake_process_group(rank, 8):
+        model = _zoo().model.double()
+        runtime = se.apply(model=model, plan=_plan(model, topology, mode), device_type="cpu")
+        named = list(runtime.model.named_parameters())
+        return dict(mesh=runtime.mesh.mesh.tolist(), stages=[s.index for s in runtime.model.stages],
+                    sharded={n: type(p).__name__ for n, p in named},
+                    placements={n: str(getattr(p, "placements", "")) for n, p in named})
 
 
-def three_d(tmp):
-    """2 steps under pp_tp, then a checkpoint saved under it and loaded under dp=8; 2 steps under pp_fsdp2_tp,
-    its checkpoint loaded under pp_fsdp2 (pp=2 x dp=4); 2 steps under pp_fsdp2; measure() of pp_tp and pp_fsdp2_tp."""
-    import snn_explorer as se
-
-    runtime, optimizer, out = _train("pp_tp", TOPOLOGY)
-    runtime.save_checkpoint(f"{tmp}/pp_tp", optimizer)
-    other = _zoo().model.double()
-    loaded = se.apply(model=other, plan=_plan(other, {"dp": 8}, "dp"), device_type="cpu")
-    loaded.load_checkpoint(f"{tmp}/pp_tp")
-    out.update(loaded=loaded.full_parameters(), mesh=runtime.mesh.mesh.tolist(),
-               stages=[s.index for s in runtime.model.stages], measured=_measure())
-    runtime, optimizer, fsdp_tp = _train("pp_fsdp2_tp", TOPOLOGY)
-    runtime.save_checkpoint(f"{tmp}/pp_fsdp2_tp", optimizer)
-    other = _zoo().model.double()
-    loaded = se.apply(model=other, plan=_plan(other, PP_FSDP2, "pp_fsdp2"), device_type="cpu")
-    loaded.load_checkpoint(f"{tmp}/pp_fsdp2_tp")
-    fsdp_tp.update(loaded=loaded.full_parameters(), measured=_measure("pp_fsdp2_tp"))
-    return dict(pp_tp=out, pp_fsdp2_tp=fsdp_tp, pp_fsdp2=_train("pp_fsdp2", PP_FSDP2)[2], bf16=_measure("bf16"))
-
-
-def _bf16_plan(model):
-    import snn_explorer as se
-
-    return se.plan(analysis=se.analyze(model), objective="capacity", topology=PP_FSDP2, batch_size=BATCH,
-                   mode="pp_fsdp2", precision="bf16", features=se.DistributedFeatureSet(allow_mixed_precision=True))
-
-
-def _measure(mode="pp_tp"):
-    from snn_explorer.estimator.measurement.plan_measurement import measure_on_rank
-    from snn_explorer.estimator.measurement.settings import measure_settings
-
-    zoo = _zoo()
-    plan = _bf16_plan(zoo.model) if mode == "bf16" else _plan(zoo.model, TOPOLOGY, mode)
-    return measure_on_rank(zoo.model, [plan], measure_settings(zoo.model, [plan], zoo.example_input, zoo.labels,
-                                                               1, "adam", None, 1e-3, "cpu"))[0]
+def test_mesh_is_pp_dp_tp_with_tp_innermost():
+    """Rank r sits at (pp, dp, tp) = (r // 4, r // 2 % 2, r % 2): tp peers are neighbouring ranks; each
+    pp coordinate holds its own stage, whose layers are DTensor shards: over tp (pp_tp), over dp and tp (pp_fsdp2_tp:
+    a dp Shard(0) first, then the TP placement), over dp (pp_fsdp2). Each of the 8 ranks on a fake process group,
+    as torchtitan's ParallelDims tests check their meshes (the trained 3-D plans: tests/ranks/test_mesh3d_ranks.py)."""
+    pp_tp = [_applied_on_a_fake_rank(rank, "pp_tp", TOPOLOGY) for rank in range(8)]
+    assert all(r["mesh"] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]] for r in pp_tp)
+    assert [r["stages"] for r in pp_tp] == [[0]] * 4 + [[1]] * 4
+    assert all("DTensor" in r["sharded"].values() for r in pp_tp)
+    fsdp_tp = _applied_on_a_fake_rank(0, "pp_fsdp2_tp", TOPOLOGY)["placements"]
+    fsdp = _applied_on_a_fake_rank(0, "pp_fsdp2", PP_FSDP2)["placements"]
+    assert fsdp_tp["stages.0.units.2.weight"] == "(Shard(dim=0), Shard(dim=1))"  # dp rows, then tp's rowwise split
+    assert "Shard(dim=0)" in fsdp_tp["stages.0.units.0.weight"] and len(fsdp_tp) == 4  # colwise: dp x tp of dim 0
+    assert set(fsdp.values()) == {"(Shard(dim=0),)"}
 
 
 @pytest.mark.parametrize("topology,mode,match", [
