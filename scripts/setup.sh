@@ -35,5 +35,5 @@ if [ ! -x /usr/bin/chromium ]; then
     SUDO=""
     [ "$(id -u)" = 0 ] || SUDO="sudo -n"
     $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium \
-        || echo "setup: could not install chromium (/usr/bin/chromium); tests/test_browser.py will fail" >&2
+        || echo "setup: could not install chromium (/usr/bin/chromium); tests/system/test_browser.py will fail" >&2
 fi

@@ -20,7 +20,8 @@ if [ "$installed" != "$TORCH_NEXT" ]; then
 fi
 # compat's own tests (each guarded name on the code that uses it, and the error a torch without it
 # gets), and StorageMeter (a TorchDispatchMode) against torch's MemTracker on every zoo model.
-TESTS=(tests/unit/test_compat.py tests/unit/test_estimate_meter.py::test_meter_peak_equals_memtracker
+TESTS=(tests/unit/test_compat.py tests/ranks/test_compat_ranks.py
+       tests/unit/test_estimate_meter.py::test_meter_peak_equals_memtracker
        tests/unit/test_estimate_meter.py::test_meter_releases_freed_storages)
 [ "$#" -gt 0 ] && TESTS=("$@")
 exec "$VENV/bin/python" -m pytest -q -rfE "${TESTS[@]}"

@@ -362,7 +362,7 @@ def comm_debug_mode():
 
 # --- shape-only profiling (estimator/profile/shape_only.py) --------------------------------
 # Imported on first use: torch._subclasses.fake_tensor loads torch's compiler stack, which sets
-# TORCHINDUCTOR_CACHE_DIR (tests/test_layers.py checks that importing snn_explorer does not).
+# TORCHINDUCTOR_CACHE_DIR (tests/unit/test_layers.py checks that importing snn_explorer does not).
 
 _FAKE = "torch._subclasses.fake_tensor"
 #: What FakeTensorMode raises where an operator's result depends on tensor values: ``.item()`` /

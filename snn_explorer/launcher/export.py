@@ -78,7 +78,7 @@ def _port(port) -> int:
 
 #: Shell lines every launch script runs before torchrun: torch 2.13's c10d rendezvous otherwise lets a
 #: surviving node keep the store of its first round, and a replacement node waits for it until its
-#: timeout, so a restart after a lost node fails (tests/test_launch_multinode.py).
+#: timeout, so a restart after a lost node fails (tests/ranks/test_launch_multinode.py).
 RENDEZVOUS_LINES = ("# a restarted round publishes its own store (a replacement node finds it)",
                     "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
 

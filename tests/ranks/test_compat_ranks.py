@@ -1,6 +1,6 @@
-"""snn_explorer.compat: every private torch name of the core and the estimator, on the code paths
-that use it, and the error a torch without one of them gets. CI runs this file on each torch of
-``compat.TESTED_TORCH`` (scripts/test.sh). (The tests in one process: tests/unit/test_compat.py.)"""
+"""snn_explorer.compat on real gloo ranks: measure() on two ranks matches the estimate in every two-rank mode
+(the code paths of the private torch names that only ranks run). CI runs this file, with tests/unit/test_compat.py,
+on each torch of ``compat.TESTED_TORCH`` (scripts/test.sh, scripts/test_torch_next.sh)."""
 
 import torch
 from torch import nn

@@ -1,5 +1,5 @@
-"""explorer/: the Explorer object's tables, plans, estimates, charts and reprs (no widgets, no ranks).
-(The tests in one process: tests/unit/test_explorer.py.)"""
+"""explorer/: Explorer.launch hands the plan to launch_plan, on real gloo ranks. (The Explorer object's
+tables, plans, estimates, charts and reprs, no widgets, no ranks: tests/unit/test_explorer.py.)"""
 import os
 
 os.environ.setdefault("MPLBACKEND", "Agg")

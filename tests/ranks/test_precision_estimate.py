@@ -1,4 +1,4 @@
-"""bf16 plans estimated against measure() on real gloo ranks (2), as tests/test_estimate_accuracy.py does
+"""bf16 plans estimated against measure() on real gloo ranks (2), as tests/ranks/test_estimate_accuracy.py does
 for fp32: parameter, gradient, optimizer-state and buffer bytes exact (fp32 master copies), every
 collective's count and bytes exact (at the reduce / gather / compute dtype), peak per rank within 5 %
 (the issue's bound; tighter than that file's 10 %), on the zoo's mlp_all_steps (dp, fsdp2 with and

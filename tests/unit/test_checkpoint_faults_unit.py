@@ -1,8 +1,7 @@
-"""Atomic checkpoints under faults: a full disk (ENOSPC injected where DCP syncs a shard), a rank
-that raises mid-save and a rank SIGKILLed inside the save each leave the previous checkpoint
-loadable, name what failed (and on which rank), and leave no directory that passes for a
-checkpoint. Real gloo ranks (one 2-rank group for the save faults, launch_plan for the kill).
-(The tests on gloo ranks: tests/ranks/test_checkpoint_faults.py.)"""
+"""Atomic checkpoints under faults, in one process: a full disk (ENOSPC injected where DCP syncs a shard)
+leaves the previous checkpoint loadable, names what failed, and leaves no directory that passes for a
+checkpoint. (A rank that raises mid-save and a rank SIGKILLed inside the save, on real gloo ranks:
+tests/ranks/test_checkpoint_faults.py.)"""
 import errno
 import os
 

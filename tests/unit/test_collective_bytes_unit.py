@@ -1,12 +1,5 @@
-"""Collective counts and bytes per step of every mode on the zoo models, checked on real gloo ranks
-against torch's own view, not against the estimator's recorder.
-
-On each rank a step runs under a counter built on torch's ``CommDebugMode``: torch decides what is a
-collective and counts it; the counter adds the bytes of the tensors handed to it, read off each op's
-schema by argument name (the larger of what goes in and what comes out: the tensor of an all-reduce,
-the output of an all-gather, the input of a reduce-scatter). DDP's buckets are also read from a comm
-hook, which DDP hands each bucket. The estimate must match both, row for row.
- (The tests on gloo ranks: tests/ranks/test_collective_bytes.py.)"""
+"""The cases whose collective counts and bytes tests/ranks/test_collective_bytes.py checks on real gloo
+ranks against torch's own view (CommDebugMode, DDP's comm hook) cover every mode and resharding choice."""
 import functools
 
 import snn_explorer as se

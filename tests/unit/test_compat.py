@@ -1,6 +1,7 @@
 """snn_explorer.compat: every private torch name of the core and the estimator, on the code paths
-that use it, and the error a torch without one of them gets. CI runs this file on each torch of
-``compat.TESTED_TORCH`` (scripts/test.sh). (The tests on gloo ranks: tests/ranks/test_compat_ranks.py.)"""
+that use it, and the error a torch without one of them gets. CI runs this file, with
+tests/ranks/test_compat_ranks.py (the names measure() uses on real ranks), on each torch of
+``compat.TESTED_TORCH`` (scripts/test.sh, scripts/test_torch_next.sh)."""
 import importlib.util
 import re
 import subprocess

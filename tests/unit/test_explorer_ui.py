@@ -251,7 +251,7 @@ def test_pp_slider_gives_a_pipeline_plan_with_its_row_in_the_comparison(pp_ui):
     assert not ui.pp_schedule.disabled
     # the planner's choice for 4 samples per replica on pp=2: 2 virtual stages, 4 micro-batches (issue 13's rule)
     assert _columns(ui) == ["current pp pp=2 x dp=2 interleaved m=4 v=2"]
-    # the Explorer balances the stages by the profile (tests/test_pipeline_estimate.py checks that layout)
+    # the Explorer balances the stages by the profile (tests/unit/test_pipeline_estimate.py checks that layout)
     assert ui.compare_table.loc["pipeline"].tolist() == [f"interleaved m=4 v=2 stages {ui.current.pp_layout}"]
     assert ui.compare_table.loc["bubble_fraction"].tolist() == [pytest.approx(1 / (2 * 4 + 1))]  # (pp-1)/(Vm+pp-1)
     assert "11.1%" in _data(ui)["text/plain"]

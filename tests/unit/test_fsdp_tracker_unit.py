@@ -1,13 +1,6 @@
-"""fsdp2 with activation checkpointing: the estimated peak against torch's FSDPMemTracker and measure(), on 2 gloo ranks;
-and FSDP2's CPU offload (CPUOffloadPolicy, CUDA ranks only) as far as these CPU ranks can check it: the bytes it
-moves to the host as FSDPMemTracker counts them, the offloaded estimate between the bounds the tracked peak sets,
-and its refusals.
-
-The model is the one the issue reported (four 512-wide Linear/LIF layers run all T = 4 steps at once, batch 4,
-float32, Adam): its memory is mostly parameters and optimizer state, so FSDP2's all-gather and reshard
-bookkeeping during a checkpointed unit's recompute decides the peak. One spawn runs every plan twice: under
-FSDPMemTracker (a warm-up step, then the tracked step) and under measure()'s own instrumented step.
- (The tests on gloo ranks: tests/ranks/test_fsdp_tracker.py.)"""
+"""FSDP2's CPU offload (CPUOffloadPolicy, CUDA ranks only): refused where it cannot run or be estimated.
+(The estimated peak against torch's FSDPMemTracker and measure() on 2 gloo ranks, fsdp2 with activation
+checkpointing and the offloaded bounds: tests/ranks/test_fsdp_tracker.py.)"""
 import dataclasses
 
 import pytest
@@ -38,7 +31,7 @@ def _plans(model):
 
 
 def test_cpu_offload_refusals():
-    """Refused where it cannot run or be estimated (its step time: tests/test_fsdp_offload_time.py)."""
+    """Refused where it cannot run or be estimated (its step time: tests/unit/test_fsdp_offload_time.py)."""
     model, x = _model_and_input()
     hardware = hardware_profile("H100-SXM")
     plan = _plans(model)[0]

@@ -113,7 +113,7 @@ def test_enumerate_plans_offers_checkpointing_variants():
     gated = se.enumerate_plans(analysis, world_size=2, batch_size=8, features=GATES, time_step_module="net")
     assert {p.activation_checkpointing for p in plain} == {"none"}
     assert len(gated) == 3 * len(plain)
-    # "ops" is asked for, not enumerated (torchtitan's transformer-block policy; tests/test_op_checkpointing.py)
+    # "ops" is asked for, not enumerated (torchtitan's transformer-block policy; tests/unit/test_op_checkpointing.py)
     assert {p.activation_checkpointing for p in gated} == set(ACTIVATION_CHECKPOINTING) - {"ops"}
 
 

@@ -1,10 +1,6 @@
-"""bf16 plans estimated against measure() on real gloo ranks (2), as tests/test_estimate_accuracy.py does
-for fp32: parameter, gradient, optimizer-state and buffer bytes exact (fp32 master copies), every
-collective's count and bytes exact (at the reduce / gather / compute dtype), peak per rank within 5 %
-(the issue's bound; tighter than that file's 10 %), on the zoo's mlp_all_steps (dp, fsdp2 with and
-without resharding, tp, pp: each stage under autocast, sending in bf16), mlp (per-step, fsdp2 and dp) and vgg (dp, tp,
-fsdp2 resharding after forward, so each BatchNorm's own fp32 unit is gathered in the forward and the backward).
-(The tests on gloo ranks: tests/ranks/test_precision_estimate.py.)"""
+"""bf16 plans in one process: FSDP2 plans bf16 on BatchNorm models (each norm its own fp32 unit) and refuses a
+bare BatchNorm; the estimate computes bf16 at the hardware's half-precision rate. (bf16 estimates against
+measure() on real gloo ranks: tests/ranks/test_precision_estimate.py.)"""
 import dataclasses
 
 import pytest

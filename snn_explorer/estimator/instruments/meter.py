@@ -3,7 +3,7 @@
 Counts like torch's ``MemTracker`` on CPU (each untyped storage once, ``size * element_size``,
 released when the storage object is freed) but keeps only the total and its peak: MemTracker also
 updates a peak per tracked module on every op, which makes a step cost O(ops x modules) and the
-profile of a 10 000-module model take minutes. ``tests/test_estimate_meter.py`` checks that both
+profile of a 10 000-module model take minutes. ``tests/unit/test_estimate_meter.py`` checks that both
 report the same peak.
 """
 from __future__ import annotations

@@ -19,7 +19,7 @@ profile's two batch sizes (affine in N, as every figure of the profile). Eight c
 size of a profile.
 
 Exact where every step after the first does the same work (the assumption of the profile's own fit in T):
-``tests/test_chunk_work.py`` compares it with steps counted at the plan's own size. What the profile's fit in T
+``tests/unit/test_chunk_work.py`` compares it with steps counted at the plan's own size. What the profile's fit in T
 itself misses stays: on the zoo mlp the backward's other bytes grow slightly faster than linearly in T (its
 ``torch.stack`` of the steps): 1,920 B at T = 8 and batch 2 (0.05 %), the same with chunks. Under spike compression the
 per-chunk figures are the uncompressed ones (a replay runs without gradients, so it packs nothing): on the zoo mlp
