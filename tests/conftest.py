@@ -4,10 +4,13 @@ import sys
 
 import pytest
 
-# Make helper modules in tests/ (e.g. distributed_harness) importable from the test files of every tier.
+# Make helper modules in tests/ (e.g. distributed_harness) importable from the test files of every tier, and the
+# test modules of each tier from the others: a file split by tier (tests/unit/test_x.py, tests/ranks/test_x_ranks.py)
+# keeps its models and cases in one of the two, which the other imports (test file names are unique across tiers).
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-if _TESTS_DIR not in sys.path:
-    sys.path.insert(0, _TESTS_DIR)
+for _path in (os.path.join(_TESTS_DIR, "ranks"), os.path.join(_TESTS_DIR, "unit"), _TESTS_DIR):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 # The tiers (tests/unit, tests/ranks, tests/system): markers from the folder, the guard that fails a unit test
 # starting ranks, and the stop for a test file left in tests/ itself (tests/tiers.py).

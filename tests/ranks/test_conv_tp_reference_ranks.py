@@ -7,6 +7,7 @@ import pytest
 import torch
 from distributed_harness import run_on_ranks
 from models import SMALL_VGG_CHANNELS, small_reference_vgg
+from test_conv_tp_reference import conv_tp_plan_of
 from torch import nn
 
 pytest.importorskip("spikingjelly.activation_based.examples.memopt.models")  # installed by scripts/setup.sh
@@ -15,13 +16,6 @@ def events() -> tuple:
     """A batch-major DVS-like batch ``[N=2, T=3, 2, 16, 16]`` of 0/1 events, and its labels."""
     g = torch.Generator().manual_seed(4)
     return torch.rand(2, 3, 2, 16, 16, generator=g, dtype=torch.float64).lt(0.3).double(), torch.tensor([1, 7])
-
-
-def conv_tp_plan_of(model, tp: int):
-    import snn_explorer as se
-
-    return se.plan(analysis=se.analyze(model), objective="memory", topology={"tp": tp}, neuron_backend="torch",
-                   batch_size=2, mode="tp", features=se.DistributedFeatureSet(allow_experimental_conv_tp=True))
 
 
 def _reference_vgg_rank(tp):

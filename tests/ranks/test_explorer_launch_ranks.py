@@ -2,19 +2,17 @@
 (The tests in one process: tests/unit/test_explorer_launch.py.)"""
 from __future__ import annotations
 
-import copy
 import os
 import sys
 import time
 
 import cloudpickle
 import pytest
-import torch
 from launch_helpers import clean_launch, gone  # noqa: F401  (fixture)
-from torch import nn
+from test_explorer_launch import _share_loss
 
 from snn_explorer.explorer import Explorer
-from snn_explorer.zoo import build, reset_state
+from snn_explorer.zoo import build
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -30,17 +28,6 @@ def ui():
 def _join(panel, seconds: float = 150.0) -> None:
     panel.thread.join(seconds)
     assert not panel.thread.is_alive(), "the launch did not end in time"
-
-
-def _share_loss(model, inputs, labels, dp_rank: int, share: int) -> float:
-    """Single-process cross-entropy of an untrained copy on one dp rank's share of the batch."""
-    model = copy.deepcopy(model)
-    reset_state(model)
-    x, y = inputs[:, dp_rank * share:(dp_rank + 1) * share], labels[dp_rank * share:(dp_rank + 1) * share]
-    with torch.no_grad():
-        out = model(x)
-    assert out.std() > 0, "the outputs are constant: the comparison would prove nothing"
-    return nn.CrossEntropyLoss()(out.mean(0), y).item()
 
 
 @pytest.mark.timeout(200)

@@ -9,11 +9,11 @@ import os
 import socket
 import subprocess
 import sys
-import textwrap
 
 import cloudpickle
 import pytest
 import torch
+from test_export_import_path import MYMODELS, step
 from torch import nn
 
 from snn_explorer import analyze, plan
@@ -21,26 +21,6 @@ from snn_explorer.launcher import export_job
 from snn_explorer.zoo import reset_state
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-MYMODELS = textwrap.dedent('''
-    """A user's model module, importable only from its own folder."""
-    from snn_explorer.zoo import SpikingMLP
-
-
-    class MyNet(SpikingMLP):
-        pass
-''')
-
-
-def step(runtime, step, batch, state, inputs, labels):
-    share = runtime.plan.per_rank_batch
-    x, y = inputs[:, runtime.dp_rank * share:(runtime.dp_rank + 1) * share], \
-        labels[runtime.dp_rank * share:(runtime.dp_rank + 1) * share]
-    loss, _ = runtime.forward_loss(nn.CrossEntropyLoss(), x, y)
-    state["optimizer"].zero_grad()
-    loss.backward()
-    state["optimizer"].step()
-    return loss
 
 
 @pytest.fixture()

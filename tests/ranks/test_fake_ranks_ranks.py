@@ -4,22 +4,10 @@ shown equal to what measure() gets on real gloo ranks; then the estimate is chec
 world sizes and model sizes this machine cannot spawn or hold.
 (The tests in one process: tests/unit/test_fake_ranks.py.)"""
 import pytest
+from test_fake_ranks import _rows, _sharded_plans
 
-import snn_explorer as se
-from snn_explorer.estimator import enumerate_plans, measure_many, record_rank_step
+from snn_explorer.estimator import measure_many, record_rank_step
 from snn_explorer.zoo import build
-
-COLUMNS = ["mesh_dim", "kind", "phase", "count", "bytes"]
-
-
-def _rows(table):
-    return sorted(tuple(r) for r in table[COLUMNS].itertuples(index=False))
-
-
-def _sharded_plans(model, world, n, family=None):
-    analysis = se.analyze(model, model_family=family)
-    plans = enumerate_plans(analysis, world_size=world, batch_size=n, objective="memory")
-    return [p for p in plans if not (p.uses_ddp or p.uses_pp)]
 
 
 @pytest.mark.timeout(300)

@@ -8,7 +8,6 @@ import subprocess
 import pytest
 
 from snn_explorer import analyze, plan
-from snn_explorer.launcher import export_job
 from snn_explorer.zoo import build
 
 
@@ -17,18 +16,6 @@ def mlp():
     zoo = build("mlp")
     p = plan(analysis=analyze(zoo.model), objective="speed", topology={"dp": 2}, backend="torch", batch_size=8)
     return zoo, p
-
-
-def step(runtime, step, batch, state):
-    return 0.0
-
-
-def _export(mlp, path, **kw):
-    zoo, p = mlp
-    return export_job(p, step, path, model=zoo.model, **kw)
-
-
-# ---- export_job: the job directory and its files ---------------------------------------------------
 
 
 # ---- export_job: values written into shell scripts -----------------------------------------------------
@@ -65,18 +52,9 @@ import re  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
 
+from test_hardening import X, _export, _frozen_mlp
+
 from snn_explorer.estimator import enumerate_plans  # noqa: E402
-
-
-def _frozen_mlp():
-    model = build("mlp").model
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model
-
-
-X = build("mlp").example_input  # [8, 8, 64]
-
 
 # ---- models: mixed dtypes, nothing to train ------------------------------------------------------
 
@@ -116,9 +94,6 @@ def test_every_plan_of_a_frozen_model_applies_on_two_ranks():
         assert len(refusals) == 2, refusals
         assert "plan mode 'none' runs one process, but this process group has 2 ranks" in refusals[0]
         assert re.search(r"already distributed by apply\(\) with SNNDistributedPlan\(fsdp2", refusals[1])
-
-
-# ---- scale: cost by rank role, not by rank ---------------------------------------------------------
 
 
 # ---- side effects: the caller's process is left as it was found ---------------------------------------

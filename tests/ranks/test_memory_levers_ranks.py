@@ -10,15 +10,13 @@ import torch
 import torch.distributed as dist
 from distributed_harness import run_on_ranks
 from models import train_share
+from test_memory_levers import GATES, MEMORY_CASES, PLAIN, _memory_plans
 
 import snn_explorer as se
 from snn_explorer.zoo import build
 
 STEPS = 3
-#: the run without checkpointing (the memory objective would checkpoint with the gate on)
-PLAIN = dict(activation_checkpointing="none")
 TOL = 1e-5
-GATES = se.DistributedFeatureSet(allow_activation_checkpointing=True, allow_cpu_offload=True)
 #: (zoo model, granularity, k, time_step_module): per-step mlp in chunks of 3 of its 8 steps (state carried
 #: across chunks), the all-steps mlp per block and every 2nd block.
 MODELS = (("mlp", "time_chunks", 3, "net"), ("mlp_all_steps", "blocks", 1, None), ("mlp_all_steps", "blocks", 2, None))
@@ -26,27 +24,6 @@ MODELS = (("mlp", "time_chunks", 3, "net"), ("mlp_all_steps", "blocks", 1, None)
 PER_BLOCK = dict(activation_checkpointing="blocks", checkpoint_blocks=("net.2",))
 RANK_CASES = {2: (("dp", {"dp": 2}), ("fsdp2", {"dp": 2}), ("tp", {"tp": 2})),
               4: (("fsdp2_tp", {"dp": 2, "tp": 2}), ("fsdp2", {"dp": 4}))}
-
-
-# ---- real ranks ------------------------------------------------------------------------------------------
-#: Memory cases (2 ranks, T=MEMORY_T): the measured peak with and without checkpointing, beside the estimate.
-MEMORY_T = 16
-MEMORY_CASES = (("dp", {"dp": 2}, "mlp_all_steps", dict(activation_checkpointing="blocks")),
-                ("tp", {"tp": 2}, "mlp_all_steps", dict(activation_checkpointing="blocks")),
-                ("fsdp2", {"dp": 2}, "mlp_all_steps", dict(activation_checkpointing="blocks", checkpoint_every=2)),
-                ("dp", {"dp": 2}, "mlp", dict(activation_checkpointing="time_chunks", checkpoint_every=4,
-                                               time_step_module="net")),
-                # the blocks choose_blocks picks for it (test_the_measured_per_block_case_is_the_estimators_choice)
-                ("dp", {"dp": 2}, "mlp_all_steps", dict(activation_checkpointing="blocks", checkpoint_blocks=("net.0",))))
-
-
-def _memory_plans(case):
-    mode, topology, zoo_name, levers = case
-    zoo = build(zoo_name, time_steps=MEMORY_T)
-    analysis = se.analyze(zoo.model)
-    plans = [se.plan(analysis=analysis, objective="memory", topology=topology, batch_size=zoo.batch_size,
-                     mode=mode, features=GATES, **lv) for lv in (PLAIN, levers)]
-    return zoo, plans
 
 
 def _measured_peaks(cases):

@@ -10,25 +10,10 @@ group, and the plan-time refusals of bad 3-D meshes: tests/unit/test_mesh3d.py.)
 import pytest
 import torch
 from distributed_harness import run_on_ranks
+from test_mesh3d import BATCH, PP_FSDP2, STEPS, TOPOLOGY, _plan, _zoo
 from torch import nn
 
-STEPS = 2
 TOL = 1e-5
-BATCH = 8
-TOPOLOGY = {"pp": 2, "dp": 2, "tp": 2}
-PP_FSDP2 = {"pp": 2, "dp": 4}
-
-
-def _zoo():
-    from snn_explorer.zoo import build
-
-    return build("mlp_all_steps", batch_size=BATCH)
-
-
-def _plan(model, topology=TOPOLOGY, mode="pp_tp"):
-    import snn_explorer as se
-
-    return se.plan(analysis=se.analyze(model), objective="capacity", topology=topology, batch_size=BATCH, mode=mode)
 
 
 def reference():

@@ -9,25 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_harness import run_on_ranks
+from test_op_checkpointing import _batch, _estimate, _model, _plan
 
 import snn_explorer as se
-from snn_explorer.zoo.llm import MultiStepLIF, build_llm, token_batch
+from snn_explorer.zoo.llm import MultiStepLIF
 
-GATES = se.DistributedFeatureSet(allow_activation_checkpointing=True)
-SHAPE = dict(dim=64, n_heads=4, ffn_dim=256, n_layers=2, vocab_size=128, tied_embeddings=False)
 T, BATCH, SEQ, STEPS = 4, 4, 16, 2
 CASES = (("fsdp2", {"dp": 2}), ("tp", {"tp": 2}))  # dp's wrapping is the plain model's: blocks tests cover it
-
-
-def _model(dtype=torch.float64):
-    torch.manual_seed(0)
-    return build_llm("spiking-llm-tiny", **SHAPE).to(dtype)
-
-
-def _plan(model, mode="fsdp2", topology=None, **levers):
-    extra = dict(tensor_parallel_plan=model.tensor_parallel_plan()) if mode == "tp" else {}
-    return se.plan(analysis=se.analyze(model), objective="memory", topology=topology or {"dp": 2},
-                   batch_size=BATCH, mode=mode, features=GATES, **extra, **levers)
 
 
 # ---- real ranks ------------------------------------------------------------------------------------------
@@ -67,11 +55,6 @@ def _measured_peaks():
     tokens, targets = _batch()
     run = measure_settings(model, plans, tokens, targets, 1, "adam", None, 1e-3, "cpu", layout=se.TIME_MAJOR)
     return [m["row"]["peak_bytes"] for m in measure_on_rank(model, plans, run)]
-
-
-def _batch():
-    tokens = token_batch(_model().config, T, BATCH, SEQ, seed=1)
-    return tokens, torch.randint(0, SHAPE["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
 
 
 def _on_rank():
@@ -119,13 +102,6 @@ def test_op_checkpointed_training_equals_plain_training_bit_for_bit(ranks):
 def small():
     """The float32 model the ranks measured, and its batch: one object, so its profiles are measured once."""
     return _model(torch.float32), _batch()
-
-
-def _estimate(small, levers, hardware=None, shape_only=None):
-    model, (tokens, targets) = small
-    profile = se.model_profile(model, tokens, targets, layout=se.TIME_MAJOR, shape_only=shape_only)
-    return se.estimate(model, _plan(model, activation_checkpointing=levers), example_input=tokens, labels=targets,
-                       layout=se.TIME_MAJOR, profile=profile, hardware=hardware or se.hardware_profile("H100-SXM"))
 
 
 def test_estimated_peak_within_5_percent_of_the_measured_one(ranks, small):

@@ -5,11 +5,11 @@ loss scaler (scale, growth tracker, skipped steps) travels with them to an fp16 
 import torch
 import torch.distributed as dist
 from distributed_harness import run_on_ranks
+from test_precision_checkpoint import GATE
 from torch import nn
 
 from snn_explorer.core.parallelize.mixed_precision import LossScaler
 
-GATE = dict(allow_mixed_precision=True)
 FRESH = LossScaler().state_dict()
 
 

@@ -6,11 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_harness import run_on_ranks
+from test_precision import GATE
 from torch import nn
-
-import snn_explorer as se
-
-GATE = se.DistributedFeatureSet(allow_mixed_precision=True)
 
 
 # ---- fp16: the loss scaler survives an overflow ------------------------------------------------------

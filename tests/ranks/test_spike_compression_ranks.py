@@ -1,12 +1,12 @@
 """Spike compression: saved 0/1 tensors kept as bits, bit-exact training on real ranks, estimated as measured.
 (The tests in one process: tests/unit/test_spike_compression.py.)"""
-import dataclasses
 
 import pytest
 import torch
 import torch.distributed as dist
 from distributed_harness import run_on_ranks
 from models import train_share
+from test_spike_compression import _plan
 
 import snn_explorer as se
 from snn_explorer.core.spike_compression import (
@@ -18,19 +18,10 @@ from snn_explorer.estimator.measurement.settings import measure_settings
 from snn_explorer.zoo import build
 
 STEPS = 5  # Adam steps per run: exactness must hold from the first step on, and through the optimizer's state
-GATES = se.DistributedFeatureSet(allow_spike_compression=True)
 #: (mode, topology, zoo model, checkpointing): each run with and without compression; the last one checkpointed
 #: in both runs (compression packs the checkpointed blocks' inputs, and their recompute must see the same tensors)
 RANK_CASES = (("dp", {"dp": 2}, "mlp_all_steps", "none"), ("fsdp2", {"dp": 2}, "vgg", "none"),
               ("tp", {"tp": 2}, "mlp", "none"), ("dp", {"dp": 2}, "spikformer", "blocks"))
-GATES_AC = se.DistributedFeatureSet(allow_spike_compression=True, allow_activation_checkpointing=True)
-
-
-def _plan(zoo, mode, topology, compress, checkpointing="none"):
-    base = se.plan(analysis=se.analyze(zoo.model), objective="speed", topology=topology, batch_size=zoo.batch_size,
-                   mode=mode, features=GATES_AC if checkpointing != "none" else GATES,
-                   activation_checkpointing=checkpointing)
-    return dataclasses.replace(base, spike_compression=compress)
 
 
 # ---- real ranks --------------------------------------------------------------------------------------------

@@ -6,40 +6,10 @@ import pytest
 import torch
 from distributed_harness import run_on_ranks
 from models import gather_over_dp
+from test_spikingjelly import jelly_input, jelly_mlp, jelly_spikformer, spikformer_input
 from torch import nn
 
 sj = pytest.importorskip("spikingjelly.activation_based")  # installed by scripts/setup.sh
-
-
-def jelly_mlp(step_mode: str, seed: int = 0) -> nn.Module:
-    from spikingjelly.activation_based import functional, layer, neuron
-
-    torch.manual_seed(seed)
-    net = nn.Sequential(
-        layer.Linear(16, 32), neuron.LIFNode(tau=2.0),
-        layer.SeqToANNContainer(nn.Linear(32, 32)) if step_mode == "m" else layer.Linear(32, 32),
-        neuron.LIFNode(tau=2.0), layer.Dropout(0.0), layer.Linear(32, 8),
-    )
-    functional.set_step_mode(net, step_mode)
-    for m in net.modules():
-        if isinstance(m, nn.Linear):
-            with torch.no_grad():  # strong enough that every layer spikes
-                m.weight.mul_(3.0)
-                m.bias.fill_(0.5)
-    return net if step_mode == "m" else SingleStep(net)
-
-
-class SingleStep(nn.Module):
-    def __init__(self, net):
-        super().__init__()
-        self.net = net
-
-    def forward(self, x):
-        return torch.stack([self.net(x_t) for x_t in x])
-
-
-def jelly_input():
-    return torch.rand(6, 4, 16, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * 3
 
 
 def _jelly_rank(step_mode, topology, mode):
@@ -96,23 +66,6 @@ def _reference_step(ref, x, y):
     ref_out = ref(x)
     nn.functional.cross_entropy(ref_out.mean(0), y).backward()
     return rates, ref_out
-
-
-def jelly_spikformer():
-    """spikingjelly's own Spikformer (fused q/k/v as a 1x1 Conv1d + BatchNorm1d), tiny."""
-    from spikingjelly.activation_based.model.spikformer import Spikformer
-
-    torch.manual_seed(0)
-    model = Spikformer(T=2, in_channels=2, img_size_h=16, img_size_w=16, patch_size=4, num_classes=8,
-                       embed_dims=32, num_heads=4, mlp_ratio=2.0, depths=1)
-    with torch.no_grad():  # stronger q/k/v and attention scores, so that attention's own neurons fire
-        model.blocks[0].attn.qkv_conv_bn[1].weight.mul_(2.0)
-    model.blocks[0].attn.scale = 2.0
-    return model.double()
-
-
-def spikformer_input():
-    return torch.rand(2, 2, 2, 16, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 4
 
 
 def _jelly_spikformer_rank(topology, mode):

@@ -5,98 +5,13 @@ cannot compute (issue 19): tied weights, broken chains, styles of another layer 
 import pytest
 import torch
 from distributed_harness import run_on_ranks
-from models import SEWResNet, SpikeDrivenNet, TimeLoop
+from test_styles import CASES, TP, build, example, plan_for
 from torch import nn
 
 import snn_explorer as se
 from snn_explorer.core.styles import STYLES
-from snn_explorer.zoo import lif
 
-TP = 2
 T, N = 3, 4
-
-
-class FusedAttention(nn.Module):
-    """Attention with one fused q/k/v projection (a 1x1 Conv1d or a Linear), its BatchNorm and
-    neuron, and an output projection; tokens are ``[N, dim, L]`` (conv) or ``[N, L, dim]`` (Linear)."""
-
-    def __init__(self, dim: int, num_heads: int, conv: bool):
-        super().__init__()
-        self.num_heads, self.conv = num_heads, conv
-        self.qkv = nn.Conv1d(dim, 3 * dim, 1) if conv else nn.Linear(dim, 3 * dim)
-        self.qkv_bn = nn.BatchNorm1d(3 * dim)
-        self.qkv_lif = lif(0.8)
-        self.proj = nn.Conv1d(dim, dim, 1) if conv else nn.Linear(dim, dim)
-
-    def forward(self, x):
-        y = self.qkv(x)
-        y = self.qkv_bn(y) if self.conv else self.qkv_bn(y.transpose(1, 2)).transpose(1, 2)
-        y = self.qkv_lif(y)
-        if not self.conv:
-            y = y.transpose(1, 2)  # [N, 3 * width, L]
-        n, c, length = y.shape  # c = 3 * (this rank's heads x head_dim)
-        q, k, v = y.reshape(n, 3, self.num_heads, c // 3 // self.num_heads, length).unbind(1)
-        attn = torch.einsum("nhdl,nhdm->nhlm", q, k) * 0.5
-        out = torch.einsum("nhlm,nhdm->nhdl", attn, v).reshape(n, c // 3, length)
-        return self.proj(out if self.conv else out.transpose(1, 2))
-
-
-class AttentionNet(nn.Module):
-    def __init__(self, conv: bool, dim: int = 8, length: int = 4):
-        super().__init__()
-        self.attn = FusedAttention(dim, 2, conv)
-        self.lif = lif(0.8)
-        self.head = nn.Linear(dim * length, 6)
-
-    def forward(self, x):
-        return self.head(self.lif(self.attn(x)).flatten(1))
-
-
-def _strong(model: nn.Module) -> nn.Module:
-    with torch.no_grad():  # gains and biases that keep every neuron spiking
-        for m in model.modules():
-            if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d)):
-                m.weight.mul_(2.5)
-                if m.bias is not None:
-                    m.bias.fill_(0.3)
-            elif isinstance(m, nn.modules.batchnorm._BatchNorm):
-                m.bias.fill_(0.6)
-    return model.double()
-
-
-def build(case: str) -> nn.Module:
-    torch.manual_seed(0)
-    if case == "linear":
-        net = nn.Sequential(nn.Linear(8, 16), lif(0.8), nn.Linear(16, 8), lif(0.8), nn.Linear(8, 6))
-    elif case == "conv":
-        net = nn.Sequential(nn.Conv2d(2, 8, 3, padding=1), nn.BatchNorm2d(8), lif(0.8), nn.MaxPool2d(2),
-                            nn.Conv2d(8, 4, 3, padding=1), lif(0.8), nn.Flatten(), nn.Linear(4 * 4 * 4, 6))
-    elif case == "sew":
-        return _strong(SEWResNet())
-    elif case == "spike_driven":
-        return _strong(SpikeDrivenNet())
-    else:
-        net = AttentionNet(conv=case == "attn_conv")
-    return _strong(TimeLoop(net))
-
-
-def example(case: str):
-    g = torch.Generator().manual_seed(1)
-    shape = {"linear": (8,), "conv": (2, 8, 8), "attn_conv": (8, 4), "attn_linear": (4, 8), "sew": (2, 4, 4),
-             "spike_driven": (8, 4)}[case]
-    return torch.rand(T, N, *shape, generator=g, dtype=torch.float64) * 2, torch.arange(N) % 6
-
-
-FEATURES = {"linear": {}, "conv": dict(allow_experimental_conv_tp=True),
-            "attn_conv": dict(allow_experimental_spikformer_tp=True),
-            "attn_linear": dict(allow_experimental_spikformer_tp=True),
-            "sew": dict(allow_experimental_conv_tp=True), "spike_driven": dict(allow_experimental_spikformer_tp=True)}
-CASES = tuple(FEATURES)
-
-
-def plan_for(case: str, model: nn.Module):
-    return se.plan(analysis=se.analyze(model), objective="memory", topology={"tp": TP}, backend="torch",
-                   batch_size=N, mode="tp", features=se.DistributedFeatureSet(**FEATURES[case]))
 
 
 def _rates(model: nn.Module, x, y):
@@ -192,6 +107,3 @@ def test_estimate_matches_the_ranks(ranks, case):
         assert key(res[case]["collectives"]) == key(est.collectives.to_dict("records"))
         assert len(res[case]["collectives"]) > 0
     assert (est.per_rank["params_bytes"] == [res[case]["params_bytes"] for res in ranks]).all()
-
-
-# ---- issue 19: plans that cannot compute are refused at plan time ----------------------------------

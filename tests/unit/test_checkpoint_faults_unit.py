@@ -2,31 +2,16 @@
 leaves the previous checkpoint loadable, names what failed, and leaves no directory that passes for a
 checkpoint. (A rank that raises mid-save and a rank SIGKILLed inside the save, on real gloo ranks:
 tests/ranks/test_checkpoint_faults.py.)"""
-import errno
 import os
 
 import pytest
+from test_checkpoint_faults import _shard_fsync_fails
 
 import snn_explorer as se
 from snn_explorer.core.checkpoint import CheckpointError, latest_checkpoint, step_path
 from snn_explorer.zoo import build
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def _shard_fsync_fails(error_number=errno.ENOSPC, action=None):
-    """Replace os.fsync so that syncing a ``.distcp`` shard fails (or runs ``action``); other files sync."""
-    real = os.fsync
-
-    def fsync(fd):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(".distcp"):
-            if action is not None:
-                action()
-            raise OSError(error_number, os.strerror(error_number))
-        return real(fd)
-
-    os.fsync = fsync
-    return real
 
 
 def _mode_none_runtime():

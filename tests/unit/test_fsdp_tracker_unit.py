@@ -4,30 +4,13 @@ checkpointing and the offloaded bounds: tests/ranks/test_fsdp_tracker.py.)"""
 import dataclasses
 
 import pytest
-import torch
+from test_fsdp_tracker import _model_and_input, _plans
 
-import snn_explorer as se
 from snn_explorer.core.memory_levers import check_cpu_offload_device
 from snn_explorer.estimator import estimate
 from snn_explorer.estimator.timing.hardware import hardware_profile
-from snn_explorer.zoo.mlp import SpikingMLP
 
 T, N, WIDTH = 4, 4, 512
-GATES = se.DistributedFeatureSet(allow_activation_checkpointing=True, allow_cpu_offload=True)
-
-
-def _model_and_input():
-    torch.manual_seed(0)
-    model = SpikingMLP(in_features=WIDTH, hidden=(WIDTH,) * 3, num_classes=WIDTH, stepping="all_steps", init_gain=2.0)
-    return model, (torch.rand(T, N, WIDTH) < 0.3).float()
-
-
-def _plans(model):
-    base = se.plan(analysis=se.analyze(model), objective="speed", topology={"dp": 2}, batch_size=N, mode="fsdp2",
-                   features=GATES, activation_checkpointing="none")
-    levered = [base, dataclasses.replace(base, activation_checkpointing="blocks"),
-               dataclasses.replace(base, activation_checkpointing="blocks", checkpoint_every=2)]
-    return levered + [dataclasses.replace(p, memopt_level=1) for p in levered]  # memopt 1: reshard after forward
 
 
 def test_cpu_offload_refusals():

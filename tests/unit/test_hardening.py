@@ -433,7 +433,3 @@ def test_estimate_at_the_largest_world_size_is_fast(objective):
     assert len(est.per_rank) == MAX_WORLD_SIZE and est.per_rank["rank"].tolist()[-1] == MAX_WORLD_SIZE - 1
     with pytest.raises(ValueError, match=rf"make {MAX_WORLD_SIZE * 2} ranks, more than .*MAX_WORLD_SIZE"):
         SNNDistributedTopology({"dp": MAX_WORLD_SIZE, "tp": 2})
-
-
-# ---- side effects: the caller's process is left as it was found ---------------------------------------
-

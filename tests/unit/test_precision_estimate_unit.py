@@ -4,6 +4,7 @@ measure() on real gloo ranks: tests/ranks/test_precision_estimate.py.)"""
 import dataclasses
 
 import pytest
+from test_precision_estimate import GATE, _plans
 from torch import nn
 
 import snn_explorer as se
@@ -11,20 +12,6 @@ from snn_explorer.estimator import estimate
 from snn_explorer.zoo import build
 
 pytestmark = pytest.mark.timeout(600)  # the first test measures every model of CASES
-
-GATE = se.DistributedFeatureSet(allow_mixed_precision=True)
-CASES = {
-    "mlp_all_steps": [("dp", "speed"), ("fsdp2", "speed"), ("fsdp2", "memory"), ("tp", "speed"), ("pp", "speed")],
-    "mlp": [("fsdp2", "speed"), ("dp", "speed")],
-    "vgg": [("dp", "speed"), ("tp", "speed"), ("fsdp2", "memory")],
-}
-
-
-def _plans(zoo, precision):
-    analysis = se.analyze(zoo.model, model_family=zoo.family)
-    return [se.plan(analysis=analysis, objective=objective, topology={mode if mode in ("tp", "pp") else "dp": 2},
-                    batch_size=zoo.batch_size, mode=mode, features=GATE, precision=precision)
-            for mode, objective in CASES[zoo.name]]
 
 
 def test_fsdp2_plans_bf16_on_batchnorm_models_and_refuses_a_bare_batchnorm():
