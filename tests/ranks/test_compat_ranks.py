@@ -1,7 +1,8 @@
-"""snn_explorer.compat on real gloo ranks: measure() on two ranks matches the estimate in every two-rank mode
-(the code paths of the private torch names that only ranks run). CI runs this file, with tests/unit/test_compat.py,
+"""snn_explorer.compat on real gloo ranks: measure() on two ranks matches the estimate in every two-rank mode,
+and every wait of torch's pipeline schedules goes through the name pipeline_waits wraps (the code paths of the
+private torch names that only ranks run). CI runs this file, with tests/unit/test_compat.py,
 on each torch of ``compat.TESTED_TORCH`` (scripts/test.sh, scripts/test_torch_next.sh)."""
-
+import pytest
 import torch
 from torch import nn
 
@@ -34,3 +35,27 @@ def test_measure_on_two_ranks_matches_the_estimate_in_every_two_rank_mode():
         assert meas.peak_bytes > 0
         if plan.mode == "dp":
             assert meas.per_rank["transient_bytes"].iloc[0] == est.collectives["bytes"].sum()
+
+
+def _pipeline_waits_on_rank():
+    import torch.distributed as dist
+
+    from snn_explorer.core.pipeline_schedules import SCHEDULES
+    from snn_explorer.estimator.calibration.step_probes import pipeline_step_times
+
+    torch.set_num_threads(1)
+    return {name: pipeline_step_times(dist, torch.device("cpu"), SCHEDULES[name], heavy)
+            for name, heavy in (("1f1b", 1), ("interleaved", 24))}
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_waits_time_the_schedules_waits_for_transfers():
+    """Every wait of torch's schedules goes through the name pipeline_waits wraps: on 2 ranks each
+    rank waits some of its step, never all; with rank 0's blocks 24 times the work under
+    interleaved 1F1B, rank 1 waits for rank 0 longer than rank 0 for rank 1."""
+    from snn_explorer.ranks import run
+
+    values = run(_pipeline_waits_on_rank, nprocs=2, backend="gloo", timeout=60).values
+    for probe in ("1f1b", "interleaved"):
+        assert all(0 < v[probe]["waited"] < v[probe]["step"] for v in values), probe
+    assert values[1]["interleaved"]["waited"] > values[0]["interleaved"]["waited"]

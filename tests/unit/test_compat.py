@@ -311,30 +311,6 @@ def test_uncompiled_returns_the_module_inside_torch_compile():
     assert compat.uncompiled(compiled) is model and compat.uncompiled(model) is model
 
 
-def _pipeline_waits_on_rank():
-    import torch.distributed as dist
-
-    from snn_explorer.core.pipeline_schedules import SCHEDULES
-    from snn_explorer.estimator.calibration.step_probes import pipeline_step_times
-
-    torch.set_num_threads(1)
-    return {name: pipeline_step_times(dist, torch.device("cpu"), SCHEDULES[name], heavy)
-            for name, heavy in (("1f1b", 1), ("interleaved", 24))}
-
-
-@pytest.mark.timeout(120)
-def test_pipeline_waits_time_the_schedules_waits_for_transfers():
-    """Every wait of torch's schedules goes through the name pipeline_waits wraps: on 2 ranks each
-    rank waits some of its step, never all; with rank 0's blocks 24 times the work under
-    interleaved 1F1B, rank 1 waits for rank 0 longer than rank 0 for rank 1."""
-    from snn_explorer.ranks import run
-
-    values = run(_pipeline_waits_on_rank, nprocs=2, backend="gloo", timeout=60).values
-    for probe in ("1f1b", "interleaved"):
-        assert all(0 < v[probe]["waited"] < v[probe]["step"] for v in values), probe
-    assert values[1]["interleaved"]["waited"] > values[0]["interleaved"]["waited"]
-
-
 # --- checkpoint metadata read without running code (issue 35) -----------------------------------
 class _RunsCommand:
     """Unpickled with plain pickle, this creates ``marker`` (as a shell command would)."""
