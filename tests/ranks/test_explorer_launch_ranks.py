@@ -1,5 +1,5 @@
-"""The Launch tab driven in-process: launch on 2 gloo ranks, stop, errors, save / load a plan, export.
-(The tests in one process: tests/unit/test_explorer_launch.py.)"""
+"""The Launch tab driven in-process on 2 gloo ranks: launch, stop, a rank's error, the tab's code run as shown.
+(Save / load a plan, export, a missing-labels message, in one process: tests/unit/test_explorer_launch.py.)"""
 from __future__ import annotations
 
 import os
@@ -12,6 +12,7 @@ from launch_helpers import clean_launch, gone  # noqa: F401  (fixture)
 from test_explorer_launch import _share_loss
 
 from snn_explorer.explorer import Explorer
+from snn_explorer.explorer.ui import TABS
 from snn_explorer.zoo import build
 
 os.environ.setdefault("MPLBACKEND", "Agg")
@@ -81,3 +82,15 @@ def test_a_failing_step_shows_the_rank_error_in_the_tab(ui, clean_launch):
     _join(panel)
     assert "the launch failed" in panel.status.value and panel.result is None
     assert "broken on dp rank" in panel.output.value and "ValueError" in panel.error
+
+
+@pytest.mark.timeout(300)
+def test_the_launch_tab_code_runs_as_shown(ui, tmp_path, clean_launch):
+    ui.tabs.selected_index = TABS.index("Launch")
+    text = ui.outputs["Launch"].outputs[0]["data"]["text/plain"]
+    code = text[:text.index("# the plan file")].replace("'snn-job'", repr(str(tmp_path / "job")))
+    scope = {"ex": ui.ex}
+    exec(code, scope)  # noqa: S102 - the snippet the tab tells a user to run
+    assert scope["result"].losses[0][0] == pytest.approx(
+        _share_loss(ui.ex.model, ui.ex.example_input, ui.ex.labels, 0, ui.current.per_rank_batch), rel=1e-5)
+    assert os.path.isfile(os.path.join(scope["job"].path, "run.py"))
