@@ -2,7 +2,8 @@
 trampoline, a progress channel, per-rank failures (used by the launcher, measure() and the tests).
 
 ``run(fn, args, nprocs=...)`` -> :class:`LaunchResult` or :class:`LaunchError`; ``report()`` from
-inside a rank; :class:`RankPool`: warm ranks that many runs reuse (``run(..., pool=)``). Sits below the estimator: imports ``snn_explorer.core`` only.
+inside a rank; :class:`RankPool`: warm ranks that many runs reuse (``run(..., pool=)``).
+Sits below the estimator: imports ``snn_explorer.core`` only.
 """
 from .engine import BACKENDS, resolve_backend, run
 from .errors import LaunchError, RankFailure

@@ -198,8 +198,9 @@ class RankPool:
     and ``Explorer(..., pool=)`` run on it. Each run is what a fresh launch would be: fresh rank
     processes (forked from the warm ranks), a fresh store and process group, the RNG state of a
     fresh rank. The ranks start when the pool is made (in the background; the first run waits for
-    them). ``env``: the ranks' variables, set before torch is imported there (a run's own ``env=``
-    is set when that run starts). ``timeout``: :meth:`run`'s heartbeat timeout. ``preload``: modules
+    them). A run's ranks get the caller's environment at that call, plus its ``env=``, as a fresh
+    launch's do; ``env`` here is set when the warm ranks start, before they import torch (for
+    variables read at import). ``timeout``: :meth:`run`'s heartbeat timeout. ``preload``: modules
     the warm ranks import once, so that runs need not (e.g. ``("snn_explorer.estimator",)`` for
     ``measure``); code imported there is that of the pool's start (:meth:`restart` after editing it).
     ``tmp_dir``: where the pool's private folder goes (the system's temporary directory by default).
@@ -284,7 +285,6 @@ class RankPool:
     def run_payload(self, payload: bytes, limits: Tuple, *, pg_timeout, env, progress, log_dir) -> LaunchResult:
         """A pickled payload (:mod:`~.payload`) on the warm ranks, started again first if they ended,
         tried again (on new warm ranks) when it fails before any rank ran the function."""
-        env = {str(k): None if v is None else str(v) for k, v in (env or {}).items()}
         with self._lock:
             self._check_open()
 
@@ -318,7 +318,8 @@ class RankPool:
         try:
             channel.make_layout(run_dir)
             channel.write_atomic(channel.path(run_dir, "payload.pkl"), payload)
-            job = warm.job_text(run_dir, self.nprocs, pg_timeout, env)
+            ranks_env = process.with_package_path(_rank_env(run_dir, self.backend, env))
+            job = warm.job_text(run_dir, self.nprocs, pg_timeout, ranks_env)
             start = lambda tracker: PoolRun(agent, run_dir, tracker, job)  # noqa: E731
             return follow(start, run_dir, self.nprocs, self.backend, started, limits, progress, log_dir)
         finally:

@@ -23,6 +23,8 @@ import time
 import traceback
 from typing import Optional
 
+import torch
+
 from . import channel, process, rank
 
 #: Seconds between looks for the next job: short right after a run, longer once the pool idles.
@@ -31,6 +33,10 @@ JOB_POLL_S = (0.005, 0.05)
 BUSY_S = 2.0
 #: Seconds a rank process waits for its run's store to be served before it gives up.
 STORE_WAIT_S = 60.0
+#: The variables elastic sets for its workers (besides ``TORCHELASTIC_*``): a run's rank keeps the
+#: warm rank's, over the run's environment.
+ELASTIC_KEYS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+                "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
 def _next_job(pool_dir: str, number: int) -> dict:
@@ -153,18 +159,16 @@ def _rank_process(job: dict, me: int, backend: str) -> None:
             out = os.open(os.path.join(logs, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.dup2(out, fd)
             os.close(out)
-        for key, value in job["env"].items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        os.environ.update({"TMPDIR": channel.path(run_dir, "tmp"), channel.DIR_ENV: run_dir})
+        elastic = {k: v for k, v in os.environ.items() if k in ELASTIC_KEYS or k.startswith("TORCHELASTIC_")}
+        os.environ.clear()  # the caller's environment at the run's call, as a fresh launch's agent gets it
+        os.environ.update({**job["env"], **elastic})
         tempfile.tempdir = None  # gettempdir() looks at TMPDIR again
         os.chdir(job["cwd"])
         sys.path[:] = job["sys_path"] + ([] if process.PACKAGE_ROOT in job["sys_path"] else [process.PACKAGE_ROOT])
         os.environ["MASTER_PORT"] = _store_port(run_dir)
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # every rank a client of the run's store
+        _fresh_seeds(job["seed"])
         rank.run_rank(run_dir, backend, job["pg_timeout"])
     except BaseException:  # noqa: BLE001 - a rank process never returns into the warm rank's loop
         traceback.print_exc()
@@ -172,7 +176,19 @@ def _rank_process(job: dict, me: int, backend: str) -> None:
     os._exit(1)
 
 
+def _fresh_seeds(seed: int) -> None:
+    """The RNG state a fresh launch's rank starts with: torch's default generators seeded with one
+    random 64-bit seed shared by the ranks (a fresh agent seeds itself so at import, and its ranks
+    inherit it), numpy's global state too where the warm rank imported numpy; Python's ``random`` is
+    reseeded by the fork itself, per process, as in a fresh launch."""
+    torch.manual_seed(seed)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(seed % 2 ** 32)
+
+
 def job_text(run_dir: str, nprocs: int, pg_timeout, env: dict) -> bytes:
-    """What the caller posts as ``jobs/<n>.json``."""
+    """What the caller posts as ``jobs/<n>.json``: the run, the ranks' whole environment (``env``), and one
+    fresh seed for its ranks."""
     return json.dumps({"run_dir": run_dir, "nprocs": nprocs, "pg_timeout": pg_timeout, "env": env,
-                       "cwd": os.getcwd(), "sys_path": list(sys.path)}).encode()
+                       "cwd": os.getcwd(), "sys_path": list(sys.path),
+                       "seed": int.from_bytes(os.urandom(8), "little")}).encode()
