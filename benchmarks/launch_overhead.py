@@ -1,10 +1,11 @@
-"""Wall time to results for a trivial N-rank gloo function: the rank runner (``launch``, which
-``measure`` and the tests' harness also use) vs ``torchrun`` on a script vs a plain
-``multiprocessing`` spawn of the ranks from this process (what ``measure`` and the tests did before).
+"""Wall time to results for a trivial N-rank gloo function: a fresh launch of the rank runner
+(``launch``, which ``measure`` and the tests' harness also use), a run on a warm ``RankPool``,
+``torchrun`` on a script, and a plain ``multiprocessing`` spawn of the ranks from this process.
 
-Run: ``python benchmarks/launch_overhead.py [--nprocs 4] [--repeat 1]``. One run of each (or
-alternating runs and their medians), then the ratios (target: launch / torchrun <= 1.1). Not a
-test: the numbers depend on the machine and its load.
+Run: ``python benchmarks/launch_overhead.py [--nprocs 2] [--repeat 5]``. Alternating runs of each and
+their medians, then the ratios (targets: launch / torchrun <= 1.1; a warm pool run <= 1.0 s). The
+pool's start (until its first result) and its close are timed once per repeat. Not a test: the
+numbers depend on the machine and its load.
 """
 from __future__ import annotations
 
@@ -50,6 +51,25 @@ def time_launch(nprocs: int) -> float:
     elapsed = time.perf_counter() - start
     assert result.values == [float(nprocs)] * nprocs, result.values
     return elapsed, max(result.startup.values())
+
+
+def time_pool(nprocs: int, runs: int):
+    """(start until the first result, median warm run, close) of one RankPool."""
+    from snn_explorer.ranks import RankPool
+
+    start = time.perf_counter()
+    pool = RankPool(nprocs, "gloo")
+    assert pool.run(trivial) == [float(nprocs)] * nprocs
+    first = time.perf_counter() - start
+    warm = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        values = pool.run(trivial)
+        warm.append(time.perf_counter() - start)
+        assert values == [float(nprocs)] * nprocs, values
+    start = time.perf_counter()
+    pool.close()
+    return first, statistics.median(warm), time.perf_counter() - start
 
 
 def _spawned_rank(rank: int, nprocs: int, port: int, queue) -> None:
@@ -100,21 +120,26 @@ def time_torchrun(nprocs: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nprocs", type=int, default=4)
-    parser.add_argument("--repeat", type=int, default=1, help="alternate runs; the ratio of the medians")
+    parser.add_argument("--nprocs", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=5, help="alternate runs; the medians")
     args = parser.parse_args()
     runs = []
     for _ in range(args.repeat):
-        runs.append((*time_launch(args.nprocs), time_torchrun(args.nprocs), time_spawn(args.nprocs)))
-    t_launch, t_start, t_torchrun, t_spawn = (statistics.median(r[i] for r in runs) for i in range(4))
+        runs.append((*time_launch(args.nprocs), *time_pool(args.nprocs, 5), time_torchrun(args.nprocs),
+                     time_spawn(args.nprocs)))
+    t_launch, t_start, p_first, p_warm, p_close, t_torchrun, t_spawn = (
+        statistics.median(r[i] for r in runs) for i in range(7))
     label = "median of %d" % args.repeat if args.repeat > 1 else "one run"
-    print(f"{'runner (' + label + ')':<26}{'ranks':>6}{'wall s':>9}")
-    print(f"{'snn_explorer.launcher':<26}{args.nprocs:>6}{t_launch:>9.2f}")
-    print(f"{'  last rank started at':<26}{'':>6}{t_start:>9.2f}")
-    print(f"{'torchrun (script)':<26}{args.nprocs:>6}{t_torchrun:>9.2f}")
-    print(f"{'multiprocessing spawn':<26}{args.nprocs:>6}{t_spawn:>9.2f}")
-    print(f"{'ratio launch / torchrun':<26}{'':>6}{t_launch / t_torchrun:>9.2f}")
-    print(f"{'ratio launch / spawn':<26}{'':>6}{t_launch / t_spawn:>9.2f}")
+    rows = [("fresh launch (snn_explorer)", t_launch), ("  last rank started at", t_start),
+            ("warm RankPool run", p_warm), ("  pool start to 1st result", p_first), ("  pool close", p_close),
+            ("torchrun (script)", t_torchrun), ("multiprocessing spawn", t_spawn)]
+    print(f"| {'runner (' + label + ')':<30} | {'ranks':>5} | {'wall s':>7} |")
+    print(f"|{'-' * 32}|{'-' * 7}|{'-' * 9}|")
+    for name, value in rows:
+        print(f"| {name:<30} | {args.nprocs:>5} | {value:>7.2f} |")
+    print(f"| {'ratio launch / torchrun':<30} | {'':>5} | {t_launch / t_torchrun:>7.2f} |")
+    print(f"| {'ratio warm run / launch':<30} | {'':>5} | {p_warm / t_launch:>7.2f} |")
+    print(f"| {'ratio warm run / torchrun':<30} | {'':>5} | {p_warm / t_torchrun:>7.2f} |")
 
 
 if __name__ == "__main__":

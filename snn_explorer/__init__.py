@@ -22,6 +22,7 @@ _LAZY = {
     **{name: "snn_explorer.launcher" for name in ("launch", "launch_plan", "export_job", "report", "LaunchError",
                                                   "LaunchResult", "TrainResult")},
     "Explorer": "snn_explorer.explorer",
+    "RankPool": "snn_explorer.ranks",
 }
 __all__ = list(_core_all) + list(_LAZY)
 

@@ -20,6 +20,11 @@ Usage::
 
 How it works
 ------------
+* Runs reuse one warm :class:`snn_explorer.ranks.RankPool` per rank count in this test process
+  (started on first use, closed at exit): start-up is paid once per worker, and each run is still
+  a fresh launch's (fresh rank processes, process group, RNG state). ``fresh_launch=True``, or an
+  ``env``, starts a launch of its own instead: for tests whose subject is the launch itself (its
+  environment, faults, start-up, teardown, timeouts).
 * The ranks are the package's own rank runner (:func:`snn_explorer.ranks.run`): an agent process
   runs torch elastic on loopback-only stores and forks the ranks from an interpreter that has
   already imported torch; each rank joins a gloo group with ``timeout`` as its timeout.
@@ -51,18 +56,26 @@ The ranks' stdout/stderr are captured and written to this process's stdout/stder
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import signal
 import sys
+import tempfile
 import time
 
 import cloudpickle
 
-from snn_explorer.ranks import LaunchError, run
+from snn_explorer.ranks import LaunchError, RankPool, run
 from snn_explorer.ranks.errors import cause_order
 
-__all__ = ["run_on_ranks", "on_ranks", "RankFailure", "RankTimeout", "RankError"]
+__all__ = ["run_on_ranks", "on_ranks", "RankFailure", "RankTimeout", "RankError", "warm_pool", "warm_pool_pids"]
+
+#: The warm pools of this test process, by rank count (gloo).
+_POOLS: dict = {}
+#: Where the pools' folders go: the temporary directory as this module found it (a test may point
+#: TMPDIR at a folder of its own that must end empty).
+_POOL_TMP = tempfile.gettempdir()
 
 #: cap on the dumped stack text shown per rank in RankTimeout
 _MAX_STACK_CHARS = 6000
@@ -160,23 +173,47 @@ def _failure_error(err: LaunchError, nprocs: int, elapsed: float) -> RankFailure
     return RankFailure("\n".join(lines), failures, err.results)
 
 
-def run_on_ranks(fn, nprocs: int, *args, timeout: float = 60.0, env: dict | None = None, **kwargs) -> list:
+def warm_pool(nprocs: int) -> RankPool:
+    """This test process's warm gloo pool of ``nprocs`` ranks (made on first use, closed at exit)."""
+    pool = _POOLS.get(nprocs)
+    if pool is None or pool.closed:
+        pool = _POOLS[nprocs] = RankPool(nprocs, "gloo", env={"OMP_NUM_THREADS": "1"}, tmp_dir=_POOL_TMP)
+    return pool
+
+
+def warm_pool_pids() -> set:
+    """The processes of this test process's warm pools (not leftovers of a test)."""
+    return {pid for pool in _POOLS.values() for pid in pool.pids()}
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+
+
+def run_on_ranks(fn, nprocs: int, *args, timeout: float = 60.0, env: dict | None = None, fresh_launch: bool = False,
+                 **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` gloo ranks.
 
     Returns the return values in rank order.  Raises :class:`RankFailure` if a
     rank raised or died, :class:`RankTimeout` if not all ranks finished within
     ``timeout`` seconds (which also becomes the gloo/store timeout).  ``env``
-    entries are set in the ranks' environment (``None`` removes a key).
+    entries are set in the ranks' environment (``None`` removes a key).  It runs
+    on this process's warm pool of ``nprocs`` ranks unless ``fresh_launch`` or
+    ``env`` is given (then a launch of its own starts the ranks).
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    pool = None if fresh_launch or env is not None else warm_pool(nprocs)
     module = _by_value_module(fn)
     if module is not None:
         cloudpickle.register_pickle_by_value(module)
     t0 = time.monotonic()
     try:
         result = run(fn, args, kwargs, nprocs=nprocs, backend="gloo", timeout=None, time_limit=timeout,
-                     pg_timeout=timeout, env={"OMP_NUM_THREADS": "1", **(env or {})}, progress=False)
+                     pg_timeout=timeout, env=None if pool else {"OMP_NUM_THREADS": "1", **(env or {})},
+                     progress=False, pool=pool)
     except LaunchError as err:
         _echo(err.logs)
         elapsed = time.monotonic() - t0
@@ -189,8 +226,9 @@ def run_on_ranks(fn, nprocs: int, *args, timeout: float = 60.0, env: dict | None
     return result.values
 
 
-def on_ranks(nprocs: int, *, timeout: float = 60.0, env: dict | None = None):
-    """Decorator: the decorated (argument-less) test runs on ``nprocs`` ranks.
+def on_ranks(nprocs: int, *, timeout: float = 60.0, env: dict | None = None, fresh_launch: bool = False):
+    """Decorator: the decorated (argument-less) test runs on ``nprocs`` ranks (``fresh_launch``,
+    ``env``: see :func:`run_on_ranks`).
 
     The wrapper returns ``None`` (pytest warns about tests returning values);
     use :func:`run_on_ranks` directly to get the per-rank results.
@@ -199,7 +237,7 @@ def on_ranks(nprocs: int, *, timeout: float = 60.0, env: dict | None = None):
     def decorate(fn):
         @functools.wraps(fn)
         def wrapper():
-            run_on_ranks(fn, nprocs, timeout=timeout, env=env)
+            run_on_ranks(fn, nprocs, timeout=timeout, env=env, fresh_launch=fresh_launch)
 
         del wrapper.__wrapped__  # pytest must see the wrapper's (empty) signature
         return wrapper

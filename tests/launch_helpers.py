@@ -31,8 +31,12 @@ def is_reused_helper(proc: psutil.Process) -> bool:
 
 
 def live_children() -> list:
-    """This process's descendants, less the reused resource tracker and zombies."""
-    return [c for c in psutil.Process().children(recursive=True) if not is_reused_helper(c)]
+    """This process's descendants, less the reused resource tracker, zombies and the warm rank
+    pools the harness keeps for the whole test process."""
+    from distributed_harness import warm_pool_pids
+
+    pools = warm_pool_pids()
+    return [c for c in psutil.Process().children(recursive=True) if not is_reused_helper(c) and c.pid not in pools]
 
 
 def gone(pid: int) -> bool:

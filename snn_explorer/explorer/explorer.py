@@ -25,6 +25,7 @@ from ..estimator import (
     enumerate_plans,
     fastest_first,
     fit_budget,
+    measure,
     model_profile,
 )
 from ..estimator import estimate as estimate_plan
@@ -87,13 +88,15 @@ class Explorer(ExplorerCharts):
     ``data_layout`` (a :class:`~snn_explorer.core.layouts.DataLayout`) says where N and T sit in
     ``example_input`` and the model's output; without it they are detected from the example input
     (``analysis.data_layout_how`` says how), and every plan and estimate carries the result.
+    ``pool``: a :class:`~snn_explorer.ranks.RankPool` that :meth:`launch` (the UI's Launch) and :meth:`measure`
+    run on (its warm ranks: no start-up per click; a plan of another world size is refused).
     """
 
     def __init__(self, model: nn.Module, *, example_input: Optional[torch.Tensor] = None,
                  time_steps: Optional[int] = None, model_family: Optional[str] = None,
                  roots: Optional[Sequence[str]] = None, labels: Optional[torch.Tensor] = None,
                  batch_size: Optional[int] = None, neuron_backend: str = "torch", optimizer: str = "adam",
-                 backend: Any = UNSET, hardware: Any = None, data_layout: Any = None):
+                 backend: Any = UNSET, hardware: Any = None, data_layout: Any = None, pool: Any = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Explorer expects a torch.nn.Module, got {type(model).__name__}")
         if example_input is not None:
@@ -108,7 +111,7 @@ class Explorer(ExplorerCharts):
                                        layout.samples(example_input) if example_input is not None else 1)
         self.neuron_backend = check_backend(neuron_backend_arg(neuron_backend, backend))
         self.optimizer = optimizer
-        self.hardware = hardware
+        self.hardware, self.pool = hardware, pool
         self._plans: List[SNNDistributedPlan] = []
         self._estimates: Dict[tuple, Any] = {}
         self._fits: Dict[tuple, Any] = {}  # Explorer.fit's results per choice
@@ -397,7 +400,13 @@ class Explorer(ExplorerCharts):
         ``train_fn``, each step trains on this rank's share of the example input and labels
         (cross-entropy, :func:`~snn_explorer.explorer.steps.example_step`)."""
         train_fn = self._step(train_fn, kwargs)
-        return launch_plan(self.model, plan, train_fn, **kwargs)
+        return launch_plan(self.model, plan, train_fn, **{"pool": self.pool, **kwargs})
+
+    def measure(self, plan: SNNDistributedPlan, **kwargs):
+        """:func:`snn_explorer.estimator.measure` of ``plan`` on this model, example input, labels and layout
+        (on :attr:`pool` when set): the measured counterpart of :meth:`estimate`."""
+        kwargs = {"labels": self.labels, "layout": self.analysis.data_layout, "pool": self.pool, **kwargs}
+        return measure(self.model, plan, example_input=self.example_input, **kwargs)
 
     def export(self, plan: SNNDistributedPlan, train_script_or_fn, path, **kwargs):
         """:func:`snn_explorer.launcher.export_job` for this model: a torchrun / Slurm job directory

@@ -11,7 +11,7 @@ __all__ = ["launch", "resolve_backend"]
 
 def launch(fn: Callable, *args: Any, nprocs: int, comm_backend: str = "auto", timeout: Optional[float] = 900.0,
            env: Optional[Mapping[str, str]] = None, progress: Union[bool, Callable, None] = True,
-           log_dir: Optional[str] = None, backend: Any = UNSET, **kwargs: Any) -> LaunchResult:
+           log_dir: Optional[str] = None, backend: Any = UNSET, pool: Any = None, **kwargs: Any) -> LaunchResult:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` ranks with the process group initialised.
 
     ``fn`` may be a lambda, closure or notebook function: it is shipped by value (cloudpickle).
@@ -24,8 +24,9 @@ def launch(fn: Callable, *args: Any, nprocs: int, comm_backend: str = "auto", ti
     notebook, a text line on a terminal), False, or ``callable(snapshot)``. ``log_dir``: also keep
     each rank's stdout/stderr there (they are always on the result; checked writable first).
     A rank that exits without returning (``sys.exit``, ``os._exit``) is a failure of that rank.
-    Raises :class:`LaunchError`.
+    ``pool``: a :class:`~snn_explorer.ranks.RankPool` of ``nprocs`` ranks on this backend runs it on its
+    warm ranks (a pool that does not fit is refused). Raises :class:`LaunchError`.
     """
     comm_backend = renamed_keyword("comm_backend", comm_backend, "auto", "backend", backend)
     return run(fn, args, kwargs, nprocs=nprocs, backend=comm_backend, timeout=timeout, env=env, progress=progress,
-               log_dir=log_dir)
+               log_dir=log_dir, pool=pool)

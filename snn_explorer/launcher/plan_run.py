@@ -114,7 +114,7 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
                 optimizer: Optional[dict] = DEFAULT_OPTIMIZER, seed: int = 0, comm_backend: str = "auto",
                 timeout: Optional[float] = 900.0, env: Optional[Mapping[str, str]] = None, progress=True,
                 log_dir: Optional[str] = None, train_kwargs: Optional[dict] = None, checkpoint_dir=None,
-                checkpoint_every: Optional[int] = None, max_restarts: int = 0, backend=UNSET) -> TrainResult:
+                checkpoint_every: Optional[int] = None, max_restarts: int = 0, backend=UNSET, pool=None) -> TrainResult:
     """Run ``plan`` for ``model`` on ``plan.world_size`` ranks, ``steps`` calls of ``train_fn`` each.
 
     The model travels by value; each rank applies the plan on CPU (gloo) or its own GPU (NCCL),
@@ -148,6 +148,9 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
     kill, a timeout), every rank is ended and the group starts again, up to ``k`` times, resuming
     after the latest complete checkpoint, as torch elastic restarts a group; ``.faults`` lists
     what ended each failed attempt. The final failure is raised when restarts run out.
+
+    ``pool``: a :class:`~snn_explorer.ranks.RankPool` of ``plan.world_size`` ranks on this backend runs
+    it on its warm ranks (the same result as a fresh launch); one that does not fit is refused here.
     """
     if not isinstance(plan, SNNDistributedPlan):
         raise TypeError(f"plan must be an SNNDistributedPlan, got {type(plan).__name__}")
@@ -157,13 +160,15 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
     max_restarts = restart_count(max_restarts, checkpoints)
     backend = resolve_backend(renamed_keyword("comm_backend", comm_backend, "auto", "backend", backend),
                               plan.world_size)
+    if pool is not None:
+        pool.check_fits(plan.world_size, backend)
     faults: List[str] = []
     while True:
         try:
             result = launch(train_plan_rank, model, plan.to_dict(), train_fn, steps, dataset,
                             device_type_for(backend), optimizer, seed, train_kwargs, checkpoints,
                             nprocs=plan.world_size, comm_backend=backend, timeout=timeout, env=env,
-                            progress=progress, log_dir=log_dir)
+                            progress=progress, log_dir=log_dir, pool=pool)
             break
         except LaunchError as error:
             if len(faults) == max_restarts:

@@ -8,6 +8,7 @@ on 127.0.0.1. When a rank fails, the ranks still running are asked for their Pyt
 that failure. It ends every descendant before it exits, and removes the run directory if its
 parent dies.
 """
+import importlib
 import json
 import os
 import shutil
@@ -30,7 +31,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from .. import compat
-from . import channel, process, rank
+from . import channel, process, rank, warm
 
 #: Seconds the ranks still running get to write their stacks after another rank failed.
 STACK_WAIT_S = 1.0
@@ -131,7 +132,8 @@ def start_method() -> str:
 
 
 def run_elastic(run_dir: str, spec: dict) -> dict:
-    """Run the ranks under elastic; the outcome as ``status.json`` holds it."""
+    """Run the ranks under elastic; the outcome as ``status.json`` holds it. A pool's agent (``spec["pool"]``)
+    runs warm ranks (:func:`~snn_explorer.ranks.warm.serve`) instead, which run the pool's jobs until it ends."""
     if spec["backend"] == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and loopback_interface():
         os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
     recorder = ExitRecorder(run_dir)
@@ -140,12 +142,15 @@ def run_elastic(run_dir: str, spec: dict) -> dict:
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=spec["nprocs"], run_id=spec["run_id"],
         rdzv_backend="c10d-loopback", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1", max_restarts=0,
-        start_method=start_method(), monitor_interval=0.05, shutdown_timeout=spec["shutdown_timeout"],
+        start_method=start_method(), monitor_interval=0.25 if spec.get("pool") else 0.05, shutdown_timeout=spec["shutdown_timeout"],
         logs_specs=DefaultLogsSpecs(log_dir=channel.path(run_dir, "logs"), redirects=Std.ALL),
     )
     status = {"ok": False, "failures": {}, "agent_error": None}
     try:
-        elastic_launch(config, rank.run_rank)(run_dir, spec["backend"], spec.get("pg_timeout"))
+        if spec.get("pool"):
+            elastic_launch(config, warm.serve)(run_dir, spec["backend"])
+        else:
+            elastic_launch(config, rank.run_rank)(run_dir, spec["backend"], spec.get("pg_timeout"))
         status["ok"] = True
     except ChildFailedError as exc:
         status["failures"] = {int(r): {"exitcode": c} for r, c in recorder.codes.items() if c}
@@ -164,6 +169,8 @@ def main(run_dir: str, spec: dict) -> int:
 
     rank.exit_with_parent(spec["parent_pid"], orphaned)
     process.become_subreaper()
+    for name in spec.get("preload", ()):  # a pool's modules: imported once, here, for every warm rank
+        importlib.import_module(name)
     status = {"ok": False}
     try:
         status = run_elastic(run_dir, spec)

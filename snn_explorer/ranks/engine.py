@@ -89,7 +89,7 @@ def _rank_env(run_dir: str, backend: str, env: Optional[Mapping[str, Optional[st
 def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Mapping[str, Any]] = None, *, nprocs: int,
         backend: str = "auto", timeout: Optional[float] = 900.0, time_limit: Optional[float] = None,
         pg_timeout: Optional[float] = None, env: Optional[Mapping[str, Optional[str]]] = None,
-        progress: Union[bool, Callable, None] = False, log_dir: Optional[str] = None) -> LaunchResult:
+        progress: Union[bool, Callable, None] = False, log_dir: Optional[str] = None, pool=None) -> LaunchResult:
     """``fn(*args, **kwargs)`` on ``nprocs`` ranks with the process group initialised.
 
     ``timeout``: seconds a rank may go without a heartbeat (its start, each ``report``, its end),
@@ -99,51 +99,75 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Mapping[str, An
     is tried again once. ``time_limit``: seconds for the
     whole run, start-up included, None: no limit. ``pg_timeout``: the process group's own timeout
     (torch's default if None). ``env``: extra variables for the ranks (None removes one).
-    ``progress``: see :func:`~snn_explorer.ranks.display.choose_display`. Raises :class:`LaunchError`.
+    ``progress``: see :func:`~snn_explorer.ranks.display.choose_display`. ``pool``: a
+    :class:`~snn_explorer.ranks.pool.RankPool` of ``nprocs`` ranks on this backend whose warm ranks run it
+    (one that does not fit is refused before anything runs). Raises :class:`LaunchError`.
     """
     nprocs = positive_int("nprocs", nprocs)
     timeout = positive_number("timeout", timeout, what="seconds without a heartbeat", allow_none=True)
     time_limit = positive_number("time_limit", time_limit, what="seconds for the whole run", allow_none=True)
     pg_timeout = positive_number("pg_timeout", pg_timeout, what="seconds", allow_none=True)
     backend = resolve_backend(backend, nprocs)
+    if pool is not None:
+        pool.check_fits(nprocs, backend)
     log_dir = check_log_dir(log_dir)
     payload = payloads.dumps(fn, tuple(args), dict(kwargs or {}))
+    if pool is not None:
+        return pool.run_payload(payload, (timeout, time_limit), pg_timeout=pg_timeout, env=env, progress=progress,
+                                log_dir=log_dir)
     spec = {"nprocs": nprocs, "backend": backend, "pg_timeout": pg_timeout, "shutdown_timeout": 3}
+    return with_retries(lambda: _run_once(payload, spec, (timeout, time_limit), env, progress, log_dir))
+
+
+def with_retries(once: Callable[[], LaunchResult]) -> LaunchResult:
+    """``once()``, tried again (:data:`INIT_RETRIES` times) while it fails before any rank ran the function."""
     for attempt in range(1, INIT_RETRIES + 2):
         try:
-            return _run_once(payload, spec, (timeout, time_limit), env, progress, log_dir)
+            return once()
         except LaunchError as exc:
             exc.attempts = attempt
             if not exc.before_user_code or attempt > INIT_RETRIES:
                 raise
 
 
+def prepare_run_dir(run_dir: str, payload: bytes, spec: dict) -> None:
+    """The run directory's layout, the payload and the spec the agent or the warm ranks read."""
+    channel.make_layout(run_dir)
+    channel.write_atomic(channel.path(run_dir, "payload.pkl"), payload)
+    channel.write_json(channel.path(run_dir, "spec.json"), {
+        **spec, "run_id": uuid.uuid4().hex, "sys_path": list(sys.path), "parent_pid": os.getpid()})
+
+
 def _run_once(payload: bytes, spec: dict, limits: Tuple, env, progress, log_dir) -> LaunchResult:
     """One agent, one run directory, one outcome."""
     started = time.time()
-    nprocs, backend = spec["nprocs"], spec["backend"]
     run_dir = tempfile.mkdtemp(prefix="snn-launch-")  # mode 0700
     try:
-        channel.make_layout(run_dir)
-        channel.write_atomic(channel.path(run_dir, "payload.pkl"), payload)
-        channel.write_json(channel.path(run_dir, "spec.json"), {
-            **spec, "run_id": uuid.uuid4().hex, "sys_path": list(sys.path), "parent_pid": os.getpid()})
-        tracker = Tracker(nprocs, started)
-        display = choose_display(progress, nprocs)
-        reader = channel.EventReader(run_dir)
-        agent = AgentProcess(run_dir, _rank_env(run_dir, backend, env))
-        try:
-            hung, why, stuck = _wait(agent, reader, tracker, display, started, *limits)
-            # a silent rank ends the run: every unfinished rank shows where it was (the silent one's peers wait for it)
-            stacks = _dump_stacks(run_dir, tracker, tracker.unfinished() if hung else stuck) if hung or stuck else {}
-        finally:
-            agent.end(grace=0.0 if not tracker.unfinished() else 3.0)
-            for event in reader.poll():
-                tracker.apply(event)
-            display.close(tracker)
-        return outcome(run_dir, nprocs, backend, started, tracker, hung, why, stacks, log_dir)
+        prepare_run_dir(run_dir, payload, spec)
+        start = lambda tracker: AgentProcess(run_dir, _rank_env(run_dir, spec["backend"], env))  # noqa: E731
+        return follow(start, run_dir, spec["nprocs"], spec["backend"], started, limits, progress, log_dir)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def follow(start: Callable, run_dir: str, nprocs: int, backend: str, started: float, limits: Tuple, progress,
+           log_dir) -> LaunchResult:
+    """Start the ranks (``start(tracker)`` returns what runs them: ``poll()`` None while it runs, ``end(grace)``),
+    follow their events until the run is over, end what is left, and return the outcome."""
+    tracker = Tracker(nprocs, started)
+    display = choose_display(progress, nprocs)
+    reader = channel.EventReader(run_dir)
+    runner = start(tracker)
+    try:
+        hung, why, stuck = _wait(runner, reader, tracker, display, started, *limits)
+        # a silent rank ends the run: every unfinished rank shows where it was (the silent one's peers wait for it)
+        stacks = _dump_stacks(run_dir, tracker, tracker.unfinished() if hung else stuck) if hung or stuck else {}
+    finally:
+        runner.end(grace=0.0 if not tracker.unfinished() else 3.0)
+        for event in reader.poll():
+            tracker.apply(event)
+        display.close(tracker)
+    return outcome(run_dir, nprocs, backend, started, tracker, hung, why, stacks, log_dir)
 
 
 def _dump_stacks(run_dir: str, tracker: Tracker, ranks) -> Dict[int, str]:
@@ -177,9 +201,9 @@ def _alive(tracker: Tracker) -> bool:
     return any(s.pid and _running(s.pid) for s in tracker.ranks.values())
 
 
-def _wait(agent: AgentProcess, reader: channel.EventReader, tracker: Tracker, display, started: float,
+def _wait(agent, reader: channel.EventReader, tracker: Tracker, display, started: float,
           timeout: Optional[float], time_limit: Optional[float]):
-    """Follow the ranks until the agent exits, a failure's grace ends, or all values are stored
+    """Follow the ranks until the agent (or a pool's run) is over, a failure's grace ends, or all values are stored
     and the exit grace ends; returns the timed-out ranks (empty if none), why, and the ranks still
     running when the grace after a failure ended (the agent did not end them: the launcher will)."""
     failed_at = done_at = None

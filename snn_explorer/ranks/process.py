@@ -84,14 +84,20 @@ def kill_tree(root: int, extra=()) -> None:
     _signal(seen, signal.SIGKILL)
 
 
+def with_package_path(env: Mapping[str, str]) -> Dict[str, str]:
+    """``env`` with this package's root first on ``PYTHONPATH`` (``python -m`` finds the agent with it)."""
+    env = dict(env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    return env
+
+
 class AgentProcess:
     """``python -m snn_explorer.ranks.elastic_agent RUN_DIR`` as a session leader, so its process group
     is the whole tree."""
 
     def __init__(self, run_dir: str, env: Mapping[str, str]):
         self._log = open(channel.path(run_dir, "agent.log"), "wb")
-        env = dict(env)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        env = with_package_path(env)
         self.popen = subprocess.Popen([sys.executable, "-m", AGENT_MODULE, run_dir], env=env, cwd=os.getcwd(),
                                       stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
                                       start_new_session=True)

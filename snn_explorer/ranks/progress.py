@@ -91,6 +91,7 @@ class RankState:
     exit_code: Optional[int] = None
     exit_how: str = ""  # "SystemExit" when the rank said so, else "" (the agent saw the process end)
     ended_after: Optional[int] = None  # the rank whose failure made the agent end this one
+    reaped: bool = False  # a pool's warm rank saw this run's rank process end (and ended what it left)
     reports: List[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -130,6 +131,7 @@ class Tracker:
     def _exit(state: RankState, event: Dict[str, Any]) -> None:
         """A rank's process ended (said by the rank on ``sys.exit``, or by the agent on any exit):
         a failure unless the rank had stored its value."""
+        state.reaped = state.reaped or bool(event.get("reaped"))
         if state.exit_code is None:
             state.exit_code, state.exit_how = event["code"], event.get("how", "")
         if state.status in ("done", "failed"):

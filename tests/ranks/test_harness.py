@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_harness import RankFailure, RankTimeout, on_ranks, run_on_ranks
+from distributed_harness import RankFailure, RankTimeout, on_ranks, run_on_ranks, warm_pool_pids
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,7 +44,7 @@ def _child_pids():
                 pids.add(int(entry))
     else:
         pids = {p.pid for p in multiprocessing.active_children()}
-    return pids - helpers
+    return pids - helpers - warm_pool_pids()
 
 
 def _all_reduce_rank():
@@ -88,7 +88,7 @@ def test_rank_exception_is_reported_promptly():
     # 3 ranks (not more): other sessions may load this 2-core box, and the
     # elapsed bound includes spawning + importing torch in every rank.
     with pytest.raises(RankFailure) as info:
-        run_on_ranks(_raise_on_last_rank, 3, timeout=60)
+        run_on_ranks(_raise_on_last_rank, 3, timeout=60, fresh_launch=True)
     elapsed = time.monotonic() - t0
     msg = str(info.value)
     assert "rank 2" in msg and "ValueError" in msg and "boom 3" in msg
@@ -112,7 +112,7 @@ def _hang_in_collective():
 def test_hung_collective_times_out():
     t0 = time.monotonic()
     with pytest.raises(RankTimeout) as info:
-        run_on_ranks(_hang_in_collective, 2, timeout=8)
+        run_on_ranks(_hang_in_collective, 2, timeout=8, fresh_launch=True)
     elapsed = time.monotonic() - t0
     assert sorted(info.value.unfinished) == [0, 1]
     msg = str(info.value)
@@ -131,7 +131,7 @@ def _exit_hard():
 
 def test_rank_dying_without_report_gives_exit_code():
     with pytest.raises(RankFailure) as info:
-        run_on_ranks(_exit_hard, 2, timeout=60)
+        run_on_ranks(_exit_hard, 2, timeout=60, fresh_launch=True)
     msg = str(info.value)
     assert "--- rank 1 exited without reporting a result: exit code 3" in msg
     assert info.value.failures[1] == "rank 1 exited without reporting a result: exit code 3"

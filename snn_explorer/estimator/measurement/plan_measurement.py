@@ -274,12 +274,15 @@ def _assemble(plan: SNNDistributedPlan, results: Sequence[dict], steps: int) -> 
 def measure_many(model: nn.Module, plans: Sequence[SNNDistributedPlan], *, example_input: torch.Tensor,
                  labels: Optional[torch.Tensor] = None, steps: int = 3, optimizer: str = "adam",
                  dtype: Optional[torch.dtype] = None, lr: float = 1e-3, timeout: Optional[float] = 300.0,
-                 device: str = "cpu", progress=False, layout=None) -> List[PlanMeasurement]:
-    """:func:`measure` for several plans, one set of ranks per world size (``snn_explorer.ranks``)."""
+                 device: str = "cpu", progress=False, layout=None, pool=None) -> List[PlanMeasurement]:
+    """:func:`measure` for several plans, one set of ranks per world size (``snn_explorer.ranks``; ``pool``:
+    a :class:`~snn_explorer.ranks.RankPool` runs them, so every plan over one rank needs its world size)."""
+    backend = comm_backend_for(device)
+    for world in sorted({p.world_size for p in plans} - {1}) if pool is not None else ():
+        pool.check_fits(world, backend)
     run = measure_settings(model, plans, example_input, labels, steps, optimizer, dtype, lr, device, layout)
     timeout = positive_number("timeout", timeout, what="seconds a rank may go without finishing a step",
                               allow_none=True)
-    backend = comm_backend_for(device)
     out: Dict[int, PlanMeasurement] = {}
     for world in sorted({p.world_size for p in plans}):
         idx = [i for i, p in enumerate(plans) if p.world_size == world]
@@ -289,7 +292,7 @@ def measure_many(model: nn.Module, plans: Sequence[SNNDistributedPlan], *, examp
                 per_rank = [_measure_single(model, group, run, backend)]
         else:
             per_rank = ranks.run(measure_on_rank, (model, group, run), nprocs=world, backend=backend,
-                                 timeout=timeout, progress=progress).values
+                                 timeout=timeout, progress=progress, pool=pool).values
         out.update(zip(idx, assemble_measurements(group, per_rank, run)))
     return [out[i] for i in range(len(plans))]
 
@@ -318,7 +321,7 @@ def _measure_single(model, plans, run: MeasureSettings, backend: str):
 def measure(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch.Tensor,
             labels: Optional[torch.Tensor] = None, steps: int = 3, optimizer: str = "adam",
             dtype: Optional[torch.dtype] = None, lr: float = 1e-3, timeout: Optional[float] = 300.0,
-            device: str = "cpu", progress=False, layout=None) -> PlanMeasurement:
+            device: str = "cpu", progress=False, layout=None, pool=None) -> PlanMeasurement:
     """Train ``plan`` on ``plan.world_size`` spawned ranks for ``steps`` steps and measure one more.
 
     ``device``: ``"cpu"`` (gloo; the peak is MemTracker's, a storage meter's for pipeline plans) or
@@ -331,7 +334,9 @@ def measure(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch.
     The ranks run on :mod:`snn_explorer.ranks`: ``timeout`` is the seconds a rank may take for one
     step (each step is a heartbeat; None: no limit), a failing rank raises ``LaunchError`` with
     its traceback, ``progress`` shows the steps (True: widgets / a text line, or a callable).
+    ``pool``: a :class:`~snn_explorer.ranks.RankPool` of ``plan.world_size`` ranks on the device's backend
+    runs it on its warm ranks (one that does not fit is refused before anything runs).
     """
     return measure_many(model, [plan], example_input=example_input, labels=labels, steps=steps,
                         optimizer=optimizer, dtype=dtype, lr=lr, timeout=timeout, device=device,
-                        progress=progress, layout=layout)[0]
+                        progress=progress, layout=layout, pool=pool)[0]

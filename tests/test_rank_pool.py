@@ -1,0 +1,239 @@
+"""RankPool on real gloo ranks: a run equals a fresh launch's, failures are reported as a launch's and
+the pool recovers, nothing is left when it ends, and launch_plan / measure / Explorer run on it."""
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import cloudpickle
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+from rank_pool_fixture import rank_pool  # noqa: F401  (fixture)
+from torch import nn
+
+import snn_explorer as se
+from snn_explorer.launcher import launch, launch_plan
+from snn_explorer.ranks import LaunchError, RankPool, run
+from snn_explorer.zoo import build
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+pytestmark = pytest.mark.timeout(240)
+
+
+def _state_of_a_rank(x, seed=None):
+    """What a run sees of the process state it starts in, and what it leaves (a fresh launch leaves nothing)."""
+    t = torch.ones(1) * (dist.get_rank() + x)
+    dist.all_reduce(t)
+    left = (os.environ.get("POOL_LEFTOVER"), "json.tool" in sys.modules, dist.get_world_size(),
+            torch.get_num_threads())
+    if seed is not None:
+        torch.manual_seed(seed)
+    first, second = torch.rand(3).tolist(), torch.rand(3).tolist()
+    os.environ["POOL_LEFTOVER"] = "set by an earlier run"
+    import json.tool  # noqa: F401
+    torch.set_num_threads(2)
+    dist.new_group([0, 1])
+    return t.item(), left, first, second, os.getpid()
+
+
+def test_a_run_equals_a_fresh_launch_and_leaves_nothing_for_the_next(rank_pool):  # noqa: F811
+    fresh = run(_state_of_a_rank, (1, 7), nprocs=2, backend="gloo", env={"OMP_NUM_THREADS": "1"}).values
+    one, two = rank_pool.run(_state_of_a_rank, 1, seed=7), rank_pool.run(_state_of_a_rank, 1, seed=7)
+    assert fresh[0][2] != fresh[0][3]  # the draws differ within a process: equal runs mean an equal RNG state
+    assert [v[:4] for v in one] == [v[:4] for v in two] == [v[:4] for v in fresh]
+    assert one[0][1] == (None, False, 2, 1)  # no variable, module, thread count or group an earlier run left
+    assert one[0][0] == 3.0
+    assert {v[4] for v in one}.isdisjoint(v[4] for v in two)  # each run's ranks are processes of their own
+
+
+def test_each_run_gets_fresh_seeds_shared_by_its_ranks_as_a_fresh_launch(rank_pool):  # noqa: F811
+    fresh = run(_state_of_a_rank, (1,), nprocs=2, backend="gloo", env={"OMP_NUM_THREADS": "1"}).values
+    one, two = rank_pool.run(_state_of_a_rank, 1), rank_pool.run(_state_of_a_rank, 1)
+    for values in (fresh, one, two):  # unseeded: the ranks draw alike, as a fresh launch's do
+        assert values[0][2:4] == values[1][2:4]
+    assert one[0][2] != two[0][2]  # and each run draws anew, as each fresh launch does
+
+
+def _seeded_step(runtime, step, batch, state, inputs, labels):
+    loss, _ = runtime.forward_loss(nn.CrossEntropyLoss(), inputs, labels)
+    state["optimizer"].zero_grad()
+    loss.backward()
+    state["optimizer"].step()
+    return {"loss": loss, "draw": torch.rand(()).item()}
+
+
+def test_launch_plan_on_the_pool_trains_as_a_fresh_launch(rank_pool):  # noqa: F811
+    zoo = build("mlp")
+    dp = se.plan(analysis=se.analyze(zoo.model, model_family=zoo.family), objective="speed", topology={"dp": 2},
+                 batch_size=zoo.batch_size, mode="dp")
+    share = {"inputs": zoo.example_input, "labels": zoo.labels}
+    kwargs = dict(steps=3, seed=5, train_kwargs=share, progress=False, comm_backend="gloo")
+    fresh = launch_plan(zoo.model, dp, _seeded_step, **kwargs)
+    warm = launch_plan(zoo.model, dp, _seeded_step, pool=rank_pool, **kwargs)
+    losses = [m["loss"] for m in fresh.values[0]]
+    assert len(set(losses)) == 3  # training moves the loss: the comparison is not of constants
+    assert warm.values == fresh.values
+
+
+def test_measure_on_the_pool_equals_a_fresh_measure(rank_pool):  # noqa: F811
+    zoo = build("mlp")
+    dp = se.plan(analysis=se.analyze(zoo.model, model_family=zoo.family), objective="speed", topology={"dp": 2},
+                 batch_size=zoo.batch_size, mode="dp")
+    fresh = se.measure(zoo.model, dp, example_input=zoo.example_input, labels=zoo.labels, steps=2)
+    warm = se.measure(zoo.model, dp, example_input=zoo.example_input, labels=zoo.labels, steps=2, pool=rank_pool)
+    assert fresh.collectives["bytes"].sum() > 0
+    assert warm.collectives.equals(fresh.collectives)
+    assert warm.per_rank.drop(columns=[c for c in warm.per_rank if "time" in c]).equals(
+        fresh.per_rank.drop(columns=[c for c in fresh.per_rank if "time" in c]))
+
+
+def test_a_pool_that_does_not_fit_is_refused_before_anything_runs(rank_pool):  # noqa: F811
+    zoo = build("mlp")
+    four = se.plan(analysis=se.analyze(zoo.model, model_family=zoo.family), objective="speed", topology={"dp": 4},
+                   batch_size=zoo.batch_size, mode="dp")
+    with pytest.raises(ValueError, match=r"needs 4 rank\(s\) on gloo.*RankPool\(4, backend='gloo'\)"):
+        launch_plan(zoo.model, four, _seeded_step, pool=rank_pool, comm_backend="gloo")
+    with pytest.raises(ValueError, match=r"needs 4 rank\(s\) on gloo"):
+        se.measure(zoo.model, four, example_input=zoo.example_input, labels=zoo.labels, pool=rank_pool)
+    with pytest.raises(ValueError, match=r"needs 3 rank\(s\)"):
+        launch(_state_of_a_rank, 1, nprocs=3, comm_backend="gloo", pool=rank_pool)
+    ex = se.Explorer.from_zoo(zoo, pool=rank_pool)
+    with pytest.raises(ValueError, match=r"needs 4 rank\(s\)"):
+        ex.launch(four, steps=1)
+    closed = RankPool(2)
+    closed.close()
+    with pytest.raises(ValueError, match="is closed"):
+        closed.run(_state_of_a_rank, 1)
+
+
+def _fail(how):
+    if dist.get_rank() == 1:
+        if how == "raise":
+            raise ValueError("boom on rank 1")
+        if how == "exit":
+            os._exit(3)
+        while True:
+            time.sleep(1)
+    dist.barrier()
+    return "done"
+
+
+def _warm_pids(pool):
+    return sorted(pool._holder["agent"].warm.values())
+
+
+def test_failures_are_reported_as_a_launch_and_the_pool_goes_on(rank_pool):  # noqa: F811
+    warm = _warm_pids(rank_pool)
+    with pytest.raises(LaunchError) as raised:
+        rank_pool.launch(_fail, ("raise",), timeout=60)
+    assert raised.value.root_cause.rank == 1 and raised.value.root_cause.type == "ValueError"
+    assert "boom on rank 1" in str(raised.value) and 'raise ValueError("boom on rank 1")' in str(raised.value)
+    rank0 = raised.value.failures[0]  # it waited in the barrier: ended, or told by gloo that its peer went away
+    assert rank0.collateral or rank0.peer_error, rank0
+    with pytest.raises(LaunchError) as exited:
+        rank_pool.launch(_fail, ("exit",), timeout=60)
+    assert exited.value.failures[1].exitcode == 3 and "exited with code 3" in str(exited.value)
+    started = time.monotonic()
+    with pytest.raises(LaunchError) as hung:
+        rank_pool.launch(_fail, ("hang",), timeout=60, time_limit=6)
+    assert hung.value.timed_out and 6 <= time.monotonic() - started < 30
+    assert "_fail" in hung.value.failures[1].stack  # where the unfinished rank was
+    assert rank_pool.run(_state_of_a_rank, 1)[0][0] == 3.0
+    assert _warm_pids(rank_pool) == warm  # a run's rank processes ended, the warm ranks did not
+
+
+def test_a_dead_warm_rank_is_reported_and_the_pool_starts_again():
+    with RankPool(2) as pool:
+        assert pool.run(_state_of_a_rank, 0)[1][0] == 1.0
+        agent, warm = pool._holder["agent"].process.pid, _warm_pids(pool)
+        os.kill(warm[1], signal.SIGKILL)
+        assert pool.run(_state_of_a_rank, 2)[0][0] == 5.0
+        assert pool._holder["agent"].process.pid != agent and not set(_warm_pids(pool)) & set(warm)
+        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                       for p in [agent, *warm])
+
+
+def _listening(pids) -> set:
+    ports = set()
+    for pid in pids:
+        try:
+            ports |= {c.laddr.port for c in psutil.Process(pid).net_connections("tcp") if c.status == "LISTEN"}
+        except psutil.NoSuchProcess:
+            pass
+    return ports
+
+
+def _still_listening(ports) -> set:
+    return {c.laddr.port for c in psutil.net_connections("tcp") if c.status == "LISTEN"} & ports
+
+
+def test_the_pool_ends_with_its_block_and_leaves_nothing(tmp_path):
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    with RankPool(2, tmp_dir=str(tmp_path)) as pool:
+        pool.run(_state_of_a_rank, 0)
+        pids, folder = pool.pids(), os.listdir(tmp_path)
+        ports = _listening(pids)
+        assert len(pids) >= 3 and len(folder) == 1 and ports  # an agent, 2 warm ranks, its folder, its stores
+    assert not [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
+    assert not [p for p in pids if psutil.pid_exists(p)]
+    assert not _still_listening(ports)
+    assert os.listdir(tmp_path) == []
+    pool.close()  # a second close does nothing
+
+
+def test_close_and_garbage_collection_end_the_pool(tmp_path):
+    pool = RankPool(2, tmp_dir=str(tmp_path))
+    pool.run(_state_of_a_rank, 0)
+    pids = pool.pids()
+    pool.close()
+    assert pool.closed and not [p for p in pids if psutil.pid_exists(p)] and os.listdir(tmp_path) == []
+    pool = RankPool(2, tmp_dir=str(tmp_path))
+    pids = [pool._holder["agent"].process.pid]
+    del pool
+    gc.collect()
+    assert not [p for p in pids if psutil.pid_exists(p)] and os.listdir(tmp_path) == []
+
+
+EXITING = """
+import sys, time
+sys.path[:0] = {paths!r}
+from snn_explorer.ranks import RankPool
+import torch.distributed as dist
+pool = RankPool(2, tmp_dir={tmp!r})
+print(sorted(pool.run(dist.get_rank)), *pool.pids(), flush=True)
+{end}
+"""
+
+
+@pytest.mark.parametrize("end", ["pass", "import os; os.kill(os.getpid(), 9)"], ids=["exit", "killed"])
+def test_the_pool_ends_with_the_interpreter(tmp_path, end):
+    """A plain exit ends it through its finalizer; a killed interpreter (a kernel restart) through its agent."""
+    script = EXITING.format(paths=[os.path.dirname(os.path.dirname(se.__file__))], tmp=str(tmp_path), end=end)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          timeout=200)
+    line = done.stdout.split()
+    assert line[:2] == ["[0,", "1]"], done.stdout + done.stderr
+    pids = [int(p) for p in line[2:]]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and ([p for p in pids if psutil.pid_exists(p)] or os.listdir(tmp_path)):
+        time.sleep(0.2)
+    assert len(pids) >= 3 and not [p for p in pids if psutil.pid_exists(p)] and os.listdir(tmp_path) == []
+
+
+def test_the_harness_reuses_one_warm_pool(rank_pool):  # noqa: F811
+    from distributed_harness import run_on_ranks, warm_pool
+
+    assert warm_pool(2) is rank_pool
+    warm = _warm_pids(rank_pool)
+    assert run_on_ranks(dist.get_rank, 2) == [0, 1]
+    assert run_on_ranks(_state_of_a_rank, 2, 1)[0][0] == 3.0
+    assert _warm_pids(rank_pool) == warm
+    ranks_of_fresh = run_on_ranks(os.getppid, 2, fresh_launch=True)
+    assert not set(ranks_of_fresh) & set(warm)
