@@ -32,7 +32,7 @@ def _train(model, job: dict, plan_data: dict, backend: str) -> list:
     """One rank of the job, inside its process group: apply the plan to ``model`` and run the steps."""
     return train_plan_rank(model, plan_data, job["train_fn"], job["steps"], job["dataset"],
                            device_type_for(backend), job["optimizer"], job["seed"], job["train_kwargs"],
-                           job.get("checkpoints"))
+                           job.get("checkpoints"), job.get("on_non_finite", "stop"))
 
 
 def _write(out: str, rank: int, history: list) -> None:

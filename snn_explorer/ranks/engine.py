@@ -41,6 +41,36 @@ EXIT_GRACE_S = 5.0
 #: second or two then); past them the run ends as failed before user code, and is tried again.
 JOIN_TIMEOUT_S = 60.0
 POLL_S = 0.05
+#: CPU (gloo) ranks allowed per usable core: ranks may share cores (tests run 4 ranks on 2 cores),
+#: but past this each rank gets under 1/8 of a core and a launch of many more only exhausts memory
+#: and processes (a launch of 10**9 ranks ran out of memory after 52 s). Overridden by MAX_RANKS_ENV.
+RANKS_PER_CORE = 8
+MAX_RANKS_ENV = "SNN_EXPLORER_MAX_LOCAL_RANKS"
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_local_ranks(nprocs: int, backend: str) -> None:
+    """Refuse more ranks on this machine than it can hold, at once and naming the cap: one CUDA
+    device per NCCL rank, :data:`RANKS_PER_CORE` gloo ranks per usable core (or ``$SNN_EXPLORER_MAX_LOCAL_RANKS``)."""
+    if backend == "nccl":
+        return  # resolve_backend refused more NCCL ranks than devices
+    override = os.environ.get(MAX_RANKS_ENV)
+    if override is not None:
+        cap = positive_int(MAX_RANKS_ENV, int(override) if override.strip().isdigit() else override)
+        why = f"${MAX_RANKS_ENV}={cap}"
+    else:
+        cores = _usable_cores()
+        cap, why = RANKS_PER_CORE * cores, f"{RANKS_PER_CORE} gloo ranks per core x {cores} usable core(s)"
+    if nprocs > cap:
+        raise ValueError(f"nprocs={nprocs} is more ranks than this machine runs at once: the cap is {cap} ({why}). "
+                         f"Use fewer ranks (estimates of larger worlds need no ranks: snn_explorer.estimate), or set "
+                         f"{MAX_RANKS_ENV} to raise the cap")
 
 
 def resolve_backend(backend: str, nprocs: int) -> str:
@@ -106,6 +136,7 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Mapping[str, An
     time_limit = positive_number("time_limit", time_limit, what="seconds for the whole run", allow_none=True)
     pg_timeout = positive_number("pg_timeout", pg_timeout, what="seconds", allow_none=True)
     backend = resolve_backend(backend, nprocs)
+    check_local_ranks(nprocs, backend)
     log_dir = check_log_dir(log_dir)
     payload = payloads.dumps(fn, tuple(args), dict(kwargs or {}))
     spec = {"nprocs": nprocs, "backend": backend, "pg_timeout": pg_timeout, "shutdown_timeout": 3}
@@ -132,8 +163,12 @@ def _run_once(payload: bytes, spec: dict, limits: Tuple, env, progress, log_dir)
         display = choose_display(progress, nprocs)
         reader = channel.EventReader(run_dir)
         agent = AgentProcess(run_dir, _rank_env(run_dir, backend, env))
+        agent_death = None
         try:
             hung, why, stuck = _wait(agent, reader, tracker, display, started, *limits)
+            code = agent.poll()
+            if code is not None and code < 0 and tracker.unfinished():
+                agent_death = (agent.pid, -code)
             # a silent rank ends the run: every unfinished rank shows where it was (the silent one's peers wait for it)
             stacks = _dump_stacks(run_dir, tracker, tracker.unfinished() if hung else stuck) if hung or stuck else {}
         finally:
@@ -141,7 +176,7 @@ def _run_once(payload: bytes, spec: dict, limits: Tuple, env, progress, log_dir)
             for event in reader.poll():
                 tracker.apply(event)
             display.close(tracker)
-        return outcome(run_dir, nprocs, backend, started, tracker, hung, why, stacks, log_dir)
+        return outcome(run_dir, nprocs, backend, started, tracker, hung, why, stacks, log_dir, agent_death)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
