@@ -63,7 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--nproc-per-node", type=int)
-    p.add_argument("--job-name", default="snn-explorer")
+    p.add_argument("--job-name", default="snn-explorer", help="letters, digits, '.', '_', '-' (names files and "
+                                                                "the rendezvous)")
+    p.add_argument("--master-port", type=int, help="several nodes: the rendezvous port (default: $MASTER_PORT "
+                                                   "when the job runs, else 29500; Slurm: one per job)")
+    p.add_argument("--rdzv-endpoint", help="several nodes: host:port of the rendezvous (default: "
+                                           "$SNN_RDZV_ENDPOINT, else $MASTER_ADDR:<port>)")
     p.add_argument("--gpus-per-node", type=int, help="Slurm --gpus-per-node (default: none requested)")
     p.add_argument("--partition", help="Slurm partition")
     p.set_defaults(run=cmd_export)
