@@ -9,6 +9,7 @@ import warnings
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..core import SNNDistributedPlan, apply, preflight
 from ..core.checkpoint import check_checkpoint, check_plan_checkpointable, latest_checkpoint, step_path
@@ -68,8 +69,6 @@ def _checkpoint(runtime, state: dict, checkpoints: Optional[dict], done: int, st
 def _rank_lock(checkpoints: Optional[dict]) -> Optional[FolderLock]:
     """An exported job's lock of its checkpoint folder (a launch_plan run holds it in the caller):
     rank 0 takes it, every rank learns whether it could (one collective)."""
-    import torch.distributed as dist
-
     if not checkpoints or checkpoints.get("held"):
         return None
     lock, problem = None, None
