@@ -206,8 +206,9 @@ def run_scenario(setup: Setup, kind: str, rank: int, step: int, root: Path) -> d
         failed_at = time.time()
         cause = error.root_cause
         named = cause is not None and cause.rank == rank and not cause.collateral
-        if kind == "nan":  # every rank stops with the same error, naming the step and the rank
-            named = f"step {step + 1}: non-finite" in str(error) and f"rank(s) [{rank}]" in str(error)
+        if kind == "nan":  # every rank stops with the same error, naming the step and the ranks holding NaN
+            listed = str(error).partition("rank(s) [")[2].partition("]")[0]
+            named = f"step {step + 1}: non-finite" in str(error) and str(rank) in listed.split(", ")
         record.update(detected=True, named=named, message=str(error).splitlines()[0])
     fired = marker.stat().st_mtime
     latest = latest_checkpoint(ckpt)
