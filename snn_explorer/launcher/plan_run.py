@@ -203,10 +203,7 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
     max_restarts = restart_count(max_restarts, checkpoints)
     backend = resolve_backend(renamed_keyword("comm_backend", comm_backend, "auto", "backend", backend),
                               plan.world_size)
-    lock = FolderLock(checkpoints["dir"], run_id=uuid.uuid4().hex).acquire() if checkpoints else None
-    if lock is not None and lock.took_over:
-        warnings.warn(f"took over the lock of checkpoint_dir {checkpoints['dir']!r} left by {lock.took_over}, "
-                      "which is gone", RuntimeWarning, stacklevel=2)
+    lock = _folder_lock(checkpoints)
     faults: List[str] = []
     try:
         while True:
@@ -227,6 +224,17 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
             lock.release()
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
     return TrainResult(**fields, faults=tuple(faults))
+
+
+def _folder_lock(checkpoints: Optional[dict]) -> Optional[FolderLock]:
+    """The launch's lock of its checkpoint folder (None without checkpoints); a stale one taken over warns."""
+    if not checkpoints:
+        return None
+    lock = FolderLock(checkpoints["dir"], run_id=uuid.uuid4().hex).acquire()
+    if lock.took_over:
+        warnings.warn(f"took over the lock of checkpoint_dir {checkpoints['dir']!r} left by {lock.took_over}, "
+                      "which is gone", RuntimeWarning, stacklevel=3)
+    return lock
 
 
 def restart_count(max_restarts, checkpoints: Optional[dict]) -> int:
