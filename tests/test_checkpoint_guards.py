@@ -24,17 +24,16 @@ def _setup():
 
 
 def nan_step(runtime, step, batch, state, inputs, labels, bad_step=None, bad_rank=1, wait_for=None):
-    """A dp step; at ``bad_step`` (0-based) rank ``bad_rank``'s loss is multiplied by NaN before backward."""
+    """A dp step; at ``bad_step`` (0-based) rank ``bad_rank``'s inputs are multiplied by NaN (its loss and
+    gradients turn NaN)."""
     while wait_for and not os.path.exists(wait_for):
         time.sleep(0.05)
     share = runtime.plan.per_rank_batch
     x, y = inputs[:, runtime.dp_rank * share:][:, :share], labels[runtime.dp_rank * share:][:share]
-    state["optimizer"].zero_grad()
-    out = runtime.forward(x)
-    loss = nn.CrossEntropyLoss()(out.mean(0), y)
     if step == bad_step and runtime.dp_rank == bad_rank:
-        loss = loss * float("nan")
-    loss.backward()
+        x = x * float("nan")
+    state["optimizer"].zero_grad()
+    loss = runtime.train_step(nn.CrossEntropyLoss(), x, y)
     state["optimizer"].step()
     return loss
 
