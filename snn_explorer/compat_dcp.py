@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections as _collections
 import io as _io
 import pickle as _pickle
+import re as _re
 from pathlib import PurePath as _PurePath
 from typing import Any
 
@@ -91,6 +92,22 @@ def _check_metadata(where: str, metadata: Any) -> None:
         if not isinstance(info, _DCP_STORAGE_INFO) or not isinstance(name, str) or "/" in name or "\\" in name \
                 or name in ("", ".", "..") or not name.endswith(".distcp"):
             raise UnsafeCheckpointError(f"{where} points at storage {name!r}, not a .distcp file of its own folder")
+
+
+#: torch's ``weights_only`` refusal, from its first words to its closing link (its advice in between).
+_TORCH_REFUSAL = _re.compile(r"Weights only load failed\..*?(torch\.load\.html\.?|$)", _re.DOTALL)
+_ADVICE_LINE = _re.compile(r"^.*(weights_only`? (set to `?False|=False)|safe_globals).*$\n?", _re.MULTILINE)
+
+
+def without_unsafe_advice(text: str) -> str:
+    """``text`` (an error message that may quote torch's ``weights_only`` refusal) without torch's
+    advice to retry with ``weights_only=False`` or to allow-list the global: either would run the
+    code the file names. What the file named (``posix.system``) is kept."""
+    def refusal(match) -> str:
+        named = _re.search(r"GLOBAL (\S+)", match.group(0))
+        what = f"it names {named.group(1)}, which is not tensor data" if named else "it is not plain tensor data"
+        return f"Weights only load failed: {what}; nothing in it was run or loaded"
+    return _ADVICE_LINE.sub("", _TORCH_REFUSAL.sub(refusal, text))
 
 
 class SafeFileSystemReader(_dcp.FileSystemReader):

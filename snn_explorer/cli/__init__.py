@@ -14,7 +14,9 @@ module attribute holding one) or ``zoo:NAME`` for a built-in. Examples::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 from typing import Optional, Sequence
 
 from .budget import add_fit_parser
@@ -29,6 +31,8 @@ __all__ = ["CliError", "build_parser", "load_model", "load_model_and_batch", "ma
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="snn-explorer", description="Analyze a spiking model, compare "
                                      "distribution plans, export a torchrun / Slurm job.")
+    parser.add_argument("--debug", action="store_true",
+                        help="on an error, print its Python traceback too (anywhere on the command line)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def model_args(p, plans: bool):
@@ -59,7 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--nproc-per-node", type=int)
-    p.add_argument("--job-name", default="snn-explorer")
+    p.add_argument("--job-name", default="snn-explorer", help="letters, digits, '.', '_', '-' (names files and "
+                                                                "the rendezvous)")
+    p.add_argument("--master-port", type=int, help="several nodes: the rendezvous port (default: $MASTER_PORT "
+                                                   "when the job runs, else 29500; Slurm: one per job)")
+    p.add_argument("--rdzv-endpoint", help="several nodes: host:port of the rendezvous (default: "
+                                           "$SNN_RDZV_ENDPOINT, else $MASTER_ADDR:<port>)")
     p.add_argument("--gpus-per-node", type=int, help="Slurm --gpus-per-node (default: none requested)")
     p.add_argument("--partition", help="Slurm partition")
     p.set_defaults(run=cmd_export)
@@ -72,12 +81,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _where(exc: BaseException) -> str:
+    """`` (in file.py:12, forward)``: the innermost frame of the error outside snn_explorer and
+    torch, i.e. in the user's model or step function; "" when there is none."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    own = [f for f in frames if not f.filename.startswith(package) and f"{os.sep}torch{os.sep}" not in f.filename
+           and f"{os.sep}site-packages{os.sep}" not in f.filename]
+    return f" (in {os.path.basename(own[-1].filename)}:{own[-1].lineno}, {own[-1].name})" if own else ""
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The console script: 0 on success; every error (a bad input, or an error raised by the user's
+    model or code) is one line on stderr and exit status 2, with its traceback under ``--debug``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     try:
         args = build_parser().parse_args(argv)
         return args.run(args)
     except CliError as exc:
+        if debug:
+            traceback.print_exc()
         print(f"snn-explorer: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - the user's model or code: one line, the traceback on request
+        if debug:
+            traceback.print_exc()
+        hint = "" if debug else " (--debug prints the traceback)"
+        print(f"snn-explorer: error: {type(exc).__name__}: {_one_line(exc)}{_where(exc)}{hint}", file=sys.stderr)
         return 2
 
 

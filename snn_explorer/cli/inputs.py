@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import math
 import os
 import sys
 from typing import Any, Dict, List, Optional, Tuple
@@ -126,6 +127,28 @@ def topologies(args) -> List[SNNDistributedTopology]:
     return [SNNDistributedTopology(dims) for dims in dp_tp_splits(n)]
 
 
+def _available_bytes() -> Optional[int]:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+#: The largest share of the available memory an example input may take: the estimate runs the
+#: model on it, and a forward keeps several tensors of the input's size.
+INPUT_SHARE = 0.25
+
+
+def check_input_size(text: str, shape: tuple) -> None:
+    """Refuse an example input that this machine cannot hold (with room for the model's forward)."""
+    size = math.prod(shape) * 4  # float32
+    available = _available_bytes()
+    if available is not None and size > INPUT_SHARE * available:
+        raise CliError(f"bad --input-shape {text!r}: the example input alone is {size / 2 ** 30:.3g} GiB (float32), "
+                       f"more than {INPUT_SHARE:.0%} of this machine's available memory ({available / 2 ** 30:.3g} GiB); "
+                       "the estimates scale with T and N, so give a smaller shape")
+
+
 def example_batch(args, carried: Optional[tuple], batch: int):
     """``(example_input, labels)``: the model's own, else random inputs of ``--input-shape``, else None."""
     if args.input_shape:
@@ -137,6 +160,7 @@ def example_batch(args, carried: Optional[tuple], batch: int):
         if len(shape) < 3 or min(shape) < 1:
             raise CliError(f"bad --input-shape {args.input_shape!r}: expected T,N and at least one feature "
                            "size, all positive (e.g. 8,16,784)")
+        check_input_size(args.input_shape, shape)
         return torch.rand(shape, generator=torch.Generator().manual_seed(0)), None
     return carried
 

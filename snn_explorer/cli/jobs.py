@@ -7,6 +7,7 @@ import os
 from ..core.checkpoint import CheckpointError, read_manifest
 from ..core.plan_types import SNNDistributedPlan
 from ..launcher import export_job
+from ..launcher.export import check_job_name
 from .inputs import CliError, positive, resolve
 from .plans import explorer, make_plans
 
@@ -14,6 +15,10 @@ from .plans import explorer, make_plans
 def cmd_export(args) -> int:
     if not args.objective or args.objective == "all":
         raise CliError("export needs one --objective (speed, memory or capacity)")
+    try:  # before any model is built: every input is checked first
+        check_job_name(args.job_name)
+    except ValueError as exc:
+        raise CliError(f"bad --job-name: {exc}") from None
     positive("--steps", args.steps)
     ex = explorer(args)
     plans, _, skipped = make_plans(args, ex)
@@ -31,7 +36,7 @@ def cmd_export(args) -> int:
     try:
         job = export_job(chosen, train, args.out, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
                          model=ex.model, steps=args.steps, job_name=args.job_name, gpus_per_node=args.gpus_per_node,
-                         partition=args.partition)
+                         partition=args.partition, port=args.master_port, rdzv_endpoint=args.rdzv_endpoint)
     except (TypeError, ValueError) as exc:
         raise CliError(f"cannot export: {exc}") from None
     except OSError as exc:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from typing import Optional
 
 from ..core import ACTIVATION_CHECKPOINTING, MODES, SNN_DISTRIBUTED_PREFERENCES, DistributedFeatureSet
@@ -94,6 +95,8 @@ def plan_choices(args) -> dict:
 def memory_budget_bytes(args) -> Optional[int]:
     if args.memory_budget is None:
         return None
-    if not args.memory_budget > 0:
+    if not (math.isfinite(args.memory_budget) and args.memory_budget > 0):
         raise CliError(f"bad --memory-budget {args.memory_budget!r}: expected MiB per device, a number > 0")
+    if args.memory_budget * 2 ** 20 > 2 ** 63:
+        raise CliError(f"bad --memory-budget {args.memory_budget!r}: more than 2**63 bytes; expected MiB per device")
     return int(args.memory_budget * 2 ** 20)

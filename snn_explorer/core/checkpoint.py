@@ -4,7 +4,8 @@ under any plan of the same model (dp, ZeRO, tp, fsdp2, fsdp2_tp, pp, pp x dp, pp
 A checkpoint is a directory: DCP's files (each rank writes its own shards; tensors are stored by
 their full path in the user's model and their global shape, so any other sharding can read them
 back) plus ``manifest.json`` (format, torch version, plan, world size, step, ``extra``, every
-tensor's path, shape and dtype, and the size of every file). Keys inside DCP:
+tensor's path, shape and dtype, whether every value is finite, and the size and checksum of every
+file: :mod:`.checkpoint_integrity`). Keys inside DCP:
 
 - ``model.<path>``: parameters and persistent buffers. DTensors (TP, FSDP2, FSDP2+TP) are saved
   shard by shard; the plain channel / head shards of the conv and fused q/k/v TP styles are
@@ -33,7 +34,11 @@ always holds a complete one; a write that fails on any rank (a full disk, an err
 :class:`CheckpointError` on every rank naming the rank and the error, and leaves the previous
 checkpoint as it was. Loading reads DCP's metadata with a restricted unpickler
 (:func:`snn_explorer.compat_dcp.read_dcp_metadata`) and tensors with ``torch.load(weights_only=True)``:
-nothing in a checkpoint runs as code. Every rank must call save and load (they are collectives);
+nothing in a checkpoint runs as code. A load checks every manifest field's type, every file (a
+regular file of the folder, no symlink, its size and checksum) and reads into staging tensors
+before it changes the live model: a refused load changes nothing. A save refuses NaN / Inf
+values (``allow_non_finite=True`` saves them, marked, and :func:`latest_checkpoint` passes such a
+checkpoint over). Every rank must call save and load (they are collectives);
 without a process group (mode ``none``) they run in this process alone.
 """
 from __future__ import annotations
@@ -50,7 +55,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from ..compat import non_persistent_buffer_names, spikingjelly_memories, spikingjelly_reset_values
-from ..compat_dcp import SafeFileSystemReader, UnsafeCheckpointError
+from ..compat_dcp import SafeFileSystemReader, UnsafeCheckpointError, without_unsafe_advice
 from . import neurons
 from .checkpoint_files import (
     FORMAT,
@@ -75,6 +80,7 @@ from .checkpoint_tensors import (
     local_part,
     model_tensor_shapes,
     model_tensors,
+    non_finite,
     optimizer_class,
     optimizer_destinations,
     optimizer_entries,
@@ -142,7 +148,7 @@ def _dcp_failure(action: str, path: Path, exc: BaseException) -> CheckpointError
         named = "; ".join(f"rank {r}: {type(e[0]).__name__}: {e[0]}" for r, e in sorted(failures.items()))
     else:
         named = f"rank {_rank()}: {type(exc).__name__}: {exc}"
-    return CheckpointError(f"{action} {path} failed ({named})")
+    return CheckpointError(without_unsafe_advice(f"{action} {path} failed ({named})"))
 
 
 # ---- checks -----------------------------------------------------------------------------------------
@@ -202,10 +208,10 @@ def _check_save_inputs(runtime, path: Path, step: int, extra: Any, overwrite: bo
 
 
 # ---- save -------------------------------------------------------------------------------------------
-def _manifest(runtime, optimizer, step: int, extra: Any) -> dict:
+def _manifest(runtime, optimizer, step: int, extra: Any, finite: bool) -> dict:
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "torch_version": torch.__version__,
-        "world_size": _world(), "step": step, "extra": extra, "plan": runtime.plan.to_dict(),
+        "world_size": _world(), "step": step, "extra": extra, "plan": runtime.plan.to_dict(), "finite": finite,
         "tensors": {p: {"shape": list(s), "dtype": d} for p, (s, d) in model_tensor_shapes(runtime.module).items()},
         "optimizer": None if optimizer is None else {"class": optimizer_class(optimizer),
                                                      "param_groups": group_settings(optimizer)},
@@ -224,24 +230,44 @@ def _save_state(runtime, optimizer) -> Dict[str, torch.Tensor]:
     return state
 
 
+def _finite_or_refused(state: Dict[str, torch.Tensor], path: Path, allow_non_finite: bool) -> bool:
+    """Whether every rank's tensors are finite; a CheckpointError on every rank naming the first
+    non-finite ones and their rank unless ``allow_non_finite`` (the manifest then says so)."""
+    found = non_finite(state)
+    problem = f"rank {_rank()}: {', '.join(found[:3])}{' ...' if len(found) > 3 else ''}" if found else None
+    problems = [problem]
+    if _distributed():
+        problems = [None] * _world()
+        dist.all_gather_object(problems, problem)
+    named = [p for p in problems if p]
+    if named and not allow_non_finite:
+        raise CheckpointError(f"not saving {path}: non-finite values (NaN / Inf) in {'; '.join(named)}; the "
+                              "previous checkpoint stays the latest (allow_non_finite=True saves anyway, and "
+                              "latest_checkpoint then passes it over)")
+    return not named
+
+
 def save_checkpoint(runtime, path, optimizer=None, step: int = 0, extra: Any = None, overwrite: bool = False,
-                    allow_mid_sequence: bool = False) -> Path:
+                    allow_mid_sequence: bool = False, allow_non_finite: bool = False) -> Path:
     """Write ``runtime``'s model (and ``optimizer``'s state, the step, RNG states, ``extra``) to the
-    directory ``path``; a collective: call on every rank. Returns the path."""
+    directory ``path``; a collective: call on every rank. Returns the path. Non-finite values are
+    refused before anything is written unless ``allow_non_finite``."""
     path = Path(path)
     _agree(_attempt(_check_save_inputs, runtime, path, step, extra, overwrite, allow_mid_sequence))
+    state = _save_state(runtime, optimizer)
+    finite = _finite_or_refused(state, path, allow_non_finite)
     tmp = partial_path(path)
     if _rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     _agree(None)  # the parent exists and the stale partial directory is gone before anyone writes
     try:
-        dcp.save(_save_state(runtime, optimizer), checkpoint_id=str(tmp), no_dist=not _distributed())
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed())
     except (dcp.CheckpointException, OSError, RuntimeError) as exc:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise _dcp_failure("saving checkpoint", path, exc) from None
-    manifest = _manifest(runtime, optimizer, step, extra)
+    manifest = _manifest(runtime, optimizer, step, extra, finite)
     problem = _attempt(publish, tmp, path, manifest) if _rank() == 0 else None
     if problem and _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -250,9 +276,13 @@ def save_checkpoint(runtime, path, optimizer=None, step: int = 0, extra: Any = N
 
 
 # ---- load -------------------------------------------------------------------------------------------
-def _check_load(runtime, path: Path, optimizer) -> Tuple[dict, Dict[str, Any]]:
+def _check_load(runtime, path: Path, optimizer) -> Tuple[dict, Dict[str, Any], SNNDistributedPlan]:
     check_plan_checkpointable(runtime.plan)
-    manifest = read_manifest(path)
+    manifest = read_manifest(path, share=(_rank(), _world()))  # each rank checksums its share of the files
+    try:
+        saved_plan = SNNDistributedPlan.from_dict(manifest["plan"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: manifest field 'plan' is not a plan this snn_explorer reads ({exc})") from None
     problem = model_mismatch(manifest, model_tensor_shapes(runtime.module))
     if problem:
         raise CheckpointError(f"{path}: {problem}")
@@ -271,7 +301,7 @@ def _check_load(runtime, path: Path, optimizer) -> Tuple[dict, Dict[str, Any]]:
             LossScaler().load_state_dict(manifest["loss_scaler"])
         except ValueError as exc:
             raise CheckpointError(f"{path}: {exc}") from None
-    return manifest, saved_tensor_metadata(path, manifest["files"])
+    return manifest, saved_tensor_metadata(path, manifest["files"]), saved_plan
 
 
 def _read(path: Path, state: Dict[str, torch.Tensor]) -> None:
@@ -284,11 +314,16 @@ def _read(path: Path, state: Dict[str, torch.Tensor]) -> None:
 
 def load_checkpoint(runtime, path, optimizer=None) -> LoadedCheckpoint:
     """Read the checkpoint at ``path`` into ``runtime``'s model (and ``optimizer``), resharding to
-    the runtime's plan; a collective: call on every rank. Neuron state is reset."""
+    the runtime's plan; a collective: call on every rank. Neuron state is reset.
+
+    Transactional: the files are checked (fields, sizes, checksums: each rank its share), every
+    tensor is read into staging tensors and checked, and only then copied into the live model
+    and optimizer; a load refused at any point leaves both as they were (it needs room for one
+    more copy of this rank's part of the model and optimizer state while it runs)."""
     path = Path(path)
     checked: list = []
     _agree(_attempt(lambda: checked.extend(_check_load(runtime, path, optimizer))))
-    manifest, saved = checked
+    manifest, saved, saved_plan = checked
     module = runtime.module
     targets = {f"model.{p}": (o, n, t, destination(o, n, t)) for p, o, n, t in model_tensors(module)}
     state = {k: v[3] for k, v in targets.items()}
@@ -299,21 +334,27 @@ def load_checkpoint(runtime, path, optimizer=None) -> LoadedCheckpoint:
     if restore_rng:
         state.update({k: torch.empty(saved[k].size, dtype=saved[k].properties.dtype) for k in rng_keys})
     _read(path, state)
-    with torch.no_grad():
-        for owner, name, tensor, dest in targets.values():
-            if kept_whole(owner):
-                local_part(tensor).copy_(local_part(from_whole(owner, name, tensor, dest)))
-    if optimizer is not None:
-        restore_optimizer(optimizer, optim, manifest["optimizer"]["param_groups"])
+    bad = non_finite(state) if manifest["finite"] else []
+    _agree(f"{path} is damaged: rank {_rank()} read non-finite values in {', '.join(bad[:3])}, which the manifest "
+           "says were saved finite; nothing was loaded" if bad else None)
+    _commit(runtime, optimizer, targets, optim, manifest)
     if restore_rng:
         torch.set_rng_state(state[rng_keys[0]])
         if len(rng_keys) > 1:
             torch.cuda.set_rng_state(state[rng_keys[1]], runtime.device)
-    scaler_state = manifest.get("loss_scaler")
-    if runtime.scaler is not None and scaler_state is not None:
-        runtime.scaler.load_state_dict(scaler_state)
     runtime.reset_state()
-    return LoadedCheckpoint(step=manifest["step"], extra=manifest["extra"],
-                            plan=SNNDistributedPlan.from_dict(manifest["plan"]), world_size=manifest["world_size"],
-                            rng_restored=restore_rng,
-                            scaler_restored=runtime.scaler is not None and scaler_state is not None)
+    return LoadedCheckpoint(step=manifest["step"], extra=manifest["extra"], plan=saved_plan,
+                            world_size=manifest["world_size"], rng_restored=restore_rng,
+                            scaler_restored=runtime.scaler is not None and manifest["loss_scaler"] is not None)
+
+
+def _commit(runtime, optimizer, targets: dict, optim: dict, manifest: dict) -> None:
+    """Copy the staged, checked tensors into the live model, optimizer and loss scaler (no collective)."""
+    with torch.no_grad():
+        for owner, name, tensor, staged in targets.values():
+            source = from_whole(owner, name, tensor, staged) if kept_whole(owner) else staged
+            local_part(tensor).copy_(local_part(source))
+    if optimizer is not None:
+        restore_optimizer(optimizer, optim, manifest["optimizer"]["param_groups"])
+    if runtime.scaler is not None and manifest["loss_scaler"] is not None:
+        runtime.scaler.load_state_dict(manifest["loss_scaler"])

@@ -13,19 +13,17 @@ from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 from ..compat_dcp import UnsafeCheckpointError, read_dcp_metadata
+from .checkpoint_integrity import CheckpointError, check_fields, default_hash, file_table, open_entry, verify_files
 from .plan_types import SNNDistributedPlan
 from .styles import STYLES
 
 FORMAT = "snn_explorer.checkpoint"
-FORMAT_VERSION = 1
+#: 2: every file's size and checksum (``files``: name -> {"size", "hash"}, ``hash_algorithm``) and ``finite``.
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 DCP_METADATA = ".metadata"
 PARTIAL_SUFFIX = ".partial"
 STEP_PREFIX = "step-"
-
-
-class CheckpointError(ValueError):
-    """A directory that is not a complete checkpoint of this model, or one that cannot be written."""
 
 
 # ---- write --------------------------------------------------------------------------------------------
@@ -52,7 +50,8 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _write_manifest(tmp: Path, manifest: dict) -> None:
-    manifest["files"] = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
+    manifest["hash_algorithm"] = default_hash()
+    manifest["files"] = file_table(tmp, manifest["hash_algorithm"])
     with open(tmp / MANIFEST, "w") as fh:
         json.dump(manifest, fh, indent=1)
         fh.flush()
@@ -84,7 +83,8 @@ def _load_manifest(path: Path) -> dict:
         raise CheckpointError(f"{path} is not a complete snn_explorer checkpoint: it has no {MANIFEST} "
                               "(an unfinished write, or another program's directory)")
     try:
-        manifest = json.loads(manifest_file.read_text())
+        with os.fdopen(open_entry(manifest_file), "rb") as fh:
+            manifest = json.loads(fh.read())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{manifest_file} is not readable JSON: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -93,26 +93,24 @@ def _load_manifest(path: Path) -> dict:
                               f"expected {FORMAT!r})")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path} has checkpoint format version {manifest.get('format_version')!r}; this "
-                              f"snn_explorer reads version {FORMAT_VERSION}")
+                              f"snn_explorer reads version {FORMAT_VERSION} (version 1 recorded no checksums: "
+                              "load it with the snn_explorer that wrote it and save it again)")
+    check_fields(manifest, path)
     return manifest
 
 
-def read_manifest(path) -> dict:
+def read_manifest(path, verify: bool = True, share: Optional[Tuple[int, int]] = None) -> dict:
     """The manifest of the checkpoint at ``path``, after checking that the directory is a complete
-    checkpoint of this format (every file present, none truncated) whose DCP metadata holds only
-    tensor metadata (read without running code). No process group needed."""
+    checkpoint of this format: every manifest field of its type, every file present, a regular
+    file of the folder (no symlink) of its recorded size and (``verify``) checksum, and DCP
+    metadata holding only tensor metadata (read without running code). ``share=(i, n)`` checksums
+    every ``n``-th file from ``i`` only (the ranks of a load split the work). No process group needed."""
     path = Path(path)
     manifest = _load_manifest(path)
-    files = manifest.get("files", {})
-    for name, size in files.items():
-        file = path / name
-        if not isinstance(name, str) or Path(name).name != name or not file.is_file():
-            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
-        if file.stat().st_size != size:
-            raise CheckpointError(f"checkpoint {path} is damaged: {name} has {file.stat().st_size} bytes, "
-                                  f"the manifest says {size} (truncated or modified)")
+    files = manifest["files"]
     if DCP_METADATA not in files:
         raise CheckpointError(f"checkpoint {path} lists no {DCP_METADATA} file; it was not written by save_checkpoint")
+    verify_files(path, files, manifest["hash_algorithm"], share if verify else (0, 0))
     saved_tensor_metadata(path, files)
     return manifest
 
@@ -168,18 +166,20 @@ def step_path(directory, step: int) -> Path:
     return Path(directory) / f"{STEP_PREFIX}{step:06d}"
 
 
-def latest_checkpoint(directory) -> Optional[Path]:
-    """The checkpoint of the highest step in ``directory``; None if none. Unfinished writes (hidden
-    ``.partial`` directories, a step directory without manifest) are never taken; a step directory
-    whose manifest is there but whose files are damaged or unsafe raises CheckpointError naming it
-    (it is not passed over for an older one in silence)."""
+def latest_checkpoint(directory, verify: bool = True) -> Optional[Path]:
+    """The checkpoint of the highest step in ``directory`` whose weights are finite; None if none.
+    Unfinished writes (hidden ``.partial`` directories, a step directory without manifest) are
+    never taken, nor one saved with non-finite values (``allow_non_finite=True``: passed over for
+    the one before). A step directory whose manifest is there but whose files are damaged (size,
+    ``verify``: checksum) or unsafe raises CheckpointError naming it (it is not passed over for an
+    older one in silence)."""
     directory = Path(directory)
     if not directory.is_dir():
         return None
     steps = sorted((p for p in directory.iterdir() if p.name.startswith(STEP_PREFIX)
                     and p.name[len(STEP_PREFIX):].isdigit() and (p / MANIFEST).is_file()),
                    key=lambda p: int(p.name[len(STEP_PREFIX):]))
-    if not steps:
-        return None
-    read_manifest(steps[-1])
-    return steps[-1]
+    for candidate in reversed(steps):
+        if read_manifest(candidate, verify=verify)["finite"]:
+            return candidate
+    return None

@@ -144,8 +144,16 @@ def _whole_like(owner, name, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def destination(owner, name, tensor: torch.Tensor) -> torch.Tensor:
-    """Where DCP reads ``owner.name``: the tensor itself, or a whole tensor for a kept-whole one."""
-    return _whole_like(owner, name, tensor) if kept_whole(owner) else tensor.detach()
+    """A fresh tensor DCP reads ``owner.name`` into (a staging copy: the live one changes only once
+    everything is read and checked): laid out like ``tensor`` (a DTensor keeps its placements),
+    or whole for a kept-whole one."""
+    return _whole_like(owner, name, tensor) if kept_whole(owner) else torch.empty_like(tensor.detach())
+
+
+def non_finite(state: Dict[str, torch.Tensor]) -> List[str]:
+    """The keys of ``state`` whose floating-point values (this rank's part) are not all finite."""
+    return [key for key, t in state.items()
+            if t.is_floating_point() and not bool(torch.isfinite(local_part(t)).all())]
 
 
 def optimizer_destinations(module, optimizer, saved) -> Dict[str, Tuple[torch.Tensor, Any]]:
@@ -162,7 +170,7 @@ def optimizer_destinations(module, optimizer, saved) -> Dict[str, Tuple[torch.Te
                     continue
                 state_key = key[len(prefix):]
                 if tuple(meta.size) == model_shape(owner, name, param):
-                    dest = destination(owner, name, torch.empty_like(param.detach()))
+                    dest = destination(owner, name, param)
                 else:
                     dest = torch.empty(meta.size, dtype=meta.properties.dtype)
                 out[key] = (dest, (param, state_key, owner, name))

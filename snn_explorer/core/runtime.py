@@ -253,16 +253,17 @@ class SNNDistributedRuntime:
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, path, optimizer=None, step: int = 0, extra: Any = None, overwrite: bool = False,
-                        allow_mid_sequence: bool = False):
+                        allow_mid_sequence: bool = False, allow_non_finite: bool = False):
         """Write the model (and ``optimizer``'s state, ``step``, RNG states, JSON ``extra``) to the
         directory ``path``, sharded as this plan shards it; atomic, a collective (call on every rank).
 
         Neuron state is not saved (it is reset every batch): a neuron still holding state is refused
         unless ``allow_mid_sequence=True``. An existing checkpoint is replaced only with
-        ``overwrite=True``. See :mod:`snn_explorer.core.checkpoint`.
+        ``overwrite=True``. Non-finite weights or optimizer state are refused (naming the tensors and
+        rank) unless ``allow_non_finite=True``. See :mod:`snn_explorer.core.checkpoint`.
         """
         return save_checkpoint(self, path, optimizer=optimizer, step=step, extra=extra, overwrite=overwrite,
-                               allow_mid_sequence=allow_mid_sequence)
+                               allow_mid_sequence=allow_mid_sequence, allow_non_finite=allow_non_finite)
 
     def load_checkpoint(self, path, optimizer=None):
         """Load a checkpoint saved under any plan of this model, resharded to this one (a collective);

@@ -5,9 +5,11 @@ import json
 import numbers
 import os
 import pickletools
+import re
 import shlex
 import subprocess
 import sys
+import uuid
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Optional, Tuple, Union
 
@@ -17,6 +19,7 @@ from ..core import SNNDistributedPlan, preflight
 from ..core.checkpoint import check_plan_checkpointable
 from ..core.neurons import registered_stateful
 from ..core.validate import non_negative_int, positive_int
+from .non_finite import check_action
 from .plan_run import DEFAULT_OPTIMIZER, checkpoint_settings
 from .private_files import SCRIPT_MODE, PrivateDir
 
@@ -70,6 +73,19 @@ def shell_value(name: str, value, *, optional: bool = False):
     return shlex.quote(value)
 
 
+#: A job name: it names files (Slurm's %x-%j.out) and the torchrun rendezvous id.
+JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_job_name(job_name) -> str:
+    """``job_name`` if it can name a file and a rendezvous: 1-64 of ``A-Z a-z 0-9 . _ -``, not starting
+    with ``.``, ``_`` or ``-``; ValueError naming it otherwise."""
+    if not isinstance(job_name, str) or not JOB_NAME.fullmatch(job_name):
+        raise ValueError(f"job_name={job_name!r} must be 1-64 characters of letters, digits, '.', '_' and '-', "
+                         "beginning with a letter or digit (it names the job's files and its torchrun rendezvous)")
+    return job_name
+
+
 def _port(port) -> int:
     if isinstance(port, bool) or not isinstance(port, numbers.Integral) or not 1 <= port <= 65535:
         raise ValueError(f"port={port!r} must be an int in 1..65535")
@@ -83,15 +99,39 @@ RENDEZVOUS_LINES = ("# a restarted round publishes its own store (a replacement 
                     "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
 
 
+#: Shell lines every launch script runs first: torchrun's temporary folders go into a folder of
+#: this run, removed when the script ends however it ends.
+TEMP_LINES = ('export TMPDIR="$(mktemp -d "${TMPDIR:-/tmp}/snn-job.XXXXXX")"', "trap 'rm -rf \"$TMPDIR\"' EXIT")
+
+
 def torchrun_command(script: str, nnodes: int, nproc_per_node: int, endpoint: str, run_id: str,
                      max_restarts: int = 0) -> str:
-    """The torchrun line; ``endpoint`` and ``run_id`` are shell words (quoted or expansions)."""
+    """The torchrun line; ``endpoint`` and ``run_id`` are shell words (quoted or expansions). One
+    node: ``--standalone`` (a free port, a run id of its own: two jobs on one host never join)."""
+    if nnodes == 1:
+        return (f"torchrun --standalone --nnodes 1 --nproc-per-node {nproc_per_node} --max-restarts {max_restarts} "
+                f"{script} --plan plan.json")
     return (f"torchrun --nnodes {nnodes} --nproc-per-node {nproc_per_node} --rdzv-backend c10d "
             f"--rdzv-endpoint {endpoint} --rdzv-id {run_id} --max-restarts {max_restarts} {script} --plan plan.json")
 
 
+def job_command(script: str, nnodes: int, nproc_per_node: int, endpoint: str, run_id: str, max_restarts: int) -> str:
+    """What runs the job: on one node a step function's ``run.py`` runs every rank itself (stores on
+    127.0.0.1 at free ports, as ``launch_plan`` does); otherwise :func:`torchrun_command`."""
+    if nnodes == 1 and script == "run.py":
+        return f"python run.py --max-restarts {max_restarts}"
+    return torchrun_command(script, nnodes, nproc_per_node, endpoint, run_id, max_restarts)
+
+
+def endpoint_word(port: int, rdzv_endpoint: Optional[str]) -> str:
+    """The rendezvous endpoint as a shell word: ``$SNN_RDZV_ENDPOINT``, else the ``rdzv_endpoint``
+    given at export, else ``$MASTER_ADDR:$MASTER_PORT`` (the port given at export by default)."""
+    fallback = rdzv_endpoint or f"${{MASTER_ADDR:?set MASTER_ADDR to the first node}}:${{MASTER_PORT:-{port}}}"
+    return f'"${{SNN_RDZV_ENDPOINT:-{fallback}}}"'
+
+
 def _sbatch(job_name: str, nnodes: int, nproc_per_node: int, gpus_per_node: int, time_limit: str,
-            partition: Optional[str], script: str, port: int, max_restarts: int = 0, path_lines=()) -> str:
+            partition: Optional[str], script: str, port: Optional[int], max_restarts: int = 0, path_lines=()) -> str:
     """The Slurm script; ``job_name``, ``time_limit`` and ``partition`` come quoted (:func:`shell_value`);
     ``path_lines``: :func:`python_path_lines`."""
     lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nnodes}",
@@ -100,28 +140,39 @@ def _sbatch(job_name: str, nnodes: int, nproc_per_node: int, gpus_per_node: int,
         lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
     if partition:
         lines.append(f"#SBATCH --partition={partition}")
-    command = torchrun_command(script, nnodes, nproc_per_node, "$MASTER_ADDR:$MASTER_PORT", "$SLURM_JOB_ID",
-                               max_restarts)
+    command = job_command(script, nnodes, nproc_per_node, "$MASTER_ADDR:$MASTER_PORT", "$SLURM_JOB_ID", max_restarts)
+    # a port of this job's own unless one was given: two jobs sharing a node do not collide
+    default_port = port if port is not None else "$((20000 + SLURM_JOB_ID % 20000))"
     lines += ["# submit from this directory: sbatch job.sbatch", "set -euo pipefail",
               'cd "$SLURM_SUBMIT_DIR"',
               'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-              f"export MASTER_PORT={port}", *path_lines, *RENDEZVOUS_LINES, f"srun {command}", ""]
+              f"export MASTER_PORT=${{MASTER_PORT:-{default_port}}}", *path_lines, *RENDEZVOUS_LINES, f"srun {command}", ""]
     return "\n".join(lines)
 
 
 def export_job(plan, train_script_or_fn: Union[str, os.PathLike, Callable], path: Union[str, os.PathLike], *,
                nnodes: int = 1, nproc_per_node: Optional[int] = None, model=None, steps: int = 1, dataset=None,
                optimizer: Optional[dict] = DEFAULT_OPTIMIZER, seed: int = 0, train_kwargs: Optional[dict] = None,
-               job_name: str = "snn-explorer", port: int = 29500, gpus_per_node: Optional[int] = None,
+               job_name: str = "snn-explorer", port: Optional[int] = None, gpus_per_node: Optional[int] = None,
                time_limit: str = "01:00:00", partition: Optional[str] = None, max_restarts: int = 0,
-               checkpoint_dir=None, checkpoint_every: Optional[int] = None) -> ExportedJob:
+               checkpoint_dir=None, checkpoint_every: Optional[int] = None, rdzv_endpoint: Optional[str] = None,
+               on_non_finite: str = "stop") -> ExportedJob:
     """Write a job directory at ``path`` that runs ``plan`` under torchrun on ``nnodes`` nodes.
 
     ``train_script_or_fn`` is either a script (copied as ``train.py``; it receives
     ``--plan plan.json``) or a step function with :func:`launch_plan`'s signature, shipped with
     ``model``, ``steps`` and ``dataset`` in ``payload.pkl`` and run by a generated ``run.py``
     (which needs snn_explorer installed on the nodes). Writes ``plan.json``, ``command.sh`` (the
-    exact torchrun command; set ``MASTER_ADDR`` to the first node) and ``job.sbatch``.
+    exact command) and ``job.sbatch``.
+
+    One node: a step function's job runs ``python run.py`` (every rank on this machine, its stores
+    on 127.0.0.1 at free ports, restarts included), a script's ``torchrun --standalone`` (a free
+    port, a run id of its own). Several nodes: torchrun's c10d rendezvous at
+    ``$SNN_RDZV_ENDPOINT``, else ``rdzv_endpoint`` (``host:port``), else ``$MASTER_ADDR:$MASTER_PORT``
+    (``port``, 29500 by default; Slurm: a port derived from the job id), with a rendezvous id
+    unique to this export (``job_name`` and a random suffix; Slurm: the job id). ``job_name`` is
+    checked (it names files and the rendezvous). torchrun's temporary folders are removed when
+    ``command.sh`` ends. ``on_non_finite``: see :func:`launch_plan`.
 
     ``max_restarts``: torchrun restarts the ranks up to that many times after a failure; with
     ``checkpoint_dir`` (a directory every node sees; relative: to the job directory) and
@@ -143,7 +194,14 @@ def export_job(plan, train_script_or_fn: Union[str, os.PathLike, Callable], path
     steps = positive_int("steps", steps)
     if gpus_per_node is not None and gpus_per_node != 0:
         gpus_per_node = positive_int("gpus_per_node", gpus_per_node, what="0 or None requests none")
-    port = _port(port)
+    port = None if port is None else _port(port)
+    if rdzv_endpoint is not None:
+        host, sep, rdzv_port = str(rdzv_endpoint).rpartition(":")
+        if not sep or not host or not rdzv_port.isdigit():
+            raise ValueError(f"rdzv_endpoint={rdzv_endpoint!r} must be host:port")
+        _port(int(rdzv_port))
+        shell_value("rdzv_endpoint", rdzv_endpoint)
+    on_non_finite = check_action(on_non_finite)
     max_restarts = non_negative_int("max_restarts", max_restarts)
     checkpoints = checkpoint_settings(checkpoint_dir, checkpoint_every)
     if checkpoints is not None:
@@ -153,6 +211,7 @@ def export_job(plan, train_script_or_fn: Union[str, os.PathLike, Callable], path
                          "checkpoints (runtime.save_checkpoint)")
     words = dict(job_name=shell_value("job_name", job_name), time_limit=shell_value("time_limit", time_limit),
                  partition=shell_value("partition", partition, optional=True))
+    check_job_name(job_name)
     source = None
     if callable(train_script_or_fn):
         if model is None:
@@ -163,10 +222,11 @@ def export_job(plan, train_script_or_fn: Union[str, os.PathLike, Callable], path
         if not os.path.isfile(source):
             raise FileNotFoundError(f"training script {source!r} does not exist")
     with PrivateDir(path) as job_dir:
-        return _write(job_dir, plan, source, nnodes, nproc_per_node, port, words,
+        return _write(job_dir, plan, source, nnodes, nproc_per_node, (port, rdzv_endpoint), words,
                       gpus_per_node or 0, max_restarts,
                       dict(model=model, train_fn=train_script_or_fn, steps=steps, dataset=dataset,
-                           optimizer=optimizer, seed=seed, train_kwargs=train_kwargs, checkpoints=checkpoints))
+                           optimizer=optimizer, seed=seed, train_kwargs=train_kwargs, checkpoints=checkpoints,
+                           on_non_finite=on_non_finite))
 
 
 def pickled_modules(data: bytes) -> set:
@@ -237,7 +297,7 @@ def python_path_lines(roots: Dict[str, str]) -> list:
             f"export PYTHONPATH={words}${{PYTHONPATH:+:$PYTHONPATH}}"]
 
 
-def _write(job_dir: PrivateDir, plan, source: Optional[str], nnodes: int, nproc_per_node: int, port: int,
+def _write(job_dir: PrivateDir, plan, source: Optional[str], nnodes: int, nproc_per_node: int, ports: tuple,
            words: Dict[str, Optional[str]], gpus_per_node: int, max_restarts: int, job: dict) -> ExportedJob:
     """Every file of the job, written afresh into the private ``job_dir``."""
     plan_file = job_dir.write("plan.json", json.dumps(plan.to_dict(), indent=2, sort_keys=True))
@@ -255,10 +315,13 @@ def _write(job_dir: PrivateDir, plan, source: Optional[str], nnodes: int, nproc_
         with open(source, "rb") as fh:
             job_dir.write(script, fh.read(), SCRIPT_MODE)
     path_lines = python_path_lines(roots)
-    endpoint = f"${{MASTER_ADDR:?set MASTER_ADDR to the first node}}:{port}"
-    command = torchrun_command(script, nnodes, nproc_per_node, endpoint, words["job_name"], max_restarts)
-    command_file = job_dir.write("command.sh", "\n".join(["#!/bin/bash", "# run on every node, from this directory",
-                                                          'cd "$(dirname "$0")"', *path_lines,
+    port, rdzv_endpoint = ports
+    endpoint = endpoint_word(29500 if port is None else port, rdzv_endpoint)
+    run_id = f'"${{SNN_RDZV_ID:-{words["job_name"].strip(chr(39))}-{uuid.uuid4().hex[:8]}}}"'
+    command = job_command(script, nnodes, nproc_per_node, endpoint, run_id, max_restarts)
+    where = "on every node" if nnodes > 1 else "on the node"
+    command_file = job_dir.write("command.sh", "\n".join(["#!/bin/bash", f"# run {where}, from anywhere",
+                                                          'cd "$(dirname "$0")"', *path_lines, *TEMP_LINES,
                                                           *RENDEZVOUS_LINES, command, ""]),
                                  SCRIPT_MODE)
     sbatch_file = job_dir.write("job.sbatch", _sbatch(words["job_name"], nnodes, nproc_per_node, gpus_per_node,

@@ -14,13 +14,17 @@ import cloudpickle
 import torch.distributed as dist
 
 from ..core import SNNDistributedPlan
+from ..core.checkpoint_lock import FolderLock
 from ..core.neurons import restore_stateful
 from ..core.parallelize.mesh import device_type_for
 from ..core.serialize import loads
-from ..ranks import init_process_group, resolve_backend, run
+from ..ranks import LaunchError, init_process_group, resolve_backend, run
 from ..ranks.teardown import end_process_groups
 from .plan_run import train_plan_rank
 from .private_files import read_private
+
+#: Set (by ``run.py --debug``) to print teardown diagnostics on every rank.
+DEBUG_ENV = "SNN_EXPLORER_DEBUG"
 
 
 def _backend() -> str:
@@ -32,7 +36,7 @@ def _train(model, job: dict, plan_data: dict, backend: str) -> list:
     """One rank of the job, inside its process group: apply the plan to ``model`` and run the steps."""
     return train_plan_rank(model, plan_data, job["train_fn"], job["steps"], job["dataset"],
                            device_type_for(backend), job["optimizer"], job["seed"], job["train_kwargs"],
-                           job.get("checkpoints"))
+                           job.get("checkpoints"), job.get("on_non_finite", "stop"))
 
 
 def _write(out: str, rank: int, history: list) -> None:
@@ -75,18 +79,39 @@ def _end(rank: int) -> None:
     interpreter's teardown: leave without it (the metrics are written)."""
     left = end_process_groups(barrier=True)
     if left:
-        print(f"[rank {rank}] c10d threads still alive after destroy_process_group ({', '.join(left)}): "
-              "leaving without interpreter teardown", file=sys.stderr)
+        if os.environ.get(DEBUG_ENV):  # a diagnostic: the job's results are complete either way
+            print(f"[rank {rank}] c10d threads still alive after destroy_process_group ({', '.join(left)}): "
+                  "leaving without interpreter teardown", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
 
 
-def _local_run(job: dict, plan_data: dict, out: str) -> None:
-    """Without torchrun: every rank on this machine through ``snn_explorer.ranks`` (loopback only)."""
+def _local_run(job: dict, plan_data: dict, out: str, max_restarts: int = 0) -> None:
+    """Without torchrun: every rank on this machine through ``snn_explorer.ranks`` (stores on
+    127.0.0.1 at free ports), started again up to ``max_restarts`` times after a failure (resuming
+    from the job's checkpoints); this process holds the checkpoint folder's lock."""
     world = SNNDistributedPlan.from_dict(plan_data).world_size
     backend = resolve_backend("auto", world)
-    result = run(_train, (job["model"], job, plan_data, backend), nprocs=world, backend=backend, progress=True)
+    checkpoints = job.get("checkpoints")
+    lock = FolderLock(checkpoints["dir"]).acquire() if checkpoints else None
+    if lock is not None and lock.took_over:
+        print(f"took over the checkpoint folder's lock left by {lock.took_over}, which is gone", file=sys.stderr)
+    job = {**job, "checkpoints": checkpoints and {**checkpoints, "held": True}}
+    try:
+        for attempt in range(max_restarts + 1):
+            try:
+                result = run(_train, (job["model"], job, plan_data, backend), nprocs=world, backend=backend,
+                             progress=True)
+                break
+            except LaunchError as error:
+                if attempt == max_restarts or not checkpoints:
+                    raise
+                print(f"restarting ({attempt + 1} of {max_restarts}) after: {str(error).splitlines()[0]}",
+                      file=sys.stderr)
+    finally:
+        if lock is not None:
+            lock.release()
     for rank, history in enumerate(result.values):
         _write(out, rank, history)
 
@@ -108,7 +133,12 @@ def main(script: str, argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--plan", default=os.path.join(here, "plan.json"))
     parser.add_argument("--payload", default=os.path.join(here, "payload.pkl"))
     parser.add_argument("--out", default=os.path.join(here, "results"))
+    parser.add_argument("--max-restarts", type=int, default=0, help="run directly: start the ranks again this many "
+                                                                    "times after a failure")
+    parser.add_argument("--debug", action="store_true", help="print teardown diagnostics")
     args = parser.parse_args(argv)
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"
     plan_data = loads(read_private(args.plan, "plan file"))
     # Unpickling runs code: only a payload that no other user could have written or replaced.
     job = _job_relative(cloudpickle.loads(read_private(args.payload, "payload")), here)
@@ -118,6 +148,6 @@ def main(script: str, argv: Optional[Sequence[str]] = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"rank 0 finished {job['steps']} steps; metrics in {args.out}", file=sys.stderr)
     else:
-        _local_run(job, plan_data, args.out)
+        _local_run(job, plan_data, args.out, args.max_restarts)
         print(f"finished {job['steps']} steps on every rank; metrics in {args.out}", file=sys.stderr)
     return 0

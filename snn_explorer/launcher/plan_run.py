@@ -3,17 +3,23 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+import uuid
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..core import SNNDistributedPlan, apply, preflight
 from ..core.checkpoint import check_checkpoint, check_plan_checkpointable, latest_checkpoint, step_path
+from ..core.checkpoint_lock import FolderLock
 from ..core.parallelize.mesh import device_type_for
 from ..core.validate import UNSET, non_negative_int, positive_int, renamed_keyword
 from ..ranks import LaunchError, resolve_backend
 from ..ranks.progress import _number, report
 from .launching import launch
+from .non_finite import NonFiniteGuard, check_action
 from .result import TrainResult
 
 DEFAULT_OPTIMIZER = {"lr": 1e-3}
@@ -47,7 +53,7 @@ def _resume(runtime, state: dict, checkpoints: Optional[dict]) -> int:
     into the runtime and optimizer), else 0."""
     if not checkpoints:
         return 0
-    latest = latest_checkpoint(checkpoints["dir"])
+    latest = latest_checkpoint(checkpoints["dir"], verify=False)  # the load checksums it, split over the ranks
     if latest is None:
         return 0
     return runtime.load_checkpoint(latest, optimizer=state.get("optimizer")).step
@@ -60,29 +66,59 @@ def _checkpoint(runtime, state: dict, checkpoints: Optional[dict], done: int, st
                                 overwrite=True)
 
 
+def _rank_lock(checkpoints: Optional[dict]) -> Optional[FolderLock]:
+    """An exported job's lock of its checkpoint folder (a launch_plan run holds it in the caller):
+    rank 0 takes it, every rank learns whether it could (one collective)."""
+    if not checkpoints or checkpoints.get("held"):
+        return None
+    lock, problem = None, None
+    if dist.get_rank() == 0:
+        try:
+            lock = FolderLock(checkpoints["dir"], run_id=os.environ.get("TORCHELASTIC_RUN_ID")).acquire()
+            if lock.took_over:
+                print(f"took over the checkpoint folder's lock left by {lock.took_over}, which is gone", file=sys.stderr)
+        except ValueError as exc:
+            problem = str(exc)
+    found = [problem]
+    dist.broadcast_object_list(found, src=0)
+    if found[0]:
+        raise RuntimeError(found[0])
+    return lock
+
+
 def train_plan_rank(model, plan_data: dict, train_fn: Callable, steps: int, dataset=None,
                     device_type: str = "cpu", optimizer: Optional[dict] = DEFAULT_OPTIMIZER, seed: int = 0,
-                    train_kwargs: Optional[dict] = None, checkpoints: Optional[dict] = None) -> List[Dict[str, Any]]:
+                    train_kwargs: Optional[dict] = None, checkpoints: Optional[dict] = None,
+                    on_non_finite: str = "stop") -> List[Dict[str, Any]]:
     """One rank of :func:`launch_plan` (also what an exported job runs): apply, then ``steps`` steps,
     resuming after the latest checkpoint of ``checkpoints["dir"]`` and saving one every
-    ``checkpoints["every"]`` steps when ``checkpoints`` is given. Returns the metrics of the steps
-    this run made."""
+    ``checkpoints["every"]`` steps when ``checkpoints`` is given; a NaN / Inf loss or gradient
+    stops the run or skips the step (:mod:`.non_finite`). Returns the metrics of the steps this
+    run made (a skipped step's with ``"skipped": True``)."""
     torch.manual_seed(seed)
     runtime = apply(model=model, plan=SNNDistributedPlan.from_dict(plan_data), device_type=device_type)
     torch.manual_seed(seed + runtime.dp_rank)  # data drawn in the step differs per dp rank, equal on TP peers
+    lock = _rank_lock(checkpoints)
     state: Dict[str, Any] = {}
     if optimizer is not None:
         state["optimizer"] = runtime.build_optimizer(**optimizer)
+    guard = NonFiniteGuard(runtime, state.get("optimizer"), on_non_finite)
     start = _resume(runtime, state, checkpoints)
     batches, history = _batches(runtime, dataset, seed), []
     for _ in range(start):  # the data position of the resumed step
         next(batches)
     for step in range(start, steps):
+        guard.step = step + 1
         metrics = _metrics(train_fn(runtime, step, next(batches), state, **(train_kwargs or {})))
+        if not guard.after_step(metrics.get("loss")):
+            metrics["skipped"] = True
         history.append(metrics)
-        report(step=step + 1, total=steps, loss=metrics.get("loss"))
+        report(step=step + 1, total=steps, loss=metrics.get("loss"),
+               message=f"step {step + 1} skipped: non-finite values" if metrics.get("skipped") else None)
         _checkpoint(runtime, state, checkpoints, step + 1, steps)
     runtime.reset_state()  # the neurons' state holds the last step's graph, and through it the FSDP2 state
+    if lock is not None:
+        lock.release()
     return history
 
 
@@ -114,7 +150,8 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
                 optimizer: Optional[dict] = DEFAULT_OPTIMIZER, seed: int = 0, comm_backend: str = "auto",
                 timeout: Optional[float] = 900.0, env: Optional[Mapping[str, str]] = None, progress=True,
                 log_dir: Optional[str] = None, train_kwargs: Optional[dict] = None, checkpoint_dir=None,
-                checkpoint_every: Optional[int] = None, max_restarts: int = 0, backend=UNSET, pool=None) -> TrainResult:
+                checkpoint_every: Optional[int] = None, max_restarts: int = 0, on_non_finite: str = "stop",
+                backend=UNSET, pool=None) -> TrainResult:
     """Run ``plan`` for ``model`` on ``plan.world_size`` ranks, ``steps`` calls of ``train_fn`` each.
 
     The model travels by value; each rank applies the plan on CPU (gloo) or its own GPU (NCCL),
@@ -151,31 +188,58 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
 
     ``pool``: a :class:`~snn_explorer.ranks.RankPool` of ``plan.world_size`` ranks on this backend runs
     it on its warm ranks (the same result as a fresh launch); one that does not fit is refused here.
+
+    One run writes a ``checkpoint_dir`` at a time: the launch holds the folder's lock file
+    (pid, host, start time) until it returns; a second launch into it is refused at once naming
+    the holder, and a lock left by a process that is gone is taken over (with a warning).
+
+    ``on_non_finite``: a NaN or Inf loss or gradient on any rank (named by step and rank) stops the
+    run before that step's update and checkpoint (``"stop"``, the default: the last good
+    checkpoint stays the latest), or its update is skipped (``"skip"``) and the run goes on.
     """
     if not isinstance(plan, SNNDistributedPlan):
         raise TypeError(f"plan must be an SNNDistributedPlan, got {type(plan).__name__}")
     positive_int("steps", steps)
     preflight(model, plan)
+    check_action(on_non_finite)
     checkpoints = _checkpoint_spec(model, plan, checkpoint_dir, checkpoint_every)
     max_restarts = restart_count(max_restarts, checkpoints)
     backend = resolve_backend(renamed_keyword("comm_backend", comm_backend, "auto", "backend", backend),
                               plan.world_size)
     if pool is not None:
         pool.check_fits(plan.world_size, backend)
+    lock = _folder_lock(checkpoints)
     faults: List[str] = []
-    while True:
-        try:
-            result = launch(train_plan_rank, model, plan.to_dict(), train_fn, steps, dataset,
-                            device_type_for(backend), optimizer, seed, train_kwargs, checkpoints,
-                            nprocs=plan.world_size, comm_backend=backend, timeout=timeout, env=env,
-                            progress=progress, log_dir=log_dir, pool=pool)
-            break
-        except LaunchError as error:
-            if len(faults) == max_restarts:
-                raise
-            faults.append(str(error).splitlines()[0])
+    try:
+        while True:
+            try:
+                result = launch(train_plan_rank, model, plan.to_dict(), train_fn, steps, dataset,
+                                device_type_for(backend), optimizer, seed, train_kwargs,
+                                checkpoints and {**checkpoints, "held": True}, on_non_finite,
+                                nprocs=plan.world_size, comm_backend=backend, timeout=timeout, env=env,
+                                progress=progress, log_dir=log_dir, pool=pool)
+                break
+            except LaunchError as error:
+                cause = error.root_cause
+                if len(faults) == max_restarts or (cause is not None and cause.type == "NonFiniteError"):
+                    raise  # a restart would meet the same numbers again
+                faults.append(str(error).splitlines()[0])
+    finally:
+        if lock is not None:
+            lock.release()
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
     return TrainResult(**fields, faults=tuple(faults))
+
+
+def _folder_lock(checkpoints: Optional[dict]) -> Optional[FolderLock]:
+    """The launch's lock of its checkpoint folder (None without checkpoints); a stale one taken over warns."""
+    if not checkpoints:
+        return None
+    lock = FolderLock(checkpoints["dir"], run_id=uuid.uuid4().hex).acquire()
+    if lock.took_over:
+        warnings.warn(f"took over the lock of checkpoint_dir {checkpoints['dir']!r} left by {lock.took_over}, "
+                      "which is gone", RuntimeWarning, stacklevel=3)
+    return lock
 
 
 def restart_count(max_restarts, checkpoints: Optional[dict]) -> int:

@@ -41,6 +41,36 @@ EXIT_GRACE_S = 5.0
 #: second or two then); past them the run ends as failed before user code, and is tried again.
 JOIN_TIMEOUT_S = 60.0
 POLL_S = 0.05
+#: CPU (gloo) ranks allowed per usable core: ranks may share cores (tests run 4 ranks on 2 cores),
+#: but past this each rank gets under 1/8 of a core and a launch of many more only exhausts memory
+#: and processes (a launch of 10**9 ranks ran out of memory after 52 s). Overridden by MAX_RANKS_ENV.
+RANKS_PER_CORE = 8
+MAX_RANKS_ENV = "SNN_EXPLORER_MAX_LOCAL_RANKS"
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_local_ranks(nprocs: int, backend: str) -> None:
+    """Refuse more ranks on this machine than it can hold, at once and naming the cap: one CUDA
+    device per NCCL rank, :data:`RANKS_PER_CORE` gloo ranks per usable core (or ``$SNN_EXPLORER_MAX_LOCAL_RANKS``)."""
+    if backend == "nccl":
+        return  # resolve_backend refused more NCCL ranks than devices
+    override = os.environ.get(MAX_RANKS_ENV)
+    if override is not None:
+        cap = positive_int(MAX_RANKS_ENV, int(override) if override.strip().isdigit() else override)
+        why = f"${MAX_RANKS_ENV}={cap}"
+    else:
+        cores = _usable_cores()
+        cap, why = RANKS_PER_CORE * cores, f"{RANKS_PER_CORE} gloo ranks per core x {cores} usable core(s)"
+    if nprocs > cap:
+        raise ValueError(f"nprocs={nprocs} is more ranks than this machine runs at once: the cap is {cap} ({why}). "
+                         f"Use fewer ranks (estimates of larger worlds need no ranks: snn_explorer.estimate), or set "
+                         f"{MAX_RANKS_ENV} to raise the cap")
 
 
 def resolve_backend(backend: str, nprocs: int) -> str:
@@ -108,6 +138,7 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Mapping[str, An
     time_limit = positive_number("time_limit", time_limit, what="seconds for the whole run", allow_none=True)
     pg_timeout = positive_number("pg_timeout", pg_timeout, what="seconds", allow_none=True)
     backend = resolve_backend(backend, nprocs)
+    check_local_ranks(nprocs, backend)
     if pool is not None:
         pool.check_fits(nprocs, backend)
     log_dir = check_log_dir(log_dir)
@@ -160,6 +191,7 @@ def follow(start: Callable, run_dir: str, nprocs: int, backend: str, started: fl
     runner = start(tracker)
     try:
         hung, why, stuck = _wait(runner, reader, tracker, display, started, *limits)
+        agent_death = _killed_by_signal(runner, tracker)
         # a silent rank ends the run: every unfinished rank shows where it was (the silent one's peers wait for it)
         stacks = _dump_stacks(run_dir, tracker, tracker.unfinished() if hung else stuck) if hung or stuck else {}
     finally:
@@ -167,7 +199,15 @@ def follow(start: Callable, run_dir: str, nprocs: int, backend: str, started: fl
         for event in reader.poll():
             tracker.apply(event)
         display.close(tracker)
-    return outcome(run_dir, nprocs, backend, started, tracker, hung, why, stacks, log_dir)
+    return outcome(run_dir, nprocs, backend, started, tracker, hung, why, stacks, log_dir, agent_death)
+
+
+def _killed_by_signal(runner, tracker: Tracker) -> Optional[Tuple[int, int]]:
+    """(pid, signal) of a runner that a signal ended while ranks were unfinished, else None."""
+    code = runner.poll()
+    if code is not None and code < 0 and tracker.unfinished():
+        return getattr(runner, "pid", None), -code
+    return None
 
 
 def _dump_stacks(run_dir: str, tracker: Tracker, ranks) -> Dict[int, str]:

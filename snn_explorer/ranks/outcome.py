@@ -151,8 +151,25 @@ def timed_out(tracker: Tracker, hung, why: str, stacks, logs, joined, values) ->
                        function_ran=tracker.function_ran())
 
 
-def outcome(run_dir, nprocs, backend, started, tracker, hung, why, stacks, log_dir) -> LaunchResult:
-    """The LaunchResult of a finished run, or the LaunchError that says why it is not one."""
+def agent_killed(agent_death: Tuple[int, int], fails: Dict[int, RankFailure], nprocs: int, **kw) -> LaunchError:
+    """The error of a run whose agent process was killed by a signal: the agent is the cause, and
+    every rank's end (often a KeyboardInterrupt, as the ranks follow their parent) its consequence."""
+    pid, signum = agent_death
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    ended = {r: RankFailure(r, f.exitcode, f.type, f.message, f.traceback, f.log_tail, collateral=True,
+                            time=f.time, phase=f.phase, stack=f.stack) for r, f in fails.items()}
+    return LaunchError(f"launch failed: the launcher's agent process (pid {pid}) was killed by {name} while the "
+                       f"ranks ran; it ended rank(s) {sorted(ended) or list(range(nprocs))} with it (what each "
+                       "reported below is a consequence, not a cause)", ended, **kw)
+
+
+def outcome(run_dir, nprocs, backend, started, tracker, hung, why, stacks, log_dir,
+            agent_death: Optional[Tuple[int, int]] = None) -> LaunchResult:
+    """The LaunchResult of a finished run, or the LaunchError that says why it is not one
+    (``agent_death``: the agent's pid and the signal that killed it, if one did before the ranks finished)."""
     logs = read_logs(run_dir, nprocs)
     joined = {r: s["stdout"] + s["stderr"] for r, s in logs.items()}
     values, unreadable = load_values(run_dir)
@@ -165,6 +182,9 @@ def outcome(run_dir, nprocs, backend, started, tracker, hung, why, stacks, log_d
         return _result(values, logs, backend, started, tracker, log_dir)  # whatever the agent's exit
     if status.get("agent_error") and not fails:
         raise LaunchError(f"the launcher agent failed:\n{status['agent_error']}", {}, logs=joined, results=values)
+    if agent_death is not None:
+        raise agent_killed(agent_death, fails, nprocs, unfinished=tracker.unfinished(), logs=joined, results=values,
+                           function_ran=tracker.function_ran())
     unfinished_after(fails, tracker, logs, run_dir, sorted(set(range(nprocs)) - set(values) - set(fails)))
     text = headline(fails, nprocs)
     if not status and not any(s.pid for s in tracker.ranks.values()):

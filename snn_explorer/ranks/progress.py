@@ -22,6 +22,8 @@ def _number(value: Any) -> Any:
     """Tensors and numpy scalars -> float, so reports stay JSON."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if callable(getattr(value, "detach", None)):
+        value = value.detach()  # a loss tensor that requires grad: float() of it would warn on every rank
     try:
         return float(value)
     except (TypeError, ValueError):

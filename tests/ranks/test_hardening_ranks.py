@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 import pytest
@@ -22,9 +23,12 @@ def mlp():
 
 
 def test_script_values_reach_torchrun_as_one_literal_word(mlp, tmp_path):
-    """command.sh runs under bash with a stand-in torchrun: the job name arrives verbatim, unexpanded."""
+    """command.sh runs under bash with a stand-in torchrun: values arrive verbatim, unexpanded; a job
+    name that is not a plain name (it names files and the rendezvous) is refused at export."""
     name = "run $(touch pwned) `touch pwned2` ; touch pwned3 'q'"
-    job = _export(mlp, tmp_path / "job", job_name=name, partition="gpu; touch pwned4")
+    with pytest.raises(ValueError, match=r"job_name=.* must be 1-64 characters of letters, digits"):
+        _export(mlp, tmp_path / "refused", job_name=name)
+    job = _export(mlp, tmp_path / "job", job_name="run-1", partition="gpu; touch pwned4", nnodes=2)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "torchrun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$ARGV_FILE"\n')
@@ -32,23 +36,23 @@ def test_script_values_reach_torchrun_as_one_literal_word(mlp, tmp_path):
     argv_file = tmp_path / "argv"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MASTER_ADDR": "10.0.0.1",
            "ARGV_FILE": str(argv_file)}
+    env.pop("MASTER_PORT", None)
     done = subprocess.run(["bash", job.command_file], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=30)
     assert done.returncode == 0, done.stderr
     argv = argv_file.read_text().splitlines()
-    assert argv[argv.index("--rdzv-id") + 1] == name
+    assert re.fullmatch(r"run-1-[0-9a-f]{8}", argv[argv.index("--rdzv-id") + 1])
     assert argv[argv.index("--rdzv-endpoint") + 1] == "10.0.0.1:29500"
     assert not any(p.name.startswith("pwned") for p in list(tmp_path.iterdir()) + list((tmp_path / "job").iterdir()))
     sbatch = open(job.sbatch_file).read()
     assert "#SBATCH --partition='gpu; touch pwned4'" in sbatch
-    assert "#SBATCH --job-name='run $(touch pwned)" in sbatch
+    assert "#SBATCH --job-name=run-1" in sbatch
     assert subprocess.run(["bash", "-n", job.sbatch_file], timeout=30).returncode == 0
 
 
 # ---- bad inputs: one clear error at the entry point ------------------------------------------------------
 
 import json  # noqa: E402
-import re  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
 

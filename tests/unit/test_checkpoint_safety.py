@@ -14,6 +14,7 @@ from torch import nn
 import snn_explorer as se
 from snn_explorer import compat_dcp
 from snn_explorer.core.checkpoint import CheckpointError, check_checkpoint, latest_checkpoint, step_path
+from snn_explorer.core.checkpoint_integrity import file_digest
 from snn_explorer.zoo import build
 
 
@@ -47,10 +48,12 @@ def saved(tmp_path):
 
 
 def _plant(path, name, payload: bytes):
-    """Replace ``path/name`` by ``payload`` and edit the manifest's size to match (as an attacker would)."""
+    """Replace ``path/name`` by ``payload`` and edit the manifest's size and checksum to match (as an
+    attacker would), so that what refuses it is the reader, not the checksum."""
     (path / name).write_bytes(payload)
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["files"][name] = len(payload)
+    manifest["files"][name] = {"size": len(payload),
+                               "hash": file_digest(path / name, manifest["hash_algorithm"])[1]}
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -104,9 +107,12 @@ def test_a_distcp_holding_a_command_is_read_with_weights_only_and_refused(saved,
     _plant(path, shard, payload)
     check_checkpoint(path, model, runtime.plan)  # the metadata is well formed: only the tensor data is not
     with pytest.raises(CheckpointError, match=r"loading checkpoint .* failed \(rank 0: UnpicklingError: "
-                                              r"Weights only load failed"):
+                                              r"Weights only load failed") as refused:
         runtime.load_checkpoint(path, optimizer=optimizer)
     assert not marker.exists()
+    # torch's own message goes on to advise weights_only=False (which would run the command): not passed on
+    assert "weights_only" not in str(refused.value) and "arbitrary code" not in str(refused.value)
+    assert "os.system" in str(refused.value) or "posix.system" in str(refused.value)  # what it named is kept
 
 
 def test_metadata_pointing_outside_its_folder_is_refused(saved, tmp_path):

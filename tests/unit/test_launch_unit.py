@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import threading
 
 import pytest
@@ -167,14 +168,40 @@ def test_export_job_files(mlp_plan, tmp_path):
                      steps=5, gpus_per_node=2, partition="gpu", job_name="mlp-run")
     assert json.load(open(job.plan_file))["mode"] == p.mode
     assert job.command.startswith("torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint ")
-    assert "--rdzv-id mlp-run --max-restarts 0 run.py --plan plan.json" in job.command
+    assert re.search(r'--rdzv-id "\$\{SNN_RDZV_ID:-mlp-run-[0-9a-f]{8}\}" --max-restarts 0 run.py --plan plan.json',
+                     job.command)  # an id of this export's own: another job of the same name does not join it
+    assert '--rdzv-endpoint "${SNN_RDZV_ENDPOINT:-${MASTER_ADDR:?' in job.command and ":${MASTER_PORT:-29500}}" in job.command
     assert job.command in open(job.command_file).read() and os.access(job.command_file, os.X_OK)
     sbatch = open(job.sbatch_file).read()
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=2",
                  "#SBATCH --partition=gpu", "srun torchrun --nnodes 2 --nproc-per-node 2",
-                 "--rdzv-endpoint $MASTER_ADDR:$MASTER_PORT --rdzv-id $SLURM_JOB_ID"):
+                 "--rdzv-endpoint $MASTER_ADDR:$MASTER_PORT --rdzv-id $SLURM_JOB_ID",
+                 "export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"):
         assert line in sbatch
     assert os.path.exists(job.payload_file) and "snn_explorer.launcher.job" in open(job.script).read()
+
+
+def test_export_single_node_is_loopback_and_names_are_checked(mlp_plan, tmp_path):
+    zoo, p = mlp_plan
+    step = lambda runtime, step, batch, state: 0.0  # noqa: E731
+    job = export_job(p, step, tmp_path / "one", model=zoo.model, max_restarts=2)
+    assert job.command == "python run.py --max-restarts 2"  # every rank from run.py: 127.0.0.1, free ports
+    text = open(job.command_file).read()
+    assert 'export TMPDIR="$(mktemp -d' in text and "trap 'rm -rf \"$TMPDIR\"' EXIT" in text
+    script = tmp_path / "mytrain.py"
+    script.write_text("print('hi')\n")
+    standalone = export_job(p, str(script), tmp_path / "script")
+    assert standalone.command.startswith(f"torchrun --standalone --nnodes 1 --nproc-per-node {p.world_size} ")
+    for bad in ("a/b", "", "-x", ".hidden", "a b", "x" * 65, "a;rm"):
+        with pytest.raises(ValueError, match=rf"job_name={re.escape(repr(bad))} must be 1-64 characters"):
+            export_job(p, step, tmp_path / "bad", model=zoo.model, job_name=bad)
+    assert not (tmp_path / "bad").exists()  # refused before anything was written
+    with pytest.raises(ValueError, match="rdzv_endpoint='nohost' must be host:port"):
+        export_job(p, step, tmp_path / "bad", model=zoo.model, nnodes=2, rdzv_endpoint="nohost")
+    given = export_job(p, step, tmp_path / "given", model=zoo.model, nnodes=2,
+                       rdzv_endpoint="node7:31000", port=31001)
+    assert '"${SNN_RDZV_ENDPOINT:-node7:31000}"' in given.command
+    assert "export MASTER_PORT=${MASTER_PORT:-31001}" in open(given.sbatch_file).read()
 
 
 def test_export_job_with_a_script_and_bad_shapes(mlp_plan, tmp_path):
