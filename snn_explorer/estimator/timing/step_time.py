@@ -19,6 +19,9 @@ On CPU ranks nothing overlaps (:attr:`HardwareProfile.overlaps_comm`). Elsewhere
   its backward all-gathers and reduce-scatters overlap the backward but for the last reduce-scatter;
 - tensor-parallel collectives and everything else (ZeRO's broadcasts) are on the critical path.
 
+The groups of one mesh dim on a host communicate at the same time (every TP pair of a ``(2, 2)`` mesh at
+once); on a profile without peer-to-peer they share the host path (:meth:`HardwareProfile.collective_time`).
+
 So a step is never faster than its compute. A pipeline plan's step (``bubble_s`` included) is its
 schedule replayed with each stage's own cost: :mod:`.pipeline_time`.
 """
@@ -51,7 +54,8 @@ def exposed_comm_s(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: Hard
     for row in collectives.itertuples(index=False):
         size = group_size(plan, row.mesh_dim, row.kind)
         seconds = hw.collective_time(row.kind, size, row.bytes, row.count, spans_nodes(plan, row.mesh_dim, hw, size),
-                                     burst=plan.uses_zero and row.kind == Collective.BROADCAST)  # ZeRO's, back to back
+                                     burst=plan.uses_zero and row.kind == Collective.BROADCAST,  # ZeRO's, back to back
+                                     concurrent=max(1, ranks_on_host(plan, hw) // size))  # groups of the dim on a host
         timed[(row.mesh_dim, row.kind, row.phase)] = (seconds, row.count)
     if not hw.overlaps_comm:
         return sum(seconds for seconds, _ in timed.values())
