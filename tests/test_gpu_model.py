@@ -122,14 +122,14 @@ def test_convolutions_use_tensor_cores_and_matmuls_fp32():
 
 
 def test_gemm_quantisation_against_the_sm_count():
-    """By hand on an A100 (108 SMs): a 128 x 128 output is one tile on one SM and its K = 64 is too short to split
-    (split-K keeps >= 256 per slice): 1/108 of the rate; 108 such tiles fill one wave; a 2-channel 3x3 convolution's
-    K = 18 pads to 20 (4 TF32 elements = 16 bytes)."""
+    """By hand on an A100 (108 SMs): a 128 x 128 output is at best four 64 x 64 tiles on four SMs and its K = 64 is
+    too short to split (split-K keeps >= 256 per slice): 4/108 of the rate; 108 such outputs are 432 tiles, four
+    whole waves; a 2-channel 3x3 convolution's K = 18 pads to 20 (4 TF32 elements = 16 bytes)."""
     a100 = se.hardware_profile("A100-SXM-80GB")
     one = Kernel("forward", "matmul", 2.0 * 128 * 128 * 64, 0, 4, 0, ((1, 128, 128, 64),))
     full = Kernel("forward", "matmul", 2.0 * 108 * 128 * 128 * 64, 0, 4, 0, ((108, 128, 128, 64),))
     rate = a100.flops(4)
-    assert kernel_seconds(one, a100) == pytest.approx(one.flops / rate * 108)
+    assert kernel_seconds(one, a100) == pytest.approx(one.flops / rate * 108 / 4)
     assert kernel_seconds(full, a100) == pytest.approx(full.flops / rate)
     narrow = Kernel("forward", "conv", 2.0 * 108 * 128 * 128 * 18, 0, 4, 0, ((108, 128, 128, 18),))
     assert kernel_seconds(narrow, a100) == pytest.approx(narrow.flops / a100.conv_flops(4) * 20 / 18)

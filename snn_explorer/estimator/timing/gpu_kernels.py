@@ -38,6 +38,7 @@ import pandas as pd
 
 from ...core import SNNDistributedPlan
 from ..memory.gpu_trace import GpuStep, Kernel, gpu_stage_kernels, optimizer_kernels
+from .fsdp_overlap import fsdp_collective_s, fsdp_exposed_s
 from .hardware import HardwareProfile
 from .pipeline_time import pipeline_time_table
 from .placement import ranks_on_host
@@ -115,11 +116,17 @@ def gpu_pipeline_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFra
 
 
 def gpu_plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, per_rank: pd.DataFrame,
-                  hw: HardwareProfile, optimizer: str, step: GpuStep) -> pd.DataFrame:
+                  hw: HardwareProfile, optimizer: str, step: GpuStep, timeline=None) -> pd.DataFrame:
     """The ``rank, compute_s, exposed_comm_s, bubble_s, step_s`` table of a plan without pipelining,
-    its compute from the traced ``step`` of the model one rank runs and its optimizer's kernels."""
+    its compute from the traced ``step`` of the model one rank runs and its optimizer's kernels; FSDP2's
+    collectives (``timeline``: the plan's units) walked unit by unit against those kernels (:mod:`.fsdp_overlap`)."""
+    half = plan.precision.mixed
     phases = {"forward": 0.0, "backward": 0.0}
-    phases.update(phase_seconds(step.kernels, hw, half=plan.precision.mixed))
+    phases.update(phase_seconds(step.kernels, hw, half=half))
     local = float(per_rank["params_bytes"].iloc[0]) / (plan.dp_size if plan.uses_zero else 1)
     phases["optimizer"] = _optimizer_s(plan, profile, hw, optimizer)(local)
-    return time_table(plan, collectives, hw, phases)
+    fsdp_s = None
+    if timeline is not None and plan.dp_size > 1 and hw.overlaps_comm:
+        fsdp_s = fsdp_exposed_s(step.log, [kernel_seconds(k, hw, half=half) for k in step.kernels], timeline.units,
+                                timeline.reshard_after_forward, fsdp_collective_s(plan, hw))
+    return time_table(plan, collectives, hw, phases, fsdp_s)

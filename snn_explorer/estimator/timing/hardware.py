@@ -252,10 +252,7 @@ class HardwareProfile:
 
     def require_host_link(self, lever: str, copies: str) -> None:
         """Refuse estimating host-memory lever ``lever`` (which ``copies`` over the host link) on this profile:
-        none stated (a CPU device's memory is the host's already), or the GPU trace model (not modelled yet)."""
-        if self.kernel_model:
-            raise ValueError(f"{lever} is not modelled in {self.name!r}'s GPU execution trace (kernel_model) yet; "
-                             "estimate it on a datasheet profile such as 'H100-SXM' or 'RTX-4090'")
+        none stated (a CPU device's memory is the host's already)."""
         if self.host_link_bytes_per_s is None:
             raise ValueError(f"{lever} {copies} over the host link, and hardware {self.name!r} (device "
                              f"{self.device!r}) states none (host_link_bytes_per_s=None; a CPU rank's memory is the "
