@@ -138,3 +138,23 @@ def test_the_trace_counts_what_torch_memtracker_counts_on_the_same_step():
     ours = traced.entry + max(forward, backward + traced.grads)
     assert traced.saved > 10 * 2 ** 20  # non-trivial: tens of MiB kept
     assert abs(ours - peak) <= 0.02 * peak, (ours, peak)
+
+
+def test_profile_files_round_trip_and_older_files_load(tmp_path):
+    """Every built-in saves and loads to an equal profile (achieved fractions and SM count included); a file
+    written before those fields existed (no ``achieved`` / ``sm_count``, ``kernel_model`` false) still loads, as a
+    GPU profile of the kernel model at its datasheet rates times its own efficiency."""
+    import json
+    for name, profile in se.hardware_profiles().items():
+        path = tmp_path / "p.json"
+        profile.save(path)
+        assert se.HardwareProfile.load(path) == profile, name
+    old = json.loads(path.read_text())
+    for key in ("achieved", "sm_count"):
+        old.pop(key)
+    old.update(kernel_model=False, efficiency=0.5)
+    path.write_text(json.dumps(old))
+    loaded = se.HardwareProfile.load(path)
+    assert loaded.kernel_model and loaded.bandwidth() == pytest.approx(old["bytes_per_s"] * 0.5)
+    with pytest.raises(ValueError, match="achieved"):
+        dataclasses.replace(loaded, achieved={"bandwidth": 0.0})
