@@ -21,7 +21,8 @@ their ratio, the plan order by predicted time against the published order, and t
 worst |error| against the targets (time 15 % / 30 %, memory 5 % / 10 %). No constant is fitted to
 these tables.
 
-Run: ``python benchmarks/reference_gpu.py`` (CPU only; about a minute).
+Run: ``python benchmarks/reference_gpu.py`` (CPU only; a few minutes); ``--physics``: only the line that checks
+every GPU profile obeys physics on the same step (H100 < A100 < RTX 4090, bf16 < fp32).
 """
 from __future__ import annotations
 
@@ -203,6 +204,10 @@ def print_physics() -> None:
 
 def main() -> int:
     start = time.time()
+    if "--physics" in sys.argv[1:]:  # the physics line alone (it is also printed after the tables)
+        print_physics()
+        print(f"\n({time.time() - start:.0f} s)")
+        return 0
     print(f"# Reference RTX 4090 tables vs snn_explorer estimate() on {HARDWARE}\n")
     print("CPU machine, predictions only, no GPU: every predicted figure comes from the GPU execution model "
           f"(torch {torch.__version__}). CIFAR10DVSVGG's batch-major input: "
