@@ -305,8 +305,8 @@ def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profil
         time = plan_time(plan, profile, collectives, per_rank, hardware, t, optimizer, host_optimizer_s)
     if hardware.kernel_model and (plan.activation_offload or plan.cpu_offload):
         verdict += "; host-memory offload is not in the GPU trace: counted by operator, not kernel by kernel"
-    if hardware.kernel_model and plan.precision.mixed:  # said, not hidden: autocast does not run on meta
-        verdict += f"; the GPU trace runs the model in {profile.dtype}, not in {plan.precision.name}'s compute dtype"
+    if hardware.kernel_model and plan.precision.mixed and plan.uses_pp:  # stages: no autocast on meta
+        verdict += f"; the stages are traced in {profile.dtype}, their convolutions and matmuls timed in {plan.precision.name}"
     if extra_s:
         time = time.assign(compute_s=time["compute_s"] + extra_s, step_s=time["step_s"] + extra_s)
     return PlanEstimate(plan=plan, per_rank=per_rank, collectives=collectives, verdict=verdict, time_steps=t,

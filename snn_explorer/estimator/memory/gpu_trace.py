@@ -51,6 +51,7 @@ from ..profile.profiling import ModelProfile
 from ..profile.step import OPTIMIZERS, forward_loss, loss_of
 from .fsdp_timeline import FsdpTimeline, replay_fsdp
 from .fused_neurons import FusedNeuron, swap_fused
+from .meta_autocast import MetaAutocast
 from .script_fusion import fused_script_calls
 from .stage_memory import Counting, StageMemory, _measure
 
@@ -257,7 +258,8 @@ def trace_step(model: torch.nn.Module, x: torch.Tensor, labels, units=(), neuron
     meter.track(static + _state_tensors(model))
     with meter, record(model, units, meter) as log, fused_script_calls(model, meter):
         entry = meter.current
-        loss = forward_loss(model, x, labels)
+        with MetaAutocast():  # a mixed-precision profile's autocast hooks, as CUDA applies them
+            loss = forward_loss(model, x, labels)
         log.mark(meter, "forward_end")
         saved = meter.current - entry
         state = _live_bytes(_state_tensors(model))

@@ -12,9 +12,10 @@ Each kernel is timed by a roofline on the hardware profile's achieved rates, plu
   tiles over the SMs run at the cost of whole ones; the reduction dimension is padded to the tensor
   cores' 16-byte alignment (a 2-channel input to 4 TF32 channels); too few tiles to fill the SMs are
   split along the reduction, as cuBLAS's and cuDNN's split-K kernels do);
-- under a mixed-precision plan the convolutions and matmuls run in the 2-byte compute dtype (they are
-  on autocast's lower-precision list: torch's "CUDA Ops that can autocast"), at the half rate with half
-  their operand bytes; elementwise kernels keep the traced dtype;
+- under a mixed-precision plan the step is traced with autocast's casts (:mod:`..memory.meta_autocast`),
+  so its convolutions and matmuls are 2-byte kernels at the half rate; a pipeline stage's trace has no
+  autocast, so there they are timed in the 2-byte compute dtype (autocast's lower-precision list), at the
+  half rate with half their operand bytes, elementwise kernels keeping the traced dtype;
 - elementwise, reduction and copy kernels, and the fused neuron kernel (one pass over
   ``T * N * features``: input, spikes, fp32 ``h`` and the state), at the achieved memory bandwidth;
 
@@ -120,7 +121,7 @@ def gpu_plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, 
     """The ``rank, compute_s, exposed_comm_s, bubble_s, step_s`` table of a plan without pipelining,
     its compute from the traced ``step`` of the model one rank runs and its optimizer's kernels; FSDP2's
     collectives (``timeline``: the plan's units) walked unit by unit against those kernels (:mod:`.fsdp_overlap`)."""
-    half = plan.precision.mixed
+    half = False  # the traced step ran autocast's casts already (:mod:`..memory.meta_autocast`)
     phases = {"forward": 0.0, "backward": 0.0}
     phases.update(phase_seconds(step.kernels, hw, half=half))
     local = float(per_rank["params_bytes"].iloc[0]) / (plan.dp_size if plan.uses_zero else 1)

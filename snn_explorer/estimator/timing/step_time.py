@@ -56,7 +56,7 @@ def exposed_comm_s(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: Hard
         size = group_size(plan, row.mesh_dim, row.kind)
         seconds = hw.collective_time(row.kind, size, row.bytes, row.count, spans_nodes(plan, row.mesh_dim, hw, size),
                                      burst=plan.uses_zero and row.kind == Collective.BROADCAST,  # ZeRO's, back to back
-                                     concurrent=max(1, ranks_on_host(plan, hw) // size))  # groups of the dim on a host
+                                     concurrent=concurrent_groups(plan, hw, size))
         timed[(row.mesh_dim, row.kind, row.phase)] = (seconds, row.count)
     if not hw.overlaps_comm:
         return sum(seconds for seconds, _ in timed.values())
@@ -74,6 +74,12 @@ def exposed_comm_s(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: Hard
     if rs_n or bag:
         exposed += max(rs / rs_n if rs_n else 0.0, bag + rs - phase_s["backward"])
     return exposed + sum(seconds for seconds, _ in timed.values())  # TP, ZeRO: critical path
+
+
+def concurrent_groups(plan: SNNDistributedPlan, hw: HardwareProfile, size: int) -> int:
+    """Groups of ``size`` ranks of one mesh dim on a host that communicate at once (each rank is in one), where
+    that matters: on a profile without peer-to-peer, whose groups share the host path; else 1."""
+    return max(1, ranks_on_host(plan, hw) // size) if hw.peer_to_peer is False else 1
 
 
 def compute_phases(plan: SNNDistributedPlan, work: Work, hw: HardwareProfile, t: int, itemsize: int,
