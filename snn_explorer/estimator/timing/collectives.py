@@ -46,13 +46,7 @@ def wire_fraction(kind: str, group_size: int, algorithm: str = "ring") -> float:
         raise ValueError(f"group_size={group_size!r}; expected a number of ranks >= 1")
     if n == 1:
         return 0.0
-    if algorithm == "tree":
-        return 2.0
-    if kind is Collective.ALL_REDUCE:
-        return 2 * (n - 1) / n
-    if kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
-        return (n - 1) / n
-    return 1.0
+    return 2.0 if algorithm == "tree" else kind.ring_fraction(n)  # the ring's shares: core.collectives
 
 
 def ddp_buckets(params: Sequence[Param], ready_order: Sequence[str]) -> List[int]:

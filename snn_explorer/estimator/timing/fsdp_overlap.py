@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Sequence
 
 from ...core.collectives import Collective
 from .hardware import HardwareProfile
+from .placement import ranks_on_host, spans_nodes
 
 
 def fsdp_exposed_s(log, kernel_s: Sequence[float], units, reshard: bool,
@@ -70,7 +71,6 @@ def fsdp_exposed_s(log, kernel_s: Sequence[float], units, reshard: bool,
 
 def fsdp_collective_s(plan, hw: HardwareProfile) -> Callable[[str, int], float]:
     """One FSDP2 collective's seconds on ``hw`` for ``plan``'s dp groups."""
-    from .placement import ranks_on_host, spans_nodes
     dp = plan.dp_size
     spans = spans_nodes(plan, "dp", hw, dp)
     concurrent = max(1, ranks_on_host(plan, hw) // dp)

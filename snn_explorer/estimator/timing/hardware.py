@@ -16,7 +16,7 @@ uses the ``inter_node`` table.
 A GPU profile (``device="cuda"``) is datasheet peaks, the fractions of them that documented
 measurements reach (:attr:`HardwareProfile.achieved`), and the topology (GPUs per node, peer-to-peer,
 NVLink, NICs); it predicts with the traced GPU kernel model (:mod:`..memory.gpu_trace`,
-:mod:`.gpu_kernels`). The built-in ones (:mod:`.builtin_profiles`) give every figure's source.
+:mod:`.gpu_kernels`). The built-in ones (:mod:`.gpu_specs`) give every figure's source.
 ``efficiency`` (1 on every built-in) is a user's own scale on every rate of a profile file.
 """
 from __future__ import annotations
@@ -31,6 +31,19 @@ from ...core.collectives import TIMED, Collective
 from ...core.precision import PRECISIONS, Precision
 from ...core.validate import positive_int, positive_number
 from ...core.vocabulary import Checkpointing
+from .gpu_specs import (
+    DEFAULT_EFFICIENCY,
+    DEVICES,
+    GPU_OP_OVERHEAD_S,
+    HOST_ADAM_PARAMS_PER_S,
+    IB,
+    INTER_LATENCY_S,
+    INTRA_LATENCY_S,
+    NODES,
+    RTX4090_NO_P2P_LINK_BPS,
+    RTX4090_NO_P2P_LINK_S,
+    RTX4090_OP_S,
+)
 
 #: The collective kinds a profile times.
 KINDS = TIMED
@@ -48,9 +61,9 @@ def ring_steps(kind: str, p: int) -> int:
 
 
 def ring_fraction(kind: str, p: int) -> float:
-    """Fraction of the buffer each rank sends over its link (NCCL's algorithm-to-bus bandwidth factor)."""
-    from .collectives import wire_fraction  # the one table of per-algorithm wire bytes
-    return wire_fraction(kind, p)
+    """Fraction of the buffer each rank sends over its link (NCCL's algorithm-to-bus bandwidth factor; the ring's
+    case of :func:`.collectives.wire_fraction`)."""
+    return Collective(kind).ring_fraction(p)
 
 
 def _check_table(name: str, table: Mapping) -> Dict[str, Dict[int, Tuple[float, float]]]:
@@ -331,17 +344,63 @@ def link_table(latency_s: float, bytes_per_s: float, group_size: int = 2) -> Dic
             for k in KINDS}
 
 
-# The built-in profiles (every figure with its source) live in their own module; they are re-exported here.
-from .builtin_profiles import (  # noqa: E402  (they need HardwareProfile, defined above)
-    BUILTIN_PROFILES,
-    DEFAULT_EFFICIENCY,
-    GPU_OP_OVERHEAD_S,
-    HOST_ADAM_PARAMS_PER_S,
-    RTX4090_NO_P2P,
-    hardware_profile,
-    hardware_profiles,
-)
+_GB = 1e9
 
-__all__ = ["BUILTIN_PROFILES", "DEFAULT_EFFICIENCY", "GPU_OP_OVERHEAD_S", "HOST_ADAM_PARAMS_PER_S", "HardwareProfile",
-           "KINDS", "RTX4090_NO_P2P", "hardware_profile", "hardware_profiles", "link_table", "ring_fraction",
-           "ring_steps"]
+
+def _builtin(device: str, nodes: int) -> HardwareProfile:
+    d = DEVICES[device]
+    common = dict(device="cuda", flops_per_s=d["flops_per_s"], half_flops_per_s=d["half_flops_per_s"],
+                  bytes_per_s=d["bytes_per_s"], op_overhead_s=GPU_OP_OVERHEAD_S, sm_count=d["sm_count"],
+                  tensor_flops_per_s=d["tensor_flops_per_s"], host_link_bytes_per_s=d["host"],
+                  achieved=d["achieved"], host_adam_params_per_s=HOST_ADAM_PARAMS_PER_S,
+                  collectives=link_table(INTRA_LATENCY_S, d["link"]), efficiency=DEFAULT_EFFICIENCY,
+                  source="datasheet and documented measurements", kernel_model=True)
+    nvlink = d["link_name"].startswith("NVLink")
+    common.update(peer_to_peer=True, nvlink=nvlink)
+    if nodes == 1:
+        return HardwareProfile(name=f"{device} + {d['link_name']}", topology=f"one node, {d['link_name']} between "
+                               "GPUs, peer-to-peer", **common)
+    ib, ib_bw = IB[device]
+    return HardwareProfile(name=f"{nodes}x8 {device} + {d['link_name']}, {ib} between nodes", ranks_per_node=8,
+                           inter_node=link_table(INTER_LATENCY_S, ib_bw), nics_per_node=8,
+                           topology=f"{nodes} nodes of 8 GPUs, {d['link_name']} peer-to-peer in a node, one {ib} "
+                           "NIC per GPU between nodes", **common)
+
+
+RTX4090_NO_P2P = HardwareProfile(
+    name="RTX-4090-PCIe-noP2P", device="cuda", flops_per_s=82.6e12, half_flops_per_s=165.2e12,
+    tensor_flops_per_s=82.6e12, bytes_per_s=1008 * _GB, op_overhead_s=RTX4090_OP_S, sm_count=128,
+    achieved=DEVICES["RTX-4090"]["achieved"], host_link_bytes_per_s=31.5 * _GB,
+    host_adam_params_per_s=HOST_ADAM_PARAMS_PER_S,
+    collectives=link_table(RTX4090_NO_P2P_LINK_S, RTX4090_NO_P2P_LINK_BPS), efficiency=1.0,
+    source="datasheet and documented measurements", kernel_model=True, peer_to_peer=False, nvlink=False,
+    ranks_per_node=None, topology="up to 8 RTX 4090 per node on PCIe 4.0 x16, no peer-to-peer (NCCL_P2P_DISABLE=1: "
+    "NCCL's SHM transport through host memory, which groups running at once share), no NVLink, no NIC between "
+    "nodes (one node)")
+
+
+def _builtins() -> Dict[str, HardwareProfile]:
+    out = {}
+    for device in DEVICES:
+        out[device] = _builtin(device, 1)
+        if device in IB:
+            for nodes in NODES.get(device, (2, 8)):
+                out[f"{nodes}x8-{device}"] = _builtin(device, nodes)
+    out[RTX4090_NO_P2P.name] = RTX4090_NO_P2P
+    return out
+
+
+BUILTIN_PROFILES = _builtins()
+
+
+def hardware_profiles() -> Dict[str, HardwareProfile]:
+    """The built-in profiles by name (module doc: every figure's source)."""
+    return dict(BUILTIN_PROFILES)
+
+
+def hardware_profile(name: str) -> HardwareProfile:
+    """A built-in profile by name (:func:`hardware_profiles` lists them)."""
+    if name not in BUILTIN_PROFILES:
+        raise ValueError(f"no built-in hardware profile {name!r}; expected one of {sorted(BUILTIN_PROFILES)} "
+                         "or a HardwareProfile (calibrate(), HardwareProfile.load)")
+    return BUILTIN_PROFILES[name]

@@ -1,4 +1,5 @@
-"""The built-in GPU hardware profiles: datasheet peaks, achieved fractions, topology, each with its source.
+"""The figures of the built-in GPU hardware profiles: datasheet peaks, achieved fractions, topology, each with its
+source (:func:`.hardware.hardware_profiles` builds the profiles from them).
 
 Every built-in is a ``cuda`` profile, so it predicts with the traced GPU kernel model
 (:mod:`..memory.gpu_trace`, :mod:`.gpu_kernels`); ``efficiency`` is 1 on all of them (no blanket
@@ -52,14 +53,10 @@ Collectives (alpha-beta per ring step and bus bandwidth, :func:`.hardware.link_t
 """
 from __future__ import annotations
 
-from typing import Dict
-
-from .hardware import HardwareProfile, link_table
-
 _GB = 1e9
 #: Per device: datasheet peaks, SMs, achieved fractions, the intra-node link's bus bandwidth and name,
 #: the host link (module doc for every source).
-_DEVICES = {
+DEVICES = {
     "A100-SXM-80GB": dict(flops_per_s=19.5e12, half_flops_per_s=312e12, tensor_flops_per_s=156e12,
                           bytes_per_s=2039 * _GB, sm_count=108, achieved=dict(bandwidth=1732 / 2039, matmul=267.9 / 312),
                           link=200 * _GB, link_name="NVLink3", host=32 * _GB),
@@ -81,10 +78,10 @@ _DEVICES = {
                      host=31.5 * _GB),
 }
 #: Between nodes: the NIC per GPU and its achieved bus bandwidth (module doc).
-_IB = {"A100-SXM-80GB": ("IB-HDR", 24 * _GB), "H100-SXM": ("IB-NDR", 48 * _GB), "H200-SXM": ("IB-NDR", 48 * _GB),
+IB = {"A100-SXM-80GB": ("IB-HDR", 24 * _GB), "H100-SXM": ("IB-NDR", 48 * _GB), "H200-SXM": ("IB-NDR", 48 * _GB),
        "H100-SXM-96GB": ("RDMA-400G", 48 * _GB)}
 #: Node counts of the multi-node built-ins, per device (default 2 and 8 nodes of 8 GPUs).
-_NODES = {"H100-SXM-96GB": (2, 8, 64)}
+NODES = {"H100-SXM-96GB": (2, 8, 64)}
 #: One ring step's latency in a node and between nodes, and one eager operator's launch (module doc).
 INTRA_LATENCY_S, INTER_LATENCY_S, GPU_OP_OVERHEAD_S = 5e-6, 10e-6, 4.0e-6
 #: Host CPU Adam updates per second for one rank (one thread), the rate of FSDP2's offloaded optimizer step. A
@@ -97,64 +94,5 @@ INTRA_LATENCY_S, INTER_LATENCY_S, GPU_OP_OVERHEAD_S = 5e-6, 10e-6, 4.0e-6
 HOST_ADAM_PARAMS_PER_S = 536.9e6 / 1.93
 #: The efficiency every built-in states: 1, their rates are achieved rates already (kept for profile files).
 DEFAULT_EFFICIENCY = 1.0
-
-
-def _builtin(device: str, nodes: int) -> HardwareProfile:
-    d = _DEVICES[device]
-    common = dict(device="cuda", flops_per_s=d["flops_per_s"], half_flops_per_s=d["half_flops_per_s"],
-                  bytes_per_s=d["bytes_per_s"], op_overhead_s=GPU_OP_OVERHEAD_S, sm_count=d["sm_count"],
-                  tensor_flops_per_s=d["tensor_flops_per_s"], host_link_bytes_per_s=d["host"],
-                  achieved=d["achieved"], host_adam_params_per_s=HOST_ADAM_PARAMS_PER_S,
-                  collectives=link_table(INTRA_LATENCY_S, d["link"]), efficiency=DEFAULT_EFFICIENCY,
-                  source="datasheet and documented measurements", kernel_model=True)
-    nvlink = d["link_name"].startswith("NVLink")
-    common.update(peer_to_peer=True, nvlink=nvlink)
-    if nodes == 1:
-        return HardwareProfile(name=f"{device} + {d['link_name']}", topology=f"one node, {d['link_name']} between "
-                               "GPUs, peer-to-peer", **common)
-    ib, ib_bw = _IB[device]
-    return HardwareProfile(name=f"{nodes}x8 {device} + {d['link_name']}, {ib} between nodes", ranks_per_node=8,
-                           inter_node=link_table(INTER_LATENCY_S, ib_bw), nics_per_node=8,
-                           topology=f"{nodes} nodes of 8 GPUs, {d['link_name']} peer-to-peer in a node, one {ib} "
-                           "NIC per GPU between nodes", **common)
-
-
 #: RTX 4090 boxes as the reference project benchmarks them (PCIe, ``NCCL_P2P_DISABLE=1``; module doc).
 RTX4090_NO_P2P_LINK_S, RTX4090_NO_P2P_LINK_BPS, RTX4090_OP_S = 14e-6, 7.9e9, GPU_OP_OVERHEAD_S
-RTX4090_NO_P2P = HardwareProfile(
-    name="RTX-4090-PCIe-noP2P", device="cuda", flops_per_s=82.6e12, half_flops_per_s=165.2e12,
-    tensor_flops_per_s=82.6e12, bytes_per_s=1008 * _GB, op_overhead_s=RTX4090_OP_S, sm_count=128,
-    achieved=_DEVICES["RTX-4090"]["achieved"], host_link_bytes_per_s=31.5 * _GB,
-    host_adam_params_per_s=HOST_ADAM_PARAMS_PER_S,
-    collectives=link_table(RTX4090_NO_P2P_LINK_S, RTX4090_NO_P2P_LINK_BPS), efficiency=1.0,
-    source="datasheet and documented measurements", kernel_model=True, peer_to_peer=False, nvlink=False,
-    ranks_per_node=None, topology="up to 8 RTX 4090 per node on PCIe 4.0 x16, no peer-to-peer (NCCL_P2P_DISABLE=1: "
-    "NCCL's SHM transport through host memory, which groups running at once share), no NVLink, no NIC between "
-    "nodes (one node)")
-
-
-def _builtins() -> Dict[str, HardwareProfile]:
-    out = {}
-    for device in _DEVICES:
-        out[device] = _builtin(device, 1)
-        if device in _IB:
-            for nodes in _NODES.get(device, (2, 8)):
-                out[f"{nodes}x8-{device}"] = _builtin(device, nodes)
-    out[RTX4090_NO_P2P.name] = RTX4090_NO_P2P
-    return out
-
-
-BUILTIN_PROFILES = _builtins()
-
-
-def hardware_profiles() -> Dict[str, HardwareProfile]:
-    """The built-in profiles by name (module doc: every figure's source)."""
-    return dict(BUILTIN_PROFILES)
-
-
-def hardware_profile(name: str) -> HardwareProfile:
-    """A built-in profile by name (:func:`hardware_profiles` lists them)."""
-    if name not in BUILTIN_PROFILES:
-        raise ValueError(f"no built-in hardware profile {name!r}; expected one of {sorted(BUILTIN_PROFILES)} "
-                         "or a HardwareProfile (calibrate(), HardwareProfile.load)")
-    return BUILTIN_PROFILES[name]
