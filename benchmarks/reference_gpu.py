@@ -21,7 +21,8 @@ their ratio, the plan order by predicted time against the published order, and t
 worst |error| against the targets (time 15 % / 30 %, memory 5 % / 10 %). No constant is fitted to
 these tables.
 
-Run: ``python benchmarks/reference_gpu.py`` (CPU only; about a minute).
+Run: ``python benchmarks/reference_gpu.py`` (CPU only; a few minutes); ``--physics``: only the line that checks
+every GPU profile obeys physics on the same step (H100 < A100 < RTX 4090, bf16 < fp32).
 """
 from __future__ import annotations
 
@@ -177,8 +178,36 @@ def summary(rows: List[dict]) -> None:
               f"over {len(errs)} rows: {'MEETS' if ok else 'MISSES'} the targets")
 
 
+PHYSICS = ("H100-SXM", "A100-SXM-80GB", "RTX-4090")
+
+
+def print_physics() -> None:
+    """The same step (CIFAR10DVSVGG, batch 16, T = 10, one GPU) on every built-in single-node GPU profile, fp32
+    and bf16: H100 < A100 < RTX 4090 and bf16 < fp32 must hold (more bandwidth and tensor FLOP/s, in that order)."""
+    model, x, labels, n, layout = vgg()
+    gate = se.DistributedFeatureSet(allow_mixed_precision=True)
+    ms = {}
+    for precision in ("fp32", "bf16"):
+        plan = se.plan(analysis=se.analyze(model), objective="speed", topology={"dp": 1}, mode="none", batch_size=n,
+                       features=gate, precision=precision, neuron_backend="torch")
+        for hw in PHYSICS:
+            e = se.estimate(model, plan, example_input=x, labels=labels, hardware=hw, **layout)
+            ms[(hw, plan.precision.name)] = e.step_time_s * 1e3
+    print("\n## Physics (the VGG none step on each GPU profile)\n")
+    print("| precision | " + " | ".join(PHYSICS) + " |\n|---|" + "---|" * len(PHYSICS))
+    for precision in sorted({p for _, p in ms}):
+        print(f"| {precision} | " + " | ".join(f"{ms[(hw, precision)]:.2f} ms" for hw in PHYSICS) + " |")
+    ordered = all(ms[(PHYSICS[i], p)] < ms[(PHYSICS[i + 1], p)] for p in {p for _, p in ms} for i in range(2))
+    halves = all(ms[(hw, "bf16")] < ms[(hw, "fp32")] for hw in PHYSICS if (hw, "bf16") in ms)
+    print(f"\nH100 < A100 < RTX 4090: {'holds' if ordered else 'FAILS'}; bf16 < fp32: {'holds' if halves else 'FAILS'}")
+
+
 def main() -> int:
     start = time.time()
+    if "--physics" in sys.argv[1:]:  # the physics line alone (it is also printed after the tables)
+        print_physics()
+        print(f"\n({time.time() - start:.0f} s)")
+        return 0
     print(f"# Reference RTX 4090 tables vs snn_explorer estimate() on {HARDWARE}\n")
     print("CPU machine, predictions only, no GPU: every predicted figure comes from the GPU execution model "
           f"(torch {torch.__version__}). CIFAR10DVSVGG's batch-major input: "
@@ -193,6 +222,7 @@ def main() -> int:
     pipe_rows = predict_pipeline()
     print_pipeline(pipe_rows)
     summary(vgg_rows + spik_rows + [dict(pub_mb=r["pub_mb"], pred_mb=r["pred_mb"]) for r in pipe_rows])
+    print_physics()
     print(f"\n({time.time() - start:.0f} s)")
     return 0
 

@@ -183,7 +183,7 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     plans = enumerate_plans(analysis, world_size=world_size, batch_size=batch_size,
                             features=FIT_FEATURES if features is None else features)
     hardware = resolve_hardware(hardware)
-    offload = hardware.host_link_bytes_per_s is not None and not hardware.kernel_model  # what the estimate models
+    offload = hardware.host_link_bytes_per_s is not None  # what the estimate models
     shard_offload = offload and hardware.host_adam_params_per_s is not None and optimizer in HOST_OPTIMIZERS
     estimate_of = remembered(plan_estimator(model, example_input, labels, hardware=hardware, optimizer=optimizer,
                                             layout=layout))  # the block and chunk choices ask for some variants again

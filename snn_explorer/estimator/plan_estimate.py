@@ -221,7 +221,9 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
     n = plan.per_rank_batch
     profile, extra_s = _with_levers(profile or model_profile(model, example_input, labels, dtype), plan, n, t,
                                     hardware, optimizer)
-    gpu = hardware.kernel_model  # the step (or each pipeline stage) as the GPU runs it (:mod:`.memory.gpu_trace`)
+    # the step (or each pipeline stage) as the GPU runs it (:mod:`.memory.gpu_trace`); the host-memory levers are not
+    # traced yet: their plans keep the operator-count model on the GPU profile's rates (said in the verdict)
+    gpu = hardware.kernel_model and not (plan.activation_offload or plan.cpu_offload)
     if not gpu:  # refuses a run too long even shape-only, before anything runs at this size
         run_fits(profile, n, t)
     itemsize = profile.compute_itemsize  # activations sent between ranks: the precision's compute dtype
@@ -272,13 +274,13 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
                          neuron_state_bytes=round(state), transient_bytes=round(transient), peak_bytes=round(peak)))
     per_rank = _per_rank(rows, dp_roles(params, plan), plan)
     return _finish(plan, per_rank, step_collectives(plan, params, profile, t, itemsize, timeline), t, optimizer,
-                   memory_budget, profile, hardware, step=step, extra_s=extra_s,
+                   memory_budget, profile, hardware, step=step, extra_s=extra_s, timeline=timeline,
                    host_optimizer_s=functools.partial(host_optimizer_seconds, params, plan, hardware)
                    if plan.cpu_offload else None)
 
 
 def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profile, hardware,
-            pipeline=None, step=None, extra_s: float = 0.0, host_optimizer_s=None) -> PlanEstimate:
+            pipeline=None, step=None, extra_s: float = 0.0, host_optimizer_s=None, timeline=None) -> PlanEstimate:
     """The estimate with its verdict and step time, from the per-rank table and the collective rows;
     ``extra_s`` is time a lever adds to every rank's step (spike compression's check, pack, unpack; activation
     offload's copies to the host and back)."""
@@ -293,7 +295,7 @@ def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profil
     else:
         verdict = f"does not fit: peak {_mib(peak)} exceeds the {_mib(memory_budget)} budget per device"
     if step is not None:
-        time = gpu_plan_time(plan, profile, collectives, per_rank, hardware, optimizer, step)
+        time = gpu_plan_time(plan, profile, collectives, per_rank, hardware, optimizer, step, timeline)
         verdict += (f"; as {hardware.name} runs it: {len(step.fused)} neuron layer(s) as fused kernels, "
                     "the allocator's bytes")
     elif plan.uses_pp and hardware.kernel_model:  # each stage's kernels as the GPU runs them
@@ -301,8 +303,10 @@ def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profil
         verdict += f"; stages timed as {hardware.name} runs their kernels"
     else:
         time = plan_time(plan, profile, collectives, per_rank, hardware, t, optimizer, host_optimizer_s)
-    if hardware.kernel_model and plan.precision.mixed:  # said, not hidden: autocast does not run on meta
-        verdict += f"; the GPU trace runs the model in {profile.dtype}, not in {plan.precision.name}'s compute dtype"
+    if hardware.kernel_model and (plan.activation_offload or plan.cpu_offload):
+        verdict += "; host-memory offload is not in the GPU trace: counted by operator, not kernel by kernel"
+    if hardware.kernel_model and plan.precision.mixed and plan.uses_pp:  # stages: no autocast on meta
+        verdict += f"; the stages are traced in {profile.dtype}, their convolutions and matmuls timed in {plan.precision.name}"
     if extra_s:
         time = time.assign(compute_s=time["compute_s"] + extra_s, step_s=time["step_s"] + extra_s)
     return PlanEstimate(plan=plan, per_rank=per_rank, collectives=collectives, verdict=verdict, time_steps=t,

@@ -51,7 +51,7 @@ def test_pipeline_compute_on_gpu_is_the_traced_stages():
     two micro-batches of the whole model's traced forward and backward at the micro-batch size (the
     non-pipeline GPU estimate of one rank holding one micro-batch), plus the optimizer once; each pp rank
     launches the optimizer's foreach kernels over its own stages, so at most one extra set of launches.
-    On the same profile without the kernel model the stages are the CPU's counted operators."""
+    On the same rates as a CPU profile (no kernel model) the stages are the counted operators."""
     z = build("vgg")
     micro = 2
     pp = se.estimate(z.model, pp_plan(z, micro), example_input=z.example_input, labels=z.labels, hardware=RTX)
@@ -66,7 +66,7 @@ def test_pipeline_compute_on_gpu_is_the_traced_stages():
     assert pp.step_time_s > 0 and "stages timed as" in pp.verdict
     assert expected * (1 - 1e-9) <= pp.time["compute_s"].iloc[[0, 1]].sum() <= expected * (1 + 1e-9) + launches
     counted = se.estimate(z.model, pp.plan, example_input=z.example_input, labels=z.labels,
-                          hardware=dataclasses.replace(hw, kernel_model=False))
+                          hardware=dataclasses.replace(hw, device="cpu", kernel_model=False))
     assert counted.time["compute_s"].iloc[0] != pp.time["compute_s"].iloc[0]
 
 
@@ -90,7 +90,7 @@ def test_stage_memory_on_gpu_is_the_traced_step_cut_at_the_stages():
     assert sum(r.kept for r in runs) == whole.saved
     assert sum(r.held for r in runs) == whole.state and sum(r.grads for r in runs) == whole.grads
     gpu = se.estimate(model, plan, example_input=x, hardware=RTX)
-    cpu = se.estimate(model, plan, example_input=x, hardware=dataclasses.replace(hardware_profile(RTX),
+    cpu = se.estimate(model, plan, example_input=x, hardware=dataclasses.replace(hardware_profile(RTX), device="cpu",
                                                                                  kernel_model=False))
     assert gpu.per_rank["activations_bytes"].iloc[0] != cpu.per_rank["activations_bytes"].iloc[0]
 

@@ -42,8 +42,13 @@ class EventLog:
     grad_bytes: Dict[str, int]
     events: List[tuple] = field(default_factory=list)
 
+    #: Per event, the number of kernels the meter had recorded by then (a GPU trace's meter records them:
+    #: :mod:`..memory.gpu_trace`; 0 otherwise), which places each unit's kernels in the step
+    kernel_at: List[int] = field(default_factory=list)
+
     def mark(self, meter: StorageMeter, kind: str, what: str = "") -> None:
         self.events.append((kind, what, meter.current, meter.restart_peak()))
+        self.kernel_at.append(len(getattr(meter, "kernels", ())))
 
 
 @contextlib.contextmanager

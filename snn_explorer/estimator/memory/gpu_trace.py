@@ -24,6 +24,9 @@ replaced by :class:`~.fused_neurons.FusedNeuron` (what the GPU's kernel allocate
 A pipeline stage is traced the same way, one micro-batch as mode ``pp`` runs it
 (:func:`gpu_stage_kernels` for its time, :func:`gpu_stage_memory` for its bytes through the schedule).
 
+An elementwise chain a ``torch.jit.script`` function runs is one kernel, as TorchScript's fuser runs it
+on CUDA (:mod:`.script_fusion`).
+
 FSDP2's points are logged as :func:`~..instruments.fsdp_events.record` logs them on the CPU profile
 run, so :func:`~.fsdp_timeline.replay_fsdp` replays its buffers on this run the same way.
 """
@@ -48,6 +51,8 @@ from ..profile.profiling import ModelProfile
 from ..profile.step import OPTIMIZERS, forward_loss, loss_of
 from .fsdp_timeline import FsdpTimeline, replay_fsdp
 from .fused_neurons import FusedNeuron, swap_fused
+from .meta_autocast import MetaAutocast
+from .script_fusion import fused_script_calls
 from .stage_memory import Counting, StageMemory, _measure
 
 #: The CUDA caching allocator's block granularity (bytes; source in the module doc).
@@ -77,6 +82,9 @@ class Kernel:
     bytes: int
     itemsize: int
     launches: int
+    #: The GEMMs a ``conv`` / ``matmul`` kernel runs, ``(batch, M, N, K)`` each (a convolution as cuDNN's
+    #: implicit GEMM: :func:`gemm_shapes`); empty where not known (the kernel is then timed without quantisation)
+    gemms: Tuple[Tuple[int, int, int, int], ...] = ()
 
 
 def allocated(nbytes: int) -> int:
@@ -91,6 +99,39 @@ def _launches(func, args) -> int:
         tensors = args[0] if args and isinstance(args[0], (list, tuple)) else ()
         return max(1, math.ceil(len(tensors) / FOREACH_TENSORS_PER_LAUNCH))
     return 1
+
+
+def _prod(xs) -> int:
+    return math.prod(int(x) for x in xs)
+
+
+def gemm_shapes(func, args, out) -> Tuple[Tuple[int, int, int, int], ...]:
+    """``(batch, M, N, K)`` of each GEMM ``func`` runs: ``mm`` / ``addmm`` / ``bmm`` as written; a convolution
+    as the implicit GEMM cuDNN runs per group (forward ``M = N * P * Q`` output pixels, ``N`` = output
+    channels, ``K = C * R * S``; the data gradient ``M = N * H * W``, ``N = C``, ``K`` = output channels
+    ``* R * S``; the weight gradient ``M`` = output channels, ``N = C * R * S``, ``K = N * P * Q``)."""
+    packet = func.overloadpacket
+    shape = lambda t: tuple(t.shape) if isinstance(t, torch.Tensor) else None  # noqa: E731
+    if packet in (_ATEN.mm, _ATEN.addmm):
+        a, b = (args[0], args[1]) if packet is _ATEN.mm else (args[1], args[2])
+        return ((1, a.shape[0], b.shape[1], a.shape[1]),)
+    if packet in (_ATEN.bmm, _ATEN.baddbmm):
+        a, b = (args[0], args[1]) if packet is _ATEN.bmm else (args[1], args[2])
+        return ((a.shape[0], a.shape[1], b.shape[2], a.shape[2]),)
+    if packet in (_ATEN.convolution, _ATEN._convolution):
+        x, w, groups = shape(args[0]), shape(args[1]), int(args[8])
+        y = shape(out)
+        return ((groups, x[0] * _prod(y[2:]), w[0] // groups, w[1] * _prod(w[2:])),)
+    if packet is _ATEN.convolution_backward:
+        gy, x, w, groups, mask = shape(args[0]), shape(args[1]), shape(args[2]), int(args[9]), args[10]
+        rs, k_out = _prod(w[2:]), w[0] // groups
+        gemms = []
+        if mask[0]:
+            gemms.append((groups, x[0] * _prod(x[2:]), w[1], k_out * rs))
+        if mask[1]:
+            gemms.append((groups, k_out, w[1] * rs, gy[0] * _prod(gy[2:])))
+        return tuple(gemms)
+    return ()
 
 
 def _itemsize(args) -> int:
@@ -134,7 +175,8 @@ class DeviceMeter(StorageMeter):
             again = _TWO_PASS.get(func.overloadpacket, ())
             moved += sum(tensor_bytes(args[i]) for i in again)
             launches = _launches(func, args) + (1 if again else 0)
-            self.kernels.append(Kernel(self.phase, kind, float(flops), moved, _itemsize(args), launches))
+            gemms = gemm_shapes(func, args, out) if flops else ()
+            self.kernels.append(Kernel(self.phase, kind, float(flops), moved, _itemsize(args), launches, gemms))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._see(t)
@@ -214,9 +256,10 @@ def trace_step(model: torch.nn.Module, x: torch.Tensor, labels, units=(), neuron
     state_ids = {id(s) for s in _state_tensors(model)}
     static = [p for p in model.parameters()] + [b for b in model.buffers() if id(b) not in state_ids] + [x]
     meter.track(static + _state_tensors(model))
-    with meter, record(model, units, meter) as log:
+    with meter, record(model, units, meter) as log, fused_script_calls(model, meter):
         entry = meter.current
-        loss = forward_loss(model, x, labels)
+        with MetaAutocast():  # a mixed-precision profile's autocast hooks, as CUDA applies them
+            loss = forward_loss(model, x, labels)
         log.mark(meter, "forward_end")
         saved = meter.current - entry
         state = _live_bytes(_state_tensors(model))
@@ -293,7 +336,8 @@ def gpu_stage_kernels(profile: ModelProfile, stages, n: int, t: int, tp_plan=Non
         for i, paths in enumerate(stages):
             stage = build_stage(i, paths, model, config)
             inp = x if i == 0 else x.requires_grad_()
-            kernels, x = _trace_stage(meter, stage, inp, y, profile.layout, i == len(stages) - 1)
+            with fused_script_calls(model, meter):
+                kernels, x = _trace_stage(meter, stage, inp, y, profile.layout, i == len(stages) - 1)
             out.append(kernels)
         cache[key] = tuple(out)
     return cache[key]

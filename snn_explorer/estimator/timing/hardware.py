@@ -13,9 +13,11 @@ reduce-scatter ``(p - 1) / p`` in ``p - 1`` steps, a broadcast (pipelined ring) 
 send/recv the whole buffer (an all-reduce's latency is the tree's when that is shorter). A group that spans nodes (more ranks than ``ranks_per_node``)
 uses the ``inter_node`` table.
 
-Built-in profiles (:func:`hardware_profiles`) come from published datasheet figures and are
-labelled ``source="datasheet"``; their latencies and per-operator costs are stated assumptions
-(datasheets give none). ``efficiency`` scales the achievable fractions of every figure.
+A GPU profile (``device="cuda"``) is datasheet peaks, the fractions of them that documented
+measurements reach (:attr:`HardwareProfile.achieved`), and the topology (GPUs per node, peer-to-peer,
+NVLink, NICs); it predicts with the traced GPU kernel model (:mod:`..memory.gpu_trace`,
+:mod:`.gpu_kernels`). The built-in ones (:mod:`.gpu_specs`) give every figure's source.
+``efficiency`` (1 on every built-in) is a user's own scale on every rate of a profile file.
 """
 from __future__ import annotations
 
@@ -29,9 +31,24 @@ from ...core.collectives import TIMED, Collective
 from ...core.precision import PRECISIONS, Precision
 from ...core.validate import positive_int, positive_number
 from ...core.vocabulary import Checkpointing
+from .gpu_specs import (
+    DEFAULT_EFFICIENCY,
+    DEVICES,
+    GPU_OP_OVERHEAD_S,
+    HOST_ADAM_PARAMS_PER_S,
+    IB,
+    INTER_LATENCY_S,
+    INTRA_LATENCY_S,
+    NODES,
+    RTX4090_NO_P2P_LINK_BPS,
+    RTX4090_NO_P2P_LINK_S,
+    RTX4090_OP_S,
+)
 
 #: The collective kinds a profile times.
 KINDS = TIMED
+#: The fractions a profile's ``achieved`` may state (see the field).
+ACHIEVED_KEYS = ("bandwidth", "matmul")
 #: The precisions a calibration can measure half-precision rates of.
 HALF_PRECISIONS = tuple(name for name in PRECISIONS if name != "fp32")
 
@@ -44,7 +61,8 @@ def ring_steps(kind: str, p: int) -> int:
 
 
 def ring_fraction(kind: str, p: int) -> float:
-    """Fraction of the buffer each rank sends over its link (NCCL's algorithm-to-bus bandwidth factor)."""
+    """Fraction of the buffer each rank sends over its link (NCCL's algorithm-to-bus bandwidth factor; the ring's
+    case of :func:`.collectives.wire_fraction`)."""
     return Collective(kind).ring_fraction(p)
 
 
@@ -88,8 +106,16 @@ class HardwareProfile:
     #: ``torch.backends.cudnn.allow_tf32 = True``); None: ``flops_per_s``
     tensor_flops_per_s: Optional[float] = None
     #: True: memory and time come from the GPU execution model (:mod:`..memory.gpu_trace`,
-    #: :mod:`.gpu_kernels`): the step traced as the GPU runs it, fused neuron kernels included
+    #: :mod:`.gpu_kernels`): the step traced as the GPU runs it, fused neuron kernels included.
+    #: Every profile of a ``cuda`` device has it (set in ``__post_init__``); CPU profiles (this machine) do not
     kernel_model: bool = False
+    #: Fractions of the datasheet peaks that documented measurements reach: ``"bandwidth"`` (a STREAM-like
+    #: copy kernel over ``bytes_per_s``), ``"matmul"`` (cuBLAS's best large GEMM over the tensor-core peak,
+    #: applied to every FLOP rate of the profile). Missing keys: 1 (the figure is an achieved rate already)
+    achieved: Mapping[str, float] = field(default_factory=dict)
+    #: Streaming multiprocessors: GEMMs and convolutions are timed with the tile and wave quantisation of
+    #: their output over them (:mod:`.gpu_kernels`); None: not quantised
+    sm_count: Optional[int] = None
     # The interconnect as configured (what the collective tables above were derived from): GPUs
     # peer-to-peer or through host memory, NVLink or PCIe, NICs per node (None: not stated), in words too
     peer_to_peer: Optional[bool] = None
@@ -145,6 +171,16 @@ class HardwareProfile:
         positive_number("checkpoint_reference_s", self.checkpoint_reference_s, allow_none=True, what="seconds")
         if self.op_overhead_s < 0:
             raise ValueError(f"op_overhead_s={self.op_overhead_s}; expected seconds >= 0")
+        if self.device == "cuda" and not self.kernel_model:  # one model for every GPU
+            object.__setattr__(self, "kernel_model", True)
+        for key, value in self.achieved.items():
+            if key not in ACHIEVED_KEYS or isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 < value <= 1.2:
+                raise ValueError(f"achieved[{key!r}] = {value!r}; expected a fraction in (0, 1.2] of the datasheet "
+                                 f"peak for a key of {ACHIEVED_KEYS}")
+        object.__setattr__(self, "achieved", {str(k): float(v) for k, v in self.achieved.items()})
+        if self.sm_count is not None:
+            positive_int("sm_count", self.sm_count, what="streaming multiprocessors")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"efficiency={self.efficiency}; expected a fraction in (0, 1]")
         object.__setattr__(self, "collectives", _check_table("collectives", self.collectives))
@@ -171,7 +207,7 @@ class HardwareProfile:
     def flops(self, itemsize: int = 4) -> float:
         """Achievable FLOP/s for floats of ``itemsize`` bytes, after ``efficiency``."""
         peak = self.half_flops_per_s if itemsize <= 2 and self.half_flops_per_s else self.flops_per_s
-        return peak * self.efficiency
+        return peak * self.efficiency * self.achieved.get("matmul", 1.0)
 
     def in_precision(self, precision: Precision) -> "HardwareProfile":
         """This profile as a plan of ``precision`` sees it: where the calibration measured that
@@ -187,13 +223,14 @@ class HardwareProfile:
                        bytes_per_s=rates["bytes_per_s"] if half_state else self.bytes_per_s)
 
     def bandwidth(self) -> float:
-        return self.bytes_per_s * self.efficiency
+        """Achievable memory bandwidth: the datasheet's times its measured fraction, after ``efficiency``."""
+        return self.bytes_per_s * self.efficiency * self.achieved.get("bandwidth", 1.0)
 
     def conv_flops(self, itemsize: int = 4) -> float:
         """Achievable FLOP/s of a cuDNN convolution: TF32 tensor cores for 4-byte floats where the
         profile gives them (torch's default), the half rate for 2-byte floats, after ``efficiency``."""
         if itemsize > 2 and self.tensor_flops_per_s:
-            return self.tensor_flops_per_s * self.efficiency
+            return self.tensor_flops_per_s * self.efficiency * self.achieved.get("matmul", 1.0)
         return self.flops(itemsize)
 
     def sharing(self, ranks_on_host: float) -> float:
@@ -228,10 +265,7 @@ class HardwareProfile:
 
     def require_host_link(self, lever: str, copies: str) -> None:
         """Refuse estimating host-memory lever ``lever`` (which ``copies`` over the host link) on this profile:
-        none stated (a CPU device's memory is the host's already), or the GPU trace model (not modelled yet)."""
-        if self.kernel_model:
-            raise ValueError(f"{lever} is not modelled in {self.name!r}'s GPU execution trace (kernel_model) yet; "
-                             "estimate it on a datasheet profile such as 'H100-SXM' or 'RTX-4090'")
+        none stated (a CPU device's memory is the host's already)."""
         if self.host_link_bytes_per_s is None:
             raise ValueError(f"{lever} {copies} over the host link, and hardware {self.name!r} (device "
                              f"{self.device!r}) states none (host_link_bytes_per_s=None; a CPU rank's memory is the "
@@ -246,16 +280,20 @@ class HardwareProfile:
         return self.framework_overhead[near].get(what, 0.0)
 
     def collective_time(self, kind: str, group_size: int, nbytes: float, calls: int = 1,
-                        spans_nodes: bool = False, burst: bool = False) -> float:
+                        spans_nodes: bool = False, burst: bool = False, concurrent: int = 1) -> float:
         """Seconds for ``calls`` collectives of ``kind`` on ``group_size`` ranks moving ``nbytes`` in all;
         with ``burst``, issued back to back and then waited for (ZeroRedundancyOptimizer's broadcasts):
-        each call's fixed cost is then the calibrated ``<kind>_in_burst`` where there is one."""
+        each call's fixed cost is then the calibrated ``<kind>_in_burst`` where there is one. ``concurrent``:
+        groups of this mesh dim on one node that communicate at the same time; without peer-to-peer their
+        transfers all go through the host's memory, one shared path, so each gets its share of it."""
         if kind not in KINDS:
             raise ValueError(f"collective kind {kind!r}; expected one of {KINDS}")
         if group_size <= 1 or calls == 0:
             return 0.0
         table = self.inter_node if spans_nodes and self.inter_node else self.collectives
         alpha, beta = _scaled(table[kind], kind, group_size)
+        if self.peer_to_peer is False and not spans_nodes:
+            beta *= max(1, int(concurrent))
         if burst and not spans_nodes:
             alpha = self.overhead(f"{kind}_in_burst", group_size) or alpha
         return calls * alpha + nbytes * beta / self.efficiency
@@ -306,107 +344,57 @@ def link_table(latency_s: float, bytes_per_s: float, group_size: int = 2) -> Dic
             for k in KINDS}
 
 
-# Datasheet figures (dense, no sparsity): FP32 and BF16/FP16 tensor FLOP/s, memory bandwidth, and
-# per-direction link bandwidth. NVLink3 600 GB/s and NVLink4 900 GB/s are both directions together;
-# InfiniBand HDR 200 Gb/s and NDR 400 Gb/s are one NIC per GPU (DGX A100 / DGX H100 layout).
-# ``host``: the host link one way. H100 SXM and H200 SXM: "PCIe Gen5: 128 GB/s" (NVIDIA H100 and H200
-# datasheets, both directions together), 64 GB/s each way; A100 SXM: "PCIe Gen4: 64 GB/s" (A100
-# datasheet), 32 each way; RTX 4090: PCIe 4.0 x16 (Ada whitepaper), 16 GT/s x 16 lanes, 128b/130b
-# encoding = 31.5 GB/s each way.
 _GB = 1e9
-_DEVICES = {
-    "A100-SXM-80GB": dict(flops_per_s=19.5e12, half_flops_per_s=312e12, bytes_per_s=2039 * _GB, link=300 * _GB,
-                          link_name="NVLink3", tensor_flops_per_s=156e12, host=32 * _GB),
-    "H100-SXM": dict(flops_per_s=67e12, half_flops_per_s=989e12, bytes_per_s=3350 * _GB, link=450 * _GB,
-                     link_name="NVLink4", tensor_flops_per_s=494.5e12, host=64 * _GB),
-    "H200-SXM": dict(flops_per_s=67e12, half_flops_per_s=989e12, bytes_per_s=4800 * _GB, link=450 * _GB,
-                     link_name="NVLink4", tensor_flops_per_s=494.5e12, host=64 * _GB),
-    # torchtitan's Llama 3.1 benchmark card (Grand Teton hosts): an H100 SXM with 96 GB HBM2e at
-    # 2.4 TB/s, NVLink within the host, 400 Gb/s RDMA per GPU, run at a 500 W power limit
-    # (github.com/pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, "Hardware"). Its
-    # FLOP/s are the H100 SXM datasheet's (NVIDIA H100 Tensor Core GPU datasheet: FP32 67, BF16
-    # dense 989 TFLOP/s); that benchmark notes the 500 W part's true peak lies between the SXM's and
-    # the NVL's (835 dense BF16), unpublished, so this is an upper bound.
-    "H100-SXM-96GB": dict(flops_per_s=67e12, half_flops_per_s=989e12, bytes_per_s=2400 * _GB, link=450 * _GB,
-                          link_name="NVLink4", tensor_flops_per_s=494.5e12, host=64 * _GB),
-    "RTX-4090": dict(flops_per_s=82.6e12, half_flops_per_s=165.2e12, bytes_per_s=1008 * _GB, link=32 * _GB,
-                     link_name="PCIe4-x16", tensor_flops_per_s=82.6e12, host=31.5 * _GB),
-}
-_IB = {"A100-SXM-80GB": ("IB-HDR", 25 * _GB), "H100-SXM": ("IB-NDR", 50 * _GB), "H200-SXM": ("IB-NDR", 50 * _GB),
-       "H100-SXM-96GB": ("RDMA-400G", 50 * _GB)}  # 400 Gb/s per GPU (the torchtitan page above)
-#: Node counts of the multi-node built-ins, per device (default 2 and 8 nodes of 8 GPUs).
-_NODES = {"H100-SXM-96GB": (2, 8, 64)}
-#: Assumed (no datasheet gives them): one ring step's latency in a node and between nodes, and the
-#: cost of one eager PyTorch operator on a GPU (kernel launch and dispatch).
-INTRA_LATENCY_S, INTER_LATENCY_S, GPU_OP_OVERHEAD_S = 5e-6, 10e-6, 8e-6
-#: Host CPU Adam updates per second for one rank (one thread), the rate of FSDP2's offloaded optimizer step. A
-#: documented measurement on an 8x H100 node's host: an fp32 AdamW step over 512 CPU tensors of 1 Mi elements
-#: (536.9 M parameters) took 1.93 s on one thread, 1.81 s on two (github.com/ISEEKYAN/Megatron-LM issue 188,
-#: 2026-08-25: 536.9e6 / 1.93 s = 2.78e8 per s). That source timed Megatron-LM lite's FP32AdamW (a per-parameter
-#: Python loop), not torch.optim.Adam; in the same table 8 ranks sharing 2 CPUs ran ~10x slower (17.2 s), so the figure
-#: assumes one free CPU core per rank. Assumed for every built-in's host (no datasheet gives it);
-#: ``this_host_adam_rate()`` (:mod:`..calibration.host_adam`) measures a host's own.
-HOST_ADAM_PARAMS_PER_S = 536.9e6 / 1.93
-#: Assumed fraction of the datasheet peaks that real kernels and collectives reach (change it with
-#: ``profile.with_efficiency(...)``).
-DEFAULT_EFFICIENCY = 0.6
 
 
 def _builtin(device: str, nodes: int) -> HardwareProfile:
-    d = _DEVICES[device]
+    d = DEVICES[device]
     common = dict(device="cuda", flops_per_s=d["flops_per_s"], half_flops_per_s=d["half_flops_per_s"],
-                  bytes_per_s=d["bytes_per_s"], op_overhead_s=GPU_OP_OVERHEAD_S,
+                  bytes_per_s=d["bytes_per_s"], op_overhead_s=GPU_OP_OVERHEAD_S, sm_count=d["sm_count"],
                   tensor_flops_per_s=d["tensor_flops_per_s"], host_link_bytes_per_s=d["host"],
-                  host_adam_params_per_s=HOST_ADAM_PARAMS_PER_S,
+                  achieved=d["achieved"], host_adam_params_per_s=HOST_ADAM_PARAMS_PER_S,
                   collectives=link_table(INTRA_LATENCY_S, d["link"]), efficiency=DEFAULT_EFFICIENCY,
-                  source="datasheet")
+                  source="datasheet and documented measurements", kernel_model=True)
     nvlink = d["link_name"].startswith("NVLink")
     common.update(peer_to_peer=True, nvlink=nvlink)
     if nodes == 1:
         return HardwareProfile(name=f"{device} + {d['link_name']}", topology=f"one node, {d['link_name']} between "
                                "GPUs, peer-to-peer", **common)
-    ib, ib_bw = _IB[device]
+    ib, ib_bw = IB[device]
     return HardwareProfile(name=f"{nodes}x8 {device} + {d['link_name']}, {ib} between nodes", ranks_per_node=8,
                            inter_node=link_table(INTER_LATENCY_S, ib_bw), nics_per_node=8,
                            topology=f"{nodes} nodes of 8 GPUs, {d['link_name']} peer-to-peer in a node, one {ib} "
                            "NIC per GPU between nodes", **common)
 
 
+RTX4090_NO_P2P = HardwareProfile(
+    name="RTX-4090-PCIe-noP2P", device="cuda", flops_per_s=82.6e12, half_flops_per_s=165.2e12,
+    tensor_flops_per_s=82.6e12, bytes_per_s=1008 * _GB, op_overhead_s=RTX4090_OP_S, sm_count=128,
+    achieved=DEVICES["RTX-4090"]["achieved"], host_link_bytes_per_s=31.5 * _GB,
+    host_adam_params_per_s=HOST_ADAM_PARAMS_PER_S,
+    collectives=link_table(RTX4090_NO_P2P_LINK_S, RTX4090_NO_P2P_LINK_BPS), efficiency=1.0,
+    source="datasheet and documented measurements", kernel_model=True, peer_to_peer=False, nvlink=False,
+    ranks_per_node=None, topology="up to 8 RTX 4090 per node on PCIe 4.0 x16, no peer-to-peer (NCCL_P2P_DISABLE=1: "
+    "NCCL's SHM transport through host memory, which groups running at once share), no NVLink, no NIC between "
+    "nodes (one node)")
+
+
 def _builtins() -> Dict[str, HardwareProfile]:
     out = {}
-    for device in _DEVICES:
+    for device in DEVICES:
         out[device] = _builtin(device, 1)
-        if device in _IB:
-            for nodes in _NODES.get(device, (2, 8)):
+        if device in IB:
+            for nodes in NODES.get(device, (2, 8)):
                 out[f"{nodes}x8-{device}"] = _builtin(device, nodes)
     out[RTX4090_NO_P2P.name] = RTX4090_NO_P2P
     return out
 
 
-# RTX 4090 boxes as the reference project benchmarks them (PCIe, NCCL_P2P_DISABLE=1), every figure
-# with its source; these are achieved rates, so ``efficiency`` is 1.
-# - FP32 82.6 TFLOP/s, TF32 tensor 82.6 (dense), FP16/BF16 tensor with FP32 accumulate 165.2,
-#   1008 GB/s GDDR6X, PCIe 4.0 x16: NVIDIA Ada Lovelace architecture whitepaper, appendix table.
-#   Measured on an RTX 4090 (github.com/mli/transformers-benchmarks issue #4, PyTorch 1.14,
-#   CUDA 12.0): float32 matmul 82.8 TFLOP/s at n=2048 and 86.7 at n=8192, i.e. the datasheet rate.
-# - 4.0 us per operator: the same measurement's n=128 matmul (4.19 MFLOP) ran at 1.048 TFLOP/s,
-#   i.e. 4.0 us each, back to back, where the launch is all the time a call takes.
-# - 7.9 GB/s and 14 us between two GPUs: p2pBandwidthLatencyTest on 8 x RTX 4090 with peer access
-#   disabled (github.com/NVIDIA/nccl-tests issue #117), copies staged through host memory: 7.8-8.2
-#   GB/s between most pairs (5.9 within a pair), latency 12-18 us. With NCCL_P2P_DISABLE=1 NCCL's
-#   SHM transport stages every ring step through host memory the same way.
-RTX4090_NO_P2P_LINK_S, RTX4090_NO_P2P_LINK_BPS, RTX4090_OP_S = 14e-6, 7.9e9, 4.0e-6
-RTX4090_NO_P2P = HardwareProfile(
-    name="RTX-4090-PCIe-noP2P", device="cuda", flops_per_s=82.6e12, half_flops_per_s=165.2e12,
-    tensor_flops_per_s=82.6e12, bytes_per_s=1008 * _GB, op_overhead_s=RTX4090_OP_S,
-    collectives=link_table(RTX4090_NO_P2P_LINK_S, RTX4090_NO_P2P_LINK_BPS), efficiency=1.0, source="datasheet",
-    kernel_model=True, peer_to_peer=False, nvlink=False, topology="up to 8 RTX 4090 per node on PCIe 4.0 x16, no peer-to-peer (NCCL_P2P_DISABLE=1: "
-    "NCCL's SHM transport through host memory), no NVLink, no NIC between nodes (one node)")
 BUILTIN_PROFILES = _builtins()
 
 
 def hardware_profiles() -> Dict[str, HardwareProfile]:
-    """The built-in profiles by name (datasheet figures; see the module doc for what is assumed)."""
+    """The built-in profiles by name (module doc: every figure's source)."""
     return dict(BUILTIN_PROFILES)
 
 

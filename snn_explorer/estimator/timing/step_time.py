@@ -19,6 +19,9 @@ On CPU ranks nothing overlaps (:attr:`HardwareProfile.overlaps_comm`). Elsewhere
   its backward all-gathers and reduce-scatters overlap the backward but for the last reduce-scatter;
 - tensor-parallel collectives and everything else (ZeRO's broadcasts) are on the critical path.
 
+The groups of one mesh dim on a host communicate at the same time (every TP pair of a ``(2, 2)`` mesh at
+once); on a profile without peer-to-peer they share the host path (:meth:`HardwareProfile.collective_time`).
+
 So a step is never faster than its compute. A pipeline plan's step (``bubble_s`` included) is its
 schedule replayed with each stage's own cost: :mod:`.pipeline_time`.
 """
@@ -45,13 +48,15 @@ from .placement import group_size, host_sharing, ranks_on_host, spans_nodes
 
 
 def exposed_comm_s(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: HardwareProfile,
-                   phase_s: Dict[str, float]) -> float:
-    """Seconds of communication not hidden behind compute (rules in the module doc)."""
+                   phase_s: Dict[str, float], fsdp_s: Optional[float] = None) -> float:
+    """Seconds of communication not hidden behind compute (rules in the module doc); ``fsdp_s``: FSDP2's exposed
+    seconds where the caller walked its collectives unit by unit (:mod:`.fsdp_overlap`), in place of the rule."""
     timed: Dict[Tuple[str, str, str], Tuple[float, int]] = {}
     for row in collectives.itertuples(index=False):
         size = group_size(plan, row.mesh_dim, row.kind)
         seconds = hw.collective_time(row.kind, size, row.bytes, row.count, spans_nodes(plan, row.mesh_dim, hw, size),
-                                     burst=plan.uses_zero and row.kind == Collective.BROADCAST)  # ZeRO's, back to back
+                                     burst=plan.uses_zero and row.kind == Collective.BROADCAST,  # ZeRO's, back to back
+                                     concurrent=concurrent_groups(plan, hw, size))
         timed[(row.mesh_dim, row.kind, row.phase)] = (seconds, row.count)
     if not hw.overlaps_comm:
         return sum(seconds for seconds, _ in timed.values())
@@ -60,13 +65,21 @@ def exposed_comm_s(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: Hard
     if ar_n:  # DDP buckets
         exposed += max(ar / ar_n, ar - phase_s["backward"])
     fwd, fwd_n = timed.pop(("dp", Collective.ALL_GATHER, "forward"), (0.0, 0))
-    if fwd_n:  # FSDP2 prefetch: the first gather waits, the rest hide behind the forward
-        exposed += fwd / fwd_n + max(0.0, fwd - fwd / fwd_n - phase_s["forward"])
     bag, _ = timed.pop(("dp", Collective.ALL_GATHER, "backward"), (0.0, 0))
     rs, rs_n = timed.pop(("dp", Collective.REDUCE_SCATTER, "backward"), (0.0, 0))
+    if fsdp_s is not None:  # the unit-by-unit walk replaces the rules for FSDP2's gathers and scatters
+        return exposed + fsdp_s + sum(seconds for seconds, _ in timed.values())
+    if fwd_n:  # FSDP2 prefetch: the first gather waits, the rest hide behind the forward
+        exposed += fwd / fwd_n + max(0.0, fwd - fwd / fwd_n - phase_s["forward"])
     if rs_n or bag:
         exposed += max(rs / rs_n if rs_n else 0.0, bag + rs - phase_s["backward"])
     return exposed + sum(seconds for seconds, _ in timed.values())  # TP, ZeRO: critical path
+
+
+def concurrent_groups(plan: SNNDistributedPlan, hw: HardwareProfile, size: int) -> int:
+    """Groups of ``size`` ranks of one mesh dim on a host that communicate at once (each rank is in one), where
+    that matters: on a profile without peer-to-peer, whose groups share the host path; else 1."""
+    return max(1, ranks_on_host(plan, hw) // size) if hw.peer_to_peer is False else 1
 
 
 def compute_phases(plan: SNNDistributedPlan, work: Work, hw: HardwareProfile, t: int, itemsize: int,
@@ -152,11 +165,11 @@ def framework_s(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, hw
 
 
 def time_table(plan: SNNDistributedPlan, collectives: pd.DataFrame, hw: HardwareProfile,
-               phase_s: Dict[str, float]) -> pd.DataFrame:
+               phase_s: Dict[str, float], fsdp_s: Optional[float] = None) -> pd.DataFrame:
     """The ``rank, compute_s, exposed_comm_s, bubble_s, step_s`` table of a plan without pipelining
-    (every rank alike, none idles)."""
+    (every rank alike, none idles); ``fsdp_s``: as :func:`exposed_comm_s` takes it."""
     compute = sum(phase_s.values())
-    comm = exposed_comm_s(plan, collectives, hw, phase_s)
+    comm = exposed_comm_s(plan, collectives, hw, phase_s, fsdp_s)
     row = dict(compute_s=compute, exposed_comm_s=comm, bubble_s=0.0, step_s=compute + comm)
     table = pd.DataFrame([row] * plan.world_size)
     table.insert(0, "rank", range(plan.world_size))
