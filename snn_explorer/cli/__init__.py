@@ -19,7 +19,7 @@ import sys
 from typing import Optional, Sequence
 
 from .budget import add_fit_parser
-from .calibrate import add_calibrate_parser
+from .calibration import add_calibrate_parser
 from .inputs import CliError, Parser, load_model, load_model_and_batch, parse_topology
 from .jobs import cmd_checkpoint_info, cmd_export
 from .options import add_estimate_options, add_plan_options

@@ -30,8 +30,10 @@ import time
 from typing import Dict, List, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+import torch.distributed as dist
 
+from ... import ranks
+from ...compat import TorchDispatchMode
 from ..timing.hardware import HOST_ADAM_PARAMS_PER_S, KINDS, HardwareProfile, hardware_profile
 from .fit import fit_alpha_beta
 from .probes import collective_op
@@ -187,8 +189,6 @@ def _rate(rows: List[dict], work: str) -> Optional[float]:
 def nccl_on_rank(sizes=NCCL_SIZES) -> dict:
     """On each NCCL rank: every collective kind at ``sizes`` bytes, back to back after a warm-up
     (median seconds per call); rank 0's ``{kind: [[bytes, seconds], ...]}``."""
-    import torch.distributed as dist
-
     device = torch.device("cuda", torch.cuda.current_device())
     seconds, p = _timer(device), dist.get_world_size()
     out = {}
@@ -203,8 +203,6 @@ def nccl_on_rank(sizes=NCCL_SIZES) -> dict:
 
 def measure_collectives(timeout: float = 120.0) -> Optional[dict]:
     """NCCL collectives on every visible GPU (:func:`nccl_on_rank`); None with fewer than two GPUs."""
-    from ... import ranks
-
     count = torch.cuda.device_count()
     if count < 2:
         return None

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import re
 
+import torch
+
+from ..estimator.calibration.gpu import CudaRequiredError, calibrate_gpu, require_cuda
 from .inputs import CliError, load_model_and_batch
 
 
@@ -20,10 +23,6 @@ def add_calibrate_parser(sub) -> None:
 
 
 def cmd_calibrate(args) -> int:
-    import torch
-
-    from ..estimator.calibration.gpu import CudaRequiredError, calibrate_gpu, require_cuda
-
     try:
         require_cuda()
     except CudaRequiredError as exc:
