@@ -10,6 +10,7 @@ module attribute holding one) or ``zoo:NAME`` for a built-in. Examples::
     snn-explorer fit zoo:spikformer --world-size 2 --memory-budget 1.8 --hardware H100-SXM
     snn-explorer export zoo:mlp --topology dp=2,tp=2 --train mypkg.train:step --steps 100 --out job/
     snn-explorer checkpoint info runs/step-100
+    snn-explorer calibrate --device cuda --model zoo:vgg --out my-gpu.json
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import traceback
 from typing import Optional, Sequence
 
 from .budget import add_fit_parser
+from .calibration import add_calibrate_parser
 from .inputs import CliError, Parser, load_model, load_model_and_batch, parse_topology
 from .jobs import cmd_checkpoint_info, cmd_export
 from .options import add_estimate_options, add_plan_options
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_estimate_options(p)
     p.set_defaults(run=cmd_compare)
     add_fit_parser(sub)
+    add_calibrate_parser(sub)
     p = sub.add_parser("export", help="write a torchrun / Slurm job for one plan")
     model_args(p, plans=True)
     train = p.add_mutually_exclusive_group(required=True)

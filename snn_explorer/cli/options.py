@@ -45,8 +45,9 @@ def add_plan_options(p) -> None:
 
 def add_estimate_options(p) -> None:
     """Where and how long the estimates look: hardware, time steps, the memory budget, the table's width."""
-    p.add_argument("--hardware", help="a built-in hardware profile's name (e.g. A100-SXM-80GB) for the step "
-                                      "times (default: $SNN_EXPLORER_HARDWARE, else this machine's calibration)")
+    p.add_argument("--hardware", help="a built-in hardware profile's name (e.g. A100-SXM-80GB) or a profile file "
+                                      "(.json, from snn-explorer calibrate) for the step times (default: "
+                                      "$SNN_EXPLORER_HARDWARE, else this machine's calibration)")
     p.add_argument("--time-steps", type=int, help="time steps T of the estimates (default: the example input's)")
     p.add_argument("--memory-budget", type=float, help="MiB per device: the fits_budget row and the ranking")
     p.add_argument("--wide", action="store_true", help="every row, the plans' rationale and notes included")

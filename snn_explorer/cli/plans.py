@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -27,8 +28,13 @@ def roots(args) -> Optional[List[str]]:
 def _hardware(args) -> Optional[str]:
     if args.hardware is None:
         return None
+    if args.hardware.endswith(".json"):
+        if not os.path.isfile(args.hardware):
+            raise CliError(f"--hardware {args.hardware!r}: no such profile file (snn-explorer calibrate writes one)")
+        return args.hardware
     if args.hardware not in hardware_profiles():
-        raise CliError(f"unknown --hardware {args.hardware!r}; expected one of {sorted(hardware_profiles())}")
+        raise CliError(f"unknown --hardware {args.hardware!r}; expected one of {sorted(hardware_profiles())} "
+                       "or a profile file (.json)")
     return args.hardware
 
 

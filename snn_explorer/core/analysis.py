@@ -19,6 +19,7 @@ from .attention import (
     fused_attention_blocks,
     pointwise_chains,
 )
+from .dataflow import GatedMLP, gated_mlps
 from .layouts import DataLayout, detect_layout, layout_of
 from .pipeline_plan import pipeline_units, trainable_units
 from .plans.families import fsdp_units, resolve_family
@@ -115,6 +116,8 @@ class SNNDistributedAnalysis:
     #: and how that was found ("given", or detected from an example input: see core.layouts)
     data_layout: Optional[DataLayout] = None
     data_layout_how: str = ""
+    #: Linears reading one input, combined feature-wise into one Linear (SwiGLU), from the traced forward
+    gated_mlps: Tuple[GatedMLP, ...] = ()
 
     @cached_property
     def neuron_names(self) -> Tuple[str, ...]:
@@ -177,6 +180,8 @@ class SNNDistributedAnalysis:
             "branch_attention_blocks": tuple(
                 BranchAttentionBlock(**{k: tuplify(v) for k, v in check_kind(b, "branch_attention").items()})
                 for b in data.pop("branch_attention_blocks", ())),
+            "gated_mlps": tuple(GatedMLP(**{k: tuplify(v) for k, v in check_kind(g, "gated_mlp").items()})
+                                for g in data.pop("gated_mlps", ())),
         }
         return cls(**{k: tuplify(v) for k, v in data.items()}, **objects)
 
@@ -338,6 +343,8 @@ def _analysis(model: nn.Module, model_family, roots, layout, layout_how, notes) 
     block_runs = tuple(b for b in block_conv_chains(model, roots) if not {p for p in b if p in unsupported} <= in_runs)
     notes.extend(_conv_note(unsupported, paired_layers(conv_runs + block_runs, unsupported)))
     units, unit_problem = pipeline_units(model)
+    gated = gated_mlps(model, roots, candidates)
+    in_gated = {p for g in gated for p in g.parts}
     return SNNDistributedAnalysis(
         memory_module_names=tuple(memory),
         tensor_parallel_candidate_names=candidates,
@@ -355,7 +362,8 @@ def _analysis(model: nn.Module, model_family, roots, layout, layout_how, notes) 
         conv_shapes=tuple(scan.convs),
         conv_chains=conv_runs,
         fused_attention_blocks=fused_attention_blocks(model, roots, memory),
-        pointwise_chains=tuple(c for c in pointwise_chains(model, roots) if c not in linear_chains),
+        pointwise_chains=tuple(c for c in pointwise_chains(model, roots)
+                               if c not in linear_chains and not in_gated & set(c)),
         block_conv_chains=block_runs,
         branch_attention_blocks=branch_attention_blocks(model, roots, memory),
         shared_parameter_groups=shared_parameters(model),
@@ -367,4 +375,5 @@ def _analysis(model: nn.Module, model_family, roots, layout, layout_how, notes) 
         trainable_units=trainable_units(model, units),
         data_layout=layout,
         data_layout_how=layout_how,
+        gated_mlps=gated,
     )

@@ -7,6 +7,7 @@ from typing import Optional, Sequence, Tuple
 from torch import nn
 
 from ..compat import plain_attribute
+from .dataflow import heads_from_width
 from .serialize import dataclass_dict
 from .structure import NORM_TYPES, flatten, runs, under
 from .walk import modules_by_name
@@ -14,7 +15,12 @@ from .walk import modules_by_name
 
 @dataclass(frozen=True)
 class AttentionBlock:
-    """Multi-head attention with separate q/k/v/output Linears; ``neurons`` sit between q and proj."""
+    """Multi-head attention with separate q/k/v/output Linears; ``neurons`` sit between q and proj.
+
+    ``local_heads``: the block holds no neurons and its traced forward reads the head count from the
+    q/k/v widths (:func:`~snn_explorer.core.dataflow.heads_from_width`), so splitting it by heads
+    needs no feature gate (as a Llama-style attention is split).
+    """
 
     path: str
     num_heads: int
@@ -23,6 +29,7 @@ class AttentionBlock:
     v: str
     proj: str
     neurons: Tuple[str, ...] = ()
+    local_heads: bool = False
 
     def to_dict(self) -> dict:
         return dataclass_dict(self, "attention")
@@ -47,7 +54,10 @@ def _attention_block(path: str, module: nn.Module, memory: Sequence[str]) -> Opt
     start, stop = order.index(found["q"].rpartition(".")[2]), order.index(found["proj"].rpartition(".")[2])
     neurons = tuple(f"{path}.{n}" for n in order[start:stop]
                     if any(m == f"{path}.{n}" or m.startswith(f"{path}.{n}.") for m in memory))
-    return AttentionBlock(path, heads, found["q"], found["k"], found["v"], found["proj"], neurons)
+    width = children[found["q"].rpartition(".")[2]].out_features
+    local = not neurons and heads > 0 and width % heads == 0 and heads_from_width(
+        module, [found[r].rpartition(".")[2] for r in ("q", "k", "v")], width // heads)
+    return AttentionBlock(path, heads, found["q"], found["k"], found["v"], found["proj"], neurons, local)
 
 
 @dataclass(frozen=True)

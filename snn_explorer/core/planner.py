@@ -44,7 +44,7 @@ from .recommend import (
     recommend_snn_distributed_strategy,
 )
 from .topology import SNNDistributedTopology
-from .tp_plan import check_tied_parameters, check_tp_plan, default_tp_plan, has_attention, with_local_neurons
+from .tp_plan import check_tied_parameters, check_tp_plan, default_tp_plan, has_gated_attention, with_local_neurons
 from .vocabulary import Checkpointing
 
 #: Modes tried after the recommendation, per objective, when it does not fit (a mode missing
@@ -328,7 +328,7 @@ def _uses_zero(spec: Mode, topology, features, notes: List[str]) -> bool:
 def _mode_notes(spec: Mode, analysis, topology, features, explicit_tp) -> List[str]:
     """What the chosen mode does to attention and BatchNorm, in words."""
     notes = []
-    if spec.tp and has_attention(analysis) and not explicit_tp and not features.allow_experimental_spikformer_tp:
+    if spec.tp and has_gated_attention(analysis) and not explicit_tp and not features.allow_experimental_spikformer_tp:
         notes.append("attention is not split by heads (separate q/k/v Linears are each sharded with gathered "
                      "outputs); allow_experimental_spikformer_tp=True gives each rank whole heads instead.")
     if analysis.batchnorm_names and spec.splits_batch and topology.size("dp") > 1:

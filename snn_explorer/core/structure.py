@@ -97,6 +97,20 @@ def _chain_traced_by(model: nn.Module, tracer: torch.fx.Tracer) -> Tuple[Tuple[s
     return (), "its forward calls no module"
 
 
+def children_graph(module: nn.Module) -> Optional[torch.fx.Graph]:
+    """The torch.fx graph of ``module``'s forward with every child one ``call_module`` node (None
+    when fx cannot trace it), kept for the rest of the walk."""
+    return memo(("children graph", id(module)), lambda: _children_graph(module))
+
+
+def _children_graph(module: nn.Module) -> Optional[torch.fx.Graph]:
+    try:
+        with _state_kept(module):
+            return _ChildrenAreLeaves().trace(module)
+    except Exception:  # fx cannot follow data-dependent control flow, loops over tensors, ...
+        return None
+
+
 def opened_chain(module: nn.Module) -> Tuple[str, ...]:
     """The children a custom (non-Sequential) module's forward chains, in call order, when it is a
     block that only passes its input through them one after the other (``self.b(self.a(x))``, as

@@ -6,7 +6,7 @@ from typing import Dict, Mapping, Sequence
 from .analysis import SNNDistributedAnalysis
 from .styles import SHARDED, STYLES, TP_STYLES, style_of
 
-__all__ = ["TP_STYLES", "auto_tp_plan", "head_aligned_tp_plan", "conv_tp_plan", "default_tp_plan",
+__all__ = ["TP_STYLES", "auto_tp_plan", "head_aligned_tp_plan", "gated_mlp_plan", "conv_tp_plan", "default_tp_plan",
            "with_local_neurons", "check_tp_plan", "check_tied_parameters"]
 
 
@@ -15,7 +15,9 @@ def _stateful_inside(analysis: SNNDistributedAnalysis, path: str) -> bool:
 
 
 def auto_tp_plan(analysis: SNNDistributedAnalysis) -> Dict[str, str]:
-    """Pair the Linears of every chain column -> row; an odd last one gathers its output."""
+    """Pair the Linears of every chain column -> row; an odd last one gathers its output. Gated MLPs
+    and attention whose forward reads its heads from the q/k/v widths are split as torchtitan splits
+    a Llama block: branches (w1, w3) and q/k/v column-wise, the Linear after them (w2, o) row-wise."""
     candidates = set(analysis.tensor_parallel_candidate_names)
     plan: Dict[str, str] = {}
     for chain in analysis.tp_chains:
@@ -24,7 +26,21 @@ def auto_tp_plan(analysis: SNNDistributedAnalysis) -> Dict[str, str]:
             plan[path] = "colwise" if i % 2 == 0 else "rowwise"
         if len(linears) % 2:
             plan[linears[-1]] = "colwise_gather"
+    for block in analysis.attention_blocks:
+        if block.local_heads:
+            plan.update({block.q: "colwise", block.k: "colwise", block.v: "colwise", block.proj: "rowwise"})
+    plan.update(gated_mlp_plan(analysis))
     return with_local_neurons(analysis, plan)
+
+
+def gated_mlp_plan(analysis: SNNDistributedAnalysis) -> Dict[str, str]:
+    """Every gated MLP: its branches column-wise, the neurons between holding their features, its
+    last Linear row-wise."""
+    plan: Dict[str, str] = {}
+    for mlp in analysis.gated_mlps:
+        plan.update({b: "colwise" for b in mlp.branches}, **{mlp.proj: "rowwise"})
+        plan.update({p: "local" for p in mlp.between if _stateful_inside(analysis, p)})
+    return plan
 
 
 def head_aligned_tp_plan(analysis: SNNDistributedAnalysis) -> Dict[str, str]:
@@ -78,6 +94,13 @@ def has_attention(analysis: SNNDistributedAnalysis) -> bool:
     return bool(analysis.attention_blocks or analysis.fused_attention_blocks or analysis.branch_attention_blocks)
 
 
+def has_gated_attention(analysis: SNNDistributedAnalysis) -> bool:
+    """Whether the analysis found attention that only its feature gate splits by heads (all but
+    attention without neurons that reads its heads from the q/k/v widths)."""
+    return bool(any(not b.local_heads for b in analysis.attention_blocks) or analysis.fused_attention_blocks
+                or analysis.branch_attention_blocks)
+
+
 def _conv_names(analysis: SNNDistributedAnalysis) -> set:
     return {c.name for c in analysis.conv_shapes}
 
@@ -120,6 +143,9 @@ def with_local_neurons(analysis: SNNDistributedAnalysis, plan: Mapping[str, str]
     """Add ``local`` for stateful modules (and ``norm_local`` for BatchNorms) that a sharded layer
     output reaches along a chain before the next layer."""
     out = dict(plan)
+    for mlp in analysis.gated_mlps:
+        if out.get(mlp.branches[0]) == "colwise":
+            out.update({p: "local" for p in mlp.between if p not in out and _stateful_inside(analysis, p)})
     for run in _runs(analysis):
         sharded = False
         for path in run:
@@ -146,6 +172,7 @@ def check_tp_plan(analysis: SNNDistributedAnalysis, plan: Mapping[str, str], tp_
         if features is not None:
             style.check_gate(path, features)
     _check_attention(analysis, plan, tp_size)
+    _check_gated(analysis, plan)
     for run in _flow_runs(analysis, plan):
         _check_flow(analysis, plan, run)
     check_tied_parameters(analysis, plan)
@@ -159,7 +186,20 @@ def _attention_parts(analysis: SNNDistributedAnalysis) -> set:
         parts.update(p for p in (f.path, f.qkv, f.proj, f.qkv_norm, f.neuron) if p)
     for b in analysis.branch_attention_blocks:
         parts.update((b.path, b.proj) + b.branches + b.neurons)
+    for g in analysis.gated_mlps:
+        parts.update(g.parts)
     return parts
+
+
+def _check_gated(analysis: SNNDistributedAnalysis, plan: Mapping[str, str]) -> None:
+    """A gated MLP is split with every branch 'colwise' and its last Linear 'rowwise', or not at all."""
+    for g in analysis.gated_mlps:
+        got = {p: plan.get(p) for p in g.branches + (g.proj,)}
+        shards = [p for p, s in got.items() if s in STYLES and SHARDED in (STYLES[s].takes, STYLES[s].gives)]
+        want = dict({b: "colwise" for b in g.branches}, **{g.proj: "rowwise"})
+        if shards and got != want:
+            raise ValueError(f"gated MLP {g.path!r}: {list(g.branches)} read one input and are combined feature-wise "
+                             f"into {g.proj!r}, so it is split with all of {want} (or none of them sharded); got {got}")
 
 
 def _check_attention(analysis: SNNDistributedAnalysis, plan: Mapping[str, str], tp_size: int) -> None:
@@ -174,6 +214,11 @@ def _check_attention(analysis: SNNDistributedAnalysis, plan: Mapping[str, str], 
         if shards and b.num_heads % tp_size:
             raise ValueError(f"tp={tp_size} does not divide {b.path}.num_heads={b.num_heads}; "
                              "head-aligned attention TP gives each rank whole heads")
+        kv_heads = analysis.shape(b.k).out_features * b.num_heads // analysis.shape(b.q).out_features
+        if shards and kv_heads % tp_size:
+            raise ValueError(f"tp={tp_size} does not divide the {kv_heads} k/v heads of {b.path} ({b.k!r} has "
+                             f"{analysis.shape(b.k).out_features} features); head-aligned attention TP gives each "
+                             "rank whole k/v heads")
     for f in analysis.fused_attention_blocks:
         proj = "rowwise" if f.proj in analysis.tensor_parallel_candidate_names else "conv_rowwise"
         want = {f.path: "heads_local", f.qkv: "qkv_colwise", f.proj: proj}

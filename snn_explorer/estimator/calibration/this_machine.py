@@ -46,6 +46,7 @@ from ..instruments.progress_hook import ProgressHook, check_hook, tell
 from ..timing.hardware import KINDS, HardwareProfile, hardware_profile
 from .checkpoint_call import CheckpointCost, this_host_checkpoint_overhead
 from .fit import median_profile, profile_from
+from .gpu import calibrate_gpu
 from .probes import busy_time, probe_step
 from .step_probes import RANK_PHASES, calibrate_on_rank
 
@@ -54,14 +55,33 @@ CALIBRATION_VERSION = 15
 
 
 def calibrate(group_sizes: Sequence[int] = (2, 4), *, backend: str = "auto", name: Optional[str] = None,
-              timeout: float = 120.0, worlds: int = 1, on_progress: Optional[ProgressHook] = None) -> HardwareProfile:
+              timeout: float = 120.0, worlds: int = 1, on_progress: Optional[ProgressHook] = None,
+              device: str = "cpu", model=None, example_input=None, output=None) -> HardwareProfile:
     """Measure this machine into a :class:`HardwareProfile` (see the module doc; 42-46 s for sizes 2
     and 4 on a 2-core CPU machine). ``group_sizes`` (each >= 2): the collective group sizes to time, each in
     a world of its own size (ranks that only waited would still take the cores' time);
     ``backend``: ``"auto"`` (NCCL when there is a GPU per rank, else gloo), ``"gloo"`` or ``"nccl"``;
     ``worlds``: fresh worlds per size, the profile their median (:func:`median_profile`): on shared
     CPU cores a collective's latency can differ several times between two worlds. ``on_progress(done,
-    total, label)`` (``instruments.progress_hook``) hears each piece rank 0 of a world finishes."""
+    total, label)`` (``instruments.progress_hook``) hears each piece rank 0 of a world finishes.
+
+    ``device="cuda"``: this machine's GPU instead, at ``model``'s own shapes (one forward on
+    ``example_input``), its NCCL collectives on every visible GPU (:mod:`.gpu`; ``group_sizes``,
+    ``backend`` and ``worlds`` do not apply); CudaRequiredError where torch sees no CUDA device.
+    ``output``: a path the profile is saved to as JSON (``estimate(hardware=<path>)`` loads it)."""
+    if device == "cuda":
+        return calibrate_gpu(model, example_input, output=output, name=name, timeout=timeout)
+    if device != "cpu" or model is not None or example_input is not None:
+        raise ValueError(f"calibrate(device={device!r}, model=...): expected device 'cpu' (this machine's cores, no "
+                         "model) or 'cuda' (this machine's GPU, at a model's shapes)")
+    profile = _calibrate_cpu(group_sizes, backend, name, timeout, worlds, on_progress)
+    if output is not None:
+        profile.save(output)
+    return profile
+
+
+def _calibrate_cpu(group_sizes, backend, name, timeout, worlds, on_progress) -> HardwareProfile:
+    """:func:`calibrate` of this machine's ranks (CPU cores, or a GPU per rank by ``backend``)."""
     sizes = sorted({positive_int("group size", p) for p in group_sizes})
     worlds = positive_int("worlds", worlds, what="fresh worlds per group size")
     if not sizes or sizes[0] < 2:
@@ -145,9 +165,14 @@ def default_hardware(on_progress: Optional[ProgressHook] = None) -> HardwareProf
 
 def resolve_hardware(hardware, on_progress: Optional[ProgressHook] = None) -> HardwareProfile:
     """``hardware`` as a profile: None is :func:`default_hardware` (``on_progress`` hears its calibration),
-    a string a built-in profile's name."""
+    a path (a string ending ``.json``) a profile file (:meth:`HardwareProfile.save`, ``calibrate(output=...)``),
+    any other string a built-in profile's name."""
     if hardware is None:
         return default_hardware(on_progress)
+    if isinstance(hardware, os.PathLike) or (isinstance(hardware, str) and hardware.endswith(".json")):
+        if not os.path.isfile(hardware):
+            raise ValueError(f"hardware={os.fspath(hardware)!r}: no such profile file (calibrate(output=...) writes one)")
+        return HardwareProfile.load(hardware)
     if isinstance(hardware, str):
         return hardware_profile(hardware)
     if not isinstance(hardware, HardwareProfile):
