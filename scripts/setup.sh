@@ -2,7 +2,7 @@
 # Create .venv with the CPU build of torch 2.13.0 first (so nothing pulls a CUDA build), then the package.
 #   bash scripts/setup.sh          what the main job and every notebook need: torch, the package and its
 #                                  dependencies, JupyterLab (the notebook extra) and spikingjelly
-#   bash scripts/setup.sh --test   also the test extras and chromium for the browser test
+#   bash scripts/setup.sh --test   also the test extras, chromium for the browser test and .venv-docs for the docs test
 # Re-running skips pip when neither pyproject.toml nor this script changed since the last install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,3 +37,6 @@ if [ ! -x /usr/bin/chromium ]; then
     $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium \
         || echo "setup: could not install chromium (/usr/bin/chromium); tests/system/test_browser.py will fail" >&2
 fi
+# The docs site's test (tests/test_docs.py) builds with mkdocs in .venv-docs, a venv of the `docs` extra alone
+# (no torch); scripts/docs.sh makes it, or remakes it when that extra changed.
+bash scripts/docs.sh venv

@@ -97,7 +97,7 @@ _check("torch.utils._python_dispatch.is_traceable_wrapper_subclass_type",
 
 class DispatchMode(TorchDispatchMode):
     """A TorchDispatchMode whose ``__torch_dispatch__`` torch leaves unwrapped. By default torch wraps
-    it in ``torch._dynamo.disable``: the first operator then imports dynamo (about 1 s) and every
+    it in ``torch._dynamo.disable``: the first operator then imports dynamo (its import time: benchmarks/results/explorer_latency.md) and every
     operator pays one more call. Nothing is compiled under the estimator's modes, so the wrapper
     guards nothing there (``_should_skip_dynamo`` is the switch torch's own docstring shows)."""
 

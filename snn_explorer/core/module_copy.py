@@ -1,7 +1,7 @@
 """Copies of a module tree without ``copy.deepcopy``'s generic machinery per module.
 
 ``copy.deepcopy`` of an ``nn.Module`` reduces every module (``__reduce_ex__``) and rebuilds each of its dozen
-hook and registry dictionaries through the same generic protocol: about 0.1-0.2 ms per module here. The walk
+hook and registry dictionaries through the same generic protocol (benchmarks/results/calibration.md times both). The walk
 here does the same for the modules whose class copies the default way (``nn.Module``'s ``__getstate__``, the
 class's ``__setstate__``, no ``__deepcopy__``, ``copyreg`` entry or slots): a new instance, its state copied entry by entry (empty hook dictionaries made anew, plain dicts, lists,
 tuples and sets rebuilt). What happens to tensors is the caller's choice:

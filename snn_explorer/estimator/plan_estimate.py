@@ -153,7 +153,7 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     on one thread: :func:`~.instruments.isolation.one_thread`).
 
     ``hardware`` (a :class:`HardwareProfile`, a built-in profile's name, or None for this
-    machine's calibration: the first call calibrates (42-46 s on spawned ranks here), and keeps it
+    machine's calibration: the first call calibrates (on spawned ranks), and keeps it
     on disk) is where the step time (``time``, ``step_time_s``; :mod:`.timing.step_time`) is predicted.
 
     ``layout`` (a :class:`~snn_explorer.core.layouts.DataLayout`, else the plan's ``data_layout``) says

@@ -40,7 +40,8 @@ from .ui import ExplorerUI
 
 FeaturesLike = Union[DistributedFeatureSet, Mapping[str, bool], None]
 #: Said while an estimate on this machine's calibration (``hardware=None``) has to make it first
-#: (timed collectives on 2 and 4 ranks: 42-46 s on 2 cores, see ``calibrate``); the hook's pieces follow.
+#: (timed collectives on 2 and 4 ranks, see ``calibrate``; its duration: benchmarks/results/calibration.md); the hook's
+#: pieces follow.
 CALIBRATION_NOTE = "; calibrating this machine first (once, about a minute; cached after)"
 #: An estimate or fit that copied at least this many modules (the profile's private copy, a TP replica, a
 #: lever's copy: a dozen long-lived objects per module) ends with a full garbage collection, in its own wait.

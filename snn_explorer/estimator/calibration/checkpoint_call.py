@@ -15,8 +15,7 @@ checkpointed, the least of ``repeats`` steps each (the models run in turn), and 
   charges them at the forward's own rate (:func:`~..timing.step_time.compute_phases`), and so does the probe:
   ``excess = (checkpointed - plain - extra operators * plain forward / forward operators) / calls``. The excess
   grows with what the region holds (a pack per saved tensor in the forward, an unpack and a recompute pack in the
-  backward): on this machine 0.42, 0.56, 0.71 and 0.91 ms per call with 1, 2, 3 and 5 hidden layers (about 18-78
-  forward operators per call), measured by one script at load about 3 (the zoo mlp's region, two hidden layers: 0.57 ms).
+  backward; the figures per hidden-layer count are in benchmarks/results/calibration.md).
   It is timed with :data:`CHUNK_LAYERS` hidden layers and taken as ``per_call + per_op * region operators`` through
   the two, the region's operators counted per call as the estimate counts them (:func:`region_ops`). ``per_op`` is
   the ``checkpoint_overhead_per_op``.

@@ -182,7 +182,7 @@ def calibrate_on_rank(with_compute: bool) -> dict:
     alone = compute_probes(device) if with_compute and dist.get_rank() == 0 else None
     dist.barrier()
     probe, sync = probe_step(device), torch.cuda.synchronize if cuda else (lambda: None)
-    shared = statistics.median(busy_time(probe, sync) for _ in range(3))  # one loop varied by 30 % here
+    shared = statistics.median(busy_time(probe, sync) for _ in range(3))  # one loop alone varies on shared cores
     piece("compute timed")
     gap = gap_compute(device)
     collectives = {}

@@ -19,9 +19,9 @@ slower that step runs on each of ``p`` ranks than in the calling process on one 
 than on rank 0 alone), the factor by which a rank's step is slower than the one the estimator
 times in the calling process. Each (kind, p) gets
 ``alpha + beta * bytes`` fitted by least squares (:func:`fit_alpha_beta`) to the median of the
-slowest rank's times. Group sizes 2 and 4 took 42-46 s on a 2-core CPU machine (gloo). On CPU ranks the
+slowest rank's times (how long it takes: benchmarks/results/calibration.md). On CPU ranks the
 checkpointing machinery's own cost per checkpointed call, and per operator of a call's region, is timed in the
-calling process (:mod:`.checkpoint_call`, about 3-5 s; ``checkpoint_overhead``, ``checkpoint_overhead_per_op``).
+calling process (:mod:`.checkpoint_call`; ``checkpoint_overhead``, ``checkpoint_overhead_per_op``).
 
 :func:`default_hardware` is what ``estimate`` uses without ``hardware=``: the profile named by the
 ``SNN_EXPLORER_HARDWARE`` environment variable (a built-in name or a JSON file), else this
@@ -57,8 +57,8 @@ CALIBRATION_VERSION = 15
 def calibrate(group_sizes: Sequence[int] = (2, 4), *, backend: str = "auto", name: Optional[str] = None,
               timeout: float = 120.0, worlds: int = 1, on_progress: Optional[ProgressHook] = None,
               device: str = "cpu", model=None, example_input=None, output=None) -> HardwareProfile:
-    """Measure this machine into a :class:`HardwareProfile` (see the module doc; 42-46 s for sizes 2
-    and 4 on a 2-core CPU machine). ``group_sizes`` (each >= 2): the collective group sizes to time, each in
+    """Measure this machine into a :class:`HardwareProfile` (see the module doc; its duration on a
+    2-core CPU machine: benchmarks/results/calibration.md). ``group_sizes`` (each >= 2): the collective group sizes to time, each in
     a world of its own size (ranks that only waited would still take the cores' time);
     ``backend``: ``"auto"`` (NCCL when there is a GPU per rank, else gloo), ``"gloo"`` or ``"nccl"``;
     ``worlds``: fresh worlds per size, the profile their median (:func:`median_profile`): on shared

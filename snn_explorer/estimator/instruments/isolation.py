@@ -8,8 +8,8 @@ temporary directory of their own (``snn_explorer.ranks`` sets ``TMPDIR`` to its 
 
 :func:`one_thread` runs the estimator's own model runs on one intra-op thread, as each rank runs:
 they are small (a few samples and time steps), and on a busy machine torch's threads wait for each
-other at every operator (about 2 ms per small operator with 2 threads on 2 loaded cores, 40 us
-with one), which made a first estimate 10-60 times slower. Sizes, operator counts and so every
+other at every operator (benchmarks/results/calibration.md has the figures), which made a first estimate many
+times slower. Sizes, operator counts and so every
 number of an estimate do not depend on it.
 
 :func:`collected` runs timed steps after a garbage collection and with the collector paused

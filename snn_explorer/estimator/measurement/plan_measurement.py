@@ -118,7 +118,7 @@ def _spare_frozen(tracker):
 def _repeat_peak(tracker, step, device: torch.device) -> int:
     """The tracked peak of one more step. gloo's worker thread drops a finished collective's
     buffers a moment after ``wait()`` returns; when the rank runs ahead meanwhile, an FSDP2 buffer
-    is counted once more (seen once in 16 runs: +12 % on a wide 2-rank model). Of two identical
+    is counted once more (benchmarks/results/estimator_accuracy.md). Of two identical
     steps the lower peak is the program's own."""
     tracker.reset_mod_stats()
     compat.restart_mem_tracker_peak(tracker, device)

@@ -224,9 +224,9 @@ def _physical_memory() -> Optional[int]:
         return None
 
 
-#: The most operators (forward and backward) a shape-only run of one step may take: 0.5-0.8 ms each
-#: measured here (spikformer tiny at T = 16 and 64, a warm-up forward and the step, 2 loaded cores),
-#: so about 5 minutes (multi-step neurons loop over a plan's time steps in Python).
+#: The most operators (forward and backward) a shape-only run of one step may take, so that such a run stays within
+#: minutes at FakeTensorMode's cost per operator on a CPU (benchmarks/results/llm_first_estimate.md; multi-step
+#: neurons loop over a plan's time steps in Python).
 MAX_SHAPE_ONLY_OPS = 500_000
 
 

@@ -2,9 +2,8 @@
 calibrated cost into the host's speed of the moment.
 
 The costs (:mod:`..calibration.checkpoint_call`) are Python work on the host CPU, in seconds as fast as the host ran
-when it was calibrated. On cores shared with other work that speed changes: on this 2-core machine a run of the
-calibration read 0.29 ms per time-chunk call and 8.8 us per region operator, and another minutes later 0.56 ms and
-16.7 us, everything about twice as slow (blocks' figure too), while the estimate's timing correction is measured
+when it was calibrated. On cores shared with other work that speed changes (two calibrations minutes apart, about twice as slow in
+every figure: benchmarks/results/calibration.md), while the estimate's timing correction is measured
 when the estimate is made. :func:`reference_step_s` times the plain probe step (one hidden layer) now, and the
 estimate scales the costs by it over the same step's seconds at calibration (``checkpoint_reference_s``).
 """

@@ -249,7 +249,7 @@ def rank_work(profile: ModelProfile, tp_plan, tp: int, optimizer: str) -> Work:
 
 #: The repeats a model of repeated blocks is timed with (:func:`local_correction`): the step's time is composed as
 #: ``T(2) + (count - 2) * (T(64) - T(2)) / 62``, each phase alike. 64 repeats make a timed step long enough to read
-#: a block's time from (about 20 ms of forward for the 16-wide MLP blocks of the 10,000-module benchmark model).
+#: a block's time from (benchmarks/calibration_composed.py measures the composed step against the whole one).
 TIME_CUTS = (2, 64)
 
 
