@@ -6,6 +6,8 @@ without resharding, tp, pp: each stage under autocast, sending in bf16), mlp (pe
 fsdp2 resharding after forward, so each BatchNorm's own fp32 unit is gathered in the forward and the backward).
 (The tests in one process: tests/unit/test_precision_estimate_unit.py.)"""
 
+import dataclasses
+
 import pytest
 from distributed_harness import run_on_ranks
 from torch import nn
