@@ -118,3 +118,12 @@ def test_without_cuda_the_cli_exits_2_in_one_line(capsys, tmp_path):
     assert main(["calibrate", "--device", "cuda", "--model", "zoo:mlp", "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "needs CUDA" in err and not (tmp_path / "x.json").exists()
+
+
+def test_the_cli_compares_plans_on_a_profile_file(measured, tmp_path, capsys):
+    path = tmp_path / "my-gpu.json"
+    profile_from_measurement(measured, name="my calibrated GPU").save(path)
+    assert main(["compare", "zoo:mlp", "--topology", "dp=2", "--objective", "speed", "--hardware", str(path)]) == 0
+    assert "my calibrated GPU" in capsys.readouterr().out
+    assert main(["compare", "zoo:mlp", "--topology", "dp=2", "--hardware", str(tmp_path / "none.json")]) == 2
+    assert "no such profile file" in capsys.readouterr().err

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ... import ranks
 from ...compat import TorchDispatchMode
+from ...core.neurons import reset_all
 from ..timing.hardware import HOST_ADAM_PARAMS_PER_S, KINDS, HardwareProfile, hardware_profile
 from .fit import fit_alpha_beta
 from .probes import collective_op
@@ -87,10 +88,14 @@ class _ShapeRecorder(TorchDispatchMode):
 def model_shapes(model: torch.nn.Module, example_input) -> dict:
     """``{"matmul": [[a shape, b shape, count]], "conv": [[input, weight, stride, padding, dilation,
     groups, count]], "elementwise": [[numel, count]]}`` of one forward of ``model`` on ``example_input``
-    (under ``no_grad``, on the model's own device: build a large model on ``meta``)."""
+    (under ``no_grad``, on the model's own device: build a large model on ``meta``); its neurons are
+    reset afterwards."""
     recorder = _ShapeRecorder()
-    with torch.no_grad(), recorder:
-        model(example_input)
+    try:
+        with torch.no_grad(), recorder:
+            model(example_input)
+    finally:
+        reset_all(model)  # the neurons' state of this forward is no state of the user's
     return {"matmul": [[list(a), list(b), n] for (a, b), n in recorder.matmul.items()],
             "conv": [[list(k[0]), list(k[1]), list(k[2]), list(k[3]), list(k[4]), k[5], n]
                      for k, n in recorder.conv.items()],
