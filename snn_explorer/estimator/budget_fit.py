@@ -183,7 +183,9 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     plans = enumerate_plans(analysis, world_size=world_size, batch_size=batch_size,
                             features=FIT_FEATURES if features is None else features)
     hardware = resolve_hardware(hardware)
-    offload = hardware.host_link_bytes_per_s is not None  # what the estimate models
+    # what the estimate models: the host-memory levers are not in the GPU trace yet, so a GPU profile does not offer
+    # them (their estimate, on the operator-count model, would be compared with traced plans)
+    offload = hardware.host_link_bytes_per_s is not None and not hardware.kernel_model
     shard_offload = offload and hardware.host_adam_params_per_s is not None and optimizer in HOST_OPTIMIZERS
     estimate_of = remembered(plan_estimator(model, example_input, labels, hardware=hardware, optimizer=optimizer,
                                             layout=layout))  # the block and chunk choices ask for some variants again
@@ -213,8 +215,12 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
 
 
 def _unsearched_offload(offload: bool, shard_offload: bool, hardware, optimizer: str) -> Dict[str, str]:
-    """Why FSDP2's CPU offload was not searched on a profile that offloads otherwise ({} where it was, or where no
-    offload is searched at all)."""
+    """Why FSDP2's CPU offload was not searched on a profile that offloads otherwise, and why neither offload was on a
+    GPU profile ({} where they were, or where the profile has no host link)."""
+    if hardware.kernel_model and hardware.host_link_bytes_per_s is not None:
+        why = f"the host-memory levers are not in {hardware.name!r}'s GPU trace yet"
+        return {"+offload (FSDP2 CPU offload)": f"not searched: {why}",
+                "+offload (activations to host)": f"not searched: {why}"}
     if not offload or shard_offload:
         return {}
     why = (f"optimizer={optimizer!r}: the host step is timed for {HOST_OPTIMIZERS} only"

@@ -212,6 +212,13 @@ def _with_levers(profile, plan, n: int, t: int, hardware, optimizer: str):
     return profile, extra_s
 
 
+def untraced_levers(plan) -> list:
+    """The plan's levers the GPU trace does not model yet (host-memory offload, spikes stored as bits): a GPU
+    profile estimates such a plan on the operator-count model (its verdict says so)."""
+    return [name for name, on in (("activation offload", plan.activation_offload), ("FSDP2 CPU offload",
+            plan.cpu_offload), ("spike compression", plan.spike_compression)) if on]
+
+
 def _params(profile, plan) -> list:
     """The parameters as one rank of ``plan`` holds them (:func:`local_params`)."""
     return local_params(profile.params, plan, profile.param_itemsizes or profile.compute_itemsize, profile.norm_layers)
@@ -223,7 +230,7 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
                                     hardware, optimizer)
     # the step (or each pipeline stage) as the GPU runs it (:mod:`.memory.gpu_trace`); the host-memory levers are not
     # traced yet: their plans keep the operator-count model on the GPU profile's rates (said in the verdict)
-    gpu = hardware.kernel_model and not (plan.activation_offload or plan.cpu_offload)
+    gpu = hardware.kernel_model and not untraced_levers(plan)
     if not gpu:  # refuses a run too long even shape-only, before anything runs at this size
         run_fits(profile, n, t)
     itemsize = profile.compute_itemsize  # activations sent between ranks: the precision's compute dtype
@@ -303,8 +310,9 @@ def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profil
         verdict += f"; stages timed as {hardware.name} runs their kernels"
     else:
         time = plan_time(plan, profile, collectives, per_rank, hardware, t, optimizer, host_optimizer_s)
-    if hardware.kernel_model and (plan.activation_offload or plan.cpu_offload):
-        verdict += "; host-memory offload is not in the GPU trace: counted by operator, not kernel by kernel"
+    if hardware.kernel_model and untraced_levers(plan):
+        verdict += (f"; {', '.join(untraced_levers(plan))} not in the GPU trace yet: counted by operator, not kernel "
+                    "by kernel")
     if hardware.kernel_model and plan.precision.mixed and plan.uses_pp:  # stages: no autocast on meta
         verdict += f"; the stages are traced in {profile.dtype}, their convolutions and matmuls timed in {plan.precision.name}"
     if extra_s:

@@ -1,5 +1,7 @@
 """estimate/: enumeration, table shapes, the per-step TP factor T, and estimation speed (no ranks)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -100,14 +102,16 @@ def test_estimates_reuse_one_run_per_batch_and_layout(monkeypatch):
     runs = []
     real = profile_mod._run_point
     monkeypatch.setattr(profile_mod, "_run_point", lambda *a, **k: runs.append(k.get("saved_only", True)) or real(*a, **k))
-    estimate(model, plans[0], example_input=x)
+    # the operator-count model's runs (a CPU-device profile; a GPU profile traces the step on meta instead)
+    cpu_side = dataclasses.replace(se.hardware_profile("A100-SXM-80GB"), device="cpu", kernel_model=False)
+    estimate(model, plans[0], example_input=x, hardware=cpu_side)
     runs.clear()
-    table = estimate_all(model, plans, example_input=x)
+    table = estimate_all(model, plans, example_input=x, hardware=cpu_side)
     layouts = {(p.per_rank_batch, tuple(sorted(p.tensor_parallel_plan.items())) if p.tp_size > 1 else ())
                for p in plans if not p.uses_pp}  # a pipeline's estimate reads the profile's fits only
     assert len(table) == len(plans) and runs.count(False) == len(layouts) - 1  # plans[0]'s was run before
     runs.clear()
-    estimate_all(model, plans, example_input=x)
+    estimate_all(model, plans, example_input=x, hardware=cpu_side)
     assert runs == []
     assert model_profile(model, x) is model_profile(model, x)
 
