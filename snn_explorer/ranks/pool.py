@@ -36,6 +36,8 @@ from .result import LaunchResult
 STACK_WAIT_S = 1.0
 #: Seconds a warm rank gets to say that this run's rank process has ended once it was ended.
 REAP_WAIT_S = 10.0
+#: Seconds :meth:`RankPool.close` waits for the killed processes to be gone.
+CLOSE_WAIT_S = 5.0
 _UNSET: Any = object()
 
 
@@ -99,7 +101,11 @@ class _Agent:
         """End the whole tree at once (nothing in it needs saving) and remove the folder."""
         if os.getpid() != self.owner:  # a forked copy of the owner: the pool is not this process's
             return
+        tree = self.pids()
         self.process.end(grace=0.0)
+        deadline = time.monotonic() + CLOSE_WAIT_S  # a killed process takes a moment to be gone (its ports too)
+        while any(_running(pid) for pid in tree) and time.monotonic() < deadline:
+            time.sleep(0.01)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
