@@ -231,8 +231,8 @@ def test_the_harness_reuses_one_warm_pool(rank_pool):  # noqa: F811
     from distributed_harness import run_on_ranks, warm_pool
 
     assert warm_pool(2) is rank_pool
-    warm = _warm_pids(rank_pool)
     assert run_on_ranks(dist.get_rank, 2) == [0, 1]
+    warm = _warm_pids(rank_pool)
     assert run_on_ranks(_state_of_a_rank, 2, 1)[0][0] == 3.0
     assert _warm_pids(rank_pool) == warm
     ranks_of_fresh = run_on_ranks(os.getppid, 2, fresh_launch=True)
