@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..core.validate import positive_int, positive_number
 from . import channel, process, warm
-from .engine import _rank_env, _running, follow, resolve_backend, with_retries
+from .engine import _rank_env, _running, follow, resolve_backend, run, with_retries
 from .errors import LaunchError
 from .progress import START_TIMEOUT_S, Tracker
 from .result import LaunchResult
@@ -282,8 +282,6 @@ class RankPool:
                pg_timeout: Optional[float] = None, env: Optional[Mapping[str, Optional[str]]] = None,
                progress=False, log_dir: Optional[str] = None) -> LaunchResult:
         """:func:`~snn_explorer.ranks.run` on this pool's ranks (``timeout`` defaults to the pool's)."""
-        from .engine import run
-
         return run(fn, args, kwargs, nprocs=self.nprocs, backend=self.backend,
                    timeout=self.timeout if timeout is _UNSET else timeout, time_limit=time_limit,
                    pg_timeout=pg_timeout, env=env, progress=progress, log_dir=log_dir, pool=self)
