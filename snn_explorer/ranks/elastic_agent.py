@@ -17,11 +17,9 @@ import socket
 import sys
 import time
 import traceback
-from datetime import timedelta
 
 import cloudpickle  # noqa: F401  (imported once here, inherited by the forked ranks)
 import torch
-from torch.distributed import TCPStore
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -32,6 +30,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from .. import compat
 from . import channel, process, rank, warm
+from .warm import loopback_store
 
 #: Seconds the ranks still running get to write their stacks after another rank failed.
 STACK_WAIT_S = 1.0
@@ -88,17 +87,6 @@ class ExitRecorder:
             recorder.record(processes)
             return result
         MultiprocessContext._poll = recording_poll
-
-
-def loopback_store(timeout_s: int = 60) -> TCPStore:
-    """A ``TCPStore`` server whose socket listens on 127.0.0.1 only (TCPStore alone binds every
-    interface, so the socket is bound first and handed over)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    port = sock.getsockname()[1]
-    return TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, master_listen_fd=sock.detach(),
-                    timeout=timedelta(seconds=timeout_s))
 
 
 class LoopbackBackend(C10dRendezvousBackend):

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..core.validate import positive_int, positive_number
 from . import channel, process, warm
-from .engine import _rank_env, _running, follow, resolve_backend, with_retries
+from .engine import _rank_env, _running, follow, resolve_backend, run, with_retries
 from .errors import LaunchError
 from .progress import START_TIMEOUT_S, Tracker
 from .result import LaunchResult
@@ -36,6 +36,8 @@ from .result import LaunchResult
 STACK_WAIT_S = 1.0
 #: Seconds a warm rank gets to say that this run's rank process has ended once it was ended.
 REAP_WAIT_S = 10.0
+#: Seconds :meth:`RankPool.close` waits for the killed processes to be gone.
+CLOSE_WAIT_S = 5.0
 _UNSET: Any = object()
 
 
@@ -99,7 +101,11 @@ class _Agent:
         """End the whole tree at once (nothing in it needs saving) and remove the folder."""
         if os.getpid() != self.owner:  # a forked copy of the owner: the pool is not this process's
             return
+        tree = self.pids()
         self.process.end(grace=0.0)
+        deadline = time.monotonic() + CLOSE_WAIT_S  # a killed process takes a moment to be gone (its ports too)
+        while any(_running(pid) for pid in tree) and time.monotonic() < deadline:
+            time.sleep(0.01)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -276,8 +282,6 @@ class RankPool:
                pg_timeout: Optional[float] = None, env: Optional[Mapping[str, Optional[str]]] = None,
                progress=False, log_dir: Optional[str] = None) -> LaunchResult:
         """:func:`~snn_explorer.ranks.run` on this pool's ranks (``timeout`` defaults to the pool's)."""
-        from .engine import run
-
         return run(fn, args, kwargs, nprocs=self.nprocs, backend=self.backend,
                    timeout=self.timeout if timeout is _UNSET else timeout, time_limit=time_limit,
                    pg_timeout=pg_timeout, env=env, progress=progress, log_dir=log_dir, pool=self)

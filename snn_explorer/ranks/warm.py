@@ -17,13 +17,16 @@ from __future__ import annotations
 import gc
 import json
 import os
+import socket
 import sys
 import tempfile
 import time
 import traceback
+from datetime import timedelta
 from typing import Optional
 
 import torch
+from torch.distributed import TCPStore
 
 from . import channel, process, rank
 
@@ -37,6 +40,17 @@ STORE_WAIT_S = 60.0
 #: warm rank's, over the run's environment.
 ELASTIC_KEYS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
                 "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+def loopback_store(timeout_s: int = 60) -> TCPStore:
+    """A ``TCPStore`` server whose socket listens on 127.0.0.1 only (TCPStore alone binds every
+    interface, so the socket is bound first and handed over)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    return TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, master_listen_fd=sock.detach(),
+                    timeout=timedelta(seconds=timeout_s))
 
 
 def _next_job(pool_dir: str, number: int) -> dict:
@@ -55,7 +69,6 @@ def serve(pool_dir: str, backend: str) -> None:
     me = int(os.environ["RANK"])
     rank.exit_with_parent(os.getppid(), lambda: os._exit(70))
     process.become_subreaper()
-    from . import elastic_agent  # noqa: F401  (the agent runs it as __main__: imported once here, before the freeze)
     gc.collect()
     gc.freeze()  # what is imported now is shared with every run's fork and never scanned there
     channel.emit(pool_dir, me, "ready", pid=os.getpid())
@@ -92,8 +105,6 @@ def _serve_job(job: dict, me: int, backend: str) -> None:
 
 def _serve_store(run_dir: str, nprocs: int):
     """A loopback store for this run alone; its port goes to ``store_port`` for the rank processes."""
-    from .elastic_agent import loopback_store  # imported by serve() already
-
     store = loopback_store(timeout_s=int(STORE_WAIT_S))
     try:
         channel.write_atomic(channel.path(run_dir, "store_port"), str(store.port).encode())

@@ -15,6 +15,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from launch_helpers import gone
 from rank_pool_fixture import rank_pool  # noqa: F401  (fixture)
 from torch import nn
 
@@ -156,8 +157,7 @@ def test_a_dead_warm_rank_is_reported_and_the_pool_starts_again():
         os.kill(warm[1], signal.SIGKILL)
         assert pool.run(_state_of_a_rank, 2)[0][0] == 5.0
         assert pool._holder["agent"].process.pid != agent and not set(_warm_pids(pool)) & set(warm)
-        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                       for p in [agent, *warm])
+        assert all(gone(p) for p in [agent, *warm])
 
 
 def _listening(pids) -> set:
@@ -182,7 +182,7 @@ def test_the_pool_ends_with_its_block_and_leaves_nothing(tmp_path):
         ports = _listening(pids)
         assert len(pids) >= 3 and len(folder) == 1 and ports  # an agent, 2 warm ranks, its folder, its stores
     assert not [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
-    assert not [p for p in pids if psutil.pid_exists(p)]
+    assert all(gone(p) for p in pids)
     assert not _still_listening(ports)
     assert os.listdir(tmp_path) == []
     pool.close()  # a second close does nothing
@@ -193,12 +193,12 @@ def test_close_and_garbage_collection_end_the_pool(tmp_path):
     pool.run(_state_of_a_rank, 0)
     pids = pool.pids()
     pool.close()
-    assert pool.closed and not [p for p in pids if psutil.pid_exists(p)] and os.listdir(tmp_path) == []
+    assert pool.closed and all(gone(p) for p in pids) and os.listdir(tmp_path) == []
     pool = RankPool(2, tmp_dir=str(tmp_path))
     pids = [pool._holder["agent"].process.pid]
     del pool
     gc.collect()
-    assert not [p for p in pids if psutil.pid_exists(p)] and os.listdir(tmp_path) == []
+    assert all(gone(p) for p in pids) and os.listdir(tmp_path) == []
 
 
 EXITING = """
@@ -222,17 +222,17 @@ def test_the_pool_ends_with_the_interpreter(tmp_path, end):
     assert line[:2] == ["[0,", "1]"], done.stdout + done.stderr
     pids = [int(p) for p in line[2:]]
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and ([p for p in pids if psutil.pid_exists(p)] or os.listdir(tmp_path)):
+    while time.monotonic() < deadline and (not all(gone(p) for p in pids) or os.listdir(tmp_path)):
         time.sleep(0.2)
-    assert len(pids) >= 3 and not [p for p in pids if psutil.pid_exists(p)] and os.listdir(tmp_path) == []
+    assert len(pids) >= 3 and all(gone(p) for p in pids) and os.listdir(tmp_path) == []
 
 
 def test_the_harness_reuses_one_warm_pool(rank_pool):  # noqa: F811
     from distributed_harness import run_on_ranks, warm_pool
 
     assert warm_pool(2) is rank_pool
-    warm = _warm_pids(rank_pool)
     assert run_on_ranks(dist.get_rank, 2) == [0, 1]
+    warm = _warm_pids(rank_pool)
     assert run_on_ranks(_state_of_a_rank, 2, 1)[0][0] == 3.0
     assert _warm_pids(rank_pool) == warm
     ranks_of_fresh = run_on_ranks(os.getppid, 2, fresh_launch=True)
