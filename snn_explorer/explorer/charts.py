@@ -44,6 +44,12 @@ def _empty(ax, what: str) -> None:
     ax.set_axis_off()
 
 
+#: Legend words of the memory chart that need their definition beside them.
+MEMORY_LEGEND = {"transient_bytes": "transient (DDP buckets, FSDP2 gather / reduce buffers:\nalive in one phase only)"}
+PEAK_LEGEND = ("peak: persistent + the largest phase\n(the stack adds every part; they are\nnever all alive at once, "
+               "so it can\nreach above the peak)")
+
+
 def memory_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[str]] = None,
                  memory_budget: Optional[int] = None) -> Figure:
     """Stacked per-rank memory breakdown: a group of bars per plan, one bar per rank, one
@@ -54,7 +60,7 @@ def memory_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[st
         _empty(ax, "plans")
         return fig
     labels, colors = _labels(estimates, labels), [f"C{i}" for i in range(len(MEMORY_ROWS))]
-    ticks, x = [], 0.0
+    ticks, x, top = [], 0.0, 0.0
     for est in estimates:
         ranks = est.per_rank
         xs = [x + i for i in range(len(ranks))]
@@ -62,14 +68,16 @@ def memory_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[st
         for name, color in zip(MEMORY_ROWS, colors):
             values = (ranks[name] / MIB).tolist()
             ax.bar(xs, values, bottom=bottom, width=0.8, color=color,
-                   label=name.removesuffix("_bytes") if est is estimates[0] else None)
+                   label=MEMORY_LEGEND.get(name, name.removesuffix("_bytes")) if est is estimates[0] else None)
             bottom = [b + v for b, v in zip(bottom, values)]
+        top = max([top, *bottom, *(ranks["peak_bytes"] / MIB)])
         ax.scatter(xs, ranks["peak_bytes"] / MIB, marker="x", color="black",
-                   label="peak" if est is estimates[0] else None, zorder=3)
+                   label=PEAK_LEGEND if est is estimates[0] else None, zorder=3)
         ticks.append(x + (len(ranks) - 1) / 2)
         x += len(ranks) + 1
     _plan_ticks(ax, ticks, labels)
     _budget_line(ax, memory_budget)
+    ax.set_ylim(0, 1.08 * max(top, memory_budget / MIB if memory_budget else 0.0) or 1.0)  # no bar clipped
     ax.set_ylabel("MiB per rank")
     ax.set_title("memory per rank (one bar per rank; x: estimated peak)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
