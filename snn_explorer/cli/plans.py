@@ -18,7 +18,8 @@ from .options import memory_budget_bytes, plan_choices
 #: The rows of the compact comparison (``--wide``: every row, the plans' rationale and notes too).
 COMPACT_ROWS = ("objective", "mode", "mesh", "precision", "optimizer_strategy", "batch_per_rank", "time_steps",
                 "pipeline", "bubble_fraction") + MEMORY_ROWS + (
-    "peak_bytes_max", "comm_bytes_per_step", "collectives_per_step", "step_time_s", "samples_per_s", "fits_budget")
+    "peak_bytes_max", "comm_bytes_per_step", "wire_bytes_per_step", "collectives_per_step", "step_time_s",
+    "samples_per_s", "fits_budget")
 
 
 def roots(args) -> Optional[List[str]]:

@@ -235,6 +235,9 @@ def _dry_run(model: nn.Module, x: torch.Tensor, part: torch.Tensor, layout: "Dat
     try:
         reset(model)
         return look(layout.run(model, part))
+    except IndexError as exc:  # x[step] past the part's steps: a loop over a fixed num_steps
+        t = 1 if layout.input == "batch_major" else 0
+        raise fixed_loop_error(x.shape[t], part.shape[t], exc) from exc
     except RuntimeError as exc:
         raise ValueError(f"the model does not run on example_input of shape {tuple(x.shape)} ({x.dtype}; its part "
                          f"{tuple(part.shape)} read as {_TEXT[layout.input]} was tried): {exc}; give a batch the "
@@ -351,3 +354,13 @@ def _detected(model: nn.Module, x: torch.Tensor, reset, labels, time_steps, assu
     output, out_how = output_layout_of(model, x, found, reset)
     layout = DataLayout(found, output)
     return layout, f"{layout.name}: {verb} ({how}; {out_how})"
+
+
+def fixed_loop_error(example_steps: int, t: int, exc: BaseException) -> ValueError:
+    """The one-line refusal of a model whose forward loops a fixed number of time steps (an snntorch
+    tutorial's ``for step in range(num_steps)``): it runs at the ``example_steps`` it was written for, but
+    indexes past a batch of ``t`` steps, and the estimator fits memory and time from runs at a few ``T``."""
+    return ValueError(
+        f"the model fails on {t} time steps ({type(exc).__name__}: {exc}) though it runs on the example's "
+        f"{example_steps}: its forward loops a fixed number of steps (for step in range(num_steps)); loop over "
+        "the input's steps instead: for step in range(x.shape[0])")

@@ -325,6 +325,21 @@ class SNNDistributedPlan:
             data["experimental_features"] = DistributedFeatureSet.from_dict(data["experimental_features"])
         return cls(**data)
 
+    @property
+    def label(self) -> str:
+        """``dp+zero dp=4``, ``fsdp2+reshard dp=4``, ``pp pp=2 x dp=2 1f1b m=8``, ``tp tp=2 bf16``: mode, ZeRO,
+        FSDP2's resharding after forward (memopt_level 1; kept gathered: no mark), levers, mesh, the pipeline's
+        schedule and a half precision; every table and chart names a plan by it."""
+        mode = (f"{self.mode}{'+zero' if self.uses_zero else ''}{'+reshard' if self.reshard_after_forward else ''}"
+                f"{lever_label(self)}")
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
+        pipeline = ""
+        if self.uses_pp:
+            virtual = f" v={self.pp_virtual_stages}" if self.pp_virtual_stages > 1 else ""
+            pipeline = f"{self.pp_schedule} m={self.pp_microbatches}{virtual}"
+        precision = self.precision.label if self.precision.mixed else ""
+        return " ".join(filter(None, (mode, mesh, pipeline, precision)))
+
     def __repr__(self) -> str:
         dims = "x".join(f"{n}{s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
         extra = "+zero" if self.uses_zero else ""
@@ -332,5 +347,6 @@ class SNNDistributedPlan:
             extra = f" {self.pp_schedule} x{self.pp_microbatches}"
         if self.precision.mixed:
             extra += f" {self.precision.label}"
+        extra += "+reshard" if self.reshard_after_forward else ""
         return (f"SNNDistributedPlan({self.mode}{extra}{lever_label(self)} on {dims}, objective={self.objective}, "
                 f"batch={self.batch_size})")

@@ -101,8 +101,8 @@ class FitResult:
 
 
 def _name(plan: SNNDistributedPlan) -> str:
-    mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.mesh_dim_names, plan.mesh_shape))
-    return f"{plan.mode}{'+zero' if plan.uses_zero else ''} {mesh}{lever_label(plan)}"
+    """The plan's label, as Compare and the charts show it (resharding and levers included)."""
+    return plan.label
 
 
 def _row(plan, est: Optional[PlanEstimate], base: Optional[PlanEstimate], budget: int, outcome, why: str) -> dict:

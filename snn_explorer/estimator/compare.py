@@ -34,7 +34,9 @@ def compare_estimate(estimate: PlanEstimate, measurement: PlanMeasurement) -> Di
     for col in PER_RANK_COLUMNS[1:]:
         out[f"{col}_est"], out[f"{col}_meas"] = per_rank[f"{col}_est"], per_rank[f"{col}_meas"]
         out[f"{col}_rel_err"] = _rel(per_rank[f"{col}_est"], per_rank[f"{col}_meas"])
-    coll = estimate.collectives.merge(measurement.collectives, on=_KEYS, how="outer", suffixes=("_est", "_meas"))
+    columns = list(COLLECTIVE_COLUMNS)  # the estimate's wire bytes have no measured side
+    coll = estimate.collectives[columns].merge(measurement.collectives[columns], on=_KEYS, how="outer",
+                                               suffixes=("_est", "_meas"))
     coll = coll.fillna({c: 0 for c in coll.columns if c not in _KEYS})
     comm = coll[_KEYS].copy()
     for col in COLLECTIVE_COLUMNS[3:]:

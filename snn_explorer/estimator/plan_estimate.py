@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import html
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import pandas as pd
@@ -56,7 +57,9 @@ from .profile.profiling import ModelProfile, model_profile, plan_profile, run_fi
 from .profile.step import check_inputs, check_optimizer, resolve_layout
 from .timing.collectives import pipeline_tp_collectives, step_collectives
 from .timing.gpu_kernels import gpu_pipeline_time, gpu_plan_time
+from .timing.per_step_gathers import per_step_gather_note
 from .timing.step_time import plan_time
+from .timing.wire_bytes import with_wire_bytes
 
 
 def _mib(n: float) -> str:
@@ -91,6 +94,8 @@ class PlanEstimate:
     #: where N and T sit in the model's input and output, and how that was found (given or detected)
     data_layout: Optional[DataLayout] = None
     data_layout_how: str = ""
+    #: what the numbers hide, said with their cost (FSDP2's all-gathers repeated at every time step)
+    notes: Tuple[str, ...] = ()
 
     @property
     def batch_per_rank(self) -> int:
@@ -107,7 +112,14 @@ class PlanEstimate:
 
     @property
     def comm_bytes(self) -> int:
+        """The buffers of a step's collectives, summed (what the collectives are handed, not what they send)."""
         return int(self.collectives["bytes"].sum()) if len(self.collectives) else 0
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes each rank sends on the wire over a step, by the algorithm its backend runs every collective
+        with (:mod:`.timing.wire_bytes`)."""
+        return int(self.collectives["wire_bytes"].sum()) if len(self.collectives) else 0
 
     @property
     def step_time_s(self) -> float:
@@ -124,12 +136,13 @@ class PlanEstimate:
         return dict(mode=p.mode + ("+zero" if p.uses_zero else ""),
                     mesh=" x ".join(f"{n}={s}" for n, s in zip(p.mesh_dim_names, p.mesh_shape)),
                     batch=p.batch_size, batch_per_rank=p.per_rank_batch, time_steps=self.time_steps,
-                    peak_bytes=self.peak_bytes, comm_bytes=self.comm_bytes,
+                    peak_bytes=self.peak_bytes, comm_bytes=self.comm_bytes, wire_bytes=self.wire_bytes,
                     collectives=int(self.collectives["count"].sum()) if len(self.collectives) else 0,
                     step_time_s=self.step_time_s, samples_per_s=self.samples_per_s, verdict=self.verdict)
 
     def _repr_html_(self) -> str:
-        return (f"<p>{self.plan!r}: {self.verdict}</p>" + self.per_rank.to_html(index=False)
+        notes = "".join(f"<p>note: {html.escape(n)}</p>" for n in self.notes)
+        return (f"<p>{self.plan!r}: {self.verdict}</p>" + notes + self.per_rank.to_html(index=False)
                 + self.collectives.to_html(index=False) + self.time.to_html(index=False))
 
 
@@ -280,21 +293,29 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
         rows.append(dict(**b, buffers_bytes=buffers, activations_bytes=round(activations),
                          neuron_state_bytes=round(state), transient_bytes=round(transient), peak_bytes=round(peak)))
     per_rank = _per_rank(rows, dp_roles(params, plan), plan)
+    # the step with every unit called once: what FSDP2 would gather without a per-step model's repeats
+    once = step_collectives(plan, params, profile, 1, itemsize, timeline) if plan.uses_fsdp else None
     return _finish(plan, per_rank, step_collectives(plan, params, profile, t, itemsize, timeline), t, optimizer,
-                   memory_budget, profile, hardware, step=step, extra_s=extra_s, timeline=timeline,
+                   memory_budget, profile, hardware, step=step, extra_s=extra_s, timeline=timeline, once=once,
                    host_optimizer_s=functools.partial(host_optimizer_seconds, params, plan, hardware)
                    if plan.cpu_offload else None)
 
 
 def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profile, hardware,
-            pipeline=None, step=None, extra_s: float = 0.0, host_optimizer_s=None, timeline=None) -> PlanEstimate:
+            pipeline=None, step=None, extra_s: float = 0.0, host_optimizer_s=None, timeline=None,
+            once=None) -> PlanEstimate:
     """The estimate with its verdict and step time, from the per-rank table and the collective rows;
     ``extra_s`` is time a lever adds to every rank's step (spike compression's check, pack, unpack; activation
-    offload's copies to the host and back)."""
+    offload's copies to the host and back); ``once``: the collective rows of the step with every unit called once
+    (FSDP2 plans: the note on the gathers repeated at every time step compares with them)."""
     collectives = pd.DataFrame(collective_rows, columns=COLLECTIVE_COLUMNS)
+    wire = with_wire_bytes(collectives, plan, hardware)
+    notes = () if once is None else tuple(filter(None, [per_step_gather_note(
+        plan, wire, pd.DataFrame(once, columns=COLLECTIVE_COLUMNS), hardware, t)]))
     peak = int(per_rank["peak_bytes"].max())
     if memory_budget is None:
-        verdict = f"peak {_mib(peak)} per rank; {collectives['bytes'].sum() / 2 ** 20:.2f} MiB communicated per step"
+        verdict = (f"peak {_mib(peak)} per rank; collectives on {collectives['bytes'].sum() / 2 ** 20:.2f} MiB of "
+                   f"buffers per step, {wire['wire_bytes'].sum() / 2 ** 20:.2f} MiB sent on the wire per rank")
         if plan.world_size == 1:
             verdict = f"peak {_mib(peak)}; nothing communicated (one rank)"
     elif peak <= memory_budget:
@@ -317,9 +338,9 @@ def _finish(plan, per_rank, collective_rows, t, optimizer, memory_budget, profil
         verdict += f"; the stages are traced in {profile.dtype}, their convolutions and matmuls timed in {plan.precision.name}"
     if extra_s:
         time = time.assign(compute_s=time["compute_s"] + extra_s, step_s=time["step_s"] + extra_s)
-    return PlanEstimate(plan=plan, per_rank=per_rank, collectives=collectives, verdict=verdict, time_steps=t,
+    return PlanEstimate(plan=plan, per_rank=per_rank, collectives=wire, verdict=verdict, time_steps=t,
                         optimizer=optimizer, memory_budget=memory_budget, time=time, hardware=hardware,
-                        pipeline=pipeline, recompute_forward_fraction=recompute_fraction(profile, plan, t))
+                        pipeline=pipeline, recompute_forward_fraction=recompute_fraction(profile, plan, t), notes=notes)
 
 
 def estimate_all(model: nn.Module, plans, *, example_input: torch.Tensor, **kwargs) -> pd.DataFrame:

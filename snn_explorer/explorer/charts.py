@@ -44,6 +44,12 @@ def _empty(ax, what: str) -> None:
     ax.set_axis_off()
 
 
+#: Legend words of the memory chart that need their definition beside them.
+MEMORY_LEGEND = {"transient_bytes": "transient (DDP buckets, FSDP2 gather / reduce buffers:\nalive in one phase only)"}
+PEAK_LEGEND = ("peak: persistent + the largest phase\n(the stack adds every part; they are\nnever all alive at once, "
+               "so it can\nreach above the peak)")
+
+
 def memory_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[str]] = None,
                  memory_budget: Optional[int] = None) -> Figure:
     """Stacked per-rank memory breakdown: a group of bars per plan, one bar per rank, one
@@ -54,7 +60,7 @@ def memory_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[st
         _empty(ax, "plans")
         return fig
     labels, colors = _labels(estimates, labels), [f"C{i}" for i in range(len(MEMORY_ROWS))]
-    ticks, x = [], 0.0
+    ticks, x, top = [], 0.0, 0.0
     for est in estimates:
         ranks = est.per_rank
         xs = [x + i for i in range(len(ranks))]
@@ -62,42 +68,60 @@ def memory_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[st
         for name, color in zip(MEMORY_ROWS, colors):
             values = (ranks[name] / MIB).tolist()
             ax.bar(xs, values, bottom=bottom, width=0.8, color=color,
-                   label=name.removesuffix("_bytes") if est is estimates[0] else None)
+                   label=MEMORY_LEGEND.get(name, name.removesuffix("_bytes")) if est is estimates[0] else None)
             bottom = [b + v for b, v in zip(bottom, values)]
+        top = max([top, *bottom, *(ranks["peak_bytes"] / MIB)])
         ax.scatter(xs, ranks["peak_bytes"] / MIB, marker="x", color="black",
-                   label="peak" if est is estimates[0] else None, zorder=3)
+                   label=PEAK_LEGEND if est is estimates[0] else None, zorder=3)
         ticks.append(x + (len(ranks) - 1) / 2)
         x += len(ranks) + 1
     _plan_ticks(ax, ticks, labels)
     _budget_line(ax, memory_budget)
+    ax.set_ylim(0, 1.08 * max(top, memory_budget / MIB if memory_budget else 0.0) or 1.0)  # no bar clipped
     ax.set_ylabel("MiB per rank")
     ax.set_title("memory per rank (one bar per rank; x: estimated peak)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
 
 
-def _traffic(est: PlanEstimate) -> pd.Series:
+#: What :func:`comm_chart` can show: the column of the collectives table, the axis label and the title.
+COMM_MEASURES = {
+    "wire": ("wire_bytes", "MiB sent on the wire per step, per rank",
+             "communication per step: bytes each rank sends on the wire (by algorithm)"),
+    "buffer": ("bytes", "MiB of collective buffers per step, per rank",
+               "communication per step: the buffers handed to the collectives (their sizes, not the traffic)"),
+}
+
+
+def _traffic(est: PlanEstimate, column: str) -> pd.Series:
     c = est.collectives
     if not len(c):
         return pd.Series(dtype=float)
-    return c.assign(key=c["mesh_dim"] + " " + c["kind"]).groupby("key")["bytes"].sum() / MIB
+    return c.assign(key=c["mesh_dim"] + " " + c["kind"]).groupby("key")[column].sum() / MIB
 
 
-def comm_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[str]] = None) -> Figure:
-    """Bytes communicated per step and rank, one stacked bar per plan, a segment per mesh dim x collective."""
+def comm_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[str]] = None,
+               measure: str = "wire") -> Figure:
+    """Communication per step and rank, one stacked bar per plan, a segment per mesh dim x collective:
+    ``measure="wire"`` the bytes each rank sends on the wire (the algorithm's share of each buffer: ring
+    all-reduce ``2 (p - 1) / p``, all-gather ``(p - 1) / p``, ...), ``"buffer"`` the buffers the collectives
+    are handed. The title and the axis say which."""
+    if measure not in COMM_MEASURES:
+        raise ValueError(f"measure={measure!r}; expected one of {tuple(COMM_MEASURES)}")
+    column, ylabel, title = COMM_MEASURES[measure]
     fig, ax = _figure()
     if not estimates:
         _empty(ax, "plans")
         return fig
     labels = _labels(estimates, labels)
-    table = pd.DataFrame([_traffic(e) for e in estimates], index=labels).fillna(0.0)
+    table = pd.DataFrame([_traffic(e, column) for e in estimates], index=labels).fillna(0.0)
     bottom = [0.0] * len(labels)
     for i, key in enumerate(sorted(table.columns)):
         ax.bar(range(len(labels)), table[key].tolist(), bottom=bottom, color=f"C{i}", label=key)
         bottom = [b + v for b, v in zip(bottom, table[key])]
     _plan_ticks(ax, range(len(labels)), labels)
-    ax.set_ylabel("MiB per step and rank")
-    ax.set_title("communication per step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     if len(table.columns):
         ax.legend(fontsize=7)
     return fig
@@ -124,17 +148,27 @@ def coinciding(points: Sequence[tuple], labels: Sequence[str], digits: int = 3) 
 TIME_PARTS = (("compute_s", "compute"), ("exposed_comm_s", "exposed communication"), ("bubble_s", "pipeline bubble"))
 
 
+def step_time_parts(est: PlanEstimate) -> pd.Series:
+    """The step-time bar of one plan, from its time table: the slowest rank's row; for a pipeline (whose ranks
+    end the step together, each idle a different share of it) the mean over the ranks, so the bubble bar is the
+    ranks' mean idle time and compute + communication + bubble is the step."""
+    table = est.time
+    if est.plan.uses_pp:
+        return table[[c for c, _ in TIME_PARTS] + ["step_s"]].mean()
+    return table.loc[table["step_s"].idxmax()]
+
+
 def step_time_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[str]] = None,
                     measured: Optional[Sequence[Optional[float]]] = None) -> Figure:
-    """Predicted step time per plan (slowest rank), one bar split into compute / exposed
-    communication / pipeline bubble; ``measured`` (seconds, None where not measured) adds a
-    black mark per plan."""
+    """Predicted step time per plan, one bar split into compute / exposed communication / pipeline bubble
+    (:func:`step_time_parts`: the slowest rank; a pipeline's ranks on average, the bubble its own segment);
+    ``measured`` (seconds, None where not measured) adds a black mark per plan."""
     fig, ax = _figure()
     if not estimates:
         _empty(ax, "plans")
         return fig
     labels = _labels(estimates, labels)
-    rows = [e.time.loc[e.time["step_s"].idxmax()] for e in estimates]
+    rows = [step_time_parts(e) for e in estimates]
     bottom = [0.0] * len(rows)
     for i, (column, name) in enumerate(TIME_PARTS):
         values = [1e3 * r[column] for r in rows]
@@ -146,8 +180,10 @@ def step_time_chart(estimates: Sequence[PlanEstimate], labels: Optional[Sequence
                    label="measured", zorder=3)
     _plan_ticks(ax, range(len(rows)), labels)
     ax.set_ylabel("ms per step")
+    ax.set_ylim(0, 1.12 * max(bottom + [1e3 * m for m in (measured or []) if m is not None]) or 1.0)
     hardware = estimates[0].hardware
-    ax.set_title("predicted step time" + (f" on {hardware.name}" if hardware is not None else ""))
+    pipelines = " (pipelines: mean over ranks)" if any(e.plan.uses_pp for e in estimates) else " (slowest rank)"
+    ax.set_title("predicted step time" + (f" on {hardware.name}" if hardware is not None else "") + pipelines)
     legend = ax.legend(fontsize=7)
     for handle in legend.legend_handles:  # the measured mark, 900 pt² on the bars, stays beside its word
         if hasattr(handle, "set_sizes"):

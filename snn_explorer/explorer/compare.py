@@ -7,20 +7,23 @@ from typing import Optional, Sequence
 import pandas as pd
 
 from ..core import SNNDistributedPlan
-from ..core.memory_levers import lever_label
 from ..estimator import PlanEstimate
 
 #: Per-rank memory components (each row holds the largest value over the plan's ranks).
 MEMORY_ROWS = ("params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes", "activations_bytes",
                "neuron_state_bytes", "transient_bytes")
 #: Numeric rows where the smallest value is best (highlighted).
-BEST_LOW = MEMORY_ROWS + ("peak_bytes_max", "comm_bytes_per_step", "collectives_per_step", "step_time_s",
+BEST_LOW = MEMORY_ROWS + ("peak_bytes_max", "comm_bytes_per_step", "wire_bytes_per_step", "collectives_per_step",
+                          "step_time_s",
                           "bubble_fraction")
 #: Numeric rows where the largest value is best (highlighted). Every other row is never highlighted.
 BEST_HIGH = ("samples_per_s",)
 TEXT_ROWS = ("objective", "mode", "mesh", "optimizer_strategy", "memopt_level", "batch", "batch_per_rank",
              "time_steps", "rationale", "notes", "verdict", "hardware")
-COMPARE_ROWS = TEXT_ROWS + MEMORY_ROWS + ("peak_bytes_max", "comm_bytes_per_step", "collectives_per_step",
+#: ``comm_bytes_per_step``: the collectives' buffers, summed; ``wire_bytes_per_step``: what each rank sends on the
+#: wire for them, by the algorithm its backend runs (:mod:`snn_explorer.estimator.timing.wire_bytes`).
+COMPARE_ROWS = TEXT_ROWS + MEMORY_ROWS + ("peak_bytes_max", "comm_bytes_per_step", "wire_bytes_per_step",
+                                          "collectives_per_step",
                                           "step_time_s", "samples_per_s", "fits_budget")
 #: Rows added after :data:`COMPARE_ROWS` when a compared plan is a pipeline (a plan without one: "" and 0).
 PIPELINE_ROWS = ("pipeline", "bubble_fraction")
@@ -45,12 +48,9 @@ def pipeline_text(plan: SNNDistributedPlan) -> str:
 
 
 def plan_label(plan: SNNDistributedPlan) -> str:
-    """``dp+zero dp=4``, ``pp pp=2 x dp=2 1f1b m=8``, ``tp tp=2 bf16``: mode, ZeRO, levers, mesh, the
-    pipeline's schedule and a half precision."""
-    zero = "+zero" if plan.uses_zero else ""
-    precision = plan.precision.label if plan.precision.mixed else ""
-    return " ".join(filter(None, (f"{plan.mode}{zero}{lever_label(plan)}", mesh_text(plan), pipeline_text(plan),
-                                  precision)))
+    """``dp+zero dp=4``, ``fsdp2+reshard dp=4``, ``pp pp=2 x dp=2 1f1b m=8``: the plan's
+    :attr:`~snn_explorer.core.SNNDistributedPlan.label` (the Fit table names plans by it too)."""
+    return plan.label
 
 
 def unique_labels(plans: Sequence[SNNDistributedPlan]) -> list:
@@ -62,17 +62,36 @@ def _column(est: PlanEstimate, budget: Optional[int]) -> dict:
     p, per_rank = est.plan, est.per_rank
     col = dict(objective=p.objective, mode=p.mode, mesh=mesh_text(p), optimizer_strategy=p.optimizer_strategy,
                memopt_level=p.memopt_level, batch=p.batch_size, batch_per_rank=p.per_rank_batch,
-               time_steps=est.time_steps, rationale=" ".join(p.rationale), notes=" ".join(p.notes),
+               time_steps=est.time_steps, rationale=" ".join(p.rationale), notes=" ".join(_notes(est)),
                verdict=est.verdict, hardware=est.hardware.name if est.hardware is not None else "",
                precision=p.precision.label)
     col.update({name: int(per_rank[name].max()) for name in MEMORY_ROWS})
     col.update(peak_bytes_max=est.peak_bytes, comm_bytes_per_step=est.comm_bytes,
+               wire_bytes_per_step=est.wire_bytes,
                collectives_per_step=int(est.collectives["count"].sum()) if len(est.collectives) else 0,
                step_time_s=est.step_time_s, samples_per_s=est.samples_per_s,
                fits_budget="" if budget is None else ("yes" if est.peak_bytes <= budget else "no"),
                pipeline=pipeline_text(p) + (f" stages {p.pp_layout}" if p.pp_layout else ""),
                bubble_fraction=est.bubble_fraction)
     return col
+
+
+def _notes(est: PlanEstimate) -> list:
+    """The plan's notes, then the estimate's (what its numbers hide, with their cost)."""
+    return list(est.plan.notes) + list(est.notes)
+
+
+def _shared_notes(estimates: Sequence[PlanEstimate], data: dict) -> None:
+    """Each column's ``notes`` without the notes every compared plan has (said once per column as a count,
+    so a row of several plans does not repeat the same paragraphs in every column)."""
+    if len(estimates) < 2:
+        return
+    shared = set.intersection(*(set(_notes(e)) for e in estimates))
+    if not shared:
+        return
+    for column, est in zip(data.values(), estimates):
+        own = [n for n in _notes(est) if n not in shared]
+        column["notes"] = " ".join(own + [f"[{len(shared)} note(s) shared by every plan: compare one plan to read them]"])
 
 
 def compare_table(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[str]] = None,
@@ -84,6 +103,7 @@ def compare_table(estimates: Sequence[PlanEstimate], labels: Optional[Sequence[s
     if len(labels) != len(estimates) or len(set(labels)) != len(labels):
         raise ValueError(f"need one distinct label per estimate, got {labels!r} for {len(estimates)} estimates")
     data = {label: _column(e, memory_budget) for label, e in zip(labels, estimates)}
+    _shared_notes(estimates, data)
     rows = COMPARE_ROWS + (PIPELINE_ROWS if any(e.plan.uses_pp for e in estimates) else ())
     if any(e.plan.precision.mixed for e in estimates):
         at = rows.index("mesh") + 1

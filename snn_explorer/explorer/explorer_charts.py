@@ -27,9 +27,10 @@ class ExplorerCharts:
         """Stacked per-rank memory of each plan (a Figure), ``memory_budget`` (bytes) as a line."""
         return self._chart("memory_chart", plans, time_steps, memory_budget=memory_budget)
 
-    def comm_chart(self, plans=None, *, time_steps=None):
-        """Communication per step of each plan (a Figure)."""
-        return self._chart("comm_chart", plans, time_steps)
+    def comm_chart(self, plans=None, *, time_steps=None, measure="wire"):
+        """Communication per step of each plan (a Figure): ``measure="wire"`` the bytes each rank sends on the
+        wire, ``"buffer"`` the collectives' buffers (:func:`~snn_explorer.explorer.charts.comm_chart`)."""
+        return self._chart("comm_chart", plans, time_steps, measure=measure)
 
     def step_time_chart(self, plans=None, *, time_steps=None, measured=None):
         """Predicted step time per plan split into compute / exposed communication / bubble;

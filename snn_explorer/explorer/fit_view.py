@@ -4,6 +4,7 @@ with the Pareto front. Everything here reads the fit's own table; nothing is est
 from __future__ import annotations
 
 import html
+import re
 
 import pandas as pd
 from matplotlib.figure import Figure
@@ -41,6 +42,14 @@ def _saves(row) -> str:
     return format_bytes(int(row["unlevered_peak_bytes"] - row["peak_bytes"]))
 
 
+_RAW_BYTES = re.compile(r"\b(\d+) B\b")
+
+
+def readable_why(text: str) -> str:
+    """``why`` with its raw byte counts (``peak 123456 B``) in the units the table's other cells use."""
+    return _RAW_BYTES.sub(lambda m: format_bytes(int(m.group(1))), text)
+
+
 def fit_table(result: FitResult) -> pd.DataFrame:
     """Every candidate (the chosen first), bytes and seconds readable: ``lever saves`` is the peak its
     lever took off the same plan without it (negative: it added), ``lever time`` what it adds per step."""
@@ -52,7 +61,7 @@ def fit_table(result: FitResult) -> pd.DataFrame:
         "step time": [format_seconds(v) if pd.notna(v) else "" for v in t["step_time_s"]],
         "lever time": [format_seconds(v) if lv != "-" and pd.notna(v) and pd.notna(s) else ""
                        for v, lv, s in zip(t["lever_time_s"], t["levers"], t["step_time_s"])],
-        "outcome": [str(o) for o in t["outcome"]], "why": t["why"]})
+        "outcome": [str(o) for o in t["outcome"]], "why": [readable_why(str(w)) for w in t["why"]]})
     return out[list(FIT_VIEW_COLUMNS)]
 
 

@@ -98,15 +98,21 @@ class LaunchPanel:
 
     # ---- the plan choice
     def sync(self) -> None:
-        """Offer the plans the comparison shows (keeping the chosen one while it is shown)."""
+        """Offer the plans the comparison shows: when the plan on screen (the controls' current plan, or the
+        pinned plan of its layout) changed, choose it; else keep the chosen one while it is shown."""
         options = [(label, plan) for label, plan in self.ui.shown()]
         keep = self.plan.value
         self.plan.options = options
         plans = [p for _, p in options]
-        if keep in plans:
+        current = self.ui.current
+        at = self.ui.ex.index_of(current) if current is not None else None
+        on_screen = self.ui.ex.plans[at] if at is not None else current if current in plans else None
+        moved = current != getattr(self, "_on_screen", None)
+        self._on_screen = current
+        if on_screen is not None and (moved or keep not in plans):
+            self.plan.value = on_screen
+        elif keep in plans:
             self.plan.value = keep
-        elif self.ui.current in plans:
-            self.plan.value = self.ui.current
 
     def chosen(self) -> SNNDistributedPlan:
         if self.plan.value is None:

@@ -48,4 +48,5 @@ def test_the_notebook_extra_holds_jupyterlab():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
         extras = tomllib.load(fh)["project"]["optional-dependencies"]
     assert any(req.startswith("jupyterlab") for req in extras["notebook"])
+    assert any(req.startswith("voila") for req in extras["notebook"])  # a notebook as a dashboard for a class
     assert not any("spikingjelly" in req for group in extras.values() for req in group)

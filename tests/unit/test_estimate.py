@@ -58,7 +58,7 @@ def test_tables_have_the_issue_columns_and_a_verdict():
     plan = _plans(zoo, 2)[0]
     est = estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels)
     assert tuple(est.per_rank.columns) == PER_RANK_COLUMNS and list(est.per_rank["rank"]) == [0, 1]
-    assert tuple(est.collectives.columns) == COLLECTIVE_COLUMNS
+    assert tuple(est.collectives.columns) == COLLECTIVE_COLUMNS + ("algorithm", "wire_bytes")
     assert est.summary()["batch_per_rank"] == zoo.batch_size // 2
     fits = estimate(zoo.model, plan, example_input=zoo.example_input, memory_budget=10 * 2 ** 20, labels=zoo.labels)
     tight = estimate(zoo.model, plan, example_input=zoo.example_input, memory_budget=1000, labels=zoo.labels)

@@ -139,13 +139,16 @@ def test_charts_are_figures_of_the_fixed_size_with_one_bar_per_rank_and_componen
         assert tuple(fig.get_size_inches()) == FIGSIZE
     mem = ex.memory_chart().axes[0]
     assert len(mem.patches) == len(MEMORY_ROWS) * ranks
-    comm = ex.comm_chart().axes[0]
     kinds = {f"{r.mesh_dim} {r.kind}" for e in ests for r in e.collectives.itertuples()}
-    assert len(comm.patches) == len(kinds) * len(ests)
-    heights = {}
-    for bar in comm.patches:
-        heights[round(bar.get_x(), 3)] = heights.get(round(bar.get_x(), 3), 0) + bar.get_height()
-    assert [round(h * 2 ** 20) for h in heights.values()] == pytest.approx([e.comm_bytes for e in ests], abs=2)
+    for measure, total in (("buffer", lambda e: e.comm_bytes), ("wire", lambda e: e.wire_bytes)):
+        comm = ex.comm_chart(measure=measure).axes[0]
+        assert len(comm.patches) == len(kinds) * len(ests)
+        assert ("wire" in comm.get_title()) == (measure == "wire") and measure in comm.get_ylabel()
+        heights = {}
+        for bar in comm.patches:
+            heights[round(bar.get_x(), 3)] = heights.get(round(bar.get_x(), 3), 0) + bar.get_height()
+        assert [round(h * 2 ** 20) for h in heights.values()] == pytest.approx([total(e) for e in ests], abs=2)
+    assert any(e.wire_bytes != e.comm_bytes for e in ests)  # the two measures differ on these plans
     pareto = ex.pareto_chart().axes[0]
     assert len(pareto.collections[0].get_offsets()) == len(ests)
     front = pareto_front([(e.peak_bytes, e.step_time_s) for e in ests])

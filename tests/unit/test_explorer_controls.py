@@ -1,5 +1,6 @@
 """The Explorer UI's precision and memory-budget controls, driven headlessly."""
 import os
+import re
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
@@ -67,6 +68,8 @@ def test_fit_tab_shows_the_fastest_fitting_plan_its_levers_every_candidate_and_t
     assert table["text/plain"].count("\n") == len(result.table)
     saved = format_bytes(int(chosen["unlevered_peak_bytes"] - chosen["peak_bytes"]))
     assert fit_table(result).iloc[0]["lever saves"] == saved and saved != "0 B"
+    raw = re.compile(r"\b\d{4,} B\b")  # the fit's reasons count bytes; the view says them in KiB / MiB as its cells do
+    assert any(raw.search(w) for w in result.table["why"]) and not any(raw.search(w) for w in fit_table(result)["why"])
     assert "over_budget" in table["text/plain"] and "spikes:1bit" in table["text/plain"]
     assert "image/png" in chart
     fig = fit_chart(result)

@@ -53,7 +53,7 @@ def test_topology_sliders_stay_on_the_world_size_and_replan(ui):
     ui.tp.value = 2
     assert ui.dp.value == 2 and ui.current.topology.dims == {"dp": 2, "tp": 2}
     ui.objective.value = "memory"
-    assert ui.current.mode == "fsdp2_tp" and _columns(ui) == ["current fsdp2_tp dp=2 x tp=2"]
+    assert ui.current.mode == "fsdp2_tp" and _columns(ui) == ["current fsdp2_tp+reshard dp=2 x tp=2"]
     assert _data(ui)["text/html"] != before
     ui.world_size.value = 8
     assert list(ui.tp.options) == [1, 2, 4, 8] and (ui.dp.value, ui.tp.value) == (4, 2)
@@ -203,7 +203,7 @@ def test_pinning_the_same_layout_twice_keeps_one_column_and_says_so(ui):
     ui.pin()
     assert ui.ex.plans == [first] and _columns(ui) == ["#1 dp+zero dp=4"]
     ui.mode.value = "fsdp2"  # a different layout appears as the current column again
-    assert _columns(ui) == ["#1 dp+zero dp=4", "current fsdp2 dp=4"] and "already pinned" not in ui.plan_list.value
+    assert _columns(ui) == ["#1 dp+zero dp=4", "current fsdp2+reshard dp=4"] and "already pinned" not in ui.plan_list.value
 
 
 def test_hardware_choice_re_predicts_step_time_and_world_size_reaches_1024(ui):

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ...compat import data_dependent_op
-from ...core.layouts import TIME_MAJOR, DataLayout
+from ...core.layouts import TIME_MAJOR, DataLayout, fixed_loop_error
 from ...core.neurons import detached_copy, state_tensors, stateful_modules
 from ...core.parallelize.fsdp import norm_layer_paths
 from ...core.parallelize.mixed_precision import autocast_forward, hold_neuron_state
@@ -485,6 +485,8 @@ def _profile_runs(model, convert, example_input, labels, dtype, layout: DataLayo
             by_size[n, t] = _run_point(model, convert(input_as(x, dtype)), convert(y), count=True, warm_up=n != last_n)
             last_n = n
             tell(on_progress, len(by_size), len(SIZES), f"profiling the model: ran batch {n} x {t} time steps")
+        except IndexError as exc:  # x[step] past the batch's steps: a loop over a fixed num_steps
+            raise fixed_loop_error(example_input.shape[0], t, exc) from exc
         except RuntimeError as exc:
             if by_size or data_dependent_op(exc):  # the latter: step_runner's refusal
                 raise

@@ -178,3 +178,4 @@ def batch_slice(example_input: torch.Tensor, labels: Optional[torch.Tensor], n: 
     x = layout.from_time_major(example_input[steps][:, samples]).contiguous()
     y = None if labels is None else labels[samples].contiguous()
     return x, y
+
