@@ -8,7 +8,7 @@ from snn_explorer.cli import main
 
 
 def test_a_fixed_num_steps_loop_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
-    shutil.copy(Path(__file__).with_name("fixed_loop_net.py"), tmp_path / "fixed_loop_net.py")
+    shutil.copy(Path(__file__).parent.parent / "fixed_loop_net.py", tmp_path / "fixed_loop_net.py")
     monkeypatch.chdir(tmp_path)
     try:
         rc = main(["compare", "fixed_loop_net:make_net", "--input-shape", "8,8,16", "--world-size", "2"])
