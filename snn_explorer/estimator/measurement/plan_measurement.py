@@ -277,10 +277,10 @@ def measure_many(model: nn.Module, plans: Sequence[SNNDistributedPlan], *, examp
                  device: str = "cpu", progress=False, layout=None, pool=None) -> List[PlanMeasurement]:
     """:func:`measure` for several plans, one set of ranks per world size (``snn_explorer.ranks``; ``pool``:
     a :class:`~snn_explorer.ranks.RankPool` runs them, so every plan over one rank needs its world size)."""
+    run = measure_settings(model, plans, example_input, labels, steps, optimizer, dtype, lr, device, layout)
     backend = comm_backend_for(device)
     for world in sorted({p.world_size for p in plans} - {1}) if pool is not None else ():
         pool.check_fits(world, backend)
-    run = measure_settings(model, plans, example_input, labels, steps, optimizer, dtype, lr, device, layout)
     timeout = positive_number("timeout", timeout, what="seconds a rank may go without finishing a step",
                               allow_none=True)
     out: Dict[int, PlanMeasurement] = {}
