@@ -176,9 +176,10 @@ def test_shard_layout_tells_which_rank_holds_which_slice(ex):
     assert layout[(2, "weight")] == "[16:32, :]" and layout[(3, "bias")] == "[48:64]"
     row = ex.layout(next(p for p in ex.plans if p.mode == "tp"), "net.2").set_index(["rank", "param"])["held"]
     assert row[(1, "weight")] == "[:, 16:32]" and row[(1, "bias")] == "whole"
-    assert set(ex.layout(ex.plans[0], "net.0")["held"]) == {"whole"}
+    dp = next(p for p in ex.plans if p.mode == "dp")
+    assert set(ex.layout(dp, "net.0")["held"]) == {"whole"}
     with pytest.raises(KeyError):
-        ex.layout(ex.plans[0], "nope")
+        ex.layout(dp, "nope")
 
 
 def test_repr_is_short_and_deterministic(ex):

@@ -81,6 +81,5 @@ def test_export_button_writes_a_job_that_runs(ui, tmp_path, clean_launch):
     panel.job_dir.value = str(tmp_path / "job")
     panel.steps.value = 2
     job = panel.export()
-    assert job is not None and "run.py" in panel.files.value and "torchrun --nnodes 1 --nproc-per-node 2" in \
-        panel.files.value
+    assert job is not None and "python run.py" in panel.files.value  # one node: run.py starts the ranks itself
     assert json.load(open(job.plan_file)) == panel.plan.value.to_dict()

@@ -3,16 +3,21 @@ collectives recorded as issued and its peak as torch's MemTracker follows it, no
 shown equal to what measure() gets on real gloo ranks; then the estimate is checked against it, also at
 world sizes and model sizes this machine cannot spawn or hold.
 (The tests on gloo ranks: tests/ranks/test_fake_ranks_ranks.py.)"""
+import dataclasses
+
 import pytest
 import torch.distributed as dist
 
 import snn_explorer as se
 from snn_explorer import compat
-from snn_explorer.estimator import enumerate_plans, estimate, record_rank_step
+from snn_explorer.estimator import enumerate_plans, estimate, hardware_profile, record_rank_step
 from snn_explorer.zoo import build
 from snn_explorer.zoo.llm import build_llm, token_batch
 
 COLUMNS = ["mesh_dim", "kind", "phase", "count", "bytes"]
+#: The fake rank runs the step as this machine's CPU ranks do: estimates compared with it are made on a CPU-device
+#: profile (the operator-count model of what a CPU rank allocates); a GPU profile predicts what a GPU allocates.
+CPU_SIDE = dataclasses.replace(hardware_profile("A100-SXM-80GB"), device="cpu", kernel_model=False)
 
 
 def _rows(table):
@@ -33,7 +38,7 @@ def test_the_estimate_equals_a_fake_ranks_step_on_the_zoo(name, world):
     assert {"fsdp2", "tp"} <= {p.mode for p in plans}
     for plan in plans:
         fake = record_rank_step(zoo.model, plan, zoo.example_input, zoo.labels)
-        estimated = estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels)
+        estimated = estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels, hardware=CPU_SIDE)
         assert _rows(estimated.collectives) == _rows(fake.collectives), f"{name} {plan}"
         assert estimated.peak_bytes == pytest.approx(fake.peak_bytes, rel=0.05), f"{name} {plan}"
 
@@ -51,7 +56,8 @@ def test_a_meta_llm_at_64_ranks_runs_on_a_fake_rank_without_allocating_it():
     for plan in plans:
         fake = record_rank_step(model, plan, tokens, layout=se.TIME_MAJOR, rank=5)
         assert set(fake.collectives["mesh_dim"]) == set(plan.mesh_dim_names), plan
-        estimated = estimate(model, plan, example_input=tokens, hardware="H100-SXM-96GB", layout=se.TIME_MAJOR)
+        cpu_side = dataclasses.replace(hardware_profile("H100-SXM-96GB"), device="cpu", kernel_model=False)
+        estimated = estimate(model, plan, example_input=tokens, hardware=cpu_side, layout=se.TIME_MAJOR)
         assert _rows(estimated.collectives) == _rows(fake.collectives), plan
         assert estimated.peak_bytes == pytest.approx(fake.peak_bytes, rel=0.05), plan
     assert all(p.device.type == "meta" for p in model.parameters())
