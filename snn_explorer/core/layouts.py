@@ -235,8 +235,11 @@ def _dry_run(model: nn.Module, x: torch.Tensor, part: torch.Tensor, layout: "Dat
     try:
         reset(model)
         return look(layout.run(model, part))
-    except IndexError as exc:  # x[step] past the part's steps: a loop over a fixed num_steps
+    except IndexError as exc:  # x[step] past the part's steps: a loop over a fixed num_steps, if x itself runs
         t = 1 if layout.input == "batch_major" else 0
+        whole = x.to(part.device, part.dtype) if x.is_floating_point() else x.to(part.device)
+        if part.shape[t] == x.shape[t] or not _runs(model, whole, layout, reset):
+            raise
         raise fixed_loop_error(x.shape[t], part.shape[t], exc) from exc
     except RuntimeError as exc:
         raise ValueError(f"the model does not run on example_input of shape {tuple(x.shape)} ({x.dtype}; its part "
@@ -354,6 +357,18 @@ def _detected(model: nn.Module, x: torch.Tensor, reset, labels, time_steps, assu
     output, out_how = output_layout_of(model, x, found, reset)
     layout = DataLayout(found, output)
     return layout, f"{layout.name}: {verb} ({how}; {out_how})"
+
+
+def _runs(model: nn.Module, x: torch.Tensor, layout: "DataLayout", reset) -> bool:
+    """Whether ``model`` runs on the whole batch ``x`` (its neuron state reset before and after)."""
+    try:
+        reset(model)
+        layout.run(model, x)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means the model's own error, not a fixed loop
+        return False
+    finally:
+        reset(model)
 
 
 def fixed_loop_error(example_steps: int, t: int, exc: BaseException) -> ValueError:
