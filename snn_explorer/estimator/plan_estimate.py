@@ -244,8 +244,7 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
     # the step (or each pipeline stage) as the GPU runs it (:mod:`.memory.gpu_trace`); the host-memory levers are not
     # traced yet: their plans keep the operator-count model on the GPU profile's rates (said in the verdict)
     gpu = hardware.kernel_model and not untraced_levers(plan)
-    if not gpu:  # refuses a run too long even shape-only, before anything runs at this size
-        run_fits(profile, n, t)
+    run_fits(profile, n, t)  # refuses a run too long even shape-only (the GPU trace's too), before anything runs
     itemsize = profile.compute_itemsize  # activations sent between ranks: the precision's compute dtype
     params = _params(profile, plan)
     if plan.uses_pp:  # the rank's stages, micro-batches in flight, sends between stages

@@ -193,7 +193,8 @@ def test_export_single_node_is_loopback_and_names_are_checked(mlp_plan, tmp_path
     standalone = export_job(p, str(script), tmp_path / "script")
     assert standalone.command.startswith(f"torchrun --standalone --nnodes 1 --nproc-per-node {p.world_size} ")
     for bad in ("a/b", "", "-x", ".hidden", "a b", "x" * 65, "a;rm"):
-        with pytest.raises(ValueError, match=rf"job_name={re.escape(repr(bad))} must be 1-64 characters"):
+        rule = "a non-empty string" if bad == "" else "1-64 characters"  # '' fails the shell-value check first
+        with pytest.raises(ValueError, match=rf"job_name={re.escape(repr(bad))} must be {rule}"):
             export_job(p, step, tmp_path / "bad", model=zoo.model, job_name=bad)
     assert not (tmp_path / "bad").exists()  # refused before anything was written
     with pytest.raises(ValueError, match="rdzv_endpoint='nohost' must be host:port"):
