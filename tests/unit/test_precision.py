@@ -140,7 +140,8 @@ def test_calibration_measures_half_precision_rates_that_half_precision_plans_com
     assert set(rates) == {"bf16", "fp16"}, rates
     assert all(v > 0 for r in rates.values() for v in r.values()), rates
     base = hardware_profile("A100-SXM-80GB")
-    local = dataclasses.replace(base, device="cpu", half_flops_per_s=None, measured_half=rates)
+    # a calibrated profile: measured rates, so no datasheet fractions (achieved) scale them
+    local = dataclasses.replace(base, device="cpu", half_flops_per_s=None, measured_half=rates, achieved={})
     assert HardwareProfile.from_dict(local.to_dict()) == local
     bf16 = local.in_precision(Precision("bf16"))
     assert bf16.flops(2) == rates["bf16"]["flops_per_s"] * local.efficiency and bf16.bytes_per_s == local.bytes_per_s
