@@ -1,4 +1,5 @@
 """fit_budget(): the fastest plan whose estimated peak fits a budget; levers only where they lower the peak."""
+import dataclasses
 from types import SimpleNamespace
 
 import pandas as pd
@@ -18,11 +19,14 @@ from snn_explorer.core.memory_levers import (
     remembered,
     spike_compression_variants,
 )
-from snn_explorer.estimator import FitOutcome, budget_fit, estimate, model_profile
+from snn_explorer.estimator import FitOutcome, budget_fit, estimate, hardware_profile, model_profile
 from snn_explorer.estimator.budget_fit import FIT_FEATURES, _chunk_rows, lever_floor
 from snn_explorer.estimator.enumerate import enumerate_plans
 
-HARDWARE = "H100-SXM"  # a built-in datasheet profile: no calibration run
+HARDWARE_NAME = "H100-SXM"  # a built-in datasheet profile: no calibration run
+#: The fit's logic checked on the operator-count model (a CPU-device twin of that profile): every lever is
+#: estimated there, where a GPU profile leaves host-memory levers out of its search
+HARDWARE = dataclasses.replace(hardware_profile(HARDWARE_NAME), device="cpu", kernel_model=False)
 ZOO = ("mlp", "mlp_all_steps", "mlp_tutorial", "vgg", "spikformer")
 FEATURES = DistributedFeatureSet(allow_activation_checkpointing=True)
 ALL_GATES = DistributedFeatureSet(allow_activation_checkpointing=True, allow_spike_compression=True)
@@ -152,12 +156,12 @@ def test_no_fitting_plan_names_the_lowest_peak():
 def test_cli_fit_prints_the_chosen_plan_and_the_runners_up(capsys):
     """On the zoo mlp (fit_budget's search on the larger models: the property test above): a budget between its
     plans' peaks (0.13-0.25 MiB) leaves faster plans over it and slower ones fitting; one under them all is refused."""
-    assert main(["fit", "zoo:mlp", "--world-size", "2", "--memory-budget", "0.18", "--hardware", HARDWARE]) == 0
+    assert main(["fit", "zoo:mlp", "--world-size", "2", "--memory-budget", "0.18", "--hardware", HARDWARE_NAME]) == 0
     out = capsys.readouterr().out
     first = out.splitlines()[0]
     assert first.startswith("chosen: ") and "of 0.180 MiB" in first
     assert "over_budget" in out and "slower" in out
-    assert main(["fit", "zoo:mlp", "--world-size", "2", "--memory-budget", "0.01", "--hardware", HARDWARE]) == 2
+    assert main(["fit", "zoo:mlp", "--world-size", "2", "--memory-budget", "0.01", "--hardware", HARDWARE_NAME]) == 2
     assert "lowest estimated peak" in capsys.readouterr().err
 
 
