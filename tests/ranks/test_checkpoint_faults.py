@@ -7,10 +7,10 @@ import errno
 import os
 import signal
 
-import psutil
 import pytest
 import torch
 from distributed_harness import run_on_ranks
+from launch_helpers import live_children
 from torch import nn
 
 import snn_explorer as se
@@ -123,4 +123,4 @@ def test_a_rank_killed_inside_a_save_leaves_the_previous_checkpoint_and_resumes(
     resumed = se.launch_plan(model, plan, _step_then_kill_in_save, **faulty, **kw)
     assert resumed.losses[0] == pytest.approx(whole.losses[0][2:], abs=1e-12)
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-000002", "step-000004", "step-000006"]
-    assert not psutil.Process().children(recursive=True), "no rank or agent outlives the launches"
+    assert not live_children(), "no rank or agent outlives the launches"

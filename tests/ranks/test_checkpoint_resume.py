@@ -3,8 +3,8 @@ group restarted, training resumed from the last complete checkpoint equals an un
 import os
 import signal
 
-import psutil
 import pytest
+from launch_helpers import live_children
 from torch import nn
 
 import snn_explorer as se
@@ -53,7 +53,7 @@ def test_a_killed_rank_resumes_from_the_last_complete_checkpoint(tmp_path):
     assert os.path.exists(marker) and restarted.restarts == 1 and "rank 1" in restarted.faults[0]
     assert restarted.losses[0] == pytest.approx(whole[KILLED_STEP:], abs=1e-12)
     assert latest_checkpoint(restarted_dir).name == f"step-{STEPS:06d}"
-    assert not psutil.Process().children(recursive=True), "no rank or agent outlives the launch"
+    assert not live_children(), "no rank or agent outlives the launch"
 
 
 def test_max_restarts_needs_checkpoints_to_resume_from():
