@@ -140,13 +140,13 @@ def test_objective_change_replans_in_the_browser(voila_url, tmp_path):
 
             objective = page.locator(".widget-dropdown", has_text="objective").locator("select")
             objective.select_option("memory")
-            expect(table).to_contain_text("current fsdp2 dp=4", timeout=CHANGE_TIMEOUT_MS)
+            expect(table).to_contain_text("current fsdp2+reshard dp=4", timeout=CHANGE_TIMEOUT_MS)
             after = _table(page)
             _screenshot(page, "browser_explorer_after")
         finally:
             context.close()
     new = [c for c in after["mode"] if c not in before["mode"]]
-    assert new == ["current fsdp2 dp=4"], list(after["mode"])
+    assert new == ["current fsdp2+reshard dp=4"], list(after["mode"])
     column = new[0]
     # memory on 4 data-parallel ranks: FSDP2, which reshards after forward and shards optimizer state
     assert after["mode"][column] == "fsdp2"
