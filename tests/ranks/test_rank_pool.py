@@ -155,6 +155,9 @@ def test_a_dead_warm_rank_is_reported_and_the_pool_starts_again():
         assert pool.run(_state_of_a_rank, 0)[1][0] == 1.0
         agent, warm = pool._holder["agent"].process.pid, _warm_pids(pool)
         os.kill(warm[1], signal.SIGKILL)
+        deadline = time.time() + 10
+        while not gone(warm[1]) and time.time() < deadline:  # dead, not a signal still in flight
+            time.sleep(0.05)
         assert pool.run(_state_of_a_rank, 2)[0][0] == 5.0
         assert pool._holder["agent"].process.pid != agent and not set(_warm_pids(pool)) & set(warm)
         assert all(gone(p) for p in [agent, *warm])
