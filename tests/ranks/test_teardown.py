@@ -28,6 +28,8 @@ import snn_explorer as se
 from snn_explorer.launcher import export_job
 from snn_explorer.ranks.teardown import c10d_threads, end_process_groups
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 CYCLES = int(os.environ.get("SNN_TEARDOWN_CYCLES", "50"))
@@ -114,7 +116,10 @@ def _run_job_ranks(job, tmp_path) -> list:
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "GLOO_SOCKET_IFNAME": "lo", "TMPDIR": str(tmp_path)}
+               "GLOO_SOCKET_IFNAME": "lo", "TMPDIR": str(tmp_path),
+               # the step is this module's, which imports the harness from tests/
+               "PYTHONPATH": os.pathsep.join(p for p in (_HERE, os.path.dirname(_HERE), os.environ.get("PYTHONPATH"))
+                                             if p)}
         procs.append(subprocess.Popen([sys.executable, job.script], cwd=job.path, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     try:
