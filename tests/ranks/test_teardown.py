@@ -116,7 +116,7 @@ def _run_job_ranks(job, tmp_path) -> list:
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "GLOO_SOCKET_IFNAME": "lo", "TMPDIR": str(tmp_path),
+               "GLOO_SOCKET_IFNAME": "lo", "TMPDIR": str(tmp_path), "SNN_EXPLORER_DEBUG": "1",  # teardown said
                # the step is this module's, which imports the harness from tests/
                "PYTHONPATH": os.pathsep.join(p for p in (_HERE, os.path.dirname(_HERE), os.environ.get("PYTHONPATH"))
                                              if p)}
