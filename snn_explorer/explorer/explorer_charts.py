@@ -7,7 +7,6 @@ from ..core import SNNDistributedPlan
 from ..core.modes import names_text
 from ..core.styles import STYLES
 
-# The lead's estimator restructure exports this from ``..estimator`` itself (use that on merge).
 from ..estimator import activation_curve
 from . import charts
 from .compare import unique_labels
