@@ -6,7 +6,6 @@ from typing import Optional, Sequence
 from ..core import SNNDistributedPlan
 from ..core.modes import names_text
 from ..core.styles import STYLES
-
 from ..estimator import activation_curve
 from . import charts
 from .compare import unique_labels
