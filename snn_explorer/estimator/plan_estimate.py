@@ -46,7 +46,7 @@ from .instruments.tables import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS
 from .memory.activation_offload import offload_seconds, offloaded_profile
 from .memory.fsdp_offload import HOST_COLUMNS, check_fsdp_offload_hardware, fsdp_offload_seconds, host_optimizer_seconds
 from .memory.fsdp_timeline import FsdpTimeline
-from .memory.gpu_trace import gpu_peaks, gpu_stage_memory, gpu_step
+from .memory.gpu_trace import check_trace_size, gpu_peaks, gpu_stage_memory, gpu_step
 from .memory.pipeline_memory import pipeline_rows
 from .memory.sharding import buffer_bytes, dp_roles, local_params, optimizer_temporaries, rank_bytes, reduce_itemsize
 from .memory.spike_compression import compressed_profile, spike_saving
@@ -244,7 +244,10 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
     # the step (or each pipeline stage) as the GPU runs it (:mod:`.memory.gpu_trace`); the host-memory levers are not
     # traced yet: their plans keep the operator-count model on the GPU profile's rates (said in the verdict)
     gpu = hardware.kernel_model and not untraced_levers(plan)
-    run_fits(profile, n, t)  # refuses a run too long even shape-only (the GPU trace's too), before anything runs
+    if gpu:  # refuses a trace or run too long even shape-only, before anything runs at this size
+        check_trace_size(profile, n, t, plan.neuron_backend)
+    else:
+        run_fits(profile, n, t)
     itemsize = profile.compute_itemsize  # activations sent between ranks: the precision's compute dtype
     params = _params(profile, plan)
     if plan.uses_pp:  # the rank's stages, micro-batches in flight, sends between stages

@@ -241,7 +241,7 @@ def test_estimate_refuses_bad_inputs(zoo_plan, kwargs, exc, pattern):
 
 def test_absurd_time_steps_are_refused_before_running(zoo_plan):
     start = time.monotonic()
-    with pytest.raises(ValueError, match=r"time_steps=100000000 with 4 samples per rank would need about [\d.]+ GiB"):
+    with pytest.raises(ValueError, match=r"time_steps=100000000 with 4 samples per rank.* (GiB|kernels)"):
         _est(zoo_plan, time_steps=10 ** 8)
     assert time.monotonic() - start < 10  # nothing of that size was allocated
 

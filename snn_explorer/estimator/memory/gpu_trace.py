@@ -47,7 +47,7 @@ from ..instruments.fsdp_events import record
 from ..instruments.meter import StorageMeter
 from ..instruments.op_counter import tensor_bytes
 from ..instruments.storage import LiveSaved, model_state_tensors
-from ..profile.profiling import ModelProfile
+from ..profile.profiling import MAX_SHAPE_ONLY_OPS, ModelProfile, fitted_ops
 from ..profile.step import OPTIMIZERS, forward_loss, loss_of
 from .fsdp_timeline import FsdpTimeline, replay_fsdp
 from .fused_neurons import FusedNeuron, swap_fused
@@ -283,6 +283,21 @@ def gpu_step(profile: ModelProfile, n: int, t: int, tp_plan=None, tp: int = 1, n
         model = profile.meta_model(tp_plan, tp)
         cache[key] = trace_step(model, x, y, sorted(logged | set(units)), neuron_backend, copy=False)
     return cache[key]
+
+
+def check_trace_size(profile: ModelProfile, n: int, t: int, neuron_backend: str = "torch") -> None:
+    """ValueError, before the trace runs, where tracing ``t`` steps would launch more than
+    :data:`MAX_SHAPE_ONLY_OPS` kernels. A fused neuron's kernels do not grow with the steps, an eager
+    neuron's loop does: the kernels of one and two steps, extrapolated linearly (traced only where the
+    operators as run here, an upper bound, exceed the limit)."""
+    if t <= 2 or fitted_ops(profile, n, t) <= MAX_SHAPE_ONLY_OPS:
+        return
+    one, two = (len(gpu_step(profile, n, steps, neuron_backend=neuron_backend).kernels) for steps in (1, 2))
+    kernels = one + (two - one) * (t - 1)
+    if kernels > MAX_SHAPE_ONLY_OPS:
+        raise ValueError(f"time_steps={t} with {n} samples per rank: tracing the step as the GPU runs it would "
+                         f"take about {kernels:.3g} kernels (more than {MAX_SHAPE_ONLY_OPS}; its neurons loop over "
+                         "the time steps); use fewer time_steps")
 
 
 @dataclass(frozen=True)

@@ -239,7 +239,7 @@ def run_fits(profile: ModelProfile, n: int, t: int) -> bool:
     fits = have is None or need <= have
     if fits and not profile.shape_only:
         return True
-    ops = _fit_ops(profile, 0)(n, t) + _fit_ops(profile, 1)(n, t)
+    ops = fitted_ops(profile, n, t)
     if ops > MAX_SHAPE_ONLY_OPS:
         raise ValueError(f"time_steps={t} with {n} samples per rank would need about {need / 2 ** 30:.1f} GiB to "
                          f"measure on this machine's CPU, which has {(have or 0) / 2 ** 30:.1f} GiB, and a shape-only run "
@@ -262,6 +262,11 @@ def _fitted_need(profile: ModelProfile, n: int, t: int) -> float:
 
 def _param_bytes(profile: ModelProfile) -> int:
     return sum(math.prod(shape) * profile.param_itemsizes.get(name, 4) for name, shape in profile.params)
+
+
+def fitted_ops(profile: ModelProfile, n: int, t: int) -> float:
+    """The operators of one step (forward and backward) as run here, fitted over the profile's sizes."""
+    return _fit_ops(profile, 0)(n, t) + _fit_ops(profile, 1)(n, t)
 
 
 def _fit_ops(profile: ModelProfile, phase: int) -> Fit:
