@@ -136,7 +136,7 @@ def test_keyboard_interrupt_while_waiting_ends_every_rank(clean_launch):
     def interrupt_once_running(snapshot):
         if not pids and all(s["pid"] for s in snapshot):
             pids.extend(s["pid"] for s in snapshot)
-            agent = next(c for c in psutil.Process().children() if not is_reused_helper(c))
+            agent = next(c for c in live_children() if c.ppid() == os.getpid())  # not a warm pool's agent
             pids.append(agent.pid)
             raise KeyboardInterrupt
 
