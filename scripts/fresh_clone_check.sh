@@ -45,7 +45,7 @@ EOF
 start=$SECONDS
 echo "== every notebook under nbval, in the fresh clone's .venv =="
 status=0
-JUPYTER_PATH="$work/jupyter" "${locked[@]}" "$TOOLS" -m pytest "$@" --nbval \
+JUPYTER_PATH="$work/jupyter" "${locked[@]}" "$TOOLS" -m pytest -n 0 "$@" --nbval \
     --nbval-kernel-name snn-fresh-clone --nbval-sanitize-with notebooks/nbval_sanitize.cfg notebooks/ || status=$?
 echo "fresh_clone_check: set-up ${setup_s} s, notebooks $((SECONDS - start)) s"
 exit $status

@@ -30,7 +30,11 @@ fi
 for tier in "${tiers[@]}"; do
     start=$SECONDS
     echo "== tier $tier: tests/$tier =="
-    .venv/bin/python -m pytest --durations=25 "$@" "tests/$tier" || status=$?
+    # the unit tier on every core (pytest-xdist: addopts in pyproject.toml); the rank and system tiers in one
+    # pytest process each: their tests start ranks, notebooks and browsers that take the cores themselves
+    workers=()
+    [ "$tier" = unit ] || workers=(-n 0)
+    .venv/bin/python -m pytest --durations=25 "${workers[@]}" "$@" "tests/$tier" || status=$?
     echo "test.sh: tier $tier (tests/$tier) $((SECONDS - start)) s"
 done
 if [[ " ${tiers[*]} " == *" system "* ]]; then

@@ -24,4 +24,4 @@ TESTS=(tests/unit/test_compat.py tests/ranks/test_compat_ranks.py
        tests/unit/test_estimate_meter.py::test_meter_peak_equals_memtracker
        tests/unit/test_estimate_meter.py::test_meter_releases_freed_storages)
 [ "$#" -gt 0 ] && TESTS=("$@")
-exec "$VENV/bin/python" -m pytest -q -rfE "${TESTS[@]}"
+exec "$VENV/bin/python" -m pytest -n 0 -q -rfE "${TESTS[@]}"

@@ -21,6 +21,14 @@ from tiers import (  # noqa: E402, F401
     pytest_runtest_protocol,
 )
 
+# Under pytest-xdist (the unit tier's addopts), each worker takes its share of the cores for torch's intra-op threads,
+# so that the workers together do not run more threads than there are cores.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 # estimate() without hardware= would calibrate this machine on spawned ranks (seconds, and timing
 # noise on a shared machine); tests predict step time on a datasheet profile unless they pass one.
 os.environ.setdefault("SNN_EXPLORER_HARDWARE", "A100-SXM-80GB")

@@ -30,6 +30,11 @@ HARDWARE = dataclasses.replace(hardware_profile(HARDWARE_NAME), device="cpu", ke
 ZOO = ("mlp", "mlp_all_steps", "mlp_tutorial", "vgg", "spikformer")
 FEATURES = DistributedFeatureSet(allow_activation_checkpointing=True)
 ALL_GATES = DistributedFeatureSet(allow_activation_checkpointing=True, allow_spike_compression=True)
+#: The cases the planner's memory objective is checked on below, one per kind of time loop: the model's own loop
+#: (mlp_tutorial), all steps per call (mlp_all_steps: blocks chosen one by one), a convolutional step (vgg) and a
+#: random per-step chain. The zoo mlp and the other chains step as chain0 does; the spikformer's memory objective,
+#: its lever search the slowest to repeat here (20 s): test_explorer_levers.
+MEMORY_OBJECTIVE_CASES = ("mlp_tutorial", "mlp_all_steps", "vgg", "chain0")
 
 
 def _random_chain(seed: int):
@@ -103,11 +108,12 @@ def _check_memory_objective(name, model, x, labels, outcomes):
 @pytest.mark.timeout(900)
 def test_the_chosen_plan_never_has_a_higher_peak_than_without_its_levers():
     """fit_budget over the zoo and random chains, at the unlevered optimum's peak and 85 % and 65 % of it;
-    and the planner's memory objective, its levers chosen by the injected estimate (blocks chosen one by one
-    included)."""
+    and the planner's memory objective on MEMORY_OBJECTIVE_CASES, its levers chosen by the injected estimate
+    (blocks chosen one by one included)."""
     outcomes = set()
     for name, model, x, labels in _cases():
-        _check_memory_objective(name, model, x, labels, outcomes)
+        if name in MEMORY_OBJECTIVE_CASES:
+            _check_memory_objective(name, model, x, labels, outcomes)
         top = fit_budget(model, x, 10 ** 12, 2, labels=labels, hardware=HARDWARE, features=FEATURES)
         assert top.plan == copy_without_levers(top.plan), name  # no budget pressure: no lever
         profiles = {}
