@@ -172,13 +172,12 @@ def test_cli_fit_prints_the_chosen_plan_and_the_runners_up(capsys):
 
 
 
-def _brute_force(model, x, labels, budget):
-    """Every plan fit_budget enumerates, and every lever variant of each, estimated: the fastest fitting one
-    whose levers lower its plan's peak (None when none fits), and per variant (its plan, the plan's estimate,
-    its own)."""
+def _brute_force(model, x, labels, budget, estimate_of):
+    """Every plan fit_budget enumerates, and every lever variant of each, estimated by ``estimate_of``: the fastest
+    fitting one whose levers lower its plan's peak (None when none fits), and per variant (its plan, the plan's
+    estimate, its own)."""
     analysis = analyze(model, example_input=x, labels=labels)
     plans = enumerate_plans(analysis, world_size=2, batch_size=analysis.data_layout.samples(x), features=FIT_FEATURES)
-    estimate_of = plan_estimator(model, x, labels, hardware=HARDWARE)
     best, variants = None, {}
     for base in dict.fromkeys(copy_without_levers(p) for p in plans):
         base_est = estimate_of(base)
@@ -205,9 +204,11 @@ def test_pruning_lever_variants_by_what_they_leave_alone_changes_no_choice():
     z = zoo.build("mlp")  # memory mostly parameters: the dp plans' variants cannot fit at half the peak
     top = fit_budget(z.model, z.example_input, 10 ** 12, 2, labels=z.labels, hardware=HARDWARE)
     seen = set()
+    # a plan's estimate does not depend on the budget: each is made once for the three budgets' brute force
+    estimate_of = remembered(plan_estimator(z.model, z.example_input, z.labels, hardware=HARDWARE))
     for share in (0.7, 0.5, 0.3):
         budget = int(top.estimate.peak_bytes * share)
-        expected, variants = _brute_force(z.model, z.example_input, z.labels, budget)
+        expected, variants = _brute_force(z.model, z.example_input, z.labels, budget, estimate_of)
         try:
             result = fit_budget(z.model, z.example_input, budget, 2, labels=z.labels, hardware=HARDWARE)
         except ValueError as exc:
