@@ -14,6 +14,13 @@ on the meta device as the GPU runs it; every constant with its source in
   Spikformer-Ti itself: embed 256, 8 heads, 4 blocks, 224 px, 1000 classes), input ``[T, N, 3, 224,
   224]`` time-major as the model takes 5-D input, with labels (cross-entropy).
 
+The published runs' neurons ran "the package's fused Triton neuron kernels": the release whose ``LIFNode``
+takes ``backend='triton'`` (its memopt examples' default), whose op saves only ``h`` for backward, where the
+installed 2.0.0's own op (``sj_lif``) also keeps the input and ``v_init`` alive
+(``snn_explorer/estimator/memory/fused_neurons.py`` gives both sources). The models are the installed
+package's classes, their LIF neurons marked ``backend = 'triton'`` (:func:`as_published`), so the trace runs
+the op the published runs ran; ``--sj-lif`` predicts with 2.0.0's own op instead.
+
 The published "MB" is taken as MiB: the reference's trainer reports ``torch.cuda.max_memory_allocated``
 bytes and the package's own memory callbacks divide them by ``1024 ** 2`` and call that MB
 (``examples/memopt/lightning_callbacks.py``). Printed: published and predicted step time and peak,
@@ -59,6 +66,18 @@ PIPELINE_ROWS = [("1 GPU, batch 128", None, 15835.0, 1.0), ("GPipe pp 2", "gpipe
 FEATURES = dict(allow_experimental_conv_tp=True, allow_experimental_spikformer_tp=True)
 #: Whether estimate() takes the batch in the model's own layout (the input-layout work).
 LAYOUTS = "layout" in inspect.signature(se.estimate).parameters
+#: The fused neuron op the published runs ran (module doc); ``--sj-lif``: the installed 2.0.0's own op.
+PUBLISHED_OP = None if "--sj-lif" in sys.argv[1:] else "triton"
+
+
+def as_published(model):
+    """``model`` with its spikingjelly LIF neurons marked with the fused op the published runs ran
+    (:data:`PUBLISHED_OP`; module doc): the attribute a release with a ``backend`` argument keeps."""
+    if PUBLISHED_OP is not None:
+        for m in model.modules():
+            if type(m).__name__ == "LIFNode" and type(m).__module__.startswith("spikingjelly"):
+                m.backend = PUBLISHED_OP
+    return model
 
 
 def vgg(n: int = 16):
@@ -67,14 +86,14 @@ def vgg(n: int = 16):
     from spikingjelly.activation_based.examples.memopt.models import CIFAR10DVSVGG  # optional dependency
     x = torch.zeros(n, 10, 2, 48, 48)
     if LAYOUTS:  # batch-major input, time-major [T, N, 10] output
-        return CIFAR10DVSVGG(), x, torch.zeros(n, dtype=torch.long), n, dict(layout="batch_major/time_major")
-    return CIFAR10DVSVGG(), x, None, 10, {}
+        return as_published(CIFAR10DVSVGG()), x, torch.zeros(n, dtype=torch.long), n, dict(layout="batch_major/time_major")
+    return as_published(CIFAR10DVSVGG()), x, None, 10, {}
 
 
 def spikformer():
     """The package's spikformer_ti(T=8), its batch ``[T=8, N=16, 3, 224, 224]``, labels ``[16]``."""
     from spikingjelly.activation_based.model.spikformer import spikformer_ti  # optional dependency
-    return spikformer_ti(T=8), torch.zeros(8, 16, 3, 224, 224), torch.zeros(16, dtype=torch.long), 16, {}
+    return as_published(spikformer_ti(T=8)), torch.zeros(8, 16, 3, 224, 224), torch.zeros(16, dtype=torch.long), 16, {}
 
 
 def plan_of(model, mode: str, topology: dict, zero: bool, samples_per_rank: int):
@@ -214,7 +233,9 @@ def main() -> int:
           + ("estimate(layout='batch_major/time_major'), cross-entropy labels." if LAYOUTS else
              "passed as it is with time_steps = N (estimate() reads [T, N, ...] on this branch), no labels.")
           + " Optimizer Adam (the reference runtime's build_optimizer default); published MB read as MiB "
-          "(max_memory_allocated / 1024 ** 2, as the package's own callbacks print MB).")
+          "(max_memory_allocated / 1024 ** 2, as the package's own callbacks print MB). Fused LIF op: "
+          + ("backend='triton' (saves h only), as the published runs ran it." if PUBLISHED_OP else
+             "the installed 2.0.0's sj_lif (saves h, the input and v_init)."))
     vgg_rows = predict(vgg, VGG_ROWS)
     print_model("CIFAR10-DVS VGG (CIFAR10DVSVGG, batch 16 per rank, T = 10, 48 px)", vgg_rows)
     spik_rows = predict(spikformer, SPIKFORMER_ROWS)
