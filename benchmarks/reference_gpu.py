@@ -21,6 +21,12 @@ installed 2.0.0's own op (``sj_lif``) also keeps the input and ``v_init`` alive
 package's classes, their LIF neurons marked ``backend = 'triton'`` (:func:`as_published`), so the trace runs
 the op the published runs ran; ``--sj-lif`` predicts with 2.0.0's own op instead.
 
+FSDP2 rows reshard after forward as the reference applies FSDP2: ``fully_shard`` on its chosen sub-modules
+with torch's default ``reshard_after_forward=True``, the root with False (the seed's apply; the installed
+package's ``distributed/vision/execution.py``, ``_wrap_data_parallel``), so each unit is gathered again in
+backward: the plan's ``memopt_level`` 1, which is what turns that on in snn_explorer
+(``SNNDistributedPlan.reshard_after_forward``).
+
 The published "MB" is taken as MiB: the reference's trainer reports ``torch.cuda.max_memory_allocated``
 bytes and the package's own memory callbacks divide them by ``1024 ** 2`` and call that MB
 (``examples/memopt/lightning_callbacks.py``). Printed: published and predicted step time and peak,
@@ -33,6 +39,7 @@ every GPU profile obeys physics on the same step (H100 < A100 < RTX 4090, bf16 <
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import statistics
 import sys
@@ -103,6 +110,8 @@ def plan_of(model, mode: str, topology: dict, zero: bool, samples_per_rank: int)
                    batch_size=samples_per_rank * dp, features=features, neuron_backend="torch")
     if plan.uses_zero != zero:
         raise RuntimeError(f"{mode} {topology}: the plan's ZeRO is {plan.uses_zero}, the row's {zero}")
+    if plan.uses_fsdp:  # the reference reshards its FSDP2 sub-modules after forward (module doc)
+        plan = dataclasses.replace(plan, memopt_level=1)
     return plan
 
 
