@@ -35,7 +35,8 @@ worst |error| against the targets (time 15 % / 30 %, memory 5 % / 10 %). No cons
 these tables.
 
 Run: ``python benchmarks/reference_gpu.py`` (CPU only; a few minutes); ``--physics``: only the line that checks
-every GPU profile obeys physics on the same step (H100 < A100 < RTX 4090, bf16 < fp32).
+every GPU profile obeys physics on the same step (H100 < A100 < RTX 4090, bf16 < fp32); ``--pp-cuts``: only the
+pipeline rows at several stage cuts; ``--sj-lif``: the installed 2.0.0's own LIF op instead of the published one.
 """
 from __future__ import annotations
 
@@ -159,6 +160,31 @@ def predict_pipeline() -> List[dict]:
     return rows
 
 
+#: Stage cuts (pipeline units per stage) the ``--pp-cuts`` sweep tries: the published runs do not state theirs.
+PP_CUTS = ("2|10", "3|9", "4|8", "6|6")
+
+
+def print_pp_cuts() -> None:
+    """GPipe and 1F1B (pp 2, 8 micro-batches, global batch 128) at each of :data:`PP_CUTS`: peak per stage and
+    step time, to show which cut, if any, gives the published GPipe and 1F1B peaks together."""
+    model, x, labels, samples, layout = vgg(128)
+    single = se.estimate(model, plan_of(model, "none", {"dp": 1}, False, samples), example_input=x, labels=labels,
+                         hardware=HARDWARE, **layout)
+    chain, xt, labels = vgg_chain(128)
+    print("\n## Pipeline stage cuts (published: GPipe 9782 MB at 0.91x, 1F1B 4973 MB at 0.78x)\n")
+    print("| cut | schedule | peak MiB per stage | ratio to published | throughput / 1 GPU |\n|---|---|---|---|---|")
+    for cut in PP_CUTS:
+        for schedule, (_, _, mb, ratio) in (("gpipe", PIPELINE_ROWS[1]), ("1f1b", PIPELINE_ROWS[2])):
+            plan = se.plan(analysis=se.analyze(chain), objective="speed", mode="pp", topology={"pp": 2}, batch_size=128,
+                           pp_microbatches=8, pp_schedule=schedule, pp_virtual_stages=1, neuron_backend="torch",
+                           pp_layout=cut)
+            e = se.estimate(chain, plan, example_input=xt, labels=labels, hardware=HARDWARE)
+            stages = " / ".join(f"{v / MIB:.0f}" for v in e.per_rank["peak_bytes"])
+            shown = cut.replace("|", " \\| ")  # a bar would end the table cell
+            print(f"| {shown} | {schedule} | {stages} | {e.peak_bytes / MIB / mb:.2f} "
+                  f"| {single.step_time_s / e.step_time_s:.2f} (published {ratio:.2f}) |")
+
+
 def order(rows, key: str) -> str:
     return " < ".join(r["plan"] for r in sorted(rows, key=lambda r: r[key]))
 
@@ -232,6 +258,10 @@ def print_physics() -> None:
 
 def main() -> int:
     start = time.time()
+    if "--pp-cuts" in sys.argv[1:]:  # the stage-cut sweep alone
+        print_pp_cuts()
+        print(f"\n({time.time() - start:.0f} s)")
+        return 0
     if "--physics" in sys.argv[1:]:  # the physics line alone (it is also printed after the tables)
         print_physics()
         print(f"\n({time.time() - start:.0f} s)")
