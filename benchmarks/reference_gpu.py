@@ -14,6 +14,19 @@ on the meta device as the GPU runs it; every constant with its source in
   Spikformer-Ti itself: embed 256, 8 heads, 4 blocks, 224 px, 1000 classes), input ``[T, N, 3, 224,
   224]`` time-major as the model takes 5-D input, with labels (cross-entropy).
 
+The published runs' neurons ran "the package's fused Triton neuron kernels": the release whose ``LIFNode``
+takes ``backend='triton'`` (its memopt examples' default), whose op saves only ``h`` for backward, where the
+installed 2.0.0's own op (``sj_lif``) also keeps the input and ``v_init`` alive
+(``snn_explorer/estimator/memory/fused_neurons.py`` gives both sources). The models are the installed
+package's classes, their LIF neurons marked ``backend = 'triton'`` (:func:`as_published`), so the trace runs
+the op the published runs ran; ``--sj-lif`` predicts with 2.0.0's own op instead.
+
+FSDP2 rows reshard after forward as the reference applies FSDP2: ``fully_shard`` on its chosen sub-modules
+with torch's default ``reshard_after_forward=True``, the root with False (the seed's apply; the installed
+package's ``distributed/vision/execution.py``, ``_wrap_data_parallel``), so each unit is gathered again in
+backward: the plan's ``memopt_level`` 1, which is what turns that on in snn_explorer
+(``SNNDistributedPlan.reshard_after_forward``).
+
 The published "MB" is taken as MiB: the reference's trainer reports ``torch.cuda.max_memory_allocated``
 bytes and the package's own memory callbacks divide them by ``1024 ** 2`` and call that MB
 (``examples/memopt/lightning_callbacks.py``). Printed: published and predicted step time and peak,
@@ -22,10 +35,12 @@ worst |error| against the targets (time 15 % / 30 %, memory 5 % / 10 %). No cons
 these tables.
 
 Run: ``python benchmarks/reference_gpu.py`` (CPU only; a few minutes); ``--physics``: only the line that checks
-every GPU profile obeys physics on the same step (H100 < A100 < RTX 4090, bf16 < fp32).
+every GPU profile obeys physics on the same step (H100 < A100 < RTX 4090, bf16 < fp32); ``--pp-cuts``: only the
+pipeline rows at several stage cuts; ``--sj-lif``: the installed 2.0.0's own LIF op instead of the published one.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import statistics
 import sys
@@ -59,6 +74,18 @@ PIPELINE_ROWS = [("1 GPU, batch 128", None, 15835.0, 1.0), ("GPipe pp 2", "gpipe
 FEATURES = dict(allow_experimental_conv_tp=True, allow_experimental_spikformer_tp=True)
 #: Whether estimate() takes the batch in the model's own layout (the input-layout work).
 LAYOUTS = "layout" in inspect.signature(se.estimate).parameters
+#: The fused neuron op the published runs ran (module doc); ``--sj-lif``: the installed 2.0.0's own op.
+PUBLISHED_OP = None if "--sj-lif" in sys.argv[1:] else "triton"
+
+
+def as_published(model):
+    """``model`` with its spikingjelly LIF neurons marked with the fused op the published runs ran
+    (:data:`PUBLISHED_OP`; module doc): the attribute a release with a ``backend`` argument keeps."""
+    if PUBLISHED_OP is not None:
+        for m in model.modules():
+            if type(m).__name__ == "LIFNode" and type(m).__module__.startswith("spikingjelly"):
+                m.backend = PUBLISHED_OP
+    return model
 
 
 def vgg(n: int = 16):
@@ -67,14 +94,14 @@ def vgg(n: int = 16):
     from spikingjelly.activation_based.examples.memopt.models import CIFAR10DVSVGG  # optional dependency
     x = torch.zeros(n, 10, 2, 48, 48)
     if LAYOUTS:  # batch-major input, time-major [T, N, 10] output
-        return CIFAR10DVSVGG(), x, torch.zeros(n, dtype=torch.long), n, dict(layout="batch_major/time_major")
-    return CIFAR10DVSVGG(), x, None, 10, {}
+        return as_published(CIFAR10DVSVGG()), x, torch.zeros(n, dtype=torch.long), n, dict(layout="batch_major/time_major")
+    return as_published(CIFAR10DVSVGG()), x, None, 10, {}
 
 
 def spikformer():
     """The package's spikformer_ti(T=8), its batch ``[T=8, N=16, 3, 224, 224]``, labels ``[16]``."""
     from spikingjelly.activation_based.model.spikformer import spikformer_ti  # optional dependency
-    return spikformer_ti(T=8), torch.zeros(8, 16, 3, 224, 224), torch.zeros(16, dtype=torch.long), 16, {}
+    return as_published(spikformer_ti(T=8)), torch.zeros(8, 16, 3, 224, 224), torch.zeros(16, dtype=torch.long), 16, {}
 
 
 def plan_of(model, mode: str, topology: dict, zero: bool, samples_per_rank: int):
@@ -84,6 +111,8 @@ def plan_of(model, mode: str, topology: dict, zero: bool, samples_per_rank: int)
                    batch_size=samples_per_rank * dp, features=features, neuron_backend="torch")
     if plan.uses_zero != zero:
         raise RuntimeError(f"{mode} {topology}: the plan's ZeRO is {plan.uses_zero}, the row's {zero}")
+    if plan.uses_fsdp:  # the reference reshards its FSDP2 sub-modules after forward (module doc)
+        plan = dataclasses.replace(plan, memopt_level=1)
     return plan
 
 
@@ -129,6 +158,31 @@ def predict_pipeline() -> List[dict]:
                        pred_ms=e.step_time_s * 1e3, cut=plan.pp_layout)
         rows.append(row)
     return rows
+
+
+#: Stage cuts (pipeline units per stage) the ``--pp-cuts`` sweep tries: the published runs do not state theirs.
+PP_CUTS = ("2|10", "3|9", "4|8", "6|6")
+
+
+def print_pp_cuts() -> None:
+    """GPipe and 1F1B (pp 2, 8 micro-batches, global batch 128) at each of :data:`PP_CUTS`: peak per stage and
+    step time, to show which cut, if any, gives the published GPipe and 1F1B peaks together."""
+    model, x, labels, samples, layout = vgg(128)
+    single = se.estimate(model, plan_of(model, "none", {"dp": 1}, False, samples), example_input=x, labels=labels,
+                         hardware=HARDWARE, **layout)
+    chain, xt, labels = vgg_chain(128)
+    print("\n## Pipeline stage cuts (published: GPipe 9782 MB at 0.91x, 1F1B 4973 MB at 0.78x)\n")
+    print("| cut | schedule | peak MiB per stage | ratio to published | throughput / 1 GPU |\n|---|---|---|---|---|")
+    for cut in PP_CUTS:
+        for schedule, (_, _, mb, ratio) in (("gpipe", PIPELINE_ROWS[1]), ("1f1b", PIPELINE_ROWS[2])):
+            plan = se.plan(analysis=se.analyze(chain), objective="speed", mode="pp", topology={"pp": 2}, batch_size=128,
+                           pp_microbatches=8, pp_schedule=schedule, pp_virtual_stages=1, neuron_backend="torch",
+                           pp_layout=cut)
+            e = se.estimate(chain, plan, example_input=xt, labels=labels, hardware=HARDWARE)
+            stages = " / ".join(f"{v / MIB:.0f}" for v in e.per_rank["peak_bytes"])
+            shown = cut.replace("|", " \\| ")  # a bar would end the table cell
+            print(f"| {shown} | {schedule} | {stages} | {e.peak_bytes / MIB / mb:.2f} "
+                  f"| {single.step_time_s / e.step_time_s:.2f} (published {ratio:.2f}) |")
 
 
 def order(rows, key: str) -> str:
@@ -204,6 +258,10 @@ def print_physics() -> None:
 
 def main() -> int:
     start = time.time()
+    if "--pp-cuts" in sys.argv[1:]:  # the stage-cut sweep alone
+        print_pp_cuts()
+        print(f"\n({time.time() - start:.0f} s)")
+        return 0
     if "--physics" in sys.argv[1:]:  # the physics line alone (it is also printed after the tables)
         print_physics()
         print(f"\n({time.time() - start:.0f} s)")
@@ -214,7 +272,9 @@ def main() -> int:
           + ("estimate(layout='batch_major/time_major'), cross-entropy labels." if LAYOUTS else
              "passed as it is with time_steps = N (estimate() reads [T, N, ...] on this branch), no labels.")
           + " Optimizer Adam (the reference runtime's build_optimizer default); published MB read as MiB "
-          "(max_memory_allocated / 1024 ** 2, as the package's own callbacks print MB).")
+          "(max_memory_allocated / 1024 ** 2, as the package's own callbacks print MB). Fused LIF op: "
+          + ("backend='triton' (saves h only), as the published runs ran it." if PUBLISHED_OP else
+             "the installed 2.0.0's sj_lif (saves h, the input and v_init)."))
     vgg_rows = predict(vgg, VGG_ROWS)
     print_model("CIFAR10-DVS VGG (CIFAR10DVSVGG, batch 16 per rank, T = 10, 48 px)", vgg_rows)
     spik_rows = predict(spikformer, SPIKFORMER_ROWS)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.estimator.memory.fused_neurons import FusedNeuron, runs_fused, swap_fused
+from snn_explorer.estimator.memory.fused_neurons import FusedNeuron, fused_op, runs_fused, swap_fused
 from snn_explorer.estimator.memory.gpu_trace import ALLOCATOR_BLOCK, DeviceMeter, Kernel, allocated, trace_step
 from snn_explorer.estimator.timing.gpu_kernels import kernel_seconds, phase_seconds
 from snn_explorer.zoo import build
@@ -96,6 +96,34 @@ def test_trace_counts_what_a_conv_bn_lif_step_keeps():
     assert step.saved == expected
     assert step.state == state and step.fused == ("2",)
     assert step.grads == allocated(C * 2 * 9 * 4) + 3 * allocated(C * 4)  # conv weight and bias, BN weight and bias
+
+
+def test_the_triton_backend_op_saves_only_h():
+    """The ``backend='triton'`` op of the releases with a ``backend`` argument (upstream
+    ``triton_kernel/neuron_kernel/lif.py``: ``ctx.save_for_backward(h_seq)``, ``h_seq = empty_like(x_seq)``)
+    keeps h alone, in the input's dtype; 2.0.0's neuron (no ``backend`` attribute) keeps its own op whatever
+    the plan's backend."""
+    assert fused_op(lif(), "triton") == "sj_lif"
+    marked = lif()
+    marked.backend = "triton"
+    assert fused_op(marked, "torch") == "triton"
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.empty(T, N, 5, device="meta", dtype=dtype, requires_grad=True)
+        assert saved_of(FusedNeuron(lambda *a: None, "triton"), x) == [((T, N, 5), dtype, False)]
+    with pytest.raises(ValueError, match="'inductor'"):
+        FusedNeuron(lambda *a: None, "inductor")
+
+
+def test_trace_of_the_triton_op_frees_the_neuron_input_and_v_init():
+    """As the conv-BN-LIF step above, the neuron running the triton op: held at the forward's end, by hand,
+    the conv's output (the BN's saved input), the BN's mean and inverse std, h, the spikes (kept by the
+    loss's square) and the loss; the BN's output and v_init are freed once the neuron has run."""
+    model = conv_bn_lif()
+    model[2].backend = "triton"
+    step = trace_step(model, torch.empty(T, N, 2, HW, HW, device="meta"), None)
+    seq = T * N * C * HW * HW * 4
+    assert step.saved == seq + 512 + 512 + seq + seq + 512
+    assert step.state == N * C * HW * HW * 4 and step.fused == ("2",)
 
 
 def test_kernel_time_is_the_roofline_plus_launches():

@@ -161,3 +161,24 @@ def test_profile_files_round_trip_and_older_files_load(tmp_path):
     assert loaded.kernel_model and loaded.bandwidth() == pytest.approx(old["bytes_per_s"] * 0.5)
     with pytest.raises(ValueError, match="achieved"):
         dataclasses.replace(loaded, achieved={"bandwidth": 0.0})
+
+
+def test_fsdp2_copy_kernels_are_on_the_clocks_where_torch_runs_them():
+    """One unit (gathered 1000 B, unsharded 1000 B, dp 2), one 1 s kernel each way, resharded after forward;
+    all-gather 0.5 s, reduce-scatter 0.25 s, a copy 1 ms per byte moved. By hand: the all-gather's copy-in
+    (2 * 1000 / 2 B) and the collective on the communicator, then the copy-out (1000 B read + 1000 B written)
+    on the compute stream, before the forward and again before the backward; after the backward the
+    reduce-scatter's chunk-cat (2 * 1000 B) and the collective: communicator ends at 11.25 s, compute at 9 s,
+    so 11.25 - 2 s of kernels = 9.25 s exposed; without the copies 1.25 s."""
+    from snn_explorer.estimator.instruments.fsdp_events import EventLog
+    from snn_explorer.estimator.memory.fsdp_timeline import Unit
+    from snn_explorer.estimator.timing.fsdp_overlap import fsdp_exposed_s
+    log = EventLog(("a",), {})
+    for kind, path, at in (("pre_forward", "a", 0), ("forward_end", "", 1), ("pre_backward", "a", 1),
+                           ("post_backward", "a", 2)):
+        log.events.append((kind, path, 0, 0))
+        log.kernel_at.append(at)
+    unit = Unit("a", unsharded=1000, flat=1000, shard=500)
+    collective = lambda kind, nbytes: 0.5 if kind == "all_gather" else 0.25  # noqa: E731
+    assert fsdp_exposed_s(log, [1.0, 1.0], [unit], True, collective, 2, lambda b: b * 1e-3) == pytest.approx(9.25)
+    assert fsdp_exposed_s(log, [1.0, 1.0], [unit], True, collective) == pytest.approx(1.25)

@@ -19,6 +19,15 @@ moves. The CPU profile runs the pure-torch path instead, which saves ``h - thres
 ``1 - spike`` per step (``detach_reset=True``) and launches several operators per step.
 snntorch neurons, single-step spikingjelly neurons and others run eagerly on a GPU too: they are
 traced as they are.
+
+The releases whose ``LIFNode`` takes a ``backend`` argument run, with ``backend='triton'``, a different
+fused op: ``triton_kernel.multistep_lif`` (upstream ``spikingjelly/activation_based/triton_kernel/
+neuron_kernel/lif.py``, ``multistep_lif_forward`` and its ``_setup_context``). Its forward allocates the
+spikes, the last potential and ``h_seq`` (``torch.empty_like(x_seq)``: the input's dtype) and saves **only
+h_seq**: neither the input nor ``v_init`` (which the neuron replaces by the op's last potential, so it is
+freed); its backward writes ``grad_x`` (``empty_like`` of the spikes' gradient) and ``grad_v_init``
+(``empty_like(h_seq[0])``). That release's memopt examples build their neurons with ``backend='triton'``
+(upstream ``examples/memopt/models.py``). :data:`SAVES_INPUT` tells the two ops apart.
 """
 from __future__ import annotations
 
@@ -31,6 +40,10 @@ from torch import nn
 FUSED_CLASSES = ("LIFNode",)
 #: The neuron backends that select a fused kernel in spikingjelly releases that take one.
 FUSED_BACKENDS = ("cupy", "triton")
+#: Per fused op, whether it saves its input and ``v_init`` beside ``h`` (module doc): 2.0.0's ``sj_lif`` does
+#: (h always fp32), the ``backend='triton'`` op of the releases with a ``backend`` argument does not (h in the
+#: input's dtype). The cupy op of those releases is modelled as ``sj_lif`` (not checked against its source).
+SAVES_INPUT = {"sj_lif": True, "triton": False, "cupy": True}
 
 #: (kernel name, bytes read, bytes written) -> None; the trace's record of one fused launch.
 KernelSink = Callable[[str, int, int], None]
@@ -53,52 +66,70 @@ def runs_fused(module: nn.Module, neuron_backend: str) -> bool:
     return backend is None or backend in FUSED_BACKENDS or neuron_backend in FUSED_BACKENDS
 
 
+def fused_op(module: nn.Module, neuron_backend: str) -> str:
+    """The fused op a :func:`runs_fused` neuron runs on CUDA (a key of :data:`SAVES_INPUT`): ``sj_lif`` for
+    2.0.0 (no ``backend`` attribute: the plan's ``neuron_backend`` does not change its op), else the module's
+    fused ``backend``, else the plan's."""
+    backend = getattr(module, "backend", None)
+    if backend is None:
+        return "sj_lif"
+    return backend if backend in FUSED_BACKENDS else neuron_backend
+
+
 class FusedLIFKernel(torch.autograd.Function):
     """The fused op's allocations and saved tensors (module doc), on any device (meta here)."""
 
     @staticmethod
-    def forward(ctx, x_seq: torch.Tensor, v_init: torch.Tensor, sink: KernelSink):
+    def forward(ctx, x_seq: torch.Tensor, v_init: torch.Tensor, sink: KernelSink, saves_input: bool = True):
         spikes = torch.empty_like(x_seq)
-        h = torch.empty(x_seq.shape, dtype=torch.float32, device=x_seq.device)
+        h_dtype = torch.float32 if saves_input else x_seq.dtype  # sj_lif: fp32; triton op: empty_like(x_seq)
+        h = torch.empty(x_seq.shape, dtype=h_dtype, device=x_seq.device)
         v_last = torch.empty(x_seq.shape[1:], dtype=torch.float32, device=x_seq.device)
-        ctx.save_for_backward(h, x_seq, v_init)
-        ctx.sink = sink
+        if saves_input:
+            ctx.save_for_backward(h, x_seq, v_init)
+        else:
+            ctx.save_for_backward(h)
+        ctx.sink, ctx.x_dtype = sink, x_seq.dtype
         ctx.mark_non_differentiable(v_last)
         sink("neuron_forward", _nbytes(x_seq, v_init), _nbytes(spikes, h, v_last))
         return spikes, v_last
 
     @staticmethod
     def backward(ctx, grad_spikes: torch.Tensor, grad_v: torch.Tensor):
-        h, x_seq, v_init = ctx.saved_tensors
+        h = ctx.saved_tensors[0]
         if grad_v is None:
             grad_v = torch.zeros(h.shape[1:], dtype=torch.float32, device=h.device)
-        grad_x = torch.empty(h.shape, dtype=x_seq.dtype, device=h.device)
+        grad_x = torch.empty(h.shape, dtype=ctx.x_dtype, device=h.device)
         grad_v_init = torch.empty(h.shape[1:], dtype=torch.float32, device=h.device)
         ctx.sink("neuron_backward", _nbytes(grad_spikes, grad_v, h), _nbytes(grad_x, grad_v_init))
-        return grad_x, grad_v_init, None
+        return grad_x, grad_v_init, None, None
 
 
 class FusedNeuron(nn.Module):
     """A fused multi-step LIF neuron: ``[T, ...]`` in, spikes out; its last potential is its state."""
 
-    def __init__(self, sink: KernelSink):
+    def __init__(self, sink: KernelSink, op: str = "sj_lif"):
         super().__init__()
-        self.sink = sink
+        if op not in SAVES_INPUT:
+            raise ValueError(f"op={op!r}: the fused neuron ops modelled are {sorted(SAVES_INPUT)}")
+        self.sink, self.op = sink, op
         self.v = None  # the last potential, kept between calls as the package keeps it
 
     def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
         # the state a reset leaves is a float; the op's first call materialises it as a zero tensor
         v_init = torch.zeros(x_seq.shape[1:], dtype=torch.float32, device=x_seq.device)
-        spikes, self.v = FusedLIFKernel.apply(x_seq, v_init, self.sink)
+        spikes, self.v = FusedLIFKernel.apply(x_seq, v_init, self.sink, SAVES_INPUT[self.op])
         return spikes
 
 
 def swap_fused(model: nn.Module, neuron_backend: str, sink: KernelSink) -> Tuple[str, ...]:
     """Replace, in place, every neuron of ``model`` that :func:`runs_fused` by a :class:`FusedNeuron`
-    reporting to ``sink``; returns their paths. Use on a private copy of the model."""
+    reporting to ``sink`` and saving what its :func:`fused_op` saves; returns their paths. Use on a private
+    copy of the model."""
     paths = tuple(n for n, m in model.named_modules() if n and runs_fused(m, neuron_backend))
     for path in paths:
         parent, _, name = path.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, name, FusedNeuron(sink))
+        op = fused_op(model.get_submodule(path), neuron_backend)
+        setattr(model.get_submodule(parent) if parent else model, name, FusedNeuron(sink, op))
     return paths
 

@@ -128,6 +128,7 @@ def gpu_plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, 
     phases["optimizer"] = _optimizer_s(plan, profile, hw, optimizer)(local)
     fsdp_s = None
     if timeline is not None and plan.dp_size > 1 and hw.overlaps_comm:
+        copy_s = lambda nbytes: kernel_seconds(Kernel("fsdp", "memory", 0.0, nbytes, 4, 1), hw)  # noqa: E731
         fsdp_s = fsdp_exposed_s(step.log, [kernel_seconds(k, hw, half=half) for k in step.kernels], timeline.units,
-                                timeline.reshard_after_forward, fsdp_collective_s(plan, hw))
+                                timeline.reshard_after_forward, fsdp_collective_s(plan, hw), plan.dp_size, copy_s)
     return time_table(plan, collectives, hw, phases, fsdp_s)
