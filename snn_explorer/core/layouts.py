@@ -34,6 +34,10 @@ OUTPUTS = ("time_major", "batch_major")
 _TEXT = {"time_major": "[T, N, ...]", "batch_major": "[N, T, ...]", "per_step": "[T, N, ...], [N, ...] per call"}
 
 
+#: The element of a tuple output the tools take by default: snntorch's tutorials return ``(spikes, membranes)``.
+SPIKES = 0
+
+
 @dataclass(frozen=True)
 class DataLayout:
     """Where N and T sit: ``input`` one of :data:`INPUTS`, ``output`` one of :data:`OUTPUTS`."""
@@ -115,10 +119,10 @@ class DataLayout:
         return x.transpose(0, 1).contiguous() if self.input == "batch_major" else x
 
     # ---- running the model
-    def run(self, model: nn.Module, x: torch.Tensor):
+    def run(self, model: nn.Module, x: torch.Tensor, output: int = SPIKES):
         """The model's output on batch ``x``: one call, or (``per_step``) one call of a :class:`StepLoop`
-        calling it once per step, stacked."""
-        return StepLoop(model)(x) if self.per_step else model(x)
+        calling it once per step, stacked; of a tuple output, element ``output`` (:func:`model_output`)."""
+        return StepLoop(model, output)(x) if self.per_step else model_output(model(x), output)
 
     def outputs_by_sample(self, outputs: torch.Tensor, n: int, t: Optional[int] = None,
                           reduce_time: Optional[str] = "mean") -> torch.Tensor:
@@ -153,20 +157,36 @@ class DataLayout:
         return cls(**data)
 
 
+def model_output(outputs, output: int = SPIKES, where: str = "") -> torch.Tensor:
+    """The tensor a model's forward returns, or element ``output`` of a tuple or list of tensors (an snntorch
+    tutorial's ``return torch.stack(spk_rec), torch.stack(mem_rec)``: the spikes by default; ``output=1``
+    its membranes). TypeError for anything else, naming what came back and what is accepted."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    at = f" {where}" if where else ""
+    if isinstance(outputs, (tuple, list)) and outputs and all(isinstance(o, torch.Tensor) for o in outputs):
+        if isinstance(output, bool) or not isinstance(output, int) or not -len(outputs) <= output < len(outputs):
+            raise ValueError(f"output={output!r} picks no element of the model's {len(outputs)} outputs{at}; "
+                             f"expected an index in 0..{len(outputs) - 1} (0, the default: the spikes of a "
+                             "(spikes, membranes) tuple)")
+        return outputs[output]
+    kinds = (f"a {type(outputs).__name__} of {', '.join(sorted({type(o).__name__ for o in outputs}))}"
+             if isinstance(outputs, (tuple, list)) and outputs else f"a {type(outputs).__name__}")
+    raise TypeError(f"the model returned {kinds}{at}; expected a tensor, or a tuple of tensors such as "
+                    "(spikes, membranes), whose element `output` (default 0, the spikes) is used")
+
+
 class StepLoop(nn.Module):
     """A per-step model run over ``[T, N, ...]`` as one module call: ``model`` called once per step
     ``x[t]`` (its neuron state carrying over), the outputs stacked ``[T, N, ...]``. Tools that watch
     top-level module calls (torch's ``MemTracker``) see one call per batch, the model's inside it."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, output: int = SPIKES):
         super().__init__()
-        self.model = model
+        self.model, self.output = model, output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        outputs = [self.model(step) for step in x.unbind(0)]
-        if not all(isinstance(o, torch.Tensor) for o in outputs):
-            raise TypeError(f"a per_step model must return one tensor per step, got {type(outputs[0]).__name__}")
-        return torch.stack(outputs)
+        return torch.stack([model_output(self.model(step), self.output, "per step") for step in x.unbind(0)])
 
 
 def _hint(shape, n: int, t: Optional[int]) -> str:

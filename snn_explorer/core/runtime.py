@@ -15,7 +15,7 @@ from . import neurons
 from .analysis import SNNDistributedAnalysis
 from .channel_styles import full_tensor
 from .checkpoint import load_checkpoint, save_checkpoint
-from .layouts import TIME_MAJOR, DataLayout, check_samples
+from .layouts import SPIKES, TIME_MAJOR, DataLayout, check_samples
 from .parallelize.mixed_precision import LossScaler, loss_scaler_for
 from .plan_types import SNNDistributedPlan
 from .validate import positive_int
@@ -196,14 +196,17 @@ class SNNDistributedRuntime:
         return share, None if labels is None else labels[start:start + length].contiguous()
 
     def forward_loss(self, criterion: Callable, inputs: torch.Tensor, labels: torch.Tensor,
-                     reset: bool = True, reduce_time: Optional[str] = "mean") -> Tuple[torch.Tensor, torch.Tensor]:
+                     reset: bool = True, reduce_time: Optional[str] = "mean",
+                     output: int = SPIKES) -> Tuple[torch.Tensor, torch.Tensor]:
         """Reset neuron state (unless ``reset=False``), run the model, return ``(loss, outputs)``.
 
         The model runs as the plan's data layout says (once on the batch, or once per time step for
         ``per_step``, outputs stacked ``[T, N, ...]``). The criterion sees the outputs averaged over
         time by default: ``[T, N, C]`` (or ``[N, T, C]``) becomes ``[N, C]`` before
         ``criterion(outputs, labels)``. Pass ``reduce_time=None`` to give the criterion the
-        ``[T, N, C]`` outputs themselves. ``outputs`` returned are the model's own, unreduced.
+        ``[T, N, C]`` outputs themselves. ``outputs`` returned are the model's own, unreduced; of a model
+        that returns a tuple (an snntorch tutorial's ``(spikes, membranes)``), element ``output`` (default
+        0, the spikes; :func:`~.layouts.model_output`).
         """
         _check_batch(inputs, labels)
         if self.plan.uses_pp:
@@ -212,7 +215,7 @@ class SNNDistributedRuntime:
                                "the micro-batches and returns the loss on every rank")
         if reset:
             self.reset_state()
-        outputs = self.layout.run(self.model, inputs.to(self.device))
+        outputs = self.layout.run(self.model, inputs.to(self.device), output)
         prepared, labels = self.prepare_classification_output(outputs, labels.to(self.device), reduce_time,
                                                               self.layout)
         return criterion(_loss_dtype(prepared), labels), outputs

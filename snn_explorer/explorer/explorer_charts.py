@@ -59,11 +59,13 @@ class ExplorerCharts:
 
     def pipeline_chart(self, plan: SNNDistributedPlan):
         """Each rank's forwards, backwards and bubbles under ``plan``'s schedule, above its stage layout
-        over the model's pipeline units (a Figure); ValueError for a plan without a pipeline."""
+        over the model's pipeline units (a Figure), its title the estimate's idle share of the ranks' step time;
+        ValueError for a plan without a pipeline."""
         if not plan.uses_pp:
             raise ValueError(f"the plan has no pipeline: pp={plan.pp_size} (mode {plan.mode!r}); a pipeline chart "
                              f"needs {names_text(lambda m: m.pp)} on a topology with pp > 1")
-        return pipeline_chart(plan, self.analysis.pipeline_units)
+        time = self.estimate(plan).time if self.example_input is not None else None
+        return pipeline_chart(plan, self.analysis.pipeline_units, time=time)
 
     def activation_chart(self, plan: SNNDistributedPlan, time_steps: Sequence[int] = (4, 8, 16, 32)):
         """Activation memory of one rank of ``plan`` against ``time_steps``, with and without checkpointing."""

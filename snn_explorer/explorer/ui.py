@@ -104,13 +104,15 @@ class ExplorerUI:
         self._wire()
 
     def _build_mesh_controls(self, world: int, style: dict) -> None:
-        """The objective, the world size, the mesh sliders, the pipeline's fields and the mode."""
+        """The objective, the world size, the mesh sizes (a button per divisor: a slider's readout invites typing
+        that a selection slider ignores), the pipeline's fields and the mode."""
         self.objective = w.Dropdown(options=SNN_DISTRIBUTED_PREFERENCES, value="speed", description="objective",
                                     style=style)
         self.world_size = w.IntSlider(value=world, min=1, max=MAX_WORLD, description="world size", style=style)
-        self.dp = w.SelectionSlider(options=divisors(world), value=world, description="dp", style=style)
-        self.tp = w.SelectionSlider(options=divisors(world), value=1, description="tp", style=style)
-        self.pp = w.SelectionSlider(options=divisors(world), value=1, description="pp", style=style)
+        sizes = dict(style=dict(style, button_width="36px"), layout=w.Layout(width="max-content"))
+        self.dp = w.ToggleButtons(options=divisors(world), value=world, description="dp", **sizes)
+        self.tp = w.ToggleButtons(options=divisors(world), value=1, description="tp", **sizes)
+        self.pp = w.ToggleButtons(options=divisors(world), value=1, description="pp", **sizes)
         self.mesh = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
         self.pp_schedule = w.Dropdown(options=PP_SCHEDULE_CHOICES, value="auto", description="pp schedule",
                                       style=style)

@@ -8,6 +8,8 @@ chromium or Playwright is a failure, not a skip: ``scripts/setup.sh`` installs b
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import signal
@@ -57,6 +59,13 @@ def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> N
 @pytest.fixture
 def voila_url(tmp_path):
     """Voila serving the quickstart notebook on 127.0.0.1; stopped (its whole process group) after."""
+    with _served(tmp_path, NOTEBOOK) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def _served(tmp_path, notebook: Path):
+    """Voila serving ``notebook`` on 127.0.0.1: ``(url, log)``; stopped (its whole process group) after."""
     kernels = tmp_path / "kernels"
     subprocess.run([sys.executable, "-m", "ipykernel", "install", "--prefix", str(kernels), "--name", "python3"],
                    check=True, capture_output=True)
@@ -64,9 +73,9 @@ def voila_url(tmp_path):
     port, log = _free_port(), tmp_path / "voila.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "voila", str(NOTEBOOK), "--no-browser", f"--port={port}", "--Voila.ip=127.0.0.1",
-             "--show_tracebacks=True", f"--Voila.root_dir={NOTEBOOK.parent}"],
-            cwd=NOTEBOOK.parent, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            [sys.executable, "-m", "voila", str(notebook), "--no-browser", f"--port={port}", "--Voila.ip=127.0.0.1",
+             "--show_tracebacks=True", f"--Voila.root_dir={notebook.parent}"],
+            cwd=notebook.parent, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}/"
     try:
         _wait_http(url, proc, log, START_TIMEOUT_S)
@@ -228,3 +237,38 @@ def _button(page, text: str):
 
 def _launch_screenshot(page, name: str) -> None:
     page.locator(".widget-tab").first.screenshot(path=str(ARTIFACTS / f"{name}.png"))
+
+
+def test_every_strategy_notebook_draws_its_pictures_in_the_browser(tmp_path):
+    """Notebook 08 served by Voila (a fresh kernel runs it): as many pictures as its committed outputs hold,
+    each screenshotted to test-artifacts/every_strategy_<i>.png."""
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} is missing: scripts/setup.sh installs it (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    notebook = ROOT / "notebooks" / "08_every_strategy.ipynb"
+    cells = json.loads(notebook.read_text())["cells"]
+    pictures = sum("image/png" in out.get("data", {}) for cell in cells for out in cell.get("outputs", []))
+    assert pictures >= 3
+    ARTIFACTS.mkdir(exist_ok=True)
+    with _served(tmp_path, notebook) as (url, log), sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS,
+            viewport={"width": 1400, "height": 2400})
+        try:
+            page = context.pages[0] if context.pages else context.new_page()
+            page.goto(url, timeout=RENDER_TIMEOUT_MS)
+            images = page.locator('img[src^="data:image/png"]')
+            try:
+                images.nth(pictures - 1).wait_for(state="visible", timeout=RENDER_TIMEOUT_MS)
+            except Exception:
+                page.screenshot(path=str(ARTIFACTS / "every_strategy_failed.png"), full_page=True)
+                raise AssertionError(f"{images.count()} of {pictures} pictures appeared; voila log:\n"
+                                     f"{log.read_text()[-4000:]}")
+            assert images.count() == pictures
+            for i in range(pictures):
+                images.nth(i).scroll_into_view_if_needed()
+                images.nth(i).screenshot(path=str(ARTIFACTS / f"every_strategy_{i}.png"))
+                assert images.nth(i).evaluate("img => img.naturalWidth") > 300
+        finally:
+            context.close()

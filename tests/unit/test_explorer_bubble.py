@@ -28,3 +28,28 @@ def test_the_bubble_bar_is_the_time_tables_mean_idle_time():
     assert bars[1, "bubble_s"] == 0 and bars[1, "compute_s"] == pytest.approx(1e3 * slowest["compute_s"])
     assert "mean over ranks" in ax.get_title()
     assert ax.get_ylim()[1] > max(sum(bars[i, c] for c, _ in TIME_PARTS) for i in range(2))  # nothing clipped
+
+
+def test_the_pipeline_chart_states_the_time_tables_idle_share_and_stays_readable_at_16_micro_batches():
+    import pandas as pd
+
+    from snn_explorer.explorer import Explorer
+    from snn_explorer.explorer.pipeline_view import LABEL_INCHES, pipeline_chart
+
+    vgg = build("vgg", batch_size=16)
+    ex = Explorer.from_zoo(vgg)
+    plan = ex.make_plan(objective="capacity", topology={"pp": 2}, mode="pp", pp_schedule="1f1b", pp_microbatches=16)
+    units = ex.analysis.pipeline_units
+    # two ranks idle 0.3 and 0.1 s of 1 s steps: 20 %; the schedule alone idles (pp - 1) / (m + pp - 1) = 1/17
+    given = pipeline_chart(plan, units, time=pd.DataFrame({"bubble_s": [0.3, 0.1], "step_s": [1.0, 1.0]}))
+    assert "idle 20% of the ranks' step time (estimate); 6% at equal stage costs" in given.axes[0].get_title()
+    assert "idle 6% (schedule at equal stage costs)" in pipeline_chart(plan, units).axes[0].get_title()
+    time = ex.estimate(plan).time
+    top = ex.pipeline_chart(plan).axes[0]
+    assert f"idle {time['bubble_s'].sum() / time['step_s'].sum():.0%} of the ranks' step time" in top.get_title()
+    width = top.figure.get_size_inches()[0]
+    assert width > 9.0  # 16 micro-batches: 3 x 16 units of work a rank, wider than the default 9 inches
+    assert len(top.patches) == 2 * 2 * 16
+    inches_per_unit = width * top.get_position().width / top.get_xlim()[1]
+    labelled = [p for p in top.patches if p.get_width() * inches_per_unit >= LABEL_INCHES]
+    assert len(top.texts) == len(labelled) > 0  # text only where it fits

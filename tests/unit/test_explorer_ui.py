@@ -62,6 +62,13 @@ def test_topology_sliders_stay_on_the_world_size_and_replan(ui):
     assert ui.compare_table.loc["batch_per_rank"].tolist() == [1]
 
 
+def test_each_mesh_size_is_a_button_that_picks_it(ui):
+    """A size is clicked, not typed: a selection slider's readout looked like a box and ignored a typed 4."""
+    assert isinstance(ui.tp, w.ToggleButtons) and ui.tp._options_labels == ("1", "2", "4")
+    ui.tp.index = 2  # what a click on the button "4" sends
+    assert (ui.dp.value, ui.tp.value, ui.pp.value) == (1, 4, 1) and ui.current.topology.dims == {"tp": 4}
+
+
 def test_mode_gates_batch_time_steps_and_budget_change_the_comparison(ui):
     ui.mode.value = "fsdp2"
     assert ui.current.mode == "fsdp2" and ui.compare_table.loc["mode"].tolist() == ["fsdp2"]

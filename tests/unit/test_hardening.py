@@ -169,6 +169,13 @@ class Pair(nn.Module):
         return self.fc(x), x
 
 
+class Noted(Pair):
+    """Returns a tuple that is not all tensors."""
+
+    def forward(self, x):
+        return self.fc(x), "note"
+
+
 def _frozen_mlp():
     model = build("mlp").model
     for p in model.parameters():
@@ -227,7 +234,7 @@ ESTIMATE_CASES = [
     ({"labels": [0] * 8}, TypeError, r"labels must be a torch\.Tensor"),
     ({"plan": {"mode": "dp"}}, TypeError, r"plan must be an SNNDistributedPlan .* got dict"),
     ({"model": None}, TypeError, r"model must be a torch\.nn\.Module, got NoneType"),
-    ({"model": Pair()}, TypeError, r"the model returned a tuple, not a tensor"),
+    ({"model": Noted()}, TypeError, r"the model returned a tuple of Tensor, str; expected a tensor, or a tuple"),
     ({"model": nn.Sequential(nn.ReLU())}, ValueError, r"no trainable parameters"),
     ({"model": _frozen_mlp()}, ValueError, r"no trainable parameters"),
 ]
@@ -320,8 +327,12 @@ def test_runtime_and_apply_refuse_wrong_kinds(zoo_plan):
         runtime.forward_loss(loss, zoo.example_input, zoo.labels[:3])
     pair = apply(model=Pair(), plan=plan(analysis=analyze(Pair()), objective="speed", topology=1, backend="torch",
                                          batch_size=8), device_type="cpu")
-    with pytest.raises(TypeError, match=r"the model returned a tuple, not a tensor"):
-        pair.forward_loss(loss, zoo.example_input, zoo.labels)
+    noted = apply(model=Noted(), plan=plan(analysis=analyze(Noted()), objective="speed", topology=1, backend="torch",
+                                           batch_size=8), device_type="cpu")
+    with pytest.raises(TypeError, match=r"the model returned a tuple of Tensor, str; expected a tensor"):
+        noted.forward_loss(loss, zoo.example_input, zoo.labels)
+    with pytest.raises(ValueError, match=r"output=2 picks no element of the model's 2 outputs"):
+        pair.forward_loss(loss, zoo.example_input, zoo.labels, output=2)
 
 
 @pytest.mark.parametrize("kwargs, exc, pattern", [

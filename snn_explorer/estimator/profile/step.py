@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ...core import SNNDistributedPlan, SNNDistributedRuntime
-from ...core.layouts import TIME_MAJOR, DataLayout, detect_layout, layout_of
+from ...core.layouts import TIME_MAJOR, DataLayout, detect_layout, layout_of, model_output
 from ...core.neurons import reset_all
 from ...core.validate import check_batch_tensor, check_dtype, check_instance
 
@@ -121,10 +121,8 @@ def input_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _check_output(outputs) -> torch.Tensor:
-    if not isinstance(outputs, torch.Tensor):
-        raise TypeError(f"the model returned a {type(outputs).__name__}, not a tensor; estimate and measure need "
-                        "a forward that returns one tensor (e.g. [T, N, C] spikes or scores)")
-    return outputs
+    """The output tensor estimate and measure take: the tensor, or a tuple's spikes (:func:`model_output`)."""
+    return model_output(outputs)
 
 
 def loss_of(outputs: torch.Tensor, labels: Optional[torch.Tensor], layout: DataLayout = TIME_MAJOR) -> torch.Tensor:

@@ -39,7 +39,7 @@ def per_step_gather_note(plan: SNNDistributedPlan, collectives: pd.DataFrame, on
     seconds = hardware.collective_time(Collective.ALL_GATHER, p, extra_bytes, extra,
                                        spans_nodes(plan, "dp", hardware, p))
     when = "after every call's forward and backward" if plan.reshard_after_forward else "after every call's backward"
-    fix = ("; keeping gathered parameters (memopt_level=0) removes the forward's" if plan.reshard_after_forward
+    fix = ("; keeping gathered parameters (memopt_level=0) removes the forward's re-gathers" if plan.reshard_after_forward
            else "; only a model that runs all its time steps inside one call of each unit avoids them")
     return (f"FSDP2 gathers again at every time step: the model calls its units once per time step (T={t}) and "
             f"FSDP2 frees a unit's gathered parameters {when}, so a step runs {int(now['count'].sum())} all-gathers "
