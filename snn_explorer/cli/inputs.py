@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from ..core import SNNDistributedTopology
-from ..core.topology import MAX_WORLD_SIZE, dp_tp_splits
-from ..core.validate import positive_int
+from ..core.common.topology import MAX_WORLD_SIZE, dp_tp_splits
+from ..core.common.validate import positive_int
 from ..zoo import ZOO_NAMES, build
 
 

@@ -7,8 +7,8 @@ import math
 from typing import Optional
 
 from ..core import ACTIVATION_CHECKPOINTING, MODES, SNN_DISTRIBUTED_PREFERENCES, DistributedFeatureSet
-from ..core.pipeline_schedules import SCHEDULES
-from ..core.precision import PRECISIONS, Precision, precision_of
+from ..core.common.precision import PRECISIONS, Precision, precision_of
+from ..core.planning.pipeline_schedules import SCHEDULES
 from .inputs import CliError, positive
 
 #: The feature gates, as ``DistributedFeatureSet`` names them (and ``--gate`` / ``--no-gate`` take).

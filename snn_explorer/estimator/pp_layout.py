@@ -5,8 +5,8 @@ import dataclasses
 import math
 from typing import Optional, Sequence
 
-from ..core.analysis import shared_parameters
-from ..core.pipeline_plan import (
+from ..core.model.analysis import shared_parameters
+from ..core.planning.pipeline_plan import (
     balanced_layout,
     check_pp_model,
     layout_text,

@@ -12,11 +12,11 @@ from torch import nn
 
 from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze, apply
 from ..core import plan as core_plan
-from ..core.memory_levers import find_time_step_module, objective_checkpoints
-from ..core.module_copy import modules_copied
-from ..core.recommend import UNSET, check_backend, neuron_backend_arg
-from ..core.tp_plan import default_tp_plan
-from ..core.validate import check_batch_tensor, positive_int
+from ..core.common.validate import check_batch_tensor, positive_int
+from ..core.levers.memory_levers import find_time_step_module, objective_checkpoints
+from ..core.model.module_copy import modules_copied
+from ..core.planning.recommend import UNSET, check_backend, neuron_backend_arg
+from ..core.tp.tp_plan import default_tp_plan
 from ..estimator import (
     PlanList,
     balanced_pp_plan,
@@ -86,7 +86,7 @@ class Explorer(ExplorerCharts):
     ``neuron_backend`` (``backend``: its deprecated name) that of new plans. ``hardware`` (a
     ``HardwareProfile``, a built-in profile's name, or None: this machine's calibration, made on
     the first estimate) is where step times are predicted; set the attribute to change it.
-    ``data_layout`` (a :class:`~snn_explorer.core.layouts.DataLayout`) says where N and T sit in
+    ``data_layout`` (a :class:`~snn_explorer.core.model.layouts.DataLayout`) says where N and T sit in
     ``example_input`` and the model's output; without it they are detected from the example input
     (``analysis.data_layout_how`` says how), and every plan and estimate carries the result.
     ``pool``: a :class:`~snn_explorer.ranks.RankPool` that :meth:`launch` (the UI's Launch) and :meth:`measure`
@@ -191,7 +191,7 @@ class Explorer(ExplorerCharts):
                   pp_microbatches: Optional[int] = None, pp_virtual_stages: Optional[int] = None,
                   pp_layout: Any = None, precision: Any = None) -> SNNDistributedPlan:
         """The plan :func:`snn_explorer.plan` gives for these choices, without adding it (``precision``: a
-        :class:`~snn_explorer.core.precision.Precision` or its name, None: the objective's choice, bf16
+        :class:`~snn_explorer.core.common.precision.Precision` or its name, None: the objective's choice, bf16
         only behind the ``allow_mixed_precision`` gate; ``time_chunks``
         checkpointing, and the objective's own choice for a model stepped per time step, steps
         :attr:`time_step_module`; the ``pp_*`` fields left None are the planner's choice, and a pipeline's

@@ -19,9 +19,9 @@ from typing import Dict, List, Optional, Union
 import ipywidgets as w
 
 from ..core import ACTIVATION_CHECKPOINTING, MODES, SNN_DISTRIBUTED_PREFERENCES, SNNDistributedPlan
-from ..core.pipeline_schedules import SCHEDULES
-from ..core.precision import PRECISIONS, precision_of
-from ..core.topology import LEADING_DIMS, dp_tp_splits
+from ..core.common.precision import PRECISIONS, precision_of
+from ..core.common.topology import LEADING_DIMS, dp_tp_splits
+from ..core.planning.pipeline_schedules import SCHEDULES
 from ..estimator import hardware_profiles
 from . import charts
 from .compare import compare_table, plan_label, readable, style_compare
@@ -265,7 +265,7 @@ class ExplorerUI:
         return None if k == 1 and self.checkpointing.value == "auto" else k
 
     def _precision_choice(self):
-        """The chosen :class:`~snn_explorer.core.precision.Precision` (None: "auto", the objective's)."""
+        """The chosen :class:`~snn_explorer.core.common.precision.Precision` (None: "auto", the objective's)."""
         if self.precision.value == "auto":
             return None
         return precision_of(self.precision.value, keep_neuron_state_fp32=self.neuron_state_fp32.value)

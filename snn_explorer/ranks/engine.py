@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Unio
 
 import torch
 
-from ..core.validate import positive_int, positive_number
+from ..core.common.validate import positive_int, positive_number
 from . import channel
 from . import payload as payloads
 from .display import choose_display

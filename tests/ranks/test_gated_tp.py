@@ -8,7 +8,7 @@ from distributed_harness import run_on_ranks
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.analysis import SNNDistributedAnalysis
+from snn_explorer.core.model.analysis import SNNDistributedAnalysis
 from snn_explorer.zoo.llm import LLM_CONFIGS, LLMConfig, build_llm, token_batch
 
 SMALL = LLMConfig(vocab_size=64, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=128, spiking=False)

@@ -25,8 +25,8 @@ from torch import nn
 
 import snn_explorer as se
 from snn_explorer.compat_dcp import SafeFileSystemReader
-from snn_explorer.core.checkpoint import latest_checkpoint, read_manifest, step_path
-from snn_explorer.core.checkpoint_files import saved_tensor_metadata
+from snn_explorer.core.checkpoints.checkpoint import latest_checkpoint, read_manifest, step_path
+from snn_explorer.core.checkpoints.checkpoint_files import saved_tensor_metadata
 from snn_explorer.launcher import export_job
 from snn_explorer.zoo import build
 

@@ -9,7 +9,7 @@ from test_styles import CASES, TP, build, example, plan_for
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.styles import STYLES
+from snn_explorer.core.tp.styles import STYLES
 
 T, N = 3, 4
 

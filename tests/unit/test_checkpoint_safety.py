@@ -13,8 +13,8 @@ from torch import nn
 
 import snn_explorer as se
 from snn_explorer import compat_dcp
-from snn_explorer.core.checkpoint import CheckpointError, check_checkpoint, latest_checkpoint, step_path
-from snn_explorer.core.checkpoint_integrity import file_digest
+from snn_explorer.core.checkpoints.checkpoint import CheckpointError, check_checkpoint, latest_checkpoint, step_path
+from snn_explorer.core.checkpoints.checkpoint_integrity import file_digest
 from snn_explorer.zoo import build
 
 

@@ -1,12 +1,12 @@
-"""Time chunks sized by estimate (core/chunk_choice.py): every power-of-two size up to one chunk is estimated;
+"""Time chunks sized by estimate (core/levers/chunk_choice.py): every power-of-two size up to one chunk is estimated;
 the size measured on gloo ranks is the estimator's choice (test_memory_levers' time-chunk case);
 without a budget the lowest peak wins (ties: the faster), with one the fastest that fits; the memory objective and
 fit_budget take the size so chosen, and the plan's note states every size's peak and step time."""
 from types import SimpleNamespace
 
 import snn_explorer as se
-from snn_explorer.core.chunk_choice import choose_chunks
-from snn_explorer.core.memory_levers import copy_without_levers
+from snn_explorer.core.levers.chunk_choice import choose_chunks
+from snn_explorer.core.levers.memory_levers import copy_without_levers
 from snn_explorer.zoo import build
 
 GATES = se.DistributedFeatureSet(allow_activation_checkpointing=True)

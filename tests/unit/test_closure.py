@@ -12,7 +12,7 @@ from torch import nn
 
 import snn_explorer as se
 from snn_explorer.core import distribute
-from snn_explorer.core.plan_types import topology_problem
+from snn_explorer.core.planning.plan_types import topology_problem
 from snn_explorer.zoo import build
 
 NAMES = ("dp", "tp", "x")

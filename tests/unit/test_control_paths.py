@@ -5,7 +5,7 @@ import pandas as pd
 import torch
 
 import snn_explorer as se
-from snn_explorer.core.neurons import detached_copy, reset_all, shared_storage_copy, stateful_modules
+from snn_explorer.core.model.neurons import detached_copy, reset_all, shared_storage_copy, stateful_modules
 from snn_explorer.estimator import estimate
 from snn_explorer.estimator.profile import tp_replica
 from snn_explorer.estimator.profile.profiling import measure_profile

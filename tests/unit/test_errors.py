@@ -456,7 +456,7 @@ def test_apply_default_device_type_follows_the_one_rule():
 
 
 def test_errors_leave_registry_unchanged():
-    from snn_explorer.core import neurons
+    from snn_explorer.core.model import neurons
     before = dict(neurons._REGISTRY)
     for bad in (int, nn.Linear):
         with pytest.raises(TypeError):

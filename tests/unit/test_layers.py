@@ -202,13 +202,13 @@ def test_the_rules_catch_planted_violations(tmp_path):
         "estimator/memory/peak.py": "from ..timing import x\n",  # memory -> timing: up inside the estimator
         "estimator/profile.py": "def g():\n    import json  # lazy: only the CLI reads JSON\n",
         "core/runtime.py": "from .checkpoint import save\n",  # a circle through a package's __init__:
-        "core/checkpoint.py": "from .parallelize.pipeline import Stage\n",  # checkpoint -> parallelize/__init__
+        "core/checkpoints/checkpoint.py": "from .parallelize.pipeline import Stage\n",  # checkpoint -> parallelize/__init__
         "core/parallelize/__init__.py": "from ..runtime import Runtime\n",  # -> runtime -> checkpoint
         "core/parallelize/pipeline.py": "",
     })
     assert [repr(i) for i in upward(own)] == ["snn_explorer.core.plan:2 -> snn_explorer.estimator.timing",
                                                "snn_explorer.estimator.memory.peak:1 -> snn_explorer.estimator.timing"]
-    assert circles(modules, own) == [["snn_explorer.core.checkpoint", "snn_explorer.core.parallelize",
+    assert circles(modules, own) == [["snn_explorer.core.checkpoints.checkpoint", "snn_explorer.core.parallelize",
                                       "snn_explorer.core.runtime"],
                                      ["snn_explorer.core.plan", "snn_explorer.estimator.timing"]]
     assert [repr(i) for i in unexplained(in_functions)] == ["snn_explorer.core.plan:2 -> snn_explorer.estimator.timing"]

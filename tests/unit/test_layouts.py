@@ -1,4 +1,4 @@
-"""Data layouts (``snn_explorer.core.layouts``): one model computed three ways, time-major ``[T, N, F]``,
+"""Data layouts (``snn_explorer.core.model.layouts``): one model computed three ways, time-major ``[T, N, F]``,
 batch-major ``[N, T, F]`` and called per step on ``[N, F]``, gets the same estimate; the layout is
 detected where the shapes tell it and said so; a wrong one fails loudly; a one-rank plan
 communicates nothing. (The three models: tests/layout_nets.py; measurement and training on gloo ranks:
@@ -11,7 +11,7 @@ from layout_nets import CLASSES, F_IN, HIDDEN, N, T, as_layout, data, firing_and
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.layouts import BATCH_MAJOR, PER_STEP, TIME_MAJOR
+from snn_explorer.core.model.layouts import BATCH_MAJOR, PER_STEP, TIME_MAJOR
 from snn_explorer.estimator.profile.shape_only import meta_copy
 
 #: The operator-count model (a CPU-device twin of the RTX 4090): what the layouts must leave equal is what the

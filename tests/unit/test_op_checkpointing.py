@@ -13,7 +13,7 @@ import snn_explorer as se
 from snn_explorer.compat import SAC_MM
 from snn_explorer.core.parallelize.checkpointing import checkpoint_blocks, repeated_blocks
 from snn_explorer.core.parallelize.saved_ops import TORCHTITAN_OPS
-from snn_explorer.core.plan_types import SNNDistributedPlan
+from snn_explorer.core.planning.plan_types import SNNDistributedPlan
 from snn_explorer.estimator.profile.step import is_token_labels, loss_of
 from snn_explorer.zoo.llm import build_llm, token_batch
 

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from snn_explorer.compat import RootOnlyFxTracer
-from snn_explorer.core import structure
-from snn_explorer.core.pipeline_plan import TIME_LOOP_HINT, TIME_LOOP_SIGNS, pipeline_units
-from snn_explorer.core.plans.families import _from_name, resolve_family
-from snn_explorer.core.walk import one_walk
+from snn_explorer.core.model import structure
+from snn_explorer.core.model.families import _from_name, resolve_family
+from snn_explorer.core.model.walk import one_walk
+from snn_explorer.core.planning.pipeline_plan import TIME_LOOP_HINT, TIME_LOOP_SIGNS, pipeline_units
 from snn_explorer.zoo import ZOO_NAMES, SpikingMLP, build
 from snn_explorer.zoo.llm import build_llm
 

@@ -8,7 +8,7 @@ import torch
 from models import wide_jelly
 
 import snn_explorer as se
-from snn_explorer.core.neurons import stateful_modules
+from snn_explorer.core.model.neurons import stateful_modules
 from snn_explorer.estimator import estimate
 from snn_explorer.estimator.instruments import op_counter
 from snn_explorer.estimator.instruments.meter import StorageMeter

@@ -41,7 +41,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from ...compat import tree_leaves
-from ...core.neurons import detached_copy
+from ...core.model.neurons import detached_copy
 from ...core.parallelize.pipeline import PipelineStageModule, StageConfig, build_stage
 from ..instruments.fsdp_events import record
 from ..instruments.meter import StorageMeter

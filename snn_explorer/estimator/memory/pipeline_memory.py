@@ -30,9 +30,9 @@ from typing import Collection, Dict, List, NamedTuple, Sequence, Tuple
 
 import pandas as pd
 
-from ...core.collectives import Collective
-from ...core.pipeline_plan import check_pp_model, stage_units
-from ...core.pipeline_schedules import PipelineSchedule, schedule_of
+from ...core.common.collectives import Collective
+from ...core.planning.pipeline_plan import check_pp_model, stage_units
+from ...core.planning.pipeline_schedules import PipelineSchedule, schedule_of
 from ..instruments.tables import boundary_phase, gather_phase, reduce_phase
 from .sharding import (
     buffer_bytes,

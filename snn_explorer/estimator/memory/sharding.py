@@ -19,7 +19,7 @@ from torch import nn
 
 from ...core import SNNDistributedPlan
 from ...core.parallelize.fsdp import fsdp_units_of
-from ...core.styles import STYLES
+from ...core.tp.styles import STYLES
 from ..profile.step import OPTIMIZERS, check_optimizer
 
 #: Optimizer state tensors per parameter, each the size of the (local) parameter.

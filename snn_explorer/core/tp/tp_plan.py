@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Dict, Mapping, Sequence
 
-from .analysis import SNNDistributedAnalysis
+from ..model.analysis import SNNDistributedAnalysis
 from .styles import SHARDED, STYLES, TP_STYLES, style_of
 
 __all__ = ["TP_STYLES", "auto_tp_plan", "head_aligned_tp_plan", "gated_mlp_plan", "conv_tp_plan", "default_tp_plan",

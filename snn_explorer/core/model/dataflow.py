@@ -18,7 +18,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import fx, nn
 
-from .serialize import dataclass_dict
+from ..common.serialize import dataclass_dict
 from .structure import children_graph, kind, under
 from .walk import modules_by_name
 

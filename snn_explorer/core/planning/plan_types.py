@@ -9,15 +9,15 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Tuple
 
-from .layouts import TIME_MAJOR, DataLayout, layout_of
-from .memory_levers import check_memory_levers, lever_label
-from .modes import Mode, mode_of, names_text
+from ..common.modes import Mode, mode_of, names_text
+from ..common.precision import FP32, Precision, precision_of
+from ..common.serialize import check_keys, check_kind, dataclass_dict, string_tuple
+from ..common.topology import SNNDistributedTopology
+from ..levers.memory_levers import check_memory_levers, lever_label
+from ..model.layouts import TIME_MAJOR, DataLayout, layout_of
 from .pipeline_plan import check_pp_fields
 from .pipeline_schedules import schedule_of
-from .precision import FP32, Precision, precision_of
 from .recommend import BACKENDS, SNN_DISTRIBUTED_PREFERENCES, check_batch_size
-from .serialize import check_keys, check_kind, dataclass_dict, string_tuple
-from .topology import SNNDistributedTopology
 
 OPTIMIZER_STRATEGIES = ("none", "zero")
 #: memopt_level acts on FSDP2 modes: 0 keeps gathered parameters for backward, 1 reshards after forward.
@@ -177,7 +177,7 @@ class SNNDistributedPlan:
     # What the mode does, as named facts (see core.modes).
     @property
     def mode_spec(self) -> Mode:
-        """The :class:`~snn_explorer.core.modes.Mode` row of ``mode``."""
+        """The :class:`~snn_explorer.core.common.modes.Mode` row of ``mode``."""
         return mode_of(self.mode)
 
     @property
@@ -203,12 +203,12 @@ class SNNDistributedPlan:
 
     @property
     def layout(self) -> DataLayout:
-        """The :class:`~snn_explorer.core.layouts.DataLayout` runs of this plan use (time-major when unstated)."""
+        """The :class:`~snn_explorer.core.model.layouts.DataLayout` runs of this plan use (time-major when unstated)."""
         return self.data_layout if self.data_layout is not None else TIME_MAJOR
 
     @property
     def pp_schedule_spec(self):
-        """The :class:`~snn_explorer.core.pipeline_schedules.PipelineSchedule` of ``pp_schedule`` (None
+        """The :class:`~snn_explorer.core.planning.pipeline_schedules.PipelineSchedule` of ``pp_schedule`` (None
         without pipelining)."""
         return schedule_of(self.pp_schedule) if self.uses_pp else None
 

@@ -12,10 +12,10 @@ import shutil
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-from ..compat_dcp import UnsafeCheckpointError, read_dcp_metadata
+from ...compat_dcp import UnsafeCheckpointError, read_dcp_metadata
+from ..planning.plan_types import SNNDistributedPlan
+from ..tp.styles import STYLES
 from .checkpoint_integrity import CheckpointError, check_fields, default_hash, file_table, open_entry, verify_files
-from .plan_types import SNNDistributedPlan
-from .styles import STYLES
 
 FORMAT = "snn_explorer.checkpoint"
 #: 2: every file's size and checksum (``files``: name -> {"size", "hash"}, ``hash_algorithm``) and ``finite``.

@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..compat import is_view
+from ...compat import is_view
 
 _PLAIN_DICTS = (dict, OrderedDict)
 #: immutable values every copy shares (``copy.deepcopy`` returns them as they are)

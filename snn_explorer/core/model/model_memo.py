@@ -20,7 +20,7 @@ from typing import Callable, Hashable, TypeVar
 import torch
 from torch import nn
 
-from ..compat import forward_hook_ids, non_persistent_buffer_names, own_tensors
+from ...compat import forward_hook_ids, non_persistent_buffer_names, own_tensors
 
 T = TypeVar("T")
 _SIMPLE = (int, float, str, bool, type(None), torch.dtype, torch.device)

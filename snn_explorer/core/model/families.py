@@ -5,7 +5,7 @@ from typing import Optional, Tuple
 
 from torch import nn
 
-from ..walk import holds_parameters, modules_by_name
+from .walk import holds_parameters, modules_by_name
 
 GENERIC = "generic"
 VGG = "cifar10dvs_vgg"

@@ -25,9 +25,9 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from ..common.serialize import check_keys, check_kind
 from .model_memo import remembered_for
 from .neurons import detached_copy, state_tensors, stateful_modules
-from .serialize import check_keys, check_kind
 
 INPUTS = ("time_major", "batch_major", "per_step")
 OUTPUTS = ("time_major", "batch_major")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, Dict, List, Optional, Tuple
 
-from ..compat_pipelining import pipeline_compute_order, pipelining
+from ...compat_pipelining import pipeline_compute_order, pipelining
 
 #: Time of one micro-batch's action through one stage, in forward units (a backward costs two
 #: forwards; a zero-bubble schedule splits it into input and weight halves).

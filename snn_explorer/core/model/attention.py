@@ -6,9 +6,9 @@ from typing import Optional, Sequence, Tuple
 
 from torch import nn
 
-from ..compat import plain_attribute
+from ...compat import plain_attribute
+from ..common.serialize import dataclass_dict
 from .dataflow import heads_from_width
-from .serialize import dataclass_dict
 from .structure import NORM_TYPES, flatten, runs, under
 from .walk import modules_by_name
 
@@ -18,7 +18,7 @@ class AttentionBlock:
     """Multi-head attention with separate q/k/v/output Linears; ``neurons`` sit between q and proj.
 
     ``local_heads``: the block holds no neurons and its traced forward reads the head count from the
-    q/k/v widths (:func:`~snn_explorer.core.dataflow.heads_from_width`), so splitting it by heads
+    q/k/v widths (:func:`~snn_explorer.core.model.dataflow.heads_from_width`), so splitting it by heads
     needs no feature gate (as a Llama-style attention is split).
     """
 

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
-from .vocabulary import Checkpointing
+from ..common.vocabulary import Checkpointing
 
 #: The largest chunk size estimated (a model of more time steps is chunked at most this coarsely).
 MAX_CHUNK = 1 << 12

@@ -4,11 +4,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from .analysis import SNNDistributedAnalysis
-from .block_choice import check_checkpoint_blocks, choose_blocks
-from .chunk_choice import choose_chunks
-from .layouts import layout_of
-from .memory_levers import (
+from ..common.modes import MODE_TABLE, MODES, Mode, mode_of, names_text
+from ..common.precision import choose_precision
+from ..common.topology import SNNDistributedTopology
+from ..common.vocabulary import Checkpointing
+from ..levers.block_choice import check_checkpoint_blocks, choose_blocks
+from ..levers.chunk_choice import choose_chunks
+from ..levers.memory_levers import (
     CHECKPOINT_EVERY,
     check_checkpoint_every,
     check_time_step_module,
@@ -20,7 +22,10 @@ from .memory_levers import (
     objective_chooses_levers,
     remembered,
 )
-from .modes import MODE_TABLE, MODES, Mode, mode_of, names_text
+from ..model.analysis import SNNDistributedAnalysis
+from ..model.families import resolve_family
+from ..model.layouts import layout_of
+from ..tp.tp_plan import check_tied_parameters, check_tp_plan, default_tp_plan, has_gated_attention, with_local_neurons
 from .pipeline_plan import (
     balanced_layout,
     check_pp_model,
@@ -33,8 +38,6 @@ from .pipeline_plan import (
 )
 from .pipeline_schedules import default_schedule, schedule_of
 from .plan_types import DistributedFeatureSet, SNNDistributedPlan
-from .plans.families import resolve_family
-from .precision import choose_precision
 from .recommend import (
     UNSET,
     check_backend,
@@ -43,9 +46,6 @@ from .recommend import (
     neuron_backend_arg,
     recommend_snn_distributed_strategy,
 )
-from .topology import SNNDistributedTopology
-from .tp_plan import check_tied_parameters, check_tp_plan, default_tp_plan, has_gated_attention, with_local_neurons
-from .vocabulary import Checkpointing
 
 #: Modes tried after the recommendation, per objective, when it does not fit (a mode missing
 #: here is tried last).
@@ -130,7 +130,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     ``"torch"``) is the neuron compute backend (see ``BACKENDS``); ``backend`` is its deprecated name.
     Mode ``pp`` (a topology with a ``pp`` dim) takes ``pp_schedule``, ``pp_microbatches``,
     ``pp_virtual_stages`` and ``pp_layout`` (``"3|4"`` or the unit paths where stages 2.. begin);
-    those left None follow :func:`~snn_explorer.core.pipeline_plan.recommend_pipeline`.
+    those left None follow :func:`~snn_explorer.core.planning.pipeline_plan.recommend_pipeline`.
     ``activation_checkpointing``, ``checkpoint_every``, ``cpu_offload`` and ``time_step_module`` are the
     memory levers (see ``core.memory_levers``), each behind its ``features`` gate. ``activation_checkpointing=None``
     leaves the choice to the objective: ``speed`` takes none; ``memory`` and ``capacity`` never take a lever by
@@ -144,7 +144,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     ``checkpoint_blocks`` (with ``activation_checkpointing='blocks'``) recomputes exactly the named blocks (each by its
     first unit's path, :mod:`.block_choice`) instead of every ``checkpoint_every``-th. ``checkpoint_every=None``
     (the default) is 1 with an explicit ``activation_checkpointing`` and the estimate's choice without one.
-    ``data_layout`` (a :class:`~snn_explorer.core.layouts.DataLayout`; default: the analysis's) says
+    ``data_layout`` (a :class:`~snn_explorer.core.model.layouts.DataLayout`; default: the analysis's) says
     where N and T sit in the model's input and output; the plan carries it to ``apply`` and the launcher.
     """
     if not isinstance(analysis, SNNDistributedAnalysis):

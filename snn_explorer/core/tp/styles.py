@@ -13,8 +13,8 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from ..common.collectives import Collective
 from . import channel_styles
-from .collectives import Collective
 
 #: Sharding of a module's input or output over the tp group.
 WHOLE, SHARDED = "whole", "sharded"

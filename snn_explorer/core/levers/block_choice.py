@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Tuple
 
-from .vocabulary import Checkpointing
+from ..common.vocabulary import Checkpointing
 
 #: Models with more blocks than this are not searched block by block (each block costs one estimate more).
 MAX_CHOICE_BLOCKS = 32

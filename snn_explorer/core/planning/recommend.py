@@ -4,11 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
+from ..common.validate import UNSET, positive_int, renamed_keyword
+from ..common.vocabulary import NeuronBackend
+from ..model.families import VGG, resolve_family
 from .pipeline_plan import recommend_pipeline
 from .pipeline_schedules import default_schedule
-from .plans.families import VGG, resolve_family
-from .validate import UNSET, positive_int, renamed_keyword
-from .vocabulary import NeuronBackend
 
 #: Objectives the planner optimises for.
 SNN_DISTRIBUTED_PREFERENCES = ("speed", "memory", "capacity")
@@ -61,7 +61,7 @@ def recommend_snn_distributed_strategy(model: str = "generic", *, world_size: in
     The planner then fits the pick to the topology the user gave (see ``plan``).
     ``backend`` is the deprecated name of ``neuron_backend``. With ``pipelining_available``,
     ``capacity`` picks mode ``pp`` over all ranks when the batch allows it (see
-    :func:`~snn_explorer.core.pipeline_plan.recommend_pipeline`), else the memory decision.
+    :func:`~snn_explorer.core.planning.pipeline_plan.recommend_pipeline`), else the memory decision.
     """
     prefer = check_objective(prefer)
     check_batch_size(batch_size)

@@ -14,10 +14,10 @@ from typing import Any, Optional, Sequence, Tuple
 
 from torch import nn
 
-from .modes import names_text
-from .structure import forward_chain, is_plain_sequential
-from .styles import SHARDED, STYLES
-from .walk import modules_by_name, named_parameters_all
+from ..common.modes import names_text
+from ..model.structure import forward_chain, is_plain_sequential
+from ..model.walk import modules_by_name, named_parameters_all
+from ..tp.styles import SHARDED, STYLES
 
 # ---- the model's sequence of units ---------------------------------------------------------------
 

@@ -23,7 +23,7 @@
 (``torch.distributed.fsdp.CPUOffloadPolicy``); it needs a mode that uses FSDP2 and CUDA ranks.
 ``spike_compression`` keeps the 0/1 tensors saved for backward as bits (:mod:`.spike_compression`);
 ``activation_offload`` keeps them in host memory until backward (:mod:`.activation_offload`, CUDA ranks).
-All of it is gated by :class:`~snn_explorer.core.plan_types.DistributedFeatureSet`.
+All of it is gated by :class:`~snn_explorer.core.planning.plan_types.DistributedFeatureSet`.
 """
 from __future__ import annotations
 
@@ -34,13 +34,13 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from . import neurons
+from ..common.modes import names_text
+from ..common.vocabulary import Checkpointing
+from ..model import neurons
+from ..model.model_memo import remembered_for
 from .activation_offload import check_activation_offload
 from .block_choice import block_label, check_block_choice
-from .model_memo import remembered_for
-from .modes import names_text
 from .spike_compression import check_spike_compression
-from .vocabulary import Checkpointing
 
 #: The granularities of ``SNNDistributedPlan.activation_checkpointing`` (:class:`~.vocabulary.Checkpointing`).
 ACTIVATION_CHECKPOINTING = Checkpointing.names()

@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..compat import RootOnlyFxTracer, own_tensors
+from ...compat import RootOnlyFxTracer, own_tensors
 from . import neurons
 from .walk import memo, modules_by_name
 

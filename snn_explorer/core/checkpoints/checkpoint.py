@@ -54,9 +54,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from ..compat import non_persistent_buffer_names, spikingjelly_memories, spikingjelly_reset_values
-from ..compat_dcp import SafeFileSystemReader, UnsafeCheckpointError, without_unsafe_advice
-from . import neurons
+from ...compat import non_persistent_buffer_names, spikingjelly_memories, spikingjelly_reset_values
+from ...compat_dcp import SafeFileSystemReader, UnsafeCheckpointError, without_unsafe_advice
+from ..model import neurons
+from ..parallelize.mixed_precision import LossScaler
+from ..planning.plan_types import SNNDistributedPlan
 from .checkpoint_files import (
     FORMAT,
     FORMAT_VERSION,
@@ -87,8 +89,6 @@ from .checkpoint_tensors import (
     restore_optimizer,
     saveable,
 )
-from .parallelize.mixed_precision import LossScaler
-from .plan_types import SNNDistributedPlan
 
 __all__ = ["CheckpointError", "LoadedCheckpoint", "check_checkpoint", "check_plan_checkpointable",
            "latest_checkpoint", "load_checkpoint", "model_mismatch", "model_tensor_shapes", "neurons_holding_state",

@@ -10,10 +10,10 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..compat import non_persistent_buffer_names
-from .channel_styles import full_shape, full_tensor, local_shard
+from ...compat import non_persistent_buffer_names
+from ..parallelize.pipeline import PipelinedModel
+from ..tp.channel_styles import full_shape, full_tensor, local_shard
 from .checkpoint_files import CheckpointError
-from .parallelize.pipeline import PipelinedModel
 
 
 # ---- the model's tensors, by full path ------------------------------------------------------------

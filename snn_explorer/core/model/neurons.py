@@ -12,7 +12,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..compat import non_persistent_buffer_names, spikingjelly_memories, state_slot_table
+from ...compat import non_persistent_buffer_names, spikingjelly_memories, state_slot_table
 from .module_copy import copy_sharing_parameters, deep_copy_module
 from .walk import memo, modules_by_name
 

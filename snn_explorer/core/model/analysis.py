@@ -8,7 +8,10 @@ from typing import Any, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ..compat import non_persistent_buffer_names, own_tensors
+from ...compat import non_persistent_buffer_names, own_tensors
+from ..common.serialize import check_keys, check_kind, dataclass_dict, string_tuple, tuplify
+from ..common.young_objects import new_objects_collected
+from ..planning.pipeline_plan import pipeline_units, trainable_units
 from . import neurons
 from .attention import (
     AttentionBlock,
@@ -20,10 +23,8 @@ from .attention import (
     pointwise_chains,
 )
 from .dataflow import GatedMLP, gated_mlps
+from .families import fsdp_units, resolve_family
 from .layouts import DataLayout, detect_layout, layout_of
-from .pipeline_plan import pipeline_units, trainable_units
-from .plans.families import fsdp_units, resolve_family
-from .serialize import check_keys, check_kind, dataclass_dict, string_tuple, tuplify
 from .structure import (
     CONV_TYPES,
     NORM_TYPES,
@@ -33,7 +34,6 @@ from .structure import (
     under,
 )
 from .walk import modules_by_name, named_parameters_all, one_walk, trainable_count
-from .young_objects import new_objects_collected
 
 #: Analysis fields that hold module paths, and those that hold tuples of them (chains, (path, library)).
 _PATHS = ("memory_module_names", "tensor_parallel_candidate_names", "unsupported_tensor_parallel_names", "notes",
@@ -313,7 +313,7 @@ def analyze(model: nn.Module, *, model_family: Optional[str] = None, roots: Opti
             example_input=None, labels=None, data_layout=None) -> SNNDistributedAnalysis:
     """Find stateful neurons (whole model) and Linear TP candidates (under ``roots``); with an
     ``example_input`` batch (and its ``labels``) also where N and T sit in the model's input and
-    output (:func:`~snn_explorer.core.layouts.detect_layout`; a given ``data_layout`` is checked)."""
+    output (:func:`~snn_explorer.core.model.layouts.detect_layout`; a given ``data_layout`` is checked)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"analyze expects a torch.nn.Module, got {type(model).__name__}")
     roots = _validate_roots(model, roots)

@@ -19,7 +19,7 @@ from typing import Any, Tuple
 import torch
 from torch import nn
 
-from .vocabulary import Checkpointing
+from ..common.vocabulary import Checkpointing
 
 __all__ = ["check_activation_offload", "check_activation_offload_device", "apply_activation_offload",
            "offload_hooks", "to_host", "to_device"]

@@ -1,0 +1,1 @@
+"""Distributed checkpoints: files, integrity, the writer lock, tensors, save and load."""

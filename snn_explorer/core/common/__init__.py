@@ -1,0 +1,1 @@
+"""Vocabulary shared by every core group: names, validation, serialization, topology, modes, precision."""

@@ -1,0 +1,1 @@
+"""Memory levers: activation checkpointing, blocks and time chunks, offload, spike compression."""
