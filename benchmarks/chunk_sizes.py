@@ -29,10 +29,9 @@ import time
 import pandas as pd
 
 import snn_explorer as se
-from snn_explorer.core.levers.chunk_choice import choose_chunks, chunked
-from snn_explorer.core.levers.memory_levers import copy_without_levers, find_time_step_module
-from snn_explorer.core.model.neurons import detached_copy
-from snn_explorer.core.parallelize.checkpointing import apply_activation_checkpointing
+from snn_explorer.core.levers import choose_chunks, chunked, copy_without_levers, find_time_step_module
+from snn_explorer.core.model import detached_copy
+from snn_explorer.core.parallelize import apply_activation_checkpointing
 from snn_explorer.estimator import measure_many
 from snn_explorer.estimator.calibration.this_machine import default_hardware
 from snn_explorer.estimator.instruments.isolation import collector_paused, one_thread

@@ -38,8 +38,7 @@ import psutil
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.checkpoints.checkpoint import CheckpointError, latest_checkpoint
-from snn_explorer.core.checkpoints.checkpoint_lock import FolderLock
+from snn_explorer.core.checkpoints import CheckpointError, FolderLock, latest_checkpoint
 from snn_explorer.launcher import LaunchError
 from snn_explorer.zoo import build
 

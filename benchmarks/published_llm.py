@@ -46,8 +46,8 @@ import torch
 
 import snn_explorer as se
 from snn_explorer import compat
-from snn_explorer.core.parallelize.checkpointing import checkpoint_blocks
-from snn_explorer.core.parallelize.saved_ops import TORCHTITAN_OPS
+from snn_explorer.core.model import TIME_MAJOR
+from snn_explorer.core.parallelize import TORCHTITAN_OPS, checkpoint_blocks
 from snn_explorer.estimator import estimate
 from snn_explorer.zoo.llm import LLM_CONFIGS, build_llm, token_batch
 
@@ -94,7 +94,7 @@ def llama_rows() -> pd.DataFrame:
         plan = _plan(model, "fsdp2", {"dp": 8}, 16, checkpointing, every)
         start = time.perf_counter()
         est = estimate(model, plan, example_input=tokens, labels=labels, hardware="H100-SXM-96GB",
-                       optimizer="adamw", layout=se.TIME_MAJOR)
+                       optimizer="adamw", layout=TIME_MAJOR)
         plain_s = est.step_time_s if plain_s is None else plain_s
         tps = 2 * 8192 / est.step_time_s
         peak = est.peak_bytes / GIB
@@ -128,7 +128,7 @@ def spiking_plans(model, world: int, time_steps: int, seq: int) -> pd.DataFrame:
             plan = _plan(model, mode, topology, world, checkpointing)
         start = time.perf_counter()
         est = estimate(model, plan, example_input=tokens, labels=labels, hardware=hardware, optimizer="adamw",
-                       layout=se.TIME_MAJOR)
+                       layout=TIME_MAJOR)
         row = est.summary()
         rows.append(dict(world=world, mode=row["mode"], mesh=row["mesh"], checkpointing=checkpointing or "none",
                          batch_per_rank=row["batch_per_rank"], peak_gib=round(est.peak_bytes / GIB, 1),
@@ -193,7 +193,7 @@ def main(time_steps: int = 4, seq: int = 2048) -> None:
     plan = _plan(model, "fsdp2", {"dp": 512}, 512)
     estimate(model, plan, example_input=token_batch(model.config, time_steps, 512, seq),
              labels=next_tokens(model.config, 512, seq), hardware="64x8-H100-SXM-96GB", optimizer="adamw",
-             layout=se.TIME_MAJOR)
+             layout=TIME_MAJOR)
     took, rss = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
     print(f"first estimate of the 7 B spiking LLM for 512 ranks: {took:.1f} s (target < 30 s), process peak "
           f"{rss:.2f} GiB (target < 2 GiB)\n")

@@ -70,6 +70,16 @@ NAME_MOVES: Dict[Tuple[str, str], str] = {
     (f"{CORE}.planning.pipeline_plan", "TIME_LOOP_SIGNS"): f"{CORE}.model.units",
     (f"{CORE}.planning.pipeline_plan", "TIME_LOOP_HINT"): f"{CORE}.model.units",
 }
+#: Constants that leave the public face (``snn_explorer`` and ``snn_explorer.core``) for their group.
+FACE_CONSTANTS = {"ACTIVATION_CHECKPOINTING": "levers", "MODES": "common", "PRECISIONS": "common",
+                  "TP_STYLES": "tp", "BATCH_MAJOR": "model", "TIME_MAJOR": "model", "PER_STEP": "model",
+                  "SNN_DISTRIBUTED_PREFERENCES": "planning", "NEURON_BACKENDS": "planning"}
+for _name, _group in FACE_CONSTANTS.items():
+    NAME_MOVES[(CORE, _name)] = NAME_MOVES[(PACKAGE, _name)] = f"{CORE}.{_group}"
+#: Renamed names: (module now holding it, old name) -> new name.
+RENAMES = {(f"{CORE}.planning", "BACKENDS"): "NEURON_BACKENDS", (f"{CORE}.planning.recommend", "BACKENDS"):
+           "NEURON_BACKENDS", (CORE, "BACKENDS"): "NEURON_BACKENDS", (PACKAGE, "BACKENDS"): "NEURON_BACKENDS",
+           (f"{PACKAGE}.ranks", "BACKENDS"): "COMM_BACKENDS", (f"{PACKAGE}.ranks.engine", "BACKENDS"): "COMM_BACKENDS"}
 
 PY_ROOTS = ("snn_explorer", "tests", "benchmarks", "scripts")
 TEXT_GLOBS = ("notebooks/**/*.ipynb", "docs/**/*.ipynb", "docs/**/*.md", "notebooks/**/*.md", "README.md",
@@ -79,10 +89,17 @@ SELF = pathlib.Path(__file__).resolve()
 
 def _old_names_pattern() -> re.Pattern:
     olds = sorted((old[len(CORE) + 1:] for old in MOVES), key=len, reverse=True)
-    return re.compile(r"(?<![\w.])" + re.escape(CORE) + r"\.(" + "|".join(re.escape(o) for o in olds) + r")(?![\w])")
+    return re.compile(r"(?<![\w.])(?:snn_explorer|se)\.core\.(" + "|".join(re.escape(o) for o in olds) + r")(?![\w])")
+
+
+def _renamed(name: str) -> str:
+    return RENAMES.get((CORE, name), name)
 
 
 DOTTED = _old_names_pattern()
+#: ``se.MODES``, ``snn_explorer.MODES``, ``snn_explorer.core.MODES``: a constant read off the public face.
+FACE = re.compile(r"(?<![\w.])(se|snn_explorer)\.(core\.)?(" + "|".join(sorted(FACE_CONSTANTS) + ["BACKENDS"])
+                  + r")\b")
 FILE_PATH = re.compile(r"(?<![\w.])((?:snn_explorer/)?core/)(" + "|".join(
     sorted({re.escape(p[len("snn_explorer/core/"):-3]) for p in FILE_MOVES}, key=len, reverse=True)) + r")\.py\b")
 
@@ -105,13 +122,17 @@ def map_module(name: str) -> str:
 def rewrite_dotted(text: str) -> str:
     """Dotted module paths and ``core/x.py`` file paths in any text."""
     def dotted(match: re.Match) -> str:
-        whole = match.group(0)
+        alias = match.group(0)[: match.group(0).index(".core.")]  # snn_explorer, or the notebooks' se
+        whole = CORE + match.group(0)[len(alias) + len(".core"):]
         tail = re.match(r"[\w.]*", text[match.end():]).group(0)  # a following .attr path, for NAME_MOVES
         first = tail.split(".")[1] if tail.startswith(".") and len(tail) > 1 else ""
         new = map_module(whole + ("." + first if first else ""))
-        return new[: len(new) - len(first) - 1] if first and new.endswith("." + first) else new
+        new = new[: len(new) - len(first) - 1] if first and new.endswith("." + first) else new
+        return alias + new[len(PACKAGE):]
 
     text = DOTTED.sub(dotted, text)
+    text = FACE.sub(lambda m: f"{m.group(1)}.{'core.' if m.group(2) is None else m.group(2)}"
+                    f"{FACE_CONSTANTS[_renamed(m.group(3))]}.{_renamed(m.group(3))}", text)
     text = FILE_PATH.sub(lambda m: m.group(1) + MOVES[f"{CORE}.{m.group(2)}"][len(CORE) + 1:].replace(".", "/")
                          + ".py", text)
     return text
@@ -157,7 +178,7 @@ def _relative(package: List[str], target: str) -> Tuple[int, str]:
 def _exported(root: pathlib.Path) -> Dict[str, Set[str]]:
     """``__all__`` of each core group package, read from its ``__init__.py``."""
     out = {}
-    for group in GROUPS:
+    for group in (*GROUPS, "parallelize"):
         init = root / PACKAGE / "core" / group / "__init__.py"
         if not init.exists():
             continue
@@ -173,6 +194,7 @@ class PyFile:
     def __init__(self, path: pathlib.Path, root: pathlib.Path, modules: Set[str], exported: Dict[str, Set[str]]):
         self.path, self.root, self.modules, self.exported = path, root, modules, exported
         self.is_package = path.name == "__init__.py"
+        self.renamed: Set[Tuple[str, str]] = set()
         self.module = module_of(path, root)
         new_path = FILE_MOVES.get(str(path.relative_to(root)))
         self.new_module = module_of(root / new_path, root) if new_path else self.module
@@ -212,6 +234,12 @@ class PyFile:
             groups.setdefault(owner, []).append(alias)
         if not (self.module or "").startswith(CORE):
             groups = self._route(groups)
+        for owner, aliases in groups.items():
+            for i, alias in enumerate(aliases):
+                new = RENAMES.get((owner, alias.name)) or RENAMES.get((base, alias.name))
+                if new:
+                    aliases[i] = ast.alias(name=new, asname=alias.asname if alias.asname != new else None)
+                    self.renamed.add((alias.name, new) if not alias.asname else ("", ""))
         return list(groups.items())
 
     def _route(self, groups: Dict[str, List[ast.alias]]) -> Dict[str, List[ast.alias]]:
@@ -235,7 +263,10 @@ class PyFile:
                     edits.append((node.lineno, node.end_lineno, new))
         for start, end, new in sorted(edits, reverse=True):
             lines[start - 1:end] = [new]
-        return rewrite_dotted("".join(lines))
+        text = "".join(lines)
+        for old, new in self.renamed - {("", "")}:  # the imported name is used under its new name
+            text = re.sub(r"(?<![\w.\"'])" + old + r"\b", new, text)
+        return rewrite_dotted(text)
 
     def _import_from(self, node: ast.ImportFrom, lines: List[str]) -> Optional[str]:
         relative = node.level > 0
@@ -243,7 +274,9 @@ class PyFile:
             return None
         base = self._target(node.level, node.module) if relative else (node.module or "")
         moving = self.new_module != self.module
-        if base != CORE and not base.startswith(CORE + ".") and not (relative and moving):
+        if base != CORE and not base.startswith(CORE + ".") and not (relative and moving) \
+                and not (base in (PACKAGE, f"{PACKAGE}.ranks", f"{PACKAGE}.ranks.engine")
+                         and any((base, a.name) in NAME_MOVES or (base, a.name) in RENAMES for a in node.names)):
             return None
         parts = self._split(MOVES.get(base) or map_module(base), node.names)
         written = "." * node.level + (node.module or "") if relative else base
@@ -319,7 +352,8 @@ def files(root: pathlib.Path) -> Tuple[List[pathlib.Path], List[pathlib.Path]]:
 def run(root: pathlib.Path, dry: bool) -> List[str]:
     changed = []
     for key, target in list(NAME_MOVES.items()):  # a name moves only once its new module exists
-        if not (root / (target.replace(".", "/") + ".py")).exists():
+        where = root / target.replace(".", "/")
+        if not (where.with_suffix(".py").exists() or (where / "__init__.py").exists()):
             del NAME_MOVES[key]
     modules = known_modules(root)
     exported = _exported(root)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 import os
 
-from ..core.checkpoints.checkpoint import CheckpointError, read_manifest
-from ..core.planning.plan_types import SNNDistributedPlan
+from ..core.checkpoints import CheckpointError, read_manifest
+from ..core.planning import SNNDistributedPlan
 from ..launcher import export_job
 from ..launcher.export import check_job_name
 from .inputs import CliError, positive, resolve

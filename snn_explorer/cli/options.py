@@ -6,9 +6,10 @@ import dataclasses
 import math
 from typing import Optional
 
-from ..core import ACTIVATION_CHECKPOINTING, MODES, SNN_DISTRIBUTED_PREFERENCES, DistributedFeatureSet
-from ..core.common.precision import PRECISIONS, Precision, precision_of
-from ..core.planning.pipeline_schedules import SCHEDULES
+from ..core import DistributedFeatureSet
+from ..core.common import MODES, PRECISIONS, Precision, precision_of
+from ..core.levers import ACTIVATION_CHECKPOINTING
+from ..core.planning import SCHEDULES, SNN_DISTRIBUTED_PREFERENCES
 from .inputs import CliError, positive
 
 #: The feature gates, as ``DistributedFeatureSet`` names them (and ``--gate`` / ``--no-gate`` take).

@@ -27,11 +27,13 @@ import torch
 from torch import nn
 
 from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze
-from ..core.common.validate import positive_int, positive_number
-from ..core.common.vocabulary import Checkpointing, Vocabulary
-from ..core.levers.block_choice import block_choice_applies, choose_blocks, with_blocks
-from ..core.levers.chunk_choice import choose_chunks, chunk_choice_applies, chunked
-from ..core.levers.memory_levers import (
+from ..core.common import Checkpointing, Vocabulary, positive_int, positive_number
+from ..core.levers import (
+    block_choice_applies,
+    choose_blocks,
+    choose_chunks,
+    chunk_choice_applies,
+    chunked,
     copy_without_levers,
     find_time_step_module,
     fsdp_offload_variants,
@@ -39,6 +41,7 @@ from ..core.levers.memory_levers import (
     lever_variants,
     remembered,
     spike_compression_variants,
+    with_blocks,
 )
 from .calibration import resolve_hardware
 from .enumerate import enumerate_plans

@@ -5,11 +5,10 @@ import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 from ..core import DistributedFeatureSet, SNNDistributedAnalysis, SNNDistributedPlan, plan
-from ..core.common.modes import MODE_TABLE
-from ..core.common.topology import MAX_WORLD_SIZE, dp_tp_splits
-from ..core.common.validate import positive_int
-from ..core.levers.memory_levers import checkpointing_variants
-from ..core.planning.recommend import UNSET, neuron_backend_arg
+from ..core.common import MAX_WORLD_SIZE, MODE_TABLE, dp_tp_splits, positive_int
+from ..core.levers import checkpointing_variants
+from ..core.planning import neuron_backend_arg
+from ..core.planning.recommend import UNSET
 
 
 class PlanList(list):

@@ -36,9 +36,8 @@ import torch
 from torch import nn
 
 from ..core import SNNDistributedPlan
-from ..core.common.validate import positive_int, positive_number
-from ..core.model.layouts import DataLayout
-from ..core.planning.pipeline_plan import pipeline_units
+from ..core.common import positive_int, positive_number
+from ..core.model import DataLayout, pipeline_units
 from .calibration import resolve_hardware
 from .instruments.isolation import as_found, one_thread
 from .instruments.progress_hook import ProgressHook, check_hook

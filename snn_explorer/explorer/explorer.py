@@ -12,11 +12,12 @@ from torch import nn
 
 from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze, apply
 from ..core import plan as core_plan
-from ..core.common.validate import check_batch_tensor, positive_int
-from ..core.levers.memory_levers import find_time_step_module, objective_checkpoints
-from ..core.model.module_copy import modules_copied
-from ..core.planning.recommend import UNSET, check_backend, neuron_backend_arg
-from ..core.tp.tp_plan import default_tp_plan
+from ..core.common import check_batch_tensor, positive_int
+from ..core.levers import find_time_step_module, objective_checkpoints
+from ..core.model import modules_copied
+from ..core.planning import check_backend, neuron_backend_arg
+from ..core.planning.recommend import UNSET
+from ..core.tp import default_tp_plan
 from ..estimator import (
     PlanList,
     balanced_pp_plan,

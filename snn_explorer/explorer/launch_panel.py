@@ -19,7 +19,7 @@ import ipywidgets as w
 import pandas as pd
 
 from ..core import SNNDistributedPlan, preflight
-from ..core.common.serialize import loads
+from ..core.common import loads
 from ..ranks import LaunchError
 from .compare import plan_label
 from .steps import example_batch, example_step

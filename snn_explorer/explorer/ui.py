@@ -18,10 +18,10 @@ from typing import Dict, List, Optional, Union
 
 import ipywidgets as w
 
-from ..core import ACTIVATION_CHECKPOINTING, MODES, SNN_DISTRIBUTED_PREFERENCES, SNNDistributedPlan
-from ..core.common.precision import PRECISIONS, precision_of
-from ..core.common.topology import LEADING_DIMS, dp_tp_splits
-from ..core.planning.pipeline_schedules import SCHEDULES
+from ..core import SNNDistributedPlan
+from ..core.common import LEADING_DIMS, MODES, PRECISIONS, dp_tp_splits, precision_of
+from ..core.levers import ACTIVATION_CHECKPOINTING
+from ..core.planning import SCHEDULES, SNN_DISTRIBUTED_PREFERENCES
 from ..estimator import hardware_profiles
 from . import charts
 from .compare import compare_table, plan_label, readable, style_compare

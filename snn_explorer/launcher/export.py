@@ -16,9 +16,9 @@ from typing import Callable, Dict, Iterable, Optional, Tuple, Union
 import cloudpickle
 
 from ..core import SNNDistributedPlan, preflight
-from ..core.checkpoints.checkpoint import check_plan_checkpointable
-from ..core.common.validate import non_negative_int, positive_int
-from ..core.model.neurons import registered_stateful
+from ..core.checkpoints import check_plan_checkpointable
+from ..core.common import non_negative_int, positive_int
+from ..core.model import registered_stateful
 from .non_finite import check_action
 from .plan_run import DEFAULT_OPTIMIZER, checkpoint_settings
 from .private_files import SCRIPT_MODE, PrivateDir

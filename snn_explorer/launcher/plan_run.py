@@ -12,10 +12,9 @@ import torch
 import torch.distributed as dist
 
 from ..core import SNNDistributedPlan, apply, preflight
-from ..core.checkpoints.checkpoint import check_checkpoint, check_plan_checkpointable, latest_checkpoint, step_path
-from ..core.checkpoints.checkpoint_lock import FolderLock
-from ..core.common.validate import UNSET, non_negative_int, positive_int, renamed_keyword
-from ..core.parallelize.mesh import device_type_for
+from ..core.checkpoints import FolderLock, check_checkpoint, check_plan_checkpointable, latest_checkpoint, step_path
+from ..core.common import UNSET, non_negative_int, positive_int, renamed_keyword
+from ..core.parallelize import device_type_for
 from ..ranks import LaunchError, resolve_backend
 from ..ranks.progress import _number, report
 from .launching import launch

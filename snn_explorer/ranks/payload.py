@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Tuple
 import cloudpickle
 
 from ..compat import CODE_REDUCE
-from ..core.model.neurons import registered_stateful
+from ..core.model import registered_stateful
 
 
 class _Code:

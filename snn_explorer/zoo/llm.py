@@ -30,8 +30,8 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from ..core.common.validate import positive_int
-from ..core.model.neurons import register_stateful
+from ..core.common import positive_int
+from ..core.model import register_stateful
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from launch_helpers import live_children
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.checkpoints.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+from snn_explorer.core.checkpoints import CheckpointError, latest_checkpoint, read_manifest
 from snn_explorer.ranks import LaunchError
 from snn_explorer.zoo import build
 
@@ -46,7 +46,7 @@ def _save_faults(root):
     import torch.distributed as dist
 
     import snn_explorer as se
-    from snn_explorer.core.checkpoints.checkpoint import CheckpointError, latest_checkpoint, step_path
+    from snn_explorer.core.checkpoints import CheckpointError, latest_checkpoint, step_path
     from snn_explorer.zoo import build
 
     zoo = build("mlp", "tiny")

@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.checkpoints.checkpoint import CheckpointError, latest_checkpoint
-from snn_explorer.core.checkpoints.checkpoint_lock import LOCK_NAME, CheckpointDirBusy, FolderLock
+from snn_explorer.core.checkpoints import LOCK_NAME, CheckpointDirBusy, CheckpointError, FolderLock, latest_checkpoint
 from snn_explorer.launcher import LaunchError
 from snn_explorer.zoo import build
 

@@ -63,7 +63,7 @@ def _train(runtime, optimizer, batch):
 
 def _save(root, key):
     """Train 3 steps under ``key``; a save while neurons hold state is refused; then save."""
-    from snn_explorer.core.checkpoints.checkpoint import CheckpointError
+    from snn_explorer.core.checkpoints import CheckpointError
 
     runtime, optimizer, batch = _runtime(key)
     _train(runtime, optimizer, batch)
@@ -130,7 +130,7 @@ def _contents(path):
     """Every model and optimizer tensor of a checkpoint, whole, read in this process."""
     import torch.distributed.checkpoint as dcp
 
-    from snn_explorer.core.checkpoints.checkpoint_files import saved_tensor_metadata
+    from snn_explorer.core.checkpoints import saved_tensor_metadata
 
     state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved_tensor_metadata(path).items()
              if not k.startswith("rng")}

@@ -8,7 +8,7 @@ from launch_helpers import live_children
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.checkpoints.checkpoint import latest_checkpoint, read_manifest
+from snn_explorer.core.checkpoints import latest_checkpoint, read_manifest
 from snn_explorer.ranks import LaunchError
 from snn_explorer.zoo import build
 

@@ -8,7 +8,7 @@ from distributed_harness import run_on_ranks
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.model.analysis import SNNDistributedAnalysis
+from snn_explorer.core.model import TIME_MAJOR, SNNDistributedAnalysis
 from snn_explorer.zoo.llm import LLM_CONFIGS, LLMConfig, build_llm, token_batch
 
 SMALL = LLMConfig(vocab_size=64, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=128, spiking=False)
@@ -98,7 +98,7 @@ def test_llama_tp_and_fsdp2_tp_estimate_on_meta():
         plan = se.plan(analysis=analysis, objective="memory", topology=topology, batch_size=8, mode=mode)
         assert plan.tensor_parallel_plan["blocks.3.mlp.w3"] == "colwise"
         est = se.estimate(model, plan, example_input=tokens, hardware="H100-SXM", optimizer="adamw",
-                          layout=se.TIME_MAJOR)
+                          layout=TIME_MAJOR)
         held = (cfg.vocab_size * cfg.dim + norms) / (dp if mode == "fsdp2_tp" else 1) + linears / tp / dp
         assert est.per_rank["params_bytes"].max() == pytest.approx(4 * held, rel=1e-3)
         assert est.step_time_s > 0 and "all_reduce" in set(est.collectives["kind"])

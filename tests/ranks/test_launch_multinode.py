@@ -25,8 +25,7 @@ from torch import nn
 
 import snn_explorer as se
 from snn_explorer.compat_dcp import SafeFileSystemReader
-from snn_explorer.core.checkpoints.checkpoint import latest_checkpoint, read_manifest, step_path
-from snn_explorer.core.checkpoints.checkpoint_files import saved_tensor_metadata
+from snn_explorer.core.checkpoints import latest_checkpoint, read_manifest, saved_tensor_metadata, step_path
 from snn_explorer.launcher import export_job
 from snn_explorer.zoo import build
 

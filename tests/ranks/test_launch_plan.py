@@ -129,7 +129,7 @@ class CountingNeuron(nn.Module):
 
 
 def _library_on_rank():
-    from snn_explorer.core.model.neurons import snn_library
+    from snn_explorer.core.model import snn_library
 
     return snn_library(CountingNeuron())
 
@@ -137,7 +137,7 @@ def _library_on_rank():
 @pytest.mark.timeout(120)
 def test_register_stateful_reaches_launched_and_spawned_ranks(clean_launch):
     from snn_explorer import register_stateful, unregister_stateful
-    from snn_explorer.core.model.neurons import snn_library
+    from snn_explorer.core.model import snn_library
     from snn_explorer.launcher import launch
     from snn_explorer.ranks import run
 

@@ -13,8 +13,7 @@ from models import small_reference_vgg
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.model.layouts import BATCH_MAJOR, DataLayout
-from snn_explorer.core.model.neurons import reset_all
+from snn_explorer.core.model import BATCH_MAJOR, DataLayout, reset_all
 from snn_explorer.estimator.measurement.plan_measurement import assemble_measurements, measure_on_rank
 from snn_explorer.estimator.measurement.settings import measure_settings
 

@@ -18,7 +18,7 @@ TOL = 1e-5
 
 def reference():
     """The whole model in one process: losses, last gradients, final parameters, spike rates."""
-    from snn_explorer.core.model.neurons import is_stateful, reset_all
+    from snn_explorer.core.model import is_stateful, reset_all
 
     zoo = _zoo()
     model, x, y = zoo.model.double(), zoo.example_input.double(), zoo.labels

@@ -41,7 +41,7 @@ def jelly_mlp() -> nn.Module:
 
 
 def virtual_stages(schedule):
-    from snn_explorer.core.planning.pipeline_schedules import schedule_of
+    from snn_explorer.core.planning import schedule_of
 
     return 2 if schedule_of(schedule).multi_stage else 1
 
@@ -60,7 +60,7 @@ def build(name):
 
 def spike_rates(model):
     """Hooks recording the mean output of every stateful neuron."""
-    from snn_explorer.core.model.neurons import is_stateful
+    from snn_explorer.core.model import is_stateful
 
     rates = {}
 
@@ -78,7 +78,7 @@ def reference(name, chunks=1):
     state, with their gradients accumulated: what a pipeline computes for a model whose layers mix
     samples (BatchNorm normalises over each micro-batch). ``chunks=1`` is the plain whole batch.
     """
-    from snn_explorer.core.model.neurons import reset_all
+    from snn_explorer.core.model import reset_all
 
     model, x, y = build(name)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -296,7 +296,7 @@ def test_state_carried_between_micro_batches_would_change_the_result(two_ranks):
     """Run the model over the micro-batches one after another without a reset in between: the later
     micro-batches' outputs differ from the whole batch's, which the pipeline's outputs equal."""
     model, x, _ = build("mlp_all_steps")
-    from snn_explorer.core.model.neurons import reset_all
+    from snn_explorer.core.model import reset_all
 
     reset_all(model)
     with torch.no_grad():

@@ -8,7 +8,7 @@ from distributed_harness import run_on_ranks
 from test_precision_checkpoint import GATE
 from torch import nn
 
-from snn_explorer.core.parallelize.mixed_precision import LossScaler
+from snn_explorer.core.parallelize import LossScaler
 
 FRESH = LossScaler().state_dict()
 

@@ -35,7 +35,7 @@ from torch import nn
 
 import snn_explorer as se
 from snn_explorer.compat import NORM_BASE
-from snn_explorer.core.common.precision import Precision, precision_of
+from snn_explorer.core.common import Precision, precision_of
 from snn_explorer.zoo import build
 
 STEPS = 4

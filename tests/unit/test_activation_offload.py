@@ -12,8 +12,8 @@ from models import adam_steps_recording_spikes
 
 import snn_explorer as se
 from snn_explorer.compat import mem_tracker_class
-from snn_explorer.core.levers.activation_offload import check_activation_offload_device, offload_hooks
-from snn_explorer.core.model.neurons import detached_copy
+from snn_explorer.core.levers import check_activation_offload_device, offload_hooks
+from snn_explorer.core.model import detached_copy
 from snn_explorer.estimator import estimate, model_profile
 from snn_explorer.estimator.memory.activation_offload import (
     _to_simulated_device,

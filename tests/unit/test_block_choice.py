@@ -11,10 +11,9 @@ import torch
 from models import adam_steps_recording_spikes
 
 import snn_explorer as se
-from snn_explorer.core.levers.block_choice import choose_blocks, with_blocks
-from snn_explorer.core.levers.memory_levers import copy_without_levers, lever_label
-from snn_explorer.core.model.neurons import detached_copy
-from snn_explorer.core.parallelize.checkpointing import checkpoint_blocks
+from snn_explorer.core.levers import choose_blocks, copy_without_levers, lever_label, with_blocks
+from snn_explorer.core.model import detached_copy
+from snn_explorer.core.parallelize import checkpoint_blocks
 from snn_explorer.zoo import build
 
 GATES = se.DistributedFeatureSet(allow_activation_checkpointing=True)

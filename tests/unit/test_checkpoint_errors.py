@@ -10,7 +10,7 @@ from torch import nn
 
 import snn_explorer as se
 from snn_explorer.cli import main
-from snn_explorer.core.checkpoints.checkpoint import CheckpointError, check_checkpoint, read_manifest, reshard_problem
+from snn_explorer.core.checkpoints import CheckpointError, check_checkpoint, read_manifest, reshard_problem
 from snn_explorer.zoo import build
 
 

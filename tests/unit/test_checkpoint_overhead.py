@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import snn_explorer as se
-from snn_explorer.core.levers.chunk_choice import chunked
-from snn_explorer.core.levers.memory_levers import copy_without_levers
+from snn_explorer.core.levers import chunked, copy_without_levers
 from snn_explorer.estimator import hardware_profile
 from snn_explorer.zoo.mlp import SpikingMLP
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.model.neurons import detached_copy
+from snn_explorer.core.model import detached_copy
 from snn_explorer.core.parallelize import checkpointing
 from snn_explorer.zoo import build
 from snn_explorer.zoo.llm import build_llm, token_batch

@@ -5,8 +5,7 @@ fit_budget take the size so chosen, and the plan's note states every size's peak
 from types import SimpleNamespace
 
 import snn_explorer as se
-from snn_explorer.core.levers.chunk_choice import choose_chunks
-from snn_explorer.core.levers.memory_levers import copy_without_levers
+from snn_explorer.core.levers import choose_chunks, copy_without_levers
 from snn_explorer.zoo import build
 
 GATES = se.DistributedFeatureSet(allow_activation_checkpointing=True)

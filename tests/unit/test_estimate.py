@@ -141,7 +141,7 @@ def test_fsdp2_replay_recovers_the_meters_peaks_and_frees_every_buffer():
     for FSDP2 (dp=2, with and without resharding) every buffer FSDP2 allocates is gone after the
     backward, which leaves the run's bytes minus the unsharded gradients plus the sharded ones, and
     resharding after forward lowers the forward's peak."""
-    from snn_explorer.core.model.families import fsdp_units
+    from snn_explorer.core.model import fsdp_units
     from snn_explorer.estimator.instruments.meter import StorageMeter
     from snn_explorer.estimator.memory.fsdp_timeline import FsdpTimeline, replay_fsdp
     from snn_explorer.estimator.memory.sharding import local_params

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import snn_explorer as se
 from snn_explorer import compat
+from snn_explorer.core.model import TIME_MAJOR
 from snn_explorer.estimator import enumerate_plans, estimate, hardware_profile, record_rank_step
 from snn_explorer.zoo import build
 from snn_explorer.zoo.llm import build_llm, token_batch
@@ -54,10 +55,10 @@ def test_a_meta_llm_at_64_ranks_runs_on_a_fake_rank_without_allocating_it():
     plans = [se.plan(analysis=analysis, objective="speed", mode="fsdp2_tp", topology={"dp": 16, "tp": 4},
                      batch_size=64, tensor_parallel_plan=model.tensor_parallel_plan())]
     for plan in plans:
-        fake = record_rank_step(model, plan, tokens, layout=se.TIME_MAJOR, rank=5)
+        fake = record_rank_step(model, plan, tokens, layout=TIME_MAJOR, rank=5)
         assert set(fake.collectives["mesh_dim"]) == set(plan.mesh_dim_names), plan
         cpu_side = dataclasses.replace(hardware_profile("H100-SXM-96GB"), device="cpu", kernel_model=False)
-        estimated = estimate(model, plan, example_input=tokens, hardware=cpu_side, layout=se.TIME_MAJOR)
+        estimated = estimate(model, plan, example_input=tokens, hardware=cpu_side, layout=TIME_MAJOR)
         assert _rows(estimated.collectives) == _rows(fake.collectives), plan
         assert estimated.peak_bytes == pytest.approx(fake.peak_bytes, rel=0.05), plan
     assert all(p.device.type == "meta" for p in model.parameters())

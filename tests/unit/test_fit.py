@@ -10,9 +10,9 @@ from torch import nn
 
 from snn_explorer import DistributedFeatureSet, analyze, find_time_step_module, fit_budget, plan, plan_estimator, zoo
 from snn_explorer.cli import main
-from snn_explorer.core.levers.block_choice import choose_blocks
-from snn_explorer.core.levers.chunk_choice import choose_chunks
-from snn_explorer.core.levers.memory_levers import (
+from snn_explorer.core.levers import (
+    choose_blocks,
+    choose_chunks,
     copy_without_levers,
     fsdp_offload_variants,
     lever_variants,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import snn_explorer as se
+from snn_explorer.core.model import TIME_MAJOR
 from snn_explorer.estimator.memory.gpu_trace import gpu_stage_kernels, gpu_stage_memory, gpu_step, optimizer_kernels
 from snn_explorer.estimator.profile.profiling import model_profile
 from snn_explorer.estimator.timing.gpu_kernels import phase_seconds
@@ -105,7 +106,7 @@ def test_shape_only_pipeline_of_a_language_model_counts_its_stages_as_the_real_o
     plan = se.plan(analysis=se.analyze(real), objective="speed", mode="pp", topology={"pp": 2}, batch_size=4,
                    pp_microbatches=2, pp_schedule="gpipe", pp_virtual_stages=1)
     for hw in ("A100-SXM-80GB", RTX):
-        ours = [se.estimate(m, plan, example_input=tokens, labels=labels, hardware=hw, layout=se.TIME_MAJOR)
+        ours = [se.estimate(m, plan, example_input=tokens, labels=labels, hardware=hw, layout=TIME_MAJOR)
                 for m in (real, meta)]
         assert ours[0].step_time_s > 0 and ours[0].peak_bytes > 0
         assert ours[0].time.equals(ours[1].time) and ours[0].per_rank.equals(ours[1].per_rank), hw

@@ -153,7 +153,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from snn_explorer import Explorer, SNNDistributedAnalysis, SNNDistributedPlan, SNNDistributedTopology, apply  # noqa: E402
-from snn_explorer.core.common.topology import MAX_WORLD_SIZE  # noqa: E402
+from snn_explorer.core.common import MAX_WORLD_SIZE  # noqa: E402
 from snn_explorer.estimator import enumerate_plans, estimate  # noqa: E402
 from snn_explorer.estimator.memory.sharding import Param, rank_bytes, zero_partition  # noqa: E402
 
@@ -270,7 +270,7 @@ def test_plan_json_is_checked(zoo_plan, changes, exc, pattern):
 
 
 def test_plan_json_round_trips_and_deep_text_is_a_value_error(zoo_plan):
-    from snn_explorer.core.common.serialize import loads
+    from snn_explorer.core.common import loads
 
     p = zoo_plan[1]
     assert SNNDistributedPlan.from_dict(loads(json.dumps(p.to_dict()))) == p

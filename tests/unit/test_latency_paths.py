@@ -15,9 +15,8 @@ import torch
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.common import serialize
-from snn_explorer.core.common.young_objects import new_objects_collected
-from snn_explorer.core.model.module_copy import deep_copy_module, modules_copied
+from snn_explorer.core.common import new_objects_collected, serialize
+from snn_explorer.core.model import deep_copy_module, modules_copied
 from snn_explorer.estimator.memory import fsdp_timeline, sharding
 from snn_explorer.estimator.memory.fsdp_timeline import FsdpTimeline, Unit, replay_fsdp
 from snn_explorer.estimator.memory.sharding import (

@@ -11,7 +11,7 @@ from layout_nets import CLASSES, F_IN, HIDDEN, N, T, as_layout, data, firing_and
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.model.layouts import BATCH_MAJOR, PER_STEP, TIME_MAJOR
+from snn_explorer.core.model import BATCH_MAJOR, PER_STEP, TIME_MAJOR
 from snn_explorer.estimator.profile.shape_only import meta_copy
 
 #: The operator-count model (a CPU-device twin of the RTX 4090): what the layouts must leave equal is what the

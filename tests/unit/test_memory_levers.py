@@ -12,11 +12,9 @@ import torch
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.levers.block_choice import choose_blocks
-from snn_explorer.core.levers.chunk_choice import choose_chunks
-from snn_explorer.core.levers.memory_levers import ACTIVATION_CHECKPOINTING, find_time_step_module
-from snn_explorer.core.parallelize.checkpointing import block_segments, checkpoint_blocks, checkpoint_time_chunks
-from snn_explorer.core.planning.plan_types import SNNDistributedPlan
+from snn_explorer.core.levers import ACTIVATION_CHECKPOINTING, choose_blocks, choose_chunks, find_time_step_module
+from snn_explorer.core.parallelize import block_segments, checkpoint_blocks, checkpoint_time_chunks
+from snn_explorer.core.planning import SNNDistributedPlan
 from snn_explorer.zoo import build, reset_state
 
 #: the run without checkpointing (the memory objective would checkpoint with the gate on)

@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from snn_explorer.core.model import TIME_MAJOR
+
 STEPS = 2
 BATCH = 8
 TOPOLOGY = {"pp": 2, "dp": 2, "tp": 2}
@@ -137,7 +139,7 @@ def test_a_3d_estimate_of_a_meta_model_equals_the_real_one():
         for mode in ("pp_tp", "pp_fsdp2_tp"):  # next-token labels: the last stage's loss on meta, too
             ests[device, mode] = se.estimate(model, _llm_plan(model, TOPOLOGY, 8, mode), example_input=tokens,
                                              labels=labels, hardware="8x8-H100-SXM-96GB", optimizer="adamw",
-                                             layout=se.TIME_MAJOR)
+                                             layout=TIME_MAJOR)
     for mode in ("pp_tp", "pp_fsdp2_tp"):
         real, shape_only = ests[None, mode], ests["meta", mode]
         assert real.plan.pp_layout == shape_only.plan.pp_layout and real.peak_bytes > 0

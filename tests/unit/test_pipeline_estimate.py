@@ -3,8 +3,9 @@ import pytest
 import torch
 
 import snn_explorer as se
-from snn_explorer.core.model.neurons import reset_all
-from snn_explorer.core.planning.pipeline_schedules import SCHEDULES
+from snn_explorer.core.model import reset_all
+from snn_explorer.core.planning import SCHEDULES
+from snn_explorer.estimator import bubble_fraction
 from snn_explorer.estimator.memory.pipeline_memory import in_flight
 from snn_explorer.zoo import build
 
@@ -26,7 +27,7 @@ def _plan(zoo, topology, schedule, virtual=1, micro=4, layout=None):
     ("interleaved_zb", 2, 4, 2, 1 / 25), ("zbv", 2, 4, 2, 1 / 25),
 ])
 def test_bubble_fraction(schedule, pp, micro, virtual, want):
-    assert se.bubble_fraction(schedule, pp, micro, virtual) == pytest.approx(want)
+    assert bubble_fraction(schedule, pp, micro, virtual) == pytest.approx(want)
 
 
 def test_micro_batches_in_flight_follow_the_schedule():
@@ -120,12 +121,12 @@ def test_measure_of_a_pipeline_plan_needs_labels_before_starting_ranks(vgg):
 def test_replayed_timeline_idles_as_the_bubble_fraction(schedule, pp, micro):
     """The chart's replay of torch's action order (dependencies, backward = 2 forwards) idles
     exactly the estimator's bubble fraction; no rank holds more forwards than in_flight says."""
-    from snn_explorer.core.planning.pipeline_schedules import idle_fraction
+    from snn_explorer.core.planning import idle_fraction
     from snn_explorer.explorer.pipeline_view import timeline
 
     virtual = 2 if SCHEDULES[schedule].multi_stage else 1
     lines = timeline(schedule, pp, micro, virtual)
-    assert idle_fraction(lines) == pytest.approx(se.bubble_fraction(schedule, pp, micro, virtual))
+    assert idle_fraction(lines) == pytest.approx(bubble_fraction(schedule, pp, micro, virtual))
     for rank, acts in lines.items():
         held = peak = 0
         for kind, *_ in acts:
@@ -138,7 +139,7 @@ def test_replayed_timeline_idles_as_the_bubble_fraction(schedule, pp, micro):
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_gpipe_idles_the_fill_and_drain(pp):
-    from snn_explorer.core.planning.pipeline_schedules import idle_fraction
+    from snn_explorer.core.planning import idle_fraction
     from snn_explorer.explorer.pipeline_view import timeline
 
     for micro in (pp, 2 * pp, 8):
@@ -225,7 +226,7 @@ def test_replay_with_costs_and_transfers_matches_a_hand_computed_schedule():
     6; each transfer 0.5. By hand: rank 0 F0 [0, 1], F1 [1, 2]; rank 1 F0 [1.5, 4.5], B0 [4.5, 10.5],
     F1 [10.5, 13.5], B1 [13.5, 19.5]; rank 0 B0 [11, 13], B1 [20, 22]. Rank 0 waited 2 x 0.5 for the
     transfers of its gradients, rank 1 0.5 for its first input (the second had arrived)."""
-    from snn_explorer.core.planning.pipeline_schedules import replay
+    from snn_explorer.core.planning import replay
     from snn_explorer.estimator.timing.pipeline_time import waited_on_transfers
 
     orders = SCHEDULES["1f1b"].rank_actions(2, 2)
@@ -290,7 +291,7 @@ def test_a_rank_without_trainable_parameters_is_refused_at_plan_time():
 
 
 def test_balanced_layout_gives_every_stage_an_eligible_unit():
-    from snn_explorer.core.planning.pipeline_plan import balanced_layout
+    from snn_explorer.core.planning import balanced_layout
 
     assert balanced_layout([1, 1, 1, 1], 2) == (2, 2)
     assert balanced_layout([1, 1, 1, 1], 2, [True, True, False, False]) == (1, 3)

@@ -23,7 +23,7 @@ from snn_explorer import (
     recommend_snn_distributed_strategy,
 )
 from snn_explorer.core.model import neurons
-from snn_explorer.core.planning.plan_types import topology_problem
+from snn_explorer.core.planning import topology_problem
 
 OBJECTIVES = ("speed", "memory", "capacity")
 VGG_NAMES = ("cifar10dvs_vgg", "vgg16", "cifar10dvs_vgg_small")
@@ -766,9 +766,9 @@ MODE_FACTS = {
 
 
 def test_mode_table_rows():
-    from snn_explorer.core.common.modes import MODE_TABLE, MODES, mode_of
+    from snn_explorer.core.common import MODE_TABLE, MODES, mode_of
 
-    assert se.MODES == MODES == tuple(MODE_FACTS) == tuple(m.name for m in MODE_TABLE)
+    assert se.core.common.MODES == MODES == tuple(MODE_FACTS) == tuple(m.name for m in MODE_TABLE)
     for name, (dims, ddp, fsdp, tp) in MODE_FACTS.items():
         m = mode_of(name)
         assert (m.dims, m.ddp, m.fsdp, m.tp) == (dims, ddp, fsdp, tp), name
@@ -817,7 +817,7 @@ def test_no_schedule_name_tests_outside_the_schedule_registry():
     import pathlib
     import re
 
-    from snn_explorer.core.planning.pipeline_schedules import SCHEDULES
+    from snn_explorer.core.planning import SCHEDULES
 
     root = pathlib.Path(se.__file__).parent
     names = "|".join(re.escape(n) for n in SCHEDULES)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.common.precision import PRECISIONS, Precision, precision_of
+from snn_explorer.core.common import PRECISIONS, Precision, precision_of
 from snn_explorer.zoo import build
 from snn_explorer.zoo._neurons import ATanSurrogate, MultiStep
 

@@ -5,7 +5,7 @@ loss scaler (scale, growth tracker, skipped steps) travels with them to an fp16 
 import pytest
 
 import snn_explorer as se
-from snn_explorer.core.checkpoints.checkpoint import CheckpointError
+from snn_explorer.core.checkpoints import CheckpointError
 from snn_explorer.zoo import build
 
 GATE = dict(allow_mixed_precision=True)

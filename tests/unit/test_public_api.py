@@ -79,6 +79,36 @@ def test_public_callables_are_documented():
             assert not isinstance(value, types.ModuleType)
 
 
+#: The public face, exactly: the notebook verbs, the types they take and return, the options objects.
+FACE = {
+    "verbs": ["analyze", "plan", "apply", "preflight", "recommend_snn_distributed_strategy", "estimate", "estimate_all",
+              "enumerate_plans", "compare_estimate", "plan_estimator", "balanced_pp_plan", "measure", "measure_many",
+              "fit_budget", "calibrate", "hardware_profile", "hardware_profiles", "launch", "launch_plan", "export_job",
+              "report", "check_checkpoint", "latest_checkpoint", "find_time_step_module", "register_stateful",
+              "unregister_stateful"],
+    "types": ["SNNDistributedAnalysis", "SNNDistributedPlan", "SNNDistributedRuntime", "SNNDistributedTopology",
+              "DistributedFeatureSet", "StrategyRecommendation", "DataLayout", "Precision", "HardwareProfile",
+              "PlanEstimate", "PlanMeasurement", "FitResult", "LaunchResult", "TrainResult", "LaunchError",
+              "CheckpointError", "Explorer", "RankPool"],
+}
+
+
+def test_the_public_face_is_exactly_the_verbs_and_types():
+    listed = FACE["verbs"] + FACE["types"]
+    assert len(set(listed)) == len(listed)
+    assert sorted(snn_explorer.__all__) == sorted(listed)
+
+
+def test_no_constant_on_the_public_face():
+    assert [n for n in snn_explorer.__all__ if n.isupper()] == []
+    for name in ("MODES", "TP_STYLES", "PRECISIONS", "TIME_MAJOR", "BACKENDS", "NEURON_BACKENDS"):
+        assert not hasattr(snn_explorer, name), name
+    from snn_explorer.core.common import MODES
+    from snn_explorer.core.planning import NEURON_BACKENDS
+    from snn_explorer.ranks import COMM_BACKENDS
+    assert "tp" in MODES and "torch" in NEURON_BACKENDS and "gloo" in COMM_BACKENDS
+
+
 def test_step_time_names_are_public():
     for name in ("calibrate", "HardwareProfile", "hardware_profile", "hardware_profiles"):
         assert name in snn_explorer.__all__, name

@@ -8,8 +8,7 @@ import pandas as pd
 import torch
 
 import snn_explorer as se
-from snn_explorer.core.levers.block_choice import with_blocks
-from snn_explorer.core.levers.memory_levers import activation_offload_variants, copy_without_levers, lever_variants
+from snn_explorer.core.levers import activation_offload_variants, copy_without_levers, lever_variants, with_blocks
 from snn_explorer.estimator import estimate
 from snn_explorer.estimator.budget_fit import FIT_FEATURES
 from snn_explorer.estimator.enumerate import enumerate_plans

@@ -8,14 +8,8 @@ import torch
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.levers.spike_compression import (
-    SpikePacker,
-    apply_spike_compression,
-    pack_bits,
-    spike_packer,
-    unpack_bits,
-)
-from snn_explorer.core.model.neurons import detached_copy
+from snn_explorer.core.levers import SpikePacker, apply_spike_compression, pack_bits, spike_packer, unpack_bits
+from snn_explorer.core.model import detached_copy
 from snn_explorer.estimator import model_profile
 from snn_explorer.estimator.memory.spike_compression import compressed_profile, spike_saving
 from snn_explorer.estimator.profile.checkpointed import held_after_forward, levered_profile

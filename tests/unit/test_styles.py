@@ -8,7 +8,7 @@ from models import MLP, SEWResNet, SpikeDrivenNet, TimeLoop
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.tp.styles import STYLES
+from snn_explorer.core.tp import STYLES
 from snn_explorer.zoo import lif
 
 TP = 2
@@ -231,7 +231,7 @@ def test_apply_refuses_a_hand_made_plan_that_splits_tied_weights():
 
 
 def _plan_styles(model, **features):
-    from snn_explorer.core.tp.tp_plan import default_tp_plan
+    from snn_explorer.core.tp import default_tp_plan
 
     return default_tp_plan(se.analyze(model), se.DistributedFeatureSet(**features))
 
@@ -263,7 +263,7 @@ def test_recognisers_refuse_near_misses():
 
 
 def test_branch_attention_split_all_or_nothing():
-    from snn_explorer.core.tp.tp_plan import check_tp_plan
+    from snn_explorer.core.tp import check_tp_plan
 
     model = SpikeDrivenNet()
     analysis = se.analyze(model)
@@ -272,4 +272,4 @@ def test_branch_attention_split_all_or_nothing():
     plan.pop("attn")
     with pytest.raises(ValueError, match="split by heads only"):
         check_tp_plan(analysis, plan, TP)
-    assert se.core.analysis.SNNDistributedAnalysis.from_dict(analysis.to_dict()) == analysis
+    assert se.core.model.analysis.SNNDistributedAnalysis.from_dict(analysis.to_dict()) == analysis

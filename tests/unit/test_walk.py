@@ -2,8 +2,7 @@
 from torch import nn
 
 from snn_explorer import analyze
-from snn_explorer.core.model import structure
-from snn_explorer.core.model.walk import memo, modules_by_name, one_walk
+from snn_explorer.core.model import memo, modules_by_name, one_walk, structure
 
 
 def _counting(calls):

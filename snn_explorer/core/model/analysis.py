@@ -11,7 +11,6 @@ from torch import nn
 from ...compat import non_persistent_buffer_names, own_tensors
 from ..common.serialize import check_keys, check_kind, dataclass_dict, string_tuple, tuplify
 from ..common.young_objects import new_objects_collected
-from ..planning.pipeline_plan import pipeline_units, trainable_units
 from . import neurons
 from .attention import (
     AttentionBlock,
@@ -33,6 +32,7 @@ from .structure import (
     paired_layers,
     under,
 )
+from .units import pipeline_units, trainable_units
 from .walk import modules_by_name, named_parameters_all, one_walk, trainable_count
 
 #: Analysis fields that hold module paths, and those that hold tuples of them (chains, (path, library)).

@@ -17,7 +17,7 @@ from ..levers.memory_levers import check_memory_levers, lever_label
 from ..model.layouts import TIME_MAJOR, DataLayout, layout_of
 from .pipeline_plan import check_pp_fields
 from .pipeline_schedules import schedule_of
-from .recommend import BACKENDS, SNN_DISTRIBUTED_PREFERENCES, check_batch_size
+from .recommend import NEURON_BACKENDS, SNN_DISTRIBUTED_PREFERENCES, check_batch_size
 
 OPTIMIZER_STRATEGIES = ("none", "zero")
 #: memopt_level acts on FSDP2 modes: 0 keeps gathered parameters for backward, 1 reshards after forward.
@@ -141,8 +141,8 @@ class SNNDistributedPlan:
             raise ValueError(f"unsupported objective={self.objective!r}; expected one of {SNN_DISTRIBUTED_PREFERENCES}")
         if not isinstance(self.topology, SNNDistributedTopology):
             object.__setattr__(self, "topology", SNNDistributedTopology.coerce(self.topology))
-        if self.neuron_backend not in BACKENDS:
-            raise ValueError(f"unsupported neuron_backend={self.neuron_backend!r}; expected one of {BACKENDS}")
+        if self.neuron_backend not in NEURON_BACKENDS:
+            raise ValueError(f"unsupported neuron_backend={self.neuron_backend!r}; expected one of {NEURON_BACKENDS}")
         check_batch_size(self.batch_size)
         if self.optimizer_strategy not in OPTIMIZER_STRATEGIES:
             raise ValueError(f"optimizer_strategy={self.optimizer_strategy!r}; expected one of {OPTIMIZER_STRATEGIES}")

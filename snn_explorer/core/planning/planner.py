@@ -127,7 +127,7 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     ``batch_size`` is the global batch of one optimizer step; the ``dp`` ranks split it. An
     explicit ``mode`` must fit the topology and model; a recommended one that does not is
     replaced by the objective's next choice, with a note saying why. ``neuron_backend`` (default
-    ``"torch"``) is the neuron compute backend (see ``BACKENDS``); ``backend`` is its deprecated name.
+    ``"torch"``) is the neuron compute backend (see ``NEURON_BACKENDS``); ``backend`` is its deprecated name.
     Mode ``pp`` (a topology with a ``pp`` dim) takes ``pp_schedule``, ``pp_microbatches``,
     ``pp_virtual_stages`` and ``pp_layout`` (``"3|4"`` or the unit paths where stages 2.. begin);
     those left None follow :func:`~snn_explorer.core.planning.pipeline_plan.recommend_pipeline`.

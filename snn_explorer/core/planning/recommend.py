@@ -13,7 +13,7 @@ from .pipeline_schedules import default_schedule
 #: Objectives the planner optimises for.
 SNN_DISTRIBUTED_PREFERENCES = ("speed", "memory", "capacity")
 #: Neuron compute backends (spikingjelly's kernels, or torch.compile); not the communication backend.
-BACKENDS = NeuronBackend.names()
+NEURON_BACKENDS = NeuronBackend.names()
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ... import ranks
 from ...compat_pipelining import pipeline_waits
 from ...core import analyze, apply, plan
-from ...core.planning.pipeline_schedules import SCHEDULES
+from ...core.planning import SCHEDULES
 from ..instruments.isolation import collected
 from ..instruments.recorder import CollectiveRecorder
 from ..timing.hardware import KINDS

@@ -28,7 +28,7 @@ from typing import Iterator
 
 import torch
 
-from ...core.common.young_objects import collector_paused
+from ...core.common import collector_paused
 
 #: Variables torch sets in ``os.environ`` as a side effect of importing its compiler stack.
 TORCH_SET_ENV = ("TORCHINDUCTOR_CACHE_DIR",)

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ...compat import is_fake
-from ...core.model.neurons import state_tensors, stateful_modules
+from ...core.model import state_tensors, stateful_modules
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

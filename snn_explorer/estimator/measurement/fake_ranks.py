@@ -26,7 +26,7 @@ from torch import nn
 
 from ... import compat
 from ...core import SNNDistributedPlan, apply
-from ...core.common.validate import check_instance
+from ...core.common import check_instance
 from ..instruments.recorder import CollectiveRecorder
 from ..instruments.tables import COLLECTIVE_COLUMNS
 from ..profile.shape_only import fake_copy, following, to_fake

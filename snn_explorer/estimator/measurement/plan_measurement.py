@@ -28,9 +28,9 @@ from torch import nn
 
 from ... import compat, ranks
 from ...core import SNNDistributedPlan, apply
-from ...core.common.validate import positive_number
-from ...core.model.layouts import DataLayout
-from ...core.parallelize.mesh import comm_backend_for
+from ...core.common import positive_number
+from ...core.model import DataLayout
+from ...core.parallelize import comm_backend_for
 from ...ranks.progress import heartbeat
 from ..instruments.isolation import as_found
 from ..instruments.recorder import CollectiveRecorder

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from ...compat import is_fake
-from ...core.levers.activation_offload import offload_hooks
-from ...core.model.module_copy import root_over_children
+from ...core.levers import offload_hooks
+from ...core.model import root_over_children
 from ..profile.checkpointed import held_after_forward, run_total
 from ..profile.profiling import ModelProfile
 from ..profile.step import batch_slice

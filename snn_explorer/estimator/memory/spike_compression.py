@@ -21,9 +21,9 @@ from typing import Dict, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from ...core.common.young_objects import new_objects_collected
-from ...core.levers.spike_compression import apply_spike_compression, is_binary, packable
-from ...core.model.module_copy import root_over_children
+from ...core.common import new_objects_collected
+from ...core.levers import apply_spike_compression, is_binary, packable
+from ...core.model import root_over_children
 from ..instruments.storage import SavedByModule, model_state_tensors, saving
 from ..profile.checkpointed import (
     CheckpointedProfile,

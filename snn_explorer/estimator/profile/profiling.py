@@ -34,13 +34,17 @@ import torch
 from torch import nn
 
 from ...compat import data_dependent_op
-from ...core.common.precision import FP32, Precision
-from ...core.common.young_objects import new_objects_collected
-from ...core.model.families import fsdp_units
-from ...core.model.layouts import TIME_MAJOR, DataLayout, fixed_loop_error
-from ...core.model.neurons import detached_copy, state_tensors, stateful_modules
-from ...core.parallelize.fsdp import norm_layer_paths
-from ...core.parallelize.mixed_precision import autocast_forward, hold_neuron_state
+from ...core.common import FP32, Precision, new_objects_collected
+from ...core.model import (
+    TIME_MAJOR,
+    DataLayout,
+    detached_copy,
+    fixed_loop_error,
+    fsdp_units,
+    state_tensors,
+    stateful_modules,
+)
+from ...core.parallelize import autocast_forward, hold_neuron_state, norm_layer_paths
 from ..instruments.fsdp_events import record
 from ..instruments.isolation import as_found, one_thread
 from ..instruments.meter import StorageMeter

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ...compat import data_dependent_op, fake_tensor_mode
-from ...core.model.neurons import reset_all
+from ...core.model import reset_all
 
 
 class ShapeOnlyError(ValueError):

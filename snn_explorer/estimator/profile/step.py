@@ -9,9 +9,8 @@ import torch
 from torch import nn
 
 from ...core import SNNDistributedPlan, SNNDistributedRuntime
-from ...core.common.validate import check_batch_tensor, check_dtype, check_instance
-from ...core.model.layouts import TIME_MAJOR, DataLayout, detect_layout, layout_of
-from ...core.model.neurons import reset_all
+from ...core.common import check_batch_tensor, check_dtype, check_instance
+from ...core.model import TIME_MAJOR, DataLayout, detect_layout, layout_of, reset_all
 
 #: The attribute naming the :class:`DataLayout` a private model copy of the estimator runs in (set on
 #: the profile's copy; deep copies of it, TP replicas and checkpointed copies, inherit it).

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Sequence
 
-from ...core.common.collectives import Collective
+from ...core.common import Collective
 from .hardware import HardwareProfile
 from .placement import ranks_on_host, spans_nodes
 

@@ -27,10 +27,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, Mapping, Optional, Tuple
 
-from ...core.common.collectives import TIMED, Collective
-from ...core.common.precision import PRECISIONS, Precision
-from ...core.common.validate import positive_int, positive_number
-from ...core.common.vocabulary import Checkpointing
+from ...core.common import PRECISIONS, TIMED, Checkpointing, Collective, Precision, positive_int, positive_number
 from .gpu_specs import (
     DEFAULT_EFFICIENCY,
     DEVICES,
