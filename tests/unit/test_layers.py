@@ -297,3 +297,15 @@ def test_the_core_rules_catch_planted_violations(tmp_path):
                                                      "snn_explorer.core.runtime:2 -> snn_explorer.core.distribute"]
     root = tmp_path / PACKAGE
     assert deep_imports(root, group_exports(root)) == ["snn_explorer.ranks.engine:1 STYLES"]
+
+
+def test_each_core_class_is_defined_once():
+    """A class name names one class in the core (a TP style and its torch implementation differ in name)."""
+    where: Dict[str, List[str]] = {}
+    for path in (ROOT / "core").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where.setdefault(node.name, []).append(module_name(path, ROOT))
+    assert {name: mods for name, mods in where.items() if len(mods) > 1} == {}
+    assert where["ConvColwise"] == ["snn_explorer.core.tp.styles"]
+    assert where["ConvColwiseParallel"] == ["snn_explorer.core.tp.channel_styles"]

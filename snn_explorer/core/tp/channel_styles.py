@@ -1,10 +1,10 @@
 """Channel tensor parallelism for convolutions and BatchNorm, and head-aligned fused q/k/v, as
 torch ``ParallelStyle`` subclasses (applied with ``parallelize_module``).
 
-``ConvColwise``: weight (and bias) sharded on output channels, input replicated; a forward
-pre-hook makes the input's gradient a sum over the tp group. ``ConvRowwise``: weight sharded on
+``ConvColwiseParallel``: weight (and bias) sharded on output channels, input replicated; a forward
+pre-hook makes the input's gradient a sum over the tp group. ``ConvRowwiseParallel``: weight sharded on
 input channels; a forward hook sums the partial outputs over the tp group (the bias, which every
-rank adds, counted once). ``NormLocal``: a BatchNorm between such a pair holds its channel shard.
+rank adds, counted once). ``NormLocalParallel``: a BatchNorm between such a pair holds its channel shard.
 Only hooks and parameters change, never the module's forward, so wrappers such as
 spikingjelly's multi-step layers (which call the convolution inside their own forward) keep
 working. The shards are plain tensors (``DTensor`` has no channel-sharded convolution); each
@@ -88,7 +88,7 @@ def _channel_dim(module: nn.Module) -> int:
     return -1 - len(module.kernel_size)
 
 
-class ConvColwise(ParallelStyle):
+class ConvColwiseParallel(ParallelStyle):
     """Output-channel sharded convolution (or Linear, as ``ColwiseParallel`` does it)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -100,7 +100,7 @@ class ConvColwise(ParallelStyle):
         return module
 
 
-class ConvRowwise(ParallelStyle):
+class ConvRowwiseParallel(ParallelStyle):
     """Input-channel sharded convolution whose partial outputs are summed over the tp group."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -116,7 +116,7 @@ class ConvRowwise(ParallelStyle):
         return module
 
 
-class NormLocal(ParallelStyle):
+class NormLocalParallel(ParallelStyle):
     """A BatchNorm holding this rank's channel shard of its parameters and running statistics."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -145,24 +145,24 @@ def _reorder_rows(module: nn.Module, width: int, mesh: DeviceMesh) -> None:
     _info(module, mesh).order = torch.argsort(order)
 
 
-class FusedQkvColwise(ParallelStyle):
+class FusedQkvColwiseParallel(ParallelStyle):
     """A fused q/k/v Linear or pointwise conv whose rows are split so each rank owns whole heads."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         linear = isinstance(module, nn.Linear)
         _reorder_rows(module, (module.out_features if linear else module.out_channels) // 3, device_mesh)
-        return parallelize_module(module, device_mesh, ColwiseParallel() if linear else ConvColwise())
+        return parallelize_module(module, device_mesh, ColwiseParallel() if linear else ConvColwiseParallel())
 
 
-class FusedQkvNorm(ParallelStyle):
+class FusedQkvNormParallel(ParallelStyle):
     """The BatchNorm on a fused q/k/v output, holding this rank's head-aligned channel shard."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _reorder_rows(module, module.num_features // 3, device_mesh)
-        return parallelize_module(module, device_mesh, NormLocal())
+        return parallelize_module(module, device_mesh, NormLocalParallel())
 
 
-class HeadsLocal(ParallelStyle):
+class HeadsLocalParallel(ParallelStyle):
     """An attention module computing ``num_heads / tp`` heads (its q/k/v come head-aligned)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

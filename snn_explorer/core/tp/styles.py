@@ -227,7 +227,7 @@ class ConvColwise(_Channels):
     attr = "out_channels"
 
     def parallel_style(self):
-        return channel_styles.ConvColwise()
+        return channel_styles.ConvColwiseParallel()
 
     def sharded_width(self, module):
         return module.out_channels, -1 - len(module.kernel_size)
@@ -240,7 +240,7 @@ class ConvRowwise(_Channels):
     attr = "in_channels"
 
     def parallel_style(self):
-        return channel_styles.ConvRowwise()
+        return channel_styles.ConvRowwiseParallel()
 
 
 class NormLocal(TPStyle):
@@ -248,7 +248,7 @@ class NormLocal(TPStyle):
     takes, gives, split, cut = SHARDED, SHARDED, _NORM_TENSORS, "norm"
 
     def parallel_style(self):
-        return channel_styles.NormLocal()
+        return channel_styles.NormLocalParallel()
 
 
 class _Heads(TPStyle):
@@ -279,7 +279,7 @@ class QkvColwise(_Heads):
     gives, split, cut, reduces_input_grad = SHARDED, {"weight": 0, "bias": 0}, "outputs", True
 
     def parallel_style(self):
-        return channel_styles.FusedQkvColwise()
+        return channel_styles.FusedQkvColwiseParallel()
 
     def sharded_width(self, module):
         if hasattr(module, "out_features"):
@@ -292,14 +292,14 @@ class QkvNormLocal(_Heads):
     takes, gives, split, cut = SHARDED, SHARDED, _NORM_TENSORS, "norm"
 
     def parallel_style(self):
-        return channel_styles.FusedQkvNorm()
+        return channel_styles.FusedQkvNormParallel()
 
 
 class HeadsLocal(_Heads):
     name, kind, label, cut = "heads_local", "attention", "num_heads", "heads"
 
     def parallel_style(self):
-        return channel_styles.HeadsLocal()
+        return channel_styles.HeadsLocalParallel()
 
 
 class Local(TPStyle):
