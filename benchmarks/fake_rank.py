@@ -29,9 +29,9 @@ FEATURES = se.DistributedFeatureSet(allow_mixed_precision=True)
 
 def _plans(model, analysis):
     fsdp = se.plan(analysis=analysis, objective="speed", mode="fsdp2", topology={"dp": 512}, batch_size=512,
-                   precision="bf16", features=FEATURES)
+                   features=FEATURES, options=se.PlanOptions(precision="bf16"))
     hybrid = se.plan(analysis=analysis, objective="speed", mode="fsdp2_tp", topology={"dp": 8, "tp": 8},
-                     batch_size=64, precision="bf16", features=FEATURES, tensor_parallel_plan=model.tensor_parallel_plan())
+                     batch_size=64, features=FEATURES, options=se.PlanOptions(precision="bf16", tensor_parallel_plan=model.tensor_parallel_plan()))
     return (("fsdp2 x512", fsdp, "64x8-H100-SXM-96GB"), ("fsdp2_tp 8x8", hybrid, "8x8-H100-SXM-96GB"))
 
 

@@ -59,8 +59,7 @@ GIB = 2 ** 30
 
 def _plan(model, mode, topology, batch, checkpointing=None, every=1):
     return se.plan(analysis=se.analyze(model), objective="speed", neuron_backend="torch", mode=mode,
-                   topology=topology, batch_size=batch, precision="bf16", features=FEATURES,
-                   activation_checkpointing=checkpointing, checkpoint_every=every)
+                   topology=topology, batch_size=batch, features=FEATURES, options=se.PlanOptions(precision="bf16", activation_checkpointing=checkpointing, checkpoint_every=every))
 
 
 def next_tokens(cfg, batch: int, seq: int, seed: int = 1) -> torch.Tensor:
@@ -122,8 +121,7 @@ def spiking_plans(model, world: int, time_steps: int, seq: int) -> pd.DataFrame:
     for mode, topology, checkpointing in candidates:
         if mode in ("fsdp2_tp", "pp_tp", "pp_fsdp2_tp"):
             plan = se.plan(analysis=se.analyze(model), objective="speed", neuron_backend="torch", mode=mode,
-                           topology=topology, batch_size=world, precision="bf16", features=FEATURES,
-                           tensor_parallel_plan=model.tensor_parallel_plan())
+                           topology=topology, batch_size=world, features=FEATURES, options=se.PlanOptions(precision="bf16", tensor_parallel_plan=model.tensor_parallel_plan()))
         else:
             plan = _plan(model, mode, topology, world, checkpointing)
         start = time.perf_counter()

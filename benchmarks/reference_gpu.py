@@ -123,7 +123,7 @@ def predict_pipeline() -> List[dict]:
                    pred_ms=single.step_time_s * 1e3, cut="")
         if schedule is not None:
             plan = se.plan(analysis=se.analyze(chain), objective="speed", mode="pp", topology={"pp": 2}, batch_size=128,
-                           pp_microbatches=8, pp_schedule=schedule, pp_virtual_stages=1, neuron_backend="torch")
+                           neuron_backend="torch", options=se.PlanOptions(pp_microbatches=8, pp_schedule=schedule, pp_virtual_stages=1))
             e = se.estimate(chain, plan, example_input=xt, labels=labels, hardware=HARDWARE)
             row.update(pred_mb=e.peak_bytes / MIB, pred_ratio=single.step_time_s / e.step_time_s,
                        pred_ms=e.step_time_s * 1e3, cut=plan.pp_layout)
@@ -189,7 +189,7 @@ def print_physics() -> None:
     ms = {}
     for precision in ("fp32", "bf16"):
         plan = se.plan(analysis=se.analyze(model), objective="speed", topology={"dp": 1}, mode="none", batch_size=n,
-                       features=gate, precision=precision, neuron_backend="torch")
+                       features=gate, neuron_backend="torch", options=se.PlanOptions(precision=precision))
         for hw in PHYSICS:
             e = se.estimate(model, plan, example_input=x, labels=labels, hardware=hw, **layout)
             ms[(hw, plan.precision.name)] = e.step_time_s * 1e3

@@ -15,6 +15,7 @@ from .core import (
     CheckpointError,
     DataLayout,
     DistributedFeatureSet,
+    PlanOptions,
     Precision,
     SNNDistributedAnalysis,
     SNNDistributedPlan,
@@ -35,7 +36,7 @@ from .core import (
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointError", "DataLayout", "DistributedFeatureSet", "Precision", "SNNDistributedAnalysis",
+__all__ = ["CheckpointError", "DataLayout", "DistributedFeatureSet", "PlanOptions", "Precision", "SNNDistributedAnalysis",
          "SNNDistributedPlan", "SNNDistributedRuntime", "SNNDistributedTopology", "StrategyRecommendation", "analyze",
          "apply", "check_checkpoint", "find_time_step_module", "latest_checkpoint", "plan", "preflight",
          "recommend_snn_distributed_strategy", "register_stateful", "unregister_stateful"]

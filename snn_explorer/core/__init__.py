@@ -23,6 +23,7 @@ from .levers import find_time_step_module
 from .model import DataLayout, LinearShape, SNNDistributedAnalysis, analyze, register_stateful, unregister_stateful
 from .planning import (
                        DistributedFeatureSet,
+    PlanOptions,
                        SNNDistributedPlan,
                        StrategyRecommendation,
                        plan,
@@ -31,7 +32,7 @@ from .planning import (
 from .runtime import SNNDistributedRuntime
 
 __all__ = [
-    "CheckpointError", "DataLayout", "DistributedFeatureSet", "LinearShape", "Precision", "SNNDistributedAnalysis",
+    "CheckpointError", "DataLayout", "DistributedFeatureSet", "LinearShape", "PlanOptions", "Precision", "SNNDistributedAnalysis",
     "SNNDistributedPlan", "SNNDistributedRuntime", "SNNDistributedTopology", "StrategyRecommendation", "analyze",
     "apply", "check_checkpoint", "find_time_step_module", "latest_checkpoint", "plan", "preflight",
     "recommend_snn_distributed_strategy", "register_stateful", "unregister_stateful",

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Union
 
 import ipywidgets as w
 
-from ..core import SNNDistributedPlan
+from ..core import PlanOptions, SNNDistributedPlan
 from ..core.common import LEADING_DIMS, MODES, PRECISIONS, dp_tp_splits, precision_of
 from ..core.levers import ACTIVATION_CHECKPOINTING
 from ..core.planning import SCHEDULES, SNN_DISTRIBUTED_PREFERENCES
@@ -250,14 +250,15 @@ class ExplorerUI:
         return dims or {"dp": 1}
 
     def choices(self) -> dict:
-        """The keyword arguments of :meth:`Explorer.make_plan` the controls describe."""
+        """The keyword arguments of :meth:`Explorer.make_plan` the controls describe (``options``: a
+        :class:`~snn_explorer.PlanOptions`)."""
+        options = PlanOptions(
+            activation_checkpointing=None if self.checkpointing.value == "auto" else self.checkpointing.value,
+            checkpoint_every=self._checkpoint_every(), cpu_offload=self.gates["allow_cpu_offload"].value,
+            precision=self._precision_choice(), **self._pipeline_choices())
         return dict(objective=self.objective.value, topology=self.topology, batch_size=self.batch_size.value,
                     features={g: c.value for g, c in self.gates.items()},
-                    mode=None if self.mode.value == "auto" else self.mode.value,
-                    activation_checkpointing=None if self.checkpointing.value == "auto" else self.checkpointing.value,
-                    checkpoint_every=self._checkpoint_every(),
-                    cpu_offload=self.gates["allow_cpu_offload"].value, precision=self._precision_choice(),
-                    **self._pipeline_choices())
+                    mode=None if self.mode.value == "auto" else self.mode.value, options=options)
 
     def _checkpoint_every(self) -> Optional[int]:
         """The control's k; None (the estimate's choice) when it is at 1 with checkpointing on "auto"."""

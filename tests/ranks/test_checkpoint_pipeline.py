@@ -14,6 +14,8 @@ import torch
 from distributed_harness import run_on_ranks
 from torch import nn
 
+from snn_explorer.core.planning import split_options
+
 pytestmark = pytest.mark.timeout(600)
 
 MODEL = "mlp_all_steps"
@@ -47,7 +49,7 @@ def _runtime(key):
     zoo = build(MODEL)
     model = zoo.model.double()
     plan = se.plan(analysis=se.analyze(model, model_family=zoo.family), objective="speed", topology=topology,
-                   mode=mode, batch_size=zoo.batch_size, **extra)
+                   mode=mode, batch_size=zoo.batch_size, **split_options(extra))
     runtime = se.apply(model=model, plan=plan, device_type="cpu")
     share, start = plan.per_rank_batch, runtime.dp_rank * plan.per_rank_batch
     batch = zoo.example_input.double()[:, start:start + share], zoo.labels[start:start + share]

@@ -58,8 +58,7 @@ def test_the_llama_plan_is_accepted_and_the_default_plan_finds_it():
     assert len(analysis.gated_mlps) == 2 and all(b.local_heads for b in analysis.attention_blocks)
     own = model.tensor_parallel_plan()
     for mode, topology in (("tp", {"tp": 4}), ("fsdp2_tp", {"dp": 2, "tp": 2})):
-        given = se.plan(analysis=analysis, objective="memory", topology=topology, batch_size=4, mode=mode,
-                        tensor_parallel_plan=own)
+        given = se.plan(analysis=analysis, objective="memory", topology=topology, batch_size=4, mode=mode, options=se.PlanOptions(tensor_parallel_plan=own))
         default = se.plan(analysis=analysis, objective="memory", topology=topology, batch_size=4, mode=mode)
         assert given.tensor_parallel_plan == own
         assert default.tensor_parallel_plan == dict(own, head="colwise_gather")
@@ -75,8 +74,7 @@ def test_the_llama_plan_is_accepted_and_the_default_plan_finds_it():
 def test_a_broken_llama_plan_is_refused(change, match):
     model = build_llm(SMALL)
     with pytest.raises(ValueError, match=match):
-        se.plan(analysis=se.analyze(model), objective="memory", topology={"tp": 2}, batch_size=4, mode="tp",
-                tensor_parallel_plan=dict(model.tensor_parallel_plan(), **change))
+        se.plan(analysis=se.analyze(model), objective="memory", topology={"tp": 2}, batch_size=4, mode="tp", options=se.PlanOptions(tensor_parallel_plan=dict(model.tensor_parallel_plan(), **change)))
 
 
 def test_tp_must_divide_the_kv_heads():

@@ -23,8 +23,7 @@ STEPS, LR = 3, 0.05
 
 
 def _dp_plan(model, layout: DataLayout, batch: int = N):
-    return se.plan(analysis=se.analyze(model), objective="speed", topology={"dp": 2}, batch_size=batch, mode="dp",
-                   data_layout=layout)
+    return se.plan(analysis=se.analyze(model), objective="speed", topology={"dp": 2}, batch_size=batch, mode="dp", options=se.PlanOptions(data_layout=layout))
 
 
 def _measure_cases(cases):
@@ -125,8 +124,7 @@ def _pp_models():
     for name, model, layout, cut in (("batch_major", batch_major, BATCH_MAJOR, "3|3"),
                                      ("per_step", *built["per_step"], "2|2")):
         models[name] = (model, se.plan(analysis=se.analyze(model), objective="speed", topology={"pp": 2},
-                                       batch_size=N, mode="pp", data_layout=layout, pp_schedule="gpipe",
-                                       pp_microbatches=2, pp_virtual_stages=1, pp_layout=cut))
+                                       batch_size=N, mode="pp", options=se.PlanOptions(data_layout=layout, pp_schedule="gpipe", pp_microbatches=2, pp_virtual_stages=1, pp_layout=cut)))
     return models
 
 

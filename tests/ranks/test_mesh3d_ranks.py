@@ -94,7 +94,7 @@ def _bf16_plan(model):
     import snn_explorer as se
 
     return se.plan(analysis=se.analyze(model), objective="capacity", topology=PP_FSDP2, batch_size=BATCH,
-                   mode="pp_fsdp2", precision="bf16", features=se.DistributedFeatureSet(allow_mixed_precision=True))
+                   mode="pp_fsdp2", features=se.DistributedFeatureSet(allow_mixed_precision=True), options=se.PlanOptions(precision="bf16"))
 
 
 def _measure(mode="pp_tp"):

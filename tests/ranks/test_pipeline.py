@@ -112,9 +112,7 @@ def pipelined(name, topology, schedule):
 
     model, x, y = build(name)
     analysis = se.analyze(model)
-    plan = se.plan(analysis=analysis, objective="capacity", topology=topology, batch_size=BATCH, mode="pp",
-                   pp_schedule=schedule, pp_virtual_stages=virtual_stages(schedule),
-                   pp_microbatches=4)
+    plan = se.plan(analysis=analysis, objective="capacity", topology=topology, batch_size=BATCH, mode="pp", options=se.PlanOptions(pp_schedule=schedule, pp_virtual_stages=virtual_stages(schedule), pp_microbatches=4))
     runtime = se.apply(model=model, plan=plan, device_type="cpu")
     share = plan.per_rank_batch
     x, y = x[:, runtime.dp_rank * share:(runtime.dp_rank + 1) * share], y[runtime.dp_rank * share:][:share]
@@ -173,7 +171,7 @@ def back_to_back(runs):
         model, x, y = build("mlp_all_steps")
         schedule = SCHEDULES[i % len(SCHEDULES)]
         plan = se.plan(analysis=se.analyze(model), objective="capacity", topology={"pp": 2}, batch_size=BATCH,
-                       mode="pp", pp_schedule=schedule, pp_virtual_stages=virtual_stages(schedule))
+                       mode="pp", options=se.PlanOptions(pp_schedule=schedule, pp_virtual_stages=virtual_stages(schedule)))
         runtime = se.apply(model=model, plan=plan, device_type="cpu")
         done.append(float(runtime.train_step(nn.CrossEntropyLoss(), x, y)))
     return done
@@ -190,8 +188,7 @@ def measured_plan(topology, name, schedule):
         zoo = zoo_build(name, batch_size=BATCH)
         case = (zoo.model, zoo.example_input, zoo.labels)
     plan = se.plan(analysis=se.analyze(case[0]), objective="capacity", topology=topology, batch_size=BATCH,
-                   mode="pp", pp_schedule=schedule, pp_microbatches=4,
-                   pp_virtual_stages=virtual_stages(schedule))
+                   mode="pp", options=se.PlanOptions(pp_schedule=schedule, pp_microbatches=4, pp_virtual_stages=virtual_stages(schedule)))
     return case, plan
 
 

@@ -32,7 +32,7 @@ GATES = se.DistributedFeatureSet(allow_cpu_offload=True, allow_activation_checkp
 
 def _plan(zoo, mode="fsdp2", topology=None, features=GATES, **levers):
     base = se.plan(analysis=se.analyze(zoo.model), objective="speed", topology=topology or {"dp": 2},
-                   batch_size=zoo.batch_size, mode=mode, features=features, activation_checkpointing="none")
+                   batch_size=zoo.batch_size, mode=mode, features=features, options=se.PlanOptions(activation_checkpointing="none"))
     return dataclasses.replace(base, **levers)
 
 

@@ -14,6 +14,7 @@ import snn_explorer as se
 from snn_explorer.core.levers import choose_blocks, copy_without_levers, lever_label, with_blocks
 from snn_explorer.core.model import detached_copy
 from snn_explorer.core.parallelize import checkpoint_blocks
+from snn_explorer.core.planning import split_options
 from snn_explorer.zoo import build
 
 GATES = se.DistributedFeatureSet(allow_activation_checkpointing=True)
@@ -21,7 +22,7 @@ GATES = se.DistributedFeatureSet(allow_activation_checkpointing=True)
 
 def _plan(zoo, **kw):
     return se.plan(analysis=se.analyze(zoo.model), objective="memory", topology={"dp": 2}, mode="fsdp2",
-                   batch_size=zoo.batch_size, features=GATES, **kw)
+                   batch_size=zoo.batch_size, features=GATES, **split_options(kw))
 
 
 def test_plan_field_refusals_and_json():

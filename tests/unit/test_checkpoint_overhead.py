@@ -23,7 +23,7 @@ def stand_in():
     y = torch.randint(0, CLASSES, (N,))
     features = se.DistributedFeatureSet(allow_activation_checkpointing=True)
     make = lambda ck: se.plan(analysis=se.analyze(model), objective="speed", topology={"dp": 1}, batch_size=N,
-                              mode="dp", features=features, activation_checkpointing=ck)
+                              mode="dp", features=features, options=se.PlanOptions(activation_checkpointing=ck))
     plain = copy_without_levers(make("none"))
     return model, x, y, plain, make("blocks")
 

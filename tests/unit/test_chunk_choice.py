@@ -59,7 +59,7 @@ def test_the_memory_objective_takes_the_size_the_real_estimate_chooses():
     assert choice.estimate.peak_bytes == low < estimate_of(_base()).peak_bytes
     assert choice.estimate.step_time_s == min(e.step_time_s for e in peaks.values() if e.peak_bytes == low)
     plan = se.plan(analysis=se.analyze(zoo.model), objective="memory", topology={"dp": 2}, batch_size=8, mode="dp",
-                   features=GATES, time_step_module="net", peak_estimate=estimate_of)
+                   features=GATES, options=se.PlanOptions(time_step_module="net", peak_estimate=estimate_of))
     note = next(n for n in plan.notes if n.startswith("time chunks of"))
     assert f"time chunks of {choice.plan.checkpoint_every} steps chosen by estimate" in note
     # on this model time chunks have the lowest peak of all levers (blocks: above the plan's own, test_fit)
@@ -72,6 +72,6 @@ def test_the_chunk_size_note_is_only_on_a_plan_that_chunks():
     blocky = lambda p: (SimpleNamespace(peak_bytes=100, step_time_s=2.0)  # noqa: E731
                         if p.activation_checkpointing == "blocks" else _stand_in(p))
     plan = se.plan(analysis=se.analyze(build("mlp").model), objective="memory", topology={"dp": 2}, batch_size=8,
-                   mode="dp", features=GATES, time_step_module="net", peak_estimate=blocky)
+                   mode="dp", features=GATES, options=se.PlanOptions(time_step_module="net", peak_estimate=blocky))
     assert plan.activation_checkpointing == "blocks"
     assert not any(n.startswith("time chunks") for n in plan.notes), plan.notes

@@ -10,8 +10,7 @@ from snn_explorer.zoo import build
 def test_the_bubble_bar_is_the_time_tables_mean_idle_time():
     vgg = build("vgg", batch_size=8)
     analysis = se.analyze(vgg.model)
-    pp = se.plan(analysis=analysis, objective="capacity", topology={"pp": 2}, batch_size=8, mode="pp",
-                 pp_schedule="1f1b", pp_microbatches=4)
+    pp = se.plan(analysis=analysis, objective="capacity", topology={"pp": 2}, batch_size=8, mode="pp", options=se.PlanOptions(pp_schedule="1f1b", pp_microbatches=4))
     dp = se.plan(analysis=analysis, objective="speed", topology={"dp": 2}, batch_size=8, mode="dp")
     ests = [estimate(vgg.model, p, example_input=vgg.example_input, labels=vgg.labels) for p in (pp, dp)]
     time = ests[0].time

@@ -53,7 +53,7 @@ def test_a_meta_llm_at_64_ranks_runs_on_a_fake_rank_without_allocating_it():
     tokens = token_batch(model.config, 2, 64, 16)
     analysis = se.analyze(model)
     plans = [se.plan(analysis=analysis, objective="speed", mode="fsdp2_tp", topology={"dp": 16, "tp": 4},
-                     batch_size=64, tensor_parallel_plan=model.tensor_parallel_plan())]
+                     batch_size=64, options=se.PlanOptions(tensor_parallel_plan=model.tensor_parallel_plan()))]
     for plan in plans:
         fake = record_rank_step(model, plan, tokens, layout=TIME_MAJOR, rank=5)
         assert set(fake.collectives["mesh_dim"]) == set(plan.mesh_dim_names), plan

@@ -28,7 +28,7 @@ def conv_snn() -> nn.Module:
 def step_ms(precision: str, hardware: str) -> float:
     model = conv_snn()
     plan = se.plan(analysis=se.analyze(model), objective="speed", topology={"dp": 1}, batch_size=N, mode="none",
-                   features=GATE, precision=precision)
+                   features=GATE, options=se.PlanOptions(precision=precision))
     x = torch.rand(T, N, 3, HW, HW)
     return se.estimate(model, plan, example_input=x, hardware=hardware).step_time_s * 1e3
 

@@ -106,8 +106,7 @@ def test_tp_needs_candidates_and_a_stage_never_ends_on_a_shard():
         se.plan(analysis=se.analyze(plain), objective="capacity", topology=TOPOLOGY, batch_size=BATCH, mode="pp_tp")
     model = _zoo().model
     with pytest.raises(ValueError, match="ending with unit 'net.1' would send a tensor-parallel shard: 'net.0' \\(colwise\\)"):
-        se.plan(analysis=se.analyze(model), objective="capacity", topology=TOPOLOGY, batch_size=BATCH, mode="pp_tp",
-                pp_layout="2|3")
+        se.plan(analysis=se.analyze(model), objective="capacity", topology=TOPOLOGY, batch_size=BATCH, mode="pp_tp", options=se.PlanOptions(pp_layout="2|3"))
     plan = _plan(model)
     assert plan.pp_layout == "3|2"  # the planner ends the first stage after the row-split layer
 
@@ -121,8 +120,7 @@ def _llm(device=None, **overrides):
 def _llm_plan(model, topology, batch, mode="pp_tp"):
     import snn_explorer as se
 
-    return se.plan(analysis=se.analyze(model), objective="speed", mode=mode, topology=topology, batch_size=batch,
-                   tensor_parallel_plan=model.tensor_parallel_plan())
+    return se.plan(analysis=se.analyze(model), objective="speed", mode=mode, topology=topology, batch_size=batch, options=se.PlanOptions(tensor_parallel_plan=model.tensor_parallel_plan()))
 
 
 def test_a_3d_estimate_of_a_meta_model_equals_the_real_one():

@@ -13,7 +13,7 @@ import snn_explorer as se
 from snn_explorer.compat import SAC_MM
 from snn_explorer.core.model import TIME_MAJOR
 from snn_explorer.core.parallelize import TORCHTITAN_OPS, checkpoint_blocks, repeated_blocks
-from snn_explorer.core.planning import SNNDistributedPlan
+from snn_explorer.core.planning import SNNDistributedPlan, split_options
 from snn_explorer.estimator import model_profile
 from snn_explorer.estimator.profile.step import is_token_labels, loss_of
 from snn_explorer.zoo.llm import build_llm, token_batch
@@ -31,7 +31,7 @@ def _model(dtype=torch.float64):
 def _plan(model, mode="fsdp2", topology=None, **levers):
     extra = dict(tensor_parallel_plan=model.tensor_parallel_plan()) if mode == "tp" else {}
     return se.plan(analysis=se.analyze(model), objective="memory", topology=topology or {"dp": 2},
-                   batch_size=BATCH, mode=mode, features=GATES, **extra, **levers)
+                   batch_size=BATCH, mode=mode, features=GATES, **split_options(extra), **split_options(levers))
 
 
 # ---- plan time and the policy ----------------------------------------------------------------------------

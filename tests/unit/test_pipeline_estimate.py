@@ -16,8 +16,7 @@ def vgg():
 
 
 def _plan(zoo, topology, schedule, virtual=1, micro=4, layout=None):
-    return se.plan(analysis=se.analyze(zoo.model), objective="capacity", topology=topology, batch_size=8, mode="pp",
-                   pp_schedule=schedule, pp_microbatches=micro, pp_virtual_stages=virtual, pp_layout=layout)
+    return se.plan(analysis=se.analyze(zoo.model), objective="capacity", topology=topology, batch_size=8, mode="pp", options=se.PlanOptions(pp_schedule=schedule, pp_microbatches=micro, pp_virtual_stages=virtual, pp_layout=layout))
 
 
 @pytest.mark.parametrize("schedule,pp,micro,virtual,want", [
@@ -77,8 +76,7 @@ def test_pp_dp_all_reduce_in_bf16_counts_the_reduce_dtype():
     trainable parameter's elements x 2."""
     zoo = build("mlp_all_steps")
     plan = se.plan(analysis=se.analyze(zoo.model), objective="speed", topology={"pp": 2, "dp": 2}, mode="pp",
-                   batch_size=zoo.batch_size, precision="bf16",
-                   features=se.DistributedFeatureSet(allow_mixed_precision=True))
+                   batch_size=zoo.batch_size, features=se.DistributedFeatureSet(allow_mixed_precision=True), options=se.PlanOptions(precision="bf16"))
     est = se.estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels)
     reduces = est.collectives[est.collectives["kind"] == "all_reduce"]
     assert len(reduces) == 2 and sum(reduces["bytes"]) == 2 * sum(p.numel() for p in zoo.model.parameters())
@@ -98,12 +96,11 @@ def test_explorer_pipelines_are_balanced_by_default_and_a_chosen_layout_stays(vg
     loaded rank peaks lower than core's even cut; a layout the user chose is kept."""
     ex = se.Explorer(vgg.model, example_input=vgg.example_input, labels=vgg.labels)
     even = _plan(vgg, {"pp": 2}, "1f1b")
-    made = ex.make_plan(objective="capacity", topology={"pp": 2}, mode="pp", pp_schedule="1f1b", pp_microbatches=4)
+    made = ex.make_plan(objective="capacity", topology={"pp": 2}, mode="pp", options=se.PlanOptions(pp_schedule="1f1b", pp_microbatches=4))
     assert made.pp_layout == se.balanced_pp_plan(vgg.model, even, vgg.example_input, vgg.labels).pp_layout
     assert made.pp_layout != even.pp_layout
     assert ex.estimate(made).per_rank["peak_bytes"].max() < ex.estimate(even).per_rank["peak_bytes"].max()
-    chosen = ex.make_plan(objective="capacity", topology={"pp": 2}, mode="pp", pp_schedule="1f1b", pp_microbatches=4,
-                          pp_layout=even.pp_layout)
+    chosen = ex.make_plan(objective="capacity", topology={"pp": 2}, mode="pp", options=se.PlanOptions(pp_schedule="1f1b", pp_microbatches=4, pp_layout=even.pp_layout))
     assert chosen.pp_layout == even.pp_layout
     listed = [p for p in ex.enumerate(2, objective="capacity") if p.uses_pp]
     assert listed and all(p.pp_layout == se.balanced_pp_plan(vgg.model, p, vgg.example_input, vgg.labels).pp_layout

@@ -23,7 +23,7 @@ from snn_explorer import (
     recommend_snn_distributed_strategy,
 )
 from snn_explorer.core.model import neurons
-from snn_explorer.core.planning import topology_problem
+from snn_explorer.core.planning import split_options, topology_problem
 
 OBJECTIVES = ("speed", "memory", "capacity")
 VGG_NAMES = ("cifar10dvs_vgg", "vgg16", "cifar10dvs_vgg_small")
@@ -50,7 +50,7 @@ def vgg_like() -> nn.Sequential:
 def mk_plan(model=None, objective="speed", topology=1, batch_size=8, **kw) -> SNNDistributedPlan:
     model = MLP() if model is None else model
     return plan(analysis=analyze(model), objective=objective, topology=topology, neuron_backend="torch",
-                batch_size=batch_size, **kw)
+                batch_size=batch_size, **split_options(kw))
 
 
 # ---- world size 1 ------------------------------------------------------------------------------
@@ -835,10 +835,8 @@ def test_plan_picks_the_stages_per_rank_a_schedule_needs():
     zoo = build("vgg", batch_size=8)
     analysis = se.analyze(zoo.model)
     for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved_zb", 2), ("zbv", 2)):
-        p = se.plan(analysis=analysis, objective="capacity", topology={"pp": 2}, batch_size=8, mode="pp",
-                    pp_schedule=schedule)
+        p = se.plan(analysis=analysis, objective="capacity", topology={"pp": 2}, batch_size=8, mode="pp", options=se.PlanOptions(pp_schedule=schedule))
         assert (p.pp_virtual_stages, p.pp_schedule_spec.name) == (virtual, schedule)
         assert p.to_dict()["pp_schedule"] == schedule
-    zbv = se.plan(analysis=analysis, objective="capacity", topology={"pp": 2}, batch_size=8, mode="pp",
-                  pp_schedule="zbv")
+    zbv = se.plan(analysis=analysis, objective="capacity", topology={"pp": 2}, batch_size=8, mode="pp", options=se.PlanOptions(pp_schedule="zbv"))
     assert [zbv.pp_schedule_spec.rank_stages(r, 2, 2) for r in (0, 1)] == [(0, 3), (1, 2)]

@@ -63,8 +63,7 @@ def test_spikformer_on_meta_is_profiled_shape_only_and_estimates_as_the_real_mod
                                               ("tp", {"tp": 2}, "A100-SXM-80GB", None),
                                               ("fsdp2", {"dp": 2}, "A100-SXM-80GB", "blocks")):
         plan = se.plan(analysis=analysis, objective="memory", neuron_backend="torch", mode=mode,
-                       topology=topology, batch_size=4, activation_checkpointing=checkpointing,
-                       features=levers if checkpointing else None)
+                       topology=topology, batch_size=4, features=levers if checkpointing else None, options=se.PlanOptions(activation_checkpointing=checkpointing))
         real = estimate(z.model, plan, example_input=z.example_input, labels=z.labels, hardware=hw)
         fake = estimate(meta, plan, example_input=z.example_input, labels=z.labels, hardware=hw,
                         profile=meta_profile, layout=TIME_MAJOR)

@@ -121,7 +121,7 @@ def test_a_bf16_plan_estimated_without_the_fp32_profile_equals_one_estimated_fro
         analysis = se.analyze(model)
         for mode in ("fsdp2", "dp"):
             p = se.plan(analysis=analysis, objective="speed", topology={"dp": 2}, batch_size=x.shape[1], mode=mode,
-                        features=gate, precision="bf16")
+                        features=gate, options=se.PlanOptions(precision="bf16"))
             kw = dict(example_input=x, labels=labels, hardware="H100-SXM", layout=layout)
             own = copy.deepcopy(model)
             direct = estimate(own, p, **kw)

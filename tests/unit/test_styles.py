@@ -149,8 +149,7 @@ def test_plans_table_counts_modules_with_sharded_parameters():
 
 def _plan(model, tp_plan=None, mode="tp", topology=None, **features):
     return se.plan(analysis=se.analyze(model), objective="memory", topology=topology or {"tp": 2},
-                   backend="torch", batch_size=4, mode=mode, tensor_parallel_plan=tp_plan,
-                   features=se.DistributedFeatureSet(**features))
+                   backend="torch", batch_size=4, mode=mode, features=se.DistributedFeatureSet(**features), options=se.PlanOptions(tensor_parallel_plan=tp_plan))
 
 
 @pytest.mark.parametrize("tp_plan,message", [

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Mapping, Optional, Tuple, Union
 
 from ..common.modes import MODE_TABLE, MODES, Mode, mode_of, names_text
 from ..common.precision import choose_precision
@@ -26,6 +26,7 @@ from ..model.analysis import SNNDistributedAnalysis
 from ..model.families import resolve_family
 from ..model.layouts import layout_of
 from ..tp.tp_plan import check_tied_parameters, check_tp_plan, default_tp_plan, has_gated_attention, with_local_neurons
+from .options import PlanOptions, check_options
 from .pipeline_plan import (
     balanced_layout,
     check_pp_model,
@@ -114,39 +115,18 @@ def _problem(name: str, analysis, topology, explicit, features) -> Tuple[dict, O
 def plan(*, analysis: SNNDistributedAnalysis, objective: str,
          topology: Union[Mapping[str, int], SNNDistributedTopology, int], batch_size: int,
          neuron_backend: str = "torch", model_family: Optional[str] = None, mode: Optional[str] = None,
-         features: Optional[DistributedFeatureSet] = None,
-         tensor_parallel_plan: Optional[Mapping[str, str]] = None, backend: Any = UNSET,
-         pp_schedule: Optional[str] = None, pp_microbatches: Optional[int] = None,
-         pp_virtual_stages: Optional[int] = None, pp_layout: Any = None,
-         activation_checkpointing: Optional[str] = None, checkpoint_every: Optional[int] = None, cpu_offload: bool = False,
-         time_step_module: Optional[str] = None, data_layout: Any = None, checkpoint_blocks: Sequence[str] = (),
-         precision: Any = None, peak_estimate: Optional[Callable[[SNNDistributedPlan], Any]] = None
-         ) -> SNNDistributedPlan:
+         features: Optional[DistributedFeatureSet] = None, backend: Any = UNSET,
+         options: Optional[PlanOptions] = None) -> SNNDistributedPlan:
     """Choose a mode for ``objective`` on ``topology`` and return a plan that ``apply`` accepts.
 
     ``batch_size`` is the global batch of one optimizer step; the ``dp`` ranks split it. An
     explicit ``mode`` must fit the topology and model; a recommended one that does not is
     replaced by the objective's next choice, with a note saying why. ``neuron_backend`` (default
-    ``"torch"``) is the neuron compute backend (see ``NEURON_BACKENDS``); ``backend`` is its deprecated name.
-    Mode ``pp`` (a topology with a ``pp`` dim) takes ``pp_schedule``, ``pp_microbatches``,
-    ``pp_virtual_stages`` and ``pp_layout`` (``"3|4"`` or the unit paths where stages 2.. begin);
-    those left None follow :func:`~snn_explorer.core.planning.pipeline_plan.recommend_pipeline`.
-    ``activation_checkpointing``, ``checkpoint_every``, ``cpu_offload`` and ``time_step_module`` are the
-    memory levers (see ``core.memory_levers``), each behind its ``features`` gate. ``activation_checkpointing=None``
-    leaves the choice to the objective: ``speed`` takes none; ``memory`` and ``capacity`` never take a lever by
-    rule, only by its estimated effect: given ``peak_estimate`` (a callable plan -> an object with ``peak_bytes``
-    and ``step_time_s``, e.g. ``snn_explorer.plan_estimator(model, example_input)``), each lever combination the
-    gates allow (checkpointing by blocks, every 1st / 2nd or every ``checkpoint_every``-th when given, 1 included; by
-    time chunks of ``time_step_module``, of the size the estimate chooses, :func:`~.chunk_choice.choose_chunks`,
-    unless ``checkpoint_every`` is given; spike compression; both; and the blocks chosen one by one, :func:`~.block_choice.choose_blocks`) is estimated and
-    the one of lowest peak is kept if it is below the plan's peak without levers (a note says by how much and its
-    time cost); without ``peak_estimate`` no lever is on (a note says so).
-    ``checkpoint_blocks`` (with ``activation_checkpointing='blocks'``) recomputes exactly the named blocks (each by its
-    first unit's path, :mod:`.block_choice`) instead of every ``checkpoint_every``-th. ``checkpoint_every=None``
-    (the default) is 1 with an explicit ``activation_checkpointing`` and the estimate's choice without one.
-    ``data_layout`` (a :class:`~snn_explorer.core.model.layouts.DataLayout`; default: the analysis's) says
-    where N and T sit in the model's input and output; the plan carries it to ``apply`` and the launcher.
+    ``"torch"``) is the neuron compute backend (see ``NEURON_BACKENDS``); ``backend`` is its seed name.
+    ``options`` (a :class:`~snn_explorer.core.planning.options.PlanOptions`) carries the TP plan, the
+    pipeline settings, the memory levers, the precision and the data layout.
     """
+    o = check_options(options)
     if not isinstance(analysis, SNNDistributedAnalysis):
         raise TypeError(f"analysis must come from analyze(), got {type(analysis).__name__}")
     objective = check_objective(objective)
@@ -155,25 +135,25 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
     topology = SNNDistributedTopology.coerce(topology)
     features = _check_features(features)
     mode = check_mode(mode)
-    check_time_step_module(analysis, time_step_module)
-    check_checkpoint_every(checkpoint_every, allow_none=True)
-    _check_explicit_tp_plan(tensor_parallel_plan, mode)
+    check_time_step_module(analysis, o.time_step_module)
+    check_checkpoint_every(o.checkpoint_every, allow_none=True)
+    _check_explicit_tp_plan(o.tensor_parallel_plan, mode)
     notes: List[str] = list(analysis.notes)
     family = _family(analysis, model_family, notes)
     _check_backend_support(neuron_backend, analysis)
     rec = recommend_snn_distributed_strategy(family, world_size=topology.world_size, prefer=objective,
                                              batch_size=batch_size, neuron_backend=neuron_backend,
                                              pipelining_available=topology.size("pp") > 1)
-    chosen, tp_plan = _choose_mode(mode, rec.mode, objective, analysis, topology, tensor_parallel_plan, features,
-                                   cpu_offload, notes)
+    chosen, tp_plan = _choose_mode(mode, rec.mode, objective, analysis, topology, o.tensor_parallel_plan, features,
+                                   o.cpu_offload, notes)
     spec = mode_of(chosen)
     zero = _uses_zero(spec, topology, features, notes)
-    notes.extend(_mode_notes(spec, analysis, topology, features, tensor_parallel_plan))
-    pipeline = _pipeline_fields(analysis, topology, batch_size, notes, pp_schedule, pp_microbatches,
-                                pp_virtual_stages, pp_layout, tp_plan) if spec.pp else {}
-    levers = _levers(spec, activation_checkpointing, 1 if checkpoint_every is None else checkpoint_every,
-                     cpu_offload, time_step_module, notes)
-    chosen_precision, precision_note = choose_precision(precision, objective, features, spec.fsdp,
+    notes.extend(_mode_notes(spec, analysis, topology, features, o.tensor_parallel_plan))
+    pipeline = _pipeline_fields(analysis, topology, batch_size, notes, o.pp_schedule, o.pp_microbatches,
+                                o.pp_virtual_stages, o.pp_layout, tp_plan) if spec.pp else {}
+    levers = _levers(spec, o.activation_checkpointing, 1 if o.checkpoint_every is None else o.checkpoint_every,
+                     o.cpu_offload, o.time_step_module, notes)
+    chosen_precision, precision_note = choose_precision(o.precision, objective, features, spec.fsdp,
                                                         analysis.batchnorm_names)
     notes.extend([precision_note] if precision_note else [])
     plan_ = SNNDistributedPlan(
@@ -183,20 +163,20 @@ def plan(*, analysis: SNNDistributedAnalysis, objective: str,
         rationale=(_rationale(objective, chosen, topology, zero, explicit=mode is not None, recommended=rec.mode),),
         notes=tuple(notes), tensor_parallel_roots=analysis.tensor_parallel_roots,
         tensor_parallel_plan=tp_plan, fsdp_units=analysis.fsdp_unit_names if spec.fsdp else (),
-        experimental_features=features, **pipeline, **levers, checkpoint_blocks=checkpoint_blocks,
+        experimental_features=features, **pipeline, **levers, checkpoint_blocks=o.checkpoint_blocks,
         precision=chosen_precision,
-        data_layout=layout_of(data_layout) if data_layout is not None else analysis.data_layout,
+        data_layout=layout_of(o.data_layout) if o.data_layout is not None else analysis.data_layout,
     )
     check_checkpoint_blocks(plan_.checkpoint_blocks, analysis.fsdp_unit_names)
     if spec.pp:
         check_pp_model(plan_, analysis.pipeline_units, analysis.pipeline_problem,
                        analysis.shared_parameter_groups, analysis.trainable_units)
-    if activation_checkpointing is None and objective_chooses_levers(objective, features):
-        every = CHECKPOINT_EVERY if checkpoint_every is None else (checkpoint_every,)  # an explicit k is kept
-        plan_ = _levers_by_estimate(plan_, every, time_step_module, peak_estimate, analysis.fsdp_unit_names)
-    if checkpoint_every is not None and plan_.activation_checkpointing == Checkpointing.NONE:
-        plan_ = dataclasses.replace(plan_, notes=plan_.notes + (_unused_every_note(checkpoint_every, objective,
-                                                                                    features, activation_checkpointing),))
+    if o.activation_checkpointing is None and objective_chooses_levers(objective, features):
+        every = CHECKPOINT_EVERY if o.checkpoint_every is None else (o.checkpoint_every,)  # an explicit k is kept
+        plan_ = _levers_by_estimate(plan_, every, o.time_step_module, o.peak_estimate, analysis.fsdp_unit_names)
+    if o.checkpoint_every is not None and plan_.activation_checkpointing == Checkpointing.NONE:
+        plan_ = dataclasses.replace(plan_, notes=plan_.notes + (_unused_every_note(o.checkpoint_every, objective,
+                                                                                    features, o.activation_checkpointing),))
     return plan_
 
 
