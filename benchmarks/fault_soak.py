@@ -130,8 +130,7 @@ class Setup:
 
     def launch(self, fault, ckpt, progress=False, steps=STEPS):
         extra = {} if ckpt is None else {"checkpoint_dir": ckpt, "checkpoint_every": EVERY}
-        return se.launch_plan(self.model, self.plan, soak_step, train_kwargs={**self.data, "fault": fault},
-                              progress=progress, **extra, **{**self.kw, "steps": steps})
+        return se.launch_plan(self.model, self.plan, soak_step, train_kwargs={**self.data, "fault": fault}, steps=steps, optimizer=self.kw["optimizer"], options=se.LaunchOptions(progress=progress, timeout=self.kw["timeout"], **extra))
 
 
 def _equal(losses, reference, start: int) -> bool:

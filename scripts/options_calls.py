@@ -27,7 +27,7 @@ TABLE: Dict[str, Tuple[str, Tuple[str, ...]]] = {
                              "pp_layout", "activation_checkpointing", "checkpoint_every", "cpu_offload",
                              "time_step_module", "checkpoint_blocks", "data_layout", "precision", "peak_estimate")),
     "launch_plan": ("LaunchOptions", ("comm_backend", "timeout", "env", "progress", "log_dir", "checkpoint_dir",
-                                      "checkpoint_every", "max_restarts", "on_non_finite", "backend")),
+                                      "checkpoint_every", "max_restarts", "on_non_finite")),
     "export_job": ("ExportOptions", ("nnodes", "nproc_per_node", "job_name", "port", "gpus_per_node", "time_limit",
                                      "partition", "max_restarts", "checkpoint_dir", "checkpoint_every",
                                      "rdzv_endpoint", "on_non_finite")),

@@ -49,7 +49,7 @@ _LAZY = {
                                                    "hardware_profile", "hardware_profiles", "balanced_pp_plan",
                                                    "fit_budget", "FitResult", "plan_estimator")},
     **{name: "snn_explorer.launcher" for name in ("launch", "launch_plan", "export_job", "report", "LaunchError",
-                                                  "LaunchResult", "TrainResult")},
+                                                  "LaunchResult", "TrainResult", "LaunchOptions", "ExportOptions")},
     "Explorer": "snn_explorer.explorer",
     "RankPool": "snn_explorer.ranks",
 }

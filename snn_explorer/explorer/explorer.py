@@ -30,7 +30,7 @@ from ..estimator import (
     model_profile,
 )
 from ..estimator import estimate as estimate_plan
-from ..launcher import export_job, launch_plan
+from ..launcher import ExportOptions, LaunchOptions, export_job, launch_plan, split_keywords
 from ..zoo import build
 from .compare import compare_table, plan_label, readable, style_compare
 from .explorer_charts import ExplorerCharts
@@ -393,9 +393,10 @@ class Explorer(ExplorerCharts):
         """:func:`snn_explorer.launcher.launch_plan`: ``plan.world_size`` ranks, each applying ``plan``
         and calling ``train_fn`` (see its docs for the signature and keyword arguments). Without
         ``train_fn``, each step trains on this rank's share of the example input and labels
-        (cross-entropy, :func:`~snn_explorer.explorer.steps.example_step`)."""
+        (cross-entropy, :func:`~snn_explorer.explorer.steps.example_step`). ``kwargs``: launch_plan's,
+        the fields of :class:`~snn_explorer.LaunchOptions` among them gathered into its ``options``."""
         train_fn = self._step(train_fn, kwargs)
-        return launch_plan(self.model, plan, train_fn, **{"pool": self.pool, **kwargs})
+        return launch_plan(self.model, plan, train_fn, **split_keywords(LaunchOptions, {"pool": self.pool, **kwargs}))
 
     def measure(self, plan: SNNDistributedPlan, **kwargs):
         """:func:`snn_explorer.estimator.measure` of ``plan`` on this model, example input, labels and layout
@@ -408,7 +409,7 @@ class Explorer(ExplorerCharts):
         (``train_script_or_fn=None``: the example step of :meth:`launch`)."""
         kwargs.setdefault("model", self.model)
         train_script_or_fn = self._step(train_script_or_fn, kwargs)
-        return export_job(plan, train_script_or_fn, path, **kwargs)
+        return export_job(plan, train_script_or_fn, path, **split_keywords(ExportOptions, kwargs))
 
     def _step(self, train_fn, kwargs: dict):
         """``train_fn``, or the example step when it is None (its ``train_kwargs`` then set in ``kwargs``)."""

@@ -341,8 +341,7 @@ def test_launch_plan_and_export_job_run_a_pp_plan(tmp_path):
     model, x, y = build("mlp_all_steps")
     plan = se.plan(analysis=se.analyze(model), objective="capacity", topology={"pp": 2}, batch_size=BATCH)
     assert plan.uses_pp and plan.pp_schedule == "interleaved"
-    result = se.launch_plan(model, plan, pp_train_fn, steps=STEPS, optimizer={"lr": 1e-2}, progress=False,
-                            train_kwargs={"inputs": x, "labels": y}, timeout=120)
+    result = se.launch_plan(model, plan, pp_train_fn, steps=STEPS, optimizer={"lr": 1e-2}, train_kwargs={"inputs": x, "labels": y}, options=se.LaunchOptions(progress=False, timeout=120))
     want = [float(loss) for loss in reference("mlp_all_steps")["losses"]]
     for rank in (0, 1):
         assert result.losses[rank] == pytest.approx(want, abs=TOL)

@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from snn_explorer import analyze, plan
-from snn_explorer.launcher import export_job
+from snn_explorer.launcher import ExportOptions, export_job, split_keywords
 from snn_explorer.launcher.job import main as job_main
 from snn_explorer.zoo import build
 
@@ -27,7 +27,7 @@ def step(runtime, step, batch, state):
 
 def _export(mlp, path, **kw):
     zoo, p = mlp
-    return export_job(p, step, path, model=zoo.model, **kw)
+    return export_job(p, step, path, model=zoo.model, **split_keywords(ExportOptions, kw))
 
 
 # ---- export_job: the job directory and its files ---------------------------------------------------

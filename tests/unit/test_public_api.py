@@ -90,11 +90,12 @@ FACE = {
               "DistributedFeatureSet", "StrategyRecommendation", "DataLayout", "Precision", "HardwareProfile",
               "PlanEstimate", "PlanMeasurement", "FitResult", "LaunchResult", "TrainResult", "LaunchError",
               "CheckpointError", "Explorer", "RankPool"],
+    "options": ["PlanOptions", "LaunchOptions", "ExportOptions"],
 }
 
 
 def test_the_public_face_is_exactly_the_verbs_and_types():
-    listed = FACE["verbs"] + FACE["types"]
+    listed = FACE["verbs"] + FACE["types"] + FACE["options"]
     assert len(set(listed)) == len(listed)
     assert sorted(snn_explorer.__all__) == sorted(listed)
 
@@ -114,3 +115,47 @@ def test_step_time_names_are_public():
         assert name in snn_explorer.__all__, name
     assert isinstance(snn_explorer.hardware_profile("H100-SXM"), snn_explorer.HardwareProfile)
     assert "A100-SXM-80GB" in snn_explorer.hardware_profiles()
+
+
+MAX_PARAMETERS = 12
+
+
+def _callables():
+    """Every public function of the face, and every public method of its classes (``__init__`` of the
+    value types aside: a dataclass takes one argument per field)."""
+    for name in snn_explorer.__all__:
+        value = getattr(snn_explorer, name)
+        if inspect.isfunction(value):
+            yield name, value
+        elif inspect.isclass(value):
+            for attr, member in vars(value).items():
+                if not attr.startswith("_") and inspect.isfunction(member):
+                    yield f"{name}.{attr}", member
+
+
+def test_no_public_function_takes_more_than_twelve_parameters():
+    counts = {name: len([p for p in inspect.signature(fn).parameters if p not in ("self", "cls")])
+              for name, fn in _callables()}
+    assert {"plan", "launch_plan", "export_job", "measure", "Explorer.make_plan"} <= set(counts)
+    assert {name: n for name, n in counts.items() if n > MAX_PARAMETERS} == {}
+
+
+def test_options_objects_carry_the_settings_and_bad_values_fail_at_plan_time():
+    import pytest
+
+    from snn_explorer.zoo import build
+
+    analysis = snn_explorer.analyze(build("mlp").model)
+    with pytest.raises(TypeError, match="PlanOptions has no field"):
+        snn_explorer.PlanOptions().replace(pp_shedule="1f1b")
+    with pytest.raises(TypeError, match="must be a PlanOptions"):
+        snn_explorer.plan(analysis=analysis, objective="speed", topology={"dp": 2}, batch_size=8,
+                          options={"pp_schedule": "1f1b"})
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        snn_explorer.plan(analysis=analysis, objective="memory", topology={"dp": 2}, batch_size=8,
+                          options=snn_explorer.PlanOptions(checkpoint_every=0))
+    made = snn_explorer.plan(analysis=analysis, objective="speed", topology={"dp": 2}, batch_size=8, mode="dp",
+                             options=snn_explorer.PlanOptions(precision="fp32"))
+    assert made.mode == "dp" and made.precision.name == "fp32"
+    with pytest.raises(TypeError, match="must be a LaunchOptions"):
+        snn_explorer.launch_plan(build("mlp").model, made, print, options=snn_explorer.ExportOptions())
