@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Tuple
 
 import cloudpickle
 
-from ..compat import CODE_REDUCE
+from ..compat_elastic import CODE_REDUCE
 from ..core.model import registered_stateful
 
 

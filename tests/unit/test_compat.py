@@ -244,9 +244,9 @@ def test_recorder_sees_the_base_gather_and_scatter_ops(one_rank):
 
 _FAKE_GROUP_PROBE = """
 import torch, torch.distributed as dist
-from snn_explorer import compat
+from snn_explorer import compat_fake
 from snn_explorer.estimator.instruments.recorder import CollectiveRecorder
-with compat.fake_process_group(3, 512):
+with compat_fake.fake_process_group(3, 512):
     print(dist.get_rank(), dist.get_world_size())
     recorder = CollectiveRecorder()
     with recorder:

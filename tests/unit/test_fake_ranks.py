@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 import snn_explorer as se
-from snn_explorer import compat
+from snn_explorer import compat_fake
 from snn_explorer.core.model import TIME_MAJOR
 from snn_explorer.estimator import enumerate_plans, estimate, hardware_profile, record_rank_step
 from snn_explorer.zoo import build
@@ -74,7 +74,7 @@ def test_what_a_fake_group_cannot_run_is_refused_before_anything_runs():
     fsdp = se.plan(analysis=analysis, objective="speed", mode="fsdp2", topology={"dp": 2}, batch_size=4)
     with pytest.raises(ValueError, match=r"rank=2; expected an int in \[0, 2\)"):
         record_rank_step(zoo.model, fsdp, zoo.example_input, zoo.labels, rank=2)
-    with compat.fake_process_group(0, 2):
+    with compat_fake.fake_process_group(0, 2):
         with pytest.raises(RuntimeError, match="already rank 0 of 2"):
             record_rank_step(zoo.model, fsdp, zoo.example_input, zoo.labels)
     one = se.plan(analysis=analysis, objective="speed", mode="none", topology={"dp": 1}, batch_size=4)

@@ -1,6 +1,6 @@
 """The package's layers, read from its source with ``ast`` (imports inside functions included).
 
-Packages: ``compat`` <- ``compat_dcp``, ``compat_pipelining`` <- ``core`` <- ``zoo``, ``ranks`` <- ``estimator``, ``launcher`` <- ``explorer``
+Packages: ``compat`` <- ``compat_dcp``, ``compat_pipelining``, ``compat_elastic``, ``compat_fake`` <- ``core`` <- ``zoo``, ``ranks`` <- ``estimator``, ``launcher`` <- ``explorer``
 <- ``cli``, ``quickstart``; inside the estimator: ``instruments`` <- ``profile`` <- ``memory`` <-
 ``timing`` <- ``calibration``, ``measurement`` <- its public face; inside the core (its ``__init__`` says
 what each group holds): ``common`` <- ``model`` <- ``tp`` <- ``levers`` <- ``planning`` <- ``parallelize``
@@ -27,7 +27,7 @@ ROOT = pathlib.Path(snn_explorer.__file__).parent
 PACKAGE = "snn_explorer"
 
 #: Rank of each part of the package: an import must point to a lower rank (or stay in its part).
-LAYERS = {"compat": 0, "compat_dcp": 0.5, "compat_pipelining": 0.5, "core": 1, "zoo": 2, "ranks": 2, "estimator": 3, "launcher": 3, "explorer": 4, "cli": 5,
+LAYERS = {"compat": 0, "compat_dcp": 0.5, "compat_pipelining": 0.5, "compat_elastic": 0.5, "compat_fake": 0.5, "core": 1, "zoo": 2, "ranks": 2, "estimator": 3, "launcher": 3, "explorer": 4, "cli": 5,
           "quickstart": 5, "": 6}
 CORE_LAYERS = {"common": 0, "model": 1, "tp": 2, "levers": 3, "planning": 4, "parallelize": 5, "checkpoints": 6,
                "runtime": 7, "distribute": 8, "": 9}

@@ -31,9 +31,9 @@ def _applied_on_a_fake_rank(rank: int, mode: str, topology: dict) -> dict:
     """``apply`` of the zoo model under ``mode`` as rank ``rank`` of 8 on torch's fake process group (one process
     plays the rank; collectives complete at once): its mesh, stages, parameter types and placements."""
     import snn_explorer as se
-    from snn_explorer import compat
+    from snn_explorer import compat_fake
 
-    with compat.fake_process_group(rank, 8):
+    with compat_fake.fake_process_group(rank, 8):
         model = _zoo().model.double()
         runtime = se.apply(model=model, plan=_plan(model, topology, mode), device_type="cpu")
         named = list(runtime.model.named_parameters())

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ...compat import is_fake
+from ...compat_fake import is_fake
 from ...core.model import state_tensors, stateful_modules
 
 

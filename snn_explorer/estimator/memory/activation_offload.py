@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from ...compat import is_fake
+from ...compat_fake import is_fake
 from ...core.levers import offload_hooks
 from ...core.model import root_over_children
 from ..profile.checkpointed import held_after_forward, run_total

@@ -33,7 +33,7 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ...compat import data_dependent_op
+from ...compat_fake import data_dependent_op
 from ...core.common import FP32, Precision, new_objects_collected
 from ...core.model import (
     TIME_MAJOR,

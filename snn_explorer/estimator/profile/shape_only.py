@@ -20,7 +20,7 @@ from typing import Callable, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ...compat import data_dependent_op, fake_tensor_mode
+from ...compat_fake import data_dependent_op, fake_tensor_mode
 from ...core.model import reset_all
 
 
