@@ -151,9 +151,8 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
                 pool=None, options: Optional[LaunchOptions] = None) -> TrainResult:
     """Run ``plan`` for ``model`` on ``plan.world_size`` ranks, ``steps`` calls of ``train_fn`` each.
 
-    The model travels by value; each rank applies the plan on CPU (gloo) or its own GPU (NCCL),
-    as ``options.comm_backend`` implies (``options``: a :class:`~snn_explorer.LaunchOptions`; the
-    fields named below are its fields), then calls
+    The model travels by value; each rank applies the plan on CPU (gloo) or its own GPU (NCCL), as
+    ``options.comm_backend`` implies (a :class:`~snn_explorer.LaunchOptions`; below, its fields), then calls
     ``train_fn(runtime, step, batch, state, **train_kwargs)`` for ``step`` = 0 .. ``steps - 1``:
 
     * ``runtime``: the :class:`~snn_explorer.core.SNNDistributedRuntime` that ``apply`` returned
@@ -184,12 +183,11 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
     after the latest complete checkpoint, as torch elastic restarts a group; ``.faults`` lists
     what ended each failed attempt. The final failure is raised when restarts run out.
 
-    ``pool``: a :class:`~snn_explorer.ranks.RankPool` of ``plan.world_size`` ranks on this backend runs
-    it on its warm ranks (the same result as a fresh launch); one that does not fit is refused here.
+    ``pool``: a :class:`~snn_explorer.ranks.RankPool` of ``plan.world_size`` ranks on this backend runs it
+    on its warm ranks (the same result as a fresh launch; one that does not fit is refused here).
 
-    One run writes a ``checkpoint_dir`` at a time: the launch holds the folder's lock file
-    (pid, host, start time) until it returns; a second launch into it is refused at once naming
-    the holder, and a lock left by a process that is gone is taken over (with a warning).
+    One run writes a ``checkpoint_dir`` at a time (its lock file names the holder; a second launch into
+    it is refused at once; a lock left by a process that is gone is taken over, with a warning).
 
     ``on_non_finite``: a NaN or Inf loss or gradient on any rank (named by step and rank) stops the
     run before that step's update and checkpoint (``"stop"``, the default: the last good

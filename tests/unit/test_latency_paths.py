@@ -26,7 +26,8 @@ from snn_explorer.estimator.memory.sharding import (
     fsdp_groups,
     local_params,
 )
-from snn_explorer.estimator.profile.profiling import _fitted_need, _run_point, model_profile, trainable_shapes
+from snn_explorer.estimator.profile.profile_runs import run_point as _run_point
+from snn_explorer.estimator.profile.profiling import _fitted_need, model_profile, trainable_shapes
 from snn_explorer.estimator.timing.collectives import step_collectives
 from snn_explorer.explorer import explorer as explorer_module
 from snn_explorer.zoo import build

@@ -51,7 +51,7 @@ def test_lever_variants_composed_from_cut_runs_equal_the_whole_model(monkeypatch
         return run
 
     monkeypatch.setattr(checkpointed, "affine_total", composed)
-    monkeypatch.setattr(profiling, "_cut_logged_run", logged)
+    monkeypatch.setattr(profiling, "cut_logged_run", logged)
     plans = _plans(model, x)
     for plan in plans:
         want = estimate(model, plan, example_input=x, profile=full, hardware="H100-SXM")
@@ -66,7 +66,7 @@ def test_lever_variants_composed_from_cut_runs_equal_the_whole_model(monkeypatch
     assert levered.per_rank["activations_bytes"].max() < plain.per_rank["activations_bytes"].max()
 
 
-_affine_total, _cut_logged_run = checkpointed.affine_total, profiling._cut_logged_run
+_affine_total, _cut_logged_run = checkpointed.affine_total, profiling.cut_logged_run
 
 
 def test_stride_cuts_follow_the_checkpointing_pattern():
