@@ -17,6 +17,8 @@ import ast
 import json
 import pathlib
 import re
+import shutil
+import subprocess
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -179,6 +181,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             changed.append(path)
             if not args.check:
                 path.write_text(after)
+    ruff = pathlib.Path(sys.executable).with_name("ruff")
+    ruff = str(ruff) if ruff.exists() else shutil.which("ruff")
+    python_files = [str(p) for p in changed if p.suffix == ".py"]
+    if ruff and python_files and not args.check:  # imports the rewrite extended, sorted as the project sorts them
+        subprocess.run([ruff, "check", "--fix", "--select", "I", "--quiet", *python_files], cwd=root, check=False)
     print("\n".join(f"rewrite {p.relative_to(root)}" for p in changed) or "nothing to change")
     print("\n".join(problems), file=sys.stderr)
     return 1 if args.check and changed else 0
