@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from explorer_latency import _generated  # noqa: E402  (the same generated model)
 
-from snn_explorer.core.young_objects import collector_paused  # noqa: E402
+from snn_explorer.core.common import collector_paused  # noqa: E402
 from snn_explorer.estimator.instruments.isolation import one_thread  # noqa: E402
 from snn_explorer.estimator.profile.profiling import model_profile  # noqa: E402
 from snn_explorer.estimator.profile.step import batch_slice  # noqa: E402

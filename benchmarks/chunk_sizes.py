@@ -2,7 +2,7 @@
 
 Run: ``python benchmarks/chunk_sizes.py [--model mlp] [--size tiny] [--time-steps 8] [--rounds 3] [--steps 11]``. For a zoo model
 (its module stepped once per time step: the zoo ``mlp``) at ``time_steps`` T on 2 gloo ranks (mode dp),
-:func:`~snn_explorer.core.chunk_choice.choose_chunks` estimates every chunk size it tries (powers of two below T, and
+:func:`~snn_explorer.core.levers.chunk_choice.choose_chunks` estimates every chunk size it tries (powers of two below T, and
 T); the plan without checkpointing and each size are then trained by ``measure_many()`` on 2 ranks, ``rounds`` times
 (each round one set of ranks running every plan ``steps`` steps in turn, so that load which changes between rounds
 falls on every size alike; ``--rounds 0`` skips the ranks). Prints, per size, the estimated and measured peak bytes per rank, the estimated step
@@ -29,10 +29,9 @@ import time
 import pandas as pd
 
 import snn_explorer as se
-from snn_explorer.core.chunk_choice import choose_chunks, chunked
-from snn_explorer.core.memory_levers import copy_without_levers, find_time_step_module
-from snn_explorer.core.neurons import detached_copy
-from snn_explorer.core.parallelize.checkpointing import apply_activation_checkpointing
+from snn_explorer.core.levers import choose_chunks, chunked, copy_without_levers, find_time_step_module
+from snn_explorer.core.model import detached_copy
+from snn_explorer.core.parallelize import apply_activation_checkpointing
 from snn_explorer.estimator import measure_many
 from snn_explorer.estimator.calibration.this_machine import default_hardware
 from snn_explorer.estimator.instruments.isolation import collector_paused, one_thread

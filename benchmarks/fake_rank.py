@@ -18,6 +18,7 @@ import time
 import pandas as pd
 
 import snn_explorer as se
+from snn_explorer.core.model import TIME_MAJOR
 from snn_explorer.estimator import estimate, record_rank_step
 from snn_explorer.zoo.llm import build_llm, token_batch
 
@@ -28,9 +29,9 @@ FEATURES = se.DistributedFeatureSet(allow_mixed_precision=True)
 
 def _plans(model, analysis):
     fsdp = se.plan(analysis=analysis, objective="speed", mode="fsdp2", topology={"dp": 512}, batch_size=512,
-                   precision="bf16", features=FEATURES)
+                   features=FEATURES, options=se.PlanOptions(precision="bf16"))
     hybrid = se.plan(analysis=analysis, objective="speed", mode="fsdp2_tp", topology={"dp": 8, "tp": 8},
-                     batch_size=64, precision="bf16", features=FEATURES, tensor_parallel_plan=model.tensor_parallel_plan())
+                     batch_size=64, features=FEATURES, options=se.PlanOptions(precision="bf16", tensor_parallel_plan=model.tensor_parallel_plan()))
     return (("fsdp2 x512", fsdp, "64x8-H100-SXM-96GB"), ("fsdp2_tp 8x8", hybrid, "8x8-H100-SXM-96GB"))
 
 
@@ -42,9 +43,9 @@ def compare(time_steps: int = 2, seq: int = 256):
     for label, plan, hardware in _plans(model, analysis):
         tokens = token_batch(model.config, time_steps, plan.batch_size, seq)
         start = time.perf_counter()
-        fake = record_rank_step(model, plan, tokens, layout=se.TIME_MAJOR, optimizer="adamw")
+        fake = record_rank_step(model, plan, tokens, layout=TIME_MAJOR, optimizer="adamw")
         took = time.perf_counter() - start
-        est = estimate(model, plan, example_input=tokens, hardware=hardware, optimizer="adamw", layout=se.TIME_MAJOR)
+        est = estimate(model, plan, example_input=tokens, hardware=hardware, optimizer="adamw", layout=TIME_MAJOR)
         table = fake.collectives.merge(est.collectives[KEY + ["count", "bytes"]], on=KEY, how="outer",
                                        suffixes=("_recorded", "_estimated"))
         table["equal"] = ((table["count_recorded"] == table["count_estimated"])

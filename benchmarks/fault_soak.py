@@ -38,8 +38,7 @@ import psutil
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.checkpoint import CheckpointError, latest_checkpoint
-from snn_explorer.core.checkpoint_lock import FolderLock
+from snn_explorer.core.checkpoints import CheckpointError, FolderLock, latest_checkpoint
 from snn_explorer.launcher import LaunchError
 from snn_explorer.zoo import build
 
@@ -131,8 +130,7 @@ class Setup:
 
     def launch(self, fault, ckpt, progress=False, steps=STEPS):
         extra = {} if ckpt is None else {"checkpoint_dir": ckpt, "checkpoint_every": EVERY}
-        return se.launch_plan(self.model, self.plan, soak_step, train_kwargs={**self.data, "fault": fault},
-                              progress=progress, **extra, **{**self.kw, "steps": steps})
+        return se.launch_plan(self.model, self.plan, soak_step, train_kwargs={**self.data, "fault": fault}, steps=steps, optimizer=self.kw["optimizer"], options=se.LaunchOptions(progress=progress, timeout=self.kw["timeout"], **extra))
 
 
 def _equal(losses, reference, start: int) -> bool:

@@ -4,7 +4,7 @@ Run: ``python benchmarks/memory_fit.py [--models spikformer vgg] [--world-size 2
 [--size tiny] [--time-steps 16] [--measure [--device cuda]] [--generated 10000] [--reference]``. Per model, the budget is 100 %,
 75 %, 50 % and 35 % of the unlevered peak (the estimated peak of the fastest plan without memory levers); each row
 is what :func:`snn_explorer.fit_budget` returns there (levers: checkpointing by blocks, every 1st or 2nd, or block
-by block; time chunks sized by estimate, :func:`~snn_explorer.core.chunk_choice.choose_chunks`; spike compression; both; on a profile with a host link activation offload and FSDP2's CPU
+by block; time chunks sized by estimate, :func:`~snn_explorer.core.levers.chunk_choice.choose_chunks`; spike compression; both; on a profile with a host link activation offload and FSDP2's CPU
 offload), or the lowest estimated peak when no plan fits. ``--measure`` also trains each
 chosen plan on ``world_size`` gloo ranks (``measure``; ``--device cuda``: NCCL ranks, a GPU each, where the
 offload plans run too) and prints its measured peak. ``--generated M`` adds the

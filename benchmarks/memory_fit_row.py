@@ -7,7 +7,7 @@ without levers."""
 import time
 
 import snn_explorer as se
-from snn_explorer.core.memory_levers import copy_without_levers
+from snn_explorer.core.levers import copy_without_levers
 from snn_explorer.estimator import measure
 from snn_explorer.zoo import build
 

@@ -11,6 +11,7 @@ import argparse
 import pandas as pd
 
 import snn_explorer as se
+from snn_explorer.core.planning import split_options
 from snn_explorer.estimator import estimate, measure_many
 from snn_explorer.zoo import build
 
@@ -29,7 +30,7 @@ def main() -> None:
         zoo = build(name, time_steps=args.time_steps)
         analysis = se.analyze(zoo.model)
         plans = [se.plan(analysis=analysis, objective="memory", topology=topology, batch_size=zoo.batch_size,
-                         mode=mode, features=GATES, **lv) for mode, topology in MODES
+                         mode=mode, features=GATES, **split_options(lv)) for mode, topology in MODES
                  for lv in (dict(activation_checkpointing="none"), levers)]
         measured = measure_many(zoo.model, plans, example_input=zoo.example_input, labels=zoo.labels)
         for plan, got in zip(plans, measured):

@@ -19,7 +19,7 @@ import time
 import pandas as pd
 import torch
 
-from snn_explorer.core.neurons import detached_copy, reset_all, shared_storage_copy, tensors_with_history
+from snn_explorer.core.model import detached_copy, reset_all, shared_storage_copy, tensors_with_history
 from snn_explorer.estimator.profile.step import batch_slice, forward_loss
 from snn_explorer.zoo import SpikingMLP
 

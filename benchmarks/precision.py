@@ -45,7 +45,7 @@ GPUS = ("A100-SXM-80GB", "H100-SXM")
 def _plan(analysis, mode, topology, zero, batch, precision, **features):
     gate = se.DistributedFeatureSet(allow_mixed_precision=True, allow_zero_optimizer=zero, **features)
     plan = se.plan(analysis=analysis, objective="speed", topology=topology, mode=mode, batch_size=batch,
-                   features=gate, precision=precision)
+                   features=gate, options=se.PlanOptions(precision=precision))
     if plan.uses_zero != zero or plan.precision.name != precision:
         raise RuntimeError(f"{mode} {topology} {precision}: the plan is {plan}")
     return plan

@@ -46,8 +46,8 @@ import torch
 
 import snn_explorer as se
 from snn_explorer import compat
-from snn_explorer.core.parallelize.checkpointing import checkpoint_blocks
-from snn_explorer.core.parallelize.saved_ops import TORCHTITAN_OPS
+from snn_explorer.core.model import TIME_MAJOR
+from snn_explorer.core.parallelize import TORCHTITAN_OPS, checkpoint_blocks
 from snn_explorer.estimator import estimate
 from snn_explorer.zoo.llm import LLM_CONFIGS, build_llm, token_batch
 
@@ -59,8 +59,7 @@ GIB = 2 ** 30
 
 def _plan(model, mode, topology, batch, checkpointing=None, every=1):
     return se.plan(analysis=se.analyze(model), objective="speed", neuron_backend="torch", mode=mode,
-                   topology=topology, batch_size=batch, precision="bf16", features=FEATURES,
-                   activation_checkpointing=checkpointing, checkpoint_every=every)
+                   topology=topology, batch_size=batch, features=FEATURES, options=se.PlanOptions(precision="bf16", activation_checkpointing=checkpointing, checkpoint_every=every))
 
 
 def next_tokens(cfg, batch: int, seq: int, seed: int = 1) -> torch.Tensor:
@@ -94,7 +93,7 @@ def llama_rows() -> pd.DataFrame:
         plan = _plan(model, "fsdp2", {"dp": 8}, 16, checkpointing, every)
         start = time.perf_counter()
         est = estimate(model, plan, example_input=tokens, labels=labels, hardware="H100-SXM-96GB",
-                       optimizer="adamw", layout=se.TIME_MAJOR)
+                       optimizer="adamw", layout=TIME_MAJOR)
         plain_s = est.step_time_s if plain_s is None else plain_s
         tps = 2 * 8192 / est.step_time_s
         peak = est.peak_bytes / GIB
@@ -122,13 +121,12 @@ def spiking_plans(model, world: int, time_steps: int, seq: int) -> pd.DataFrame:
     for mode, topology, checkpointing in candidates:
         if mode in ("fsdp2_tp", "pp_tp", "pp_fsdp2_tp"):
             plan = se.plan(analysis=se.analyze(model), objective="speed", neuron_backend="torch", mode=mode,
-                           topology=topology, batch_size=world, precision="bf16", features=FEATURES,
-                           tensor_parallel_plan=model.tensor_parallel_plan())
+                           topology=topology, batch_size=world, features=FEATURES, options=se.PlanOptions(precision="bf16", tensor_parallel_plan=model.tensor_parallel_plan()))
         else:
             plan = _plan(model, mode, topology, world, checkpointing)
         start = time.perf_counter()
         est = estimate(model, plan, example_input=tokens, labels=labels, hardware=hardware, optimizer="adamw",
-                       layout=se.TIME_MAJOR)
+                       layout=TIME_MAJOR)
         row = est.summary()
         rows.append(dict(world=world, mode=row["mode"], mesh=row["mesh"], checkpointing=checkpointing or "none",
                          batch_per_rank=row["batch_per_rank"], peak_gib=round(est.peak_bytes / GIB, 1),
@@ -193,7 +191,7 @@ def main(time_steps: int = 4, seq: int = 2048) -> None:
     plan = _plan(model, "fsdp2", {"dp": 512}, 512)
     estimate(model, plan, example_input=token_batch(model.config, time_steps, 512, seq),
              labels=next_tokens(model.config, 512, seq), hardware="64x8-H100-SXM-96GB", optimizer="adamw",
-             layout=se.TIME_MAJOR)
+             layout=TIME_MAJOR)
     took, rss = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
     print(f"first estimate of the 7 B spiking LLM for 512 ranks: {took:.1f} s (target < 30 s), process peak "
           f"{rss:.2f} GiB (target < 2 GiB)\n")

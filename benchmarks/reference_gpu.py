@@ -152,7 +152,7 @@ def predict_pipeline() -> List[dict]:
                    pred_ms=single.step_time_s * 1e3, cut="")
         if schedule is not None:
             plan = se.plan(analysis=se.analyze(chain), objective="speed", mode="pp", topology={"pp": 2}, batch_size=128,
-                           pp_microbatches=8, pp_schedule=schedule, pp_virtual_stages=1, neuron_backend="torch")
+                           neuron_backend="torch", options=se.PlanOptions(pp_microbatches=8, pp_schedule=schedule, pp_virtual_stages=1))
             e = se.estimate(chain, plan, example_input=xt, labels=labels, hardware=HARDWARE)
             row.update(pred_mb=e.peak_bytes / MIB, pred_ratio=single.step_time_s / e.step_time_s,
                        pred_ms=e.step_time_s * 1e3, cut=plan.pp_layout)
@@ -176,8 +176,7 @@ def print_pp_cuts() -> None:
     for cut in PP_CUTS:
         for schedule, (_, _, mb, ratio) in (("gpipe", PIPELINE_ROWS[1]), ("1f1b", PIPELINE_ROWS[2])):
             plan = se.plan(analysis=se.analyze(chain), objective="speed", mode="pp", topology={"pp": 2}, batch_size=128,
-                           pp_microbatches=8, pp_schedule=schedule, pp_virtual_stages=1, neuron_backend="torch",
-                           pp_layout=cut)
+                           neuron_backend="torch", options=se.PlanOptions(pp_microbatches=8, pp_schedule=schedule, pp_virtual_stages=1, pp_layout=cut))
             e = se.estimate(chain, plan, example_input=xt, labels=labels, hardware=HARDWARE)
             stages = " / ".join(f"{v / MIB:.0f}" for v in e.per_rank["peak_bytes"])
             shown = cut.replace("|", " \\| ")  # a bar would end the table cell
@@ -243,7 +242,7 @@ def print_physics() -> None:
     ms = {}
     for precision in ("fp32", "bf16"):
         plan = se.plan(analysis=se.analyze(model), objective="speed", topology={"dp": 1}, mode="none", batch_size=n,
-                       features=gate, precision=precision, neuron_backend="torch")
+                       features=gate, neuron_backend="torch", options=se.PlanOptions(precision=precision))
         for hw in PHYSICS:
             e = se.estimate(model, plan, example_input=x, labels=labels, hardware=hw, **layout)
             ms[(hw, plan.precision.name)] = e.step_time_s * 1e3

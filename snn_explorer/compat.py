@@ -3,20 +3,19 @@
 Each name is looked up once, at import, and checked for the shape the code expects (present,
 callable, taking the arguments we pass). A torch release that moved or changed one raises
 :class:`TorchCompatError` naming the name, the installed torch and the tested range, instead of
-failing deep inside a step. Everything else in the package uses public torch API only.
+failing deep inside a step. Its siblings hold the rest: :mod:`.compat_dcp` (checkpoint files),
+:mod:`.compat_pipelining`, :mod:`.compat_elastic` (the rank runner) and :mod:`.compat_fake` (fake
+tensors and process groups). Everything else in the package uses public torch API only.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import importlib.util
 import inspect
-import sys
 from typing import Any, Iterable, Optional
 
 import torch
-import torch.distributed as dist
 from torch.utils.flop_counter import shape_wrapper
 
 #: The torch releases CI runs the suite (or the tests of every name below) on; pyproject.toml says the same.
@@ -287,37 +286,6 @@ def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
     return inner
 
 
-# --- rank runner (torch elastic, cloudpickle) -----------------------------------------------
-
-
-def _code_reduce_shape(reduce: Any) -> Any:
-    """cloudpickle's code reducer must still return ``(constructor, args)`` that rebuild the code."""
-    code = _code_reduce_shape.__code__
-    try:
-        ctor, args = reduce(code)
-        ok = isinstance(ctor(*args), type(code))
-    except Exception:  # noqa: BLE001 - any failure means the shape changed
-        ok = False
-    if not ok:
-        import cloudpickle  # lazy: compat is imported by everything; only pickling a code object needs it
-
-        raise TorchCompatError(f"snn_explorer needs cloudpickle.cloudpickle._code_reduce(code) -> (constructor, args), "
-                               f"but cloudpickle {cloudpickle.__version__} changed it")
-    return reduce
-
-
-#: torch elastic's per-poll look at its worker processes (``self._pc.processes``); the rank runner
-#: wraps it to learn every worker's exit code as soon as it exits (elastic reports one failure only).
-ELASTIC_POLL = _require("torch.distributed.elastic.multiprocessing.api", "MultiprocessContext._poll", params=("self",))
-#: The rendezvous handler's factory of the store it shares with the workers (MASTER_ADDR/PORT); the
-#: rank runner replaces it on its handler with one that listens on 127.0.0.1 only.
-ELASTIC_STORE_SERVER = _require("torch.distributed.elastic.rendezvous.dynamic_rendezvous",
-                                "DynamicRendezvousHandler._create_tcp_store_server",
-                                params=("master_addr", "master_port"))
-#: cloudpickle's reducer of code objects; the payload pickler wraps it to keep real file names.
-CODE_REDUCE = _code_reduce_shape(_require("cloudpickle.cloudpickle", "_code_reduce", params=("obj",)))
-
-
 class _NoHook:
     """Stands for a grad-hook handle MemTracker would remove on exit."""
 
@@ -358,66 +326,6 @@ def comm_debug_mode():
     loads torch's compiler, which sets TORCHINDUCTOR_CACHE_DIR and makes a folder under TMPDIR)."""
     return importlib.import_module("torch.distributed.tensor.debug").CommDebugMode()
 
-
-
-# --- shape-only profiling (estimator/profile/shape_only.py) --------------------------------
-# Imported on first use: torch._subclasses.fake_tensor loads torch's compiler stack, which sets
-# TORCHINDUCTOR_CACHE_DIR (tests/unit/test_layers.py checks that importing snn_explorer does not).
-
-_FAKE = "torch._subclasses.fake_tensor"
-#: What FakeTensorMode raises where an operator's result depends on tensor values: ``.item()`` /
-#: ``bool(tensor)`` (data-dependent output), ``nonzero`` and friends (output shape from the data),
-#: an operator without a meta kernel. Each carries the operator as ``.func``.
-_DATA_DEPENDENT = ("DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException")
-
-
-@functools.lru_cache(maxsize=None)
-def _fake_names() -> tuple:
-    """``(FakeTensorMode, FakeTensor, the data-dependent exceptions)``, checked once, on first use."""
-    mode = _require(_FAKE, "FakeTensorMode", params=("allow_non_fake_inputs",))
-    names = (mode, _require(_FAKE, "FakeTensor"), tuple(_require(_FAKE, name) for name in _DATA_DEPENDENT))
-    with mode() as probe:
-        x = torch.empty(3, 4)
-        y = (x @ x.T).sum()
-    _check(f"{_FAKE}.FakeTensorMode", isinstance(y, names[1]) and x.untyped_storage().nbytes() == 48 and
-           probe is not None, "tensors made under it are no longer FakeTensors with shapes and storage sizes")
-    return names
-
-
-def fake_tensor_mode():
-    """A new torch ``FakeTensorMode`` (tensors with shapes, dtypes, devices and storage sizes but no data;
-    each operator runs its meta kernel) that also takes real tensors, as fake ones."""
-    return _fake_names()[0](allow_non_fake_inputs=True)
-
-
-def is_fake(tensor: Any) -> bool:
-    """Whether ``tensor`` is a FakeTensor (its storage has no data; ``data_ptr`` is 0 for all of them)."""
-    return _FAKE in sys.modules and isinstance(tensor, _fake_names()[1])
-
-
-def data_dependent_op(exc: BaseException) -> Optional[str]:
-    """The operator a FakeTensor run could not follow without tensor values, where ``exc`` says so; else None."""
-    if _FAKE not in sys.modules or not isinstance(exc, _fake_names()[2]):
-        return None
-    return str(getattr(exc, "func", None) or type(exc).__name__)
-
-
-# A process group that communicates nothing: each collective returns at once with its tensors as
-# they are (torch's own "fake" backend, registered by a module of its testing package). One process
-# plays one rank of any world size; estimator/measurement/fake_ranks.py records its collectives.
-_FAKE_PG = "torch.testing._internal.distributed.fake_pg"
-
-
-@contextlib.contextmanager
-def fake_process_group(rank: int, world_size: int):
-    """The default process group of this process, for the body: rank ``rank`` of ``world_size`` on
-    torch's fake backend (nothing is sent or received; collectives complete at once)."""
-    store = _require(_FAKE_PG, "FakeStore")()  # importing the module registers the "fake" backend
-    dist.init_process_group("fake", store=store, rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 # DTensor's caches keyed on DeviceMesh / DTensorSpec (each holds its mesh, whose registry holds its

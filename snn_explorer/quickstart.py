@@ -12,7 +12,7 @@ from typing import List
 from .core import analyze, plan
 from .estimator import enumerate_plans, estimate
 from .explorer.steps import example_step
-from .launcher import launch_plan
+from .launcher import LaunchOptions, launch_plan
 from .zoo import ZOO_NAMES, build
 
 WORLD_SIZE = 4
@@ -82,8 +82,7 @@ def main(argv=None) -> None:
     mesh = " x ".join(f"{k}={v}" for k, v in TOPOLOGY.items())
     print(f"\n3. Training {chosen.mode} on {WORLD_SIZE} gloo ranks ({mesh}) for {args.steps} steps")
     _say(f"Why this plan: the objective {' '.join(chosen.rationale)}")
-    result = launch_plan(zoo.model, chosen, train_step, steps=args.steps, optimizer={"lr": 1e-2}, comm_backend="gloo",
-                         progress=False, train_kwargs={"inputs": zoo.example_input, "labels": zoo.labels})
+    result = launch_plan(zoo.model, chosen, train_step, steps=args.steps, optimizer={"lr": 1e-2}, train_kwargs={"inputs": zoo.example_input, "labels": zoo.labels}, options=LaunchOptions(comm_backend="gloo", progress=False))
     losses = result.losses
     groups = sorted({tuple(r for r in losses if losses[r] == losses[rank]) for rank in losses})
     print(f"  {'step':<6}" + "".join(f"{'loss, ranks ' + '+'.join(map(str, g)):>20}" for g in groups))

@@ -4,8 +4,7 @@ and called per step on ``[N, F]``, with one set of weights."""
 import torch
 from torch import nn
 
-from snn_explorer.core.layouts import BATCH_MAJOR, PER_STEP, TIME_MAJOR, DataLayout
-from snn_explorer.core.neurons import reset_all
+from snn_explorer.core.model import BATCH_MAJOR, PER_STEP, TIME_MAJOR, DataLayout, reset_all
 
 F_IN, HIDDEN, CLASSES, T, N = 6, 16, 4, 3, 4
 

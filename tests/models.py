@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from snn_explorer.core.neurons import reset_all
+from snn_explorer.core.model import reset_all
 
 
 def leaky():

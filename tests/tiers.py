@@ -70,7 +70,7 @@ def _guarded_popen_init(self, args, *more, **kwargs):
         if what:
             message = (f"{test} starts ranks ({what}), but tests in tests/unit run in one process: move it to "
                        f"tests/ranks, or check the shapes / shardings / collectives it needs on the fake process "
-                       f"group (snn_explorer.compat.fake_process_group) instead")
+                       f"group (snn_explorer.compat_fake.fake_process_group) instead")
             _GUARD["started"].append(message)
             raise RankStartInUnitTier(message)
     _POPEN_INIT(self, args, *more, **kwargs)

@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from ..core import SNNDistributedTopology
-from ..core.topology import MAX_WORLD_SIZE, dp_tp_splits
-from ..core.validate import positive_int
+from ..core.common import MAX_WORLD_SIZE, dp_tp_splits, positive_int
 from ..zoo import ZOO_NAMES, build
 
 

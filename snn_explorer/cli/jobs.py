@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 import os
 
-from ..core.checkpoint import CheckpointError, read_manifest
-from ..core.plan_types import SNNDistributedPlan
-from ..launcher import export_job
+from ..core.checkpoints import CheckpointError, read_manifest
+from ..core.planning import SNNDistributedPlan
+from ..launcher import ExportOptions, export_job
 from ..launcher.export import check_job_name
 from .inputs import CliError, positive, resolve
 from .plans import explorer, make_plans
@@ -34,9 +34,7 @@ def cmd_export(args) -> int:
         if not callable(train):
             raise CliError(f"train function {args.train!r} is a {type(train).__name__}, not callable")
     try:
-        job = export_job(chosen, train, args.out, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
-                         model=ex.model, steps=args.steps, job_name=args.job_name, gpus_per_node=args.gpus_per_node,
-                         partition=args.partition, port=args.master_port, rdzv_endpoint=args.rdzv_endpoint)
+        job = export_job(chosen, train, args.out, model=ex.model, steps=args.steps, options=ExportOptions(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, job_name=args.job_name, gpus_per_node=args.gpus_per_node, partition=args.partition, port=args.master_port, rdzv_endpoint=args.rdzv_endpoint))
     except (TypeError, ValueError) as exc:
         raise CliError(f"cannot export: {exc}") from None
     except OSError as exc:

@@ -6,9 +6,10 @@ import dataclasses
 import math
 from typing import Optional
 
-from ..core import ACTIVATION_CHECKPOINTING, MODES, SNN_DISTRIBUTED_PREFERENCES, DistributedFeatureSet
-from ..core.pipeline_schedules import SCHEDULES
-from ..core.precision import PRECISIONS, Precision, precision_of
+from ..core import DistributedFeatureSet, PlanOptions
+from ..core.common import MODES, PRECISIONS, Precision, precision_of
+from ..core.levers import ACTIVATION_CHECKPOINTING
+from ..core.planning import SCHEDULES, SNN_DISTRIBUTED_PREFERENCES
 from .inputs import CliError, positive
 
 #: The feature gates, as ``DistributedFeatureSet`` names them (and ``--gate`` / ``--no-gate`` take).
@@ -83,14 +84,15 @@ def precision_choice(args, gates: DistributedFeatureSet) -> Optional[Precision]:
 
 
 def plan_choices(args) -> dict:
-    """The keyword arguments of ``Explorer.make_plan`` the options give (objective and topology aside)."""
+    """The keyword arguments of ``Explorer.make_plan`` the options give (objective and topology aside):
+    ``features``, ``mode`` and ``options``, a :class:`~snn_explorer.PlanOptions`."""
     gates = features(args)
-    return dict(features=gates, precision=precision_choice(args, gates), mode=args.mode,
-                activation_checkpointing=args.checkpointing,
-                checkpoint_every=_optional_positive("--checkpoint-every", args.checkpoint_every),
-                cpu_offload=gates.allow_cpu_offload, pp_schedule=args.pp_schedule,
-                pp_microbatches=_optional_positive("--pp-microbatches", args.pp_microbatches),
-                pp_virtual_stages=_optional_positive("--pp-virtual-stages", args.pp_virtual_stages))
+    options = PlanOptions(precision=precision_choice(args, gates), activation_checkpointing=args.checkpointing,
+                          checkpoint_every=_optional_positive("--checkpoint-every", args.checkpoint_every),
+                          cpu_offload=gates.allow_cpu_offload, pp_schedule=args.pp_schedule,
+                          pp_microbatches=_optional_positive("--pp-microbatches", args.pp_microbatches),
+                          pp_virtual_stages=_optional_positive("--pp-virtual-stages", args.pp_virtual_stages))
+    return dict(features=gates, mode=args.mode, options=options)
 
 
 def memory_budget_bytes(args) -> Optional[int]:

@@ -8,7 +8,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import pandas as pd
 
-from ..core import SNN_DISTRIBUTED_PREFERENCES, analyze
+from ..core import analyze
+from ..core.planning import SNN_DISTRIBUTED_PREFERENCES
 from ..estimator import hardware_profiles
 from ..explorer import Explorer, analysis_table, plans_table
 from ..explorer.compare import MEMORY_ROWS, plan_label, readable

@@ -6,10 +6,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .activation_offload import apply_activation_offload, check_activation_offload_device
-from .analysis import SNNDistributedAnalysis, analyze
-from .block_choice import check_checkpoint_blocks
-from .memory_levers import check_cpu_offload_device
+from .common.vocabulary import NeuronBackend
+from .levers.activation_offload import apply_activation_offload, check_activation_offload_device
+from .levers.block_choice import check_checkpoint_blocks
+from .levers.memory_levers import check_cpu_offload_device
+from .levers.spike_compression import apply_spike_compression
+from .model.analysis import SNNDistributedAnalysis, analyze
+from .model.families import CONTAINERS
 from .parallelize.checkpointing import apply_activation_checkpointing
 from .parallelize.dp import apply_ddp
 from .parallelize.fsdp import apply_fsdp2
@@ -17,13 +20,10 @@ from .parallelize.mesh import build_mesh, check_device_type, check_mesh_type, ch
 from .parallelize.mixed_precision import autocast_forward, hold_neuron_state
 from .parallelize.pipeline import apply_pp, own_tp_plan, split_stages
 from .parallelize.tp import apply_tp
-from .pipeline_plan import check_pp_model
-from .plan_types import SNNDistributedPlan
-from .plans.families import CONTAINERS
+from .planning.pipeline_plan import check_pp_model
+from .planning.plan_types import SNNDistributedPlan
 from .runtime import SNNDistributedRuntime
-from .spike_compression import apply_spike_compression
-from .tp_plan import check_tied_parameters, check_tp_plan
-from .vocabulary import NeuronBackend
+from .tp.tp_plan import check_tied_parameters, check_tp_plan
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

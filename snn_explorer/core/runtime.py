@@ -11,14 +11,14 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
 from ..compat import uncompiled
-from . import neurons
-from .analysis import SNNDistributedAnalysis
-from .channel_styles import full_tensor
-from .checkpoint import load_checkpoint, save_checkpoint
-from .layouts import SPIKES, TIME_MAJOR, DataLayout, check_samples
+from .checkpoints.checkpoint import load_checkpoint, save_checkpoint
+from .common.validate import positive_int
+from .model import neurons
+from .model.analysis import SNNDistributedAnalysis
+from .model.layouts import SPIKES, TIME_MAJOR, DataLayout, check_samples
 from .parallelize.mixed_precision import LossScaler, loss_scaler_for
-from .plan_types import SNNDistributedPlan
-from .validate import positive_int
+from .planning.plan_types import SNNDistributedPlan
+from .tp.channel_styles import full_tensor
 
 #: What ``forward_loss`` does with the time dim of ``[T, N, C]`` (or ``[N, T, C]``) outputs before the criterion.
 REDUCE_TIME = ("mean", None)
@@ -263,14 +263,14 @@ class SNNDistributedRuntime:
         Neuron state is not saved (it is reset every batch): a neuron still holding state is refused
         unless ``allow_mid_sequence=True``. An existing checkpoint is replaced only with
         ``overwrite=True``. Non-finite weights or optimizer state are refused (naming the tensors and
-        rank) unless ``allow_non_finite=True``. See :mod:`snn_explorer.core.checkpoint`.
+        rank) unless ``allow_non_finite=True``. See :mod:`snn_explorer.core.checkpoints.checkpoint`.
         """
         return save_checkpoint(self, path, optimizer=optimizer, step=step, extra=extra, overwrite=overwrite,
                                allow_mid_sequence=allow_mid_sequence, allow_non_finite=allow_non_finite)
 
     def load_checkpoint(self, path, optimizer=None):
         """Load a checkpoint saved under any plan of this model, resharded to this one (a collective);
-        returns a :class:`~snn_explorer.core.checkpoint.LoadedCheckpoint` (step, extra, saved plan)."""
+        returns a :class:`~snn_explorer.core.checkpoints.checkpoint.LoadedCheckpoint` (step, extra, saved plan)."""
         return load_checkpoint(self, path, optimizer=optimizer)
 
     # ---- inspection ---------------------------------------------------------------------------

@@ -2,15 +2,15 @@
 
 Every plan :func:`~.enumerate.enumerate_plans` accepts for the world size is estimated without memory
 levers, and with each lever combination its gates allow (activation checkpointing by blocks, every 1st or 2nd
-block; spike compression, :mod:`~snn_explorer.core.spike_compression`; both together:
-:func:`~snn_explorer.core.memory_levers.lever_variants`; time chunks sized by estimate,
-:func:`~snn_explorer.core.chunk_choice.choose_chunks`, the fastest size that fits), all from one shared
+block; spike compression, :mod:`~snn_explorer.core.levers.spike_compression`; both together:
+:func:`~snn_explorer.core.levers.memory_levers.lever_variants`; time chunks sized by estimate,
+:func:`~snn_explorer.core.levers.chunk_choice.choose_chunks`, the fastest size that fits), all from one shared
 :class:`~.profile.ModelProfile`. A lever stays in a plan only where the estimate says it lowers that
 plan's peak; a lever the estimate says raises the peak (a model whose memory is mostly parameters) is
 dropped and the table says by how much. Checkpointing is also chosen block by block
-(:func:`~snn_explorer.core.block_choice.choose_blocks`: blocks ordered by saved bytes freed per recompute second,
+(:func:`~snn_explorer.core.levers.block_choice.choose_blocks`: blocks ordered by saved bytes freed per recompute second,
 added until the budget fits or the peak stops falling; one row per set tried). On a hardware profile with a host link (the GPU datasheet
-profiles) activation offload (:mod:`~snn_explorer.core.activation_offload`) is searched too, alone, and FSDP2's CPU
+profiles) activation offload (:mod:`~snn_explorer.core.levers.activation_offload`) is searched too, alone, and FSDP2's CPU
 offload of its shards (``cpu_offload``, :mod:`.memory.fsdp_offload`; where the profile states the host's Adam
 rate), alone and with each checkpointing variant and spike compression.
 """
@@ -27,9 +27,13 @@ import torch
 from torch import nn
 
 from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze
-from ..core.block_choice import block_choice_applies, choose_blocks, with_blocks
-from ..core.chunk_choice import choose_chunks, chunk_choice_applies, chunked
-from ..core.memory_levers import (
+from ..core.common import Checkpointing, Vocabulary, positive_int, positive_number
+from ..core.levers import (
+    block_choice_applies,
+    choose_blocks,
+    choose_chunks,
+    chunk_choice_applies,
+    chunked,
     copy_without_levers,
     find_time_step_module,
     fsdp_offload_variants,
@@ -37,9 +41,8 @@ from ..core.memory_levers import (
     lever_variants,
     remembered,
     spike_compression_variants,
+    with_blocks,
 )
-from ..core.validate import positive_int, positive_number
-from ..core.vocabulary import Checkpointing, Vocabulary
 from .calibration import resolve_hardware
 from .enumerate import enumerate_plans
 from .memory.fsdp_offload import HOST_OPTIMIZERS
@@ -145,9 +148,9 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     Searches modes, meshes (dp x tp, pp x dp, ZeRO) and memory levers together; ``features`` are the gates
     (default :data:`FIT_FEATURES`: activation checkpointing and spike compression allowed). ``batch_size`` is the global batch
     (default: the example input's). ``hardware`` is where step times are predicted (as for :func:`estimate`).
-    The lever combinations of each plan are :func:`~snn_explorer.core.memory_levers.lever_variants`
+    The lever combinations of each plan are :func:`~snn_explorer.core.levers.memory_levers.lever_variants`
     (checkpointing by blocks, every 1st or 2nd block, and time chunks sized by estimate,
-    :func:`~snn_explorer.core.chunk_choice.choose_chunks`; spike compression; both).
+    :func:`~snn_explorer.core.levers.chunk_choice.choose_chunks`; spike compression; both).
 
     How the search prunes: the plans without levers are estimated first (one profile for all of them:
     each per-rank batch and TP layout runs the model once) and walked fastest first. A lever never makes a
@@ -162,7 +165,7 @@ def fit_budget(model: nn.Module, example_input: torch.Tensor, memory_budget: int
     (:func:`_chunk_rows`, :func:`_chunk_combinations`). Each lever variant's profile (checkpointed,
     compressed) is measured once per rank model and shared by the plans that use it; on a model of repeated
     blocks its runs are cut to a few of them and composed (:mod:`.profile.repeats_totals`, exact, else the
-    whole model runs), and every plan is estimated once (:func:`~snn_explorer.core.memory_levers.remembered`,
+    whole model runs), and every plan is estimated once (:func:`~snn_explorer.core.levers.memory_levers.remembered`,
     the memo the planner's ``memory`` objective uses too). A variant is kept
     only if its estimated peak is below its unlevered plan's (else ``lever_no_gain``). So the chosen
     plan's estimated peak is never above the same plan's without levers. Raises ValueError when no plan fits,
@@ -315,7 +318,7 @@ def _levered_row(rows: List[dict], v, est: PlanEstimate, base_est: PlanEstimate,
 
 
 def _block_rows(base, base_est: PlanEstimate, blocks, estimate_of, budget: int, rows: List[dict], best, seen=()):
-    """Checkpointing chosen block by block for ``base`` (:func:`~snn_explorer.core.block_choice.choose_blocks`, greedy
+    """Checkpointing chosen block by block for ``base`` (:func:`~snn_explorer.core.levers.block_choice.choose_blocks`, greedy
     until the budget fits or the peak stops falling): a row per set of blocks tried, appended to ``rows``, but for the
     plans of ``seen`` (rows already: the every-block set is the uniform variant); returns the fastest fitting (plan,
     estimate) so far. Not tried where the blocks' floor (parameters, optimizer state, buffers) is over the budget."""
@@ -330,7 +333,7 @@ def _block_rows(base, base_est: PlanEstimate, blocks, estimate_of, budget: int, 
 
 def _chunk_rows(base, base_est: PlanEstimate, chunks, estimate_of, budget: int, rows: List[dict], best,
                 prune: bool = True):
-    """Time chunks of ``base`` sized by estimate (:func:`~snn_explorer.core.chunk_choice.choose_chunks`: every power of
+    """Time chunks of ``base`` sized by estimate (:func:`~snn_explorer.core.levers.chunk_choice.choose_chunks`: every power of
     two up to one chunk), a row per size tried, then each size with spike compression and (``chunks[1]``) FSDP2's
     CPU offload (:func:`_chunk_combinations`). Returns the fastest fitting (plan, estimate) so far.
 

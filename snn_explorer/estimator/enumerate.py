@@ -4,12 +4,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional, Tuple
 
-from ..core import DistributedFeatureSet, SNNDistributedAnalysis, SNNDistributedPlan, plan
-from ..core.memory_levers import checkpointing_variants
-from ..core.modes import MODE_TABLE
-from ..core.recommend import UNSET, neuron_backend_arg
-from ..core.topology import MAX_WORLD_SIZE, dp_tp_splits
-from ..core.validate import positive_int
+from ..core import DistributedFeatureSet, PlanOptions, SNNDistributedAnalysis, SNNDistributedPlan, plan
+from ..core.common import MAX_WORLD_SIZE, MODE_TABLE, dp_tp_splits, positive_int
+from ..core.levers import checkpointing_variants
+from ..core.planning import neuron_backend_arg
+from ..core.planning.recommend import UNSET
 
 
 class PlanList(list):
@@ -83,8 +82,7 @@ def enumerate_plans(analysis: SNNDistributedAnalysis, *, world_size: int, batch_
             plans.append(plan(analysis=analysis, objective=objective, topology=topology,
                               neuron_backend=neuron_backend,
                               batch_size=batch_size, mode=mode,
-                              features=dataclasses.replace(features, allow_zero_optimizer=zero),
-                              activation_checkpointing="none"))
+                              features=dataclasses.replace(features, allow_zero_optimizer=zero), options=PlanOptions(activation_checkpointing="none")))
             plans.extend(checkpointing_variants(plans[-1], time_step_module))
         except (ValueError, NotImplementedError) as exc:
             infeasible[label] = str(exc)

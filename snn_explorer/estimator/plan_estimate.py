@@ -36,9 +36,8 @@ import torch
 from torch import nn
 
 from ..core import SNNDistributedPlan
-from ..core.layouts import DataLayout
-from ..core.pipeline_plan import pipeline_units
-from ..core.validate import positive_int, positive_number
+from ..core.common import positive_int, positive_number
+from ..core.model import DataLayout, pipeline_units
 from .calibration import resolve_hardware
 from .instruments.isolation import as_found, one_thread
 from .instruments.progress_hook import ProgressHook, check_hook
@@ -169,7 +168,7 @@ def estimate(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch
     machine's calibration: the first call calibrates (on spawned ranks), and keeps it
     on disk) is where the step time (``time``, ``step_time_s``; :mod:`.timing.step_time`) is predicted.
 
-    ``layout`` (a :class:`~snn_explorer.core.layouts.DataLayout`, else the plan's ``data_layout``) says
+    ``layout`` (a :class:`~snn_explorer.core.model.layouts.DataLayout`, else the plan's ``data_layout``) says
     where N and T sit in ``example_input`` and the model's output; when neither states it, it is
     detected (:func:`~.profile.step.resolve_layout`). ``data_layout`` and ``data_layout_how`` say which
     and how.

@@ -5,15 +5,8 @@ import dataclasses
 import math
 from typing import Optional, Sequence
 
-from ..core.analysis import shared_parameters
-from ..core.pipeline_plan import (
-    balanced_layout,
-    check_pp_model,
-    layout_text,
-    pipeline_units,
-    trainable_units,
-    whole_cuts,
-)
+from ..core.model import pipeline_units, shared_parameters, trainable_units
+from ..core.planning import balanced_layout, check_pp_model, layout_text, whole_cuts
 from .memory.pipeline_memory import under
 from .profile.profiling import model_profile
 

@@ -10,13 +10,14 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 from torch import nn
 
-from ..core import DistributedFeatureSet, SNNDistributedPlan, analyze, apply
+from ..core import DistributedFeatureSet, PlanOptions, SNNDistributedPlan, analyze, apply
 from ..core import plan as core_plan
-from ..core.memory_levers import find_time_step_module, objective_checkpoints
-from ..core.module_copy import modules_copied
-from ..core.recommend import UNSET, check_backend, neuron_backend_arg
-from ..core.tp_plan import default_tp_plan
-from ..core.validate import check_batch_tensor, positive_int
+from ..core.common import check_batch_tensor, positive_int
+from ..core.levers import find_time_step_module, objective_checkpoints
+from ..core.model import modules_copied
+from ..core.planning import check_backend, check_options, neuron_backend_arg
+from ..core.planning.recommend import UNSET
+from ..core.tp import default_tp_plan
 from ..estimator import (
     PlanList,
     balanced_pp_plan,
@@ -29,7 +30,7 @@ from ..estimator import (
     model_profile,
 )
 from ..estimator import estimate as estimate_plan
-from ..launcher import export_job, launch_plan
+from ..launcher import ExportOptions, LaunchOptions, export_job, launch_plan, split_keywords
 from ..zoo import build
 from .compare import compare_table, plan_label, readable, style_compare
 from .explorer_charts import ExplorerCharts
@@ -86,7 +87,7 @@ class Explorer(ExplorerCharts):
     ``neuron_backend`` (``backend``: its deprecated name) that of new plans. ``hardware`` (a
     ``HardwareProfile``, a built-in profile's name, or None: this machine's calibration, made on
     the first estimate) is where step times are predicted; set the attribute to change it.
-    ``data_layout`` (a :class:`~snn_explorer.core.layouts.DataLayout`) says where N and T sit in
+    ``data_layout`` (a :class:`~snn_explorer.core.model.layouts.DataLayout`) says where N and T sit in
     ``example_input`` and the model's output; without it they are detected from the example input
     (``analysis.data_layout_how`` says how), and every plan and estimate carries the result.
     ``pool``: a :class:`~snn_explorer.ranks.RankPool` that :meth:`launch` (the UI's Launch) and :meth:`measure`
@@ -185,33 +186,26 @@ class Explorer(ExplorerCharts):
 
     def make_plan(self, *, objective: str = "speed", topology: Any = None, batch_size: Optional[int] = None,
                   features: FeaturesLike = None, mode: Optional[str] = None,
-                  tensor_parallel_plan: Optional[Mapping[str, str]] = None,
-                  activation_checkpointing: Optional[str] = None, checkpoint_every: Optional[int] = None,
-                  cpu_offload: bool = False, pp_schedule: Optional[str] = None,
-                  pp_microbatches: Optional[int] = None, pp_virtual_stages: Optional[int] = None,
-                  pp_layout: Any = None, precision: Any = None) -> SNNDistributedPlan:
-        """The plan :func:`snn_explorer.plan` gives for these choices, without adding it (``precision``: a
-        :class:`~snn_explorer.core.precision.Precision` or its name, None: the objective's choice, bf16
-        only behind the ``allow_mixed_precision`` gate; ``time_chunks``
-        checkpointing, and the objective's own choice for a model stepped per time step, steps
-        :attr:`time_step_module`; the ``pp_*`` fields left None are the planner's choice, and a pipeline's
-        stages are balanced by the profile unless ``pp_layout`` is given). Memory levers the objective
-        may choose are kept only where this Explorer's estimate says they lower the peak."""
+                  options: Optional[PlanOptions] = None) -> SNNDistributedPlan:
+        """The plan :func:`snn_explorer.plan` gives for these choices, without adding it. ``options`` (a
+        :class:`~snn_explorer.PlanOptions`) as ``plan()`` takes it, with this Explorer's parts filled in:
+        ``time_chunks`` checkpointing, and the objective's own choice for a model stepped per time step,
+        step :attr:`time_step_module`; a pipeline's stages are balanced by the profile unless
+        ``options.pp_layout`` is given; memory levers the objective may choose are kept only where this
+        Explorer's estimate says they lower the peak (its ``peak_estimate``)."""
         features = as_features(features)
-        chunks = activation_checkpointing == "time_chunks" or (
-            activation_checkpointing is None and self.example_input is not None and
+        options = check_options(options)
+        chunks = options.activation_checkpointing == "time_chunks" or (
+            options.activation_checkpointing is None and self.example_input is not None and
             objective_checkpoints(objective, features))  # else no model run to find the stepped module
-        step_module = self.time_step_module if chunks else None
+        filled = options.replace(
+            time_step_module=options.time_step_module or (self.time_step_module if chunks else None),
+            peak_estimate=options.peak_estimate or (self.estimate if self.example_input is not None else None))
         planned = core_plan(analysis=self.analysis, objective=objective,
                             topology=topology if topology is not None else 1, neuron_backend=self.neuron_backend,
                             batch_size=batch_size if batch_size is not None else self.batch_size,
-                            mode=mode, features=features, tensor_parallel_plan=tensor_parallel_plan,
-                            activation_checkpointing=activation_checkpointing, checkpoint_every=checkpoint_every,
-                            cpu_offload=cpu_offload, time_step_module=step_module, pp_schedule=pp_schedule,
-                            pp_microbatches=pp_microbatches, pp_virtual_stages=pp_virtual_stages, pp_layout=pp_layout,
-                            precision=precision,
-                            peak_estimate=self.estimate if self.example_input is not None else None)
-        return planned if pp_layout is not None else self._balanced(planned)
+                            mode=mode, features=features, options=filled)
+        return planned if options.pp_layout is not None else self._balanced(planned)
 
     def _balanced(self, plan: SNNDistributedPlan) -> SNNDistributedPlan:
         """``plan`` (made without a chosen ``pp_layout``), a pipeline getting its stages balanced by
@@ -399,9 +393,10 @@ class Explorer(ExplorerCharts):
         """:func:`snn_explorer.launcher.launch_plan`: ``plan.world_size`` ranks, each applying ``plan``
         and calling ``train_fn`` (see its docs for the signature and keyword arguments). Without
         ``train_fn``, each step trains on this rank's share of the example input and labels
-        (cross-entropy, :func:`~snn_explorer.explorer.steps.example_step`)."""
+        (cross-entropy, :func:`~snn_explorer.explorer.steps.example_step`). ``kwargs``: launch_plan's,
+        the fields of :class:`~snn_explorer.LaunchOptions` among them gathered into its ``options``."""
         train_fn = self._step(train_fn, kwargs)
-        return launch_plan(self.model, plan, train_fn, **{"pool": self.pool, **kwargs})
+        return launch_plan(self.model, plan, train_fn, **split_keywords(LaunchOptions, {"pool": self.pool, **kwargs}))
 
     def measure(self, plan: SNNDistributedPlan, **kwargs):
         """:func:`snn_explorer.estimator.measure` of ``plan`` on this model, example input, labels and layout
@@ -414,7 +409,7 @@ class Explorer(ExplorerCharts):
         (``train_script_or_fn=None``: the example step of :meth:`launch`)."""
         kwargs.setdefault("model", self.model)
         train_script_or_fn = self._step(train_script_or_fn, kwargs)
-        return export_job(plan, train_script_or_fn, path, **kwargs)
+        return export_job(plan, train_script_or_fn, path, **split_keywords(ExportOptions, kwargs))
 
     def _step(self, train_fn, kwargs: dict):
         """``train_fn``, or the example step when it is None (its ``train_kwargs`` then set in ``kwargs``)."""

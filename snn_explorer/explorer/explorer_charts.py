@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..core import SNNDistributedPlan
-from ..core.modes import names_text
-from ..core.styles import STYLES
+from ..core.common import names_text
+from ..core.tp import STYLES
 from ..estimator import activation_curve
 from . import charts
 from .compare import unique_labels

@@ -19,7 +19,8 @@ import ipywidgets as w
 import pandas as pd
 
 from ..core import SNNDistributedPlan, preflight
-from ..core.serialize import loads
+from ..core.common import loads
+from ..launcher import LaunchOptions
 from ..ranks import LaunchError
 from .compare import plan_label
 from .steps import example_batch, example_step
@@ -155,7 +156,8 @@ class LaunchPanel:
         started = time.monotonic()
         try:
             self.result = self.ui.ex.launch(plan, train_fn, steps=steps, optimizer={"lr": lr},
-                                            train_kwargs=train_kwargs, timeout=timeout, progress=self._progress)
+                                            train_kwargs=train_kwargs,
+                                            options=LaunchOptions(timeout=timeout, progress=self._progress))
             self._show_result(plan, time.monotonic() - started)
         except LaunchStopped:
             self.error = f"stopped after {time.monotonic() - started:.1f} s: every rank was ended"

@@ -5,7 +5,7 @@ import pandas as pd
 from torch import nn
 
 from ..core import SNNDistributedPlan
-from ..core.styles import STYLES
+from ..core.tp import STYLES
 
 LAYOUT_COLUMNS = ("rank", "dp_rank", "tp_rank", "param", "full_shape", "held")
 

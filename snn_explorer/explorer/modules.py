@@ -7,9 +7,8 @@ import pandas as pd
 from torch import nn
 
 from ..core import SNNDistributedAnalysis
-from ..core.neurons import state_description
-from ..core.structure import CONV_TYPES
-from ..core.styles import STYLES
+from ..core.model import CONV_TYPES, state_description
+from ..core.tp import STYLES
 
 MODULE_COLUMNS = ("path", "type", "depth", "params", "stateful", "snn_library", "state", "tp_candidate", "tp_style",
                   "sharded_dim", "not_candidate_because")

@@ -11,8 +11,7 @@ from typing import Dict, List, Sequence
 
 from matplotlib.figure import Figure
 
-from ..core.pipeline_plan import resolve_layout, stage_units
-from ..core.pipeline_schedules import Span, idle_fraction, replay, schedule_of
+from ..core.planning import Span, idle_fraction, replay, resolve_layout, schedule_of, stage_units
 from .figure import new_figure
 
 #: Colour of each action kind.

@@ -6,7 +6,7 @@ from typing import Sequence
 import pandas as pd
 
 from ..core import SNNDistributedAnalysis, SNNDistributedPlan
-from ..core.styles import STYLES
+from ..core.tp import STYLES
 
 #: Why an snntorch neuron created with ``init_hidden=False`` is a neuron but not stateful.
 EXPLICIT_NOTE = ("neuron without module state: snntorch init_hidden=False, forward passes the membrane "

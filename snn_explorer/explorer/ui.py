@@ -18,10 +18,10 @@ from typing import Dict, List, Optional, Union
 
 import ipywidgets as w
 
-from ..core import ACTIVATION_CHECKPOINTING, MODES, SNN_DISTRIBUTED_PREFERENCES, SNNDistributedPlan
-from ..core.pipeline_schedules import SCHEDULES
-from ..core.precision import PRECISIONS, precision_of
-from ..core.topology import LEADING_DIMS, dp_tp_splits
+from ..core import SNNDistributedPlan
+from ..core.common import MODES, PRECISIONS, dp_tp_splits
+from ..core.levers import ACTIVATION_CHECKPOINTING
+from ..core.planning import SCHEDULES, SNN_DISTRIBUTED_PREFERENCES
 from ..estimator import hardware_profiles
 from . import charts
 from .compare import compare_table, plan_label, readable, style_compare
@@ -29,6 +29,7 @@ from .fit_view import fit_chart, fit_summary, fit_summary_html, fit_table
 from .launch_panel import LaunchPanel
 from .modules import candidates_table
 from .render import figure_data, message_data, message_html, show, styler_data, table_data
+from .ui_choices import ControlChoices
 
 TABS = ("Modules", "Candidates", "Compare", "Charts", "Launch", "Fit")
 CHARTS = ("memory", "communication", "step time", "pareto", "mesh", "activations vs T", "pipeline")
@@ -72,7 +73,7 @@ def fit_sizes(world: int, sizes: Dict[str, int], moved: Optional[str] = None) ->
     return out
 
 
-class ExplorerUI:
+class ExplorerUI(ControlChoices):
     """The controls, the plan list, the message line and the tabs of one :class:`Explorer`.
 
     ``current`` is the plan the controls describe (None when they are invalid, ``error`` says
@@ -245,43 +246,7 @@ class ExplorerUI:
             self._syncing = False
         self.refresh()
 
-    # ---- state
-    @property
-    def topology(self) -> dict:
-        dims = {n: self.mesh[n].value for n in LEADING_DIMS if self.mesh[n].value > 1}
-        return dims or {"dp": 1}
-
-    def choices(self) -> dict:
-        """The keyword arguments of :meth:`Explorer.make_plan` the controls describe."""
-        return dict(objective=self.objective.value, topology=self.topology, batch_size=self.batch_size.value,
-                    features={g: c.value for g, c in self.gates.items()},
-                    mode=None if self.mode.value == "auto" else self.mode.value,
-                    activation_checkpointing=None if self.checkpointing.value == "auto" else self.checkpointing.value,
-                    checkpoint_every=self._checkpoint_every(),
-                    cpu_offload=self.gates["allow_cpu_offload"].value, precision=self._precision_choice(),
-                    **self._pipeline_choices())
-
-    def _checkpoint_every(self) -> Optional[int]:
-        """The control's k; None (the estimate's choice) when it is at 1 with checkpointing on "auto"."""
-        k = self.checkpoint_every.value
-        return None if k == 1 and self.checkpointing.value == "auto" else k
-
-    def _precision_choice(self):
-        """The chosen :class:`~snn_explorer.core.precision.Precision` (None: "auto", the objective's)."""
-        if self.precision.value == "auto":
-            return None
-        return precision_of(self.precision.value, keep_neuron_state_fp32=self.neuron_state_fp32.value)
-
-    def _pipeline_choices(self) -> dict:
-        """The ``pp_*`` choices: None (the planner's) for "auto" / 0, and for all when pp is 1."""
-        given = dict(pp_schedule=self.pp_schedule.value, pp_microbatches=self.pp_microbatches.value,
-                     pp_virtual_stages=self.pp_virtual_stages.value)
-        return {k: None if self.pp.value == 1 or v in ("auto", 0) else v for k, v in given.items()}
-
-    @property
-    def budget_bytes(self) -> Optional[int]:
-        return int(self.memory_budget.value * 2 ** 20) if self.memory_budget.value > 0 else None
-
+    # ---- state (topology, choices, budget_bytes: :class:`~.ui_choices.ControlChoices`)
     def shown(self) -> List[tuple]:
         """(label, plan) of every plan in the comparison: the pinned ones, then the current one."""
         rows = [(f"#{i + 1} {plan_label(p)}", p) for i, p in enumerate(self.ex.plans)]

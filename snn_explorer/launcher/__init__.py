@@ -7,8 +7,9 @@ engine underneath (agent, payload, progress, failures) is :mod:`snn_explorer.ran
 from ..ranks import LaunchError, LaunchResult, RankFailure, report, resolve_backend
 from .export import ExportedJob, export_job
 from .launching import launch
+from .options import ExportOptions, LaunchOptions, split_keywords
 from .plan_run import launch_plan
 from .result import TrainResult
 
-__all__ = ["ExportedJob", "LaunchError", "LaunchResult", "RankFailure", "TrainResult", "export_job", "launch",
+__all__ = ["ExportOptions", "ExportedJob", "LaunchOptions", "split_keywords", "LaunchError", "LaunchResult", "RankFailure", "TrainResult", "export_job", "launch",
            "launch_plan", "report", "resolve_backend"]

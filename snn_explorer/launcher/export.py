@@ -16,10 +16,11 @@ from typing import Callable, Dict, Iterable, Optional, Tuple, Union
 import cloudpickle
 
 from ..core import SNNDistributedPlan, preflight
-from ..core.checkpoint import check_plan_checkpointable
-from ..core.neurons import registered_stateful
-from ..core.validate import non_negative_int, positive_int
+from ..core.checkpoints import check_plan_checkpointable
+from ..core.common import non_negative_int, positive_int
+from ..core.model import registered_stateful
 from .non_finite import check_action
+from .options import ExportOptions, options_of
 from .plan_run import DEFAULT_OPTIMIZER, checkpoint_settings
 from .private_files import SCRIPT_MODE, PrivateDir
 
@@ -151,13 +152,10 @@ def _sbatch(job_name: str, nnodes: int, nproc_per_node: int, gpus_per_node: int,
 
 
 def export_job(plan, train_script_or_fn: Union[str, os.PathLike, Callable], path: Union[str, os.PathLike], *,
-               nnodes: int = 1, nproc_per_node: Optional[int] = None, model=None, steps: int = 1, dataset=None,
-               optimizer: Optional[dict] = DEFAULT_OPTIMIZER, seed: int = 0, train_kwargs: Optional[dict] = None,
-               job_name: str = "snn-explorer", port: Optional[int] = None, gpus_per_node: Optional[int] = None,
-               time_limit: str = "01:00:00", partition: Optional[str] = None, max_restarts: int = 0,
-               checkpoint_dir=None, checkpoint_every: Optional[int] = None, rdzv_endpoint: Optional[str] = None,
-               on_non_finite: str = "stop") -> ExportedJob:
-    """Write a job directory at ``path`` that runs ``plan`` under torchrun on ``nnodes`` nodes.
+               model=None, steps: int = 1, dataset=None, optimizer: Optional[dict] = DEFAULT_OPTIMIZER, seed: int = 0,
+               train_kwargs: Optional[dict] = None, options: Optional[ExportOptions] = None) -> ExportedJob:
+    """Write a job directory at ``path`` that runs ``plan`` under torchrun on ``options.nnodes`` nodes
+    (``options``: an :class:`~snn_explorer.ExportOptions`; the fields named below are its fields).
 
     ``train_script_or_fn`` is either a script (copied as ``train.py``; it receives
     ``--plan plan.json``) or a step function with :func:`launch_plan`'s signature, shipped with
@@ -184,6 +182,10 @@ def export_job(plan, train_script_or_fn: Union[str, os.PathLike, Callable], path
     """
     if not isinstance(plan, SNNDistributedPlan):
         raise TypeError(f"plan must be an SNNDistributedPlan, got {type(plan).__name__}")
+    o = options_of(ExportOptions, options)
+    nnodes, nproc_per_node, gpus_per_node, port, rdzv_endpoint = (o.nnodes, o.nproc_per_node, o.gpus_per_node,
+                                                                  o.port, o.rdzv_endpoint)
+    job_name, time_limit, partition = o.job_name, o.time_limit, o.partition
     nnodes = positive_int("nnodes", nnodes)
     if nproc_per_node is None:
         nproc_per_node = max(1, plan.world_size // nnodes)
@@ -201,9 +203,9 @@ def export_job(plan, train_script_or_fn: Union[str, os.PathLike, Callable], path
             raise ValueError(f"rdzv_endpoint={rdzv_endpoint!r} must be host:port")
         _port(int(rdzv_port))
         shell_value("rdzv_endpoint", rdzv_endpoint)
-    on_non_finite = check_action(on_non_finite)
-    max_restarts = non_negative_int("max_restarts", max_restarts)
-    checkpoints = checkpoint_settings(checkpoint_dir, checkpoint_every)
+    on_non_finite = check_action(o.on_non_finite)
+    max_restarts = non_negative_int("max_restarts", o.max_restarts)
+    checkpoints = checkpoint_settings(o.checkpoint_dir, o.checkpoint_every)
     if checkpoints is not None:
         check_plan_checkpointable(plan)
     if checkpoints is not None and not callable(train_script_or_fn):

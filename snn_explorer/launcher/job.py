@@ -14,10 +14,10 @@ import cloudpickle
 import torch.distributed as dist
 
 from ..core import SNNDistributedPlan
-from ..core.checkpoint_lock import FolderLock
-from ..core.neurons import restore_stateful
-from ..core.parallelize.mesh import device_type_for
-from ..core.serialize import loads
+from ..core.checkpoints import FolderLock
+from ..core.common import loads
+from ..core.model import restore_stateful
+from ..core.parallelize import device_type_for
 from ..ranks import LaunchError, init_process_group, resolve_backend, run
 from ..ranks.teardown import end_process_groups
 from .plan_run import train_plan_rank

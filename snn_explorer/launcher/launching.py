@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Optional, Union
 
-from ..core.validate import UNSET, renamed_keyword
+from ..core.common import UNSET, renamed_keyword
 from ..ranks import LaunchResult, resolve_backend, run
 
 __all__ = ["launch", "resolve_backend"]

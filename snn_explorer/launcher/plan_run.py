@@ -12,14 +12,14 @@ import torch
 import torch.distributed as dist
 
 from ..core import SNNDistributedPlan, apply, preflight
-from ..core.checkpoint import check_checkpoint, check_plan_checkpointable, latest_checkpoint, step_path
-from ..core.checkpoint_lock import FolderLock
-from ..core.parallelize.mesh import device_type_for
-from ..core.validate import UNSET, non_negative_int, positive_int, renamed_keyword
+from ..core.checkpoints import FolderLock, check_checkpoint, check_plan_checkpointable, latest_checkpoint, step_path
+from ..core.common import non_negative_int, positive_int
+from ..core.parallelize import device_type_for
 from ..ranks import LaunchError, resolve_backend
 from ..ranks.progress import _number, report
 from .launching import launch
 from .non_finite import NonFiniteGuard, check_action
+from .options import LaunchOptions, options_of
 from .result import TrainResult
 
 DEFAULT_OPTIMIZER = {"lr": 1e-3}
@@ -147,15 +147,12 @@ def _checkpoint_spec(model, plan, checkpoint_dir, checkpoint_every) -> Optional[
 
 
 def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None,
-                optimizer: Optional[dict] = DEFAULT_OPTIMIZER, seed: int = 0, comm_backend: str = "auto",
-                timeout: Optional[float] = 900.0, env: Optional[Mapping[str, str]] = None, progress=True,
-                log_dir: Optional[str] = None, train_kwargs: Optional[dict] = None, checkpoint_dir=None,
-                checkpoint_every: Optional[int] = None, max_restarts: int = 0, on_non_finite: str = "stop",
-                backend=UNSET, pool=None) -> TrainResult:
+                optimizer: Optional[dict] = DEFAULT_OPTIMIZER, seed: int = 0, train_kwargs: Optional[dict] = None,
+                pool=None, options: Optional[LaunchOptions] = None) -> TrainResult:
     """Run ``plan`` for ``model`` on ``plan.world_size`` ranks, ``steps`` calls of ``train_fn`` each.
 
-    The model travels by value; each rank applies the plan on CPU (gloo) or its own GPU (NCCL),
-    as ``comm_backend`` (``backend``: its deprecated name) implies, then calls
+    The model travels by value; each rank applies the plan on CPU (gloo) or its own GPU (NCCL), as
+    ``options.comm_backend`` implies (a :class:`~snn_explorer.LaunchOptions`; below, its fields), then calls
     ``train_fn(runtime, step, batch, state, **train_kwargs)`` for ``step`` = 0 .. ``steps - 1``:
 
     * ``runtime``: the :class:`~snn_explorer.core.SNNDistributedRuntime` that ``apply`` returned
@@ -186,12 +183,11 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
     after the latest complete checkpoint, as torch elastic restarts a group; ``.faults`` lists
     what ended each failed attempt. The final failure is raised when restarts run out.
 
-    ``pool``: a :class:`~snn_explorer.ranks.RankPool` of ``plan.world_size`` ranks on this backend runs
-    it on its warm ranks (the same result as a fresh launch); one that does not fit is refused here.
+    ``pool``: a :class:`~snn_explorer.ranks.RankPool` of ``plan.world_size`` ranks on this backend runs it
+    on its warm ranks (the same result as a fresh launch; one that does not fit is refused here).
 
-    One run writes a ``checkpoint_dir`` at a time: the launch holds the folder's lock file
-    (pid, host, start time) until it returns; a second launch into it is refused at once naming
-    the holder, and a lock left by a process that is gone is taken over (with a warning).
+    One run writes a ``checkpoint_dir`` at a time (its lock file names the holder; a second launch into
+    it is refused at once; a lock left by a process that is gone is taken over, with a warning).
 
     ``on_non_finite``: a NaN or Inf loss or gradient on any rank (named by step and rank) stops the
     run before that step's update and checkpoint (``"stop"``, the default: the last good
@@ -199,13 +195,14 @@ def launch_plan(model, plan, train_fn: Callable, *, steps: int = 1, dataset=None
     """
     if not isinstance(plan, SNNDistributedPlan):
         raise TypeError(f"plan must be an SNNDistributedPlan, got {type(plan).__name__}")
+    o = options_of(LaunchOptions, options)
+    timeout, env, progress, log_dir, on_non_finite = o.timeout, o.env, o.progress, o.log_dir, o.on_non_finite
     positive_int("steps", steps)
     preflight(model, plan)
     check_action(on_non_finite)
-    checkpoints = _checkpoint_spec(model, plan, checkpoint_dir, checkpoint_every)
-    max_restarts = restart_count(max_restarts, checkpoints)
-    backend = resolve_backend(renamed_keyword("comm_backend", comm_backend, "auto", "backend", backend),
-                              plan.world_size)
+    checkpoints = _checkpoint_spec(model, plan, o.checkpoint_dir, o.checkpoint_every)
+    max_restarts = restart_count(o.max_restarts, checkpoints)
+    backend = resolve_backend(o.comm_backend, plan.world_size)
     if pool is not None:
         pool.check_fits(plan.world_size, backend)
     lock = _folder_lock(checkpoints)

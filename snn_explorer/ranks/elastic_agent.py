@@ -21,14 +21,13 @@ import traceback
 import cloudpickle  # noqa: F401  (imported once here, inherited by the forked ranks)
 import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from .. import compat
+from .. import compat_elastic
 from . import channel, process, rank, warm
 from .warm import loopback_store
 
@@ -77,16 +76,8 @@ class ExitRecorder:
             time.sleep(0.02)
 
     def install(self) -> None:
-        """Wrap elastic's per-poll look at its workers (:data:`compat.ELASTIC_POLL`)."""
-        poll, recorder = compat.ELASTIC_POLL, self
-
-        def recording_poll(context):
-            processes = list(getattr(getattr(context, "_pc", None), "processes", ()))
-            recorder.record(processes)
-            result = poll(context)  # on a failure, elastic ends the other workers in here
-            recorder.record(processes)
-            return result
-        MultiprocessContext._poll = recording_poll
+        """Record the workers at each of elastic's polls (:func:`compat_elastic.record_every_poll`)."""
+        compat_elastic.record_every_poll(self.record)
 
 
 class LoopbackBackend(C10dRendezvousBackend):
@@ -104,7 +95,7 @@ def register_loopback_rendezvous() -> None:
     def creator(params):
         store = loopback_store()
         handler = create_handler(store, LoopbackBackend(store, params.run_id), params)
-        setattr(handler, compat.ELASTIC_STORE_SERVER.__name__, lambda master_addr, master_port: loopback_store())
+        compat_elastic.serve_store_with(handler, lambda master_addr, master_port: loopback_store())
         return handler
     rendezvous_handler_registry.register("c10d-loopback", creator)
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Unio
 
 import torch
 
-from ..core.validate import positive_int, positive_number
+from ..core.common import positive_int, positive_number
 from . import channel
 from . import payload as payloads
 from .display import choose_display
@@ -28,7 +28,7 @@ from .process import AgentProcess
 from .progress import START_TIMEOUT_S, Tracker
 from .result import LaunchResult
 
-BACKENDS = ("auto", "gloo", "nccl")
+COMM_BACKENDS = ("auto", "gloo", "nccl")
 #: Seconds the agent gets to end the other ranks after a failure before the caller ends the tree.
 FAILURE_GRACE_S = 5.0
 #: Fresh launches tried after one whose ranks all failed joining the process group, before any user
@@ -75,8 +75,8 @@ def check_local_ranks(nprocs: int, backend: str) -> None:
 
 def resolve_backend(backend: str, nprocs: int) -> str:
     """``auto``: NCCL when CUDA has at least ``nprocs`` devices, else gloo; ``nccl`` needs them."""
-    if backend not in BACKENDS:
-        raise ValueError(f"comm_backend={backend!r}; expected one of {BACKENDS}")
+    if backend not in COMM_BACKENDS:
+        raise ValueError(f"comm_backend={backend!r}; expected one of {COMM_BACKENDS}")
     if backend == "gloo":
         return backend
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

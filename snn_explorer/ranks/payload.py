@@ -15,8 +15,8 @@ from typing import Any, Dict, List, Tuple
 
 import cloudpickle
 
-from ..compat import CODE_REDUCE
-from ..core.neurons import registered_stateful
+from ..compat_elastic import CODE_REDUCE
+from ..core.model import registered_stateful
 
 
 class _Code:

@@ -25,7 +25,7 @@ import uuid
 import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..core.validate import positive_int, positive_number
+from ..core.common import positive_int, positive_number
 from . import channel, process, warm
 from .engine import _rank_env, _running, follow, resolve_backend, run, with_retries
 from .errors import LaunchError

@@ -21,7 +21,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from ..core.neurons import restore_stateful
+from ..core.model import restore_stateful
 from . import channel
 from .teardown import end_process_groups
 

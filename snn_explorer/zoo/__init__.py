@@ -16,7 +16,7 @@ import snntorch
 import torch
 from torch import nn
 
-from ..core.validate import positive_int
+from ..core.common import positive_int
 from ._neurons import ATanSurrogate, MultiStep, SeqWise, conv_bn_lif, lif
 from .mlp import SpikingMLP
 from .spikformer import Spikformer, SpikformerBlock, SpikingSelfAttention

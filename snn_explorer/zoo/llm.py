@@ -15,7 +15,7 @@ Each block is pre-norm (RMSNorm): ``x + attn(norm(x))`` then ``x + mlp(norm(x))`
   Llama 3.1 8B's published shape for the estimator's check against published runs.
 
 Neurons are :class:`MultiStepLIF` (a leaky integrate-and-fire layer stepping over T itself, arctan
-surrogate gradient, state registered with :func:`~snn_explorer.core.neurons.register_stateful`):
+surrogate gradient, state registered with :func:`~snn_explorer.core.model.neurons.register_stateful`):
 about 7 operators per step where a per-step snntorch ``Leaky`` runs over 20, which is what a
 shape-only profile of a 7 B model spends its time on. Build large configs on the meta device
 (:func:`build_llm`).
@@ -30,8 +30,8 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from ..core.neurons import register_stateful
-from ..core.validate import positive_int
+from ..core.common import positive_int
+from ..core.model import register_stateful
 
 
 @dataclass(frozen=True)
@@ -269,7 +269,7 @@ class SpikingLLM(nn.Module):
 
     def tensor_parallel_plan(self) -> Dict[str, str]:
         """TP along whole heads and MLP columns: q/k/v (and fc1 / w1, w3) column-wise, o (fc2 / w2) row-wise,
-        each neuron local to the features of its rank (:mod:`snn_explorer.core.styles`)."""
+        each neuron local to the features of its rank (:mod:`snn_explorer.core.tp.styles`)."""
         plan = {}
         for i, block in enumerate(self.blocks):
             p = f"blocks.{i}"

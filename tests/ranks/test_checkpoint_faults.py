@@ -14,7 +14,8 @@ from launch_helpers import live_children
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+from snn_explorer.core.checkpoints import CheckpointError, latest_checkpoint, read_manifest
+from snn_explorer.launcher import LaunchOptions, split_keywords
 from snn_explorer.ranks import LaunchError
 from snn_explorer.zoo import build
 
@@ -46,7 +47,7 @@ def _save_faults(root):
     import torch.distributed as dist
 
     import snn_explorer as se
-    from snn_explorer.core.checkpoint import CheckpointError, latest_checkpoint, step_path
+    from snn_explorer.core.checkpoints import CheckpointError, latest_checkpoint, step_path
     from snn_explorer.zoo import build
 
     zoo = build("mlp", "tiny")
@@ -108,19 +109,20 @@ def test_a_rank_killed_inside_a_save_leaves_the_previous_checkpoint_and_resumes(
                    batch_size=zoo.batch_size)
     data = {"inputs": zoo.example_input.double(), "labels": zoo.labels}
     kw = dict(steps=6, progress=False, optimizer={"lr": 1e-2}, timeout=300)
-    whole = se.launch_plan(model, plan, _step_then_kill_in_save, train_kwargs={**data, "marker": None}, **kw)
+    whole = se.launch_plan(model, plan, _step_then_kill_in_save, train_kwargs={**data, "marker": None},
+                           **split_keywords(LaunchOptions, kw))
     assert len(set(whole.losses[0])) == 6
     ckpt = tmp_path / "ckpt"
     faulty = dict(train_kwargs={**data, "marker": str(tmp_path / "killed")}, checkpoint_dir=ckpt, checkpoint_every=2)
     with pytest.raises(LaunchError, match="rank 0 SIGKILL") as failed:
-        se.launch_plan(model, plan, _step_then_kill_in_save, **faulty, **kw)
+        se.launch_plan(model, plan, _step_then_kill_in_save, **split_keywords(LaunchOptions, {**faulty, **kw}))
     assert "rank 1" in str(failed.value)  # the peer left waiting is reported too, after the cause
     names = sorted(p.name for p in ckpt.iterdir())
     assert names == [".step-000004.partial", "step-000002"], names  # the write of step 4 never completed
     with pytest.raises(CheckpointError, match="no manifest.json"):
         read_manifest(ckpt / ".step-000004.partial")  # a partial folder is not taken for a checkpoint
     assert latest_checkpoint(ckpt).name == "step-000002" and read_manifest(ckpt / "step-000002")["step"] == 2
-    resumed = se.launch_plan(model, plan, _step_then_kill_in_save, **faulty, **kw)
+    resumed = se.launch_plan(model, plan, _step_then_kill_in_save, **split_keywords(LaunchOptions, {**faulty, **kw}))
     assert resumed.losses[0] == pytest.approx(whole.losses[0][2:], abs=1e-12)
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-000002", "step-000004", "step-000006"]
     assert not live_children(), "no rank or agent outlives the launches"

@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.checkpoint import CheckpointError, latest_checkpoint
-from snn_explorer.core.checkpoint_lock import LOCK_NAME, CheckpointDirBusy, FolderLock
+from snn_explorer.core.checkpoints import LOCK_NAME, CheckpointDirBusy, CheckpointError, FolderLock, latest_checkpoint
 from snn_explorer.launcher import LaunchError
 from snn_explorer.zoo import build
 
@@ -53,8 +52,7 @@ def test_a_nan_gradient_stops_before_its_update_and_checkpoint(tmp_path):
     kw = dict(inputs=zoo.example_input, labels=zoo.labels, bad_step=2)
     # dp averages the gradients, so the NaN of rank 1's loss reaches rank 0's gradients too: both are named
     with pytest.raises(LaunchError, match=r"step 3: non-finite gradients \(NaN or Inf\) on rank\(s\) \[0, 1\]; stopped"):
-        se.launch_plan(zoo.model, plan, nan_step, steps=5, train_kwargs=kw, checkpoint_dir=tmp_path,
-                       checkpoint_every=1, progress=False, timeout=120, max_restarts=2)
+        se.launch_plan(zoo.model, plan, nan_step, steps=5, train_kwargs=kw, options=se.LaunchOptions(checkpoint_dir=tmp_path, checkpoint_every=1, progress=False, timeout=120, max_restarts=2))
     assert latest_checkpoint(tmp_path).name == "step-000002"  # no restart: the numbers would come again
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001", "step-000002"]  # no lock, no partial
     assert all(torch.isfinite(t).all() for t in _weights(tmp_path / "step-000002").values())
@@ -63,8 +61,7 @@ def test_a_nan_gradient_stops_before_its_update_and_checkpoint(tmp_path):
 def test_skip_leaves_the_parameters_of_a_nan_step_as_they_were(tmp_path):
     zoo, plan = _setup()
     kw = dict(inputs=zoo.example_input, labels=zoo.labels, bad_step=2)
-    result = se.launch_plan(zoo.model, plan, nan_step, steps=4, train_kwargs=kw, checkpoint_dir=tmp_path,
-                            checkpoint_every=1, progress=False, timeout=120, on_non_finite="skip")
+    result = se.launch_plan(zoo.model, plan, nan_step, steps=4, train_kwargs=kw, options=se.LaunchOptions(checkpoint_dir=tmp_path, checkpoint_every=1, progress=False, timeout=120, on_non_finite="skip"))
     assert [len(v) for v in result.losses.values()] == [4, 4]
     assert latest_checkpoint(tmp_path).name == "step-000004"
     w2, w3, w4 = (_weights(tmp_path / f"step-00000{i}") for i in (2, 3, 4))
@@ -81,9 +78,7 @@ def test_a_second_launch_into_a_folder_is_refused_at_once_naming_the_holder(tmp_
 
     def run_first():
         try:
-            first["result"] = se.launch_plan(zoo.model, plan, nan_step, steps=2, train_kwargs=kw,
-                                             checkpoint_dir=tmp_path / "ckpt", checkpoint_every=1,
-                                             progress=False, timeout=120)
+            first["result"] = se.launch_plan(zoo.model, plan, nan_step, steps=2, train_kwargs=kw, options=se.LaunchOptions(checkpoint_dir=tmp_path / "ckpt", checkpoint_every=1, progress=False, timeout=120))
         except Exception as exc:  # noqa: BLE001 - shown by the assert below
             first["error"] = exc
     thread = threading.Thread(target=run_first)
@@ -94,8 +89,7 @@ def test_a_second_launch_into_a_folder_is_refused_at_once_naming_the_holder(tmp_
             time.sleep(0.05)
         started = time.perf_counter()
         with pytest.raises(CheckpointDirBusy, match=rf"in use by pid {os.getpid()} on .*one run writes a folder"):
-            se.launch_plan(zoo.model, plan, nan_step, steps=2, train_kwargs=kw, checkpoint_dir=tmp_path / "ckpt",
-                           checkpoint_every=1, progress=False)
+            se.launch_plan(zoo.model, plan, nan_step, steps=2, train_kwargs=kw, options=se.LaunchOptions(checkpoint_dir=tmp_path / "ckpt", checkpoint_every=1, progress=False))
         assert time.perf_counter() - started < 5.0  # refused at its start, not mid-save
     finally:
         go.touch()
@@ -122,6 +116,5 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over_and_said(tmp_path):
     stale.me["pid"] = dead.pid
     stale.acquire()
     with pytest.warns(RuntimeWarning, match=rf"took over the lock .* left by pid {dead.pid}"):
-        se.launch_plan(zoo.model, plan, nan_step, steps=1, checkpoint_dir=tmp_path / "run", checkpoint_every=1,
-                       train_kwargs=dict(inputs=zoo.example_input, labels=zoo.labels), progress=False, timeout=120)
+        se.launch_plan(zoo.model, plan, nan_step, steps=1, train_kwargs=dict(inputs=zoo.example_input, labels=zoo.labels), options=se.LaunchOptions(checkpoint_dir=tmp_path / "run", checkpoint_every=1, progress=False, timeout=120))
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step-000001"]

@@ -13,8 +13,7 @@ from torch import nn
 
 import snn_explorer as se
 from snn_explorer import compat_dcp
-from snn_explorer.core.checkpoint import CheckpointError, check_checkpoint, latest_checkpoint, step_path
-from snn_explorer.core.checkpoint_integrity import file_digest
+from snn_explorer.core.checkpoints import CheckpointError, check_checkpoint, file_digest, latest_checkpoint, step_path
 from snn_explorer.zoo import build
 
 

@@ -14,6 +14,8 @@ import torch
 from distributed_harness import run_on_ranks
 from torch import nn
 
+from snn_explorer.core.planning import split_options
+
 pytestmark = pytest.mark.timeout(600)
 
 MODEL = "mlp_all_steps"
@@ -47,7 +49,7 @@ def _runtime(key):
     zoo = build(MODEL)
     model = zoo.model.double()
     plan = se.plan(analysis=se.analyze(model, model_family=zoo.family), objective="speed", topology=topology,
-                   mode=mode, batch_size=zoo.batch_size, **extra)
+                   mode=mode, batch_size=zoo.batch_size, **split_options(extra))
     runtime = se.apply(model=model, plan=plan, device_type="cpu")
     share, start = plan.per_rank_batch, runtime.dp_rank * plan.per_rank_batch
     batch = zoo.example_input.double()[:, start:start + share], zoo.labels[start:start + share]
@@ -63,7 +65,7 @@ def _train(runtime, optimizer, batch):
 
 def _save(root, key):
     """Train 3 steps under ``key``; a save while neurons hold state is refused; then save."""
-    from snn_explorer.core.checkpoint import CheckpointError
+    from snn_explorer.core.checkpoints import CheckpointError
 
     runtime, optimizer, batch = _runtime(key)
     _train(runtime, optimizer, batch)
@@ -130,7 +132,7 @@ def _contents(path):
     """Every model and optimizer tensor of a checkpoint, whole, read in this process."""
     import torch.distributed.checkpoint as dcp
 
-    from snn_explorer.core.checkpoint_files import saved_tensor_metadata
+    from snn_explorer.core.checkpoints import saved_tensor_metadata
 
     state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved_tensor_metadata(path).items()
              if not k.startswith("rng")}

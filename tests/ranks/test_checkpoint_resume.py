@@ -8,7 +8,7 @@ from launch_helpers import live_children
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.checkpoint import latest_checkpoint, read_manifest
+from snn_explorer.core.checkpoints import latest_checkpoint, read_manifest
 from snn_explorer.ranks import LaunchError
 from snn_explorer.zoo import build
 
@@ -34,11 +34,13 @@ def test_a_killed_rank_resumes_from_the_last_complete_checkpoint(tmp_path):
     plan = se.plan(analysis=se.analyze(model), objective="speed", topology={"dp": 2}, mode="fsdp2",
                    batch_size=zoo.batch_size)
     data = {"inputs": zoo.example_input.double(), "labels": zoo.labels}
-    kw = dict(steps=STEPS, progress=False, optimizer={"lr": 1e-2}, timeout=300)
-    whole = se.launch_plan(model, plan, _step, train_kwargs=data, **kw).losses[0]
+    kw = dict(steps=STEPS, optimizer={"lr": 1e-2})
+    run = se.LaunchOptions(progress=False, timeout=300)
+    whole = se.launch_plan(model, plan, _step, train_kwargs=data, options=run, **kw).losses[0]
     assert len(set(whole)) == STEPS  # training moves the loss
     ckpt, marker = tmp_path / "ckpt", str(tmp_path / "killed")
-    faulty = dict(train_kwargs={**data, "kill_marker": marker}, checkpoint_dir=ckpt, checkpoint_every=2, **kw)
+    faulty = dict(train_kwargs={**data, "kill_marker": marker}, options=run.replace(checkpoint_dir=ckpt, checkpoint_every=2),
+                  **kw)
     with pytest.raises(LaunchError, match="rank 1"):  # without restarts the fault ends the launch
         se.launch_plan(model, plan, _step, **faulty)
     assert latest_checkpoint(ckpt).name == "step-000006" and read_manifest(latest_checkpoint(ckpt))["step"] == 6
@@ -48,8 +50,7 @@ def test_a_killed_rank_resumes_from_the_last_complete_checkpoint(tmp_path):
     assert resumed == pytest.approx(whole[KILLED_STEP:], abs=1e-12)
 
     restarted_dir, marker = tmp_path / "restarted", str(tmp_path / "killed-again")
-    restarted = se.launch_plan(model, plan, _step, train_kwargs={**data, "kill_marker": marker},
-                               checkpoint_dir=restarted_dir, checkpoint_every=2, max_restarts=1, **kw)
+    restarted = se.launch_plan(model, plan, _step, train_kwargs={**data, "kill_marker": marker}, options=run.replace(checkpoint_dir=restarted_dir, checkpoint_every=2, max_restarts=1), **kw)
     assert os.path.exists(marker) and restarted.restarts == 1 and "rank 1" in restarted.faults[0]
     assert restarted.losses[0] == pytest.approx(whole[KILLED_STEP:], abs=1e-12)
     assert latest_checkpoint(restarted_dir).name == f"step-{STEPS:06d}"
@@ -61,6 +62,6 @@ def test_max_restarts_needs_checkpoints_to_resume_from():
     plan = se.plan(analysis=se.analyze(zoo.model), objective="speed", topology={"dp": 2}, mode="dp",
                    batch_size=zoo.batch_size)
     with pytest.raises(ValueError, match="max_restarts=2 needs checkpoint_dir and checkpoint_every"):
-        se.launch_plan(zoo.model, plan, _step, max_restarts=2)
+        se.launch_plan(zoo.model, plan, _step, options=se.LaunchOptions(max_restarts=2))
     with pytest.raises(ValueError, match=r"max_restarts=-1 must be a non-negative int"):
-        se.launch_plan(zoo.model, plan, _step, max_restarts=-1)
+        se.launch_plan(zoo.model, plan, _step, options=se.LaunchOptions(max_restarts=-1))

@@ -40,7 +40,7 @@ def test_measure_on_two_ranks_matches_the_estimate_in_every_two_rank_mode():
 def _pipeline_waits_on_rank():
     import torch.distributed as dist
 
-    from snn_explorer.core.pipeline_schedules import SCHEDULES
+    from snn_explorer.core.planning import SCHEDULES
     from snn_explorer.estimator.calibration.step_probes import pipeline_step_times
 
     torch.set_num_threads(1)

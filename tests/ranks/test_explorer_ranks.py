@@ -7,6 +7,7 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 import pytest
 import torch
 
+from snn_explorer import LaunchOptions
 from snn_explorer.explorer import Explorer
 from snn_explorer.zoo import build
 
@@ -33,6 +34,6 @@ def test_launch_hands_the_plan_to_launch_plan():
     zoo = build("mlp")
     ex = Explorer.from_zoo(zoo)
     plan = ex.add_plan(topology={"dp": 2})
-    result = ex.launch(plan, _step, steps=1, comm_backend="gloo", progress=False, timeout=120,
+    result = ex.launch(plan, _step, steps=1, options=LaunchOptions(comm_backend="gloo", progress=False, timeout=120),
                        train_kwargs={"inputs": zoo.example_input, "labels": zoo.labels})
     assert sorted(result.losses) == [0, 1] and all(len(v) == 1 for v in result.losses.values())

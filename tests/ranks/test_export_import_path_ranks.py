@@ -17,7 +17,7 @@ from test_export_import_path import MYMODELS, step
 from torch import nn
 
 from snn_explorer import analyze, plan
-from snn_explorer.launcher import export_job
+from snn_explorer.launcher import ExportOptions, export_job
 from snn_explorer.zoo import reset_state
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -48,8 +48,7 @@ def test_the_exported_job_runs_under_torchrun_without_pythonpath_help(mymodels, 
     model = module.MyNet(in_features=8, hidden=(16,), num_classes=4)
     inputs, labels = torch.rand(6, 8, 8) * 2, torch.randint(0, 4, (8,))
     dp = plan(analysis=analyze(model), objective="speed", topology={"dp": 2}, batch_size=8)
-    job = export_job(dp, step, tmp_path / "job", model=model, steps=2, port=_free_port(),
-                     train_kwargs={"inputs": inputs, "labels": labels})
+    job = export_job(dp, step, tmp_path / "job", model=model, steps=2, train_kwargs={"inputs": inputs, "labels": labels}, options=ExportOptions(port=_free_port()))
     assert os.path.realpath(folder) in job.python_path
     command = open(job.command_file).read()
     assert "the job imports" in command and "mymodels" in command and f"export PYTHONPATH={folder}" in command

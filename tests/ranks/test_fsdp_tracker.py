@@ -35,7 +35,7 @@ def _model_and_input():
 
 def _plans(model):
     base = se.plan(analysis=se.analyze(model), objective="speed", topology={"dp": 2}, batch_size=N, mode="fsdp2",
-                   features=GATES, activation_checkpointing="none")
+                   features=GATES, options=se.PlanOptions(activation_checkpointing="none"))
     levered = [base, dataclasses.replace(base, activation_checkpointing="blocks"),
                dataclasses.replace(base, activation_checkpointing="blocks", checkpoint_every=2)]
     return levered + [dataclasses.replace(p, memopt_level=1) for p in levered]  # memopt 1: reshard after forward

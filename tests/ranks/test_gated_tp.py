@@ -8,7 +8,7 @@ from distributed_harness import run_on_ranks
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.analysis import SNNDistributedAnalysis
+from snn_explorer.core.model import TIME_MAJOR, SNNDistributedAnalysis
 from snn_explorer.zoo.llm import LLM_CONFIGS, LLMConfig, build_llm, token_batch
 
 SMALL = LLMConfig(vocab_size=64, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=128, spiking=False)
@@ -58,8 +58,7 @@ def test_the_llama_plan_is_accepted_and_the_default_plan_finds_it():
     assert len(analysis.gated_mlps) == 2 and all(b.local_heads for b in analysis.attention_blocks)
     own = model.tensor_parallel_plan()
     for mode, topology in (("tp", {"tp": 4}), ("fsdp2_tp", {"dp": 2, "tp": 2})):
-        given = se.plan(analysis=analysis, objective="memory", topology=topology, batch_size=4, mode=mode,
-                        tensor_parallel_plan=own)
+        given = se.plan(analysis=analysis, objective="memory", topology=topology, batch_size=4, mode=mode, options=se.PlanOptions(tensor_parallel_plan=own))
         default = se.plan(analysis=analysis, objective="memory", topology=topology, batch_size=4, mode=mode)
         assert given.tensor_parallel_plan == own
         assert default.tensor_parallel_plan == dict(own, head="colwise_gather")
@@ -75,8 +74,7 @@ def test_the_llama_plan_is_accepted_and_the_default_plan_finds_it():
 def test_a_broken_llama_plan_is_refused(change, match):
     model = build_llm(SMALL)
     with pytest.raises(ValueError, match=match):
-        se.plan(analysis=se.analyze(model), objective="memory", topology={"tp": 2}, batch_size=4, mode="tp",
-                tensor_parallel_plan=dict(model.tensor_parallel_plan(), **change))
+        se.plan(analysis=se.analyze(model), objective="memory", topology={"tp": 2}, batch_size=4, mode="tp", options=se.PlanOptions(tensor_parallel_plan=dict(model.tensor_parallel_plan(), **change)))
 
 
 def test_tp_must_divide_the_kv_heads():
@@ -98,7 +96,7 @@ def test_llama_tp_and_fsdp2_tp_estimate_on_meta():
         plan = se.plan(analysis=analysis, objective="memory", topology=topology, batch_size=8, mode=mode)
         assert plan.tensor_parallel_plan["blocks.3.mlp.w3"] == "colwise"
         est = se.estimate(model, plan, example_input=tokens, hardware="H100-SXM", optimizer="adamw",
-                          layout=se.TIME_MAJOR)
+                          layout=TIME_MAJOR)
         held = (cfg.vocab_size * cfg.dim + norms) / (dp if mode == "fsdp2_tp" else 1) + linears / tp / dp
         assert est.per_rank["params_bytes"].max() == pytest.approx(4 * held, rel=1e-3)
         assert est.step_time_s > 0 and "all_reduce" in set(est.collectives["kind"])

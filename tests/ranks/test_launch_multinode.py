@@ -25,9 +25,8 @@ from torch import nn
 
 import snn_explorer as se
 from snn_explorer.compat_dcp import SafeFileSystemReader
-from snn_explorer.core.checkpoint import latest_checkpoint, read_manifest, step_path
-from snn_explorer.core.checkpoint_files import saved_tensor_metadata
-from snn_explorer.launcher import export_job
+from snn_explorer.core.checkpoints import latest_checkpoint, read_manifest, saved_tensor_metadata, step_path
+from snn_explorer.launcher import ExportOptions, export_job
 from snn_explorer.zoo import build
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -132,14 +131,12 @@ def test_a_node_killed_mid_run_restarts_and_ends_equal_to_an_uninterrupted_run(t
     plan = se.plan(analysis=se.analyze(model, model_family=zoo.family), objective="speed", topology=topology,
                    mode=mode, batch_size=zoo.batch_size)
     data = {"inputs": zoo.example_input.double(), "labels": zoo.labels}
-    common = dict(steps=STEPS, optimizer={"lr": 1e-2}, checkpoint_dir="ckpt", checkpoint_every=EVERY)
+    common = dict(steps=STEPS, optimizer={"lr": 1e-2})
     whole_dir = tmp_path / "uninterrupted"
-    whole = se.launch_plan(model, plan, _step, train_kwargs=data, progress=False, timeout=300,
-                           **{**common, "checkpoint_dir": whole_dir})
+    whole = se.launch_plan(model, plan, _step, train_kwargs=data, options=se.LaunchOptions(progress=False, timeout=300, checkpoint_dir=whole_dir, checkpoint_every=EVERY), **common)
     assert len(set(whole.losses[0])) == STEPS  # training moves the loss
     port = _free_port()
-    job = export_job(plan, _step, tmp_path / "job", model=model, nnodes=2, nproc_per_node=2, port=port,
-                     max_restarts=1, train_kwargs={**data, "marker": str(tmp_path / "node-B-killed")}, **common)
+    job = export_job(plan, _step, tmp_path / "job", model=model, train_kwargs={**data, "marker": str(tmp_path / "node-B-killed")}, options=ExportOptions(nnodes=2, nproc_per_node=2, port=port, max_restarts=1, checkpoint_dir="ckpt", checkpoint_every=EVERY), **common)
     assert "--nnodes 2 --nproc-per-node 2" in job.command and "--max-restarts 1" in job.command
     (tmp_path / "tmp").mkdir()
     run = _run_two_nodes(job, tmp_path / "tmp", port, replace_killed=True)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from snn_explorer import analyze, plan
-from snn_explorer.launcher import export_job, launch_plan
+from snn_explorer.launcher import LaunchOptions, export_job, launch_plan
 from snn_explorer.zoo import build, reset_state
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -59,8 +59,7 @@ def tp_run(zoo):
     tp_plan = plan(analysis=analyze(zoo.model, model_family=zoo.family), objective="memory", topology={"tp": 2},
                    backend="torch", batch_size=zoo.batch_size, mode="tp")
     kwargs = {"inputs": zoo.example_input, "labels": zoo.labels}
-    result = launch_plan(zoo.model, tp_plan, tp_step, steps=STEPS, optimizer={"lr": 1e-2}, progress=False,
-                         train_kwargs=kwargs)
+    result = launch_plan(zoo.model, tp_plan, tp_step, steps=STEPS, optimizer={"lr": 1e-2}, train_kwargs=kwargs, options=LaunchOptions(progress=False))
     return tp_plan, kwargs, result
 
 
@@ -69,7 +68,7 @@ def test_launch_plan_dp_with_dataset(clean_launch, zoo):
     dp_plan = plan(analysis=analyze(zoo.model, model_family=zoo.family), objective="speed", topology={"dp": 2},
                    backend="torch", batch_size=4, mode="dp")
     dataset = TensorDataset(zoo.example_input.transpose(0, 1).contiguous(), zoo.labels)
-    result = launch_plan(zoo.model, dp_plan, dp_step, steps=STEPS, dataset=dataset, progress=False)
+    result = launch_plan(zoo.model, dp_plan, dp_step, steps=STEPS, dataset=dataset, options=LaunchOptions(progress=False))
     assert sorted(result.losses) == [0, 1] and all(len(v) == STEPS for v in result.losses.values())
     assert all(m["samples"] == 2 for steps in result.values for m in steps)
     assert [r["step"] for r in result.reports[0]] == [1, 2, 3] and result.reports[0][-1]["total"] == STEPS
@@ -129,7 +128,7 @@ class CountingNeuron(nn.Module):
 
 
 def _library_on_rank():
-    from snn_explorer.core.neurons import snn_library
+    from snn_explorer.core.model import snn_library
 
     return snn_library(CountingNeuron())
 
@@ -137,7 +136,7 @@ def _library_on_rank():
 @pytest.mark.timeout(120)
 def test_register_stateful_reaches_launched_and_spawned_ranks(clean_launch):
     from snn_explorer import register_stateful, unregister_stateful
-    from snn_explorer.core.neurons import snn_library
+    from snn_explorer.core.model import snn_library
     from snn_explorer.launcher import launch
     from snn_explorer.ranks import run
 

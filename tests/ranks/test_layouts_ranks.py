@@ -13,8 +13,7 @@ from models import small_reference_vgg
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.layouts import BATCH_MAJOR, DataLayout
-from snn_explorer.core.neurons import reset_all
+from snn_explorer.core.model import BATCH_MAJOR, DataLayout, reset_all
 from snn_explorer.estimator.measurement.plan_measurement import assemble_measurements, measure_on_rank
 from snn_explorer.estimator.measurement.settings import measure_settings
 
@@ -24,8 +23,7 @@ STEPS, LR = 3, 0.05
 
 
 def _dp_plan(model, layout: DataLayout, batch: int = N):
-    return se.plan(analysis=se.analyze(model), objective="speed", topology={"dp": 2}, batch_size=batch, mode="dp",
-                   data_layout=layout)
+    return se.plan(analysis=se.analyze(model), objective="speed", topology={"dp": 2}, batch_size=batch, mode="dp", options=se.PlanOptions(data_layout=layout))
 
 
 def _measure_cases(cases):
@@ -126,8 +124,7 @@ def _pp_models():
     for name, model, layout, cut in (("batch_major", batch_major, BATCH_MAJOR, "3|3"),
                                      ("per_step", *built["per_step"], "2|2")):
         models[name] = (model, se.plan(analysis=se.analyze(model), objective="speed", topology={"pp": 2},
-                                       batch_size=N, mode="pp", data_layout=layout, pp_schedule="gpipe",
-                                       pp_microbatches=2, pp_virtual_stages=1, pp_layout=cut))
+                                       batch_size=N, mode="pp", options=se.PlanOptions(data_layout=layout, pp_schedule="gpipe", pp_microbatches=2, pp_virtual_stages=1, pp_layout=cut)))
     return models
 
 

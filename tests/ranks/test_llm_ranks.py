@@ -24,7 +24,7 @@ def _tp_parity():
     ref.square().mean().backward()
     model = fresh()
     plan = se.plan(analysis=se.analyze(model), objective="memory", topology={"tp": 2}, backend="torch",
-                   batch_size=4, mode="tp", tensor_parallel_plan=model.tensor_parallel_plan())
+                   batch_size=4, mode="tp", options=se.PlanOptions(tensor_parallel_plan=model.tensor_parallel_plan()))
     runtime = se.apply(model=model, plan=plan, device_type="cpu")
     runtime.reset_state()
     got = runtime.model(x)

@@ -13,6 +13,7 @@ from models import train_share
 from test_memory_levers import GATES, MEMORY_CASES, PLAIN, _memory_plans
 
 import snn_explorer as se
+from snn_explorer.core.planning import split_options
 from snn_explorer.zoo import build
 
 STEPS = 3
@@ -52,7 +53,7 @@ def _rank_group(cases, memory_cases=()):
                 levers = dict(activation_checkpointing=granularity, checkpoint_every=every,
                               time_step_module=step_module) if checkpointing else PLAIN
                 plan = se.plan(analysis=se.analyze(model), objective="memory", topology=topology,
-                               batch_size=zoo.batch_size, mode=mode, features=GATES, **levers)
+                               batch_size=zoo.batch_size, mode=mode, features=GATES, **split_options(levers))
                 runtime = se.apply(model=model, plan=plan, device_type="cpu")
                 runs[checkpointing] = train_share(runtime, zoo, STEPS)
             per_block = (_per_block_run(mode, topology) if dist.get_world_size() == 2 and zoo_name == "mlp_all_steps"
@@ -68,7 +69,7 @@ def _per_block_run(mode, topology):
     zoo = build("mlp_all_steps")
     model = zoo.model.double()
     plan = se.plan(analysis=se.analyze(model), objective="memory", topology=topology, batch_size=zoo.batch_size,
-                   mode=mode, features=GATES, **PER_BLOCK)
+                   mode=mode, features=GATES, **split_options(PER_BLOCK))
     return train_share(se.apply(model=model, plan=plan, device_type="cpu"), zoo, STEPS)
 
 

@@ -18,7 +18,7 @@ TOL = 1e-5
 
 def reference():
     """The whole model in one process: losses, last gradients, final parameters, spike rates."""
-    from snn_explorer.core.neurons import is_stateful, reset_all
+    from snn_explorer.core.model import is_stateful, reset_all
 
     zoo = _zoo()
     model, x, y = zoo.model.double(), zoo.example_input.double(), zoo.labels
@@ -94,7 +94,7 @@ def _bf16_plan(model):
     import snn_explorer as se
 
     return se.plan(analysis=se.analyze(model), objective="capacity", topology=PP_FSDP2, batch_size=BATCH,
-                   mode="pp_fsdp2", precision="bf16", features=se.DistributedFeatureSet(allow_mixed_precision=True))
+                   mode="pp_fsdp2", features=se.DistributedFeatureSet(allow_mixed_precision=True), options=se.PlanOptions(precision="bf16"))
 
 
 def _measure(mode="pp_tp"):

@@ -12,6 +12,7 @@ from distributed_harness import run_on_ranks
 from test_op_checkpointing import _batch, _estimate, _model, _plan
 
 import snn_explorer as se
+from snn_explorer.core.model import TIME_MAJOR
 from snn_explorer.zoo.llm import MultiStepLIF
 
 T, BATCH, SEQ, STEPS = 4, 4, 16, 2
@@ -53,7 +54,7 @@ def _measured_peaks():
     model = _model(torch.float32)
     plans = [_plan(model, activation_checkpointing=a) for a in ("none", "ops")]
     tokens, targets = _batch()
-    run = measure_settings(model, plans, tokens, targets, 1, "adam", None, 1e-3, "cpu", layout=se.TIME_MAJOR)
+    run = measure_settings(model, plans, tokens, targets, 1, "adam", None, 1e-3, "cpu", layout=TIME_MAJOR)
     return [m["row"]["peak_bytes"] for m in measure_on_rank(model, plans, run)]
 
 

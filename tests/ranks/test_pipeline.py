@@ -41,7 +41,7 @@ def jelly_mlp() -> nn.Module:
 
 
 def virtual_stages(schedule):
-    from snn_explorer.core.pipeline_schedules import schedule_of
+    from snn_explorer.core.planning import schedule_of
 
     return 2 if schedule_of(schedule).multi_stage else 1
 
@@ -60,7 +60,7 @@ def build(name):
 
 def spike_rates(model):
     """Hooks recording the mean output of every stateful neuron."""
-    from snn_explorer.core.neurons import is_stateful
+    from snn_explorer.core.model import is_stateful
 
     rates = {}
 
@@ -78,7 +78,7 @@ def reference(name, chunks=1):
     state, with their gradients accumulated: what a pipeline computes for a model whose layers mix
     samples (BatchNorm normalises over each micro-batch). ``chunks=1`` is the plain whole batch.
     """
-    from snn_explorer.core.neurons import reset_all
+    from snn_explorer.core.model import reset_all
 
     model, x, y = build(name)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -112,9 +112,7 @@ def pipelined(name, topology, schedule):
 
     model, x, y = build(name)
     analysis = se.analyze(model)
-    plan = se.plan(analysis=analysis, objective="capacity", topology=topology, batch_size=BATCH, mode="pp",
-                   pp_schedule=schedule, pp_virtual_stages=virtual_stages(schedule),
-                   pp_microbatches=4)
+    plan = se.plan(analysis=analysis, objective="capacity", topology=topology, batch_size=BATCH, mode="pp", options=se.PlanOptions(pp_schedule=schedule, pp_virtual_stages=virtual_stages(schedule), pp_microbatches=4))
     runtime = se.apply(model=model, plan=plan, device_type="cpu")
     share = plan.per_rank_batch
     x, y = x[:, runtime.dp_rank * share:(runtime.dp_rank + 1) * share], y[runtime.dp_rank * share:][:share]
@@ -173,7 +171,7 @@ def back_to_back(runs):
         model, x, y = build("mlp_all_steps")
         schedule = SCHEDULES[i % len(SCHEDULES)]
         plan = se.plan(analysis=se.analyze(model), objective="capacity", topology={"pp": 2}, batch_size=BATCH,
-                       mode="pp", pp_schedule=schedule, pp_virtual_stages=virtual_stages(schedule))
+                       mode="pp", options=se.PlanOptions(pp_schedule=schedule, pp_virtual_stages=virtual_stages(schedule)))
         runtime = se.apply(model=model, plan=plan, device_type="cpu")
         done.append(float(runtime.train_step(nn.CrossEntropyLoss(), x, y)))
     return done
@@ -190,8 +188,7 @@ def measured_plan(topology, name, schedule):
         zoo = zoo_build(name, batch_size=BATCH)
         case = (zoo.model, zoo.example_input, zoo.labels)
     plan = se.plan(analysis=se.analyze(case[0]), objective="capacity", topology=topology, batch_size=BATCH,
-                   mode="pp", pp_schedule=schedule, pp_microbatches=4,
-                   pp_virtual_stages=virtual_stages(schedule))
+                   mode="pp", options=se.PlanOptions(pp_schedule=schedule, pp_microbatches=4, pp_virtual_stages=virtual_stages(schedule)))
     return case, plan
 
 
@@ -296,7 +293,7 @@ def test_state_carried_between_micro_batches_would_change_the_result(two_ranks):
     """Run the model over the micro-batches one after another without a reset in between: the later
     micro-batches' outputs differ from the whole batch's, which the pipeline's outputs equal."""
     model, x, _ = build("mlp_all_steps")
-    from snn_explorer.core.neurons import reset_all
+    from snn_explorer.core.model import reset_all
 
     reset_all(model)
     with torch.no_grad():
@@ -344,8 +341,7 @@ def test_launch_plan_and_export_job_run_a_pp_plan(tmp_path):
     model, x, y = build("mlp_all_steps")
     plan = se.plan(analysis=se.analyze(model), objective="capacity", topology={"pp": 2}, batch_size=BATCH)
     assert plan.uses_pp and plan.pp_schedule == "interleaved"
-    result = se.launch_plan(model, plan, pp_train_fn, steps=STEPS, optimizer={"lr": 1e-2}, progress=False,
-                            train_kwargs={"inputs": x, "labels": y}, timeout=120)
+    result = se.launch_plan(model, plan, pp_train_fn, steps=STEPS, optimizer={"lr": 1e-2}, train_kwargs={"inputs": x, "labels": y}, options=se.LaunchOptions(progress=False, timeout=120))
     want = [float(loss) for loss in reference("mlp_all_steps")["losses"]]
     for rank in (0, 1):
         assert result.losses[rank] == pytest.approx(want, abs=TOL)

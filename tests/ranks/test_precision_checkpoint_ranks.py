@@ -8,7 +8,7 @@ from distributed_harness import run_on_ranks
 from test_precision_checkpoint import GATE
 from torch import nn
 
-from snn_explorer.core.parallelize.mixed_precision import LossScaler
+from snn_explorer.core.parallelize import LossScaler
 
 FRESH = LossScaler().state_dict()
 
@@ -19,8 +19,7 @@ def _runtime(mode, topology, precision):
 
     zoo = build("mlp_all_steps", seed=0)
     plan = se.plan(analysis=se.analyze(zoo.model, model_family=zoo.family), objective="speed", topology=topology,
-                   batch_size=zoo.batch_size, mode=mode, features=se.DistributedFeatureSet(**GATE),
-                   precision=precision)
+                   batch_size=zoo.batch_size, mode=mode, features=se.DistributedFeatureSet(**GATE), options=se.PlanOptions(precision=precision))
     runtime = se.apply(model=zoo.model, plan=plan, device_type="cpu")
     share, start = plan.per_rank_batch, runtime.dp_rank * plan.per_rank_batch
     return runtime, runtime.build_optimizer(torch.optim.Adam, lr=1e-2), (

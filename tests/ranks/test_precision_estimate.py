@@ -39,7 +39,7 @@ CPU_SIDE = dataclasses.replace(se.hardware_profile("A100-SXM-80GB"), device="cpu
 def _plans(zoo, precision):
     analysis = se.analyze(zoo.model, model_family=zoo.family)
     return [se.plan(analysis=analysis, objective=objective, topology={mode if mode in ("tp", "pp") else "dp": 2},
-                    batch_size=zoo.batch_size, mode=mode, features=GATE, precision=precision)
+                    batch_size=zoo.batch_size, mode=mode, features=GATE, options=se.PlanOptions(precision=precision))
             for mode, objective in CASES[zoo.name]]
 
 

@@ -35,7 +35,7 @@ from torch import nn
 
 import snn_explorer as se
 from snn_explorer.compat import NORM_BASE
-from snn_explorer.core.precision import Precision, precision_of
+from snn_explorer.core.common import Precision, precision_of
 from snn_explorer.zoo import build
 
 STEPS = 4
@@ -63,7 +63,7 @@ def _model_and_batch(which):
 def _plan(model, x, y, batch, mode, topology, precision):
     analysis = se.analyze(model, example_input=x, labels=y)
     return se.plan(analysis=analysis, objective="speed", topology=topology, batch_size=batch, mode=mode,
-                   features=GATE, precision=precision)
+                   features=GATE, options=se.PlanOptions(precision=precision))
 
 
 def _watch(module):

@@ -41,8 +41,7 @@ def _train(mode, topology, precision, steps=STEPS, check_dtypes=False):
     zoo = build("mlp_all_steps", seed=0)
     features = se.DistributedFeatureSet(allow_zero_optimizer=mode == "dp+zero", **GATE)
     plan = se.plan(analysis=se.analyze(zoo.model, model_family=zoo.family), objective="speed",
-                   topology=topology, batch_size=zoo.batch_size, mode=mode.split("+")[0], features=features,
-                   precision=precision)
+                   topology=topology, batch_size=zoo.batch_size, mode=mode.split("+")[0], features=features, options=se.PlanOptions(precision=precision))
     runtime = se.apply(model=zoo.model, plan=plan, device_type="cpu")
     rates, seen_dtypes = [], set()
 

@@ -17,7 +17,7 @@ def _fp16_overflow(mode, topology):
 
     zoo = build("mlp_all_steps", seed=0)
     plan = se.plan(analysis=se.analyze(zoo.model, model_family=zoo.family), objective="speed", topology=topology,
-                   batch_size=zoo.batch_size, mode=mode, features=GATE, precision="fp16")
+                   batch_size=zoo.batch_size, mode=mode, features=GATE, options=se.PlanOptions(precision="fp16"))
     runtime = se.apply(model=zoo.model, plan=plan, device_type="cpu")
     share, start = plan.per_rank_batch, runtime.dp_rank * plan.per_rank_batch
     x, y = zoo.example_input[:, start:start + share], zoo.labels[start:start + share]

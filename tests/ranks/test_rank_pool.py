@@ -20,7 +20,7 @@ from rank_pool_fixture import rank_pool  # noqa: F401  (fixture)
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.launcher import launch, launch_plan
+from snn_explorer.launcher import LaunchOptions, launch, launch_plan, split_keywords
 from snn_explorer.ranks import LaunchError, RankPool, run
 from snn_explorer.zoo import build
 
@@ -76,8 +76,8 @@ def test_launch_plan_on_the_pool_trains_as_a_fresh_launch(rank_pool):  # noqa: F
                  batch_size=zoo.batch_size, mode="dp")
     share = {"inputs": zoo.example_input, "labels": zoo.labels}
     kwargs = dict(steps=3, seed=5, train_kwargs=share, progress=False, comm_backend="gloo")
-    fresh = launch_plan(zoo.model, dp, _seeded_step, **kwargs)
-    warm = launch_plan(zoo.model, dp, _seeded_step, pool=rank_pool, **kwargs)
+    fresh = launch_plan(zoo.model, dp, _seeded_step, **split_keywords(LaunchOptions, kwargs))
+    warm = launch_plan(zoo.model, dp, _seeded_step, pool=rank_pool, **split_keywords(LaunchOptions, kwargs))
     losses = [m["loss"] for m in fresh.values[0]]
     assert len(set(losses)) == 3  # training moves the loss: the comparison is not of constants
     assert warm.values == fresh.values
@@ -100,7 +100,7 @@ def test_a_pool_that_does_not_fit_is_refused_before_anything_runs(rank_pool):  #
     four = se.plan(analysis=se.analyze(zoo.model, model_family=zoo.family), objective="speed", topology={"dp": 4},
                    batch_size=zoo.batch_size, mode="dp")
     with pytest.raises(ValueError, match=r"needs 4 rank\(s\) on gloo.*RankPool\(4, backend='gloo'\)"):
-        launch_plan(zoo.model, four, _seeded_step, pool=rank_pool, comm_backend="gloo")
+        launch_plan(zoo.model, four, _seeded_step, pool=rank_pool, options=LaunchOptions(comm_backend="gloo"))
     with pytest.raises(ValueError, match=r"needs 4 rank\(s\) on gloo"):
         se.measure(zoo.model, four, example_input=zoo.example_input, labels=zoo.labels, pool=rank_pool)
     with pytest.raises(ValueError, match=r"needs 3 rank\(s\)"):
@@ -143,7 +143,7 @@ def test_failures_are_reported_as_a_launch_and_the_pool_goes_on(rank_pool):  # n
     assert exited.value.failures[1].exitcode == 3 and "exited with code 3" in str(exited.value)
     started = time.monotonic()
     with pytest.raises(LaunchError) as hung:
-        rank_pool.launch(_fail, ("hang",), timeout=60, time_limit=6)
+        rank_pool.launch(_fail, ("hang",), time_limit=6, timeout=60)
     assert hung.value.timed_out and 6 <= time.monotonic() - started < 30
     assert "_fail" in hung.value.failures[1].stack  # where the unfinished rank was
     assert rank_pool.run(_state_of_a_rank, 1)[0][0] == 3.0

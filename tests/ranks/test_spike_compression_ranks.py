@@ -11,9 +11,7 @@ from models import train_share
 from test_spike_compression import _plan
 
 import snn_explorer as se
-from snn_explorer.core.spike_compression import (
-    spike_packer,
-)
+from snn_explorer.core.levers import spike_packer
 from snn_explorer.estimator import estimate
 from snn_explorer.estimator.measurement.plan_measurement import measure_on_rank
 from snn_explorer.estimator.measurement.settings import measure_settings

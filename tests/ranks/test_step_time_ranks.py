@@ -26,7 +26,7 @@ def test_calibrate_on_real_ranks_and_json_round_trip(tmp_path):
         assert hw.collective_time(kind, 2, 2 ** 22) > hw.collective_time(kind, 2, 2 ** 10)
     assert hw.flops_per_s > 1e8 and hw.bytes_per_s > 1e8 and hw.op_overhead_s > 0
     # every pipeline schedule ran on the ranks and has its cost per action; ZeRO-like broadcast bursts were timed
-    from snn_explorer.core.pipeline_schedules import SCHEDULES
+    from snn_explorer.core.planning import SCHEDULES
 
     costs = hw.framework_overhead[2]
     assert {f"pp_{cost}:{name}" for name in SCHEDULES for cost in ("action", "link")} | {"broadcast_in_burst"} \

@@ -9,7 +9,7 @@ from test_styles import CASES, TP, build, example, plan_for
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.styles import STYLES
+from snn_explorer.core.tp import STYLES, TP_STYLES
 
 T, N = 3, 4
 
@@ -23,7 +23,7 @@ def _rates(model: nn.Module, x, y):
     for name, m in model.named_modules():
         if isinstance(m, (snntorch.SpikingNeuron, BaseNode)):
             m.register_forward_hook(lambda _m, _i, o, name=name: rates.setdefault(name, []).append(float(o.detach().mean())))
-    se.core.neurons.reset_all(model)
+    se.core.model.neurons.reset_all(model)
     out = model(x)
     nn.functional.cross_entropy(out.mean(0), y).backward()
     return {k: sum(v) / len(v) for k, v in rates.items()}, out.detach()
@@ -83,7 +83,7 @@ def ranks():
 
 def test_every_registered_style_is_exercised(ranks):
     used = {s for res in ranks[0].values() for s in res["styles"].values()}
-    assert used == set(STYLES) == set(se.TP_STYLES)
+    assert used == set(STYLES) == set(TP_STYLES)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -40,7 +40,7 @@ def _run_chains(tp_size):
     for n in (1, 2, 3, 10):
         ref_model = chain_model(n).double()
         x = chain_input()
-        se.core.neurons.reset_all(ref_model)
+        se.core.model.neurons.reset_all(ref_model)
         per_neuron = {}
         for name, m in ref_model.named_modules():
             if isinstance(m, snntorch.SpikingNeuron):

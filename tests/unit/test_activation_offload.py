@@ -12,8 +12,8 @@ from models import adam_steps_recording_spikes
 
 import snn_explorer as se
 from snn_explorer.compat import mem_tracker_class
-from snn_explorer.core.activation_offload import check_activation_offload_device, offload_hooks
-from snn_explorer.core.neurons import detached_copy
+from snn_explorer.core.levers import check_activation_offload_device, offload_hooks
+from snn_explorer.core.model import detached_copy
 from snn_explorer.estimator import estimate, model_profile
 from snn_explorer.estimator.memory.activation_offload import (
     _to_simulated_device,
@@ -32,7 +32,7 @@ GATES = se.DistributedFeatureSet(allow_cpu_offload=True, allow_activation_checkp
 
 def _plan(zoo, mode="fsdp2", topology=None, features=GATES, **levers):
     base = se.plan(analysis=se.analyze(zoo.model), objective="speed", topology=topology or {"dp": 2},
-                   batch_size=zoo.batch_size, mode=mode, features=features, activation_checkpointing="none")
+                   batch_size=zoo.batch_size, mode=mode, features=features, options=se.PlanOptions(activation_checkpointing="none"))
     return dataclasses.replace(base, **levers)
 
 

@@ -11,10 +11,10 @@ import torch
 from models import adam_steps_recording_spikes
 
 import snn_explorer as se
-from snn_explorer.core.block_choice import choose_blocks, with_blocks
-from snn_explorer.core.memory_levers import copy_without_levers, lever_label
-from snn_explorer.core.neurons import detached_copy
-from snn_explorer.core.parallelize.checkpointing import checkpoint_blocks
+from snn_explorer.core.levers import choose_blocks, copy_without_levers, lever_label, with_blocks
+from snn_explorer.core.model import detached_copy
+from snn_explorer.core.parallelize import checkpoint_blocks
+from snn_explorer.core.planning import split_options
 from snn_explorer.zoo import build
 
 GATES = se.DistributedFeatureSet(allow_activation_checkpointing=True)
@@ -22,7 +22,7 @@ GATES = se.DistributedFeatureSet(allow_activation_checkpointing=True)
 
 def _plan(zoo, **kw):
     return se.plan(analysis=se.analyze(zoo.model), objective="memory", topology={"dp": 2}, mode="fsdp2",
-                   batch_size=zoo.batch_size, features=GATES, **kw)
+                   batch_size=zoo.batch_size, features=GATES, **split_options(kw))
 
 
 def test_plan_field_refusals_and_json():

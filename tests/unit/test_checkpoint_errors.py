@@ -10,7 +10,7 @@ from torch import nn
 
 import snn_explorer as se
 from snn_explorer.cli import main
-from snn_explorer.core.checkpoint import CheckpointError, check_checkpoint, read_manifest, reshard_problem
+from snn_explorer.core.checkpoints import CheckpointError, check_checkpoint, read_manifest, reshard_problem
 from snn_explorer.zoo import build
 
 
@@ -162,18 +162,17 @@ def test_exported_job_restarts_and_resumes_from_checkpoints(tmp_path):
     import pickle
     import stat
 
-    from snn_explorer.launcher import export_job
+    from snn_explorer.launcher import ExportOptions, export_job
 
     zoo = build("mlp")
     plan = se.plan(analysis=se.analyze(zoo.model), objective="speed", topology={"dp": 2}, mode="dp",
                    batch_size=zoo.batch_size)
-    job = export_job(plan, lambda runtime, step, batch, state: 0.0, tmp_path / "job", model=zoo.model, steps=10,
-                     max_restarts=3, checkpoint_dir="ckpt", checkpoint_every=2)
+    job = export_job(plan, lambda runtime, step, batch, state: 0.0, tmp_path / "job", model=zoo.model, steps=10, options=ExportOptions(max_restarts=3, checkpoint_dir="ckpt", checkpoint_every=2))
     assert "--max-restarts 3" in job.command and "--max-restarts 3" in open(job.sbatch_file).read()
     assert stat.S_IMODE(os.stat(job.payload_file).st_mode) == 0o600
     with open(job.payload_file, "rb") as fh:
         assert pickle.load(fh)["checkpoints"] == {"dir": "ckpt", "every": 2}
     with pytest.raises(ValueError, match="max_restarts=-1 must be a non-negative int"):
-        export_job(plan, lambda *a: 0.0, tmp_path / "job2", model=zoo.model, max_restarts=-1)
+        export_job(plan, lambda *a: 0.0, tmp_path / "job2", model=zoo.model, options=ExportOptions(max_restarts=-1))
     with pytest.raises(ValueError, match="checkpoint_dir and checkpoint_every go together"):
-        export_job(plan, lambda *a: 0.0, tmp_path / "job3", model=zoo.model, checkpoint_every=2)
+        export_job(plan, lambda *a: 0.0, tmp_path / "job3", model=zoo.model, options=ExportOptions(checkpoint_every=2))

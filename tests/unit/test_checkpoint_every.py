@@ -20,8 +20,7 @@ def _stand_in(p):
 
 def _plan(time_step_module="net", objective="memory", peak_estimate=_stand_in, **kw):
     return se.plan(analysis=se.analyze(build("mlp").model), objective=objective, topology={"dp": 2},
-                   batch_size=8, mode="dp", features=GATES, time_step_module=time_step_module,
-                   peak_estimate=peak_estimate, **kw)
+                   batch_size=8, mode="dp", features=GATES, options=se.PlanOptions(time_step_module=time_step_module, peak_estimate=peak_estimate, **kw))
 
 
 def test_an_explicit_k_of_1_is_kept_and_none_is_chosen_by_estimate():

@@ -8,7 +8,7 @@ import pytest
 from test_checkpoint_faults import _shard_fsync_fails
 
 import snn_explorer as se
-from snn_explorer.core.checkpoint import CheckpointError, latest_checkpoint, step_path
+from snn_explorer.core.checkpoints import CheckpointError, latest_checkpoint, step_path
 from snn_explorer.zoo import build
 
 pytestmark = pytest.mark.timeout(600)

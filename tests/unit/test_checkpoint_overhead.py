@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import snn_explorer as se
-from snn_explorer.core.chunk_choice import chunked
-from snn_explorer.core.memory_levers import copy_without_levers
+from snn_explorer.core.levers import chunked, copy_without_levers
 from snn_explorer.estimator import hardware_profile
 from snn_explorer.zoo.mlp import SpikingMLP
 
@@ -24,7 +23,7 @@ def stand_in():
     y = torch.randint(0, CLASSES, (N,))
     features = se.DistributedFeatureSet(allow_activation_checkpointing=True)
     make = lambda ck: se.plan(analysis=se.analyze(model), objective="speed", topology={"dp": 1}, batch_size=N,
-                              mode="dp", features=features, activation_checkpointing=ck)
+                              mode="dp", features=features, options=se.PlanOptions(activation_checkpointing=ck))
     plain = copy_without_levers(make("none"))
     return model, x, y, plain, make("blocks")
 

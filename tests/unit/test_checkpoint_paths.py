@@ -9,9 +9,8 @@ import torch
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.memory_levers import copy_without_levers, find_time_step_module, lever_variants
-from snn_explorer.core.module_copy import copy_along
-from snn_explorer.core.neurons import detached_copy
+from snn_explorer.core.levers import copy_without_levers, find_time_step_module, lever_variants
+from snn_explorer.core.model import copy_along, detached_copy
 from snn_explorer.estimator import estimate
 from snn_explorer.estimator.budget_fit import FIT_FEATURES
 from snn_explorer.estimator.enumerate import enumerate_plans

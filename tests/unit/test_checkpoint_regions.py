@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.neurons import detached_copy
+from snn_explorer.core.model import detached_copy
 from snn_explorer.core.parallelize import checkpointing
+from snn_explorer.core.planning import split_options
 from snn_explorer.zoo import build
 from snn_explorer.zoo.llm import build_llm, token_batch
 
@@ -78,7 +79,7 @@ def test_region_starts_are_the_regions_apply_makes(case):
     analysis = se.analyze(model)
     units = analysis.fsdp_unit_names
     plan = se.plan(analysis=analysis, objective="speed", topology={"dp": 2}, mode="fsdp2", batch_size=batch,
-                   features=GATES, **levers)
+                   features=GATES, **split_options(levers))
     starts = checkpointing.region_starts(model, plan, units)
     assert len(starts) >= 2, starts  # non-trivial: several regions
     runs = _regions_run(model, plan, units, example)

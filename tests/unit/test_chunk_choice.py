@@ -1,12 +1,11 @@
-"""Time chunks sized by estimate (core/chunk_choice.py): every power-of-two size up to one chunk is estimated;
+"""Time chunks sized by estimate (core/levers/chunk_choice.py): every power-of-two size up to one chunk is estimated;
 the size measured on gloo ranks is the estimator's choice (test_memory_levers' time-chunk case);
 without a budget the lowest peak wins (ties: the faster), with one the fastest that fits; the memory objective and
 fit_budget take the size so chosen, and the plan's note states every size's peak and step time."""
 from types import SimpleNamespace
 
 import snn_explorer as se
-from snn_explorer.core.chunk_choice import choose_chunks
-from snn_explorer.core.memory_levers import copy_without_levers
+from snn_explorer.core.levers import choose_chunks, copy_without_levers
 from snn_explorer.zoo import build
 
 GATES = se.DistributedFeatureSet(allow_activation_checkpointing=True)
@@ -60,7 +59,7 @@ def test_the_memory_objective_takes_the_size_the_real_estimate_chooses():
     assert choice.estimate.peak_bytes == low < estimate_of(_base()).peak_bytes
     assert choice.estimate.step_time_s == min(e.step_time_s for e in peaks.values() if e.peak_bytes == low)
     plan = se.plan(analysis=se.analyze(zoo.model), objective="memory", topology={"dp": 2}, batch_size=8, mode="dp",
-                   features=GATES, time_step_module="net", peak_estimate=estimate_of)
+                   features=GATES, options=se.PlanOptions(time_step_module="net", peak_estimate=estimate_of))
     note = next(n for n in plan.notes if n.startswith("time chunks of"))
     assert f"time chunks of {choice.plan.checkpoint_every} steps chosen by estimate" in note
     # on this model time chunks have the lowest peak of all levers (blocks: above the plan's own, test_fit)
@@ -73,6 +72,6 @@ def test_the_chunk_size_note_is_only_on_a_plan_that_chunks():
     blocky = lambda p: (SimpleNamespace(peak_bytes=100, step_time_s=2.0)  # noqa: E731
                         if p.activation_checkpointing == "blocks" else _stand_in(p))
     plan = se.plan(analysis=se.analyze(build("mlp").model), objective="memory", topology={"dp": 2}, batch_size=8,
-                   mode="dp", features=GATES, time_step_module="net", peak_estimate=blocky)
+                   mode="dp", features=GATES, options=se.PlanOptions(time_step_module="net", peak_estimate=blocky))
     assert plan.activation_checkpointing == "blocks"
     assert not any(n.startswith("time chunks") for n in plan.notes), plan.notes

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import snn_explorer as se
-from snn_explorer.core.chunk_choice import chunked
-from snn_explorer.core.memory_levers import copy_without_levers
+from snn_explorer.core.levers import chunked, copy_without_levers
 from snn_explorer.estimator import hardware_profile
 from snn_explorer.estimator.calibration.checkpoint_call import CHUNK_LAYERS, region_ops
 from snn_explorer.estimator.instruments.op_counter import OpCounter

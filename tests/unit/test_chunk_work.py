@@ -11,10 +11,9 @@ import pytest
 import torch
 
 import snn_explorer as se
-from snn_explorer.core.chunk_choice import chunked
-from snn_explorer.core.memory_levers import copy_without_levers
-from snn_explorer.core.neurons import detached_copy
-from snn_explorer.core.parallelize.checkpointing import checkpoint_time_chunks
+from snn_explorer.core.levers import chunked, copy_without_levers
+from snn_explorer.core.model import detached_copy
+from snn_explorer.core.parallelize import checkpoint_time_chunks
 from snn_explorer.estimator import hardware_profile
 from snn_explorer.estimator.profile.checkpointed import levered_profile, unlevered
 from snn_explorer.estimator.profile.profiling import model_profile

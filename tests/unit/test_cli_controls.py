@@ -6,8 +6,9 @@ import re
 import pytest
 
 from snn_explorer.cli import main
-from snn_explorer.core import SNN_DISTRIBUTED_PREFERENCES, SNNDistributedTopology, analyze, plan
-from snn_explorer.core.topology import dp_tp_splits
+from snn_explorer.core import SNNDistributedTopology, analyze, plan
+from snn_explorer.core.common import dp_tp_splits
+from snn_explorer.core.planning import SNN_DISTRIBUTED_PREFERENCES
 from snn_explorer.zoo import build
 
 HW = ["--hardware", "A100-SXM-80GB"]

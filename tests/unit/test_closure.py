@@ -12,7 +12,8 @@ from torch import nn
 
 import snn_explorer as se
 from snn_explorer.core import distribute
-from snn_explorer.core.plan_types import topology_problem
+from snn_explorer.core.common import MODES
+from snn_explorer.core.planning import SNN_DISTRIBUTED_PREFERENCES, topology_problem
 from snn_explorer.zoo import build
 
 NAMES = ("dp", "tp", "x")
@@ -35,8 +36,8 @@ def all_cases(worlds=range(1, 9)):
     for world in worlds:
         for topology in factorisations(world):
             for family in FAMILY_MODELS:
-                for objective in se.SNN_DISTRIBUTED_PREFERENCES:
-                    for mode in (None,) + se.MODES:
+                for objective in SNN_DISTRIBUTED_PREFERENCES:
+                    for mode in (None,) + MODES:
                         yield world, topology, family, objective, mode
 
 
@@ -45,10 +46,10 @@ def _check_refusal(message: str, mode, topology) -> None:
     if mode is None:
         head = f"no mode fits topology {dict(topology.dims)} for this model: "
         assert message.startswith(head), message
-        names = "|".join(sorted(map(re.escape, se.MODES), key=len, reverse=True))
+        names = "|".join(sorted(map(re.escape, MODES), key=len, reverse=True))
         parts = re.split(f"; (?=(?:{names}): )", message[len(head):])
         reasons = dict(part.split(": ", 1) for part in parts)
-        assert reasons and set(reasons) <= set(se.MODES), message
+        assert reasons and set(reasons) <= set(MODES), message
         for name, reason in reasons.items():  # its topology problem, or a TP fact naming the size
             problem = topology_problem(name, topology)
             assert reason == problem if problem else (f"tp={topology.size('tp')}" in reason

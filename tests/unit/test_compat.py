@@ -18,7 +18,7 @@ from torch import nn
 
 import snn_explorer as se
 from snn_explorer import compat, compat_dcp
-from snn_explorer.core.neurons import reset_all
+from snn_explorer.core.model import reset_all
 from snn_explorer.estimator.instruments.fsdp_events import record
 from snn_explorer.estimator.instruments.meter import StorageMeter
 from snn_explorer.estimator.instruments.recorder import CollectiveRecorder
@@ -244,9 +244,9 @@ def test_recorder_sees_the_base_gather_and_scatter_ops(one_rank):
 
 _FAKE_GROUP_PROBE = """
 import torch, torch.distributed as dist
-from snn_explorer import compat
+from snn_explorer import compat_fake
 from snn_explorer.estimator.instruments.recorder import CollectiveRecorder
-with compat.fake_process_group(3, 512):
+with compat_fake.fake_process_group(3, 512):
     print(dist.get_rank(), dist.get_world_size())
     recorder = CollectiveRecorder()
     with recorder:
@@ -282,7 +282,7 @@ def test_mem_tracker_peak_restarts_from_the_current_memory():
 def test_pipeline_compute_order_is_torchs_for_every_schedule():
     """Each schedule's per-rank order, read from torch: every rank runs a forward and a backward (or
     input and weight backwards) of each of its stages for every micro-batch, 1F1B in its known order."""
-    from snn_explorer.core.pipeline_schedules import SCHEDULES
+    from snn_explorer.core.planning import SCHEDULES
 
     for name, schedule in SCHEDULES.items():
         virtual = 2 if schedule.multi_stage else 1

@@ -5,7 +5,7 @@ import pandas as pd
 import torch
 
 import snn_explorer as se
-from snn_explorer.core.neurons import detached_copy, reset_all, shared_storage_copy, stateful_modules
+from snn_explorer.core.model import TIME_MAJOR, detached_copy, reset_all, shared_storage_copy, stateful_modules
 from snn_explorer.estimator import estimate
 from snn_explorer.estimator.profile import tp_replica
 from snn_explorer.estimator.profile.profiling import measure_profile
@@ -79,7 +79,7 @@ def test_tp_estimates_with_a_shared_storage_replica_equal_those_with_a_deep_copi
     torch.manual_seed(0)
     llm = build_llm("spiking-llm-tiny", n_layers=4, tied_embeddings=False)
     cases = (("deep mlp", SpikingMLP(16, (16,) * 8, 8, stepping="all_steps"), torch.rand(3, 4, 16), None, None),
-             ("llm", llm, token_batch(llm.config, 3, 4, 8), None, se.TIME_MAJOR))
+             ("llm", llm, token_batch(llm.config, 3, 4, 8), None, TIME_MAJOR))
     for name, model, x, labels, layout in cases:
         analysis = se.analyze(model)
         for mode, topology in (("tp", {"tp": 2}), ("fsdp2_tp", {"dp": 2, "tp": 2})):

@@ -24,6 +24,7 @@ from snn_explorer import (
     recommend_snn_distributed_strategy,
     register_stateful,
 )
+from snn_explorer.core.planning import split_options
 
 # ---- models and helpers ------------------------------------------------------------------------
 
@@ -43,7 +44,7 @@ def conv_only():
 def mk(objective="speed", topology=1, neuron_backend="torch", batch_size=8, model=None, roots=None, **kw):
     a = analyze(MLP() if model is None else model, roots=roots)
     return plan(analysis=a, objective=objective, topology=topology, neuron_backend=neuron_backend,
-                batch_size=batch_size, **kw)
+                batch_size=batch_size, **split_options(kw))
 
 
 def _tied_chain():
@@ -456,7 +457,7 @@ def test_apply_default_device_type_follows_the_one_rule():
 
 
 def test_errors_leave_registry_unchanged():
-    from snn_explorer.core import neurons
+    from snn_explorer.core.model import neurons
     before = dict(neurons._REGISTRY)
     for bad in (int, nn.Linear):
         with pytest.raises(TypeError):

@@ -90,6 +90,7 @@ def test_estimates_reuse_one_run_per_batch_and_layout(monkeypatch):
     per-rank batch and TP layout (FSDP2 plans replay the same run, whatever their dp and
     resharding), and estimating them all again runs the model not at all. The time this takes is
     in ``benchmarks/estimator_accuracy.py --speed``."""
+    from snn_explorer.estimator.profile import profile_runs
     from snn_explorer.estimator.profile import profiling as profile_mod
 
     model = SpikingMLP(in_features=64, hidden=(64,) * 40, num_classes=8, stepping="all_steps")
@@ -100,8 +101,10 @@ def test_estimates_reuse_one_run_per_batch_and_layout(monkeypatch):
     assert {p.mode for p in plans} == {"dp", "fsdp2", "tp", "fsdp2_tp", "pp", "pp_tp", "pp_fsdp2", "pp_fsdp2_tp"}
     assert len({p.memopt_level for p in plans}) == 2
     runs = []
-    real = profile_mod._run_point
-    monkeypatch.setattr(profile_mod, "_run_point", lambda *a, **k: runs.append(k.get("saved_only", True)) or real(*a, **k))
+    real = profile_mod.run_point
+    counted = lambda *a, **k: runs.append(k.get("saved_only", True)) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr(profile_mod, "run_point", counted)
+    monkeypatch.setattr(profile_runs, "run_point", counted)
     # the operator-count model's runs (a CPU-device profile; a GPU profile traces the step on meta instead)
     cpu_side = dataclasses.replace(se.hardware_profile("A100-SXM-80GB"), device="cpu", kernel_model=False)
     estimate(model, plans[0], example_input=x, hardware=cpu_side)
@@ -141,11 +144,12 @@ def test_fsdp2_replay_recovers_the_meters_peaks_and_frees_every_buffer():
     for FSDP2 (dp=2, with and without resharding) every buffer FSDP2 allocates is gone after the
     backward, which leaves the run's bytes minus the unsharded gradients plus the sharded ones, and
     resharding after forward lowers the forward's peak."""
-    from snn_explorer.core.plans.families import fsdp_units
+    from snn_explorer.core.model import fsdp_units
     from snn_explorer.estimator.instruments.meter import StorageMeter
     from snn_explorer.estimator.memory.fsdp_timeline import FsdpTimeline, replay_fsdp
     from snn_explorer.estimator.memory.sharding import local_params
-    from snn_explorer.estimator.profile.profiling import _run_point, trainable_shapes
+    from snn_explorer.estimator.profile.profile_runs import run_point as _run_point
+    from snn_explorer.estimator.profile.profiling import trainable_shapes
     from snn_explorer.estimator.profile.step import forward_loss
 
     zoo = build("mlp_all_steps")

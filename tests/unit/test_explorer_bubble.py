@@ -10,8 +10,7 @@ from snn_explorer.zoo import build
 def test_the_bubble_bar_is_the_time_tables_mean_idle_time():
     vgg = build("vgg", batch_size=8)
     analysis = se.analyze(vgg.model)
-    pp = se.plan(analysis=analysis, objective="capacity", topology={"pp": 2}, batch_size=8, mode="pp",
-                 pp_schedule="1f1b", pp_microbatches=4)
+    pp = se.plan(analysis=analysis, objective="capacity", topology={"pp": 2}, batch_size=8, mode="pp", options=se.PlanOptions(pp_schedule="1f1b", pp_microbatches=4))
     dp = se.plan(analysis=analysis, objective="speed", topology={"dp": 2}, batch_size=8, mode="dp")
     ests = [estimate(vgg.model, p, example_input=vgg.example_input, labels=vgg.labels) for p in (pp, dp)]
     time = ests[0].time
@@ -38,7 +37,7 @@ def test_the_pipeline_chart_states_the_time_tables_idle_share_and_stays_readable
 
     vgg = build("vgg", batch_size=16)
     ex = Explorer.from_zoo(vgg)
-    plan = ex.make_plan(objective="capacity", topology={"pp": 2}, mode="pp", pp_schedule="1f1b", pp_microbatches=16)
+    plan = ex.make_plan(objective="capacity", topology={"pp": 2}, mode="pp", options=se.PlanOptions(pp_schedule="1f1b", pp_microbatches=16))
     units = ex.analysis.pipeline_units
     # two ranks idle 0.3 and 0.1 s of 1 s steps: 20 %; the schedule alone idles (pp - 1) / (m + pp - 1) = 1/17
     given = pipeline_chart(plan, units, time=pd.DataFrame({"bubble_s": [0.3, 0.1], "step_s": [1.0, 1.0]}))

@@ -4,7 +4,7 @@ import re
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
-from snn_explorer.core.precision import Precision
+from snn_explorer.core.common import Precision
 from snn_explorer.explorer import Explorer
 from snn_explorer.explorer.compare import format_bytes
 from snn_explorer.explorer.fit_view import fit_chart, fit_table

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from snn_explorer import analyze, plan
+from snn_explorer import PlanOptions, analyze, plan
 from snn_explorer.explorer import Explorer, analysis_table
 from snn_explorer.zoo import build
 
@@ -35,7 +35,7 @@ class Branching(nn.Module):
 
 def _pp_error(model) -> str:
     with pytest.raises(ValueError) as info:
-        plan(analysis=analyze(model), objective="speed", topology={"pp": 2}, mode="pp", batch_size=4, pp_layout="1|1")
+        plan(analysis=analyze(model), objective="speed", topology={"pp": 2}, mode="pp", batch_size=4, options=PlanOptions(pp_layout="1|1"))
     return str(info.value)
 
 

@@ -314,7 +314,7 @@ def test_pp_schedule_micro_batches_and_virtual_stages_reach_the_plan(pp_ui):
     ui.pp_schedule.value, ui.pp_virtual_stages.value, ui.pp_microbatches.value = "1f1b", 0, 0
     pinned = ui.pin()
     ui.pp.value = 1  # the pinned pipeline stays; the other controls are off again and ignored
-    assert ui.pp_microbatches.disabled and ui.choices()["pp_schedule"] is None and ui.current.mode == "dp"
+    assert ui.pp_microbatches.disabled and ui.choices()["options"].pp_schedule is None and ui.current.mode == "dp"
     assert ui.ex.plans == [pinned] and _columns(ui) == ["#1 pp pp=2 x dp=2 1f1b m=4", "current dp+zero dp=4"]
     assert ui.compare_table.loc["bubble_fraction"].tolist() == [pytest.approx(1 / 5), 0.0]
     assert ui.compare_table.loc["pipeline"].tolist() == [f"1f1b m=4 stages {pinned.pp_layout}", ""]

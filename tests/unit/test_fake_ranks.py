@@ -9,7 +9,8 @@ import pytest
 import torch.distributed as dist
 
 import snn_explorer as se
-from snn_explorer import compat
+from snn_explorer import compat_fake
+from snn_explorer.core.model import TIME_MAJOR
 from snn_explorer.estimator import enumerate_plans, estimate, hardware_profile, record_rank_step
 from snn_explorer.zoo import build
 from snn_explorer.zoo.llm import build_llm, token_batch
@@ -52,12 +53,12 @@ def test_a_meta_llm_at_64_ranks_runs_on_a_fake_rank_without_allocating_it():
     tokens = token_batch(model.config, 2, 64, 16)
     analysis = se.analyze(model)
     plans = [se.plan(analysis=analysis, objective="speed", mode="fsdp2_tp", topology={"dp": 16, "tp": 4},
-                     batch_size=64, tensor_parallel_plan=model.tensor_parallel_plan())]
+                     batch_size=64, options=se.PlanOptions(tensor_parallel_plan=model.tensor_parallel_plan()))]
     for plan in plans:
-        fake = record_rank_step(model, plan, tokens, layout=se.TIME_MAJOR, rank=5)
+        fake = record_rank_step(model, plan, tokens, layout=TIME_MAJOR, rank=5)
         assert set(fake.collectives["mesh_dim"]) == set(plan.mesh_dim_names), plan
         cpu_side = dataclasses.replace(hardware_profile("H100-SXM-96GB"), device="cpu", kernel_model=False)
-        estimated = estimate(model, plan, example_input=tokens, hardware=cpu_side, layout=se.TIME_MAJOR)
+        estimated = estimate(model, plan, example_input=tokens, hardware=cpu_side, layout=TIME_MAJOR)
         assert _rows(estimated.collectives) == _rows(fake.collectives), plan
         assert estimated.peak_bytes == pytest.approx(fake.peak_bytes, rel=0.05), plan
     assert all(p.device.type == "meta" for p in model.parameters())
@@ -73,7 +74,7 @@ def test_what_a_fake_group_cannot_run_is_refused_before_anything_runs():
     fsdp = se.plan(analysis=analysis, objective="speed", mode="fsdp2", topology={"dp": 2}, batch_size=4)
     with pytest.raises(ValueError, match=r"rank=2; expected an int in \[0, 2\)"):
         record_rank_step(zoo.model, fsdp, zoo.example_input, zoo.labels, rank=2)
-    with compat.fake_process_group(0, 2):
+    with compat_fake.fake_process_group(0, 2):
         with pytest.raises(RuntimeError, match="already rank 0 of 2"):
             record_rank_step(zoo.model, fsdp, zoo.example_input, zoo.labels)
     one = se.plan(analysis=analysis, objective="speed", mode="none", topology={"dp": 1}, batch_size=4)

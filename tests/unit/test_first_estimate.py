@@ -8,8 +8,7 @@ from models import wide_jelly
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from snn_explorer.core.module_copy import deep_copy_module
-from snn_explorer.core.neurons import detached_copy, reset_all, tensors_with_history
+from snn_explorer.core.model import deep_copy_module, detached_copy, reset_all, tensors_with_history
 from snn_explorer.estimator.profile.profiling import measure_profile
 from snn_explorer.estimator.profile.repeats import find_repeats
 from snn_explorer.estimator.profile.step import batch_slice, forward_loss

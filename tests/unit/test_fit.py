@@ -8,11 +8,20 @@ import torch
 from models import TimeLoop, leaky
 from torch import nn
 
-from snn_explorer import DistributedFeatureSet, analyze, find_time_step_module, fit_budget, plan, plan_estimator, zoo
+from snn_explorer import (
+    DistributedFeatureSet,
+    PlanOptions,
+    analyze,
+    find_time_step_module,
+    fit_budget,
+    plan,
+    plan_estimator,
+    zoo,
+)
 from snn_explorer.cli import main
-from snn_explorer.core.block_choice import choose_blocks
-from snn_explorer.core.chunk_choice import choose_chunks
-from snn_explorer.core.memory_levers import (
+from snn_explorer.core.levers import (
+    choose_blocks,
+    choose_chunks,
     copy_without_levers,
     fsdp_offload_variants,
     lever_variants,
@@ -90,8 +99,7 @@ def _check_memory_objective(name, model, x, labels, outcomes):
     for topology in ({"dp": 2}, {"tp": 2}):
         try:
             chosen = plan(analysis=analysis, objective="memory", topology=topology, features=ALL_GATES,
-                          batch_size=analysis.data_layout.samples(x), peak_estimate=estimate_of,
-                          time_step_module=step_module)
+                          batch_size=analysis.data_layout.samples(x), options=PlanOptions(peak_estimate=estimate_of, time_step_module=step_module))
         except ValueError:  # no TP candidates
             continue
         base = copy_without_levers(chosen)

@@ -26,7 +26,7 @@ def _offloaded(width: int):
     torch.manual_seed(0)
     model = SpikingMLP(in_features=width, hidden=(width,) * 2, num_classes=10, stepping="all_steps")
     plan = se.plan(analysis=se.analyze(model), objective="speed", topology={"dp": 2}, batch_size=N, mode="fsdp2",
-                   features=GATES, cpu_offload=True)
+                   features=GATES, options=se.PlanOptions(cpu_offload=True))
     return model, torch.rand(T, N, width), plan
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 from test_fsdp_tracker import _model_and_input, _plans
 
-from snn_explorer.core.memory_levers import check_cpu_offload_device
+from snn_explorer.core.levers import check_cpu_offload_device
 from snn_explorer.estimator import estimate
 from snn_explorer.estimator.timing.hardware import hardware_profile
 

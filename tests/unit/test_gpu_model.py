@@ -247,7 +247,7 @@ def test_gpu_trace_of_a_checkpointed_plan_recomputes_its_blocks():
     steps = {}
     for checkpointing in ("none", "blocks"):
         plan = se.plan(analysis=analysis, objective="speed", topology={"dp": 2}, mode="fsdp2", features=gates,
-                       batch_size=zoo.example_input.shape[1], activation_checkpointing=checkpointing)
+                       batch_size=zoo.example_input.shape[1], options=se.PlanOptions(activation_checkpointing=checkpointing))
         steps[checkpointing] = se.estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels,
                                            hardware=RTX)
     plain, recomputed = steps["none"], steps["blocks"]

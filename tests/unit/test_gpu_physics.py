@@ -30,7 +30,7 @@ def step_ms(precision: str, hardwares) -> dict:
     they compare one step (its trace is taken once and timed on each profile)."""
     model = conv_snn()
     plan = se.plan(analysis=se.analyze(model), objective="speed", topology={"dp": 1}, batch_size=N, mode="none",
-                   features=GATE, precision=precision)
+                   features=GATE, options=se.PlanOptions(precision=precision))
     x = torch.rand(T, N, 3, HW, HW)
     return {hw: se.estimate(model, plan, example_input=x, hardware=hw).step_time_s * 1e3 for hw in hardwares}
 

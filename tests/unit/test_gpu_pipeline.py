@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import snn_explorer as se
+from snn_explorer.core.model import TIME_MAJOR
 from snn_explorer.estimator.memory.gpu_trace import gpu_stage_kernels, gpu_stage_memory, gpu_step, optimizer_kernels
 from snn_explorer.estimator.profile.profiling import model_profile
 from snn_explorer.estimator.timing.gpu_kernels import phase_seconds
@@ -19,7 +20,7 @@ RTX = "RTX-4090-PCIe-noP2P"
 
 def pp_plan(z, micro=2, batch=None):
     return se.plan(analysis=se.analyze(z.model), objective="speed", mode="pp", topology={"pp": 2},
-                   batch_size=batch or z.batch_size, pp_microbatches=micro, pp_schedule="gpipe", pp_virtual_stages=1)
+                   batch_size=batch or z.batch_size, options=se.PlanOptions(pp_microbatches=micro, pp_schedule="gpipe", pp_virtual_stages=1))
 
 
 def seconds(kernels, hw) -> float:
@@ -81,8 +82,7 @@ def test_stage_memory_on_gpu_is_the_traced_step_cut_at_the_stages():
     model = small_snn()
     x = torch.rand(T, N, 2, HW, HW)
     profile = model_profile(model, x)
-    plan = se.plan(analysis=se.analyze(model), objective="speed", mode="pp", topology={"pp": 2}, batch_size=N,
-                   pp_microbatches=2, pp_schedule="gpipe", pp_virtual_stages=1)
+    plan = se.plan(analysis=se.analyze(model), objective="speed", mode="pp", topology={"pp": 2}, batch_size=N, options=se.PlanOptions(pp_microbatches=2, pp_schedule="gpipe", pp_virtual_stages=1))
     stages = plan_stages(plan, profile)
     runs = gpu_stage_memory(profile, stages, N, T, 1)
     whole = gpu_step(profile, N, T)
@@ -102,10 +102,9 @@ def test_shape_only_pipeline_of_a_language_model_counts_its_stages_as_the_real_o
     cfg = dict(tied_embeddings=False)
     real, meta = build_llm("spiking-llm-tiny", **cfg), build_llm("spiking-llm-tiny", device="meta", **cfg)
     tokens, labels = token_batch(real.config, 2, 4, 8), torch.randint(0, real.config.vocab_size, (4, 8))
-    plan = se.plan(analysis=se.analyze(real), objective="speed", mode="pp", topology={"pp": 2}, batch_size=4,
-                   pp_microbatches=2, pp_schedule="gpipe", pp_virtual_stages=1)
+    plan = se.plan(analysis=se.analyze(real), objective="speed", mode="pp", topology={"pp": 2}, batch_size=4, options=se.PlanOptions(pp_microbatches=2, pp_schedule="gpipe", pp_virtual_stages=1))
     for hw in ("A100-SXM-80GB", RTX):
-        ours = [se.estimate(m, plan, example_input=tokens, labels=labels, hardware=hw, layout=se.TIME_MAJOR)
+        ours = [se.estimate(m, plan, example_input=tokens, labels=labels, hardware=hw, layout=TIME_MAJOR)
                 for m in (real, meta)]
         assert ours[0].step_time_s > 0 and ours[0].peak_bytes > 0
         assert ours[0].time.equals(ours[1].time) and ours[0].per_rank.equals(ours[1].per_rank), hw

@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from snn_explorer import analyze, plan
-from snn_explorer.launcher import export_job
+from snn_explorer.launcher import ExportOptions, export_job, split_keywords
 from snn_explorer.launcher.job import main as job_main
 from snn_explorer.zoo import build
 
@@ -27,7 +27,7 @@ def step(runtime, step, batch, state):
 
 def _export(mlp, path, **kw):
     zoo, p = mlp
-    return export_job(p, step, path, model=zoo.model, **kw)
+    return export_job(p, step, path, model=zoo.model, **split_keywords(ExportOptions, kw))
 
 
 # ---- export_job: the job directory and its files ---------------------------------------------------
@@ -153,7 +153,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from snn_explorer import Explorer, SNNDistributedAnalysis, SNNDistributedPlan, SNNDistributedTopology, apply  # noqa: E402
-from snn_explorer.core.topology import MAX_WORLD_SIZE  # noqa: E402
+from snn_explorer.core.common import MAX_WORLD_SIZE  # noqa: E402
 from snn_explorer.estimator import enumerate_plans, estimate  # noqa: E402
 from snn_explorer.estimator.memory.sharding import Param, rank_bytes, zero_partition  # noqa: E402
 
@@ -277,7 +277,7 @@ def test_plan_json_is_checked(zoo_plan, changes, exc, pattern):
 
 
 def test_plan_json_round_trips_and_deep_text_is_a_value_error(zoo_plan):
-    from snn_explorer.core.serialize import loads
+    from snn_explorer.core.common import loads
 
     p = zoo_plan[1]
     assert SNNDistributedPlan.from_dict(loads(json.dumps(p.to_dict()))) == p

@@ -15,9 +15,8 @@ import torch
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core import serialize
-from snn_explorer.core.module_copy import deep_copy_module, modules_copied
-from snn_explorer.core.young_objects import new_objects_collected
+from snn_explorer.core.common import new_objects_collected, serialize
+from snn_explorer.core.model import deep_copy_module, modules_copied
 from snn_explorer.estimator.memory import fsdp_timeline, sharding
 from snn_explorer.estimator.memory.fsdp_timeline import FsdpTimeline, Unit, replay_fsdp
 from snn_explorer.estimator.memory.sharding import (
@@ -27,7 +26,8 @@ from snn_explorer.estimator.memory.sharding import (
     fsdp_groups,
     local_params,
 )
-from snn_explorer.estimator.profile.profiling import _fitted_need, _run_point, model_profile, trainable_shapes
+from snn_explorer.estimator.profile.profile_runs import run_point as _run_point
+from snn_explorer.estimator.profile.profiling import _fitted_need, model_profile, trainable_shapes
 from snn_explorer.estimator.timing.collectives import step_collectives
 from snn_explorer.explorer import explorer as explorer_module
 from snn_explorer.zoo import build

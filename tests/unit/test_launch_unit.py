@@ -11,7 +11,16 @@ import pytest
 from launch_helpers import live_children
 
 from snn_explorer import analyze, plan
-from snn_explorer.launcher import LaunchError, RankFailure, export_job, launch, launch_plan, resolve_backend
+from snn_explorer.launcher import (
+    ExportOptions,
+    LaunchError,
+    LaunchOptions,
+    RankFailure,
+    export_job,
+    launch,
+    launch_plan,
+    resolve_backend,
+)
 from snn_explorer.ranks import channel
 from snn_explorer.ranks.display import CallbackDisplay, NullDisplay, TextDisplay, choose_display
 from snn_explorer.ranks.progress import Tracker, report
@@ -156,7 +165,7 @@ def test_launch_plan_checks_the_plan_against_the_model_first(mlp_plan):
     _, p = mlp_plan
     other = build("vgg").model
     with pytest.raises((KeyError, ValueError)):
-        launch_plan(other, p, lambda *a: 0.0, steps=1, progress=False)
+        launch_plan(other, p, lambda *a: 0.0, steps=1, options=LaunchOptions(progress=False))
     with pytest.raises(ValueError, match="steps=0"):
         launch_plan(mlp_plan[0].model, p, lambda *a: 0.0, steps=0)
     assert not live_children()
@@ -164,8 +173,8 @@ def test_launch_plan_checks_the_plan_against_the_model_first(mlp_plan):
 
 def test_export_job_files(mlp_plan, tmp_path):
     zoo, p = mlp_plan
-    job = export_job(p, lambda runtime, step, batch, state: 0.0, tmp_path / "job", nnodes=2, model=zoo.model,
-                     steps=5, gpus_per_node=2, partition="gpu", job_name="mlp-run")
+    job = export_job(p, lambda runtime, step, batch, state: 0.0, tmp_path / "job", model=zoo.model,
+                     steps=5, options=ExportOptions(nnodes=2, gpus_per_node=2, partition="gpu", job_name="mlp-run"))
     assert json.load(open(job.plan_file))["mode"] == p.mode
     assert job.command.startswith("torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint ")
     assert re.search(r'--rdzv-id "\$\{SNN_RDZV_ID:-mlp-run-[0-9a-f]{8}\}" --max-restarts 0 run.py --plan plan.json',
@@ -184,7 +193,7 @@ def test_export_job_files(mlp_plan, tmp_path):
 def test_export_single_node_is_loopback_and_names_are_checked(mlp_plan, tmp_path):
     zoo, p = mlp_plan
     step = lambda runtime, step, batch, state: 0.0  # noqa: E731
-    job = export_job(p, step, tmp_path / "one", model=zoo.model, max_restarts=2)
+    job = export_job(p, step, tmp_path / "one", model=zoo.model, options=ExportOptions(max_restarts=2))
     assert job.command == "python run.py --max-restarts 2"  # every rank from run.py: 127.0.0.1, free ports
     text = open(job.command_file).read()
     assert 'export TMPDIR="$(mktemp -d' in text and "trap 'rm -rf \"$TMPDIR\"' EXIT" in text
@@ -195,12 +204,11 @@ def test_export_single_node_is_loopback_and_names_are_checked(mlp_plan, tmp_path
     for bad in ("a/b", "", "-x", ".hidden", "a b", "x" * 65, "a;rm"):
         rule = "a non-empty string" if bad == "" else "1-64 characters"  # '' fails the shell-value check first
         with pytest.raises(ValueError, match=rf"job_name={re.escape(repr(bad))} must be {rule}"):
-            export_job(p, step, tmp_path / "bad", model=zoo.model, job_name=bad)
+            export_job(p, step, tmp_path / "bad", model=zoo.model, options=ExportOptions(job_name=bad))
     assert not (tmp_path / "bad").exists()  # refused before anything was written
     with pytest.raises(ValueError, match="rdzv_endpoint='nohost' must be host:port"):
-        export_job(p, step, tmp_path / "bad", model=zoo.model, nnodes=2, rdzv_endpoint="nohost")
-    given = export_job(p, step, tmp_path / "given", model=zoo.model, nnodes=2,
-                       rdzv_endpoint="node7:31000", port=31001)
+        export_job(p, step, tmp_path / "bad", model=zoo.model, options=ExportOptions(nnodes=2, rdzv_endpoint="nohost"))
+    given = export_job(p, step, tmp_path / "given", model=zoo.model, options=ExportOptions(nnodes=2, rdzv_endpoint="node7:31000", port=31001))
     assert '"${SNN_RDZV_ENDPOINT:-node7:31000}"' in given.command
     assert "export MASTER_PORT=${MASTER_PORT:-31001}" in open(given.sbatch_file).read()
 
@@ -213,7 +221,7 @@ def test_export_job_with_a_script_and_bad_shapes(mlp_plan, tmp_path):
     assert open(job.script).read() == "print('hi')\n" and job.command.endswith("train.py --plan plan.json")
     assert job.payload_file is None
     with pytest.raises(ValueError, match="nnodes=3 x nproc_per_node=2 = 6 ranks"):
-        export_job(p, str(script), tmp_path / "bad", nnodes=3, nproc_per_node=2)
+        export_job(p, str(script), tmp_path / "bad", options=ExportOptions(nnodes=3, nproc_per_node=2))
     with pytest.raises(ValueError, match="needs model="):
         export_job(p, lambda *a: 0, tmp_path / "bad")
     with pytest.raises(FileNotFoundError, match="nope.py"):

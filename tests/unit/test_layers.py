@@ -1,8 +1,11 @@
 """The package's layers, read from its source with ``ast`` (imports inside functions included).
 
-Packages: ``compat`` <- ``compat_dcp``, ``compat_pipelining`` <- ``core`` <- ``zoo``, ``ranks`` <- ``estimator``, ``launcher`` <- ``explorer``
+Packages: ``compat`` <- ``compat_dcp``, ``compat_pipelining``, ``compat_elastic``, ``compat_fake`` <- ``core`` <- ``zoo``, ``ranks`` <- ``estimator``, ``launcher`` <- ``explorer``
 <- ``cli``, ``quickstart``; inside the estimator: ``instruments`` <- ``profile`` <- ``memory`` <-
-``timing`` <- ``calibration``, ``measurement`` <- its public face. An import may point only down (or
+``timing`` <- ``calibration``, ``measurement`` <- its public face; inside the core (its ``__init__`` says
+what each group holds): ``common`` <- ``model`` <- ``tp`` <- ``levers`` <- ``planning`` <- ``parallelize``
+<- ``checkpoints`` <- ``runtime`` <- ``distribute`` <- its public face. Outside the core, a name a core
+group exports (its ``__all__``) is imported from the group package, not from the module defining it. An import may point only down (or
 within its own part), no import may close a circle, and an import inside a function must say why
 it cannot sit at the top (a ``# lazy:`` comment: an optional or heavy dependency, a fast start).
 Each rule is first shown to catch a planted violation.
@@ -24,8 +27,10 @@ ROOT = pathlib.Path(snn_explorer.__file__).parent
 PACKAGE = "snn_explorer"
 
 #: Rank of each part of the package: an import must point to a lower rank (or stay in its part).
-LAYERS = {"compat": 0, "compat_dcp": 0.5, "compat_pipelining": 0.5, "core": 1, "zoo": 2, "ranks": 2, "estimator": 3, "launcher": 3, "explorer": 4, "cli": 5,
+LAYERS = {"compat": 0, "compat_dcp": 0.5, "compat_pipelining": 0.5, "compat_elastic": 0.5, "compat_fake": 0.5, "core": 1, "zoo": 2, "ranks": 2, "estimator": 3, "launcher": 3, "explorer": 4, "cli": 5,
           "quickstart": 5, "": 6}
+CORE_LAYERS = {"common": 0, "model": 1, "tp": 2, "levers": 3, "planning": 4, "parallelize": 5, "checkpoints": 6,
+               "runtime": 7, "distribute": 8, "": 9}
 ESTIMATOR_LAYERS = {"instruments": 0, "profile": 1, "memory": 2, "timing": 3, "calibration": 4, "measurement": 4,
                     "": 5}
 
@@ -109,7 +114,7 @@ def _part(module: str, table: Dict[str, int], prefix: str) -> Optional[str]:
 def upward(imports: List[Import]) -> List[Import]:
     """Imports pointing up a layer or sideways to a part of the same rank, in the package or the estimator."""
     bad = []
-    for table, prefix in ((LAYERS, PACKAGE), (ESTIMATOR_LAYERS, f"{PACKAGE}.estimator")):
+    for table, prefix in ((LAYERS, PACKAGE), (ESTIMATOR_LAYERS, f"{PACKAGE}.estimator"), (CORE_LAYERS, f"{PACKAGE}.core")):
         for imp in imports:
             src, dst = _part(imp.source, table, prefix), _part(imp.target, table, prefix)
             if src is not None and dst is not None and src != dst and table[dst] >= table[src]:
@@ -201,14 +206,17 @@ def test_the_rules_catch_planted_violations(tmp_path):
         "estimator/memory/__init__.py": "",
         "estimator/memory/peak.py": "from ..timing import x\n",  # memory -> timing: up inside the estimator
         "estimator/profile.py": "def g():\n    import json  # lazy: only the CLI reads JSON\n",
-        "core/runtime.py": "from .checkpoint import save\n",  # a circle through a package's __init__:
-        "core/checkpoint.py": "from .parallelize.pipeline import Stage\n",  # checkpoint -> parallelize/__init__
-        "core/parallelize/__init__.py": "from ..runtime import Runtime\n",  # -> runtime -> checkpoint
+        "core/runtime.py": "from .checkpoints.store import save\n",  # a circle through a package's __init__:
+        "core/checkpoints/__init__.py": "",
+        "core/checkpoints/store.py": "from ..parallelize.pipeline import Stage\n",  # -> parallelize/__init__
+        "core/parallelize/__init__.py": "from ..runtime import Runtime\n",  # -> runtime (up a core group)
         "core/parallelize/pipeline.py": "",
     })
-    assert [repr(i) for i in upward(own)] == ["snn_explorer.core.plan:2 -> snn_explorer.estimator.timing",
-                                               "snn_explorer.estimator.memory.peak:1 -> snn_explorer.estimator.timing"]
-    assert circles(modules, own) == [["snn_explorer.core.checkpoint", "snn_explorer.core.parallelize",
+    assert sorted(repr(i) for i in upward(own)) == [
+        "snn_explorer.core.parallelize:1 -> snn_explorer.core.runtime",
+        "snn_explorer.core.plan:2 -> snn_explorer.estimator.timing",
+        "snn_explorer.estimator.memory.peak:1 -> snn_explorer.estimator.timing"]
+    assert circles(modules, own) == [["snn_explorer.core.checkpoints.store", "snn_explorer.core.parallelize",
                                       "snn_explorer.core.runtime"],
                                      ["snn_explorer.core.plan", "snn_explorer.estimator.timing"]]
     assert [repr(i) for i in unexplained(in_functions)] == ["snn_explorer.core.plan:2 -> snn_explorer.estimator.timing"]
@@ -226,3 +234,78 @@ def test_importing_every_module_leaves_the_process_environment_alone(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == ["None", "[]"]
+
+
+CORE_GROUPS = [name for name in CORE_LAYERS if name and (ROOT / "core" / name / "__init__.py").exists()]
+
+
+def group_exports(root: pathlib.Path) -> Dict[str, Set[str]]:
+    """``__all__`` of each core group package, read from its ``__init__.py`` (a group without one: no entry)."""
+    out = {}
+    for group in CORE_LAYERS:
+        init = root / "core" / group / "__init__.py"
+        if group and init.exists():
+            for node in ast.parse(init.read_text()).body:
+                if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+                    out[group] = set(ast.literal_eval(node.value))
+    return out
+
+
+def deep_imports(root: pathlib.Path, exports: Dict[str, Set[str]]) -> List[str]:
+    """``from <core group>.<module> import name`` outside the core, for names the group exports."""
+    bad = []
+    for path in root.rglob("*.py"):
+        source = module_name(path, root)
+        if source.startswith(f"{PACKAGE}.core"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                target = _resolve(source, path.name == "__init__.py", node).split(".")
+                if target[:2] == [PACKAGE, "core"] and len(target) > 3 and target[2] in exports:
+                    bad += [f"{source}:{node.lineno} {a.name}" for a in node.names if a.name in exports[target[2]]]
+    return bad
+
+
+def test_core_groups_are_the_ones_listed():
+    on_disk = sorted(p.parent.name for p in (ROOT / "core").glob("*/__init__.py"))
+    assert on_disk == sorted(CORE_GROUPS)
+    assert sorted(p.stem for p in (ROOT / "core").glob("*.py")) == ["__init__", "distribute", "runtime"]
+
+
+def test_every_core_group_lists_its_public_names():
+    exports = group_exports(ROOT)
+    assert sorted(exports) == sorted(CORE_GROUPS)
+    for group, names in exports.items():
+        module = __import__(f"{PACKAGE}.core.{group}", fromlist=["__all__"])
+        assert names and all(hasattr(module, n) for n in names), group
+
+
+def test_outside_the_core_exported_names_come_from_their_group():
+    assert deep_imports(ROOT, group_exports(ROOT)) == []
+
+
+def test_the_core_rules_catch_planted_violations(tmp_path):
+    modules, own, _ = _planted(tmp_path, {
+        "core/common/__init__.py": "", "core/tp/__init__.py": '__all__ = ["STYLES"]\nSTYLES = {}\n',
+        "core/common/modes.py": "from ..tp import STYLES\n",  # common -> tp: up a group
+        "core/tp/styles.py": "from ..common import modes\n",  # tp -> common: down, allowed
+        "core/runtime.py": "def f():\n    from .distribute import apply  # lazy: planted\n",  # runtime -> distribute
+        "core/distribute.py": "",
+        "ranks/__init__.py": "", "ranks/engine.py": "from ..core.tp.styles import STYLES, other\n",
+    })
+    assert sorted(repr(i) for i in upward(own)) == ["snn_explorer.core.common.modes:1 -> snn_explorer.core.tp",
+                                                     "snn_explorer.core.runtime:2 -> snn_explorer.core.distribute"]
+    root = tmp_path / PACKAGE
+    assert deep_imports(root, group_exports(root)) == ["snn_explorer.ranks.engine:1 STYLES"]
+
+
+def test_each_core_class_is_defined_once():
+    """A class name names one class in the core (a TP style and its torch implementation differ in name)."""
+    where: Dict[str, List[str]] = {}
+    for path in (ROOT / "core").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where.setdefault(node.name, []).append(module_name(path, ROOT))
+    assert {name: mods for name, mods in where.items() if len(mods) > 1} == {}
+    assert where["ConvColwise"] == ["snn_explorer.core.tp.styles"]
+    assert where["ConvColwiseParallel"] == ["snn_explorer.core.tp.channel_styles"]

@@ -1,4 +1,4 @@
-"""Data layouts (``snn_explorer.core.layouts``): one model computed three ways, time-major ``[T, N, F]``,
+"""Data layouts (``snn_explorer.core.model.layouts``): one model computed three ways, time-major ``[T, N, F]``,
 batch-major ``[N, T, F]`` and called per step on ``[N, F]``, gets the same estimate; the layout is
 detected where the shapes tell it and said so; a wrong one fails loudly; a one-rank plan
 communicates nothing. (The three models: tests/layout_nets.py; measurement and training on gloo ranks:
@@ -11,7 +11,8 @@ from layout_nets import CLASSES, F_IN, HIDDEN, N, T, as_layout, data, firing_and
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.layouts import BATCH_MAJOR, PER_STEP, TIME_MAJOR
+from snn_explorer.core.model import BATCH_MAJOR, PER_STEP, TIME_MAJOR
+from snn_explorer.core.planning import split_options
 from snn_explorer.estimator.profile.shape_only import meta_copy
 
 #: The operator-count model (a CPU-device twin of the RTX 4090): what the layouts must leave equal is what the
@@ -75,7 +76,7 @@ def test_an_snntorch_single_step_model_is_detected_per_step():
 
 def _plan(model, layout, x, y, **kw):
     analysis = se.analyze(model, example_input=as_layout(x, layout), labels=y, data_layout=layout)
-    return se.plan(analysis=analysis, objective="speed", batch_size=N, **kw)
+    return se.plan(analysis=analysis, objective="speed", batch_size=N, **split_options(kw))
 
 
 @pytest.mark.timeout(120)
@@ -134,7 +135,7 @@ def test_runtime_refuses_a_batch_in_the_wrong_layout():
     batch under a time-major plan fails, it is not trained on wrongly."""
     x, y = data()
     model, _ = nets()["batch_major"]
-    plan = se.plan(analysis=se.analyze(model), objective="speed", topology=1, batch_size=N, data_layout=TIME_MAJOR)
+    plan = se.plan(analysis=se.analyze(model), objective="speed", topology=1, batch_size=N, options=se.PlanOptions(data_layout=TIME_MAJOR))
     runtime = se.apply(model=model, plan=plan, device_type="cpu")
     with pytest.raises(ValueError, match=r"labels of shape \(4,\) do not match outputs \(4, 3, 4\)"):
         runtime.forward_loss(nn.CrossEntropyLoss(), x.transpose(0, 1).contiguous(), y)

@@ -6,11 +6,9 @@ import torch
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.memory_levers import copy_without_levers, lever_variants
-from snn_explorer.core.module_copy import root_over_children
-from snn_explorer.core.neurons import detached_copy
-from snn_explorer.core.parallelize.checkpointing import apply_activation_checkpointing
-from snn_explorer.core.spike_compression import apply_spike_compression
+from snn_explorer.core.levers import apply_spike_compression, copy_without_levers, lever_variants
+from snn_explorer.core.model import detached_copy, root_over_children
+from snn_explorer.core.parallelize import apply_activation_checkpointing
 from snn_explorer.estimator import estimate
 from snn_explorer.estimator.budget_fit import FIT_FEATURES
 from snn_explorer.estimator.enumerate import enumerate_plans

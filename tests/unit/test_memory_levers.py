@@ -12,11 +12,9 @@ import torch
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.block_choice import choose_blocks
-from snn_explorer.core.chunk_choice import choose_chunks
-from snn_explorer.core.memory_levers import ACTIVATION_CHECKPOINTING, find_time_step_module
-from snn_explorer.core.parallelize.checkpointing import block_segments, checkpoint_blocks, checkpoint_time_chunks
-from snn_explorer.core.plan_types import SNNDistributedPlan
+from snn_explorer.core.levers import ACTIVATION_CHECKPOINTING, choose_blocks, choose_chunks, find_time_step_module
+from snn_explorer.core.parallelize import block_segments, checkpoint_blocks, checkpoint_time_chunks
+from snn_explorer.core.planning import SNNDistributedPlan, split_options
 from snn_explorer.zoo import build, reset_state
 
 #: the run without checkpointing (the memory objective would checkpoint with the gate on)
@@ -28,7 +26,7 @@ GATES = se.DistributedFeatureSet(allow_activation_checkpointing=True, allow_cpu_
 def _plan(zoo_name="mlp_all_steps", features=GATES, **kw):
     zoo = build(zoo_name)
     kw.setdefault("topology", {"dp": 2})
-    return se.plan(analysis=se.analyze(zoo.model), objective="memory", batch_size=8, features=features, **kw)
+    return se.plan(analysis=se.analyze(zoo.model), objective="memory", batch_size=8, features=features, **split_options(kw))
 
 
 def test_plan_fields_round_trip_and_old_json_loads():
@@ -182,7 +180,7 @@ def _memory_plans(case):
     zoo = build(zoo_name, time_steps=MEMORY_T)
     analysis = se.analyze(zoo.model)
     plans = [se.plan(analysis=analysis, objective="memory", topology=topology, batch_size=zoo.batch_size,
-                     mode=mode, features=GATES, **lv) for lv in (PLAIN, levers)]
+                     mode=mode, features=GATES, **split_options(lv)) for lv in (PLAIN, levers)]
     return zoo, plans
 
 
@@ -209,8 +207,7 @@ def test_explorer_charts_time_chunk_activations_against_time_steps():
     from snn_explorer.estimator.memory.activation_curve import activation_curve
 
     ex = se.Explorer.from_zoo(build("mlp"))
-    plan = ex.make_plan(objective="memory", topology={"dp": 2}, features={"allow_activation_checkpointing": True},
-                        activation_checkpointing="time_chunks", checkpoint_every=4)
+    plan = ex.make_plan(objective="memory", topology={"dp": 2}, features={"allow_activation_checkpointing": True}, options=se.PlanOptions(activation_checkpointing="time_chunks", checkpoint_every=4))
     assert (plan.activation_checkpointing, plan.time_step_module) == ("time_chunks", "net")
     figure = ex.activation_chart(plan, (4, 8))
     lines = figure.axes[0].get_lines()
@@ -218,7 +215,7 @@ def test_explorer_charts_time_chunk_activations_against_time_steps():
     plain, chunked = (line.get_ydata() for line in lines)
     assert (chunked < plain).all() and plain[1] > plain[0]
     all_steps = se.Explorer.from_zoo(build("mlp_all_steps"))
-    blocks = all_steps.make_plan(objective="memory", topology={"dp": 2}, features=GATES, activation_checkpointing="blocks")
+    blocks = all_steps.make_plan(objective="memory", topology={"dp": 2}, features=GATES, options=se.PlanOptions(activation_checkpointing="blocks"))
     all_steps.estimate(blocks)
     curve = activation_curve(all_steps._profile, blocks, (4, 8))
     by = {k: rows["activations_bytes"].to_numpy() for k, rows in curve.groupby("plan")}

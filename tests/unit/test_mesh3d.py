@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from snn_explorer.core.model import TIME_MAJOR
+
 STEPS = 2
 BATCH = 8
 TOPOLOGY = {"pp": 2, "dp": 2, "tp": 2}
@@ -29,9 +31,9 @@ def _applied_on_a_fake_rank(rank: int, mode: str, topology: dict) -> dict:
     """``apply`` of the zoo model under ``mode`` as rank ``rank`` of 8 on torch's fake process group (one process
     plays the rank; collectives complete at once): its mesh, stages, parameter types and placements."""
     import snn_explorer as se
-    from snn_explorer import compat
+    from snn_explorer import compat_fake
 
-    with compat.fake_process_group(rank, 8):
+    with compat_fake.fake_process_group(rank, 8):
         model = _zoo().model.double()
         runtime = se.apply(model=model, plan=_plan(model, topology, mode), device_type="cpu")
         named = list(runtime.model.named_parameters())
@@ -104,8 +106,7 @@ def test_tp_needs_candidates_and_a_stage_never_ends_on_a_shard():
         se.plan(analysis=se.analyze(plain), objective="capacity", topology=TOPOLOGY, batch_size=BATCH, mode="pp_tp")
     model = _zoo().model
     with pytest.raises(ValueError, match="ending with unit 'net.1' would send a tensor-parallel shard: 'net.0' \\(colwise\\)"):
-        se.plan(analysis=se.analyze(model), objective="capacity", topology=TOPOLOGY, batch_size=BATCH, mode="pp_tp",
-                pp_layout="2|3")
+        se.plan(analysis=se.analyze(model), objective="capacity", topology=TOPOLOGY, batch_size=BATCH, mode="pp_tp", options=se.PlanOptions(pp_layout="2|3"))
     plan = _plan(model)
     assert plan.pp_layout == "3|2"  # the planner ends the first stage after the row-split layer
 
@@ -119,8 +120,7 @@ def _llm(device=None, **overrides):
 def _llm_plan(model, topology, batch, mode="pp_tp"):
     import snn_explorer as se
 
-    return se.plan(analysis=se.analyze(model), objective="speed", mode=mode, topology=topology, batch_size=batch,
-                   tensor_parallel_plan=model.tensor_parallel_plan())
+    return se.plan(analysis=se.analyze(model), objective="speed", mode=mode, topology=topology, batch_size=batch, options=se.PlanOptions(tensor_parallel_plan=model.tensor_parallel_plan()))
 
 
 def test_a_3d_estimate_of_a_meta_model_equals_the_real_one():
@@ -137,7 +137,7 @@ def test_a_3d_estimate_of_a_meta_model_equals_the_real_one():
         for mode in ("pp_tp", "pp_fsdp2_tp"):  # next-token labels: the last stage's loss on meta, too
             ests[device, mode] = se.estimate(model, _llm_plan(model, TOPOLOGY, 8, mode), example_input=tokens,
                                              labels=labels, hardware="8x8-H100-SXM-96GB", optimizer="adamw",
-                                             layout=se.TIME_MAJOR)
+                                             layout=TIME_MAJOR)
     for mode in ("pp_tp", "pp_fsdp2_tp"):
         real, shape_only = ests[None, mode], ests["meta", mode]
         assert real.plan.pp_layout == shape_only.plan.pp_layout and real.peak_bytes > 0

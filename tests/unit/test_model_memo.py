@@ -4,10 +4,8 @@ answers are the same; a change to a module, its configuration, hooks or paramete
 import torch
 from torch import nn
 
-from snn_explorer.core import layouts, memory_levers, neurons
-from snn_explorer.core.layouts import detect_layout
-from snn_explorer.core.memory_levers import find_time_step_module
-from snn_explorer.core.model_memo import structure_key
+from snn_explorer.core.levers import find_time_step_module, memory_levers
+from snn_explorer.core.model import detect_layout, layouts, neurons, structure_key
 from snn_explorer.zoo import SpikingMLP
 
 

@@ -6,7 +6,7 @@ import weakref
 
 from torch import nn
 
-from snn_explorer.core.module_copy import deep_copy_module
+from snn_explorer.core.model import deep_copy_module
 
 
 def _marked(self, memo):

@@ -11,9 +11,10 @@ import torch
 
 import snn_explorer as se
 from snn_explorer.compat import SAC_MM
-from snn_explorer.core.parallelize.checkpointing import checkpoint_blocks, repeated_blocks
-from snn_explorer.core.parallelize.saved_ops import TORCHTITAN_OPS
-from snn_explorer.core.plan_types import SNNDistributedPlan
+from snn_explorer.core.model import TIME_MAJOR
+from snn_explorer.core.parallelize import TORCHTITAN_OPS, checkpoint_blocks, repeated_blocks
+from snn_explorer.core.planning import SNNDistributedPlan, split_options
+from snn_explorer.estimator import model_profile
 from snn_explorer.estimator.profile.step import is_token_labels, loss_of
 from snn_explorer.zoo.llm import build_llm, token_batch
 
@@ -30,7 +31,7 @@ def _model(dtype=torch.float64):
 def _plan(model, mode="fsdp2", topology=None, **levers):
     extra = dict(tensor_parallel_plan=model.tensor_parallel_plan()) if mode == "tp" else {}
     return se.plan(analysis=se.analyze(model), objective="memory", topology=topology or {"dp": 2},
-                   batch_size=BATCH, mode=mode, features=GATES, **extra, **levers)
+                   batch_size=BATCH, mode=mode, features=GATES, **split_options(extra), **split_options(levers))
 
 
 # ---- plan time and the policy ----------------------------------------------------------------------------
@@ -69,9 +70,9 @@ def small():
 
 def _estimate(small, levers, hardware=None, shape_only=None):
     model, (tokens, targets) = small
-    profile = se.model_profile(model, tokens, targets, layout=se.TIME_MAJOR, shape_only=shape_only)
+    profile = model_profile(model, tokens, targets, layout=TIME_MAJOR, shape_only=shape_only)
     return se.estimate(model, _plan(model, activation_checkpointing=levers), example_input=tokens, labels=targets,
-                       layout=se.TIME_MAJOR, profile=profile, hardware=hardware or se.hardware_profile("H100-SXM"))
+                       layout=TIME_MAJOR, profile=profile, hardware=hardware or se.hardware_profile("H100-SXM"))
 
 
 def test_next_token_labels_give_the_cross_entropy_of_every_position():

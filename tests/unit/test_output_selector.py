@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.layouts import model_output
+from snn_explorer.core.model.layouts import model_output
 
 
 class TutorialNet(nn.Module):

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.neurons import detached_copy
+from snn_explorer.core.model import detached_copy
 from snn_explorer.zoo import build
 
 

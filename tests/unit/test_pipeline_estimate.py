@@ -3,8 +3,9 @@ import pytest
 import torch
 
 import snn_explorer as se
-from snn_explorer.core.neurons import reset_all
-from snn_explorer.core.pipeline_schedules import SCHEDULES
+from snn_explorer.core.model import reset_all
+from snn_explorer.core.planning import SCHEDULES
+from snn_explorer.estimator import bubble_fraction
 from snn_explorer.estimator.memory.pipeline_memory import in_flight
 from snn_explorer.zoo import build
 
@@ -15,8 +16,7 @@ def vgg():
 
 
 def _plan(zoo, topology, schedule, virtual=1, micro=4, layout=None):
-    return se.plan(analysis=se.analyze(zoo.model), objective="capacity", topology=topology, batch_size=8, mode="pp",
-                   pp_schedule=schedule, pp_microbatches=micro, pp_virtual_stages=virtual, pp_layout=layout)
+    return se.plan(analysis=se.analyze(zoo.model), objective="capacity", topology=topology, batch_size=8, mode="pp", options=se.PlanOptions(pp_schedule=schedule, pp_microbatches=micro, pp_virtual_stages=virtual, pp_layout=layout))
 
 
 @pytest.mark.parametrize("schedule,pp,micro,virtual,want", [
@@ -26,7 +26,7 @@ def _plan(zoo, topology, schedule, virtual=1, micro=4, layout=None):
     ("interleaved_zb", 2, 4, 2, 1 / 25), ("zbv", 2, 4, 2, 1 / 25),
 ])
 def test_bubble_fraction(schedule, pp, micro, virtual, want):
-    assert se.bubble_fraction(schedule, pp, micro, virtual) == pytest.approx(want)
+    assert bubble_fraction(schedule, pp, micro, virtual) == pytest.approx(want)
 
 
 def test_micro_batches_in_flight_follow_the_schedule():
@@ -76,8 +76,7 @@ def test_pp_dp_all_reduce_in_bf16_counts_the_reduce_dtype():
     trainable parameter's elements x 2."""
     zoo = build("mlp_all_steps")
     plan = se.plan(analysis=se.analyze(zoo.model), objective="speed", topology={"pp": 2, "dp": 2}, mode="pp",
-                   batch_size=zoo.batch_size, precision="bf16",
-                   features=se.DistributedFeatureSet(allow_mixed_precision=True))
+                   batch_size=zoo.batch_size, features=se.DistributedFeatureSet(allow_mixed_precision=True), options=se.PlanOptions(precision="bf16"))
     est = se.estimate(zoo.model, plan, example_input=zoo.example_input, labels=zoo.labels)
     reduces = est.collectives[est.collectives["kind"] == "all_reduce"]
     assert len(reduces) == 2 and sum(reduces["bytes"]) == 2 * sum(p.numel() for p in zoo.model.parameters())
@@ -97,12 +96,11 @@ def test_explorer_pipelines_are_balanced_by_default_and_a_chosen_layout_stays(vg
     loaded rank peaks lower than core's even cut; a layout the user chose is kept."""
     ex = se.Explorer(vgg.model, example_input=vgg.example_input, labels=vgg.labels)
     even = _plan(vgg, {"pp": 2}, "1f1b")
-    made = ex.make_plan(objective="capacity", topology={"pp": 2}, mode="pp", pp_schedule="1f1b", pp_microbatches=4)
+    made = ex.make_plan(objective="capacity", topology={"pp": 2}, mode="pp", options=se.PlanOptions(pp_schedule="1f1b", pp_microbatches=4))
     assert made.pp_layout == se.balanced_pp_plan(vgg.model, even, vgg.example_input, vgg.labels).pp_layout
     assert made.pp_layout != even.pp_layout
     assert ex.estimate(made).per_rank["peak_bytes"].max() < ex.estimate(even).per_rank["peak_bytes"].max()
-    chosen = ex.make_plan(objective="capacity", topology={"pp": 2}, mode="pp", pp_schedule="1f1b", pp_microbatches=4,
-                          pp_layout=even.pp_layout)
+    chosen = ex.make_plan(objective="capacity", topology={"pp": 2}, mode="pp", options=se.PlanOptions(pp_schedule="1f1b", pp_microbatches=4, pp_layout=even.pp_layout))
     assert chosen.pp_layout == even.pp_layout
     listed = [p for p in ex.enumerate(2, objective="capacity") if p.uses_pp]
     assert listed and all(p.pp_layout == se.balanced_pp_plan(vgg.model, p, vgg.example_input, vgg.labels).pp_layout
@@ -120,12 +118,12 @@ def test_measure_of_a_pipeline_plan_needs_labels_before_starting_ranks(vgg):
 def test_replayed_timeline_idles_as_the_bubble_fraction(schedule, pp, micro):
     """The chart's replay of torch's action order (dependencies, backward = 2 forwards) idles
     exactly the estimator's bubble fraction; no rank holds more forwards than in_flight says."""
-    from snn_explorer.core.pipeline_schedules import idle_fraction
+    from snn_explorer.core.planning import idle_fraction
     from snn_explorer.explorer.pipeline_view import timeline
 
     virtual = 2 if SCHEDULES[schedule].multi_stage else 1
     lines = timeline(schedule, pp, micro, virtual)
-    assert idle_fraction(lines) == pytest.approx(se.bubble_fraction(schedule, pp, micro, virtual))
+    assert idle_fraction(lines) == pytest.approx(bubble_fraction(schedule, pp, micro, virtual))
     for rank, acts in lines.items():
         held = peak = 0
         for kind, *_ in acts:
@@ -138,7 +136,7 @@ def test_replayed_timeline_idles_as_the_bubble_fraction(schedule, pp, micro):
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_gpipe_idles_the_fill_and_drain(pp):
-    from snn_explorer.core.pipeline_schedules import idle_fraction
+    from snn_explorer.core.planning import idle_fraction
     from snn_explorer.explorer.pipeline_view import timeline
 
     for micro in (pp, 2 * pp, 8):
@@ -225,7 +223,7 @@ def test_replay_with_costs_and_transfers_matches_a_hand_computed_schedule():
     6; each transfer 0.5. By hand: rank 0 F0 [0, 1], F1 [1, 2]; rank 1 F0 [1.5, 4.5], B0 [4.5, 10.5],
     F1 [10.5, 13.5], B1 [13.5, 19.5]; rank 0 B0 [11, 13], B1 [20, 22]. Rank 0 waited 2 x 0.5 for the
     transfers of its gradients, rank 1 0.5 for its first input (the second had arrived)."""
-    from snn_explorer.core.pipeline_schedules import replay
+    from snn_explorer.core.planning import replay
     from snn_explorer.estimator.timing.pipeline_time import waited_on_transfers
 
     orders = SCHEDULES["1f1b"].rank_actions(2, 2)
@@ -290,7 +288,7 @@ def test_a_rank_without_trainable_parameters_is_refused_at_plan_time():
 
 
 def test_balanced_layout_gives_every_stage_an_eligible_unit():
-    from snn_explorer.core.pipeline_plan import balanced_layout
+    from snn_explorer.core.planning import balanced_layout
 
     assert balanced_layout([1, 1, 1, 1], 2) == (2, 2)
     assert balanced_layout([1, 1, 1, 1], 2, [True, True, False, False]) == (1, 3)

@@ -9,10 +9,8 @@ import torch
 from torch import nn
 
 from snn_explorer.compat import RootOnlyFxTracer
-from snn_explorer.core import structure
-from snn_explorer.core.pipeline_plan import TIME_LOOP_HINT, TIME_LOOP_SIGNS, pipeline_units
-from snn_explorer.core.plans.families import _from_name, resolve_family
-from snn_explorer.core.walk import one_walk
+from snn_explorer.core.model import TIME_LOOP_HINT, TIME_LOOP_SIGNS, one_walk, pipeline_units, resolve_family, structure
+from snn_explorer.core.model.families import _from_name
 from snn_explorer.zoo import ZOO_NAMES, SpikingMLP, build
 from snn_explorer.zoo.llm import build_llm
 

@@ -22,8 +22,8 @@ from snn_explorer import (
     plan,
     recommend_snn_distributed_strategy,
 )
-from snn_explorer.core import neurons
-from snn_explorer.core.plan_types import topology_problem
+from snn_explorer.core.model import neurons
+from snn_explorer.core.planning import split_options, topology_problem
 
 OBJECTIVES = ("speed", "memory", "capacity")
 VGG_NAMES = ("cifar10dvs_vgg", "vgg16", "cifar10dvs_vgg_small")
@@ -50,7 +50,7 @@ def vgg_like() -> nn.Sequential:
 def mk_plan(model=None, objective="speed", topology=1, batch_size=8, **kw) -> SNNDistributedPlan:
     model = MLP() if model is None else model
     return plan(analysis=analyze(model), objective=objective, topology=topology, neuron_backend="torch",
-                batch_size=batch_size, **kw)
+                batch_size=batch_size, **split_options(kw))
 
 
 # ---- world size 1 ------------------------------------------------------------------------------
@@ -766,9 +766,9 @@ MODE_FACTS = {
 
 
 def test_mode_table_rows():
-    from snn_explorer.core.modes import MODE_TABLE, MODES, mode_of
+    from snn_explorer.core.common import MODE_TABLE, MODES, mode_of
 
-    assert se.MODES == MODES == tuple(MODE_FACTS) == tuple(m.name for m in MODE_TABLE)
+    assert se.core.common.MODES == MODES == tuple(MODE_FACTS) == tuple(m.name for m in MODE_TABLE)
     for name, (dims, ddp, fsdp, tp) in MODE_FACTS.items():
         m = mode_of(name)
         assert (m.dims, m.ddp, m.fsdp, m.tp) == (dims, ddp, fsdp, tp), name
@@ -817,7 +817,7 @@ def test_no_schedule_name_tests_outside_the_schedule_registry():
     import pathlib
     import re
 
-    from snn_explorer.core.pipeline_schedules import SCHEDULES
+    from snn_explorer.core.planning import SCHEDULES
 
     root = pathlib.Path(se.__file__).parent
     names = "|".join(re.escape(n) for n in SCHEDULES)
@@ -835,10 +835,8 @@ def test_plan_picks_the_stages_per_rank_a_schedule_needs():
     zoo = build("vgg", batch_size=8)
     analysis = se.analyze(zoo.model)
     for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved_zb", 2), ("zbv", 2)):
-        p = se.plan(analysis=analysis, objective="capacity", topology={"pp": 2}, batch_size=8, mode="pp",
-                    pp_schedule=schedule)
+        p = se.plan(analysis=analysis, objective="capacity", topology={"pp": 2}, batch_size=8, mode="pp", options=se.PlanOptions(pp_schedule=schedule))
         assert (p.pp_virtual_stages, p.pp_schedule_spec.name) == (virtual, schedule)
         assert p.to_dict()["pp_schedule"] == schedule
-    zbv = se.plan(analysis=analysis, objective="capacity", topology={"pp": 2}, batch_size=8, mode="pp",
-                  pp_schedule="zbv")
+    zbv = se.plan(analysis=analysis, objective="capacity", topology={"pp": 2}, batch_size=8, mode="pp", options=se.PlanOptions(pp_schedule="zbv"))
     assert [zbv.pp_schedule_spec.rank_stages(r, 2, 2) for r in (0, 1)] == [(0, 3), (1, 2)]

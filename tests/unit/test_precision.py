@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.precision import PRECISIONS, Precision, precision_of
+from snn_explorer.core.common import PRECISIONS, Precision, precision_of
 from snn_explorer.zoo import build
 from snn_explorer.zoo._neurons import ATanSurrogate, MultiStep
 
@@ -47,19 +47,17 @@ def test_plan_keeps_fp32_unless_the_gate_is_open_and_explains_its_choice():
     plain = se.plan(analysis=analysis, objective="memory", topology={"dp": 2}, batch_size=batch)
     assert plain.precision == precision_of("fp32")
     with pytest.raises(ValueError, match="allow_mixed_precision"):
-        se.plan(analysis=analysis, objective="memory", topology={"dp": 2}, batch_size=batch, precision="bf16")
+        se.plan(analysis=analysis, objective="memory", topology={"dp": 2}, batch_size=batch, options=se.PlanOptions(precision="bf16"))
     chosen = se.plan(analysis=analysis, objective="memory", topology={"dp": 2}, batch_size=batch, features=GATE)
     assert chosen.precision.name == "bf16" and chosen.precision.keep_neuron_state_fp32
     assert any("Chosen for objective 'memory'" in n and "neuron state in fp32" in n for n in chosen.notes)
-    explicit = se.plan(analysis=analysis, objective="speed", topology={"dp": 2}, batch_size=batch, features=GATE,
-                       precision="fp16")
+    explicit = se.plan(analysis=analysis, objective="speed", topology={"dp": 2}, batch_size=batch, features=GATE, options=se.PlanOptions(precision="fp16"))
     assert explicit.precision.needs_loss_scaler and any("loss scaler" in n for n in explicit.notes)
     assert se.SNNDistributedPlan.from_dict(explicit.to_dict()) == explicit
     assert "fp16" in repr(explicit) and explicit.layout_key() != dataclasses.replace(
         explicit, precision="bf16").layout_key()
     with pytest.raises(ValueError, match="fp8 training needs"):
-        se.plan(analysis=analysis, objective="speed", topology={"dp": 2}, batch_size=batch, features=GATE,
-                precision="fp8")
+        se.plan(analysis=analysis, objective="speed", topology={"dp": 2}, batch_size=batch, features=GATE, options=se.PlanOptions(precision="fp8"))
 
 
 def test_a_saved_plan_without_precision_loads_as_fp32():
@@ -88,8 +86,7 @@ def _lif_model():
 
 def _spike_count(precision) -> float:
     model, x = _lif_model()
-    plan = se.plan(analysis=se.analyze(model), objective="speed", topology=1, batch_size=N, precision=precision,
-                   features=GATE)
+    plan = se.plan(analysis=se.analyze(model), objective="speed", topology=1, batch_size=N, features=GATE, options=se.PlanOptions(precision=precision))
     runtime = se.apply(model=model, plan=plan, device_type="cpu")
     runtime.reset_state()
     with torch.no_grad():
@@ -112,8 +109,7 @@ def test_fp32_neuron_state_keeps_the_spikes_a_bf16_membrane_drops():
 def test_neurons_compute_in_their_state_dtype_while_layers_run_in_bf16():
     seen = {}
     model, x = _lif_model()
-    plan = se.plan(analysis=se.analyze(model), objective="speed", topology=1, batch_size=N, features=GATE,
-                   precision=Precision("bf16", keep_neuron_state_fp32=False))
+    plan = se.plan(analysis=se.analyze(model), objective="speed", topology=1, batch_size=N, features=GATE, options=se.PlanOptions(precision=Precision("bf16", keep_neuron_state_fp32=False)))
     runtime = se.apply(model=model, plan=plan, device_type="cpu")
     def linear(_module, _args, out):
         seen.setdefault("linear", out.dtype)

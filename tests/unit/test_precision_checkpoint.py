@@ -5,7 +5,7 @@ loss scaler (scale, growth tracker, skipped steps) travels with them to an fp16 
 import pytest
 
 import snn_explorer as se
-from snn_explorer.core.checkpoint import CheckpointError
+from snn_explorer.core.checkpoints import CheckpointError
 from snn_explorer.zoo import build
 
 GATE = dict(allow_mixed_precision=True)
@@ -14,7 +14,7 @@ GATE = dict(allow_mixed_precision=True)
 def test_a_damaged_loss_scaler_state_is_refused_before_any_tensor_is_read(tmp_path):
     zoo = build("mlp_all_steps", seed=0)
     plan = se.plan(analysis=se.analyze(zoo.model, model_family=zoo.family), objective="speed", topology=1,
-                   batch_size=zoo.batch_size, features=se.DistributedFeatureSet(**GATE), precision="fp16")
+                   batch_size=zoo.batch_size, features=se.DistributedFeatureSet(**GATE), options=se.PlanOptions(precision="fp16"))
     runtime = se.apply(model=zoo.model, plan=plan, device_type="cpu")
     path = runtime.save_checkpoint(tmp_path / "ck")
     manifest = (path / "manifest.json").read_text()

@@ -22,8 +22,7 @@ def test_fsdp2_plans_bf16_on_batchnorm_models_and_refuses_a_bare_batchnorm():
     assert auto.precision.name == "bf16" and any("FSDP2 unit of its own" in n for n in auto.notes), auto.notes
     bare = se.analyze(nn.BatchNorm1d(4))
     with pytest.raises(ValueError, match="this model is itself a BatchNorm layer"):
-        se.plan(analysis=bare, objective="speed", topology={"dp": 2}, batch_size=4, mode="fsdp2", features=GATE,
-                precision="bf16")
+        se.plan(analysis=bare, objective="speed", topology={"dp": 2}, batch_size=4, mode="fsdp2", features=GATE, options=se.PlanOptions(precision="bf16"))
     fallback = se.plan(analysis=bare, objective="speed", topology={"dp": 2}, batch_size=4, mode="fsdp2",
                        features=GATE)
     assert fallback.precision.name == "fp32" and any("itself a BatchNorm" in n for n in fallback.notes)

@@ -79,8 +79,83 @@ def test_public_callables_are_documented():
             assert not isinstance(value, types.ModuleType)
 
 
+#: The public face, exactly: the notebook verbs, the types they take and return, the options objects.
+FACE = {
+    "verbs": ["analyze", "plan", "apply", "preflight", "recommend_snn_distributed_strategy", "estimate", "estimate_all",
+              "enumerate_plans", "compare_estimate", "plan_estimator", "balanced_pp_plan", "measure", "measure_many",
+              "fit_budget", "calibrate", "hardware_profile", "hardware_profiles", "launch", "launch_plan", "export_job",
+              "report", "check_checkpoint", "latest_checkpoint", "find_time_step_module", "register_stateful",
+              "unregister_stateful"],
+    "types": ["SNNDistributedAnalysis", "SNNDistributedPlan", "SNNDistributedRuntime", "SNNDistributedTopology",
+              "DistributedFeatureSet", "StrategyRecommendation", "DataLayout", "Precision", "HardwareProfile",
+              "PlanEstimate", "PlanMeasurement", "FitResult", "LaunchResult", "TrainResult", "LaunchError",
+              "CheckpointError", "Explorer", "RankPool"],
+    "options": ["PlanOptions", "LaunchOptions", "ExportOptions"],
+}
+
+
+def test_the_public_face_is_exactly_the_verbs_and_types():
+    listed = FACE["verbs"] + FACE["types"] + FACE["options"]
+    assert len(set(listed)) == len(listed)
+    assert sorted(snn_explorer.__all__) == sorted(listed)
+
+
+def test_no_constant_on_the_public_face():
+    assert [n for n in snn_explorer.__all__ if n.isupper()] == []
+    for name in ("MODES", "TP_STYLES", "PRECISIONS", "TIME_MAJOR", "BACKENDS", "NEURON_BACKENDS"):
+        assert not hasattr(snn_explorer, name), name
+    from snn_explorer.core.common import MODES
+    from snn_explorer.core.planning import NEURON_BACKENDS
+    from snn_explorer.ranks import COMM_BACKENDS
+    assert "tp" in MODES and "torch" in NEURON_BACKENDS and "gloo" in COMM_BACKENDS
+
+
 def test_step_time_names_are_public():
     for name in ("calibrate", "HardwareProfile", "hardware_profile", "hardware_profiles"):
         assert name in snn_explorer.__all__, name
     assert isinstance(snn_explorer.hardware_profile("H100-SXM"), snn_explorer.HardwareProfile)
     assert "A100-SXM-80GB" in snn_explorer.hardware_profiles()
+
+
+MAX_PARAMETERS = 12
+
+
+def _callables():
+    """Every public function of the face, and every public method of its classes (``__init__`` of the
+    value types aside: a dataclass takes one argument per field)."""
+    for name in snn_explorer.__all__:
+        value = getattr(snn_explorer, name)
+        if inspect.isfunction(value):
+            yield name, value
+        elif inspect.isclass(value):
+            for attr, member in vars(value).items():
+                if not attr.startswith("_") and inspect.isfunction(member):
+                    yield f"{name}.{attr}", member
+
+
+def test_no_public_function_takes_more_than_twelve_parameters():
+    counts = {name: len([p for p in inspect.signature(fn).parameters if p not in ("self", "cls")])
+              for name, fn in _callables()}
+    assert {"plan", "launch_plan", "export_job", "measure", "Explorer.make_plan"} <= set(counts)
+    assert {name: n for name, n in counts.items() if n > MAX_PARAMETERS} == {}
+
+
+def test_options_objects_carry_the_settings_and_bad_values_fail_at_plan_time():
+    import pytest
+
+    from snn_explorer.zoo import build
+
+    analysis = snn_explorer.analyze(build("mlp").model)
+    with pytest.raises(TypeError, match="PlanOptions has no field"):
+        snn_explorer.PlanOptions().replace(pp_shedule="1f1b")
+    with pytest.raises(TypeError, match="must be a PlanOptions"):
+        snn_explorer.plan(analysis=analysis, objective="speed", topology={"dp": 2}, batch_size=8,
+                          options={"pp_schedule": "1f1b"})
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        snn_explorer.plan(analysis=analysis, objective="memory", topology={"dp": 2}, batch_size=8,
+                          options=snn_explorer.PlanOptions(checkpoint_every=0))
+    made = snn_explorer.plan(analysis=analysis, objective="speed", topology={"dp": 2}, batch_size=8, mode="dp",
+                             options=snn_explorer.PlanOptions(precision="fp32"))
+    assert made.mode == "dp" and made.precision.name == "fp32"
+    with pytest.raises(TypeError, match="must be a LaunchOptions"):
+        snn_explorer.launch_plan(build("mlp").model, made, print, options=snn_explorer.ExportOptions())

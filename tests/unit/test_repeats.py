@@ -89,7 +89,7 @@ def test_logged_runs_composed_from_cut_runs_equal_the_full_runs(monkeypatch):
         for units, (n, t) in (((), (1, 2)), (profile.fsdp_units, (3, 5))):
             fast = profile._run(n, t, None, 1, saved_only=False, units=units)
             with monkeypatch.context() as m:
-                m.setattr(profiling, "_cut_logged_run", lambda *a, **k: None)
+                m.setattr(profiling, "cut_logged_run", lambda *a, **k: None)
                 full = profile._run(n, t, None, 1, saved_only=False, units=units)
             assert "saved" not in fast and "saved" in full, "the composed path was not taken"
             events = full["log"].events
@@ -150,9 +150,9 @@ def test_tp_replica_saved_and_state_from_cut_runs_equal_the_full_run(monkeypatch
     plan = llm.tensor_parallel_plan()
     _, replica = profile.rank_model(plan, 2)
     x, y = token_batch(llm.config, 3, 2, 4), torch.randint(0, 64, (2, 4))
-    fast = profiling._cut_saved_run(replica, x, y)
+    fast = profiling.cut_saved_run(replica, x, y)
     with monkeypatch.context() as m:
-        m.setattr(profiling, "_cut_saved_run", lambda *a, **k: None)
+        m.setattr(profiling, "cut_saved_run", lambda *a, **k: None)
         full = profile._run(2, 3, plan, 2, saved_only=True)
     assert fast is not None and sum(full["saved"].values()) > 0 and sum(full["state"].values()) > 0
     assert fast["saved"] == full["saved"] and fast["state"] == full["state"]

@@ -8,8 +8,7 @@ import pandas as pd
 import torch
 
 import snn_explorer as se
-from snn_explorer.core.block_choice import with_blocks
-from snn_explorer.core.memory_levers import activation_offload_variants, copy_without_levers, lever_variants
+from snn_explorer.core.levers import activation_offload_variants, copy_without_levers, lever_variants, with_blocks
 from snn_explorer.estimator import estimate
 from snn_explorer.estimator.budget_fit import FIT_FEATURES
 from snn_explorer.estimator.enumerate import enumerate_plans
@@ -52,7 +51,7 @@ def test_lever_variants_composed_from_cut_runs_equal_the_whole_model(monkeypatch
         return run
 
     monkeypatch.setattr(checkpointed, "affine_total", composed)
-    monkeypatch.setattr(profiling, "_cut_logged_run", logged)
+    monkeypatch.setattr(profiling, "cut_logged_run", logged)
     plans = _plans(model, x)
     for plan in plans:
         want = estimate(model, plan, example_input=x, profile=full, hardware="H100-SXM")
@@ -67,7 +66,7 @@ def test_lever_variants_composed_from_cut_runs_equal_the_whole_model(monkeypatch
     assert levered.per_rank["activations_bytes"].max() < plain.per_rank["activations_bytes"].max()
 
 
-_affine_total, _cut_logged_run = checkpointed.affine_total, profiling._cut_logged_run
+_affine_total, _cut_logged_run = checkpointed.affine_total, profiling.cut_logged_run
 
 
 def test_stride_cuts_follow_the_checkpointing_pattern():

@@ -9,6 +9,7 @@ from models import SEWResNet
 from torch import nn
 
 import snn_explorer as se
+from snn_explorer.core.model import TIME_MAJOR
 from snn_explorer.estimator import estimate
 from snn_explorer.estimator.profile import profiling
 from snn_explorer.estimator.profile.profiling import measure_profile, model_profile
@@ -53,7 +54,7 @@ def test_spikformer_on_meta_is_profiled_shape_only_and_estimates_as_the_real_mod
     z = build("spikformer")
     meta = copy.deepcopy(z.model).to("meta")  # snntorch's Leaky reads a value in __init__: built, then moved
     real_profile = model_profile(z.model, z.example_input, z.labels)
-    meta_profile = model_profile(meta, z.example_input, z.labels, layout=se.TIME_MAJOR)
+    meta_profile = model_profile(meta, z.example_input, z.labels, layout=TIME_MAJOR)
     _same_profile(real_profile, meta_profile, [(6, 5)])
     analysis = se.analyze(z.model)
     levers = se.DistributedFeatureSet(allow_activation_checkpointing=True)
@@ -62,11 +63,10 @@ def test_spikformer_on_meta_is_profiled_shape_only_and_estimates_as_the_real_mod
                                               ("tp", {"tp": 2}, "A100-SXM-80GB", None),
                                               ("fsdp2", {"dp": 2}, "A100-SXM-80GB", "blocks")):
         plan = se.plan(analysis=analysis, objective="memory", neuron_backend="torch", mode=mode,
-                       topology=topology, batch_size=4, activation_checkpointing=checkpointing,
-                       features=levers if checkpointing else None)
+                       topology=topology, batch_size=4, features=levers if checkpointing else None, options=se.PlanOptions(activation_checkpointing=checkpointing))
         real = estimate(z.model, plan, example_input=z.example_input, labels=z.labels, hardware=hw)
         fake = estimate(meta, plan, example_input=z.example_input, labels=z.labels, hardware=hw,
-                        profile=meta_profile, layout=se.TIME_MAJOR)
+                        profile=meta_profile, layout=TIME_MAJOR)
         assert real.peak_bytes > 0 and real.step_time_s > 0
         assert real.per_rank.equals(fake.per_rank), (mode, hw)
         assert real.time.equals(fake.time) and real.collectives.equals(fake.collectives), (mode, hw)
@@ -121,4 +121,4 @@ def test_data_dependent_models_are_refused_naming_the_operator(model, op, where)
     with torch.device("meta"):
         on_meta = type(model)()
     with pytest.raises(ShapeOnlyError, match=op):
-        model_profile(on_meta, x, layout=se.TIME_MAJOR)
+        model_profile(on_meta, x, layout=TIME_MAJOR)

@@ -8,7 +8,7 @@ import torch
 from models import wide_jelly
 
 import snn_explorer as se
-from snn_explorer.core.neurons import stateful_modules
+from snn_explorer.core.model import TIME_MAJOR, stateful_modules
 from snn_explorer.estimator import estimate
 from snn_explorer.estimator.instruments import op_counter
 from snn_explorer.estimator.instruments.meter import StorageMeter
@@ -117,11 +117,11 @@ def test_a_bf16_plan_estimated_without_the_fp32_profile_equals_one_estimated_fro
     torch.manual_seed(0)
     llm = build_llm("spiking-llm-tiny", tied_embeddings=False)
     for name, model, x, labels, layout in (("mlp", zoo.model, zoo.example_input, zoo.labels, None),
-                                           ("llm", llm, token_batch(llm.config, 3, 4, 8), None, se.TIME_MAJOR)):
+                                           ("llm", llm, token_batch(llm.config, 3, 4, 8), None, TIME_MAJOR)):
         analysis = se.analyze(model)
         for mode in ("fsdp2", "dp"):
             p = se.plan(analysis=analysis, objective="speed", topology={"dp": 2}, batch_size=x.shape[1], mode=mode,
-                        features=gate, precision="bf16")
+                        features=gate, options=se.PlanOptions(precision="bf16"))
             kw = dict(example_input=x, labels=labels, hardware="H100-SXM", layout=layout)
             own = copy.deepcopy(model)
             direct = estimate(own, p, **kw)

@@ -8,14 +8,9 @@ import torch
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.neurons import detached_copy
-from snn_explorer.core.spike_compression import (
-    SpikePacker,
-    apply_spike_compression,
-    pack_bits,
-    spike_packer,
-    unpack_bits,
-)
+from snn_explorer.core.levers import SpikePacker, apply_spike_compression, pack_bits, spike_packer, unpack_bits
+from snn_explorer.core.model import detached_copy
+from snn_explorer.core.planning import split_options
 from snn_explorer.estimator import model_profile
 from snn_explorer.estimator.memory.spike_compression import compressed_profile, spike_saving
 from snn_explorer.estimator.profile.checkpointed import held_after_forward, levered_profile
@@ -29,8 +24,7 @@ GATES_AC = se.DistributedFeatureSet(allow_spike_compression=True, allow_activati
 
 def _plan(zoo, mode, topology, compress, checkpointing="none"):
     base = se.plan(analysis=se.analyze(zoo.model), objective="speed", topology=topology, batch_size=zoo.batch_size,
-                   mode=mode, features=GATES_AC if checkpointing != "none" else GATES,
-                   activation_checkpointing=checkpointing)
+                   mode=mode, features=GATES_AC if checkpointing != "none" else GATES, options=se.PlanOptions(activation_checkpointing=checkpointing))
     return dataclasses.replace(base, spike_compression=compress)
 
 
@@ -95,7 +89,7 @@ def test_plan_time_refusals_name_the_values(kw, error, match):
     args = dict(analysis=se.analyze(zoo.model), objective="speed", topology={"dp": 2}, batch_size=8, mode="dp",
                 features=GATES, activation_checkpointing="none")
     args.update(kw)
-    base = se.plan(**args)
+    base = se.plan(**split_options(args))
     with pytest.raises(error, match=match):
         dataclasses.replace(base, spike_compression=True)
     with pytest.raises(TypeError, match="spike_compression must be a bool"):
@@ -127,7 +121,7 @@ def test_packing_is_timed_once_on_a_checkpointed_profile():
     profile = model_profile(model, x, y)
     for checkpointing in ("none", "blocks"):
         plan = se.plan(analysis=se.analyze(model), objective="speed", topology={"dp": 1}, batch_size=4, mode="dp",
-                       features=GATES_AC, activation_checkpointing=checkpointing)
+                       features=GATES_AC, options=se.PlanOptions(activation_checkpointing=checkpointing))
         levered = levered_profile(profile, plan)
         assert spike_saving(levered, 4, 8).packed > 0  # there is packing to count
         plain, packed = rank_work(levered, None, 1, "adam"), rank_work(compressed_profile(levered), None, 1, "adam")

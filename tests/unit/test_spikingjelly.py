@@ -59,7 +59,7 @@ def test_detects_and_resets_spikingjelly_neurons():
     assert analysis.tp_chains == (("0", "1", "2.0", "3", "4", "5"),)  # SeqToANNContainer is a Sequential
     model(jelly_input())
     assert isinstance(model[1].v, torch.Tensor) and model[1].v.abs().sum() > 0
-    assert se.core.neurons.reset_all(model) == 3
+    assert se.core.model.neurons.reset_all(model) == 3
     assert model[1].v == 0.0  # spikingjelly resets memories to their initial value
 
 
@@ -82,7 +82,7 @@ def spikformer_input():
 
 def test_contiguous_qkv_split_would_be_wrong():
     """Why the rows are reordered: a contiguous split of the fused output does not give whole heads."""
-    from snn_explorer.core.channel_styles import head_aligned_rows
+    from snn_explorer.core.tp import head_aligned_rows
 
     rows = head_aligned_rows(8, 2)  # q, k, v of width 8 over 2 ranks
     assert rows[:12].tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19]
@@ -117,7 +117,7 @@ def test_dropout_masks_are_state_but_not_neurons():
 
     import snn_explorer as se
     from snn_explorer import Explorer
-    from snn_explorer.core.neurons import reset_all
+    from snn_explorer.core.model import reset_all
 
     torch.manual_seed(0)
     model = nn.Sequential(layer.Linear(16, 32), neuron.LIFNode(), layer.Dropout(0.5), layer.Linear(32, 8))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import snn_explorer as se
-from snn_explorer.core.memory_levers import copy_without_levers
+from snn_explorer.core.levers import copy_without_levers
 from snn_explorer.estimator import estimate
 from snn_explorer.estimator.budget_fit import FIT_FEATURES
 from snn_explorer.estimator.enumerate import enumerate_plans

@@ -9,7 +9,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import snn_explorer as se
-from snn_explorer.core.topology import SNNDistributedTopology
+from snn_explorer.core.common import SNNDistributedTopology
 from snn_explorer.estimator import enumerate_plans, estimate
 from snn_explorer.estimator.calibration.fit import MIN_BETA, fit_alpha_beta, median_profile, profile_from
 from snn_explorer.estimator.calibration.probes import SIZES_BYTES
@@ -102,7 +102,7 @@ def test_wrapper_costs_are_what_the_wrapped_step_takes_beyond_the_plain_one_and_
     # 4.9 ms of waits, 0.5 ms per action. By hand the replay of the probe with every block alike,
     # actions of 1.5 and 2.5 ms and transfers of L' each is 3 x 1.5 + 3 x 2.5 + 2 L' = 12 + 2 L' ms:
     # its step of 12.902 ms means L' = 0.401 ms, 0.3 ms beyond the fitted send
-    from snn_explorer.core.pipeline_schedules import SCHEDULES
+    from snn_explorer.core.planning import SCHEDULES
     from snn_explorer.estimator.calibration.probes import PIPELINE_HEAVY
     from snn_explorer.estimator.calibration.step_probes import probe_pipeline
 

@@ -8,7 +8,7 @@ from models import MLP, SEWResNet, SpikeDrivenNet, TimeLoop
 from torch import nn
 
 import snn_explorer as se
-from snn_explorer.core.styles import STYLES
+from snn_explorer.core.tp import STYLES
 from snn_explorer.zoo import lif
 
 TP = 2
@@ -149,8 +149,7 @@ def test_plans_table_counts_modules_with_sharded_parameters():
 
 def _plan(model, tp_plan=None, mode="tp", topology=None, **features):
     return se.plan(analysis=se.analyze(model), objective="memory", topology=topology or {"tp": 2},
-                   backend="torch", batch_size=4, mode=mode, tensor_parallel_plan=tp_plan,
-                   features=se.DistributedFeatureSet(**features))
+                   backend="torch", batch_size=4, mode=mode, features=se.DistributedFeatureSet(**features), options=se.PlanOptions(tensor_parallel_plan=tp_plan))
 
 
 @pytest.mark.parametrize("tp_plan,message", [
@@ -231,7 +230,7 @@ def test_apply_refuses_a_hand_made_plan_that_splits_tied_weights():
 
 
 def _plan_styles(model, **features):
-    from snn_explorer.core.tp_plan import default_tp_plan
+    from snn_explorer.core.tp import default_tp_plan
 
     return default_tp_plan(se.analyze(model), se.DistributedFeatureSet(**features))
 
@@ -263,7 +262,7 @@ def test_recognisers_refuse_near_misses():
 
 
 def test_branch_attention_split_all_or_nothing():
-    from snn_explorer.core.tp_plan import check_tp_plan
+    from snn_explorer.core.tp import check_tp_plan
 
     model = SpikeDrivenNet()
     analysis = se.analyze(model)
@@ -272,4 +271,4 @@ def test_branch_attention_split_all_or_nothing():
     plan.pop("attn")
     with pytest.raises(ValueError, match="split by heads only"):
         check_tp_plan(analysis, plan, TP)
-    assert se.core.analysis.SNNDistributedAnalysis.from_dict(analysis.to_dict()) == analysis
+    assert se.core.model.analysis.SNNDistributedAnalysis.from_dict(analysis.to_dict()) == analysis

@@ -13,7 +13,7 @@ from models import MLP
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import snn_explorer as se
-from snn_explorer.core.parallelize.mesh import comm_backend_for, default_device_type
+from snn_explorer.core.parallelize import comm_backend_for, default_device_type
 
 
 @pytest.fixture

@@ -1,9 +1,8 @@
-"""core/walk.py: an analysis computes each module's answers once, and keeps nothing after it."""
+"""core/model/walk.py: an analysis computes each module's answers once, and keeps nothing after it."""
 from torch import nn
 
 from snn_explorer import analyze
-from snn_explorer.core import structure
-from snn_explorer.core.walk import memo, modules_by_name, one_walk
+from snn_explorer.core.model import memo, modules_by_name, one_walk, structure
 
 
 def _counting(calls):

@@ -25,10 +25,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
-from .. import neurons
-from ..block_choice import check_checkpoint_blocks
-from ..plans.families import CONTAINERS
-from ..vocabulary import Checkpointing
+from ..common.vocabulary import Checkpointing
+from ..levers.block_choice import check_checkpoint_blocks
+from ..model import neurons
+from ..model.families import CONTAINERS
 from .saved_ops import TORCHTITAN_OPS, SavedOps
 
 __all__ = ["apply_activation_checkpointing", "checkpoint_blocks", "checkpoint_time_chunks", "block_segments",

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 from ...compat import NORM_BASE
-from ..precision import FP32, Precision, fsdp_norm_problem
+from ..common.precision import FP32, Precision, fsdp_norm_problem
 from .mixed_precision import fsdp_norm_policy, fsdp_policy
 
 

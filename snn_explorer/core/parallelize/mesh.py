@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..plan_types import SNNDistributedPlan
+from ..planning.plan_types import SNNDistributedPlan
 
 DEVICE_TYPES = ("cpu", "cuda")
 

@@ -26,8 +26,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from ...compat import non_persistent_buffer_names
-from .. import neurons
-from ..precision import Precision
+from ..common.precision import Precision
+from ..model import neurons
 
 
 def _context_hooks(module: nn.Module, make_context) -> None:

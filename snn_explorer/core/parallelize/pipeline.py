@@ -48,10 +48,10 @@ from torch.distributed.tensor import DTensor
 
 from ...compat import is_view
 from ...compat_pipelining import pipelining
-from .. import neurons
-from ..layouts import check_samples
-from ..pipeline_plan import resolve_layout, stage_units
-from ..precision import FP32, Precision
+from ..common.precision import FP32, Precision
+from ..model import neurons
+from ..model.layouts import check_samples
+from ..planning.pipeline_plan import resolve_layout, stage_units
 from .fsdp import apply_fsdp2
 from .mixed_precision import autocast_forward, reduce_in
 

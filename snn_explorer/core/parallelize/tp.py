@@ -6,7 +6,7 @@ from typing import Dict, Mapping
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..styles import SHARDED, STYLES
+from ..tp.styles import SHARDED, STYLES
 
 
 def _local_widths(model: nn.Module, tp_plan: Mapping[str, str], tp: int) -> Dict[str, tuple]:

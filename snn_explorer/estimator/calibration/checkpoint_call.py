@@ -36,10 +36,9 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from ...core.neurons import detached_copy
-from ...core.parallelize.checkpointing import checkpoint_blocks, checkpoint_time_chunks
-from ...core.validate import positive_int
-from ...core.vocabulary import Checkpointing
+from ...core.common import Checkpointing, positive_int
+from ...core.model import detached_copy
+from ...core.parallelize import checkpoint_blocks, checkpoint_time_chunks
 from ..instruments.isolation import one_thread
 from ..timing.checkpoint_probe import REFERENCE_LAYERS, STEPS, least_steps, probe_batch, probe_model
 from ..timing.compute_work import count_step, counted_pass

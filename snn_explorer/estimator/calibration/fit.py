@@ -8,7 +8,7 @@ import statistics
 from dataclasses import replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ...core.collectives import Collective
+from ...core.common import Collective
 from ..timing.hardware import KINDS, HardwareProfile
 from ..timing.pipeline_time import BACKWARD_SHARE, replay_plan
 from .probes import BURST, SIZES_BYTES

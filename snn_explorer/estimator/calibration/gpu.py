@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ... import ranks
 from ...compat import TorchDispatchMode
-from ...core.neurons import reset_all
+from ...core.model import reset_all
 from ..timing.hardware import HOST_ADAM_PARAMS_PER_S, KINDS, HardwareProfile, hardware_profile
 from .fit import fit_alpha_beta
 from .probes import collective_op

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from ...core.validate import positive_int
+from ...core.common import positive_int
 from ..instruments.isolation import one_thread
 
 __all__ = ["this_host_adam_rate"]

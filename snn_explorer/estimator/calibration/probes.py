@@ -8,8 +8,7 @@ from typing import Dict, List
 
 import torch
 
-from ...core.collectives import Collective
-from ...core.precision import precision_of
+from ...core.common import Collective, precision_of
 from ..timing.hardware import HALF_PRECISIONS
 
 #: Buffer sizes (bytes) each collective is timed at, repetitions per size, collectives per repetition.

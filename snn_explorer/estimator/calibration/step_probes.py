@@ -16,8 +16,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ... import ranks
 from ...compat_pipelining import pipeline_waits
-from ...core import analyze, apply, plan
-from ...core.pipeline_schedules import SCHEDULES
+from ...core import PlanOptions, analyze, apply, plan
+from ...core.planning import SCHEDULES
 from ..instruments.isolation import collected
 from ..instruments.recorder import CollectiveRecorder
 from ..timing.hardware import KINDS
@@ -120,8 +120,7 @@ def probe_pipeline(p: int, schedule, heavy: int = 1):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(probe_block(heavy if s in first else 1) for s in range(p * virtual)))
     micro = p * virtual
-    pp_plan = plan(analysis=analyze(model), objective="speed", topology={"pp": p}, mode="pp", batch_size=4 * micro,
-                   pp_schedule=schedule.name, pp_microbatches=micro, pp_virtual_stages=virtual)
+    pp_plan = plan(analysis=analyze(model), objective="speed", topology={"pp": p}, mode="pp", batch_size=4 * micro, options=PlanOptions(pp_schedule=schedule.name, pp_microbatches=micro, pp_virtual_stages=virtual))
     return model, pp_plan, torch.rand(PROBE_STEPS, 4 * micro, 64, generator=torch.Generator().manual_seed(2))
 
 

@@ -39,8 +39,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from ... import ranks
-from ...core.collectives import Collective
-from ...core.validate import positive_int
+from ...core.common import Collective, positive_int
 from ..instruments.isolation import one_thread
 from ..instruments.progress_hook import ProgressHook, check_hook, tell
 from ..timing.hardware import KINDS, HardwareProfile, hardware_profile

@@ -13,7 +13,7 @@ times slower. Sizes, operator counts and so every
 number of an estimate do not depend on it.
 
 :func:`collected` runs timed steps after a garbage collection and with the collector paused
-(:func:`~snn_explorer.core.young_objects.collector_paused` only pauses it, as ``timeit`` does), so that a collection of what earlier work left behind (a 0.2 s pause, seen in
+(:func:`~snn_explorer.core.common.young_objects.collector_paused` only pauses it, as ``timeit`` does), so that a collection of what earlier work left behind (a 0.2 s pause, seen in
 the one timed step it fell in after four plans measured on the same ranks) is not timed as a step.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Iterator
 
 import torch
 
-from ...core.young_objects import collector_paused
+from ...core.common import collector_paused
 
 #: Variables torch sets in ``os.environ`` as a side effect of importing its compiler stack.
 TORCH_SET_ENV = ("TORCHINDUCTOR_CACHE_DIR",)

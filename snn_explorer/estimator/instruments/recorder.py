@@ -22,7 +22,7 @@ from ...compat import (
     TorchDispatchMode,
     resolve_process_group,
 )
-from ...core.collectives import Collective
+from ...core.common import Collective
 
 _c10d = torch.ops.c10d
 _fn = FUNCTIONAL_COLLECTIVES

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ...compat import is_fake
-from ...core.neurons import state_tensors, stateful_modules
+from ...compat_fake import is_fake
+from ...core.model import state_tensors, stateful_modules
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

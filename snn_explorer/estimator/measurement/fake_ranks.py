@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ... import compat
+from ... import compat_fake
 from ...core import SNNDistributedPlan, apply
-from ...core.validate import check_instance
+from ...core.common import check_instance
 from ..instruments.recorder import CollectiveRecorder
 from ..instruments.tables import COLLECTIVE_COLUMNS
 from ..profile.shape_only import fake_copy, following, to_fake
@@ -71,7 +71,7 @@ def record_rank_step(model: nn.Module, plan: SNNDistributedPlan, example_input: 
     check_optimizer(optimizer)
     layout, _ = resolve_layout(model, example_input, labels, [plan], layout)
     fake, mode = fake_copy(model)
-    with compat.fake_process_group(rank, plan.world_size) if plan.distributed else contextlib.nullcontext():
+    with compat_fake.fake_process_group(rank, plan.world_size) if plan.distributed else contextlib.nullcontext():
         runtime = apply(model=fake, plan=plan, device_type="cpu")  # the mesh is made outside the fake mode
         with following(fake, mode):
             x = layout.to_time_major(to_fake(example_input))

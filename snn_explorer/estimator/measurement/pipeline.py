@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ... import compat_pipelining
 from ...core import apply
-from ...core.collectives import Collective
+from ...core.common import Collective
 from ...ranks.progress import heartbeat
 from ..instruments.meter import StorageMeter
 from ..instruments.recorder import CollectiveRecorder

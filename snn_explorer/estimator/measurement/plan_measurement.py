@@ -28,9 +28,9 @@ from torch import nn
 
 from ... import compat, ranks
 from ...core import SNNDistributedPlan, apply
-from ...core.layouts import DataLayout
-from ...core.parallelize.mesh import comm_backend_for
-from ...core.validate import positive_number
+from ...core.common import positive_number
+from ...core.model import DataLayout
+from ...core.parallelize import comm_backend_for
 from ...ranks.progress import heartbeat
 from ..instruments.isolation import as_found
 from ..instruments.recorder import CollectiveRecorder
@@ -39,6 +39,10 @@ from ..instruments.tables import COLLECTIVE_COLUMNS, PER_RANK_COLUMNS, TIME_COLU
 from ..profile.step import OPTIMIZERS, batch_slice, forward_loss, input_as
 from .pipeline import measure_pp_plan, pp_collectives
 from .settings import MeasureSettings, measure_settings, timed_steps
+
+#: The measured steps' learning rate: it changes neither the step time nor the peak memory measured,
+#: only the weights' values, so it is fixed rather than a parameter.
+MEASURE_LR = 1e-3
 
 
 @dataclass(frozen=True)
@@ -273,11 +277,11 @@ def _assemble(plan: SNNDistributedPlan, results: Sequence[dict], steps: int) -> 
 
 def measure_many(model: nn.Module, plans: Sequence[SNNDistributedPlan], *, example_input: torch.Tensor,
                  labels: Optional[torch.Tensor] = None, steps: int = 3, optimizer: str = "adam",
-                 dtype: Optional[torch.dtype] = None, lr: float = 1e-3, timeout: Optional[float] = 300.0,
+                 dtype: Optional[torch.dtype] = None, timeout: Optional[float] = 300.0,
                  device: str = "cpu", progress=False, layout=None, pool=None) -> List[PlanMeasurement]:
     """:func:`measure` for several plans, one set of ranks per world size (``snn_explorer.ranks``; ``pool``:
     a :class:`~snn_explorer.ranks.RankPool` runs them, so every plan over one rank needs its world size)."""
-    run = measure_settings(model, plans, example_input, labels, steps, optimizer, dtype, lr, device, layout)
+    run = measure_settings(model, plans, example_input, labels, steps, optimizer, dtype, MEASURE_LR, device, layout)
     backend = comm_backend_for(device)
     for world in sorted({p.world_size for p in plans} - {1}) if pool is not None else ():
         pool.check_fits(world, backend)
@@ -320,7 +324,7 @@ def _measure_single(model, plans, run: MeasureSettings, backend: str):
 
 def measure(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch.Tensor,
             labels: Optional[torch.Tensor] = None, steps: int = 3, optimizer: str = "adam",
-            dtype: Optional[torch.dtype] = None, lr: float = 1e-3, timeout: Optional[float] = 300.0,
+            dtype: Optional[torch.dtype] = None, timeout: Optional[float] = 300.0,
             device: str = "cpu", progress=False, layout=None, pool=None) -> PlanMeasurement:
     """Train ``plan`` on ``plan.world_size`` spawned ranks for ``steps`` steps and measure one more.
 
@@ -338,5 +342,5 @@ def measure(model: nn.Module, plan: SNNDistributedPlan, *, example_input: torch.
     runs it on its warm ranks (one that does not fit is refused before anything runs).
     """
     return measure_many(model, [plan], example_input=example_input, labels=labels, steps=steps,
-                        optimizer=optimizer, dtype=dtype, lr=lr, timeout=timeout, device=device,
+                        optimizer=optimizer, dtype=dtype, timeout=timeout, device=device,
                         progress=progress, layout=layout, pool=pool)[0]

@@ -9,8 +9,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...core.layouts import TIME_MAJOR, DataLayout
-from ...core.validate import positive_int
+from ...core.common import positive_int
+from ...core.model import TIME_MAJOR, DataLayout
 from ...ranks.progress import heartbeat
 from ..instruments.isolation import as_found, collected
 from ..profile.step import check_inputs, check_optimizer, resolve_layout, run_dtypes

@@ -5,9 +5,8 @@ from typing import Sequence
 
 import pandas as pd
 
-from ...core.memory_levers import checkpointing_variants, copy_without_levers
-from ...core.validate import positive_int
-from ...core.vocabulary import Checkpointing
+from ...core.common import Checkpointing, positive_int
+from ...core.levers import checkpointing_variants, copy_without_levers
 from ..profile.checkpointed import held_after_forward, levered_profile
 from ..profile.profiling import ModelProfile
 from ..profile.step import batch_slice

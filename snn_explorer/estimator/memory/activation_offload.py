@@ -1,4 +1,4 @@
-"""What activation offload (``plan.activation_offload``, :mod:`snn_explorer.core.activation_offload`) saves and costs.
+"""What activation offload (``plan.activation_offload``, :mod:`snn_explorer.core.levers.activation_offload`) saves and costs.
 
 Device memory: the profile's runs are repeated on the rank's model under a root of its own whose forwards run
 under saved-tensor hooks that stand for the host copy (:class:`OffloadedProfile`; on a model of repeated blocks
@@ -24,9 +24,9 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from ...compat import is_fake
-from ...core.activation_offload import offload_hooks
-from ...core.module_copy import root_over_children
+from ...compat_fake import is_fake
+from ...core.levers import offload_hooks
+from ...core.model import root_over_children
 from ..profile.checkpointed import held_after_forward, run_total
 from ..profile.profiling import ModelProfile
 from ..profile.step import batch_slice
@@ -64,7 +64,7 @@ def _to_simulated_device(packed: Any) -> torch.Tensor:
 @dataclass
 class OffloadedProfile(ModelProfile):
     """A :class:`ModelProfile` whose rank models keep their saved tensors outside the counted memory
-    (``base``'s rank models under a root of their own, :func:`~snn_explorer.core.module_copy.root_over_children`)."""
+    (``base``'s rank models under a root of their own, :func:`~snn_explorer.core.model.module_copy.root_over_children`)."""
 
     base: ModelProfile = None
     offloaded: Dict[tuple, nn.Module] = field(default_factory=dict, repr=False)

@@ -41,8 +41,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from ...compat import tree_leaves
-from ...core.neurons import detached_copy
-from ...core.parallelize.pipeline import PipelineStageModule, StageConfig, build_stage
+from ...core.model import detached_copy
+from ...core.parallelize import PipelineStageModule, StageConfig, build_stage
 from ..instruments.fsdp_events import record
 from ..instruments.meter import StorageMeter
 from ..instruments.op_counter import tensor_bytes

@@ -30,9 +30,8 @@ from typing import Collection, Dict, List, NamedTuple, Sequence, Tuple
 
 import pandas as pd
 
-from ...core.collectives import Collective
-from ...core.pipeline_plan import check_pp_model, stage_units
-from ...core.pipeline_schedules import PipelineSchedule, schedule_of
+from ...core.common import Collective
+from ...core.planning import PipelineSchedule, check_pp_model, schedule_of, stage_units
 from ..instruments.tables import boundary_phase, gather_phase, reduce_phase
 from .sharding import (
     buffer_bytes,

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from ...core import SNNDistributedPlan
-from ...core.parallelize.fsdp import fsdp_units_of
-from ...core.styles import STYLES
+from ...core.parallelize import fsdp_units_of
+from ...core.tp import STYLES
 from ..profile.step import OPTIMIZERS, check_optimizer
 
 #: Optimizer state tensors per parameter, each the size of the (local) parameter.

@@ -1,4 +1,4 @@
-"""What spike compression (``plan.spike_compression``, :mod:`snn_explorer.core.spike_compression`) saves and costs.
+"""What spike compression (``plan.spike_compression``, :mod:`snn_explorer.core.levers.spike_compression`) saves and costs.
 
 The model one rank runs (the profile's private copy, its TP replica, or its checkpointed copy) runs
 one forward under a detector: the profile's own saved-tensor hooks (:class:`SavedByModule`), which
@@ -21,9 +21,9 @@ from typing import Dict, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from ...core.module_copy import root_over_children
-from ...core.spike_compression import apply_spike_compression, is_binary, packable
-from ...core.young_objects import new_objects_collected
+from ...core.common import new_objects_collected
+from ...core.levers import apply_spike_compression, is_binary, packable
+from ...core.model import root_over_children
 from ..instruments.storage import SavedByModule, model_state_tensors, saving
 from ..profile.checkpointed import (
     CheckpointedProfile,
@@ -161,7 +161,7 @@ def _plan_of(base: ModelProfile):
 def _compressed_copy(base: ModelProfile, tp_plan: Optional[Mapping[str, str]], tp: int) -> nn.Module:
     """The model one rank of ``base`` runs (checkpointed as ``base``'s plan says when ``base`` is a
     :class:`CheckpointedProfile`), packing its saved spikes, in the order ``apply`` takes them: a new root over its
-    modules (:func:`~snn_explorer.core.module_copy.root_over_children`: the packer wraps the root's forward), not
+    modules (:func:`~snn_explorer.core.model.module_copy.root_over_children`: the packer wraps the root's forward), not
     a copy of the whole model."""
     root = root_over_children(base.rank_model(tp_plan, tp)[1])
     apply_spike_compression(root, _COMPRESSED)

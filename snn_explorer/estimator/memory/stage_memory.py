@@ -21,7 +21,7 @@ from typing import Callable, Iterable, List, Mapping, Optional, Sequence
 
 import torch
 
-from ...core.parallelize.pipeline import StageConfig, build_stage
+from ...core.parallelize import StageConfig, build_stage
 from ..instruments.meter import StorageMeter
 from ..instruments.storage import LiveSaved, saving, state_tensor_ids, storage_keys, total_bytes
 from ..profile.stage_repeats import composed_stages

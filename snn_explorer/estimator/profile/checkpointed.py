@@ -20,11 +20,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ...core.module_copy import copy_along
-from ...core.neurons import detached_copy
-from ...core.parallelize.checkpointing import apply_activation_checkpointing, checkpointed_paths, region_starts
-from ...core.vocabulary import Checkpointing
-from ...core.young_objects import new_objects_collected
+from ...core.common import Checkpointing, new_objects_collected
+from ...core.model import copy_along, detached_copy
+from ...core.parallelize import apply_activation_checkpointing, checkpointed_paths, region_starts
 from ..instruments.meter import StorageMeter
 from ..instruments.storage import model_state_tensors, state_tensor_ids, total_bytes
 from .profiling import ModelProfile, precision_profile

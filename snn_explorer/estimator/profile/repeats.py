@@ -263,7 +263,7 @@ def _compose_counts(short: list, longer: list, repeats: Repeats) -> list:
 
 
 def compose_point(short: dict, longer: dict, repeats: Repeats, inputs: Dict[int, list], names: Tuple[str, ...]) -> dict:
-    """One profile run's records (:func:`~.profiling._run_point`) of the whole model, from the runs cut to
+    """One profile run's records (:func:`~.profile_runs.run_point`) of the whole model, from the runs cut to
     :data:`CUT` repeats; ``inputs`` the input signatures of the second and third blocks in the longer run and
     ``names`` the whole model's parameter names in order. :class:`NotRepeating` where they do not agree."""
     last = CUT[1] - 1

@@ -20,8 +20,8 @@ from typing import Callable, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ...compat import data_dependent_op, fake_tensor_mode
-from ...core.neurons import reset_all
+from ...compat_fake import data_dependent_op, fake_tensor_mode
+from ...core.model import reset_all
 
 
 class ShapeOnlyError(ValueError):

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from ...core import SNNDistributedPlan, SNNDistributedRuntime
-from ...core.layouts import TIME_MAJOR, DataLayout, detect_layout, layout_of, model_output
-from ...core.neurons import reset_all
-from ...core.validate import check_batch_tensor, check_dtype, check_instance
+from ...core.common import check_batch_tensor, check_dtype, check_instance
+from ...core.model import TIME_MAJOR, DataLayout, detect_layout, layout_of, reset_all
+from ...core.model.layouts import model_output
 
 #: The attribute naming the :class:`DataLayout` a private model copy of the estimator runs in (set on
 #: the profile's copy; deep copies of it, TP replicas and checkpointed copies, inherit it).
@@ -69,7 +69,7 @@ def check_inputs(model: nn.Module, example_input, labels, dtype=None, plan=None,
     if labels.dim() == 0 or labels.shape[0] != n:
         other = example_input.shape[layout.time_dim]
         hint = (f"; dim {layout.time_dim} holds {other}: is the data layout other than {layout.name}? (pass "
-                "layout=, e.g. snn_explorer.core.layouts.BATCH_MAJOR)" if labels.dim() and labels.shape[0] == other
+                "layout=, e.g. snn_explorer.core.model.layouts.BATCH_MAJOR)" if labels.dim() and labels.shape[0] == other
                 else "")
         raise ValueError(f"labels of shape {tuple(labels.shape)} do not match example_input "
                          f"{tuple(example_input.shape)}: expected [N] (or [N, C]) with N={n} samples (dim "
@@ -84,7 +84,7 @@ def resolve_layout(model: nn.Module, example_input: torch.Tensor, labels=None, p
                    layout=None) -> Tuple[DataLayout, str]:
     """``(layout, how it was found)`` of ``example_input`` for ``model``: ``layout`` or the plans'
     ``data_layout`` (ValueError when they differ), checked against the labels; else detected
-    (:func:`~snn_explorer.core.layouts.detect_layout`: the labels' N against dims 0 and 1, the output's
+    (:func:`~snn_explorer.core.model.layouts.detect_layout`: the labels' N against dims 0 and 1, the output's
     dims from one eval run; time-major assumed, and said so, when N and T have one size)."""
     stated = {p.data_layout for p in plans if p.data_layout is not None}
     if layout is not None:

@@ -22,8 +22,8 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from ...core.neurons import shared_storage_copy
-from ...core.styles import STYLES
+from ...core.model import shared_storage_copy
+from ...core.tp import STYLES
 
 
 class _GradAllReduce(torch.autograd.Function):

@@ -32,7 +32,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Tuple
 
-from ...core.vocabulary import Checkpointing
+from ...core.common import Checkpointing
 from ..profile.checkpointed import CheckpointedProfile
 from ..profile.profiling import FIT_BATCHES, FIT_STEPS, Fit, ModelProfile
 from ..profile.step import batch_slice, input_as

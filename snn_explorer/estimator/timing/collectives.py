@@ -13,9 +13,9 @@ import torch
 
 from ...compat import DDP_FIRST_BUCKET_BYTES, ddp_bucket_assignment
 from ...core import SNNDistributedPlan
-from ...core.collectives import Collective
-from ...core.pipeline_plan import check_pp_model, stage_units
-from ...core.styles import STYLES
+from ...core.common import Collective
+from ...core.planning import check_pp_model, stage_units
+from ...core.tp import STYLES
 from ..instruments.tables import tp_phase
 from ..memory.sharding import (
     Param,

@@ -25,7 +25,7 @@ from typing import Dict, Iterator, Optional
 
 import torch
 
-from ...core.young_objects import collector_paused
+from ...core.common import collector_paused
 from ..instruments.isolation import one_thread
 from ..instruments.op_counter import OpCounter, grad_names
 from ..profile.profiling import SIZES, Fit, ModelProfile

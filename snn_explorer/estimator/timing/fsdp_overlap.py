@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Sequence
 
-from ...core.collectives import Collective
+from ...core.common import Collective
 from .hardware import HardwareProfile
 from .placement import ranks_on_host, spans_nodes
 

@@ -27,10 +27,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, Mapping, Optional, Tuple
 
-from ...core.collectives import TIMED, Collective
-from ...core.precision import PRECISIONS, Precision
-from ...core.validate import positive_int, positive_number
-from ...core.vocabulary import Checkpointing
+from ...core.common import PRECISIONS, TIMED, Checkpointing, Collective, Precision, positive_int, positive_number
 from .gpu_specs import (
     DEFAULT_EFFICIENCY,
     DEVICES,

@@ -13,7 +13,7 @@ from typing import Optional
 import pandas as pd
 
 from ...core import SNNDistributedPlan
-from ...core.collectives import Collective
+from ...core.common import Collective
 from .placement import group_size, spans_nodes
 
 

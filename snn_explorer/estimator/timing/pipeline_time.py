@@ -31,11 +31,11 @@ from typing import Dict, List, Sequence, Tuple
 import pandas as pd
 import torch
 
-from ...core.collectives import Collective
-from ...core.parallelize.pipeline import StageConfig, build_stage
-from ...core.pipeline_plan import check_pp_model, pipeline_units, stage_units
-from ...core.pipeline_schedules import needs, passes, replay
-from ...core.styles import STYLES
+from ...core.common import Collective
+from ...core.model import pipeline_units
+from ...core.parallelize import StageConfig, build_stage
+from ...core.planning import check_pp_model, needs, passes, replay, stage_units
+from ...core.tp import STYLES
 from ..instruments.op_counter import OpCounter
 from ..instruments.tables import TIME_COLUMNS, boundary_stages, gather_phase, reduce_phase
 from ..profile.profiling import Fit

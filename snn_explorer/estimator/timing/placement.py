@@ -3,7 +3,7 @@ many ranks share a host and how much they slow each other."""
 from __future__ import annotations
 
 from ...core import SNNDistributedPlan
-from ...core.collectives import Collective
+from ...core.common import Collective
 from .hardware import HardwareProfile
 
 

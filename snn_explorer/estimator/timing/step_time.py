@@ -34,10 +34,9 @@ from typing import Callable, Dict, Optional, Tuple
 import pandas as pd
 
 from ...core import SNNDistributedPlan
-from ...core.collectives import Collective
-from ...core.parallelize.checkpointing import region_starts
-from ...core.styles import STYLES
-from ...core.vocabulary import Checkpointing
+from ...core.common import Checkpointing, Collective
+from ...core.parallelize import region_starts
+from ...core.tp import STYLES
 from ..instruments.tables import TIME_COLUMNS
 from ..profile.checkpointed import unlevered
 from .checkpoint_probe import reference_step_s

@@ -27,7 +27,7 @@ from typing import Tuple
 
 import pandas as pd
 
-from ...core.collectives import Collective
+from ...core.common import Collective
 from .placement import group_size, spans_nodes
 
 #: The algorithm each backend runs per collective kind (NCCL's all-reduce: ``tree`` across nodes).
