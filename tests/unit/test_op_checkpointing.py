@@ -31,7 +31,7 @@ def _model(dtype=torch.float64):
 def _plan(model, mode="fsdp2", topology=None, **levers):
     extra = dict(tensor_parallel_plan=model.tensor_parallel_plan()) if mode == "tp" else {}
     return se.plan(analysis=se.analyze(model), objective="memory", topology=topology or {"dp": 2},
-                   batch_size=BATCH, mode=mode, features=GATES, **split_options(extra), **split_options(levers))
+                   batch_size=BATCH, mode=mode, features=GATES, **split_options({**extra, **levers}))
 
 
 # ---- plan time and the policy ----------------------------------------------------------------------------
