@@ -122,12 +122,14 @@ def _screenshot(page, name: str) -> None:
     ui.screenshot(path=str(ARTIFACTS / f"{name}.png"))
 
 
-def test_objective_change_replans_in_the_browser(voila_url, tmp_path):
+@contextlib.contextmanager
+def _page(tmp_path, url: str):
+    """A page of headless chromium (a fresh profile under ``tmp_path``) opened at ``url``; closed on exit.
+    A missing chromium fails the test: scripts/setup.sh installs it."""
     if not os.path.exists(CHROMIUM):
         pytest.fail(f"{CHROMIUM} is missing: scripts/setup.sh installs it (apt-get install chromium)")
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import sync_playwright
 
-    url, log = voila_url
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as p:
         context = p.chromium.launch_persistent_context(
@@ -136,24 +138,32 @@ def test_objective_change_replans_in_the_browser(voila_url, tmp_path):
         try:
             page = context.pages[0] if context.pages else context.new_page()
             page.goto(url, timeout=RENDER_TIMEOUT_MS)
-            table = page.locator(TABLE)
-            try:
-                table.wait_for(state="visible", timeout=RENDER_TIMEOUT_MS)
-            except Exception:
-                page.screenshot(path=str(ARTIFACTS / "browser_explorer_failed.png"), full_page=True)
-                raise AssertionError(f"the comparison table never appeared; voila log:\n{log.read_text()[-4000:]}")
-            before = _table(page)
-            # the three pinned plans of the notebook; the controls' plan (speed on dp=4) is #1
-            assert list(before["mode"].values()) == ["dp", "fsdp2_tp", "tp"], before["mode"]
-            _screenshot(page, "browser_explorer_before")
-
-            objective = page.locator(".widget-dropdown", has_text="objective").locator("select")
-            objective.select_option("memory")
-            expect(table).to_contain_text("current fsdp2+reshard dp=4", timeout=CHANGE_TIMEOUT_MS)
-            after = _table(page)
-            _screenshot(page, "browser_explorer_after")
+            yield page
         finally:
             context.close()
+
+
+def test_objective_change_replans_in_the_browser(voila_url, tmp_path):
+    from playwright.sync_api import expect
+
+    url, log = voila_url
+    with _page(tmp_path, url) as page:
+        table = page.locator(TABLE)
+        try:
+            table.wait_for(state="visible", timeout=RENDER_TIMEOUT_MS)
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "browser_explorer_failed.png"), full_page=True)
+            raise AssertionError(f"the comparison table never appeared; voila log:\n{log.read_text()[-4000:]}")
+        before = _table(page)
+        # the three pinned plans of the notebook; the controls' plan (speed on dp=4) is #1
+        assert list(before["mode"].values()) == ["dp", "fsdp2_tp", "tp"], before["mode"]
+        _screenshot(page, "browser_explorer_before")
+
+        objective = page.locator(".widget-dropdown", has_text="objective").locator("select")
+        objective.select_option("memory")
+        expect(table).to_contain_text("current fsdp2+reshard dp=4", timeout=CHANGE_TIMEOUT_MS)
+        after = _table(page)
+        _screenshot(page, "browser_explorer_after")
     new = [c for c in after["mode"] if c not in before["mode"]]
     assert new == ["current fsdp2+reshard dp=4"], list(after["mode"])
     column = new[0]
@@ -171,55 +181,42 @@ LAUNCH_TIMEOUT_MS = 240_000
 def test_launch_tab_launches_saves_loads_and_exports_in_the_browser(voila_url, tmp_path):
     """The Launch tab's buttons in the page: a 4-rank gloo run shows its losses, the plan is saved
     to JSON and loaded back (pinned), and a torchrun / Slurm job is exported."""
-    if not os.path.exists(CHROMIUM):
-        pytest.fail(f"{CHROMIUM} is missing: scripts/setup.sh installs it (apt-get install chromium)")
-    import json
-
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     url, log = voila_url
-    ARTIFACTS.mkdir(exist_ok=True)
     plan_file, job_dir = tmp_path / "plan.json", tmp_path / "job"
-    with sync_playwright() as p:
-        context = p.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS,
-            viewport={"width": 1400, "height": 2400})
+    with _page(tmp_path, url) as page:
+        page.locator(TABLE).wait_for(state="visible", timeout=RENDER_TIMEOUT_MS)
         try:
-            page = context.pages[0] if context.pages else context.new_page()
-            page.goto(url, timeout=RENDER_TIMEOUT_MS)
-            page.locator(TABLE).wait_for(state="visible", timeout=RENDER_TIMEOUT_MS)
-            try:
-                page.get_by_role("tab", name="Launch").click()
-                steps = _labelled(page, ".widget-inline-hbox", "steps").locator("input")
-                steps.fill("3")
-                steps.press("Enter")
-                _button(page, "launch").click()
-                status = page.locator("pre", has_text="done:")
-                status.wait_for(state="visible", timeout=LAUNCH_TIMEOUT_MS)
-            except Exception:
-                page.screenshot(path=str(ARTIFACTS / "browser_launch_failed.png"), full_page=True)
-                raise AssertionError(f"the launch never finished; voila log:\n{log.read_text()[-4000:]}")
-            assert "3 steps" in status.inner_text()
-            losses = page.locator("table", has_text="rank 3").first
-            expect(losses).to_be_visible()
-            _launch_screenshot(page, "browser_launch_done")
+            page.get_by_role("tab", name="Launch").click()
+            steps = _labelled(page, ".widget-inline-hbox", "steps").locator("input")
+            steps.fill("3")
+            steps.press("Enter")
+            _button(page, "launch").click()
+            status = page.locator("pre", has_text="done:")
+            status.wait_for(state="visible", timeout=LAUNCH_TIMEOUT_MS)
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "browser_launch_failed.png"), full_page=True)
+            raise AssertionError(f"the launch never finished; voila log:\n{log.read_text()[-4000:]}")
+        assert "3 steps" in status.inner_text()
+        losses = page.locator("table", has_text="rank 3").first
+        expect(losses).to_be_visible()
+        _launch_screenshot(page, "browser_launch_done")
 
-            plan_input = _labelled(page, ".widget-text", "plan file").locator("input")
-            plan_input.fill(str(plan_file))
-            plan_input.press("Enter")
-            _button(page, "save plan").click()
-            expect(page.locator("pre", has_text="saved")).to_be_visible(timeout=CHANGE_TIMEOUT_MS)
-            _button(page, "load plan").click()
-            expect(page.locator("pre", has_text="pinned as")).to_be_visible(timeout=CHANGE_TIMEOUT_MS)
+        plan_input = _labelled(page, ".widget-text", "plan file").locator("input")
+        plan_input.fill(str(plan_file))
+        plan_input.press("Enter")
+        _button(page, "save plan").click()
+        expect(page.locator("pre", has_text="saved")).to_be_visible(timeout=CHANGE_TIMEOUT_MS)
+        _button(page, "load plan").click()
+        expect(page.locator("pre", has_text="pinned as")).to_be_visible(timeout=CHANGE_TIMEOUT_MS)
 
-            job_input = _labelled(page, ".widget-text", "job folder").locator("input")
-            job_input.fill(str(job_dir))
-            job_input.press("Enter")
-            _button(page, "export job").click()
-            expect(page.locator("pre", has_text="exported to")).to_be_visible(timeout=CHANGE_TIMEOUT_MS)
-            _launch_screenshot(page, "browser_launch_files")
-        finally:
-            context.close()
+        job_input = _labelled(page, ".widget-text", "job folder").locator("input")
+        job_input.fill(str(job_dir))
+        job_input.press("Enter")
+        _button(page, "export job").click()
+        expect(page.locator("pre", has_text="exported to")).to_be_visible(timeout=CHANGE_TIMEOUT_MS)
+        _launch_screenshot(page, "browser_launch_files")
     saved = json.loads(plan_file.read_text())
     assert saved["mode"] == "dp" and saved["topology"]["dims"] == {"dp": 4}  # the controls' plan, launched
     assert sorted(os.listdir(job_dir)) == ["command.sh", "job.sbatch", "payload.pkl", "plan.json", "run.py"]
@@ -242,33 +239,20 @@ def _launch_screenshot(page, name: str) -> None:
 def test_every_strategy_notebook_draws_its_pictures_in_the_browser(tmp_path):
     """Notebook 08 served by Voila (a fresh kernel runs it): as many pictures as its committed outputs hold,
     each screenshotted to test-artifacts/every_strategy_<i>.png."""
-    if not os.path.exists(CHROMIUM):
-        pytest.fail(f"{CHROMIUM} is missing: scripts/setup.sh installs it (apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
-
     notebook = ROOT / "notebooks" / "08_every_strategy.ipynb"
     cells = json.loads(notebook.read_text())["cells"]
     pictures = sum("image/png" in out.get("data", {}) for cell in cells for out in cell.get("outputs", []))
     assert pictures >= 3
-    ARTIFACTS.mkdir(exist_ok=True)
-    with _served(tmp_path, notebook) as (url, log), sync_playwright() as p:
-        context = p.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS,
-            viewport={"width": 1400, "height": 2400})
+    with _served(tmp_path, notebook) as (url, log), _page(tmp_path, url) as page:
+        images = page.locator('img[src^="data:image/png"]')
         try:
-            page = context.pages[0] if context.pages else context.new_page()
-            page.goto(url, timeout=RENDER_TIMEOUT_MS)
-            images = page.locator('img[src^="data:image/png"]')
-            try:
-                images.nth(pictures - 1).wait_for(state="visible", timeout=RENDER_TIMEOUT_MS)
-            except Exception:
-                page.screenshot(path=str(ARTIFACTS / "every_strategy_failed.png"), full_page=True)
-                raise AssertionError(f"{images.count()} of {pictures} pictures appeared; voila log:\n"
-                                     f"{log.read_text()[-4000:]}")
-            assert images.count() == pictures
-            for i in range(pictures):
-                images.nth(i).scroll_into_view_if_needed()
-                images.nth(i).screenshot(path=str(ARTIFACTS / f"every_strategy_{i}.png"))
-                assert images.nth(i).evaluate("img => img.naturalWidth") > 300
-        finally:
-            context.close()
+            images.nth(pictures - 1).wait_for(state="visible", timeout=RENDER_TIMEOUT_MS)
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "every_strategy_failed.png"), full_page=True)
+            raise AssertionError(f"{images.count()} of {pictures} pictures appeared; voila log:\n"
+                                 f"{log.read_text()[-4000:]}")
+        assert images.count() == pictures
+        for i in range(pictures):
+            images.nth(i).scroll_into_view_if_needed()
+            images.nth(i).screenshot(path=str(ARTIFACTS / f"every_strategy_{i}.png"))
+            assert images.nth(i).evaluate("img => img.naturalWidth") > 300
