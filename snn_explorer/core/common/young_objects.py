@@ -31,23 +31,19 @@ def collector_paused() -> Iterator[None]:
 @contextlib.contextmanager
 def new_objects_collected() -> Iterator[Callable[[], int]]:
     """Yields ``collect()``, a garbage collection of the objects made inside the body only (a full collection
-    scans every object of the process, thousands per module of a deep model). The objects alive on entry are
-    frozen, unless something froze them already, and the collector is paused inside, so every object made
-    inside stays in the young generations and ``collect()`` (``gc.collect(1)``) scans and frees the cycles among
-    them. Nested inside another such body (or under a caller's own freeze), ``collect()`` also moves the outer
-    body's live young objects to the old generation, where cycles they later form wait for a full collection.
-    A full collection here would reset the collector's count of long-lived objects to the few it found: the
-    process's next automatic collection, a few thousand allocations later in whatever runs then, would be a
-    full one over every object (inside a cheap explorer change, with a 10,000-module model and its copies)."""
-    froze_here = gc.get_freeze_count() == 0
-    if froze_here:
-        gc.freeze()
-    try:
-        with collector_paused():
-            yield _collect_young
-    finally:
-        if froze_here:
-            gc.unfreeze()
+    scans every object of the process, thousands per module of a deep model). On entry a young collection moves
+    what is alive in the young generations to the old one, and the collector is paused inside, so every object
+    made inside stays in the young generations and ``collect()`` (``gc.collect(1)``) scans and frees the cycles
+    among them. Survivors of ``collect()`` (and, nested, the outer body's live young objects) move to the old
+    generation, where cycles they later form wait for a full collection. A full collection here would reset the
+    collector's count of long-lived objects to the few it found: the process's next automatic collection, a few
+    thousand allocations later in whatever runs then, would be a full one over every object (inside a cheap
+    explorer change, with a 10,000-module model and its copies). Frozen objects (``gc.freeze``: a test
+    harness's, a forked rank's) stay frozen; their count is never asked for (``gc.get_freeze_count`` walks them
+    all: tens of ms per call in a process that froze torch)."""
+    gc.collect(1)
+    with collector_paused():
+        yield _collect_young
 
 
 def _collect_young() -> int:
