@@ -321,6 +321,13 @@ def is_view(tensor: torch.Tensor) -> bool:
     return bool(_IS_VIEW(tensor))
 
 
+def returns_fresh_tensors(op: Any) -> bool:
+    """Whether operator overload ``op`` mutates none of its arguments and returns no alias of one (its
+    ``_schema``: not mutable, no alias annotation on a return): its outputs are new storages."""
+    schema = op._schema
+    return not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+
+
 def comm_debug_mode():
     """A new ``torch.distributed.tensor.debug.CommDebugMode``, its module imported on first use (it
     loads torch's compiler, which sets TORCHINDUCTOR_CACHE_DIR and makes a folder under TMPDIR)."""

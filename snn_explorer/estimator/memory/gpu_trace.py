@@ -52,6 +52,7 @@ from ..profile.step import OPTIMIZERS, forward_loss, loss_of
 from .fsdp_timeline import FsdpTimeline, replay_fsdp
 from .fused_neurons import FusedNeuron, swap_fused
 from .meta_autocast import MetaAutocast
+from .meta_memo import META_OUTPUTS
 from .script_fusion import fused_script_calls
 from .stage_memory import Counting, StageMemory, _measure
 
@@ -165,7 +166,7 @@ class DeviceMeter(StorageMeter):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = META_OUTPUTS.run(func, args, kwargs, META_OUTPUTS.key(func, args, kwargs))
         if not (func.is_view or func.overloadpacket in _NO_KERNEL):
             formula = _FLOPS.get(func.overloadpacket)
             flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0.0
