@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # Install everything into .venv, lint, and run the test tiers on torch 2.13.0 (tests/tiers.py says what goes
-# where): tests/unit (one process, no ranks), tests/ranks (real gloo ranks and launches), tests/system (the
+# where): tests/unit (one process, no ranks: what plain `pytest` runs), tests/sweeps (the same, the checks that
+# take minutes: sweeps over many plans, models or fresh interpreters), tests/ranks (real gloo ranks and
+# launches), tests/system (the
 # README, browser and set-up script tests, then the README's set-up in a fresh clone of HEAD with every example
 # notebook under nbval in its .venv: scripts/fresh_clone_check.sh; then the tests of every private torch name on
 # torch 2.14.1: scripts/test_torch_next.sh, a second venv). Fails if any run fails.
-#   bash scripts/test.sh [pytest options]                    lint and all three tiers (what .ci/run runs)
-#   bash scripts/test.sh unit|ranks|system [pytest options]  one tier
+#   bash scripts/test.sh [pytest options]                           lint and every tier (what .ci/run runs)
+#   bash scripts/test.sh unit|sweeps|ranks|system [pytest options]  one tier
 #   bash scripts/test.sh tests/unit/test_planner.py [...]    only pytest, on those paths
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Step times in the notebooks are predicted on a datasheet profile, so that their outputs do not
 # depend on this machine's calibration (estimate() without hardware= would calibrate it).
 export SNN_EXPLORER_HARDWARE="${SNN_EXPLORER_HARDWARE:-A100-SXM-80GB}"
-tiers=(unit ranks system)
+tiers=(unit sweeps ranks system)
 case "${1:-}" in
-    unit|ranks|system) tiers=("$1"); shift ;;
+    unit|sweeps|ranks|system) tiers=("$1"); shift ;;
 esac
 bash scripts/setup.sh --test
 for arg in "$@"; do
@@ -30,10 +32,10 @@ fi
 for tier in "${tiers[@]}"; do
     start=$SECONDS
     echo "== tier $tier: tests/$tier =="
-    # the unit tier on every core (pytest-xdist: addopts in pyproject.toml); the rank and system tiers in one
+    # the unit and sweeps tiers on every core (pytest-xdist: addopts in pyproject.toml); the rank and system tiers in one
     # pytest process each: their tests start ranks, notebooks and browsers that take the cores themselves
     workers=()
-    [ "$tier" = unit ] || workers=(-n 0)
+    [ "$tier" = unit ] || [ "$tier" = sweeps ] || workers=(-n 0)
     .venv/bin/python -m pytest --durations=25 "${workers[@]}" "$@" "tests/$tier" || status=$?
     echo "test.sh: tier $tier (tests/$tier) $((SECONDS - start)) s"
 done

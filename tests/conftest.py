@@ -8,7 +8,8 @@ import pytest
 # test modules of each tier from the others: a file split by tier (tests/unit/test_x.py, tests/ranks/test_x_ranks.py)
 # keeps its models and cases in one of the two, which the other imports (test file names are unique across tiers).
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-for _path in (os.path.join(_TESTS_DIR, "ranks"), os.path.join(_TESTS_DIR, "unit"), _TESTS_DIR):
+for _path in (os.path.join(_TESTS_DIR, "ranks"), os.path.join(_TESTS_DIR, "sweeps"), os.path.join(_TESTS_DIR, "unit"),
+              _TESTS_DIR):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 

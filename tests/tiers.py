@@ -1,12 +1,13 @@
 """The test tiers: a test's tier is the folder it sits in, and its marker follows from it.
 
     tests/unit/    marker unit    one process, no ranks (what plain `pytest` runs: testpaths in pyproject.toml)
+    tests/sweeps/  marker sweeps  one process, no ranks: the same checks over many plans or models (minutes each)
     tests/ranks/   marker ranks   starts real gloo ranks, or launches (torchrun, an exported job's script)
     tests/system/  marker system  the README, notebooks, browser, fresh clone, set-up script, torch-next
 
 tests/conftest.py uses the hooks below. A test file in tests/ itself has no tier: the run stops and names it.
-In tests/unit, a test that starts ranks (a subprocess that runs snn_explorer.ranks' agent, torchrun, or a
-script that does) fails at once with :class:`RankStartInUnitTier`, naming itself and where it belongs.
+In tests/unit and tests/sweeps, a test that starts ranks (a subprocess that runs snn_explorer.ranks' agent, torchrun,
+or a script that does) fails at once with :class:`RankStartInUnitTier`, naming itself and where it belongs.
 """
 import os
 import subprocess
@@ -14,7 +15,9 @@ import subprocess
 import pytest
 
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-TIERS = ("unit", "ranks", "system")
+TIERS = ("unit", "sweeps", "ranks", "system")
+#: the tiers whose tests run in one process and must start no ranks
+IN_PROCESS = ("unit", "sweeps")
 #: `python -m` modules and programs that start ranks: the rank runner's agent (and anything else under
 #: snn_explorer.ranks run as a program), torch's launchers
 _RANK_MODULES = ("snn_explorer.ranks", "torch.distributed.run", "torch.distributed.launch")
@@ -23,8 +26,8 @@ _GUARD = {"test": None, "started": []}
 
 
 class RankStartInUnitTier(BaseException):
-    """Raised where a test in tests/unit starts ranks. A BaseException, so that no ``except Exception`` (a
-    launcher's own error handling, ``pytest.raises(Exception)``) can swallow it."""
+    """Raised where a test in tests/unit or tests/sweeps starts ranks. A BaseException, so that no ``except
+    Exception`` (a launcher's own error handling, ``pytest.raises(Exception)``) can swallow it."""
 
 
 def tier_of(path) -> str:
@@ -68,8 +71,8 @@ def _guarded_popen_init(self, args, *more, **kwargs):
     if test is not None:
         what = starts_ranks(args, kwargs.get("cwd"))
         if what:
-            message = (f"{test} starts ranks ({what}), but tests in tests/unit run in one process: move it to "
-                       f"tests/ranks, or check the shapes / shardings / collectives it needs on the fake process "
+            message = (f"{test} starts ranks ({what}), but tests in tests/unit and tests/sweeps run in one process: "
+                       f"move it to tests/ranks, or check the shapes / shardings / collectives it needs on the fake process "
                        f"group (snn_explorer.compat_fake.fake_process_group) instead")
             _GUARD["started"].append(message)
             raise RankStartInUnitTier(message)
@@ -84,8 +87,8 @@ def pytest_configure(config):
     if misplaced:
         raise pytest.UsageError(
             f"test files in tests/ itself have no tier: {', '.join(misplaced)}; move each with git mv to "
-            f"tests/unit (one process, no ranks), tests/ranks (starts gloo ranks or launches: "
-            f"distributed_harness, launch, launch_plan, measure, torchrun) or tests/system (the README, notebooks, "
+            f"tests/unit (one process, no ranks), tests/sweeps (the same, minutes per test), tests/ranks (starts "
+            f"gloo ranks or launches: distributed_harness, launch, launch_plan, measure, torchrun) or tests/system (the README, notebooks, "
             f"browser, fresh clone, set-up script, torch-next)")
 
 
@@ -98,8 +101,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Arms the guard for the setup, call and teardown of a unit test (module fixtures start in its setup)."""
-    _GUARD.update(test=item.nodeid if tier_of(item.path) == "unit" else None, started=[])
+    """Arms the guard for the setup, call and teardown of an in-process test (module fixtures start in its setup)."""
+    _GUARD.update(test=item.nodeid if tier_of(item.path) in IN_PROCESS else None, started=[])
     try:
         yield
     finally:
@@ -108,7 +111,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A unit test that started ranks fails, even where the code under test caught the guard's error."""
+    """An in-process test that started ranks fails, even where the code under test caught the guard's error."""
     outcome = yield
     report = outcome.get_result()
     if _GUARD["started"]:

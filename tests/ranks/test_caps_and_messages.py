@@ -7,8 +7,8 @@ import sys
 import textwrap
 import time
 
-import psutil
 import pytest
+from launch_helpers import live_children
 
 import snn_explorer as se
 from snn_explorer.cli import main
@@ -24,7 +24,7 @@ def test_a_billion_ranks_are_refused_in_well_under_a_second_naming_the_cap(monke
                                          rf"\({RANKS_PER_CORE} gloo ranks per core x {cores} usable core"):
         se.launch(print, nprocs=10 ** 9, progress=False)
     assert time.perf_counter() - started < 0.5
-    assert not [c for c in psutil.Process().children() if "resource_tracker" not in " ".join(c.cmdline())]
+    assert not live_children()  # nothing started (the warm pools of other tests aside)
     monkeypatch.setenv(MAX_RANKS_ENV, "3")
     with pytest.raises(ValueError, match=rf"nprocs=4 .* the cap is 3 \(\${MAX_RANKS_ENV}=3\)"):
         se.launch(print, nprocs=4, progress=False)
@@ -40,7 +40,7 @@ def test_an_agent_killed_by_a_signal_is_named_as_the_cause():
 
     def kill_agent_once_running(snapshot):
         if not killed and all(s["pid"] for s in snapshot):
-            agent = next(c for c in psutil.Process().children() if "elastic_agent" in " ".join(c.cmdline()))
+            agent = next(c for c in live_children() if "elastic_agent" in " ".join(c.cmdline()))  # not a pool's
             os.kill(agent.pid, signal.SIGKILL)
             killed.append(agent.pid)
 

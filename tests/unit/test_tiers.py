@@ -40,6 +40,7 @@ def test_the_tier_is_the_folder_under_tests():
     assert tier_of(TESTS / "unit" / "test_x.py") == "unit"
     assert tier_of(TESTS / "ranks" / "sub" / "test_x.py") == "ranks"
     assert tier_of(TESTS / "system" / "test_x.py") == "system"
+    assert tier_of(TESTS / "sweeps" / "test_x.py") == "sweeps"
     assert tier_of(TESTS / "test_x.py") is None
     assert tier_of(TESTS / "unit") is None  # the folder itself is no test file in it
     assert tier_of(ROOT / "notebooks" / "01_quickstart.ipynb") is None
@@ -66,6 +67,7 @@ def _pytest(root: Path, *args) -> subprocess.CompletedProcess:
 
 _STARTS_RANKS = """
     from snn_explorer.ranks import LaunchError, run
+    from tiers import TIERS as TIER_NAMES
 
     def one():
         return 1
@@ -80,34 +82,47 @@ _STARTS_RANKS = """
             pass
 
     def test_in_one_process(request):
-        assert [m.name for m in request.node.iter_markers() if m.name in ("unit", "ranks", "system")] == ["unit"]
+        assert [m.name for m in request.node.iter_markers() if m.name in TIER_NAMES] == ["unit"]
 """
 
 
 def test_a_unit_test_that_starts_ranks_fails_at_once_naming_itself_and_its_tier(tmp_path):
     root = _tree(tmp_path, {
         "unit/test_starter.py": _STARTS_RANKS,
+        "sweeps/test_sweep.py": """
+            from tiers import TIERS
+
+            from snn_explorer.ranks import run
+
+            def test_sweep_starts_ranks():
+                run(print, nprocs=2, backend="gloo", timeout=60)
+
+            def test_sweep_marked(request):
+                assert [m.name for m in request.node.iter_markers() if m.name in TIERS] == ["sweeps"]
+        """,
         "ranks/test_marked.py": """
+            from tiers import TIERS
+
             def test_marked(request):
-                assert [m.name for m in request.node.iter_markers() if m.name in ("unit", "ranks", "system")] \\
-                    == ["ranks"]
+                assert [m.name for m in request.node.iter_markers() if m.name in TIERS] == ["ranks"]
         """,
         "system/test_marked_system.py": """
             def test_marked_system(request):
                 assert request.node.get_closest_marker("system") is not None
         """,
     })
-    done = _pytest(root, "tests/unit", "tests/ranks", "tests/system")
+    done = _pytest(root, "tests/unit", "tests/sweeps", "tests/ranks", "tests/system")
     out = done.stdout + done.stderr
     assert done.returncode == 1, out
     for name in ("test_starts_ranks", "test_starts_ranks_and_swallows_the_error"):
         assert f"FAILED tests/unit/test_starter.py::{name}" in out, out
         assert f"tests/unit/test_starter.py::{name} starts ranks" in out, out
+    assert "FAILED tests/sweeps/test_sweep.py::test_sweep_starts_ranks" in out, out
     assert "move it to tests/ranks" in out and "snn_explorer.ranks.elastic_agent" in out, out
     for name in ("unit/test_starter.py::test_in_one_process", "ranks/test_marked.py::test_marked",
-                 "system/test_marked_system.py::test_marked_system"):
+                 "system/test_marked_system.py::test_marked_system", "sweeps/test_sweep.py::test_sweep_marked"):
         assert f"PASSED tests/{name}" in out, out
-    assert "2 failed, 3 passed" in out, out  # the passing ones checked their markers: each its folder's
+    assert "3 failed, 4 passed" in out, out  # the passing ones checked their markers: each its folder's
 
 
 def test_a_test_file_in_tests_itself_stops_the_run_and_is_named(tmp_path):
@@ -117,7 +132,7 @@ def test_a_test_file_in_tests_itself_stops_the_run_and_is_named(tmp_path):
     out = done.stdout + done.stderr
     assert done.returncode != 0, out
     assert "test files in tests/ itself have no tier: test_new.py" in out, out
-    assert "tests/unit (one process, no ranks), tests/ranks" in out, out
+    assert "tests/unit (one process, no ranks), tests/sweeps (the same, minutes per test), tests/ranks" in out, out
 
 
 def test_the_guard_error_passes_except_exception():
