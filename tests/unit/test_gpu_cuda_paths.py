@@ -124,3 +124,20 @@ def test_the_first_step_peak_holds_the_autotuning_but_no_optimizer_state():
     assert 256 * MIB < peaks[("triton", False)] < 257 * MIB
     assert peaks[("triton", False)] == peaks[("triton", True)]
     assert peaks[(None, False)] < MIB and peaks[(None, True)] < peaks[(None, False)]
+
+
+def test_ddp_copies_every_gradient_into_its_bucket_and_back():
+    """DDP without gradient-as-bucket-view multiplies each gradient into its bucket and copies it back after the
+    all-reduce: two memory-bound kernels per gradient, each reading and writing it. By hand for the conv-BN-LIF
+    block (conv weight 4 x 2 x 3 x 3 and bias 4, BN weight and bias 4 each, fp32): 4 gradients, 336 bytes."""
+    hw = se.hardware_profile(RTX)
+    model = conv_bn_lif()
+    x = torch.rand(T, 2 * N, 2, HW, HW)
+    compute = {}
+    for dp in (1, 2):
+        plan = se.plan(analysis=se.analyze(model), objective="speed", topology={"dp": dp}, batch_size=dp * N,
+                       mode="dp" if dp > 1 else "none", features=se.DistributedFeatureSet(allow_zero_optimizer=False))
+        assert not plan.uses_zero  # the same optimizer step on both
+        compute[dp] = se.estimate(model, plan, example_input=x[:, :dp * N], hardware=RTX).time["compute_s"].iloc[0]
+    grads = (C * 2 * 9 + 3 * C) * 4
+    assert compute[2] - compute[1] == pytest.approx(2 * (2 * grads / hw.bandwidth() + 4 * hw.op_overhead_s), rel=1e-9)

@@ -198,9 +198,7 @@ class DeviceMeter(StorageMeter):
 
     def restart(self) -> None:
         """Forget the kernels and autotune keys recorded so far (a warm-up run's, outside the traced step)."""
-        self.kernels.clear()
-        self.tuned.clear()
-        self.tune_peak = 0
+        self.kernels, self.tuned, self.tune_peak = [], set(), 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -216,8 +214,7 @@ class DeviceMeter(StorageMeter):
             launches = _launches(func, args) + (1 if again else 0)
             gemms = gemm_shapes(func, args, out) if flops else ()
             bias = _bias_kernel_bytes(func, args, out)  # cuDNN's convolution leaves the bias to its own kernel
-            if bias:
-                moved, launches = moved - bias[0], launches - bias[1]
+            moved, launches = (moved - bias[0], launches - bias[1]) if bias else (moved, launches)
             self.kernels.append(Kernel(self.phase, kind, float(flops), moved, _itemsize(args), launches, gemms))
             if bias:
                 self.kernels.append(Kernel(self.phase, "memory", 0.0, bias[2], _itemsize(args), 1))
