@@ -29,16 +29,17 @@ freed); its backward writes ``grad_x`` (``empty_like`` of the spikes' gradient) 
 (``empty_like(h_seq[0])``). That release's memopt examples build their neurons with ``backend='triton'``
 (upstream ``examples/memopt/models.py``). :data:`SAVES_INPUT` tells the two ops apart.
 
-Two more things that op does on CUDA, both in every upstream version of that file:
+Two more things that op does on CUDA, in every upstream version of that file (git history, 2025-09 to 2026-08):
 
-- it returns ``h_seq`` as an output and registers its backward with ``torch.library.register_autograd``
-  without ``ctx.set_materialize_grads(False)`` (2.0.0's ``sj_lif`` calls it and marks h non-differentiable),
-  so autograd hands the backward a zero-filled gradient for the unused ``h_seq`` (and ``v_seq``): a
-  ``[T, ...]`` fill kernel and tensor in each neuron's backward (torch's ``autograd.Function``:
-  "By default, this is True ... undefined grads are materialized as tensors full of zeros",
-  ``FunctionCtx.set_materialize_grads``);
+- it returns a ``[T, ...]`` output the neuron does not use (``h_seq`` since the op became a ``torch.library``
+  custom op, 2026-04; ``v_seq``, then ``[T, ...]``, in the ``autograd.Function`` before) and never calls
+  ``ctx.set_materialize_grads(False)`` (2.0.0's ``sj_lif`` calls it and marks h non-differentiable), so
+  autograd hands its backward a zero-filled gradient for that output (torch's ``FunctionCtx.set_materialize_grads``:
+  by default undefined output gradients are expanded to tensors of zeros before ``backward`` runs): a
+  ``[T, ...]`` fill kernel and tensor in each neuron's backward;
 - its kernels are ``@triton.autotune``\ d (four configs, keyed on ``T`` and ``NCL`` among others) with
-  ``restore_value`` (forward: ``s_seq``, ``h_seq``, ``v_seq``; backward: ``grad_x_seq``, ``grad_v_init``).
+  ``restore_value`` (forward: ``s_seq``, ``h_seq``, ``v_seq``; backward: ``grad_x_seq``, and ``grad_v_init`` since
+  2025-12).
   The first call of each key benchmarks every config with ``triton.testing.do_bench``, which allocates
   Triton's 256 MiB L2-flush buffer (``get_empty_cache_for_benchmark``: ``torch.empty(256 * 1024 * 1024 //
   4, dtype=torch.int)``), and the autotuner clones the ``restore_value`` tensors before each trial: a
