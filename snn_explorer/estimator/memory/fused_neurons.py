@@ -74,7 +74,8 @@ def _nbytes(*tensors: torch.Tensor) -> int:
 
 
 def _blocks(*tensors: torch.Tensor) -> int:
-    """Bytes the caching allocator counts for fresh copies of ``tensors`` (512-byte blocks)."""
+    """Bytes the caching allocator counts for fresh copies of ``tensors``: 512-byte blocks (its ``kMinBlockSize``, as
+    :data:`.gpu_trace.ALLOCATOR_BLOCK`, which imports this module)."""
     return sum(-(-_nbytes(t) // 512) * 512 for t in tensors)
 
 
