@@ -141,3 +141,16 @@ def test_ddp_copies_every_gradient_into_its_bucket_and_back():
         compute[dp] = se.estimate(model, plan, example_input=x[:, :dp * N], hardware=RTX).time["compute_s"].iloc[0]
     grads = (C * 2 * 9 + 3 * C) * 4
     assert compute[2] - compute[1] == pytest.approx(2 * (2 * grads / hw.bandwidth() + 4 * hw.op_overhead_s), rel=1e-9)
+
+
+def test_an_unsafe_view_launches_nothing():
+    """``_unsafe_view`` (how ``torch.matmul`` folds a 3-D operand) returns its input's storage reshaped: no kernel.
+    A [T, N, F] @ [F, 5] matmul is one GEMM over T * N rows: one kernel moving the operands and the output."""
+    meter = DeviceMeter()
+    x, w = torch.empty(T, N, F, device="meta"), torch.empty(F, 5, device="meta")
+    with meter:
+        folded = torch.ops.aten._unsafe_view(x, [T * N, F])
+        assert folded.untyped_storage()._cdata == x.untyped_storage()._cdata
+        assert meter.kernels == []
+        torch.matmul(x, w)
+    assert [(k.kind, k.bytes, k.launches) for k in meter.kernels] == [("matmul", (T * N * F + F * 5 + T * N * 5) * 4, 1)]

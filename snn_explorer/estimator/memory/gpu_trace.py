@@ -78,8 +78,10 @@ _TWO_PASS = {_ATEN.native_batch_norm: (0,), _ATEN._native_batch_norm_legit: (0,)
 #: Operators that write their first argument's shape without reading it (fills, copies into it).
 _FIRST_NOT_READ = {_ATEN.copy_, _ATEN.fill_, _ATEN.zero_, _ATEN.zeros_like, _ATEN.ones_like, _ATEN.full_like,
                    _ATEN.new_zeros, _ATEN.new_ones, _ATEN.new_full}
+#: Operators that launch no kernel: allocations, and aliases whose schema is not a view's (``_unsafe_view`` returns
+#: its input's storage reshaped, as ``torch.matmul`` folds batch dimensions: torch's ``TensorShape.cpp``).
 _NO_KERNEL = {_ATEN.empty, _ATEN.empty_like, _ATEN.empty_strided, _ATEN.new_empty, _ATEN.new_empty_strided,
-              _ATEN.detach, _ATEN.lift_fresh, _ATEN.alias, _ATEN._local_scalar_dense}
+              _ATEN.detach, _ATEN.lift_fresh, _ATEN.alias, _ATEN._local_scalar_dense, _ATEN._unsafe_view}
 
 
 @dataclass(frozen=True)
