@@ -29,7 +29,9 @@ backward: the plan's ``memopt_level`` 1, which is what turns that on in snn_expl
 
 The published "MB" is taken as MiB: the reference's trainer reports ``torch.cuda.max_memory_allocated``
 bytes and the package's own memory callbacks divide them by ``1024 ** 2`` and call that MB
-(``examples/memopt/lightning_callbacks.py``). Printed: published and predicted step time and peak,
+(``examples/memopt/lightning_callbacks.py``). Over a run that peak includes the first step, where the published op's
+Triton kernels autotune (``snn_explorer/estimator/memory/fused_neurons.py``) and the optimizer has no state yet: the
+published dp and dp + zero peaks are equal on both tables, as a first-step peak makes them. Printed: published and predicted step time and peak,
 their ratio, the plan order by predicted time against the published order, and the median and
 worst |error| against the targets (time 15 % / 30 %, memory 5 % / 10 %). No constant is fitted to
 these tables.

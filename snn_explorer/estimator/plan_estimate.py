@@ -17,6 +17,9 @@ On a hardware profile with ``kernel_model`` (the built-in ``RTX-4090-PCIe-noP2P`
 the step time come instead from the step as that GPU runs it, traced on the meta device at the
 rank's size (:mod:`.memory.gpu_trace`: fused neuron kernels, the caching allocator's bytes;
 :mod:`.timing.gpu_kernels`: each kernel's roofline and launch); nothing runs at that size here.
+Where a fused neuron op autotunes its kernels at their first call (the triton op, :mod:`.memory.fused_neurons`), the
+peak is the larger of that and the first step's, which has no optimizer state yet but holds the tuning's transient
+(:attr:`~.memory.gpu_trace.GpuStep.tuned`), as ``torch.cuda.max_memory_allocated`` over a run counts it.
 A pipeline plan's stages are timed there too, each stage's micro-batch from its own traced kernels
 (:func:`~.timing.gpu_kernels.gpu_pipeline_time`), composed by the schedule as on every profile, and
 their memory from the same meta copy (:func:`~.memory.gpu_trace.gpu_stage_memory`: fused neurons, the
@@ -261,12 +264,13 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
     # and after it (both beside the gradients): measured on the model as one rank runs it.
     timeline = FsdpTimeline.of(params, plan.dp_size, plan.reshard_after_forward, reduce_itemsize(plan),
                                plan.cpu_offload) if plan.uses_fsdp else None
-    step = None
+    step, tuned = None, 0
     if gpu:
         units = {u.path for u in timeline.units if u.path} if timeline else ()
         step = gpu_step(profile, n, t, plan.tensor_parallel_plan, plan.tp_size, plan.neuron_backend, units)
         saved_local, state = step.saved, step.state
         fwd, bwd, after_bwd, fsdp_held = gpu_peaks(step, timeline)
+        tuned = step.tuned
     else:
         saved_local, state = profile.saved_and_state(n, t, plan.tensor_parallel_plan, plan.tp_size)
         fwd, bwd, after_bwd, fsdp_held = dynamic_peak(profile, n, t, plan.tensor_parallel_plan, plan.tp_size,
@@ -291,6 +295,9 @@ def _estimate(model, plan, example_input, labels, t, optimizer, dtype, memory_bu
             phases = (fwd + transient, bwd + b["grads_bytes"] + transient,
                       after_bwd + b["grads_bytes"] + transient + scratch)
         peak = held["params_bytes"] + held["optimizer_bytes"] + static + max(phases)
+        # the first step, before the optimizer has state: a fused op autotuning its kernels holds a transient
+        # (gpu_trace's ``tuned``, the trace's gradients in it; FSDP2's most held buffers stand beside it)
+        peak = max(peak, held["params_bytes"] + static + transient + tuned) if tuned else peak
         rows.append(dict(**b, buffers_bytes=buffers, activations_bytes=round(activations),
                          neuron_state_bytes=round(state), transient_bytes=round(transient), peak_bytes=round(peak)))
     per_rank = _per_rank(rows, dp_roles(params, plan), plan)

@@ -28,6 +28,23 @@ h_seq**: neither the input nor ``v_init`` (which the neuron replaces by the op's
 freed); its backward writes ``grad_x`` (``empty_like`` of the spikes' gradient) and ``grad_v_init``
 (``empty_like(h_seq[0])``). That release's memopt examples build their neurons with ``backend='triton'``
 (upstream ``examples/memopt/models.py``). :data:`SAVES_INPUT` tells the two ops apart.
+
+Two more things that op does on CUDA, in every upstream version of that file (git history, 2025-09 to 2026-08):
+
+- it returns a ``[T, ...]`` output the neuron does not use (``h_seq`` since the op became a ``torch.library``
+  custom op, 2026-04; ``v_seq``, then ``[T, ...]``, in the ``autograd.Function`` before) and never calls
+  ``ctx.set_materialize_grads(False)`` (2.0.0's ``sj_lif`` calls it and marks h non-differentiable), so
+  autograd hands its backward a zero-filled gradient for that output (torch's ``FunctionCtx.set_materialize_grads``:
+  by default undefined output gradients are expanded to tensors of zeros before ``backward`` runs): a
+  ``[T, ...]`` fill kernel and tensor in each neuron's backward;
+- its kernels are ``@triton.autotune``\ d (four configs, keyed on ``T`` and ``NCL`` among others) with
+  ``restore_value`` (forward: ``s_seq``, ``h_seq``, ``v_seq``; backward: ``grad_x_seq``, and ``grad_v_init`` since
+  2025-12).
+  The first call of each key benchmarks every config with ``triton.testing.do_bench``, which allocates
+  Triton's 256 MiB L2-flush buffer (``get_empty_cache_for_benchmark``: ``torch.empty(256 * 1024 * 1024 //
+  4, dtype=torch.int)``), and the autotuner clones the ``restore_value`` tensors before each trial: a
+  transient the caching allocator counts (``max_memory_allocated``) once per key, in the first step.
+  :class:`FusedNeuron` reports it to the sink (``tune``) for the trace's first-step peak.
 """
 from __future__ import annotations
 
@@ -44,13 +61,29 @@ FUSED_BACKENDS = ("cupy", "triton")
 #: (h always fp32), the ``backend='triton'`` op of the releases with a ``backend`` argument does not (h in the
 #: input's dtype). The cupy op of those releases is modelled as ``sj_lif`` (not checked against its source).
 SAVES_INPUT = {"sj_lif": True, "triton": False, "cupy": True}
+#: Bytes of Triton's L2-flush buffer that ``do_bench`` allocates while it autotunes a kernel (module doc).
+TRITON_BENCH_CACHE_BYTES = 256 * 1024 * 1024
 
-#: (kernel name, bytes read, bytes written) -> None; the trace's record of one fused launch.
-KernelSink = Callable[[str, int, int], None]
+#: (kernel name, bytes read, bytes written, tune) -> None; the trace's record of one fused launch. ``tune``: None, or
+#: ``(key, bytes)`` where the op autotunes its kernel at the first call of ``key``, holding ``bytes`` more meanwhile.
+KernelSink = Callable[..., None]
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _blocks(*tensors: torch.Tensor) -> int:
+    """Bytes the caching allocator counts for fresh copies of ``tensors``: 512-byte blocks (its ``kMinBlockSize``, as
+    :data:`.gpu_trace.ALLOCATOR_BLOCK`, which imports this module)."""
+    return sum(-(-_nbytes(t) // 512) * 512 for t in tensors)
+
+
+def _tune(direction: str, seq: torch.Tensor, restored) -> tuple:
+    """The autotune report of the triton op's ``direction`` kernel on ``seq`` ``[T, ...]`` (module doc): its key and
+    the bytes held while it tunes (Triton's flush buffer and one clone of each ``restore_value`` tensor)."""
+    key = (direction, seq.shape[0], seq[0].numel(), seq.dtype)
+    return key, TRITON_BENCH_CACHE_BYTES + _blocks(*restored)
 
 
 def runs_fused(module: nn.Module, neuron_backend: str) -> bool:
@@ -85,23 +118,30 @@ class FusedLIFKernel(torch.autograd.Function):
         h_dtype = torch.float32 if saves_input else x_seq.dtype  # sj_lif: fp32; triton op: empty_like(x_seq)
         h = torch.empty(x_seq.shape, dtype=h_dtype, device=x_seq.device)
         v_last = torch.empty(x_seq.shape[1:], dtype=torch.float32, device=x_seq.device)
-        if saves_input:
-            ctx.save_for_backward(h, x_seq, v_init)
-        else:
-            ctx.save_for_backward(h)
-        ctx.sink, ctx.x_dtype = sink, x_seq.dtype
+        ctx.sink, ctx.x_dtype, ctx.saves_input = sink, x_seq.dtype, saves_input
         ctx.mark_non_differentiable(v_last)
-        sink("neuron_forward", _nbytes(x_seq, v_init), _nbytes(spikes, h, v_last))
-        return spikes, v_last
+        if saves_input:  # sj_lif: h is not an output that takes a gradient
+            ctx.save_for_backward(h, x_seq, v_init)
+            ctx.mark_non_differentiable(h)
+            ctx.set_materialize_grads(False)
+            tune = None
+        else:  # triton op: h is an output whose unused gradient autograd fills with zeros (module doc)
+            ctx.save_for_backward(h)
+            tune = _tune("forward", x_seq, (spikes, h, v_last))
+        sink("neuron_forward", _nbytes(x_seq, v_init), _nbytes(spikes, h, v_last), tune)
+        return spikes, v_last, h
 
     @staticmethod
-    def backward(ctx, grad_spikes: torch.Tensor, grad_v: torch.Tensor):
+    def backward(ctx, grad_spikes: torch.Tensor, grad_v: torch.Tensor, grad_h: torch.Tensor):
         h = ctx.saved_tensors[0]
+        if grad_spikes is None:  # sj_lif fills the missing gradients itself
+            grad_spikes = torch.zeros(h.shape, dtype=ctx.x_dtype, device=h.device)
         if grad_v is None:
             grad_v = torch.zeros(h.shape[1:], dtype=torch.float32, device=h.device)
         grad_x = torch.empty(h.shape, dtype=ctx.x_dtype, device=h.device)
         grad_v_init = torch.empty(h.shape[1:], dtype=torch.float32, device=h.device)
-        ctx.sink("neuron_backward", _nbytes(grad_spikes, grad_v, h), _nbytes(grad_x, grad_v_init))
+        tune = None if ctx.saves_input else _tune("backward", h, (grad_x, grad_v_init))
+        ctx.sink("neuron_backward", _nbytes(grad_spikes, grad_v, h), _nbytes(grad_x, grad_v_init), tune)
         return grad_x, grad_v_init, None, None
 
 
@@ -118,7 +158,7 @@ class FusedNeuron(nn.Module):
     def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
         # the state a reset leaves is a float; the op's first call materialises it as a zero tensor
         v_init = torch.zeros(x_seq.shape[1:], dtype=torch.float32, device=x_seq.device)
-        spikes, self.v = FusedLIFKernel.apply(x_seq, v_init, self.sink, SAVES_INPUT[self.op])
+        spikes, self.v, _ = FusedLIFKernel.apply(x_seq, v_init, self.sink, SAVES_INPUT[self.op])
         return spikes
 
 

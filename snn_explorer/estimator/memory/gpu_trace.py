@@ -19,13 +19,23 @@ replaced by :class:`~.fused_neurons.FusedNeuron` (what the GPU's kernel allocate
   ``batch_norm_backward_reduce_kernel`` then ``batch_norm_backward_elemt_kernel``): the statistics
   must be complete before any element is normalised, so it reads its input (and, backward, the
   output's gradient) twice, in two launches. Bytes moved are the operator's tensor arguments
-  (read; not the target of a fill or copy) and outputs (written).
+  (read; not the target of a fill or copy) and outputs (written). A convolution with a bias runs as
+  torch runs it through cuDNN (``aten/src/ATen/native/Convolution.cpp``: ``_convolution``'s
+  ``ConvBackend::Cudnn`` case calls ``cudnn_convolution`` without the bias, then
+  ``output.add_(reshape_bias(...))``; ``convolution_backward`` computes the bias gradient "outside of the
+  backend" as ``grad_output.sum(...)``): the bias is one more elementwise kernel over the output after the
+  convolution, and its gradient one reduction kernel over the output's gradient (a depthwise convolution,
+  whose own CUDA kernel takes the bias, excepted).
 
 A pipeline stage is traced the same way, one micro-batch as mode ``pp`` runs it
 (:func:`gpu_stage_kernels` for its time, :func:`gpu_stage_memory` for its bytes through the schedule).
 
 An elementwise chain a ``torch.jit.script`` function runs is one kernel, as TorchScript's fuser runs it
 on CUDA (:mod:`.script_fusion`).
+
+A fused neuron op that autotunes its kernels at their first call (:mod:`.fused_neurons`, the triton op) holds a
+transient meanwhile: the meter keeps the most bytes live at such a moment (``tune_peak``), once per kernel key, for
+the first step's peak (:attr:`GpuStep.tuned`).
 
 FSDP2's points are logged as :func:`~..instruments.fsdp_events.record` logs them on the CPU profile
 run, so :func:`~.fsdp_timeline.replay_fsdp` replays its buffers on this run the same way.
@@ -69,8 +79,10 @@ _TWO_PASS = {_ATEN.native_batch_norm: (0,), _ATEN._native_batch_norm_legit: (0,)
 #: Operators that write their first argument's shape without reading it (fills, copies into it).
 _FIRST_NOT_READ = {_ATEN.copy_, _ATEN.fill_, _ATEN.zero_, _ATEN.zeros_like, _ATEN.ones_like, _ATEN.full_like,
                    _ATEN.new_zeros, _ATEN.new_ones, _ATEN.new_full}
+#: Operators that launch no kernel: allocations, and aliases whose schema is not a view's (``_unsafe_view`` returns
+#: its input's storage reshaped, as ``torch.matmul`` folds batch dimensions: torch's ``TensorShape.cpp``).
 _NO_KERNEL = {_ATEN.empty, _ATEN.empty_like, _ATEN.empty_strided, _ATEN.new_empty, _ATEN.new_empty_strided,
-              _ATEN.detach, _ATEN.lift_fresh, _ATEN.alias, _ATEN._local_scalar_dense}
+              _ATEN.detach, _ATEN.lift_fresh, _ATEN.alias, _ATEN._local_scalar_dense, _ATEN._unsafe_view}
 
 
 @dataclass(frozen=True)
@@ -135,6 +147,23 @@ def gemm_shapes(func, args, out) -> Tuple[Tuple[int, int, int, int], ...]:
     return ()
 
 
+def _bias_kernel_bytes(func, args, out) -> Optional[Tuple[int, int, int]]:
+    """For a convolution whose bias cuDNN does not take (module doc): ``(bytes of the bias the convolution's own
+    record counts, launches it counts for it, bytes the bias kernel moves)``; None for other operators."""
+    packet = func.overloadpacket
+    if packet in (_ATEN.convolution, _ATEN._convolution):
+        x, bias, groups = args[0], args[2], int(args[8])
+        if bias is None or (groups > 1 and groups == x.shape[1]):  # no bias, or a depthwise kernel that adds it
+            return None
+        return tensor_bytes(bias), 0, 2 * tensor_bytes(out) + tensor_bytes(bias)  # out read and written, bias read
+    if packet is _ATEN.convolution_backward and args[10][2]:
+        x, groups, grad_bias = args[1], int(args[9]), out[2]
+        if groups > 1 and groups == x.shape[1]:
+            return None
+        return tensor_bytes(grad_bias), 1, tensor_bytes(args[0]) + tensor_bytes(grad_bias)  # grad_output.sum
+    return None
+
+
 def _itemsize(args) -> int:
     for a in tree_leaves(args):
         if isinstance(a, torch.Tensor) and a.is_floating_point():
@@ -150,6 +179,8 @@ class DeviceMeter(StorageMeter):
         super().__init__()
         self.phase = "forward"
         self.kernels: List[Kernel] = []
+        self.tuned: set = set()  # the autotune keys seen (a kernel is tuned at its key's first call only)
+        self.tune_peak = 0  # the most bytes live while a kernel autotuned (its transient included)
 
     def _see(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
@@ -160,9 +191,17 @@ class DeviceMeter(StorageMeter):
         self._bytes[key] = nbytes
         self.current += nbytes - (old or 0)
 
-    def fused(self, name: str, read: int, written: int) -> None:
-        """A fused neuron launch (:mod:`.fused_neurons`) moving ``read + written`` bytes."""
+    def fused(self, name: str, read: int, written: int, tune=None) -> None:
+        """A fused neuron launch (:mod:`.fused_neurons`) moving ``read + written`` bytes; ``tune``: ``(key, bytes)``
+        where the op autotunes at its key's first call, holding ``bytes`` more meanwhile (module doc)."""
         self.kernels.append(Kernel(self.phase, "neuron", 0.0, read + written, 4, 1))
+        if tune is not None and tune[0] not in self.tuned:
+            self.tuned.add(tune[0])
+            self.tune_peak = max(self.tune_peak, self.current + tune[1])
+
+    def restart(self) -> None:
+        """Forget the kernels and autotune keys recorded so far (a warm-up run's, outside the traced step)."""
+        self.kernels, self.tuned, self.tune_peak = [], set(), 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -177,7 +216,11 @@ class DeviceMeter(StorageMeter):
             moved += sum(tensor_bytes(args[i]) for i in again)
             launches = _launches(func, args) + (1 if again else 0)
             gemms = gemm_shapes(func, args, out) if flops else ()
+            bias = _bias_kernel_bytes(func, args, out)  # cuDNN's convolution leaves the bias to its own kernel
+            moved, launches = (moved - bias[0], launches - bias[1]) if bias else (moved, launches)
             self.kernels.append(Kernel(self.phase, kind, float(flops), moved, _itemsize(args), launches, gemms))
+            if bias:
+                self.kernels.append(Kernel(self.phase, "memory", 0.0, bias[2], _itemsize(args), 1))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._see(t)
@@ -194,6 +237,7 @@ class GpuStep:
     state: int  # neuron state after the forward
     entry: int  # bytes live when the forward starts (parameters, buffers, input, last state)
     grads: int  # bytes of the gradients after the backward
+    tuned: int  # the most bytes held above ``entry`` while a kernel autotuned (its first call; 0 where none did)
     log: object  # the FSDP2 event log (:class:`~..instruments.fsdp_events.EventLog`)
     fused: Tuple[str, ...]  # the neurons that ran as fused kernels
 
@@ -253,6 +297,7 @@ def trace_step(model: torch.nn.Module, x: torch.Tensor, labels, units=(), neuron
     fused = swap_fused(model, neuron_backend, meter.fused)
     with torch.no_grad():
         forward_loss(model, x, labels)
+    meter.restart()  # the warm-up forward's fused launches are not the step's (and run the ops' inference kernels)
     model.zero_grad(set_to_none=True)
     state_ids = {id(s) for s in _state_tensors(model)}
     static = [p for p in model.parameters()] + [b for b in model.buffers() if id(b) not in state_ids] + [x]
@@ -269,7 +314,8 @@ def trace_step(model: torch.nn.Module, x: torch.Tensor, labels, units=(), neuron
         del loss
         log.mark(meter, "end")
     grads = _live_bytes([p.grad for p in model.parameters() if p.grad is not None])
-    return GpuStep(tuple(meter.kernels), saved, state, entry, grads, log, fused)
+    tuned = max(0, meter.tune_peak - entry) if meter.tune_peak else 0
+    return GpuStep(tuple(meter.kernels), saved, state, entry, grads, tuned, log, fused)
 
 
 def gpu_step(profile: ModelProfile, n: int, t: int, tp_plan=None, tp: int = 1, neuron_backend: str = "torch",

@@ -23,6 +23,11 @@ Each kernel is timed by a roofline on the hardware profile's achieved rates, plu
 kernels (``foreach``, as torch runs Adam on CUDA) are scaled to the parameter shard the rank
 updates. Kernels of one stream run one after another, so a phase is the sum of its kernels;
 collectives are timed and overlapped as on every profile (:func:`.step_time.exposed_comm_s`).
+DDP (``gradient_as_bucket_view=False``, its default and the package's) copies every gradient twice
+(torch's ``torch/csrc/distributed/c10d/reducer.cpp``): into its bucket as it becomes ready, divided by the
+world size on the way (``at::mul_out(bucket_view, grad, 1 / div_factor)``, one launch per gradient), and
+back into ``param.grad`` once its bucket is all-reduced (``grad.copy_(bucket_view)``): two memory-bound
+kernels per gradient, counted in the backward (:func:`ddp_copy_kernels`).
 
 A pipeline plan (:func:`gpu_pipeline_time`) times each stage's forward and backward of one
 micro-batch from that stage's own traced kernels (:func:`~..memory.gpu_trace.gpu_stage_kernels`)
@@ -95,6 +100,13 @@ def phase_seconds(kernels: Iterable[Kernel], hw: HardwareProfile, scale: float =
     return out
 
 
+def ddp_copy_kernels(grad_bytes: Iterable[int]) -> tuple:
+    """DDP's two copies of gradients of ``grad_bytes`` each (module doc): into the buckets and back, each reading
+    and writing every gradient, one launch per gradient."""
+    sizes = list(grad_bytes)
+    return tuple(Kernel("backward", "memory", 0.0, 2 * sum(sizes), 4, len(sizes)) for _ in range(2))
+
+
 def _optimizer_s(plan: SNNDistributedPlan, profile, hw: HardwareProfile, optimizer: str):
     """``seconds(params_bytes)``: the optimizer's kernels over the model one rank runs, their FLOPs and
     bytes scaled to ``params_bytes`` of its trainable parameters (launches as for the whole model)."""
@@ -126,6 +138,10 @@ def gpu_plan_time(plan: SNNDistributedPlan, profile, collectives: pd.DataFrame, 
     phases.update(phase_seconds(step.kernels, hw, half=half))
     local = float(per_rank["params_bytes"].iloc[0]) / (plan.dp_size if plan.uses_zero else 1)
     phases["optimizer"] = _optimizer_s(plan, profile, hw, optimizer)(local)
+    if plan.uses_ddp and plan.dp_size > 1:  # its gradient copies into the buckets and back (module doc)
+        model = profile.rank_model(plan.tensor_parallel_plan, plan.tp_size)[1]
+        grads = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+        phases["backward"] += sum(kernel_seconds(k, hw) for k in ddp_copy_kernels(grads))
     fsdp_s = None
     if timeline is not None and plan.dp_size > 1 and hw.overlaps_comm:
         copy_s = lambda nbytes: kernel_seconds(Kernel("fsdp", "memory", 0.0, nbytes, 4, 1), hw)  # noqa: E731
