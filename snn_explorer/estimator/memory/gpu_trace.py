@@ -29,9 +29,8 @@ replaced by :class:`~.fused_neurons.FusedNeuron` (what the GPU's kernel allocate
 
 A pipeline stage is traced the same way, one micro-batch as mode ``pp`` runs it
 (:func:`gpu_stage_kernels` for its time, :func:`gpu_stage_memory` for its bytes through the schedule).
-
 An elementwise chain a ``torch.jit.script`` function runs is one kernel, as TorchScript's fuser runs it
-on CUDA (:mod:`.script_fusion`).
+on CUDA (:mod:`.script_fusion`). Meta operator outputs are remembered by their call's metadata (:mod:`.meta_memo`).
 
 A fused neuron op that autotunes its kernels at their first call (:mod:`.fused_neurons`, the triton op) holds a
 transient meanwhile: the meter keeps the most bytes live at such a moment (``tune_peak``), once per kernel key, for

@@ -26,7 +26,7 @@ _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.la
 def _key_of(value: Any) -> Any:
     """A hashable key for one argument; None where the argument cannot be keyed."""
     if isinstance(value, torch.Tensor):
-        if value.device.type != "meta" or type(value) is not torch.Tensor:
+        if value.device.type != "meta" or type(value) is not torch.Tensor or value.layout is not torch.strided:
             return None
         return ("T", tuple(value.shape), value.stride(), value.dtype, value.storage_offset())
     if isinstance(value, _PLAIN):
@@ -44,7 +44,8 @@ def _layout_of(out: Any, inputs: set) -> Any:
     """The remembered form of an output: its tensors as (sizes, strides, dtype); None where an empty tensor of
     that layout would differ from it (an offset, a larger storage, an input's storage, two outputs sharing one)."""
     if isinstance(out, torch.Tensor):
-        if type(out) is not torch.Tensor or out.device.type != "meta" or out.storage_offset() != 0:
+        if type(out) is not torch.Tensor or out.device.type != "meta" or out.layout is not torch.strided \
+                or out.storage_offset() != 0:
             return None
         st = out.untyped_storage()
         if id(st) in inputs:
