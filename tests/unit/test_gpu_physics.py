@@ -9,7 +9,8 @@ from torch import nn
 
 import snn_explorer as se
 from snn_explorer.estimator.memory.gpu_trace import gpu_peaks, trace_step
-from snn_explorer.estimator.timing.collectives import wire_fraction
+from snn_explorer.estimator.timing.wire_bytes import BACKENDS, algorithm, wire_factor
+from snn_explorer.ranks import COMM_BACKENDS
 
 sj = pytest.importorskip("spikingjelly.activation_based")  # installed by scripts/setup.sh
 from spikingjelly.activation_based import layer, neuron, surrogate  # noqa: E402
@@ -99,13 +100,17 @@ def test_a_fused_jit_chain_is_counted_as_one_kernel():
 
 
 def test_wire_bytes_per_algorithm():
-    assert wire_fraction("all_reduce", 4) == pytest.approx(2 * 3 / 4)  # ring: reduce-scatter then all-gather
-    assert wire_fraction("all_gather", 8) == pytest.approx(7 / 8)
-    assert wire_fraction("reduce_scatter", 2) == pytest.approx(1 / 2)
-    assert wire_fraction("broadcast", 4) == 1.0 and wire_fraction("send", 2) == 1.0
-    assert wire_fraction("all_reduce", 64, "tree") == 2.0 and wire_fraction("all_gather", 1) == 0.0
-    with pytest.raises(ValueError, match="tree"):
-        wire_fraction("all_gather", 4, "tree")
+    """Bytes one rank sends per byte of the buffer (nccl-tests' algorithm-to-bus factors, worked by hand)."""
+    assert wire_factor("all_reduce", 4, "ring") == pytest.approx(2 * 3 / 4)  # reduce-scatter then all-gather
+    assert wire_factor("all_gather", 8, "ring") == pytest.approx(7 / 8)
+    assert wire_factor("reduce_scatter", 2, "ring") == pytest.approx(1 / 2)
+    assert wire_factor("reduce_scatter", 4, "ring all-reduce") == pytest.approx(2 * 3 / 4)  # gloo's
+    assert wire_factor("broadcast", 4, "binomial tree") == pytest.approx(3 / 4)
+    assert wire_factor("send", 2, "point-to-point") == 1.0 and wire_factor("all_gather", 1, "ring") == 0.0
+    assert algorithm("all_reduce", "nccl", spans_nodes=True) == "tree"
+    assert set(BACKENDS) == set(COMM_BACKENDS) - {"auto"}
+    with pytest.raises(ValueError, match="'mpi'"):
+        algorithm("all_reduce", "mpi")
 
 
 def test_groups_without_peer_to_peer_share_the_host_path():

@@ -27,28 +27,6 @@ from ..memory.sharding import (
 from ..profile.profiling import ModelProfile
 
 Row = Tuple[str, str, str]  # mesh_dim, kind, phase
-#: The algorithms :func:`wire_fraction` knows: NCCL's ring, and its tree (all-reduce only).
-ALGORITHMS = ("ring", "tree")
-
-
-def wire_fraction(kind: str, group_size: int, algorithm: str = "ring") -> float:
-    """Bytes each rank puts on the wire per byte of the collective's buffer (all-reduce / broadcast: the
-    tensor, all-gather: the output, reduce-scatter: the input), as NCCL's algorithms move them (its
-    ``nccl-tests`` "performance" notes): a ring all-reduce ``2 (n - 1) / n`` (a reduce-scatter then an
-    all-gather), an all-gather or reduce-scatter ``(n - 1) / n``, a broadcast (pipelined ring) and a
-    send the whole buffer; a tree all-reduce sends the whole buffer up the tree and again down it (2).
-    A group of one puts nothing on the wire."""
-    kind = Collective(kind)
-    if algorithm not in ALGORITHMS or (algorithm == "tree" and kind is not Collective.ALL_REDUCE):
-        raise ValueError(f"algorithm={algorithm!r} for {kind.value}; expected 'ring', or 'tree' for all_reduce")
-    n = int(group_size)
-    if n < 1:
-        raise ValueError(f"group_size={group_size!r}; expected a number of ranks >= 1")
-    if n == 1:
-        return 0.0
-    return 2.0 if algorithm == "tree" else kind.ring_fraction(n)  # the ring's shares: core.collectives
-
-
 def ddp_buckets(params: Sequence[Param], ready_order: Sequence[str]) -> List[int]:
     """Bytes of each DDP bucket after its first-iteration rebuild (gradients in ready order)."""
     by_name = {p.name: p for p in params}

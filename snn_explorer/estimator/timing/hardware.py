@@ -59,7 +59,7 @@ def ring_steps(kind: str, p: int) -> int:
 
 def ring_fraction(kind: str, p: int) -> float:
     """Fraction of the buffer each rank sends over its link (NCCL's algorithm-to-bus bandwidth factor; the ring's
-    case of :func:`.collectives.wire_fraction`)."""
+    case of :func:`.wire_bytes.wire_factor`)."""
     return Collective(kind).ring_fraction(p)
 
 

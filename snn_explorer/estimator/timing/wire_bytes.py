@@ -38,6 +38,8 @@ _ALGORITHMS = {
     "nccl": {Collective.ALL_REDUCE: "ring", Collective.ALL_GATHER: "ring", Collective.REDUCE_SCATTER: "ring",
              Collective.BROADCAST: "ring", Collective.SEND: "point-to-point", Collective.RECV: "point-to-point"},
 }
+#: The communication backends whose algorithms are known (``ranks.COMM_BACKENDS`` less ``auto``, which resolves
+#: to one of them: :func:`backend_of`).
 BACKENDS = tuple(_ALGORITHMS)
 
 
