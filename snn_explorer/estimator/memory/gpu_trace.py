@@ -204,7 +204,7 @@ class DeviceMeter(StorageMeter):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = META_OUTPUTS.run(func, args, kwargs, META_OUTPUTS.key(func, args, kwargs))
+        out = META_OUTPUTS.run(func, args, kwargs)
         if not (func.is_view or func.overloadpacket in _NO_KERNEL):
             formula = _FLOPS.get(func.overloadpacket)
             flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0.0

@@ -87,17 +87,20 @@ class MetaOutputs:
 
     def __init__(self):
         self._layouts: dict = {}
+        self._fresh: dict = {}  # operator -> whether it may be remembered (its schema, read once)
         self.hits = 0
 
     def key(self, func, args, kwargs) -> Optional[tuple]:
         """The memo's key of one call, None where it is not remembered."""
-        if func.namespace != "aten" or func.is_view or not returns_fresh_tensors(func):
-            return None
-        keyed = _key_of((args, kwargs))
+        fresh = self._fresh.get(func)
+        if fresh is None:
+            fresh = self._fresh[func] = func.namespace == "aten" and not func.is_view and returns_fresh_tensors(func)
+        keyed = _key_of((args, kwargs)) if fresh else None
         return None if keyed is None else (func, torch.get_default_dtype(), keyed)
 
-    def run(self, func, args, kwargs, key: Optional[tuple]) -> Any:
+    def run(self, func, args, kwargs) -> Any:
         """``func(*args, **kwargs)``, or new empty tensors of its remembered outputs' layout."""
+        key = self.key(func, args, kwargs)
         layout = self._layouts.get(key, False) if key is not None else None
         if layout:
             self.hits += 1
