@@ -367,6 +367,12 @@ SAC_SAVED_OPS = (SAC_MM, _ATEN._scaled_dot_product_efficient_attention.default,
 
 
 # --- the reference project's LLM planner (benchmarks/published_llm.py, side by side) ---------------
+#: Modules torch imports at its first use of a training step rather than at ``import torch``: the first
+#: optimizer (``torch._compile``'s dynamo-disable wrapper, around ``Optimizer.__init__`` and ``zero_grad``)
+#: imports ``torch._dynamo`` and about 200 modules with it, 0.9 s of CPU (torch 2.13, this 2-core VM). A
+#: warm pool imports them once, before its ranks fork, so no run's ranks pay it again.
+TRAINING_LAZY_IMPORTS = ("torch._dynamo",)
+
 _SJ_LLM_PLANNING = "spikingjelly.activation_based.distributed.llm.planning"
 
 

@@ -25,6 +25,7 @@ import uuid
 import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from ..compat import TRAINING_LAZY_IMPORTS
 from ..core.common import positive_int, positive_number
 from . import channel, process, warm
 from .engine import _rank_env, _running, follow, resolve_backend, run, with_retries
@@ -57,7 +58,7 @@ class _Agent:
             channel.write_json(channel.path(self.dir, "spec.json"), {
                 "nprocs": nprocs, "backend": backend, "pg_timeout": None, "shutdown_timeout": 3, "pool": True,
                 "run_id": uuid.uuid4().hex, "sys_path": list(sys.path), "parent_pid": os.getpid(),
-                "preload": list(preload)})
+                "preload": [*TRAINING_LAZY_IMPORTS, *preload]})
             self.reader = channel.EventReader(self.dir)
             self.process = process.AgentProcess(self.dir, _rank_env(self.dir, backend, env))
         except BaseException:
@@ -208,7 +209,8 @@ class RankPool:
     launch's do; ``env`` here is set when the warm ranks start, before they import torch (for
     variables read at import). ``timeout``: :meth:`run`'s heartbeat timeout. ``preload``: modules
     the warm ranks import once, so that runs need not (e.g. ``("snn_explorer.estimator",)`` for
-    ``measure``); code imported there is that of the pool's start (:meth:`restart` after editing it).
+    ``measure``; torch's lazily imported training modules, ``compat.TRAINING_LAZY_IMPORTS``, always);
+    code imported there is that of the pool's start (:meth:`restart` after editing it).
     ``tmp_dir``: where the pool's private folder goes (the system's temporary directory by default).
     """
 
