@@ -45,7 +45,8 @@ EOF
 start=$SECONDS
 echo "== every notebook under nbval, in the fresh clone's .venv =="
 status=0
-JUPYTER_PATH="$work/jupyter" "${locked[@]}" "$TOOLS" -m pytest -n 0 "$@" --nbval \
+# Two notebooks at a time (a kernel each, one xdist worker per core), each notebook's cells in order on one worker.
+JUPYTER_PATH="$work/jupyter" "${locked[@]}" "$TOOLS" -m pytest -n 2 --dist loadfile "$@" --nbval \
     --nbval-kernel-name snn-fresh-clone --nbval-sanitize-with notebooks/nbval_sanitize.cfg notebooks/ || status=$?
 echo "fresh_clone_check: set-up ${setup_s} s, notebooks $((SECONDS - start)) s"
 exit $status

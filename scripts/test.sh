@@ -32,10 +32,15 @@ fi
 for tier in "${tiers[@]}"; do
     start=$SECONDS
     echo "== tier $tier: tests/$tier =="
-    # the unit and sweeps tiers on every core (pytest-xdist: addopts in pyproject.toml); the rank and system tiers in one
-    # pytest process each: their tests start ranks, notebooks and browsers that take the cores themselves
-    workers=()
-    [ "$tier" = unit ] || [ "$tier" = sweeps ] || workers=(-n 0)
+    # unit and sweeps: one xdist worker per core (addopts in pyproject.toml). ranks: 3 workers on 2 cores, each with
+    # its warm pool, the longest files first (tests/tiers.py): its tests also wait (heartbeats, restarts, timeouts),
+    # so a third worker fills the cores; gloo groups form reliably side by side since every rank waits for all to
+    # join (snn_explorer.ranks.init_process_group). system: 2 workers (docs pages and the browser in parallel).
+    case "$tier" in
+        ranks) workers=(-n 3 --dist loadfile) ;;
+        system) workers=(-n 2 --dist loadfile) ;;
+        *) workers=() ;;
+    esac
     .venv/bin/python -m pytest --durations=25 "${workers[@]}" "$@" "tests/$tier" || status=$?
     echo "test.sh: tier $tier (tests/$tier) $((SECONDS - start)) s"
 done
