@@ -43,17 +43,34 @@ CODE_REDUCE = _code_reduce_shape(_require("cloudpickle.cloudpickle", "_code_redu
 
 def record_every_poll(record: Callable[[list], None]) -> None:
     """Wrap elastic's per-poll look at its workers (:data:`ELASTIC_POLL`, patched on
-    ``MultiprocessContext``) so that ``record(processes)`` runs before and after each poll: elastic
-    reports one failure only, and ends the other workers inside the poll that sees it."""
+    ``MultiprocessContext``) so that ``record(processes)`` runs before and after each poll, and inside
+    the poll just before elastic ends a worker: elastic reports one failure only, and ends the other
+    workers inside the poll that sees it (``ProcessContext.join`` calls each live worker's
+    ``terminate``), so a worker that fails between two polls is recorded while its peers still run."""
     poll = ELASTIC_POLL
 
     def recording_poll(context):
         processes = list(getattr(getattr(context, "_pc", None), "processes", ()))
+        for proc in processes:
+            _record_before_terminate(proc, processes, record)
         record(processes)
         result = poll(context)
         record(processes)
         return result
     MultiprocessContext._poll = recording_poll
+
+
+def _record_before_terminate(proc: Any, processes: list, record: Callable[[list], None]) -> None:
+    """Make ``proc.terminate()`` run ``record(processes)`` first (once per process object)."""
+    if getattr(proc, "_snn_records_first", False):
+        return
+    terminate = proc.terminate
+
+    def recording_terminate():
+        record(processes)
+        terminate()
+    proc.terminate = recording_terminate
+    proc._snn_records_first = True
 
 
 def serve_store_with(handler: Any, factory: Callable[[str, int], Any]) -> None:

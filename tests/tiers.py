@@ -95,11 +95,11 @@ def pytest_configure(config):
 #: The rank tier's longest files (setup and calls together), longest first, as measured on 3 xdist workers
 #: (benchmarks/results/test_tiers.md). They run first, so that under ``--dist loadfile`` no worker starts a
 #: long file while the others run out of work (longest-processing-time-first scheduling); the rest keep their order.
-LONGEST_FIRST = ("test_estimate_accuracy.py", "test_spike_compression_ranks.py", "test_memory_levers_ranks.py",
-                 "test_precision_estimate.py", "test_checkpoint.py", "test_launch_multinode.py",
-                 "test_launch_hardening.py", "test_teardown.py", "test_checkpoint_resume.py", "test_rank_pool.py",
-                 "test_pipeline.py", "test_closure_ranks.py", "test_checkpoint_faults.py",
-                 "test_op_checkpointing_ranks.py", "test_mesh3d_ranks.py")
+LONGEST_FIRST = ("test_estimate_accuracy.py", "test_launch_multinode.py", "test_spike_compression_ranks.py",
+                 "test_launch_hardening.py", "test_launch_faults.py", "test_rank_pool.py", "test_teardown.py",
+                 "test_pipeline.py", "test_checkpoint.py", "test_precision_estimate.py", "test_memory_levers_ranks.py",
+                 "test_closure_ranks.py", "test_families.py", "test_checkpoint_resume.py",
+                 "test_op_checkpointing_ranks.py")
 
 
 def pytest_collection_modifyitems(config, items):
