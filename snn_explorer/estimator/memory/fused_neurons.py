@@ -37,7 +37,7 @@ Two more things that op does on CUDA, in every upstream version of that file (gi
   autograd hands its backward a zero-filled gradient for that output (torch's ``FunctionCtx.set_materialize_grads``:
   by default undefined output gradients are expanded to tensors of zeros before ``backward`` runs): a
   ``[T, ...]`` fill kernel and tensor in each neuron's backward;
-- its kernels are ``@triton.autotune``\ d (four configs, keyed on ``T`` and ``NCL`` among others) with
+- its kernels are ``@triton.autotune`` decorated (four configs, keyed on ``T`` and ``NCL`` among others) with
   ``restore_value`` (forward: ``s_seq``, ``h_seq``, ``v_seq``; backward: ``grad_x_seq``, and ``grad_v_init`` since
   2025-12).
   The first call of each key benchmarks every config with ``triton.testing.do_bench``, which allocates
