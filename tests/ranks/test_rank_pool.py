@@ -163,18 +163,24 @@ def test_a_dead_warm_rank_is_reported_and_the_pool_starts_again():
         assert all(gone(p) for p in [agent, *warm])
 
 
-def _listening(pids) -> set:
-    ports = set()
-    for pid in pids:
+def _listening_sockets(pids=None) -> set:
+    """(port, socket inode) of the listening TCP sockets of ``pids`` (of every process when None). The inode
+    tells a pool's socket from a later one that took its freed port: other tests' ranks run beside this one."""
+    listening = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            for line in list(fh)[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # TCP_LISTEN
+                    listening[int(fields[9])] = int(fields[1].rsplit(":", 1)[1], 16)
+    owned = set(listening) if pids is None else set()
+    for pid in pids or ():
         try:
-            ports |= {c.laddr.port for c in psutil.Process(pid).net_connections("tcp") if c.status == "LISTEN"}
-        except psutil.NoSuchProcess:
-            pass
-    return ports
-
-
-def _still_listening(ports) -> set:
-    return {c.laddr.port for c in psutil.net_connections("tcp") if c.status == "LISTEN"} & ports
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:  # the process ended
+            continue
+        owned |= {int(link[8:-1]) for link in links if link.startswith("socket:[")}
+    return {(port, inode) for inode, port in listening.items() if inode in owned}
 
 
 def test_the_pool_ends_with_its_block_and_leaves_nothing(tmp_path):
@@ -182,11 +188,11 @@ def test_the_pool_ends_with_its_block_and_leaves_nothing(tmp_path):
     with RankPool(2, tmp_dir=str(tmp_path)) as pool:
         pool.run(_state_of_a_rank, 0)
         pids, folder = pool.pids(), os.listdir(tmp_path)
-        ports = _listening(pids)
-        assert len(pids) >= 3 and len(folder) == 1 and ports  # an agent, 2 warm ranks, its folder, its stores
+        sockets = _listening_sockets(pids)
+        assert len(pids) >= 3 and len(folder) == 1 and sockets  # an agent, 2 warm ranks, its folder, its stores
     assert not [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
     assert all(gone(p) for p in pids)
-    assert not _still_listening(ports)
+    assert not _listening_sockets() & sockets
     assert os.listdir(tmp_path) == []
     pool.close()  # a second close does nothing
 
