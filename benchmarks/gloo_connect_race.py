@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -25,16 +24,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore
 
+from snn_explorer.ranks.warm import loopback_store
+
 TIMEOUT = timedelta(seconds=30)
-
-
-def _loopback_store() -> TCPStore:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    port = sock.getsockname()[1]
-    return TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, master_listen_fd=sock.detach(),
-                    timeout=TIMEOUT)
 
 
 def _rank(rank: int, port: int) -> None:
@@ -53,7 +45,7 @@ def _rank(rank: int, port: int) -> None:
 
 def _one_run() -> bool:
     """True when both ranks ended cleanly."""
-    store = _loopback_store()
+    store = loopback_store(int(TIMEOUT.total_seconds()))
     pids = []
     for rank in range(2):
         pid = os.fork()
