@@ -259,6 +259,12 @@ def _make_a_group_and_leave():
     return os.environ.get("TORCH_DIST_INIT_BARRIER")
 
 
+def _barrier_setting_after_a_collective():
+    """The barrier's variable as a rank sees it, read after a collective (no rank leaves a half-made group)."""
+    dist.barrier()
+    return os.environ.get("TORCH_DIST_INIT_BARRIER")
+
+
 def _busy_loop():
     while True:
         pass
@@ -280,4 +286,5 @@ def test_short_functions_that_make_groups_and_leave_do_not_fail_on_a_loaded_host
             proc.terminate()
             proc.join()
     assert values == [["1", "1"]] * RACE_RUNS
-    assert rank_pool.launch(_make_a_group_and_leave, env={"TORCH_DIST_INIT_BARRIER": "0"}).values == ["0", "0"]
+    own_setting = rank_pool.launch(_barrier_setting_after_a_collective, env={"TORCH_DIST_INIT_BARRIER": "0"})
+    assert own_setting.values == ["0", "0"]
