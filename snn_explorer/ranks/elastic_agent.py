@@ -45,6 +45,9 @@ class ExitRecorder:
         self.codes: dict = {}
         self.first_failure = None
         self.alive_at_failure: set = set()
+        #: Workers forked but not yet started at the first failure: until a rank resets its signal handlers, a
+        #: SIGTERM meets elastic's handler (inherited by the fork), which makes the worker exit with code 1.
+        self.unstarted_at_failure: set = set()
 
     def record(self, processes) -> None:
         for local_rank, proc in enumerate(processes):
@@ -52,18 +55,24 @@ class ExitRecorder:
             if code is None or local_rank in self.codes:
                 continue
             self.codes[local_rank] = code
-            after = self.first_failure if local_rank in self.alive_at_failure and code < 0 else None
+            after = self.first_failure if self._ended_by_agent(local_rank, code) else None
             channel.emit(self.run_dir, local_rank, "exit", code=code, after=after)
             if code != 0 and self.first_failure is None:
                 self.first_failure = local_rank
                 self.dump_peer_stacks(processes)
+
+    def _ended_by_agent(self, local_rank: int, code: int) -> bool:
+        return ((local_rank in self.alive_at_failure and code < 0)
+                or (local_rank in self.unstarted_at_failure and code != 0))
 
     def dump_peer_stacks(self, processes) -> None:
         """SIGUSR1 (faulthandler) to every started worker still running; wait for their stacks."""
         waiting = {}
         for local_rank, proc in enumerate(processes):
             started = os.path.exists(channel.path(self.run_dir, "events", f"{local_rank}.jsonl"))
-            if proc.exitcode is None and started:
+            if proc.exitcode is None and not started:
+                self.unstarted_at_failure.add(local_rank)  # no stack handler yet: SIGUSR1 would kill it
+            elif proc.exitcode is None:
                 self.alive_at_failure.add(local_rank)
                 try:
                     os.kill(proc.pid, signal.SIGUSR1)

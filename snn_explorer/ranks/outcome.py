@@ -76,7 +76,7 @@ def _failure(rank: int, state, err: Optional[dict], code: Optional[int], tail: s
         kind = "SystemExit" if state.exit_how == "SystemExit" else _signal_name(code)
         collateral = state.ended_after is not None or (code == -signal.SIGTERM and others)
         return RankFailure(rank, code, kind, state.message, "", tail, time=state.failed_at, collateral=collateral,
-                           stack=stack if collateral else "")
+                           stack=stack if collateral else "", phase=state.phase)
     ended = code == -signal.SIGTERM and others
     message = f"exited with code {code}" if code is None or code >= 0 else f"killed by {_signal_name(code)}"
     return RankFailure(rank, code, _signal_name(code), message, "", tail, collateral=ended,
