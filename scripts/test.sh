@@ -2,10 +2,12 @@
 # Install everything into .venv, lint, and run the test tiers on torch 2.13.0 (tests/tiers.py says what goes
 # where): tests/unit (one process, no ranks: what plain `pytest` runs), tests/sweeps (the same, the checks that
 # take minutes: sweeps over many plans, models or fresh interpreters), tests/ranks (real gloo ranks and
-# launches), tests/system (the
-# README, browser and set-up script tests, then the README's set-up in a fresh clone of HEAD with every example
-# notebook under nbval in its .venv: scripts/fresh_clone_check.sh; then the tests of every private torch name on
-# torch 2.14.1: scripts/test_torch_next.sh, a second venv). Fails if any run fails.
+# launches), tests/system (the README, browser and set-up script tests). With the system tier come two checks
+# that run beside the tiers, each in its own venv, from the start: the README's set-up in a fresh clone of HEAD
+# (scripts/fresh_clone_check.sh --set-up), whose every example notebook then runs under nbval after the system
+# tier, and the tests of every private torch name on torch 2.14.1 (scripts/test_torch_next.sh). Their set-ups are
+# single-threaded pip installs: beside the tiers they use the core the installs and the tiers' ends leave idle.
+# Fails if any run fails.
 #   bash scripts/test.sh [pytest options]                           lint and every tier (what .ci/run runs)
 #   bash scripts/test.sh unit|sweeps|ranks|system [pytest options]  one tier
 #   bash scripts/test.sh tests/unit/test_planner.py [...]    only pytest, on those paths
@@ -25,6 +27,17 @@ for arg in "$@"; do
     fi
 done
 status=0
+with_system=false
+[[ " ${tiers[*]} " == *" system "* ]] && with_system=true
+if $with_system; then
+    # Each in a session of its own, so that an interrupted run ends them with all they started.
+    side=$(mktemp -d "${TMPDIR:-/tmp}/snn-test-side.XXXXXX")
+    setsid -w bash scripts/fresh_clone_check.sh --set-up "$side/fresh" > "$side/fresh-set-up.log" 2>&1 &
+    fresh_pid=$!
+    setsid -w bash scripts/test_torch_next.sh > "$side/torch-next.log" 2>&1 &
+    next_pid=$!
+    trap 'kill -- -"$fresh_pid" -"$next_pid" 2>/dev/null; rm -rf "$side"' EXIT
+fi
 if [ "${#tiers[@]}" -gt 1 ]; then
     echo "== lint (ruff, rules in pyproject.toml) =="
     .venv/bin/ruff check snn_explorer tests benchmarks || status=$?
@@ -44,12 +57,20 @@ for tier in "${tiers[@]}"; do
     .venv/bin/python -m pytest --durations=25 "${workers[@]}" "$@" "tests/$tier" || status=$?
     echo "test.sh: tier $tier (tests/$tier) $((SECONDS - start)) s"
 done
-if [[ " ${tiers[*]} " == *" system "* ]]; then
+if $with_system; then
     # The notebooks run once, under nbval, in the fresh clone's .venv (a second run in this .venv would check
     # the same cells against the same torch).
-    echo "== the README's set-up in a fresh clone, then every notebook under nbval in its .venv (scripts/fresh_clone_check.sh) =="
-    bash scripts/fresh_clone_check.sh "$@" || status=$?
-    echo "== private torch names (snn_explorer/compat.py) on torch 2.14.1 =="
-    bash scripts/test_torch_next.sh || status=$?
+    echo "== the README's set-up in a fresh clone (run beside the tiers; scripts/fresh_clone_check.sh) =="
+    fresh=0
+    wait "$fresh_pid" || fresh=$?
+    cat "$side/fresh-set-up.log"
+    if [ $fresh = 0 ]; then
+        bash scripts/fresh_clone_check.sh --notebooks "$side/fresh" "$@" || status=$?
+    else
+        status=$fresh
+    fi
+    echo "== private torch names (snn_explorer/compat.py) on torch 2.14.1 (run beside the tiers; scripts/test_torch_next.sh) =="
+    wait "$next_pid" || status=$?
+    cat "$side/torch-next.log"
 fi
 exit $status
