@@ -20,23 +20,30 @@ tiers=(unit sweeps ranks system)
 case "${1:-}" in
     unit|sweeps|ranks|system) tiers=("$1"); shift ;;
 esac
-bash scripts/setup.sh --test
+paths_only=false
 for arg in "$@"; do
-    if [ "${arg#-}" = "$arg" ] && [ -e "${arg%%::*}" ]; then
-        exec .venv/bin/python -m pytest "$@"
-    fi
+    [ "${arg#-}" = "$arg" ] && [ -e "${arg%%::*}" ] && paths_only=true
 done
-status=0
 with_system=false
-[[ " ${tiers[*]} " == *" system "* ]] && with_system=true
+[[ " ${tiers[*]} " == *" system "* ]] && ! $paths_only && with_system=true
+side_pids=()
 if $with_system; then
-    # Each in a session of its own, so that an interrupted run ends them with all they started.
+    # Each in a session of its own, so that an interrupted run ends them with all they started. The fresh clone
+    # installs into its own folder from the start; the torch-next venv installs this checkout (pip install -e .)
+    # once .venv's own install of it is done.
     side=$(mktemp -d "${TMPDIR:-/tmp}/snn-test-side.XXXXXX")
+    trap 'kill -- "${side_pids[@]/#/-}" 2>/dev/null; rm -rf "$side"' EXIT
     setsid -w bash scripts/fresh_clone_check.sh --set-up "$side/fresh" > "$side/fresh-set-up.log" 2>&1 &
     fresh_pid=$!
+    side_pids+=("$fresh_pid")
+fi
+bash scripts/setup.sh --test
+$paths_only && exec .venv/bin/python -m pytest "$@"
+status=0
+if $with_system; then
     setsid -w bash scripts/test_torch_next.sh > "$side/torch-next.log" 2>&1 &
     next_pid=$!
-    trap 'kill -- -"$fresh_pid" -"$next_pid" 2>/dev/null; rm -rf "$side"' EXIT
+    side_pids+=("$next_pid")
 fi
 if [ "${#tiers[@]}" -gt 1 ]; then
     echo "== lint (ruff, rules in pyproject.toml) =="
