@@ -66,7 +66,8 @@ class ExitRecorder:
                 or (local_rank in self.unstarted_at_failure and code != 0))
 
     def dump_peer_stacks(self, processes) -> None:
-        """SIGUSR1 (faulthandler) to every started worker still running; wait for their stacks."""
+        """SIGUSR1 (faulthandler) to every started worker still running; wait for their stacks. Notes the workers
+        not started yet."""
         waiting = {}
         for local_rank, proc in enumerate(processes):
             started = os.path.exists(channel.path(self.run_dir, "events", f"{local_rank}.jsonl"))
