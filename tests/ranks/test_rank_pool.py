@@ -192,9 +192,31 @@ def test_the_pool_ends_with_its_block_and_leaves_nothing(tmp_path):
         assert len(pids) >= 3 and len(folder) == 1 and sockets  # an agent, 2 warm ranks, its folder, its stores
     assert not [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
     assert all(gone(p) for p in pids)
-    assert not _listening_sockets() & sockets
+    left = _sockets_still_listening(sockets, wait_s=5.0)
+    assert not left, f"the pool's sockets {left} still listen, held by {_holders({inode for _, inode in left})}"
     assert os.listdir(tmp_path) == []
     pool.close()  # a second close does nothing
+
+
+def _sockets_still_listening(sockets: set, wait_s: float) -> set:
+    """Those of ``sockets`` still listening after up to ``wait_s`` seconds (a holder may still be exiting)."""
+    deadline = time.monotonic() + wait_s
+    while (left := _listening_sockets() & sockets) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def _holders(inodes: set) -> dict:
+    """pid -> command line of every process with an open descriptor on one of the socket ``inodes``."""
+    found = {}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            links = {os.readlink(f"/proc/{proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{proc.pid}/fd")}
+        except OSError:
+            continue
+        if {f"socket:[{inode}]" for inode in inodes} & links:
+            found[proc.pid] = " ".join(proc.info["cmdline"] or [])[:200]
+    return found
 
 
 def test_close_and_garbage_collection_end_the_pool(tmp_path):
