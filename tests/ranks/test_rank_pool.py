@@ -173,14 +173,25 @@ def _listening_sockets(pids=None) -> set:
                 fields = line.split()
                 if fields[3] == "0A":  # TCP_LISTEN
                     listening[int(fields[9])] = int(fields[1].rsplit(":", 1)[1], 16)
-    owned = set(listening) if pids is None else set()
-    for pid in pids or ():
-        try:
-            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-        except OSError:  # the process ended
-            continue
-        owned |= {int(link[8:-1]) for link in links if link.startswith("socket:[")}
+    owned = set(listening) if pids is None else set().union(*map(_socket_inodes, pids))
     return {(port, inode) for inode, port in listening.items() if inode in owned}
+
+
+def _socket_inodes(pid: int) -> set:
+    """The inodes of the sockets process ``pid`` has open (none once it ended)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:  # the process ended
+        return set()
+    inodes = set()
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            inodes.add(int(link[8:-1]))
+    return inodes
 
 
 def test_the_pool_ends_with_its_block_and_leaves_nothing(tmp_path):
@@ -208,15 +219,8 @@ def _sockets_still_listening(sockets: set, wait_s: float) -> set:
 
 def _holders(inodes: set) -> dict:
     """pid -> command line of every process with an open descriptor on one of the socket ``inodes``."""
-    found = {}
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            links = {os.readlink(f"/proc/{proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{proc.pid}/fd")}
-        except OSError:
-            continue
-        if {f"socket:[{inode}]" for inode in inodes} & links:
-            found[proc.pid] = " ".join(proc.info["cmdline"] or [])[:200]
-    return found
+    return {proc.pid: " ".join(proc.info["cmdline"] or [])[:200]
+            for proc in psutil.process_iter(["cmdline"]) if _socket_inodes(proc.pid) & inodes}
 
 
 def test_close_and_garbage_collection_end_the_pool(tmp_path):

@@ -50,17 +50,18 @@ def _exit_events(run_dir):
     return out
 
 
-def test_workers_ended_in_the_poll_that_sees_a_failure_are_named_as_ended_after_it(tmp_path, monkeypatch):
-    run_dir = str(tmp_path)
+def _one_poll(run_dir, monkeypatch, targets, started) -> ExitRecorder:
+    """Fork a worker per target (the ranks in ``started`` have written their start event), install the recorder and
+    run one poll of elastic's, as it ends the others after a failure; every worker is gone when it returns."""
     channel.make_layout(run_dir)
-    for rank in range(3):
+    for rank in started:
         channel.emit(run_dir, rank, "start")  # started workers: the recorder asks them for stacks
     monkeypatch.setattr(MultiprocessContext, "_poll", MultiprocessContext._poll)  # restored after the test
     monkeypatch.setattr(compat_elastic, "ELASTIC_POLL", _poll_as_elastic_does)
     recorder = ExitRecorder(run_dir)
     recorder.install()
     fork = multiprocessing.get_context("fork")
-    processes = [fork.Process(target=_wait_ignoring_stack_requests) for _ in range(2)] + [fork.Process(target=_fail_soon)]
+    processes = [fork.Process(target=target) for target in targets]
     for proc in processes:
         proc.start()
     try:
@@ -69,6 +70,13 @@ def test_workers_ended_in_the_poll_that_sees_a_failure_are_named_as_ended_after_
         for proc in processes:
             proc.kill()
             proc.join()
+    return recorder
+
+
+def test_workers_ended_in_the_poll_that_sees_a_failure_are_named_as_ended_after_it(tmp_path, monkeypatch):
+    run_dir = str(tmp_path)
+    targets = (_wait_ignoring_stack_requests, _wait_ignoring_stack_requests, _fail_soon)
+    recorder = _one_poll(run_dir, monkeypatch, targets, started=(0, 1, 2))
     events = _exit_events(run_dir)
     assert [e["code"] for e in events[2]] == [1] and events[2][0]["after"] is None  # the worker's own failure
     for rank in (0, 1):  # ended by elastic's SIGTERM because rank 2 failed, and said so
@@ -85,24 +93,8 @@ def _not_started_yet():
 
 def test_a_worker_ended_before_it_started_is_named_as_ended_after_the_failure(tmp_path, monkeypatch):
     run_dir = str(tmp_path)
-    channel.make_layout(run_dir)
-    for rank in (0, 2):
-        channel.emit(run_dir, rank, "start")  # worker 1 has written nothing yet
-    monkeypatch.setattr(MultiprocessContext, "_poll", MultiprocessContext._poll)
-    monkeypatch.setattr(compat_elastic, "ELASTIC_POLL", _poll_as_elastic_does)
-    recorder = ExitRecorder(run_dir)
-    recorder.install()
-    fork = multiprocessing.get_context("fork")
     targets = (_wait_ignoring_stack_requests, _not_started_yet, _fail_soon)
-    processes = [fork.Process(target=target) for target in targets]
-    for proc in processes:
-        proc.start()
-    try:
-        MultiprocessContext._poll(SimpleNamespace(_pc=SimpleNamespace(processes=processes)))
-    finally:
-        for proc in processes:
-            proc.kill()
-            proc.join()
+    recorder = _one_poll(run_dir, monkeypatch, targets, started=(0, 2))  # worker 1 has written nothing yet
     events = _exit_events(run_dir)
     assert [(e["code"], e["after"]) for e in events[1]] == [(1, 2)], events[1]  # code 1, not a signal: still named
     assert [(e["code"], e["after"]) for e in events[0]] == [(-signal.SIGTERM, 2)], events[0]
