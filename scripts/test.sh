@@ -7,7 +7,7 @@
 # (scripts/fresh_clone_check.sh --set-up), whose every example notebook then runs under nbval after the system
 # tier, and the tests of every private torch name on torch 2.14.1 (scripts/test_torch_next.sh). Their set-ups are
 # single-threaded pip installs: beside the tiers they use the core the installs and the tiers' ends leave idle.
-# Fails if any run fails.
+# Fails if any run fails; the last lines it prints say which step failed, and the tests that failed in it.
 #   bash scripts/test.sh [pytest options]                           lint and every tier (what .ci/run runs)
 #   bash scripts/test.sh unit|sweeps|ranks|system [pytest options]  one tier
 #   bash scripts/test.sh tests/unit/test_planner.py [...]    only pytest, on those paths
@@ -27,18 +27,37 @@ done
 with_system=false
 [[ " ${tiers[*]} " == *" system "* ]] && ! $paths_only && with_system=true
 side_pids=()
+side=$(mktemp -d "${TMPDIR:-/tmp}/snn-test-side.XXXXXX")
+trap 'for pid in "${side_pids[@]}"; do kill -- "-$pid" 2>/dev/null || true; done; rm -rf "$side"' EXIT
+summary=()
+# The summary that ends the run (a failure in the rank tier is otherwise thousands of lines above the last
+# line): record NAME CODE LOG keeps a step's result and the lines of LOG that name its failed tests.
+record() {
+    if [ "$2" = 0 ]; then
+        summary+=("$1: passed")
+    else
+        status=$2
+        summary+=("$1: FAILED (exit $2)")
+        while IFS= read -r line; do summary+=("    $line"); done < <(grep -E '^(FAILED|ERROR) ' "$3")
+    fi
+}
+# step NAME COMMAND...: runs the command, its output shown and kept for record.
+step() {
+    local name=$1 code=0
+    shift
+    "$@" 2>&1 | tee "$side/step.log" || code=$?
+    record "$name" $code "$side/step.log"
+}
 if $with_system; then
     # Each in a session of its own, so that an interrupted run ends them with all they started. The fresh clone
     # installs into its own folder from the start; the torch-next venv installs this checkout (pip install -e .)
     # once .venv's own install of it is done.
-    side=$(mktemp -d "${TMPDIR:-/tmp}/snn-test-side.XXXXXX")
-    trap 'kill -- "${side_pids[@]/#/-}" 2>/dev/null; rm -rf "$side"' EXIT
     setsid -w bash scripts/fresh_clone_check.sh --set-up "$side/fresh" > "$side/fresh-set-up.log" 2>&1 &
     fresh_pid=$!
     side_pids+=("$fresh_pid")
 fi
 bash scripts/setup.sh --test
-$paths_only && exec .venv/bin/python -m pytest "$@"
+if $paths_only; then .venv/bin/python -m pytest "$@"; exit; fi
 status=0
 if $with_system; then
     setsid -w bash scripts/test_torch_next.sh > "$side/torch-next.log" 2>&1 &
@@ -47,7 +66,7 @@ if $with_system; then
 fi
 if [ "${#tiers[@]}" -gt 1 ]; then
     echo "== lint (ruff, rules in pyproject.toml) =="
-    .venv/bin/ruff check snn_explorer tests benchmarks || status=$?
+    step "lint" .venv/bin/ruff check snn_explorer tests benchmarks
 fi
 for tier in "${tiers[@]}"; do
     start=$SECONDS
@@ -61,7 +80,7 @@ for tier in "${tiers[@]}"; do
         system) workers=(-n 2 --dist loadfile) ;;
         *) workers=() ;;
     esac
-    .venv/bin/python -m pytest --durations=25 "${workers[@]}" "$@" "tests/$tier" || status=$?
+    step "tier $tier (tests/$tier)" .venv/bin/python -m pytest --durations=25 "${workers[@]}" "$@" "tests/$tier"
     echo "test.sh: tier $tier (tests/$tier) $((SECONDS - start)) s"
 done
 if $with_system; then
@@ -71,13 +90,16 @@ if $with_system; then
     fresh=0
     wait "$fresh_pid" || fresh=$?
     cat "$side/fresh-set-up.log"
+    record "fresh clone's set-up (scripts/fresh_clone_check.sh)" $fresh "$side/fresh-set-up.log"
     if [ $fresh = 0 ]; then
-        bash scripts/fresh_clone_check.sh --notebooks "$side/fresh" "$@" || status=$?
-    else
-        status=$fresh
+        step "notebooks (nbval, in the fresh clone)" bash scripts/fresh_clone_check.sh --notebooks "$side/fresh" "$@"
     fi
     echo "== private torch names (snn_explorer/compat.py) on torch 2.14.1 (run beside the tiers; scripts/test_torch_next.sh) =="
-    wait "$next_pid" || status=$?
+    next=0
+    wait "$next_pid" || next=$?
     cat "$side/torch-next.log"
+    record "torch 2.14.1 (scripts/test_torch_next.sh)" $next "$side/torch-next.log"
 fi
+echo "== summary =="
+printf '%s\n' "${summary[@]}"
 exit $status
