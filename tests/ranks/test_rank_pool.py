@@ -11,6 +11,7 @@ import textwrap
 import time
 
 import cloudpickle
+import pandas as pd
 import psutil
 import pytest
 import torch
@@ -90,9 +91,9 @@ def test_measure_on_the_pool_equals_a_fresh_measure(rank_pool):  # noqa: F811
     fresh = se.measure(zoo.model, dp, example_input=zoo.example_input, labels=zoo.labels, steps=2)
     warm = se.measure(zoo.model, dp, example_input=zoo.example_input, labels=zoo.labels, steps=2, pool=rank_pool)
     assert fresh.collectives["bytes"].sum() > 0
-    assert warm.collectives.equals(fresh.collectives)
-    assert warm.per_rank.drop(columns=[c for c in warm.per_rank if "time" in c]).equals(
-        fresh.per_rank.drop(columns=[c for c in fresh.per_rank if "time" in c]))
+    pd.testing.assert_frame_equal(warm.collectives, fresh.collectives)
+    pd.testing.assert_frame_equal(warm.per_rank.drop(columns=[c for c in warm.per_rank if "time" in c]),
+                                  fresh.per_rank.drop(columns=[c for c in fresh.per_rank if "time" in c]))
 
 
 def test_a_pool_that_does_not_fit_is_refused_before_anything_runs(rank_pool):  # noqa: F811

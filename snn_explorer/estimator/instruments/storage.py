@@ -73,11 +73,11 @@ class LiveSaved:
 
     def pack(self, t):
         st, key = self.storage_of(t)
-        if key not in self.skip and key not in self.live:
-            self.live[key] = self.bytes_of(st)
-            self.current += self.live[key]
+        if key not in self.skip and id(st) not in self.live:  # by the storage, not its address (SavedAlive)
+            self.live[id(st)] = self.bytes_of(st)
+            self.current += self.live[id(st)]
             self.peak = max(self.peak, self.current)
-            weakref.finalize(st, self._free, key)
+            weakref.finalize(st, self._free, id(st))
         return t
 
     def storage_of(self, t):
@@ -95,21 +95,28 @@ class LiveSaved:
 
 
 class SavedAlive:
-    """saved_tensors_hooks that remember each saved storage still alive at the end of the forward."""
+    """saved_tensors_hooks that remember each saved storage still alive at the end of the forward.
+
+    Every saved storage is remembered by a weak reference, whatever else was saved at its address: a storage's
+    Python object can outlive the place it held (a resized storage moves; one released by another thread goes a
+    moment later), and a storage saved later at that address is counted all the same."""
 
     def __init__(self):
-        self.refs: Dict[int, tuple] = {}
+        self.refs: Dict[int, List[weakref.ref]] = {}  # data_ptr when saved -> the storages saved there
 
     def pack(self, t):
         st = local_tensor(t).untyped_storage()
-        old = self.refs.get(st.data_ptr())
-        if old is None or old[1]() is None:
-            self.refs[st.data_ptr()] = (st.nbytes(), weakref.ref(st))
+        saved_here = [ref for ref in self.refs.get(st.data_ptr(), ()) if ref() is not None]
+        if not any(ref() is st for ref in saved_here):
+            saved_here.append(weakref.ref(st))
+        self.refs[st.data_ptr()] = saved_here
         return t
 
     def alive(self) -> Dict[int, int]:
-        """Bytes now held by each saved storage still alive (FSDP2 frees unsharded weights by resizing)."""
-        return {ptr: ref().nbytes() for ptr, (n, ref) in self.refs.items() if ref() is not None}
+        """Bytes now held by each saved storage still alive, by its address now (FSDP2 frees unsharded weights
+        by resizing)."""
+        live = [ref() for refs in self.refs.values() for ref in refs]
+        return {st.data_ptr(): st.nbytes() for st in live if st is not None}
 
 
 def saving(hooks):
