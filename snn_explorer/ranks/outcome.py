@@ -1,6 +1,7 @@
 """What a finished run directory says: the ranks' values, logs and failures -> LaunchResult / LaunchError."""
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import signal
@@ -96,7 +97,18 @@ def failures(run_dir: str, status: dict, logs, values: dict, tracker: Tracker) -
         code = codes.get(rank, state.exit_code if state.exit_code is not None else 1)
         tail = logs.get(rank, {}).get("stderr", "")[-LOG_TAIL:]
         out[rank] = _failure(rank, state, reported.get(rank), code, tail, len(failed) > 1, stacks.get(rank, ""))
-    return out
+    return _name_the_cause(out)
+
+
+def _name_the_cause(fails: Dict[int, RankFailure]) -> Dict[int, RankFailure]:
+    """Each rank ended because another failed says after which rank's failure, also when the agent's note of it
+    (its ``exit`` event) did not arrive before the launch ended."""
+    root = cause_order(fails.values())[0] if fails else None
+    if root is None or root.collateral:
+        return fails
+    return {r: f if not f.collateral or f.rank == root.rank or f"after rank {root.rank} failed" in f.message
+            else dataclasses.replace(f, message=f"ended after rank {root.rank} failed ({f.message})")
+            for r, f in fails.items()}
 
 
 def read_stacks(run_dir: str) -> Dict[int, str]:

@@ -118,3 +118,23 @@ def test_a_launch_whose_ranks_failed_joining_or_before_starting_counts_as_before
     fails = failures(run_dir, {}, {}, {}, tracker)
     assert {r: f.phase for r, f in fails.items()} == {0: "init", 1: "spawn"}
     assert LaunchError("failed", fails, function_ran=tracker.function_ran()).before_user_code
+
+
+def test_ranks_ended_after_a_failure_name_it_when_the_agents_note_did_not_arrive(tmp_path):
+    """Ranks 0 and 1 were killed by SIGTERM (the agent's status) after rank 2 raised (its error file), and no exit
+    event of theirs was read (the launch ended first): each still says after which rank's failure it ended."""
+    run_dir = str(tmp_path)
+    channel.make_layout(run_dir)
+    for rank in range(3):
+        channel.emit(run_dir, rank, "start", pid=1)
+    channel.write_json(channel.path(run_dir, "errors", "2.json"), {"type": "ValueError", "message": "lost its data",
+                                                                    "traceback": "tb", "phase": "run", "time": 1.0})
+    tracker = Tracker(3, started=0.0)
+    for event in channel.EventReader(run_dir).poll():
+        tracker.apply(event)
+    status = {"failures": {"0": {"exitcode": -signal.SIGTERM}, "1": {"exitcode": -signal.SIGTERM},
+                           "2": {"exitcode": 1}}}
+    fails = failures(run_dir, status, {}, {}, tracker)
+    assert fails[2].message == "lost its data" and not fails[2].collateral
+    for rank in (0, 1):
+        assert fails[rank].collateral and fails[rank].message == "ended after rank 2 failed (killed by SIGTERM)"
