@@ -13,7 +13,7 @@ import cloudpickle
 
 from . import channel
 from .errors import LaunchError, RankFailure, cause_order, in_collective, waiting_in
-from .progress import Tracker
+from .progress import ENDED_AFTER, Tracker, ended_after
 from .result import LaunchResult
 
 #: Characters of a rank's stderr kept on its failure record.
@@ -106,9 +106,8 @@ def _name_the_cause(fails: Dict[int, RankFailure]) -> Dict[int, RankFailure]:
     root = cause_order(fails.values())[0] if fails else None
     if root is None or root.collateral:
         return fails
-    return {r: f if not f.collateral or f.rank == root.rank or f"after rank {root.rank} failed" in f.message
-            else dataclasses.replace(f, message=f"ended after rank {root.rank} failed ({f.message})")
-            for r, f in fails.items()}
+    return {r: dataclasses.replace(f, message=ended_after(root.rank, f.message))
+            if f.collateral and not f.message.startswith(ENDED_AFTER) else f for r, f in fails.items()}
 
 
 def read_stacks(run_dir: str) -> Dict[int, str]:

@@ -30,6 +30,15 @@ def _number(value: Any) -> Any:
         return repr(value)
 
 
+#: How the message of a rank ended because another rank failed begins.
+ENDED_AFTER = "ended after rank "
+
+
+def ended_after(root: int, message: str) -> str:
+    """The message of a rank ended because rank ``root`` failed, around its own ``message``."""
+    return f"{ENDED_AFTER}{root} failed ({message})"
+
+
 def exit_message(code: int, text: str = "") -> str:
     """``exited with code 0 before returning a value`` (+ ``: text`` of ``sys.exit(text)``), or the signal."""
     if code is not None and code < 0:
@@ -142,7 +151,7 @@ class Tracker:
         state.message = exit_message(event["code"], event.get("text", ""))
         if event.get("after") is not None:
             state.ended_after = event["after"]
-            state.message = f"ended after rank {event['after']} failed ({state.message})"
+            state.message = ended_after(event["after"], state.message)
 
     def unfinished(self) -> List[int]:
         return [r for r, s in self.ranks.items() if s.status != "done"]
